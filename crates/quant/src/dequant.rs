@@ -1,0 +1,262 @@
+//! Dequantization: block bytes to f32, one scalar reference per format.
+//!
+//! Each routine evaluates the same expression, in the same order and precision, as
+//! gguf-py's `gguf.quants.dequantize` (llama.cpp's numpy reference), so the results
+//! are bit-identical with it; the oracle test in `tests/oracle` checks that.
+
+use crate::blocks::*;
+use crate::error::{QuantError, Result};
+use crate::{cast_blocks, check_lengths};
+use samesum_gguf::GgmlType;
+
+/// Whether [`dequantize`] supports `ty`.
+pub fn can_dequantize(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(
+        ty,
+        F32 | F16
+            | BF16
+            | Q4_0
+            | Q4_1
+            | Q5_0
+            | Q5_1
+            | Q8_0
+            | Q8_1
+            | Q2_K
+            | Q3_K
+            | Q4_K
+            | Q5_K
+            | Q6_K
+            | Q8_K
+            | IQ4_NL
+            | IQ4_XS
+            | MXFP4
+    )
+}
+
+/// Dequantize `dst.len()` elements of type `ty` from `src`.
+pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
+    check_lengths(ty, src.len(), dst.len())?;
+    use GgmlType::*;
+    match ty {
+        F32 => {
+            for (o, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        F16 => {
+            for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        BF16 => {
+            for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+            }
+        }
+        Q4_0 => each(cast_blocks::<BlockQ4_0>(ty, src)?, dst, q4_0),
+        Q4_1 => each(cast_blocks::<BlockQ4_1>(ty, src)?, dst, q4_1),
+        Q5_0 => each(cast_blocks::<BlockQ5_0>(ty, src)?, dst, q5_0),
+        Q5_1 => each(cast_blocks::<BlockQ5_1>(ty, src)?, dst, q5_1),
+        Q8_0 => each(cast_blocks::<BlockQ8_0>(ty, src)?, dst, q8_0),
+        Q8_1 => each(cast_blocks::<BlockQ8_1>(ty, src)?, dst, q8_1),
+        Q2_K => each(cast_blocks::<BlockQ2K>(ty, src)?, dst, q2_k),
+        Q3_K => each(cast_blocks::<BlockQ3K>(ty, src)?, dst, q3_k),
+        Q4_K => each(cast_blocks::<BlockQ4K>(ty, src)?, dst, q4_k),
+        Q5_K => each(cast_blocks::<BlockQ5K>(ty, src)?, dst, q5_k),
+        Q6_K => each(cast_blocks::<BlockQ6K>(ty, src)?, dst, q6_k),
+        Q8_K => each(cast_blocks::<BlockQ8K>(ty, src)?, dst, q8_k),
+        IQ4_NL => each(cast_blocks::<BlockIq4Nl>(ty, src)?, dst, iq4_nl),
+        IQ4_XS => each(cast_blocks::<BlockIq4Xs>(ty, src)?, dst, iq4_xs),
+        MXFP4 => each(cast_blocks::<BlockMxfp4>(ty, src)?, dst, mxfp4),
+        other => {
+            return Err(QuantError::Unsupported {
+                ty: other,
+                what: "dequantize",
+            });
+        }
+    }
+    Ok(())
+}
+
+fn each<B, const N: usize>(blocks: &[B], dst: &mut [f32], f: fn(&B, &mut [f32; N])) {
+    for (b, out) in blocks.iter().zip(dst.chunks_exact_mut(N)) {
+        f(b, out.try_into().expect("chunk of N"));
+    }
+}
+
+/// Q4_0 block.
+pub fn q4_0(b: &BlockQ4_0, y: &mut [f32; 32]) {
+    let d = b.d.to_f32();
+    for j in 0..16 {
+        y[j] = d * (((b.qs[j] & 0x0F) as i8 - 8) as f32);
+        y[j + 16] = d * (((b.qs[j] >> 4) as i8 - 8) as f32);
+    }
+}
+
+/// Q4_1 block.
+pub fn q4_1(b: &BlockQ4_1, y: &mut [f32; 32]) {
+    let (d, m) = (b.d.to_f32(), b.m.to_f32());
+    for j in 0..16 {
+        y[j] = d * ((b.qs[j] & 0x0F) as f32) + m;
+        y[j + 16] = d * ((b.qs[j] >> 4) as f32) + m;
+    }
+}
+
+#[inline]
+fn q5_values(qh: &[u8; 4], qs: &[u8; 16]) -> [u8; 32] {
+    let h = u32::from_le_bytes(*qh);
+    let mut q = [0u8; 32];
+    for j in 0..16 {
+        q[j] = (qs[j] & 0x0F) | ((((h >> j) & 1) as u8) << 4);
+        q[j + 16] = (qs[j] >> 4) | ((((h >> (j + 16)) & 1) as u8) << 4);
+    }
+    q
+}
+
+/// Q5_0 block.
+pub fn q5_0(b: &BlockQ5_0, y: &mut [f32; 32]) {
+    let d = b.d.to_f32();
+    for (o, q) in y.iter_mut().zip(q5_values(&b.qh, &b.qs)) {
+        *o = d * ((q as i8 - 16) as f32);
+    }
+}
+
+/// Q5_1 block.
+pub fn q5_1(b: &BlockQ5_1, y: &mut [f32; 32]) {
+    let (d, m) = (b.d.to_f32(), b.m.to_f32());
+    for (o, q) in y.iter_mut().zip(q5_values(&b.qh, &b.qs)) {
+        *o = d * (q as f32) + m;
+    }
+}
+
+/// Q8_0 block.
+pub fn q8_0(b: &BlockQ8_0, y: &mut [f32; 32]) {
+    let d = b.d.to_f32();
+    for (o, &q) in y.iter_mut().zip(&b.qs) {
+        *o = (q as f32) * d;
+    }
+}
+
+/// Q8_1 block (the `s` field is derived data and not used).
+pub fn q8_1(b: &BlockQ8_1, y: &mut [f32; 32]) {
+    let d = b.d.to_f32();
+    for (o, &q) in y.iter_mut().zip(&b.qs) {
+        *o = (q as f32) * d;
+    }
+}
+
+/// Q2_K block.
+pub fn q2_k(b: &BlockQ2K, y: &mut [f32; 256]) {
+    let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+    for e in 0..256 {
+        let (n, s, l) = (e / 128, (e % 128) / 32, e % 32);
+        let q = (b.qs[n * 32 + l] >> (2 * s)) & 3;
+        let sc = b.scales[e / 16];
+        let dl = d * ((sc & 0x0F) as f32);
+        let ml = dmin * ((sc >> 4) as f32);
+        y[e] = dl * (q as f32) - ml;
+    }
+}
+
+/// Q3_K block.
+pub fn q3_k(b: &BlockQ3K, y: &mut [f32; 256]) {
+    let d = b.d.to_f32();
+    let sc = q3k_scales(&b.scales);
+    for e in 0..256 {
+        let (n, s, l) = (e / 128, (e % 128) / 32, e % 32);
+        let ql = ((b.qs[n * 32 + l] >> (2 * s)) & 3) as i8;
+        let hbit = (b.hmask[l] >> (e / 32)) & 1;
+        let q = ql - (((hbit ^ 1) << 2) as i8);
+        let dl = d * (sc[e / 16] as f32);
+        y[e] = dl * (q as f32);
+    }
+}
+
+/// Q4_K block.
+pub fn q4_k(b: &BlockQ4K, y: &mut [f32; 256]) {
+    let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+    for j in 0..8 {
+        let (sc, m) = scale_min_k4(j, &b.scales);
+        let dl = d * (sc as f32);
+        let ml = dmin * (m as f32);
+        let (c, shift) = (j / 2, 4 * (j % 2));
+        for l in 0..32 {
+            let q = (b.qs[c * 32 + l] >> shift) & 0x0F;
+            y[j * 32 + l] = dl * (q as f32) - ml;
+        }
+    }
+}
+
+/// Q5_K block.
+pub fn q5_k(b: &BlockQ5K, y: &mut [f32; 256]) {
+    let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+    for j in 0..8 {
+        let (sc, m) = scale_min_k4(j, &b.scales);
+        let dl = d * (sc as f32);
+        let ml = dmin * (m as f32);
+        let (c, shift) = (j / 2, 4 * (j % 2));
+        for l in 0..32 {
+            let q = ((b.qs[c * 32 + l] >> shift) & 0x0F) | (((b.qh[l] >> j) & 1) << 4);
+            y[j * 32 + l] = dl * (q as f32) - ml;
+        }
+    }
+}
+
+/// The 6-bit value of element `e` of a Q6_K block, before the -32 offset.
+#[inline]
+pub fn q6k_value(b: &BlockQ6K, e: usize) -> u8 {
+    let (n, r) = (e / 128, e % 128);
+    let lo = (b.ql[n * 64 + r % 64] >> (4 * (r / 64))) & 0x0F;
+    let hi = (b.qh[n * 32 + r % 32] >> (2 * (r / 32))) & 3;
+    lo | (hi << 4)
+}
+
+/// Q6_K block.
+pub fn q6_k(b: &BlockQ6K, y: &mut [f32; 256]) {
+    let d = b.d.to_f32();
+    for e in 0..256 {
+        let q = q6k_value(b, e) as i8 - 32;
+        let dl = d * (b.scales[e / 16] as f32);
+        y[e] = dl * (q as f32);
+    }
+}
+
+/// Q8_K block.
+pub fn q8_k(b: &BlockQ8K, y: &mut [f32; 256]) {
+    for (o, &q) in y.iter_mut().zip(&b.qs) {
+        *o = b.d * (q as f32);
+    }
+}
+
+/// IQ4_NL block.
+pub fn iq4_nl(b: &BlockIq4Nl, y: &mut [f32; 32]) {
+    let d = b.d.to_f32();
+    for j in 0..16 {
+        y[j] = d * (KVALUES_IQ4NL[(b.qs[j] & 0x0F) as usize] as f32);
+        y[j + 16] = d * (KVALUES_IQ4NL[(b.qs[j] >> 4) as usize] as f32);
+    }
+}
+
+/// IQ4_XS block.
+pub fn iq4_xs(b: &BlockIq4Xs, y: &mut [f32; 256]) {
+    let d = b.d.to_f32();
+    let sc = iq4xs_scales(b);
+    for ib in 0..8 {
+        let dl = d * (sc[ib] as f32);
+        let qs = &b.qs[ib * 16..ib * 16 + 16];
+        for j in 0..16 {
+            y[ib * 32 + j] = dl * (KVALUES_IQ4NL[(qs[j] & 0x0F) as usize] as f32);
+            y[ib * 32 + j + 16] = dl * (KVALUES_IQ4NL[(qs[j] >> 4) as usize] as f32);
+        }
+    }
+}
+
+/// MXFP4 block.
+pub fn mxfp4(b: &BlockMxfp4, y: &mut [f32; 32]) {
+    let d = e8m0_to_f32_half(b.e);
+    for j in 0..16 {
+        y[j] = d * (KVALUES_MXFP4[(b.qs[j] & 0x0F) as usize] as f32);
+        y[j + 16] = d * (KVALUES_MXFP4[(b.qs[j] >> 4) as usize] as f32);
+    }
+}

@@ -1,0 +1,210 @@
+//! Dot products of one weight row with one activation row, as ggml pairs them.
+//!
+//! The activation row is quantized once per row into the weight format's partner
+//! ([`act_type`]): Q8_0 for Q4_0/Q5_0/Q8_0/IQ4_NL/MXFP4, Q8_1 for Q4_1/Q5_1, Q8_K for
+//! the K-quants and IQ4_XS, and plain f32 for F32/F16/BF16 weights.
+//!
+//! [`dot_with`] runs a chosen kernel family; [`dot`] the best one this CPU has.
+//! Every family returns the same bits as the scalar reference ([`scalar`]).
+
+pub mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use crate::blocks::*;
+use crate::error::{QuantError, Result};
+use crate::isa::Isa;
+use crate::quantize;
+use samesum_gguf::GgmlType;
+
+/// The activation format ggml pairs with weight format `weight`, or `None` when
+/// there is no dot kernel for it.
+pub fn act_type(weight: GgmlType) -> Option<GgmlType> {
+    use GgmlType::*;
+    Some(match weight {
+        F32 | F16 | BF16 => F32,
+        Q4_0 | Q5_0 | Q8_0 | IQ4_NL | MXFP4 => Q8_0,
+        Q4_1 | Q5_1 => Q8_1,
+        Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS => Q8_K,
+        _ => return None,
+    })
+}
+
+/// Weight formats with a dot kernel.
+pub const DOT_FORMATS: &[GgmlType] = &[
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
+    GgmlType::MXFP4,
+];
+
+/// An activation row, quantized once into the format its weights pair with.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ActRow {
+    /// Plain f32 (for F32/F16/BF16 weights).
+    F32(Vec<f32>),
+    /// Q8_0 blocks.
+    Q8_0(Vec<BlockQ8_0>),
+    /// Q8_1 blocks.
+    Q8_1(Vec<BlockQ8_1>),
+    /// Q8_K blocks.
+    Q8K(Vec<BlockQ8K>),
+}
+
+impl ActRow {
+    /// Quantize `x` for a dot with weights of type `weight`.
+    pub fn quantize(weight: GgmlType, x: &[f32]) -> Result<ActRow> {
+        let act = act_type(weight).ok_or(QuantError::Unsupported {
+            ty: weight,
+            what: "dot",
+        })?;
+        let bs = act.block_size();
+        if x.len() % bs != 0 {
+            return Err(QuantError::NotBlockMultiple {
+                ty: act,
+                n: x.len(),
+                block: bs,
+            });
+        }
+        Ok(match act {
+            GgmlType::F32 => ActRow::F32(x.to_vec()),
+            GgmlType::Q8_0 => ActRow::Q8_0(
+                x.chunks_exact(32)
+                    .map(|c| quantize::q8_0(c.try_into().unwrap()))
+                    .collect(),
+            ),
+            GgmlType::Q8_1 => ActRow::Q8_1(
+                x.chunks_exact(32)
+                    .map(|c| quantize::q8_1(c.try_into().unwrap()))
+                    .collect(),
+            ),
+            _ => ActRow::Q8K(
+                x.chunks_exact(256)
+                    .map(|c| quantize::q8_k(c.try_into().unwrap()))
+                    .collect(),
+            ),
+        })
+    }
+
+    /// The activation format.
+    pub fn act_type(&self) -> GgmlType {
+        match self {
+            ActRow::F32(_) => GgmlType::F32,
+            ActRow::Q8_0(_) => GgmlType::Q8_0,
+            ActRow::Q8_1(_) => GgmlType::Q8_1,
+            ActRow::Q8K(_) => GgmlType::Q8_K,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            ActRow::F32(v) => v.len(),
+            ActRow::Q8_0(v) => v.len() * 32,
+            ActRow::Q8_1(v) => v.len() * 32,
+            ActRow::Q8K(v) => v.len() * 256,
+        }
+    }
+
+    /// Whether the row is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The dot product of weight row `w` (bytes of type `weight`) with `act`, using the
+/// best kernel family this CPU has.
+pub fn dot(weight: GgmlType, w: &[u8], act: &ActRow) -> Result<f32> {
+    dot_with(Isa::best(), weight, w, act)
+}
+
+fn cast<B: bytemuck::Pod>(ty: GgmlType, w: &[u8]) -> Result<&[B]> {
+    crate::cast_blocks(ty, w)
+}
+
+/// The dot product with kernel family `isa` (falls back to scalar for formats
+/// that family does not accelerate). Errors if `isa` is not supported here.
+pub fn dot_with(isa: Isa, weight: GgmlType, w: &[u8], act: &ActRow) -> Result<f32> {
+    let expected_act = act_type(weight).ok_or(QuantError::Unsupported {
+        ty: weight,
+        what: "dot",
+    })?;
+    if act.act_type() != expected_act {
+        return Err(QuantError::ActivationType {
+            weight,
+            act: act.act_type(),
+            expected: expected_act,
+        });
+    }
+    let n = act.len();
+    crate::check_lengths(weight, w.len(), n).map_err(|e| match e {
+        QuantError::ByteLength { .. } => QuantError::RowMismatch {
+            ty: weight,
+            expected: w.len() / weight.type_size() * weight.block_size(),
+            found: n,
+        },
+        e => e,
+    })?;
+    if !isa.supported() {
+        return Err(QuantError::Unsupported {
+            ty: weight,
+            what: "this kernel family on this CPU",
+        });
+    }
+    use GgmlType as T;
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Scalar {
+        if let Some(v) = x86::dot(isa, weight, w, act)? {
+            return Ok(v);
+        }
+    }
+    Ok(match (weight, act) {
+        (T::F32, ActRow::F32(x)) => scalar::f32_f32(cast(weight, w)?, x),
+        (T::F16, ActRow::F32(x)) => scalar::f16_f32(cast(weight, w)?, x),
+        (T::BF16, ActRow::F32(x)) => scalar::bf16_f32(cast(weight, w)?, x),
+        (T::Q4_0, ActRow::Q8_0(a)) => scalar::q4_0_q8_0(cast(weight, w)?, a),
+        (T::Q5_0, ActRow::Q8_0(a)) => scalar::q5_0_q8_0(cast(weight, w)?, a),
+        (T::Q8_0, ActRow::Q8_0(a)) => scalar::q8_0_q8_0(cast(weight, w)?, a),
+        (T::IQ4_NL, ActRow::Q8_0(a)) => scalar::iq4_nl_q8_0(cast(weight, w)?, a),
+        (T::MXFP4, ActRow::Q8_0(a)) => scalar::mxfp4_q8_0(cast(weight, w)?, a),
+        (T::Q4_1, ActRow::Q8_1(a)) => scalar::q4_1_q8_1(cast(weight, w)?, a),
+        (T::Q5_1, ActRow::Q8_1(a)) => scalar::q5_1_q8_1(cast(weight, w)?, a),
+        (T::Q2_K, ActRow::Q8K(a)) => scalar::q2_k_q8_k(cast(weight, w)?, a),
+        (T::Q3_K, ActRow::Q8K(a)) => scalar::q3_k_q8_k(cast(weight, w)?, a),
+        (T::Q4_K, ActRow::Q8K(a)) => scalar::q4_k_q8_k(cast(weight, w)?, a),
+        (T::Q5_K, ActRow::Q8K(a)) => scalar::q5_k_q8_k(cast(weight, w)?, a),
+        (T::Q6_K, ActRow::Q8K(a)) => scalar::q6_k_q8_k(cast(weight, w)?, a),
+        (T::IQ4_XS, ActRow::Q8K(a)) => scalar::iq4_xs_q8_k(cast(weight, w)?, a),
+        _ => {
+            return Err(QuantError::Unsupported {
+                ty: weight,
+                what: "dot",
+            });
+        }
+    })
+}
+
+/// Which weight formats family `isa` accelerates (the rest run the scalar kernel).
+pub fn accelerated(isa: Isa) -> &'static [GgmlType] {
+    match isa {
+        Isa::Scalar => &[],
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => x86::AVX2_FORMATS,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => x86::AVX512_FORMATS,
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => &[],
+    }
+}

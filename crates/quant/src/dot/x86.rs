@@ -1,0 +1,428 @@
+//! x86-64 SIMD dot kernels (AVX2, AVX-512), each reproducing its scalar reference
+//! bit for bit: integer inner sums (exact whatever the order; widening or
+//! non-saturating instructions only) and the float combination in the reference's
+//! order; float formats keep the reference's 64-lane layout with separate multiply
+//! and add (no FMA).
+
+use super::ActRow;
+use super::scalar::{self, combine, combine_min};
+use crate::blocks::*;
+use crate::error::Result;
+use crate::isa::Isa;
+use samesum_gguf::GgmlType;
+use std::arch::x86_64::*;
+
+/// Formats with AVX2 kernels.
+pub(super) const AVX2_FORMATS: &[GgmlType] = &[
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::IQ4_XS,
+];
+
+/// Formats with AVX-512 kernels (the others use the AVX2 kernel on AVX-512 CPUs).
+pub(super) const AVX512_FORMATS: &[GgmlType] =
+    &[GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_K];
+
+/// Run the SIMD kernel for `weight` if `isa` has one; `None` means use scalar.
+/// The caller has checked lengths, pairing and that `isa` is supported.
+pub(super) fn dot(isa: Isa, weight: GgmlType, w: &[u8], act: &ActRow) -> Result<Option<f32>> {
+    use GgmlType as T;
+    // SAFETY (all calls below): `isa.supported()` was checked by the caller, so the
+    // CPU has the features each kernel is compiled for; slices were length-checked.
+    let v = unsafe {
+        match (isa, weight, act) {
+            (Isa::Avx512, T::F32, ActRow::F32(x)) => f32_avx512(crate::cast_blocks(weight, w)?, x),
+            (Isa::Avx512, T::F16, ActRow::F32(x)) => f16_avx512(crate::cast_blocks(weight, w)?, x),
+            (Isa::Avx512, T::BF16, ActRow::F32(x)) => {
+                bf16_avx512(crate::cast_blocks(weight, w)?, x)
+            }
+            (Isa::Avx512, T::Q4_K, ActRow::Q8K(a)) => {
+                q4_k_avx512(crate::cast_blocks(weight, w)?, a)
+            }
+            (_, T::F32, ActRow::F32(x)) => f32_avx2(crate::cast_blocks(weight, w)?, x),
+            (_, T::F16, ActRow::F32(x)) => f16_avx2(crate::cast_blocks(weight, w)?, x),
+            (_, T::BF16, ActRow::F32(x)) => bf16_avx2(crate::cast_blocks(weight, w)?, x),
+            (_, T::Q8_0, ActRow::Q8_0(a)) => q8_0_avx2(crate::cast_blocks(weight, w)?, a),
+            (_, T::Q4_K, ActRow::Q8K(a)) => q4_k_avx2(crate::cast_blocks(weight, w)?, a),
+            (_, T::Q5_K, ActRow::Q8K(a)) => q5_k_avx2(crate::cast_blocks(weight, w)?, a),
+            (_, T::Q6_K, ActRow::Q8K(a)) => q6_k_avx2(crate::cast_blocks(weight, w)?, a),
+            (_, T::IQ4_XS, ActRow::Q8K(a)) => iq4_xs_avx2(crate::cast_blocks(weight, w)?, a),
+            _ => return Ok(None),
+        }
+    };
+    Ok(Some(v))
+}
+
+// ---------------------------------------------------------------- float formats
+
+/// Finish a 64-lane accumulation: add the tail elements into their lanes, reduce.
+fn finish64(
+    lanes: &mut [f32; 64],
+    tail: impl Iterator<Item = f32>,
+    x: &[f32],
+    start: usize,
+) -> f32 {
+    for (i, wv) in (start..).zip(tail) {
+        lanes[i % 64] = lanes[i % 64] + wv * x[i];
+    }
+    scalar::reduce64(lanes)
+}
+
+macro_rules! float_avx2 {
+    ($name:ident, $t:ty, $load:expr, $conv:expr) => {
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn $name(w: &[$t], x: &[f32]) -> f32 {
+            let n = w.len().min(x.len());
+            let full = n / 64 * 64;
+            let mut acc = [_mm256_setzero_ps(); 8];
+            let mut i = 0;
+            while i < full {
+                for r in 0..8 {
+                    // SAFETY: i + 8r + 8 <= full <= n.
+                    let wv = unsafe { $load(w.as_ptr().add(i + 8 * r)) };
+                    let xv = unsafe { _mm256_loadu_ps(x.as_ptr().add(i + 8 * r)) };
+                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(wv, xv));
+                }
+                i += 64;
+            }
+            let mut lanes = [0f32; 64];
+            for r in 0..8 {
+                // SAFETY: 8 floats into lanes[8r..8r+8].
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr().add(8 * r), acc[r]) };
+            }
+            finish64(&mut lanes, w[full..n].iter().map($conv), x, full)
+        }
+    };
+}
+
+macro_rules! float_avx512 {
+    ($name:ident, $t:ty, $load:expr, $conv:expr) => {
+        #[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
+        unsafe fn $name(w: &[$t], x: &[f32]) -> f32 {
+            let n = w.len().min(x.len());
+            let full = n / 64 * 64;
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let mut i = 0;
+            while i < full {
+                for r in 0..4 {
+                    // SAFETY: i + 16r + 16 <= full <= n.
+                    let wv = unsafe { $load(w.as_ptr().add(i + 16 * r)) };
+                    let xv = unsafe { _mm512_loadu_ps(x.as_ptr().add(i + 16 * r)) };
+                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(wv, xv));
+                }
+                i += 64;
+            }
+            let mut lanes = [0f32; 64];
+            for r in 0..4 {
+                // SAFETY: 16 floats into lanes[16r..16r+16].
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr().add(16 * r), acc[r]) };
+            }
+            finish64(&mut lanes, w[full..n].iter().map($conv), x, full)
+        }
+    };
+}
+
+#[inline(always)]
+unsafe fn ld_f32_8(p: *const f32) -> __m256 {
+    unsafe { _mm256_loadu_ps(p) }
+}
+#[inline(always)]
+unsafe fn ld_f16_8(p: *const half::f16) -> __m256 {
+    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+}
+#[inline(always)]
+unsafe fn ld_bf16_8(p: *const u16) -> __m256 {
+    unsafe {
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128(p as *const __m128i),
+        )))
+    }
+}
+#[inline(always)]
+unsafe fn ld_f32_16(p: *const f32) -> __m512 {
+    unsafe { _mm512_loadu_ps(p) }
+}
+#[inline(always)]
+unsafe fn ld_f16_16(p: *const half::f16) -> __m512 {
+    unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
+}
+#[inline(always)]
+unsafe fn ld_bf16_16(p: *const u16) -> __m512 {
+    unsafe {
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(p as *const __m256i),
+        )))
+    }
+}
+
+float_avx2!(f32_avx2, f32, ld_f32_8, |v: &f32| *v);
+float_avx2!(f16_avx2, half::f16, ld_f16_8, |v: &half::f16| v.to_f32());
+float_avx2!(bf16_avx2, u16, ld_bf16_8, |v: &u16| scalar::bf16_to_f32(*v));
+float_avx512!(f32_avx512, f32, ld_f32_16, |v: &f32| *v);
+float_avx512!(f16_avx512, half::f16, ld_f16_16, |v: &half::f16| v.to_f32());
+float_avx512!(bf16_avx512, u16, ld_bf16_16, |v: &u16| scalar::bf16_to_f32(
+    *v
+));
+
+// ---------------------------------------------------------------- integer helpers
+
+#[inline(always)]
+unsafe fn hsum_i32(v: __m256i) -> i32 {
+    unsafe {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+        _mm_cvtsi128_si32(s)
+    }
+}
+
+/// Exact signed i8 × i8 products of 32 pairs, summed into 8 i32 lanes.
+#[inline(always)]
+unsafe fn dot_i8(a: __m256i, b: __m256i) -> __m256i {
+    unsafe {
+        let a0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(a));
+        let a1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(a));
+        let b0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(b));
+        let b1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(b));
+        _mm256_add_epi32(_mm256_madd_epi16(a0, b0), _mm256_madd_epi16(a1, b1))
+    }
+}
+
+#[inline(always)]
+unsafe fn load256(p: &[i8]) -> __m256i {
+    debug_assert!(p.len() >= 32);
+    unsafe { _mm256_loadu_si256(p.as_ptr() as *const __m256i) }
+}
+
+#[inline(always)]
+unsafe fn load256u(p: &[u8]) -> __m256i {
+    debug_assert!(p.len() >= 32);
+    unsafe { _mm256_loadu_si256(p.as_ptr() as *const __m256i) }
+}
+
+// ---------------------------------------------------------------- quantized formats
+
+#[target_feature(enable = "avx2")]
+unsafe fn q8_0_avx2(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
+    let mut acc = 0f32;
+    for (w, a) in w.iter().zip(a) {
+        let s = unsafe { hsum_i32(dot_i8(load256(&w.qs), load256(&a.qs))) };
+        acc = combine(acc, w.d.to_f32(), a.d.to_f32(), s);
+    }
+    acc
+}
+
+#[inline(always)]
+fn summ_k4(scales: &[u8; 12], a: &BlockQ8K) -> i32 {
+    let mut summ = 0i32;
+    for j in 0..8 {
+        let (_, m) = scale_min_k4(j, scales);
+        summ += m as i32 * (a.bsums[2 * j] as i32 + a.bsums[2 * j + 1] as i32);
+    }
+    summ
+}
+
+#[target_feature(enable = "avx2")]
+unsafe fn q4_k_avx2(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (w, a) in w.iter().zip(a) {
+        let sumi = unsafe {
+            let m4 = _mm256_set1_epi8(0x0F);
+            let mut v = _mm256_setzero_si256();
+            for c in 0..4 {
+                let q = load256u(&w.qs[c * 32..]);
+                let lo = _mm256_and_si256(q, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+                let p0 = _mm256_maddubs_epi16(lo, load256(&a.qs[64 * c..]));
+                let p1 = _mm256_maddubs_epi16(hi, load256(&a.qs[64 * c + 32..]));
+                let (s0, _) = scale_min_k4(2 * c, &w.scales);
+                let (s1, _) = scale_min_k4(2 * c + 1, &w.scales);
+                v = _mm256_add_epi32(v, _mm256_madd_epi16(p0, _mm256_set1_epi16(s0 as i16)));
+                v = _mm256_add_epi32(v, _mm256_madd_epi16(p1, _mm256_set1_epi16(s1 as i16)));
+            }
+            hsum_i32(v)
+        };
+        acc = combine_min(
+            acc,
+            w.d.to_f32(),
+            w.dmin.to_f32(),
+            a.d,
+            sumi,
+            summ_k4(&w.scales, a),
+        );
+    }
+    acc
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn q4_k_avx512(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (w, a) in w.iter().zip(a) {
+        let sumi = unsafe {
+            let m4 = _mm512_set1_epi8(0x0F);
+            let mut v = _mm512_setzero_si512();
+            for cc in 0..2 {
+                // Two 32-byte chunks of nibbles: chunk 2cc and 2cc+1.
+                let q = _mm512_loadu_si512(w.qs[cc * 64..].as_ptr() as *const _);
+                let lo = _mm512_and_si512(q, m4);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
+                let base = 128 * cc;
+                let a_lo = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(load256(&a.qs[base..])),
+                    load256(&a.qs[base + 64..]),
+                );
+                let a_hi = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(load256(&a.qs[base + 32..])),
+                    load256(&a.qs[base + 96..]),
+                );
+                let j = 4 * cc;
+                let s = |k: usize| scale_min_k4(k, &w.scales).0 as i16;
+                let sc_lo = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_set1_epi16(s(j))),
+                    _mm256_set1_epi16(s(j + 2)),
+                );
+                let sc_hi = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_set1_epi16(s(j + 1))),
+                    _mm256_set1_epi16(s(j + 3)),
+                );
+                let p0 = _mm512_maddubs_epi16(lo, a_lo);
+                let p1 = _mm512_maddubs_epi16(hi, a_hi);
+                v = _mm512_add_epi32(v, _mm512_madd_epi16(p0, sc_lo));
+                v = _mm512_add_epi32(v, _mm512_madd_epi16(p1, sc_hi));
+            }
+            _mm512_reduce_add_epi32(v)
+        };
+        acc = combine_min(
+            acc,
+            w.d.to_f32(),
+            w.dmin.to_f32(),
+            a.d,
+            sumi,
+            summ_k4(&w.scales, a),
+        );
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2")]
+unsafe fn q5_k_avx2(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (w, a) in w.iter().zip(a) {
+        let sumi = unsafe {
+            let m4 = _mm256_set1_epi8(0x0F);
+            let sixteen = _mm256_set1_epi8(16);
+            let qh = load256u(&w.qh);
+            let high = |j: usize| {
+                let bit = _mm256_set1_epi8((1u8 << j) as i8);
+                _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), sixteen)
+            };
+            let mut v = _mm256_setzero_si256();
+            for c in 0..4 {
+                let q = load256u(&w.qs[c * 32..]);
+                let lo = _mm256_or_si256(_mm256_and_si256(q, m4), high(2 * c));
+                let hi = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4),
+                    high(2 * c + 1),
+                );
+                let p0 = _mm256_maddubs_epi16(lo, load256(&a.qs[64 * c..]));
+                let p1 = _mm256_maddubs_epi16(hi, load256(&a.qs[64 * c + 32..]));
+                let (s0, _) = scale_min_k4(2 * c, &w.scales);
+                let (s1, _) = scale_min_k4(2 * c + 1, &w.scales);
+                v = _mm256_add_epi32(v, _mm256_madd_epi16(p0, _mm256_set1_epi16(s0 as i16)));
+                v = _mm256_add_epi32(v, _mm256_madd_epi16(p1, _mm256_set1_epi16(s1 as i16)));
+            }
+            hsum_i32(v)
+        };
+        acc = combine_min(
+            acc,
+            w.d.to_f32(),
+            w.dmin.to_f32(),
+            a.d,
+            sumi,
+            summ_k4(&w.scales, a),
+        );
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2")]
+unsafe fn q6_k_avx2(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (w, a) in w.iter().zip(a) {
+        let sumi = unsafe {
+            let m4 = _mm256_set1_epi8(0x0F);
+            let m2 = _mm256_set1_epi8(0x03);
+            let mut v = _mm256_setzero_si256();
+            for n in 0..2 {
+                let ql0 = load256u(&w.ql[n * 64..]);
+                let ql1 = load256u(&w.ql[n * 64 + 32..]);
+                let qh = load256u(&w.qh[n * 32..]);
+                let hb = |sh: i32| {
+                    let s = match sh {
+                        0 => qh,
+                        2 => _mm256_srli_epi16::<2>(qh),
+                        4 => _mm256_srli_epi16::<4>(qh),
+                        _ => _mm256_srli_epi16::<6>(qh),
+                    };
+                    _mm256_slli_epi16::<4>(_mm256_and_si256(s, m2))
+                };
+                let q = [
+                    _mm256_or_si256(_mm256_and_si256(ql0, m4), hb(0)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, m4), hb(2)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4), hb(4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4), hb(6)),
+                ];
+                for (k, qk) in q.iter().enumerate() {
+                    let e = n * 128 + k * 32;
+                    let g = e / 16;
+                    let p = _mm256_maddubs_epi16(*qk, load256(&a.qs[e..]));
+                    let sc = _mm256_set_m128i(
+                        _mm_set1_epi16(w.scales[g + 1] as i16),
+                        _mm_set1_epi16(w.scales[g] as i16),
+                    );
+                    v = _mm256_add_epi32(v, _mm256_madd_epi16(p, sc));
+                }
+            }
+            hsum_i32(v)
+        };
+        let mut corr = 0i32;
+        for g in 0..16 {
+            corr += w.scales[g] as i32 * a.bsums[g] as i32;
+        }
+        acc = combine(acc, w.d.to_f32(), a.d, sumi.wrapping_sub(32 * corr));
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2")]
+unsafe fn iq4_xs_avx2(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (w, a) in w.iter().zip(a) {
+        let sc = iq4xs_scales(w);
+        let sumi = unsafe {
+            let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                KVALUES_IQ4NL.as_ptr() as *const __m128i
+            ));
+            let m4 = _mm_set1_epi8(0x0F);
+            let mut v = _mm256_setzero_si256();
+            for ib in 0..8 {
+                let q = _mm_loadu_si128(w.qs[ib * 16..].as_ptr() as *const __m128i);
+                let idx = _mm256_set_m128i(
+                    _mm_and_si128(_mm_srli_epi16::<4>(q), m4),
+                    _mm_and_si128(q, m4),
+                );
+                let vals = _mm256_shuffle_epi8(table, idx);
+                let p = dot_i8(vals, load256(&a.qs[ib * 32..]));
+                v = _mm256_add_epi32(v, _mm256_mullo_epi32(p, _mm256_set1_epi32(sc[ib] as i32)));
+            }
+            hsum_i32(v)
+        };
+        acc = combine(acc, w.d.to_f32(), a.d, sumi);
+    }
+    acc
+}

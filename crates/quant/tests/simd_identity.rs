@@ -1,0 +1,134 @@
+//! Every SIMD kernel family returns the same bits as the scalar reference, on
+//! random blocks (quants over their whole range, random scales of both signs) and,
+//! for the float formats, on lengths that exercise every tail.
+
+use samesum_quant::GgmlType;
+use samesum_quant::dot::{self, ActRow, DOT_FORMATS};
+use samesum_quant::isa::Isa;
+use samesum_quant::rng::Rng;
+use samesum_quant::testing::*;
+
+fn random_act(weight: GgmlType, n: usize, rng: &mut Rng) -> ActRow {
+    match dot::act_type(weight).unwrap() {
+        GgmlType::F32 => ActRow::F32((0..n).map(|_| rng.range(-3.0, 3.0)).collect()),
+        GgmlType::Q8_0 => ActRow::Q8_0((0..n / 32).map(|_| random_q8_0(rng)).collect()),
+        GgmlType::Q8_1 => ActRow::Q8_1((0..n / 32).map(|_| random_q8_1(rng)).collect()),
+        _ => ActRow::Q8K((0..n / 256).map(|_| random_q8_k(rng)).collect()),
+    }
+}
+
+#[test]
+fn simd_equals_scalar_bitwise_on_random_blocks() {
+    let isas = Isa::available();
+    eprintln!("kernel families on this CPU: {isas:?}");
+    let mut rng = Rng::new(7);
+    let mut compared = 0usize;
+    for &ty in DOT_FORMATS {
+        let bs = ty.block_size();
+        let lens: Vec<usize> = if bs == 1 {
+            vec![1, 7, 16, 63, 64, 65, 127, 128, 200, 256, 1000, 2048, 4099]
+        } else {
+            (1..=12).map(|k| k * 256).collect()
+        };
+        for &n in &lens {
+            for _ in 0..40 {
+                let w = random_weight_blocks(ty, n / bs, &mut rng).unwrap();
+                let act = random_act(ty, n, &mut rng);
+                let reference = dot::dot_with(Isa::Scalar, ty, &w, &act).unwrap();
+                assert!(reference.is_finite(), "{ty} n={n}: reference not finite");
+                for &isa in &isas[1..] {
+                    let got = dot::dot_with(isa, ty, &w, &act).unwrap();
+                    assert_eq!(
+                        got.to_bits(),
+                        reference.to_bits(),
+                        "{ty} n={n} {isa}: {got} vs scalar {reference}"
+                    );
+                    compared += 1;
+                }
+            }
+        }
+    }
+    eprintln!("{compared} SIMD results compared bitwise");
+}
+
+#[test]
+fn simd_handles_extreme_quants() {
+    // All quants at -128 / 127 (where saturating instructions would go wrong).
+    let mut rng = Rng::new(11);
+    for &ty in DOT_FORMATS {
+        if ty.block_size() == 1 {
+            continue;
+        }
+        for fill in [0u8, 0xFF, 0x80, 0x7F, 0x88] {
+            let mut w = random_weight_blocks(ty, 4, &mut rng).unwrap();
+            let ts = ty.type_size();
+            // Overwrite quant bytes but keep the scale fields set by the generator.
+            let keep: &[std::ops::Range<usize>] = match ty {
+                GgmlType::Q2_K => &[80..84],
+                GgmlType::Q3_K => &[108..110],
+                GgmlType::Q6_K => &[208..210],
+                GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q4_1 | GgmlType::Q5_1 => &[0..4],
+                GgmlType::MXFP4 => &[0..1],
+                _ => &[0..2],
+            };
+            for b in w.chunks_exact_mut(ts) {
+                let saved: Vec<(usize, u8)> = keep
+                    .iter()
+                    .flat_map(|r| r.clone())
+                    .map(|i| (i, b[i]))
+                    .collect();
+                b.fill(fill);
+                for (i, v) in saved {
+                    b[i] = v;
+                }
+            }
+            let n = 4 * ty.block_size();
+            let act = match dot::act_type(ty).unwrap() {
+                GgmlType::Q8_0 => ActRow::Q8_0(
+                    (0..n / 32)
+                        .map(|_| {
+                            let mut b = random_q8_0(&mut rng);
+                            b.qs = [fill as i8; 32];
+                            b
+                        })
+                        .collect(),
+                ),
+                GgmlType::Q8_1 => {
+                    ActRow::Q8_1((0..n / 32).map(|_| random_q8_1(&mut rng)).collect())
+                }
+                _ => ActRow::Q8K(
+                    (0..n / 256)
+                        .map(|_| {
+                            let mut b = random_q8_k(&mut rng);
+                            b.qs = [fill as i8; 256];
+                            b.bsums = [16 * (fill as i8) as i16; 16];
+                            b
+                        })
+                        .collect(),
+                ),
+            };
+            let reference = dot::dot_with(Isa::Scalar, ty, &w, &act).unwrap();
+            for isa in Isa::available() {
+                let got = dot::dot_with(isa, ty, &w, &act).unwrap();
+                assert_eq!(
+                    got.to_bits(),
+                    reference.to_bits(),
+                    "{ty} fill={fill:#x} {isa}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn dot_rejects_mismatched_rows() {
+    let w = vec![0u8; 144];
+    let act = ActRow::quantize(GgmlType::Q4_K, &[0.5; 512]).unwrap();
+    assert!(dot::dot(GgmlType::Q4_K, &w, &act).is_err());
+    let act = ActRow::quantize(GgmlType::Q8_0, &[0.5; 256]).unwrap();
+    assert!(
+        dot::dot(GgmlType::Q4_K, &w, &act).is_err(),
+        "wrong activation type accepted"
+    );
+    assert!(ActRow::quantize(GgmlType::IQ2_XXS, &[0.0; 256]).is_err());
+}
