@@ -43,6 +43,8 @@ pub enum GgmlType {
     TQ1_0 = 34,
     TQ2_0 = 35,
     MXFP4 = 39,
+    NVFP4 = 40,
+    Q1_0 = 41,
 }
 
 impl GgmlType {
@@ -80,6 +82,8 @@ impl GgmlType {
         Self::TQ1_0,
         Self::TQ2_0,
         Self::MXFP4,
+        Self::NVFP4,
+        Self::Q1_0,
     ];
 
     /// The type with on-disk id `id`, if known.
@@ -136,6 +140,8 @@ impl GgmlType {
             TQ1_0 => "tq1_0",
             TQ2_0 => "tq2_0",
             MXFP4 => "mxfp4",
+            NVFP4 => "nvfp4",
+            Q1_0 => "q1_0",
         }
     }
 
@@ -145,6 +151,8 @@ impl GgmlType {
         match self {
             F32 | F16 | BF16 | I8 | I16 | I32 | I64 | F64 => 1,
             Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | IQ4_NL | MXFP4 => 32,
+            NVFP4 => 64,
+            Q1_0 => 128,
             _ => 256,
         }
     }
@@ -185,6 +193,8 @@ impl GgmlType {
             TQ1_0 => 54,
             TQ2_0 => 66,
             MXFP4 => 17,
+            NVFP4 => 36,
+            Q1_0 => 18,
         }
     }
 
