@@ -1,1 +1,50 @@
-fn main() {}
+//! The `samesum` binary: a thin layer of argument parsing over the library crates.
+
+mod bench_quant;
+mod inspect;
+mod synth;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// samesum: Mixture-of-Experts inference from GGUF, where batched prefill computes
+/// the same sums as one-token decode.
+#[derive(Parser)]
+#[command(name = "samesum", version, about, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Write a synthetic random-weight model at a real architecture's shape.
+    Synth(synth::Args),
+    /// Show a GGUF file's architecture, hyperparameters and tensors (no FILE: the
+    /// built-in tiny synthetic model).
+    Inspect(inspect::Args),
+    /// Measure dequantize and dot-product throughput per block format.
+    BenchQuant(bench_quant::Args),
+}
+
+fn main() -> ExitCode {
+    // Die quietly on a closed pipe (`samesum inspect | head`), as Unix tools do.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of SIGPIPE before any threads start.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Synth(a) => synth::run(a),
+        Command::Inspect(a) => inspect::run(a),
+        Command::BenchQuant(a) => bench_quant::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -56,7 +56,10 @@ fn round_trip_in_memory() {
     assert_eq!(f.metadata(), w.metadata());
     for (t, d) in w.tensors().iter().zip(&data) {
         let got = f.tensor(&t.name).unwrap();
-        assert_eq!((&got.dims, got.ggml_type, got.size), (&t.dims, t.ggml_type, t.size));
+        assert_eq!(
+            (&got.dims, got.ggml_type, got.size),
+            (&t.dims, t.ggml_type, t.size)
+        );
         assert_eq!(got.offset % 32, 0);
         assert_eq!(f.tensor_data(&t.name).unwrap(), d.as_slice());
     }
@@ -102,14 +105,21 @@ fn abandoned_write_leaves_no_file() {
         assert!(dw.finish().is_err(), "finish before all tensors must fail");
     }
     assert!(!path.exists());
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "partial file left behind");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "partial file left behind"
+    );
 }
 
 #[test]
 fn writer_rejects_bad_input() {
     let mut w = GgufWriter::new();
     w.add_tensor("a", &[32], GgmlType::Q8_0).unwrap();
-    assert!(matches!(w.add_tensor("a", &[32], GgmlType::F32), Err(GgufError::DuplicateTensor { .. })));
+    assert!(matches!(
+        w.add_tensor("a", &[32], GgmlType::F32),
+        Err(GgufError::DuplicateTensor { .. })
+    ));
     assert!(matches!(
         w.add_tensor("b", &[33], GgmlType::Q8_0),
         Err(GgufError::NotBlockMultiple { .. })
@@ -135,10 +145,20 @@ fn typed_getters_name_key_and_found_type() {
     let refs: Vec<&[u8]> = data.iter().map(|d| d.as_slice()).collect();
     let f = Gguf::from_bytes(w.to_bytes(&refs).unwrap()).unwrap();
     let e = f.metadata().get_u32("a.str").unwrap_err().to_string();
-    assert!(e.contains("a.str") && e.contains("u32") && e.contains("string"), "{e}");
+    assert!(
+        e.contains("a.str") && e.contains("u32") && e.contains("string"),
+        "{e}"
+    );
     let e = f.metadata().get_str("missing.key").unwrap_err().to_string();
     assert!(e.contains("missing.key"), "{e}");
-    let e = f.metadata().get_str_array("a.nested").unwrap_err().to_string();
+    let e = f
+        .metadata()
+        .get_str_array("a.nested")
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("array[array[u8]]"), "{e}");
-    assert!(matches!(f.tensor("nope"), Err(GgufError::TensorNotFound { .. })));
+    assert!(matches!(
+        f.tensor("nope"),
+        Err(GgufError::TensorNotFound { .. })
+    ));
 }

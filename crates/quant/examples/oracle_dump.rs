@@ -5,11 +5,11 @@
 //! Usage: `cargo run --release -p samesum-quant --example oracle_dump -- DIR [BLOCKS]`
 
 use half::f16;
+use samesum_quant::GgmlType;
 use samesum_quant::dequant::dequantize;
 use samesum_quant::quantize::quantize;
 use samesum_quant::rng::Rng;
 use samesum_quant::testing::random_weight_blocks;
-use samesum_quant::GgmlType;
 use std::path::PathBuf;
 
 const FORMATS: &[GgmlType] = &[
@@ -52,7 +52,10 @@ const EDGE_F16_BITS: &[u16] = &[
 fn main() {
     let mut args = std::env::args().skip(1);
     let dir = PathBuf::from(args.next().expect("usage: oracle_dump DIR [BLOCKS]"));
-    let n_random: usize = args.next().map(|s| s.parse().expect("BLOCKS")).unwrap_or(10_000);
+    let n_random: usize = args
+        .next()
+        .map(|s| s.parse().expect("BLOCKS"))
+        .unwrap_or(10_000);
     std::fs::create_dir_all(&dir).expect("create output dir");
     let mut rng = Rng::new(2026);
     for &ty in FORMATS {
@@ -66,7 +69,11 @@ fn main() {
             for (k, _) in offs.iter().enumerate() {
                 let mut b = random_weight_blocks(ty, 1, &mut rng).unwrap();
                 for (j, &o) in offs.iter().enumerate() {
-                    let v = if j == k { e } else { f16::from_f32(-0.5).to_bits() };
+                    let v = if j == k {
+                        e
+                    } else {
+                        f16::from_f32(-0.5).to_bits()
+                    };
                     b[o..o + 2].copy_from_slice(&v.to_le_bytes());
                 }
                 blocks.extend_from_slice(&b);
@@ -86,7 +93,15 @@ fn main() {
                 }
             }
             GgmlType::F32 => {
-                for v in [0f32, -0.0, f32::MIN_POSITIVE, 1e-45, f32::MAX, f32::MIN, f32::INFINITY] {
+                for v in [
+                    0f32,
+                    -0.0,
+                    f32::MIN_POSITIVE,
+                    1e-45,
+                    f32::MAX,
+                    f32::MIN,
+                    f32::INFINITY,
+                ] {
                     blocks.extend_from_slice(&v.to_le_bytes());
                 }
             }
@@ -118,8 +133,11 @@ fn main() {
     std::fs::write(dir.join("quant_input.f32"), bytemuck::cast_slice(&rows)).unwrap();
     for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::BF16] {
         let q = quantize(ty, &rows).expect("quantize");
-        std::fs::write(dir.join(format!("quant_{}.bytes", ty.name().to_ascii_lowercase())), q)
-            .unwrap();
+        std::fs::write(
+            dir.join(format!("quant_{}.bytes", ty.name().to_ascii_lowercase())),
+            q,
+        )
+        .unwrap();
     }
     eprintln!("wrote {} formats to {}", FORMATS.len(), dir.display());
 }

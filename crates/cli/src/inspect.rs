@@ -1,0 +1,179 @@
+//! `samesum inspect`: architecture, key hyperparameters, bytes by type, tensor list.
+
+use anyhow::{Context, Result};
+use samesum_gguf::{GgufFile, Value};
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// Arguments of `samesum inspect`.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// GGUF file (default: the built-in tiny synthetic model, made on the fly).
+    file: Option<PathBuf>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Print every metadata key (arrays abbreviated).
+    #[arg(long)]
+    all_metadata: bool,
+}
+
+const HPARAMS: &[&str] = &[
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "rope.dimension_sections",
+    "expert_count",
+    "expert_used_count",
+    "expert_feed_forward_length",
+    "expert_shared_feed_forward_length",
+    "full_attention_interval",
+    "nextn_predict_layers",
+    "ssm.conv_kernel",
+    "ssm.state_size",
+    "ssm.group_count",
+    "ssm.time_step_rank",
+    "ssm.inner_size",
+];
+
+fn to_json(v: &Value) -> serde_json::Value {
+    match v {
+        Value::U8(x) => json!(x),
+        Value::I8(x) => json!(x),
+        Value::U16(x) => json!(x),
+        Value::I16(x) => json!(x),
+        Value::U32(x) => json!(x),
+        Value::I32(x) => json!(x),
+        Value::U64(x) => json!(x),
+        Value::I64(x) => json!(x),
+        Value::F32(x) => json!(x),
+        Value::F64(x) => json!(x),
+        Value::Bool(x) => json!(x),
+        Value::String(s) => json!(s),
+        Value::Array(a) if a.items.len() > 16 => {
+            json!({"type": format!("array[{}]", a.elem_type), "len": a.items.len()})
+        }
+        Value::Array(a) => serde_json::Value::Array(a.items.iter().map(to_json).collect()),
+    }
+}
+
+pub(crate) fn run(a: Args) -> Result<()> {
+    let _tmp;
+    let path = match a.file {
+        Some(p) => p,
+        None => {
+            let dir = tempfile::tempdir().context("creating a temporary directory")?;
+            let p = dir.path().join("tiny-qwen3moe.gguf");
+            eprintln!("(no FILE given: inspecting the built-in tiny-qwen3moe synthetic model)");
+            let opts = crate::synth::options("tiny-qwen3moe", "q8_0", None, 0)?;
+            crate::synth::write(&opts, &p)?;
+            _tmp = dir;
+            p
+        }
+    };
+    let f = GgufFile::open(&path).with_context(|| format!("reading {}", path.display()))?;
+    let m = f.metadata();
+    let arch = m
+        .get_str("general.architecture")
+        .unwrap_or("(none)")
+        .to_string();
+    let mut hparams = BTreeMap::new();
+    for k in HPARAMS {
+        if let Some(v) = m.get(&format!("{arch}.{k}")) {
+            hparams.insert(k.to_string(), v.clone());
+        }
+    }
+    let mut by_type: BTreeMap<String, (usize, u64)> = BTreeMap::new();
+    for t in f.tensors() {
+        let e = by_type.entry(t.ggml_type.name().to_string()).or_default();
+        e.0 += 1;
+        e.1 += t.size;
+    }
+    let total: u64 = f.tensors().iter().map(|t| t.size).sum();
+    let n_params: u64 = f.tensors().iter().map(|t| t.n_elements()).sum();
+    let vocab = m
+        .get_array("tokenizer.ggml.tokens")
+        .map(|a| a.items.len())
+        .ok();
+    if a.json {
+        let out = json!({
+            "file": path.display().to_string(),
+            "version": f.header().version,
+            "architecture": arch,
+            "name": m.get_str("general.name").ok(),
+            "hparams": hparams.iter().map(|(k, v)| (k.clone(), to_json(v))).collect::<serde_json::Map<_, _>>(),
+            "vocab_size": vocab,
+            "tokenizer": {
+                "model": m.get_str("tokenizer.ggml.model").ok(),
+                "pre": m.get_str("tokenizer.ggml.pre").ok(),
+            },
+            "alignment": f.header().alignment,
+            "tensor_count": f.tensors().len(),
+            "parameters": n_params,
+            "tensor_bytes": total,
+            "by_type": by_type.iter().map(|(k, (n, b))| (k.clone(), json!({"tensors": n, "bytes": b}))).collect::<serde_json::Map<_, _>>(),
+            "metadata": if a.all_metadata { Some(m.iter().map(|(k, v)| (k.to_string(), to_json(v))).collect::<serde_json::Map<_, _>>()) } else { None },
+            "tensors": f.tensors().iter().map(|t| json!({
+                "name": t.name, "dims": t.dims, "type": t.ggml_type.name(), "offset": t.offset, "bytes": t.size,
+            })).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!("file:          {}", path.display());
+    println!("gguf version:  {}", f.header().version);
+    println!("architecture:  {arch}");
+    if let Ok(n) = m.get_str("general.name") {
+        println!("name:          {n}");
+    }
+    println!(
+        "tokenizer:     {} / {} ({} tokens)",
+        m.get_str("tokenizer.ggml.model").unwrap_or("-"),
+        m.get_str("tokenizer.ggml.pre").unwrap_or("-"),
+        vocab.map(|v| v.to_string()).unwrap_or_else(|| "-".into())
+    );
+    println!("hyperparameters:");
+    for (k, v) in &hparams {
+        println!("  {k:<36} {v}");
+    }
+    println!(
+        "tensors:       {} ({:.2}M parameters, {:.2} MiB)",
+        f.tensors().len(),
+        n_params as f64 / 1e6,
+        total as f64 / (1 << 20) as f64
+    );
+    println!("by type:");
+    for (ty, (n, b)) in &by_type {
+        println!(
+            "  {ty:<8} {n:>6} tensors {:>12.2} MiB",
+            *b as f64 / (1 << 20) as f64
+        );
+    }
+    if a.all_metadata {
+        println!("metadata:");
+        for (k, v) in m.iter() {
+            println!("  {k:<48} {v}");
+        }
+    }
+    println!("tensor list:");
+    for t in f.tensors() {
+        let dims: Vec<String> = t.dims.iter().map(|d| d.to_string()).collect();
+        println!(
+            "  {:<40} {:<8} {:>24} {:>12} bytes",
+            t.name,
+            t.ggml_type.name(),
+            dims.join(" x "),
+            t.size
+        );
+    }
+    Ok(())
+}
