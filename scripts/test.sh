@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The project's test command: Rust tests, then the oracles that need Python
+# (gguf-py, llama.cpp's reference) in a venv this script makes itself.
+#
+#   scripts/test.sh            # everything
+#   SAMESUM_SKIP_ORACLE=1 scripts/test.sh   # Rust tests only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "== cargo test (workspace)"
+cargo test --workspace --release --locked
+
+if [[ "${SAMESUM_SKIP_ORACLE:-0}" == "1" ]]; then
+    echo "== oracles skipped (SAMESUM_SKIP_ORACLE=1)"
+    exit 0
+fi
+
+VENV="${SAMESUM_VENV:-.venv-oracle}"
+if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "== creating $VENV (gguf, numpy)"
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install --quiet "gguf==0.19.0" "numpy>=1.26"
+fi
+PY="$VENV/bin/python"
+OUT="$(mktemp -d)"
+trap 'rm -rf "$OUT"' EXIT
+
+echo "== oracle: dequantize/quantize bit-exact against gguf-py (10,000 random blocks per format + edge values)"
+cargo run --release --locked -q -p samesum-quant --example oracle_dump -- "$OUT/oracle" 10000
+"$PY" tests/oracle/check_dequant.py "$OUT/oracle"
+
+echo "== oracle: gguf-py reads what samesum synth writes"
+BIN=target/release/samesum
+cargo build --release --locked -q -p samesum
+for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
+    for quant in q4_k q8_0 bf16; do
+        f="$OUT/$shape-$quant.gguf"
+        "$BIN" synth --shape "$shape" --quant "$quant" --seed 3 -o "$f"
+        "$BIN" inspect --json --all-metadata "$f" > "$f.json"
+        "$PY" tests/oracle/check_gguf_py.py "$f" "$f.json"
+    done
+done
+
+if [[ -n "${LLAMA_SIMPLE:-}" ]]; then
+    echo "== llama.cpp loads and runs the synthetic models ($LLAMA_SIMPLE)"
+    for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
+        "$LLAMA_SIMPLE" -m "$OUT/$shape-q4_k.gguf" -n 4 "The quick brown fox" > "$OUT/llama.log" 2>&1 \
+            || { cat "$OUT/llama.log"; echo "llama.cpp failed on $shape"; exit 1; }
+        echo "llama.cpp: $shape ok: $(grep -E 'decoded|eval time' "$OUT/llama.log" | head -1)"
+    done
+fi
+echo "== all tests passed"
