@@ -29,13 +29,15 @@ const FORMATS: &[GgmlType] = &[
     GgmlType::IQ4_NL,
     GgmlType::IQ4_XS,
     GgmlType::MXFP4,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ3_S,
 ];
 
 /// Offsets of the f16 scale fields in a block of `ty`.
 fn scale_offsets(ty: GgmlType) -> &'static [usize] {
     use GgmlType::*;
     match ty {
-        Q4_0 | Q5_0 | Q8_0 | IQ4_NL | IQ4_XS => &[0],
+        Q4_0 | Q5_0 | Q8_0 | IQ4_NL | IQ4_XS | IQ2_XS | IQ3_S => &[0],
         Q4_1 | Q5_1 | Q4_K | Q5_K => &[0, 2],
         Q2_K => &[80, 82],
         Q3_K => &[108],

@@ -67,6 +67,15 @@ block!(
     /// MXFP4: 32 weights, an E8M0 shared exponent and E2M1 values.
     BlockMxfp4, 17, { /** E8M0 exponent */ e: u8, /** nibbles */ qs: [u8; 16] });
 
+block!(
+    /// IQ2_XS: 256 weights; each u16 holds a 9-bit grid index (8 magnitudes) and a
+    /// 7-bit sign index; a 4-bit scale per 16 weights.
+    BlockIq2Xs, 74, { /** super scale */ d: f16, /** grid and sign indices */ qs: [u16; 32], /** 4-bit scales */ scales: [u8; 8] });
+block!(
+    /// IQ3_S: 256 weights; 9-bit grid indices (4 magnitudes each), explicit sign
+    /// bits, a 4-bit scale per 32 weights.
+    BlockIq3S, 110, { /** super scale */ d: f16, /** low 8 bits of grid indices */ qs: [u8; 64], /** ninth bits */ qh: [u8; 8], /** sign bits */ signs: [u8; 32], /** 4-bit scales */ scales: [u8; 4] });
+
 /// The non-linear 4-bit table shared by IQ4_NL and IQ4_XS.
 pub const KVALUES_IQ4NL: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,

@@ -6,6 +6,7 @@
 
 use crate::blocks::*;
 use crate::error::{QuantError, Result};
+use crate::iq_tables::{IQ2XS_GRID, IQ3S_GRID, KSIGNS_IQ2XS};
 use crate::{cast_blocks, check_lengths};
 use samesum_gguf::GgmlType;
 
@@ -69,6 +70,8 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
         IQ4_NL => each(cast_blocks::<BlockIq4Nl>(ty, src)?, dst, iq4_nl),
         IQ4_XS => each(cast_blocks::<BlockIq4Xs>(ty, src)?, dst, iq4_xs),
         MXFP4 => each(cast_blocks::<BlockMxfp4>(ty, src)?, dst, mxfp4),
+        IQ2_XS => each(cast_blocks::<BlockIq2Xs>(ty, src)?, dst, iq2_xs),
+        IQ3_S => each(cast_blocks::<BlockIq3S>(ty, src)?, dst, iq3_s),
         other => {
             return Err(QuantError::Unsupported {
                 ty: other,
@@ -258,5 +261,46 @@ pub fn mxfp4(b: &BlockMxfp4, y: &mut [f32; 32]) {
     for j in 0..16 {
         y[j] = d * (KVALUES_MXFP4[(b.qs[j] & 0x0F) as usize] as f32);
         y[j + 16] = d * (KVALUES_MXFP4[(b.qs[j] >> 4) as usize] as f32);
+    }
+}
+
+/// IQ2_XS block: `((d * (0.5 + sc)) * 0.25 * grid) * sign`, as gguf-py evaluates it.
+pub fn iq2_xs(b: &BlockIq2Xs, y: &mut [f32; 256]) {
+    let d = b.d.to_f32();
+    for k in 0..16 {
+        let sc = (b.scales[k / 2] >> (4 * (k % 2))) & 0x0F;
+        let db = d * (0.5 + sc as f32) * 0.25;
+        for h in 0..2 {
+            let q = b.qs[2 * k + h];
+            let grid = &IQ2XS_GRID[(q & 511) as usize];
+            let signs = KSIGNS_IQ2XS[(q >> 9) as usize];
+            for i in 0..8 {
+                let sign = if (signs >> i) & 1 == 0 { 1.0f32 } else { -1.0 };
+                y[k * 16 + h * 8 + i] = db * grid[i] as f32 * sign;
+            }
+        }
+    }
+}
+
+/// IQ3_S block: `(d * (1 + 2 sc) * grid) * sign`, as gguf-py evaluates it.
+pub fn iq3_s(b: &BlockIq3S, y: &mut [f32; 256]) {
+    let d = b.d.to_f32();
+    for k in 0..8 {
+        let sc = (b.scales[k / 2] >> (4 * (k % 2))) & 0x0F;
+        let db = d * (1 + 2 * sc) as f32;
+        for j in 0..8 {
+            let e = k * 8 + j;
+            let idx = b.qs[e] as usize | ((((b.qh[e / 8] >> (e % 8)) & 1) as usize) << 8);
+            let grid = &IQ3S_GRID[idx];
+            for i in 0..4 {
+                let el = e * 4 + i;
+                let sign = if (b.signs[el / 8] >> (el % 8)) & 1 == 0 {
+                    1.0f32
+                } else {
+                    -1.0
+                };
+                y[el] = db * grid[i] as f32 * sign;
+            }
+        }
     }
 }

@@ -25,6 +25,7 @@ pub mod blocks;
 pub mod dequant;
 pub mod dot;
 mod error;
+pub mod iq_tables;
 pub mod isa;
 pub mod quantize;
 pub mod rng;

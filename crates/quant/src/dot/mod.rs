@@ -25,7 +25,7 @@ pub fn act_type(weight: GgmlType) -> Option<GgmlType> {
         F32 | F16 | BF16 => F32,
         Q4_0 | Q5_0 | Q8_0 | IQ4_NL | MXFP4 => Q8_0,
         Q4_1 | Q5_1 => Q8_1,
-        Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS => Q8_K,
+        Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS | IQ2_XS | IQ3_S => Q8_K,
         _ => return None,
     })
 }
@@ -48,6 +48,8 @@ pub const DOT_FORMATS: &[GgmlType] = &[
     GgmlType::IQ4_NL,
     GgmlType::IQ4_XS,
     GgmlType::MXFP4,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ3_S,
 ];
 
 /// An activation row, quantized once into the format its weights pair with.
@@ -187,6 +189,8 @@ pub fn dot_with(isa: Isa, weight: GgmlType, w: &[u8], act: &ActRow) -> Result<f3
         (T::Q5_K, ActRow::Q8K(a)) => scalar::q5_k_q8_k(cast(weight, w)?, a),
         (T::Q6_K, ActRow::Q8K(a)) => scalar::q6_k_q8_k(cast(weight, w)?, a),
         (T::IQ4_XS, ActRow::Q8K(a)) => scalar::iq4_xs_q8_k(cast(weight, w)?, a),
+        (T::IQ2_XS, ActRow::Q8K(a)) => scalar::iq2_xs_q8_k(cast(weight, w)?, a),
+        (T::IQ3_S, ActRow::Q8K(a)) => scalar::iq3_s_q8_k(cast(weight, w)?, a),
         _ => {
             return Err(QuantError::Unsupported {
                 ty: weight,

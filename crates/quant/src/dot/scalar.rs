@@ -8,6 +8,7 @@
 //! the lanes reduce by the fixed tree of [`reduce64`].
 
 use crate::blocks::*;
+use crate::iq_tables::{IQ2XS_GRID, IQ3S_GRID, KSIGNS_IQ2XS};
 
 /// Reduce 16 lanes: halves added (i, i+8), then (i, i+4), (i, i+2), (0, 1).
 #[inline]
@@ -323,5 +324,55 @@ pub fn sumi_iq4_xs(w: &BlockIq4Xs, a: &BlockQ8K) -> i32 {
 pub fn iq4_xs_q8_k(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
     w.iter().zip(a).fold(0.0, |acc, (w, a)| {
         combine(acc, w.d.to_f32(), a.d, sumi_iq4_xs(w, a))
+    })
+}
+
+/// IQ2_XS · Q8_K: `sumi = Σ_k (2 sc_k + 1) · Σ grid·sign·a`, then
+/// `acc + ((dw*da) * 0.125) * sumi`.
+pub fn iq2_xs_q8_k(w: &[BlockIq2Xs], a: &[BlockQ8K]) -> f32 {
+    w.iter().zip(a).fold(0.0, |acc, (w, a)| {
+        let mut sumi = 0i32;
+        for k in 0..16 {
+            let sc = ((w.scales[k / 2] >> (4 * (k % 2))) & 0x0F) as i32;
+            let mut s = 0i32;
+            for h in 0..2 {
+                let q = w.qs[2 * k + h];
+                let grid = &IQ2XS_GRID[(q & 511) as usize];
+                let signs = KSIGNS_IQ2XS[(q >> 9) as usize];
+                for i in 0..8 {
+                    let v = grid[i] as i32 * a.qs[k * 16 + h * 8 + i] as i32;
+                    s += if (signs >> i) & 1 == 0 { v } else { -v };
+                }
+            }
+            sumi += (2 * sc + 1) * s;
+        }
+        acc + ((w.d.to_f32() * a.d) * 0.125) * (sumi as f32)
+    })
+}
+
+/// IQ3_S · Q8_K: `sumi = Σ_k (2 sc_k + 1) · Σ grid·sign·a`.
+pub fn iq3_s_q8_k(w: &[BlockIq3S], a: &[BlockQ8K]) -> f32 {
+    w.iter().zip(a).fold(0.0, |acc, (w, a)| {
+        let mut sumi = 0i32;
+        for k in 0..8 {
+            let sc = ((w.scales[k / 2] >> (4 * (k % 2))) & 0x0F) as i32;
+            let mut s = 0i32;
+            for j in 0..8 {
+                let e = k * 8 + j;
+                let idx = w.qs[e] as usize | ((((w.qh[e / 8] >> (e % 8)) & 1) as usize) << 8);
+                let grid = &IQ3S_GRID[idx];
+                for i in 0..4 {
+                    let el = e * 4 + i;
+                    let v = grid[i] as i32 * a.qs[el] as i32;
+                    s += if (w.signs[el / 8] >> (el % 8)) & 1 == 0 {
+                        v
+                    } else {
+                        -v
+                    };
+                }
+            }
+            sumi += (2 * sc + 1) * s;
+        }
+        combine(acc, w.d.to_f32(), a.d, sumi)
     })
 }
