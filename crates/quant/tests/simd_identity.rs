@@ -132,3 +132,31 @@ fn dot_rejects_mismatched_rows() {
     );
     assert!(ActRow::quantize(GgmlType::IQ2_XXS, &[0.0; 256]).is_err());
 }
+
+#[test]
+fn the_bitwise_check_catches_a_reordered_sum() {
+    // Negative control: the same products summed in another order (plain left to
+    // right, or with fused multiply-adds) are a different function, and the
+    // bit-for-bit comparison above must see it.
+    let mut rng = Rng::new(5);
+    let (mut seq_differs, mut fma_differs) = (0, 0);
+    for _ in 0..50 {
+        let n = 4096;
+        let w: Vec<f32> = (0..n).map(|_| rng.range(-1.0, 1.0)).collect();
+        let x: Vec<f32> = (0..n).map(|_| rng.range(-1.0, 1.0)).collect();
+        let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let reference =
+            dot::dot_with(Isa::Scalar, GgmlType::F32, &bytes, &ActRow::F32(x.clone())).unwrap();
+        let sequential = w.iter().zip(&x).fold(0f32, |acc, (a, b)| acc + a * b);
+        let fused = w
+            .iter()
+            .zip(&x)
+            .fold(0f32, |acc, (a, b)| a.mul_add(*b, acc));
+        seq_differs += (sequential.to_bits() != reference.to_bits()) as usize;
+        fma_differs += (fused.to_bits() != reference.to_bits()) as usize;
+    }
+    assert!(
+        seq_differs > 10 && fma_differs > 10,
+        "{seq_differs} {fma_differs}"
+    );
+}

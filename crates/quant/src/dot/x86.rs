@@ -25,8 +25,16 @@ pub(super) const AVX2_FORMATS: &[GgmlType] = &[
 ];
 
 /// Formats with AVX-512 kernels (the others use the AVX2 kernel on AVX-512 CPUs).
-pub(super) const AVX512_FORMATS: &[GgmlType] =
-    &[GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_K];
+pub(super) const AVX512_FORMATS: &[GgmlType] = &[
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::IQ4_XS,
+];
 
 /// Run the SIMD kernel for `weight` if `isa` has one; `None` means use scalar.
 /// The caller has checked lengths, pairing and that `isa` is supported.
@@ -41,8 +49,20 @@ pub(super) fn dot(isa: Isa, weight: GgmlType, w: &[u8], act: &ActRow) -> Result<
             (Isa::Avx512, T::BF16, ActRow::F32(x)) => {
                 bf16_avx512(crate::cast_blocks(weight, w)?, x)
             }
+            (Isa::Avx512, T::Q8_0, ActRow::Q8_0(a)) => {
+                q8_0_avx512(crate::cast_blocks(weight, w)?, a)
+            }
             (Isa::Avx512, T::Q4_K, ActRow::Q8K(a)) => {
                 q4_k_avx512(crate::cast_blocks(weight, w)?, a)
+            }
+            (Isa::Avx512, T::Q5_K, ActRow::Q8K(a)) => {
+                q5_k_avx512(crate::cast_blocks(weight, w)?, a)
+            }
+            (Isa::Avx512, T::Q6_K, ActRow::Q8K(a)) => {
+                q6_k_avx512(crate::cast_blocks(weight, w)?, a)
+            }
+            (Isa::Avx512, T::IQ4_XS, ActRow::Q8K(a)) => {
+                iq4_xs_avx512(crate::cast_blocks(weight, w)?, a)
             }
             (_, T::F32, ActRow::F32(x)) => f32_avx2(crate::cast_blocks(weight, w)?, x),
             (_, T::F16, ActRow::F32(x)) => f16_avx2(crate::cast_blocks(weight, w)?, x),
@@ -421,6 +441,164 @@ unsafe fn iq4_xs_avx2(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
                 v = _mm256_add_epi32(v, _mm256_mullo_epi32(p, _mm256_set1_epi32(sc[ib] as i32)));
             }
             hsum_i32(v)
+        };
+        acc = combine(acc, w.d.to_f32(), a.d, sumi);
+    }
+    acc
+}
+
+// ---------------------------------------------------------------- AVX-512 quantized
+
+/// Two 256-bit halves into one 512-bit register (`lo` in the low half).
+#[inline(always)]
+unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
+    unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi) }
+}
+
+/// Exact signed i8 x i8 products of 32 pairs, summed into 16 i32 lanes.
+#[inline(always)]
+unsafe fn dot_i8_512(a: __m256i, b: __m256i) -> __m512i {
+    unsafe { _mm512_madd_epi16(_mm512_cvtepi8_epi16(a), _mm512_cvtepi8_epi16(b)) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn q8_0_avx512(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
+    let mut acc = 0f32;
+    for (w, a) in w.iter().zip(a) {
+        let s = unsafe { _mm512_reduce_add_epi32(dot_i8_512(load256(&w.qs), load256(&a.qs))) };
+        acc = combine(acc, w.d.to_f32(), a.d.to_f32(), s);
+    }
+    acc
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn q5_k_avx512(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (w, a) in w.iter().zip(a) {
+        let sumi = unsafe {
+            let m4 = _mm512_set1_epi8(0x0F);
+            let sixteen = _mm512_set1_epi8(16);
+            let qh = _mm512_broadcast_i64x4(load256u(&w.qh));
+            // Fifth bits of sub-block j0 (low half) and j1 (high half), as 0 or 16.
+            let high = |j0: usize, j1: usize| {
+                let bits = join(
+                    _mm256_set1_epi8((1u8 << j0) as i8),
+                    _mm256_set1_epi8((1u8 << j1) as i8),
+                );
+                _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, bits), sixteen)
+            };
+            let s = |k: usize| scale_min_k4(k, &w.scales).0 as i16;
+            let mut v = _mm512_setzero_si512();
+            for cc in 0..2 {
+                // Nibble chunks 2cc (low half) and 2cc+1 (high half): sub-blocks
+                // 4cc, 4cc+2 from the low nibbles and 4cc+1, 4cc+3 from the high.
+                let q = _mm512_loadu_si512(w.qs[cc * 64..].as_ptr() as *const _);
+                let j = 4 * cc;
+                let lo = _mm512_or_si512(_mm512_and_si512(q, m4), high(j, j + 2));
+                let hi = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4),
+                    high(j + 1, j + 3),
+                );
+                let base = 128 * cc;
+                let a_lo = join(load256(&a.qs[base..]), load256(&a.qs[base + 64..]));
+                let a_hi = join(load256(&a.qs[base + 32..]), load256(&a.qs[base + 96..]));
+                let sc_lo = join(_mm256_set1_epi16(s(j)), _mm256_set1_epi16(s(j + 2)));
+                let sc_hi = join(_mm256_set1_epi16(s(j + 1)), _mm256_set1_epi16(s(j + 3)));
+                v = _mm512_add_epi32(v, _mm512_madd_epi16(_mm512_maddubs_epi16(lo, a_lo), sc_lo));
+                v = _mm512_add_epi32(v, _mm512_madd_epi16(_mm512_maddubs_epi16(hi, a_hi), sc_hi));
+            }
+            _mm512_reduce_add_epi32(v)
+        };
+        acc = combine_min(
+            acc,
+            w.d.to_f32(),
+            w.dmin.to_f32(),
+            a.d,
+            sumi,
+            summ_k4(&w.scales, a),
+        );
+    }
+    acc
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn q6_k_avx512(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (w, a) in w.iter().zip(a) {
+        let sumi = unsafe {
+            let m4 = _mm512_set1_epi8(0x0F);
+            let m2 = _mm512_set1_epi8(0x03);
+            // One i16 scale per 16 elements, for the 64 elements of one register.
+            let mut scl = [0i16; 32];
+            let mut v = _mm512_setzero_si512();
+            for n in 0..2 {
+                // ql[n*64..n*64+64] holds elements e and e+32 (low nibbles) and
+                // e+64, e+96 (high nibbles); qh[n*32..] their top 2 bits.
+                let ql = _mm512_loadu_si512(w.ql[n * 64..].as_ptr() as *const _);
+                let qh = _mm512_broadcast_i64x4(load256u(&w.qh[n * 32..]));
+                let sh_a = join(_mm256_setzero_si256(), _mm256_set1_epi16(2));
+                let sh_b = join(_mm256_set1_epi16(4), _mm256_set1_epi16(6));
+                let h_a = _mm512_slli_epi16::<4>(_mm512_and_si512(_mm512_srlv_epi16(qh, sh_a), m2));
+                let h_b = _mm512_slli_epi16::<4>(_mm512_and_si512(_mm512_srlv_epi16(qh, sh_b), m2));
+                let q_a = _mm512_or_si512(_mm512_and_si512(ql, m4), h_a);
+                let q_b = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4), h_b);
+                for (half, q) in [q_a, q_b].into_iter().enumerate() {
+                    let e = n * 128 + half * 64;
+                    for g in 0..4 {
+                        scl[g * 8..g * 8 + 8].fill(w.scales[e / 16 + g] as i16);
+                    }
+                    let sc = _mm512_loadu_si512(scl.as_ptr() as *const _);
+                    let av = _mm512_loadu_si512(a.qs[e..].as_ptr() as *const _);
+                    v = _mm512_add_epi32(v, _mm512_madd_epi16(_mm512_maddubs_epi16(q, av), sc));
+                }
+            }
+            _mm512_reduce_add_epi32(v)
+        };
+        let mut corr = 0i32;
+        for g in 0..16 {
+            corr += w.scales[g] as i32 * a.bsums[g] as i32;
+        }
+        acc = combine(acc, w.d.to_f32(), a.d, sumi.wrapping_sub(32 * corr));
+    }
+    acc
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn iq4_xs_avx512(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (w, a) in w.iter().zip(a) {
+        let sc = iq4xs_scales(w);
+        let sumi = unsafe {
+            let table =
+                _mm512_broadcast_i32x4(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i));
+            let m4 = _mm_set1_epi8(0x0F);
+            let mut v = _mm512_setzero_si512();
+            for ib in (0..8).step_by(2) {
+                let q0 = _mm_loadu_si128(w.qs[ib * 16..].as_ptr() as *const __m128i);
+                let q1 = _mm_loadu_si128(w.qs[ib * 16 + 16..].as_ptr() as *const __m128i);
+                let idx = join(
+                    _mm256_set_m128i(
+                        _mm_and_si128(_mm_srli_epi16::<4>(q0), m4),
+                        _mm_and_si128(q0, m4),
+                    ),
+                    _mm256_set_m128i(
+                        _mm_and_si128(_mm_srli_epi16::<4>(q1), m4),
+                        _mm_and_si128(q1, m4),
+                    ),
+                );
+                let vals = _mm512_shuffle_epi8(table, idx);
+                let p0 = dot_i8_512(_mm512_castsi512_si256(vals), load256(&a.qs[ib * 32..]));
+                let p1 = dot_i8_512(
+                    _mm512_extracti64x4_epi64::<1>(vals),
+                    load256(&a.qs[ib * 32 + 32..]),
+                );
+                v = _mm512_add_epi32(v, _mm512_mullo_epi32(p0, _mm512_set1_epi32(sc[ib] as i32)));
+                v = _mm512_add_epi32(
+                    v,
+                    _mm512_mullo_epi32(p1, _mm512_set1_epi32(sc[ib + 1] as i32)),
+                );
+            }
+            _mm512_reduce_add_epi32(v)
         };
         acc = combine(acc, w.d.to_f32(), a.d, sumi);
     }
