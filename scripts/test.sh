@@ -4,6 +4,8 @@
 #
 #   scripts/test.sh            # everything
 #   SAMESUM_SKIP_ORACLE=1 scripts/test.sh   # Rust tests only
+#   SAMESUM_LLAMA_CHECK=1 scripts/test.sh   # also build llama.cpp and run it on synth models
+#   LLAMA_SIMPLE=/path/to/llama-simple scripts/test.sh   # ... with a llama.cpp you built
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,7 +35,7 @@ echo "== oracle: gguf-py reads what samesum synth writes"
 BIN=target/release/samesum
 cargo build --release --locked -q -p samesum
 for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
-    for quant in q4_k q8_0 bf16; do
+    for quant in q4_k q8_0 bf16 f32; do
         f="$OUT/$shape-$quant.gguf"
         "$BIN" synth --shape "$shape" --quant "$quant" --seed 3 -o "$f"
         "$BIN" inspect --json --all-metadata "$f" > "$f.json"
@@ -41,12 +43,19 @@ for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
     done
 done
 
+if [[ "${SAMESUM_LLAMA_CHECK:-0}" == "1" && -z "${LLAMA_SIMPLE:-}" ]]; then
+    echo "== building llama.cpp's llama-simple (cached in .cache/)"
+    LLAMA_SIMPLE="$(scripts/llama-cpp.sh)"
+fi
 if [[ -n "${LLAMA_SIMPLE:-}" ]]; then
     echo "== llama.cpp loads and runs the synthetic models ($LLAMA_SIMPLE)"
     for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
-        "$LLAMA_SIMPLE" -m "$OUT/$shape-q4_k.gguf" -n 4 "The quick brown fox" > "$OUT/llama.log" 2>&1 \
-            || { cat "$OUT/llama.log"; echo "llama.cpp failed on $shape"; exit 1; }
-        echo "llama.cpp: $shape ok: $(grep -E 'decoded|eval time' "$OUT/llama.log" | head -1)"
+        for quant in q4_k q8_0 bf16 f32; do
+            f="$OUT/$shape-$quant.gguf"
+            "$LLAMA_SIMPLE" -m "$f" -n 4 "The quick brown fox" > "$OUT/llama.log" 2>&1 \
+                || { tail -30 "$OUT/llama.log"; echo "llama.cpp failed on $shape $quant"; exit 1; }
+            echo "llama.cpp runs $shape $quant: $(grep -a 'prompt eval time' "$OUT/llama.log" | sed 's/.*= *//')"
+        done
     done
 fi
 echo "== all tests passed"
