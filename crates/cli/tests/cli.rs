@@ -1,0 +1,57 @@
+//! The binary end to end: the README's main command, synth + inspect, and plain
+//! errors (non-zero exit, no panic) on bad input.
+
+use std::process::Command;
+
+fn samesum(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_samesum")).args(args).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+#[test]
+fn inspect_with_no_file_runs_on_the_builtin_model() {
+    let (ok, out, err) = samesum(&["inspect"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("architecture:  qwen3moe") && out.contains("blk.1.ffn_down_exps.weight"), "{out}");
+}
+
+#[test]
+fn synth_then_inspect_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("m.gguf");
+    let f = f.to_str().unwrap();
+    let (ok, _, err) = samesum(&["synth", "--shape", "tiny-qwen35moe", "--quant", "q4_k", "--seed", "9", "-o", f]);
+    assert!(ok, "{err}");
+    let (ok, out, err) = samesum(&["inspect", "--json", f]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["architecture"], "qwen35moe");
+    assert_eq!(v["tensor_count"], 76);
+    assert_eq!(v["hparams"]["ssm.time_step_rank"], 4);
+    assert_eq!(v["by_type"]["q6_K"]["tensors"], 1);
+    // Refuses to overwrite without --force.
+    let (ok, _, err) = samesum(&["synth", "--shape", "tiny-qwen35moe", "-o", f]);
+    assert!(!ok && err.contains("--force"), "{err}");
+}
+
+#[test]
+fn bad_input_is_a_plain_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.gguf");
+    std::fs::write(&bad, b"GGUF\x03\0\0\0\xff\xff").unwrap();
+    for args in [
+        vec!["inspect", bad.to_str().unwrap()],
+        vec!["inspect", "/nonexistent/file.gguf"],
+        vec!["synth", "--shape", "nope", "-o", "/tmp/x.gguf"],
+        vec!["synth", "--quant", "iq2_xxs", "-o", "/tmp/x.gguf"],
+        vec!["synth", "--layers", "0", "-o", "/tmp/x.gguf"],
+        vec!["bench-quant", "--row", "100"],
+    ] {
+        let (ok, _, err) = samesum(&args);
+        assert!(!ok, "{args:?} succeeded");
+        assert!(err.starts_with("error: "), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    let (_, _, err) = samesum(&["inspect", bad.to_str().unwrap()]);
+    assert!(err.contains("truncated") || err.contains("offset"), "{err}");
+}
