@@ -9,6 +9,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+echo "== cargo fmt --check, cargo clippy -D warnings"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --release --locked -- -D warnings
+
 echo "== cargo test (workspace)"
 cargo test --workspace --release --locked
 

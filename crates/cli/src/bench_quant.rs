@@ -49,7 +49,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
             .map(|s| GgmlType::from_name(s).ok_or_else(|| anyhow::anyhow!("unknown format {s:?}")))
             .collect::<Result<_>>()?
     };
-    if a.row % 256 != 0 || a.row == 0 {
+    if !a.row.is_multiple_of(256) || a.row == 0 {
         bail!("--row must be a positive multiple of 256");
     }
     let min = Duration::from_millis(a.min_ms);

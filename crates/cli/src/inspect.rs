@@ -80,7 +80,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
             p
         }
     };
-    let f = GgufFile::open(&path).with_context(|| format!("reading {}", path.display()))?;
+    let f = GgufFile::open(&path)?;
     let m = f.metadata();
     let arch = m
         .get_str("general.architecture")

@@ -43,8 +43,16 @@ pub(crate) fn options(
             shapes::names().join(", ")
         );
     };
-    let Some(q) = GgmlType::from_name(quant) else {
-        bail!("unknown --quant {quant:?}");
+    let q = GgmlType::from_name(quant).filter(|q| samesum_synth::QUANT_CHOICES.contains(q));
+    let Some(q) = q else {
+        let choices: Vec<String> = samesum_synth::QUANT_CHOICES
+            .iter()
+            .map(|t| t.name().to_lowercase())
+            .collect();
+        bail!(
+            "--quant {quant:?} is not supported (choose one of: {})",
+            choices.join(", ")
+        );
     };
     let mut o = SynthOptions::new(s, q, seed);
     if let Some(l) = layers {

@@ -4,15 +4,25 @@
 use std::process::Command;
 
 fn samesum(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_samesum")).args(args).output().unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    let out = Command::new(env!("CARGO_BIN_EXE_samesum"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
 }
 
 #[test]
 fn inspect_with_no_file_runs_on_the_builtin_model() {
     let (ok, out, err) = samesum(&["inspect"]);
     assert!(ok, "{err}");
-    assert!(out.contains("architecture:  qwen3moe") && out.contains("blk.1.ffn_down_exps.weight"), "{out}");
+    assert!(
+        out.contains("architecture:  qwen3moe") && out.contains("blk.1.ffn_down_exps.weight"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -20,7 +30,17 @@ fn synth_then_inspect_json() {
     let dir = tempfile::tempdir().unwrap();
     let f = dir.path().join("m.gguf");
     let f = f.to_str().unwrap();
-    let (ok, _, err) = samesum(&["synth", "--shape", "tiny-qwen35moe", "--quant", "q4_k", "--seed", "9", "-o", f]);
+    let (ok, _, err) = samesum(&[
+        "synth",
+        "--shape",
+        "tiny-qwen35moe",
+        "--quant",
+        "q4_k",
+        "--seed",
+        "9",
+        "-o",
+        f,
+    ]);
     assert!(ok, "{err}");
     let (ok, out, err) = samesum(&["inspect", "--json", f]);
     assert!(ok, "{err}");

@@ -10,12 +10,8 @@ pub type Result<T, E = GgufError> = std::result::Result<T, E>;
 #[allow(missing_docs)]
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
     #[error("not a GGUF file: magic is {found:02x?} (expected \"GGUF\")")]
     BadMagic { found: [u8; 4] },
     #[error("GGUF version {found} is not supported (supported: 2, 3)")]
@@ -108,7 +104,7 @@ impl GgufError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         GgufError::Io {
             path: path.into(),
-            source,
+            err: source,
         }
     }
 }

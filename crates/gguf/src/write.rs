@@ -341,10 +341,10 @@ impl<'a> DataWriter<'a> {
 
 impl Drop for DataWriter<'_> {
     fn drop(&mut self) {
-        if !self.done {
-            if let Some((tmp, _)) = &self.paths {
-                let _ = std::fs::remove_file(tmp);
-            }
+        if !self.done
+            && let Some((tmp, _)) = &self.paths
+        {
+            let _ = std::fs::remove_file(tmp);
         }
     }
 }

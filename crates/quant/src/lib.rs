@@ -37,7 +37,7 @@ pub use samesum_gguf::GgmlType;
 /// Check that `n_bytes` of `ty` hold exactly `n` elements.
 pub fn check_lengths(ty: GgmlType, n_bytes: usize, n: usize) -> Result<()> {
     let block = ty.block_size();
-    if n % block != 0 {
+    if !n.is_multiple_of(block) {
         return Err(QuantError::NotBlockMultiple { ty, n, block });
     }
     let expected = n / block * ty.type_size();
@@ -64,7 +64,7 @@ pub(crate) fn cast_blocks<B: bytemuck::Pod>(ty: GgmlType, src: &[u8]) -> Result<
 /// Bytes taken by `n` elements of `ty`.
 pub fn row_size(ty: GgmlType, n: usize) -> Result<usize> {
     let block = ty.block_size();
-    if n % block != 0 {
+    if !n.is_multiple_of(block) {
         return Err(QuantError::NotBlockMultiple { ty, n, block });
     }
     Ok(n / block * ty.type_size())

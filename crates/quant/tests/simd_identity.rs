@@ -52,6 +52,7 @@ fn simd_equals_scalar_bitwise_on_random_blocks() {
 }
 
 #[test]
+#[allow(clippy::single_range_in_vec_init)]
 fn simd_handles_extreme_quants() {
     // All quants at -128 / 127 (where saturating instructions would go wrong).
     let mut rng = Rng::new(11);

@@ -39,9 +39,9 @@ fn matrix_type(base: GgmlType, ne0: u64, is_output: bool) -> GgmlType {
     } else {
         base
     };
-    if ne0 % want.block_size() as u64 == 0 {
+    if ne0.is_multiple_of(want.block_size() as u64) {
         want
-    } else if ne0 % 32 == 0 && want.block_size() > 1 {
+    } else if ne0.is_multiple_of(32) && want.block_size() > 1 {
         GgmlType::Q8_0
     } else {
         GgmlType::F32

@@ -106,7 +106,7 @@ pub struct Shape {
 impl Shape {
     /// Whether layer `l` is full attention.
     pub fn is_full_attention(&self, l: u32) -> bool {
-        !self.arch.is_hybrid() || (l + 1) % self.full_attention_interval == 0
+        !self.arch.is_hybrid() || (l + 1).is_multiple_of(self.full_attention_interval)
     }
 }
 

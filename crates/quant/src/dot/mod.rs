@@ -73,7 +73,7 @@ impl ActRow {
             what: "dot",
         })?;
         let bs = act.block_size();
-        if x.len() % bs != 0 {
+        if !x.len().is_multiple_of(bs) {
             return Err(QuantError::NotBlockMultiple {
                 ty: act,
                 n: x.len(),
@@ -167,10 +167,10 @@ pub fn dot_with(isa: Isa, weight: GgmlType, w: &[u8], act: &ActRow) -> Result<f3
     }
     use GgmlType as T;
     #[cfg(target_arch = "x86_64")]
-    if isa != Isa::Scalar {
-        if let Some(v) = x86::dot(isa, weight, w, act)? {
-            return Ok(v);
-        }
+    if isa != Isa::Scalar
+        && let Some(v) = x86::dot(isa, weight, w, act)?
+    {
+        return Ok(v);
     }
     Ok(match (weight, act) {
         (T::F32, ActRow::F32(x)) => scalar::f32_f32(cast(weight, w)?, x),
