@@ -76,6 +76,28 @@ block!(
     /// bits, a 4-bit scale per 32 weights.
     BlockIq3S, 110, { /** super scale */ d: f16, /** low 8 bits of grid indices */ qs: [u8; 64], /** ninth bits */ qh: [u8; 8], /** sign bits */ signs: [u8; 32], /** 4-bit scales */ scales: [u8; 4] });
 
+/// f16 to f32, exactly, as the F16C instruction converts (NaNs come out quiet).
+///
+/// Used by every kernel instead of `half::f16::to_f32`, whose run-time dispatch
+/// costs a call (and a spill of every vector register) per block.
+#[inline(always)]
+pub fn f16_to_f32(h: f16) -> f32 {
+    let h = h.to_bits() as u32;
+    let sign = (h & 0x8000) << 16;
+    let exp = (h >> 10) & 0x1f;
+    let man = h & 0x3ff;
+    if exp == 0x1f {
+        let nan_quiet = if man != 0 { 0x0040_0000 } else { 0 };
+        f32::from_bits(sign | 0x7f80_0000 | nan_quiet | (man << 13))
+    } else if exp == 0 {
+        // Zero or subnormal: man * 2^-24 is exact in f32.
+        let v = man as f32 * f32::from_bits(0x3380_0000);
+        f32::from_bits(sign | v.to_bits())
+    } else {
+        f32::from_bits(sign | ((exp + 112) << 23) | (man << 13))
+    }
+}
+
 /// The non-linear 4-bit table shared by IQ4_NL and IQ4_XS.
 pub const KVALUES_IQ4NL: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
@@ -130,4 +152,27 @@ pub fn iq4xs_scales(b: &BlockIq4Xs) -> [i8; 8] {
         out[ib] = ((lo | (hi << 4)) as i8).wrapping_sub(32);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_conversion_is_exact_for_every_value() {
+        for bits in 0..=u16::MAX {
+            let h = f16::from_bits(bits);
+            let (ours, reference) = (f16_to_f32(h), h.to_f32());
+            if reference.is_nan() {
+                assert!(ours.is_nan(), "{bits:#06x}");
+                assert_eq!(
+                    ours.to_bits() & 0x0040_0000,
+                    0x0040_0000,
+                    "{bits:#06x}: NaN not quiet"
+                );
+            } else {
+                assert_eq!(ours.to_bits(), reference.to_bits(), "{bits:#06x}");
+            }
+        }
+    }
 }

@@ -47,7 +47,7 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
         }
         F16 => {
             for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
+                *o = f16_to_f32(half::f16::from_le_bytes([c[0], c[1]]));
             }
         }
         BF16 => {
@@ -90,7 +90,7 @@ fn each<B, const N: usize>(blocks: &[B], dst: &mut [f32], f: fn(&B, &mut [f32; N
 
 /// Q4_0 block.
 pub fn q4_0(b: &BlockQ4_0, y: &mut [f32; 32]) {
-    let d = b.d.to_f32();
+    let d = f16_to_f32(b.d);
     for j in 0..16 {
         y[j] = d * (((b.qs[j] & 0x0F) as i8 - 8) as f32);
         y[j + 16] = d * (((b.qs[j] >> 4) as i8 - 8) as f32);
@@ -99,7 +99,7 @@ pub fn q4_0(b: &BlockQ4_0, y: &mut [f32; 32]) {
 
 /// Q4_1 block.
 pub fn q4_1(b: &BlockQ4_1, y: &mut [f32; 32]) {
-    let (d, m) = (b.d.to_f32(), b.m.to_f32());
+    let (d, m) = (f16_to_f32(b.d), f16_to_f32(b.m));
     for j in 0..16 {
         y[j] = d * ((b.qs[j] & 0x0F) as f32) + m;
         y[j + 16] = d * ((b.qs[j] >> 4) as f32) + m;
@@ -119,7 +119,7 @@ fn q5_values(qh: &[u8; 4], qs: &[u8; 16]) -> [u8; 32] {
 
 /// Q5_0 block.
 pub fn q5_0(b: &BlockQ5_0, y: &mut [f32; 32]) {
-    let d = b.d.to_f32();
+    let d = f16_to_f32(b.d);
     for (o, q) in y.iter_mut().zip(q5_values(&b.qh, &b.qs)) {
         *o = d * ((q as i8 - 16) as f32);
     }
@@ -127,7 +127,7 @@ pub fn q5_0(b: &BlockQ5_0, y: &mut [f32; 32]) {
 
 /// Q5_1 block.
 pub fn q5_1(b: &BlockQ5_1, y: &mut [f32; 32]) {
-    let (d, m) = (b.d.to_f32(), b.m.to_f32());
+    let (d, m) = (f16_to_f32(b.d), f16_to_f32(b.m));
     for (o, q) in y.iter_mut().zip(q5_values(&b.qh, &b.qs)) {
         *o = d * (q as f32) + m;
     }
@@ -135,7 +135,7 @@ pub fn q5_1(b: &BlockQ5_1, y: &mut [f32; 32]) {
 
 /// Q8_0 block.
 pub fn q8_0(b: &BlockQ8_0, y: &mut [f32; 32]) {
-    let d = b.d.to_f32();
+    let d = f16_to_f32(b.d);
     for (o, &q) in y.iter_mut().zip(&b.qs) {
         *o = (q as f32) * d;
     }
@@ -143,7 +143,7 @@ pub fn q8_0(b: &BlockQ8_0, y: &mut [f32; 32]) {
 
 /// Q8_1 block (the `s` field is derived data and not used).
 pub fn q8_1(b: &BlockQ8_1, y: &mut [f32; 32]) {
-    let d = b.d.to_f32();
+    let d = f16_to_f32(b.d);
     for (o, &q) in y.iter_mut().zip(&b.qs) {
         *o = (q as f32) * d;
     }
@@ -151,7 +151,7 @@ pub fn q8_1(b: &BlockQ8_1, y: &mut [f32; 32]) {
 
 /// Q2_K block.
 pub fn q2_k(b: &BlockQ2K, y: &mut [f32; 256]) {
-    let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+    let (d, dmin) = (f16_to_f32(b.d), f16_to_f32(b.dmin));
     for e in 0..256 {
         let (n, s, l) = (e / 128, (e % 128) / 32, e % 32);
         let q = (b.qs[n * 32 + l] >> (2 * s)) & 3;
@@ -164,7 +164,7 @@ pub fn q2_k(b: &BlockQ2K, y: &mut [f32; 256]) {
 
 /// Q3_K block.
 pub fn q3_k(b: &BlockQ3K, y: &mut [f32; 256]) {
-    let d = b.d.to_f32();
+    let d = f16_to_f32(b.d);
     let sc = q3k_scales(&b.scales);
     for e in 0..256 {
         let (n, s, l) = (e / 128, (e % 128) / 32, e % 32);
@@ -178,7 +178,7 @@ pub fn q3_k(b: &BlockQ3K, y: &mut [f32; 256]) {
 
 /// Q4_K block.
 pub fn q4_k(b: &BlockQ4K, y: &mut [f32; 256]) {
-    let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+    let (d, dmin) = (f16_to_f32(b.d), f16_to_f32(b.dmin));
     for j in 0..8 {
         let (sc, m) = scale_min_k4(j, &b.scales);
         let dl = d * (sc as f32);
@@ -193,7 +193,7 @@ pub fn q4_k(b: &BlockQ4K, y: &mut [f32; 256]) {
 
 /// Q5_K block.
 pub fn q5_k(b: &BlockQ5K, y: &mut [f32; 256]) {
-    let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+    let (d, dmin) = (f16_to_f32(b.d), f16_to_f32(b.dmin));
     for j in 0..8 {
         let (sc, m) = scale_min_k4(j, &b.scales);
         let dl = d * (sc as f32);
@@ -217,7 +217,7 @@ pub fn q6k_value(b: &BlockQ6K, e: usize) -> u8 {
 
 /// Q6_K block.
 pub fn q6_k(b: &BlockQ6K, y: &mut [f32; 256]) {
-    let d = b.d.to_f32();
+    let d = f16_to_f32(b.d);
     for e in 0..256 {
         let q = q6k_value(b, e) as i8 - 32;
         let dl = d * (b.scales[e / 16] as f32);
@@ -234,7 +234,7 @@ pub fn q8_k(b: &BlockQ8K, y: &mut [f32; 256]) {
 
 /// IQ4_NL block.
 pub fn iq4_nl(b: &BlockIq4Nl, y: &mut [f32; 32]) {
-    let d = b.d.to_f32();
+    let d = f16_to_f32(b.d);
     for j in 0..16 {
         y[j] = d * (KVALUES_IQ4NL[(b.qs[j] & 0x0F) as usize] as f32);
         y[j + 16] = d * (KVALUES_IQ4NL[(b.qs[j] >> 4) as usize] as f32);
@@ -243,7 +243,7 @@ pub fn iq4_nl(b: &BlockIq4Nl, y: &mut [f32; 32]) {
 
 /// IQ4_XS block.
 pub fn iq4_xs(b: &BlockIq4Xs, y: &mut [f32; 256]) {
-    let d = b.d.to_f32();
+    let d = f16_to_f32(b.d);
     let sc = iq4xs_scales(b);
     for ib in 0..8 {
         let dl = d * (sc[ib] as f32);
@@ -266,7 +266,7 @@ pub fn mxfp4(b: &BlockMxfp4, y: &mut [f32; 32]) {
 
 /// IQ2_XS block: `((d * (0.5 + sc)) * 0.25 * grid) * sign`, as gguf-py evaluates it.
 pub fn iq2_xs(b: &BlockIq2Xs, y: &mut [f32; 256]) {
-    let d = b.d.to_f32();
+    let d = f16_to_f32(b.d);
     for k in 0..16 {
         let sc = (b.scales[k / 2] >> (4 * (k % 2))) & 0x0F;
         let db = d * (0.5 + sc as f32) * 0.25;
@@ -284,7 +284,7 @@ pub fn iq2_xs(b: &BlockIq2Xs, y: &mut [f32; 256]) {
 
 /// IQ3_S block: `(d * (1 + 2 sc) * grid) * sign`, as gguf-py evaluates it.
 pub fn iq3_s(b: &BlockIq3S, y: &mut [f32; 256]) {
-    let d = b.d.to_f32();
+    let d = f16_to_f32(b.d);
     for k in 0..8 {
         let sc = (b.scales[k / 2] >> (4 * (k % 2))) & 0x0F;
         let db = d * (1 + 2 * sc) as f32;

@@ -27,6 +27,9 @@ fn simd_equals_scalar_bitwise_on_random_blocks() {
         let bs = ty.block_size();
         let lens: Vec<usize> = if bs == 1 {
             vec![1, 7, 16, 63, 64, 65, 127, 128, 200, 256, 1000, 2048, 4099]
+        } else if bs == 32 {
+            // Every tail length of the 8-block groups.
+            (1..=40).map(|k| k * 32).collect()
         } else {
             (1..=12).map(|k| k * 256).collect()
         };

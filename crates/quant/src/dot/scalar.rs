@@ -1,9 +1,11 @@
 //! Scalar reference dot kernels: the definition every SIMD path must reproduce
 //! byte for byte.
 //!
-//! Quantized formats: each block's inner sum is an exact integer; the float
-//! combination is, per block in order, `acc += (d_w * d_a) * (sumi as f32)` (and for
-//! formats with mins, then `acc -= (dmin_w * d_a) * (summ as f32)`). Float formats:
+//! Quantized formats: each block's inner sum is an exact integer. The float
+//! combination of 256-element formats is, per block in order,
+//! `acc += (d_w * d_a) * (sumi as f32)` (and for formats with mins, then
+//! `acc -= (dmin_w * d_a) * (summ as f32)`); 32-element formats put block `b`'s
+//! term into lane `b % 8` and reduce the 8 lanes by a fixed tree ([`lanes8`]). Float formats:
 //! element `i` accumulates into lane `i % 64` as `lane = lane + w*x` (no FMA), then
 //! the lanes reduce by the fixed tree of [`reduce64`].
 
@@ -59,7 +61,7 @@ pub fn f32_f32(w: &[f32], x: &[f32]) -> f32 {
 /// F16 weights · f32 activations.
 pub fn f16_f32(w: &[half::f16], x: &[f32]) -> f32 {
     let mut lanes = [0f32; 64];
-    f32_lanes_tail(&mut lanes, w.iter().map(|v| v.to_f32()), x, 0);
+    f32_lanes_tail(&mut lanes, w.iter().map(|v| f16_to_f32(*v)), x, 0);
     reduce64(&lanes)
 }
 
@@ -100,25 +102,55 @@ pub fn sumi_q4_0(w: &BlockQ4_0, a: &BlockQ8_0) -> i32 {
     s
 }
 
+/// Reduce 8 lanes: (i, i+4), then (i, i+2), then (0, 1).
+#[inline]
+pub fn reduce8(l: &[f32; 8]) -> f32 {
+    let t = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
+    let u = [t[0] + t[2], t[1] + t[3]];
+    u[0] + u[1]
+}
+
+/// The float combination of every 32-element format: block `b`'s term goes into
+/// lane `b % 8` (`lane = lane + term`), then [`reduce8`]. Eight independent lanes
+/// let SIMD kernels combine eight blocks per instruction with the same rounding.
+#[inline]
+pub fn lanes8<W, A>(w: &[W], a: &[A], term: impl Fn(&W, &A) -> f32) -> f32 {
+    let mut lanes = [0f32; 8];
+    for (b, (w, a)) in w.iter().zip(a).enumerate() {
+        lanes[b % 8] = lanes[b % 8] + term(w, a);
+    }
+    reduce8(&lanes)
+}
+
+/// One block's term: `(dw * da) * sumi`.
+#[inline(always)]
+pub fn term(dw: f32, da: f32, sumi: i32) -> f32 {
+    (dw * da) * (sumi as f32)
+}
+
 /// Q4_0 · Q8_0.
 pub fn q4_0_q8_0(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
-    w.iter().zip(a).fold(0.0, |acc, (w, a)| {
-        combine(acc, w.d.to_f32(), a.d.to_f32(), sumi_q4_0(w, a))
+    lanes8(w, a, |w, a| {
+        term(f16_to_f32(w.d), f16_to_f32(a.d), sumi_q4_0(w, a))
     })
 }
 
-/// Q4_1 · Q8_1: `acc += ((dw*da)*sumi + m*s)`.
-pub fn q4_1_q8_1(w: &[BlockQ4_1], a: &[BlockQ8_1]) -> f32 {
-    let mut acc = 0f32;
-    for (w, a) in w.iter().zip(a) {
-        let mut s = 0i32;
-        for j in 0..16 {
-            s += (w.qs[j] & 0x0F) as i32 * a.qs[j] as i32;
-            s += (w.qs[j] >> 4) as i32 * a.qs[j + 16] as i32;
-        }
-        acc += (w.d.to_f32() * a.d.to_f32()) * (s as f32) + w.m.to_f32() * a.s.to_f32();
+/// Integer inner sum of a Q4_1 block (unsigned nibbles) with a Q8_1 block.
+#[inline]
+pub fn sumi_q4_1(w: &BlockQ4_1, a: &BlockQ8_1) -> i32 {
+    let mut s = 0i32;
+    for j in 0..16 {
+        s += (w.qs[j] & 0x0F) as i32 * a.qs[j] as i32;
+        s += (w.qs[j] >> 4) as i32 * a.qs[j + 16] as i32;
     }
-    acc
+    s
+}
+
+/// Q4_1 · Q8_1: term `(dw*da)*sumi + m*s`.
+pub fn q4_1_q8_1(w: &[BlockQ4_1], a: &[BlockQ8_1]) -> f32 {
+    lanes8(w, a, |w, a| {
+        term(f16_to_f32(w.d), f16_to_f32(a.d), sumi_q4_1(w, a)) + f16_to_f32(w.m) * f16_to_f32(a.s)
+    })
 }
 
 fn q5(qh: &[u8; 4], qs: &[u8; 16], j: usize) -> i32 {
@@ -133,22 +165,20 @@ fn q5(qh: &[u8; 4], qs: &[u8; 16], j: usize) -> i32 {
 
 /// Q5_0 · Q8_0.
 pub fn q5_0_q8_0(w: &[BlockQ5_0], a: &[BlockQ8_0]) -> f32 {
-    w.iter().zip(a).fold(0.0, |acc, (w, a)| {
+    lanes8(w, a, |w, a| {
         let s: i32 = (0..32)
             .map(|j| (q5(&w.qh, &w.qs, j) - 16) * a.qs[j] as i32)
             .sum();
-        combine(acc, w.d.to_f32(), a.d.to_f32(), s)
+        term(f16_to_f32(w.d), f16_to_f32(a.d), s)
     })
 }
 
 /// Q5_1 · Q8_1.
 pub fn q5_1_q8_1(w: &[BlockQ5_1], a: &[BlockQ8_1]) -> f32 {
-    let mut acc = 0f32;
-    for (w, a) in w.iter().zip(a) {
+    lanes8(w, a, |w, a| {
         let s: i32 = (0..32).map(|j| q5(&w.qh, &w.qs, j) * a.qs[j] as i32).sum();
-        acc += (w.d.to_f32() * a.d.to_f32()) * (s as f32) + w.m.to_f32() * a.s.to_f32();
-    }
-    acc
+        term(f16_to_f32(w.d), f16_to_f32(a.d), s) + f16_to_f32(w.m) * f16_to_f32(a.s)
+    })
 }
 
 /// Integer inner sum of two Q8_0 blocks.
@@ -162,32 +192,32 @@ pub fn sumi_q8_0(w: &BlockQ8_0, a: &BlockQ8_0) -> i32 {
 
 /// Q8_0 · Q8_0.
 pub fn q8_0_q8_0(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
-    w.iter().zip(a).fold(0.0, |acc, (w, a)| {
-        combine(acc, w.d.to_f32(), a.d.to_f32(), sumi_q8_0(w, a))
+    lanes8(w, a, |w, a| {
+        term(f16_to_f32(w.d), f16_to_f32(a.d), sumi_q8_0(w, a))
     })
 }
 
 /// IQ4_NL · Q8_0.
 pub fn iq4_nl_q8_0(w: &[BlockIq4Nl], a: &[BlockQ8_0]) -> f32 {
-    w.iter().zip(a).fold(0.0, |acc, (w, a)| {
+    lanes8(w, a, |w, a| {
         let mut s = 0i32;
         for j in 0..16 {
             s += KVALUES_IQ4NL[(w.qs[j] & 0x0F) as usize] as i32 * a.qs[j] as i32;
             s += KVALUES_IQ4NL[(w.qs[j] >> 4) as usize] as i32 * a.qs[j + 16] as i32;
         }
-        combine(acc, w.d.to_f32(), a.d.to_f32(), s)
+        term(f16_to_f32(w.d), f16_to_f32(a.d), s)
     })
 }
 
 /// MXFP4 · Q8_0.
 pub fn mxfp4_q8_0(w: &[BlockMxfp4], a: &[BlockQ8_0]) -> f32 {
-    w.iter().zip(a).fold(0.0, |acc, (w, a)| {
+    lanes8(w, a, |w, a| {
         let mut s = 0i32;
         for j in 0..16 {
             s += KVALUES_MXFP4[(w.qs[j] & 0x0F) as usize] as i32 * a.qs[j] as i32;
             s += KVALUES_MXFP4[(w.qs[j] >> 4) as usize] as i32 * a.qs[j + 16] as i32;
         }
-        combine(acc, e8m0_to_f32_half(w.e), a.d.to_f32(), s)
+        term(e8m0_to_f32_half(w.e), f16_to_f32(a.d), s)
     })
 }
 
@@ -206,7 +236,7 @@ pub fn q2_k_q8_k(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
             sumi += (w.scales[g] & 0x0F) as i32 * s;
             summ += (w.scales[g] >> 4) as i32 * a.bsums[g] as i32;
         }
-        combine_min(acc, w.d.to_f32(), w.dmin.to_f32(), a.d, sumi, summ)
+        combine_min(acc, f16_to_f32(w.d), f16_to_f32(w.dmin), a.d, sumi, summ)
     })
 }
 
@@ -226,7 +256,7 @@ pub fn q3_k_q8_k(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
             }
             sumi += sc[g] as i32 * s;
         }
-        combine(acc, w.d.to_f32(), a.d, sumi)
+        combine(acc, f16_to_f32(w.d), a.d, sumi)
     })
 }
 
@@ -251,7 +281,7 @@ pub fn sumi_q4_k(w: &BlockQ4K, a: &BlockQ8K) -> (i32, i32) {
 pub fn q4_k_q8_k(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
     w.iter().zip(a).fold(0.0, |acc, (w, a)| {
         let (sumi, summ) = sumi_q4_k(w, a);
-        combine_min(acc, w.d.to_f32(), w.dmin.to_f32(), a.d, sumi, summ)
+        combine_min(acc, f16_to_f32(w.d), f16_to_f32(w.dmin), a.d, sumi, summ)
     })
 }
 
@@ -277,7 +307,7 @@ pub fn sumi_q5_k(w: &BlockQ5K, a: &BlockQ8K) -> (i32, i32) {
 pub fn q5_k_q8_k(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
     w.iter().zip(a).fold(0.0, |acc, (w, a)| {
         let (sumi, summ) = sumi_q5_k(w, a);
-        combine_min(acc, w.d.to_f32(), w.dmin.to_f32(), a.d, sumi, summ)
+        combine_min(acc, f16_to_f32(w.d), f16_to_f32(w.dmin), a.d, sumi, summ)
     })
 }
 
@@ -299,7 +329,7 @@ pub fn sumi_q6_k(w: &BlockQ6K, a: &BlockQ8K) -> i32 {
 /// Q6_K · Q8_K.
 pub fn q6_k_q8_k(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
     w.iter().zip(a).fold(0.0, |acc, (w, a)| {
-        combine(acc, w.d.to_f32(), a.d, sumi_q6_k(w, a))
+        combine(acc, f16_to_f32(w.d), a.d, sumi_q6_k(w, a))
     })
 }
 
@@ -323,7 +353,7 @@ pub fn sumi_iq4_xs(w: &BlockIq4Xs, a: &BlockQ8K) -> i32 {
 /// IQ4_XS · Q8_K.
 pub fn iq4_xs_q8_k(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
     w.iter().zip(a).fold(0.0, |acc, (w, a)| {
-        combine(acc, w.d.to_f32(), a.d, sumi_iq4_xs(w, a))
+        combine(acc, f16_to_f32(w.d), a.d, sumi_iq4_xs(w, a))
     })
 }
 
@@ -346,7 +376,7 @@ pub fn iq2_xs_q8_k(w: &[BlockIq2Xs], a: &[BlockQ8K]) -> f32 {
             }
             sumi += (2 * sc + 1) * s;
         }
-        acc + ((w.d.to_f32() * a.d) * 0.125) * (sumi as f32)
+        acc + ((f16_to_f32(w.d) * a.d) * 0.125) * (sumi as f32)
     })
 }
 
@@ -373,6 +403,6 @@ pub fn iq3_s_q8_k(w: &[BlockIq3S], a: &[BlockQ8K]) -> f32 {
             }
             sumi += (2 * sc + 1) * s;
         }
-        combine(acc, w.d.to_f32(), a.d, sumi)
+        combine(acc, f16_to_f32(w.d), a.d, sumi)
     })
 }

@@ -17,6 +17,7 @@ pub(super) const AVX2_FORMATS: &[GgmlType] = &[
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
+    GgmlType::Q4_0,
     GgmlType::Q8_0,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
@@ -29,6 +30,7 @@ pub(super) const AVX512_FORMATS: &[GgmlType] = &[
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
+    GgmlType::Q4_0,
     GgmlType::Q8_0,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
@@ -52,6 +54,9 @@ pub(super) fn dot(isa: Isa, weight: GgmlType, w: &[u8], act: &ActRow) -> Result<
             (Isa::Avx512, T::Q8_0, ActRow::Q8_0(a)) => {
                 q8_0_avx512(crate::cast_blocks(weight, w)?, a)
             }
+            (Isa::Avx512, T::Q4_0, ActRow::Q8_0(a)) => {
+                q4_0_avx512(crate::cast_blocks(weight, w)?, a)
+            }
             (Isa::Avx512, T::Q4_K, ActRow::Q8K(a)) => {
                 q4_k_avx512(crate::cast_blocks(weight, w)?, a)
             }
@@ -68,6 +73,7 @@ pub(super) fn dot(isa: Isa, weight: GgmlType, w: &[u8], act: &ActRow) -> Result<
             (_, T::F16, ActRow::F32(x)) => f16_avx2(crate::cast_blocks(weight, w)?, x),
             (_, T::BF16, ActRow::F32(x)) => bf16_avx2(crate::cast_blocks(weight, w)?, x),
             (_, T::Q8_0, ActRow::Q8_0(a)) => q8_0_avx2(crate::cast_blocks(weight, w)?, a),
+            (_, T::Q4_0, ActRow::Q8_0(a)) => q4_0_avx2(crate::cast_blocks(weight, w)?, a),
             (_, T::Q4_K, ActRow::Q8K(a)) => q4_k_avx2(crate::cast_blocks(weight, w)?, a),
             (_, T::Q5_K, ActRow::Q8K(a)) => q5_k_avx2(crate::cast_blocks(weight, w)?, a),
             (_, T::Q6_K, ActRow::Q8K(a)) => q6_k_avx2(crate::cast_blocks(weight, w)?, a),
@@ -181,10 +187,17 @@ unsafe fn ld_bf16_16(p: *const u16) -> __m512 {
 }
 
 float_avx2!(f32_avx2, f32, ld_f32_8, |v: &f32| *v);
-float_avx2!(f16_avx2, half::f16, ld_f16_8, |v: &half::f16| v.to_f32());
+float_avx2!(f16_avx2, half::f16, ld_f16_8, |v: &half::f16| f16_to_f32(
+    *v
+));
 float_avx2!(bf16_avx2, u16, ld_bf16_8, |v: &u16| scalar::bf16_to_f32(*v));
 float_avx512!(f32_avx512, f32, ld_f32_16, |v: &f32| *v);
-float_avx512!(f16_avx512, half::f16, ld_f16_16, |v: &half::f16| v.to_f32());
+float_avx512!(
+    f16_avx512,
+    half::f16,
+    ld_f16_16,
+    |v: &half::f16| f16_to_f32(*v)
+);
 float_avx512!(bf16_avx512, u16, ld_bf16_16, |v: &u16| scalar::bf16_to_f32(
     *v
 ));
@@ -227,14 +240,111 @@ unsafe fn load256u(p: &[u8]) -> __m256i {
 
 // ---------------------------------------------------------------- quantized formats
 
-#[target_feature(enable = "avx2")]
-unsafe fn q8_0_avx2(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
-    let mut acc = 0f32;
-    for (w, a) in w.iter().zip(a) {
-        let s = unsafe { hsum_i32(dot_i8(load256(&w.qs), load256(&a.qs))) };
-        acc = combine(acc, w.d.to_f32(), a.d.to_f32(), s);
+/// Horizontal sums of 8 vectors: lane `k` of the result is the sum of `v[k]`.
+#[inline(always)]
+unsafe fn hsum8(v: &[__m256i; 8]) -> __m256i {
+    unsafe {
+        let h01 = _mm256_hadd_epi32(v[0], v[1]);
+        let h23 = _mm256_hadd_epi32(v[2], v[3]);
+        let h45 = _mm256_hadd_epi32(v[4], v[5]);
+        let h67 = _mm256_hadd_epi32(v[6], v[7]);
+        let h0123 = _mm256_hadd_epi32(h01, h23);
+        let h4567 = _mm256_hadd_epi32(h45, h67);
+        let lo = _mm256_permute2x128_si256::<0x20>(h0123, h4567);
+        let hi = _mm256_permute2x128_si256::<0x31>(h0123, h4567);
+        _mm256_add_epi32(lo, hi)
     }
-    acc
+}
+
+/// The 8-lane combination of 32-element formats ([`scalar::lanes8`]), eight blocks
+/// at a time: `block(b)` gives block `b`'s exact integer sum (as 8 partial lanes)
+/// and the f16 bits of its two scales; a group's scales are converted by F16C
+/// (exactly as `f16_to_f32`), multiplied, and combined with one vector multiply and
+/// add. The tail goes through the scalar term into the same lanes.
+#[inline(always)]
+unsafe fn lanes8_avx2(
+    nb: usize,
+    mut block: impl FnMut(usize) -> (__m256i, u16, u16),
+    tail: impl Fn(usize) -> f32,
+) -> f32 {
+    unsafe {
+        let mut acc = _mm256_setzero_ps();
+        let groups = nb / 8;
+        for g in 0..groups {
+            let mut v = [_mm256_setzero_si256(); 8];
+            let mut dw = [0u16; 8];
+            let mut da = [0u16; 8];
+            for k in 0..8 {
+                (v[k], dw[k], da[k]) = block(8 * g + k);
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(dw.as_ptr() as *const __m128i));
+            let da = _mm256_cvtph_ps(_mm_loadu_si128(da.as_ptr() as *const __m128i));
+            let s = _mm256_cvtepi32_ps(hsum8(&v));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dw, da), s));
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+        for b in groups * 8..nb {
+            lanes[b % 8] = lanes[b % 8] + tail(b);
+        }
+        scalar::reduce8(&lanes)
+    }
+}
+
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn q8_0_avx2(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
+    let nb = w.len().min(a.len());
+    unsafe {
+        lanes8_avx2(
+            nb,
+            |b| {
+                let v = dot_i8(load256(&w[b].qs), load256(&a[b].qs));
+                (v, w[b].d.to_bits(), a[b].d.to_bits())
+            },
+            |b| {
+                scalar::term(
+                    f16_to_f32(w[b].d),
+                    f16_to_f32(a[b].d),
+                    scalar::sumi_q8_0(&w[b], &a[b]),
+                )
+            },
+        )
+    }
+}
+
+/// The 32 signed values `q - 8` of a Q4_0 block, in element order.
+#[inline(always)]
+unsafe fn q4_0_values(b: &BlockQ4_0) -> __m256i {
+    unsafe {
+        let q = _mm_loadu_si128(b.qs.as_ptr() as *const __m128i);
+        let m4 = _mm_set1_epi8(0x0F);
+        let both = _mm256_set_m128i(
+            _mm_and_si128(_mm_srli_epi16::<4>(q), m4),
+            _mm_and_si128(q, m4),
+        );
+        _mm256_sub_epi8(both, _mm256_set1_epi8(8))
+    }
+}
+
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn q4_0_avx2(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
+    let nb = w.len().min(a.len());
+    unsafe {
+        lanes8_avx2(
+            nb,
+            |b| {
+                let v = dot_i8(q4_0_values(&w[b]), load256(&a[b].qs));
+                (v, w[b].d.to_bits(), a[b].d.to_bits())
+            },
+            |b| {
+                scalar::term(
+                    f16_to_f32(w[b].d),
+                    f16_to_f32(a[b].d),
+                    scalar::sumi_q4_0(&w[b], &a[b]),
+                )
+            },
+        )
+    }
 }
 
 #[inline(always)]
@@ -269,8 +379,8 @@ unsafe fn q4_k_avx2(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
         };
         acc = combine_min(
             acc,
-            w.d.to_f32(),
-            w.dmin.to_f32(),
+            f16_to_f32(w.d),
+            f16_to_f32(w.dmin),
             a.d,
             sumi,
             summ_k4(&w.scales, a),
@@ -319,8 +429,8 @@ unsafe fn q4_k_avx512(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
         };
         acc = combine_min(
             acc,
-            w.d.to_f32(),
-            w.dmin.to_f32(),
+            f16_to_f32(w.d),
+            f16_to_f32(w.dmin),
             a.d,
             sumi,
             summ_k4(&w.scales, a),
@@ -360,8 +470,8 @@ unsafe fn q5_k_avx2(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
         };
         acc = combine_min(
             acc,
-            w.d.to_f32(),
-            w.dmin.to_f32(),
+            f16_to_f32(w.d),
+            f16_to_f32(w.dmin),
             a.d,
             sumi,
             summ_k4(&w.scales, a),
@@ -414,7 +524,7 @@ unsafe fn q6_k_avx2(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
         for g in 0..16 {
             corr += w.scales[g] as i32 * a.bsums[g] as i32;
         }
-        acc = combine(acc, w.d.to_f32(), a.d, sumi.wrapping_sub(32 * corr));
+        acc = combine(acc, f16_to_f32(w.d), a.d, sumi.wrapping_sub(32 * corr));
     }
     acc
 }
@@ -442,7 +552,7 @@ unsafe fn iq4_xs_avx2(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
             }
             hsum_i32(v)
         };
-        acc = combine(acc, w.d.to_f32(), a.d, sumi);
+        acc = combine(acc, f16_to_f32(w.d), a.d, sumi);
     }
     acc
 }
@@ -461,14 +571,55 @@ unsafe fn dot_i8_512(a: __m256i, b: __m256i) -> __m512i {
     unsafe { _mm512_madd_epi16(_mm512_cvtepi8_epi16(a), _mm512_cvtepi8_epi16(b)) }
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx2")]
-unsafe fn q8_0_avx512(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
-    let mut acc = 0f32;
-    for (w, a) in w.iter().zip(a) {
-        let s = unsafe { _mm512_reduce_add_epi32(dot_i8_512(load256(&w.qs), load256(&a.qs))) };
-        acc = combine(acc, w.d.to_f32(), a.d.to_f32(), s);
+/// Exact i8 x i8 dot of 32 pairs with one 512-bit multiply, folded to 8 lanes.
+#[inline(always)]
+unsafe fn dot_i8_512_fold(a: __m256i, b: __m256i) -> __m256i {
+    unsafe {
+        let p = dot_i8_512(a, b);
+        _mm256_add_epi32(_mm512_castsi512_si256(p), _mm512_extracti64x4_epi64::<1>(p))
     }
-    acc
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
+unsafe fn q8_0_avx512(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
+    let nb = w.len().min(a.len());
+    unsafe {
+        lanes8_avx2(
+            nb,
+            |b| {
+                let v = dot_i8_512_fold(load256(&w[b].qs), load256(&a[b].qs));
+                (v, w[b].d.to_bits(), a[b].d.to_bits())
+            },
+            |b| {
+                scalar::term(
+                    f16_to_f32(w[b].d),
+                    f16_to_f32(a[b].d),
+                    scalar::sumi_q8_0(&w[b], &a[b]),
+                )
+            },
+        )
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
+unsafe fn q4_0_avx512(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
+    let nb = w.len().min(a.len());
+    unsafe {
+        lanes8_avx2(
+            nb,
+            |b| {
+                let v = dot_i8_512_fold(q4_0_values(&w[b]), load256(&a[b].qs));
+                (v, w[b].d.to_bits(), a[b].d.to_bits())
+            },
+            |b| {
+                scalar::term(
+                    f16_to_f32(w[b].d),
+                    f16_to_f32(a[b].d),
+                    scalar::sumi_q4_0(&w[b], &a[b]),
+                )
+            },
+        )
+    }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx2")]
@@ -511,8 +662,8 @@ unsafe fn q5_k_avx512(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
         };
         acc = combine_min(
             acc,
-            w.d.to_f32(),
-            w.dmin.to_f32(),
+            f16_to_f32(w.d),
+            f16_to_f32(w.dmin),
             a.d,
             sumi,
             summ_k4(&w.scales, a),
@@ -558,7 +709,7 @@ unsafe fn q6_k_avx512(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
         for g in 0..16 {
             corr += w.scales[g] as i32 * a.bsums[g] as i32;
         }
-        acc = combine(acc, w.d.to_f32(), a.d, sumi.wrapping_sub(32 * corr));
+        acc = combine(acc, f16_to_f32(w.d), a.d, sumi.wrapping_sub(32 * corr));
     }
     acc
 }
@@ -600,7 +751,7 @@ unsafe fn iq4_xs_avx512(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
             }
             _mm512_reduce_add_epi32(v)
         };
-        acc = combine(acc, w.d.to_f32(), a.d, sumi);
+        acc = combine(acc, f16_to_f32(w.d), a.d, sumi);
     }
     acc
 }
