@@ -32,6 +32,8 @@ pub fn can_dequantize(ty: GgmlType) -> bool {
             | IQ4_NL
             | IQ4_XS
             | MXFP4
+            | IQ2_XS
+            | IQ3_S
     )
 }
 
@@ -300,6 +302,25 @@ pub fn iq3_s(b: &BlockIq3S, y: &mut [f32; 256]) {
                     -1.0
                 };
                 y[el] = db * grid[i] as f32 * sign;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn can_dequantize_matches_dequantize() {
+        for &ty in GgmlType::ALL {
+            let n = ty.block_size() * 2;
+            let src = vec![0u8; 2 * ty.type_size()];
+            let mut dst = vec![1f32; n];
+            let ok = dequantize(ty, &src, &mut dst).is_ok();
+            assert_eq!(ok, can_dequantize(ty), "{ty}");
+            if ok {
+                assert!(dst.iter().all(|&v| v == 0.0), "{ty}: zero blocks must give zeros");
             }
         }
     }

@@ -414,3 +414,16 @@ fn pack_q6(l: &[u8; 256], b: &mut BlockQ6K) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn can_quantize_matches_quantize() {
+        for &ty in GgmlType::ALL {
+            let x = vec![0.25f32; ty.block_size() * 2];
+            assert_eq!(quantize(ty, &x).is_ok(), can_quantize(ty), "{ty}");
+        }
+    }
+}
