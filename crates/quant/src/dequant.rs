@@ -320,7 +320,10 @@ mod tests {
             let ok = dequantize(ty, &src, &mut dst).is_ok();
             assert_eq!(ok, can_dequantize(ty), "{ty}");
             if ok {
-                assert!(dst.iter().all(|&v| v == 0.0), "{ty}: zero blocks must give zeros");
+                assert!(
+                    dst.iter().all(|&v| v == 0.0),
+                    "{ty}: zero blocks must give zeros"
+                );
             }
         }
     }
