@@ -1,0 +1,163 @@
+//! The CPU backend: row kernels over f32 slices.
+//!
+//! Every op computes each output row from that row's inputs only (plus, for the
+//! sequential ops, the state its own sequence has written), with one fixed order
+//! of arithmetic; threads split output columns or heads, never a reduction, so
+//! results are the same for any number of rows in the call and any thread count.
+
+use crate::model::Matrix;
+use rayon::prelude::*;
+use samesum_quant::dot::{self, ActRow};
+
+/// The CPU backend: a thread pool.
+pub struct Cpu {
+    pool: rayon::ThreadPool,
+}
+
+/// Output columns per parallel task in a matmul.
+const COLS_PER_TASK: usize = 16;
+
+impl Cpu {
+    /// A backend running on `threads` threads (0: all cores).
+    pub fn new(threads: usize) -> Cpu {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("thread pool");
+        Cpu { pool }
+    }
+
+    /// Threads in use.
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
+    /// `y[r][j] = W_mat[j] · x[r]` for each of the `x.len() / cols` rows: each
+    /// activation row is quantized once into the weight format's partner, then one
+    /// dot per output element.
+    pub fn matmul(&self, file: &[u8], w: &Matrix, mat: usize, x: &[f32], y: &mut [f32]) {
+        let m = x.len() / w.cols;
+        debug_assert_eq!(y.len(), m * w.rows);
+        for r in 0..m {
+            let act = ActRow::quantize(w.ty, &x[r * w.cols..(r + 1) * w.cols])
+                .expect("bound matrices have a dot kernel and whole blocks");
+            let yr = &mut y[r * w.rows..(r + 1) * w.rows];
+            self.pool.install(|| {
+                yr.par_chunks_mut(COLS_PER_TASK)
+                    .enumerate()
+                    .for_each(|(c, out)| {
+                        for (i, o) in out.iter_mut().enumerate() {
+                            let j = c * COLS_PER_TASK + i;
+                            *o =
+                                dot::dot(w.ty, w.row(file, mat, j), &act).expect("checked at bind");
+                        }
+                    });
+            });
+        }
+    }
+
+    /// Run `f(head)` for `n` independent heads in parallel.
+    pub fn par_heads<T: Send>(
+        &self,
+        out: &mut [T],
+        per: usize,
+        f: impl Fn(usize, &mut [T]) + Sync,
+    ) {
+        self.pool.install(|| {
+            out.par_chunks_mut(per)
+                .enumerate()
+                .for_each(|(h, o)| f(h, o))
+        });
+    }
+}
+
+/// RMSNorm of each `dim`-wide row: `y = x * (1/sqrt(mean(x²) + eps)) * w`, the sum
+/// of squares accumulated in f64 in index order (as ggml does).
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
+    let dim = w.len();
+    for (xr, yr) in x.chunks_exact(dim).zip(y.chunks_exact_mut(dim)) {
+        let scale = rms_scale(xr, eps);
+        for ((o, &v), &g) in yr.iter_mut().zip(xr).zip(w) {
+            *o = (v * scale) * g;
+        }
+    }
+}
+
+/// `1/sqrt(mean(x²) + eps)` of one row.
+#[inline]
+pub fn rms_scale(x: &[f32], eps: f32) -> f32 {
+    let mut sum = 0f64;
+    for &v in x {
+        sum += (v as f64) * (v as f64);
+    }
+    let mean = (sum / x.len() as f64) as f32;
+    1.0 / (mean + eps).sqrt()
+}
+
+/// In-place L2 norm of one row: `x / sqrt(Σx² + eps)` (sum in f64, index order).
+#[inline]
+pub fn l2_norm(x: &mut [f32], eps: f32) {
+    let mut sum = 0f64;
+    for &v in x.iter() {
+        sum += (v as f64) * (v as f64);
+    }
+    let scale = 1.0 / ((sum as f32) + eps).sqrt();
+    for v in x {
+        *v *= scale;
+    }
+}
+
+/// `x * sigmoid(x)`.
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// `1 / (1 + exp(-x))`.
+#[inline]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `log(1 + exp(x))`, `x` above 20 passes through (torch's and ggml's threshold).
+#[inline]
+pub fn softplus(x: f32) -> f32 {
+    if x > 20.0 { x } else { x.exp().ln_1p() }
+}
+
+/// NeoX RoPE on the first `n_rot` dims of each `head_dim`-wide head of one row at
+/// position `pos`: pairs `(i, i + n_rot/2)`; angles `pos * theta^(-2i/n_rot)` in f32.
+pub fn rope_row(x: &mut [f32], head_dim: usize, n_rot: usize, theta: f32, pos: usize) {
+    let half = n_rot / 2;
+    for i in 0..half {
+        let inv_freq = 1.0 / theta.powf((2 * i) as f32 / n_rot as f32);
+        let ang = pos as f32 * inv_freq;
+        let (sin, cos) = ang.sin_cos();
+        for head in x.chunks_exact_mut(head_dim) {
+            let (a, b) = (head[i], head[i + half]);
+            head[i] = a * cos - b * sin;
+            head[i + half] = b * cos + a * sin;
+        }
+    }
+}
+
+/// Softmax of one row in place (max subtracted, exp, sum in index order, divide).
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= sum;
+    }
+}
+
+/// The `k` largest entries of `p`, largest first, lower ids first among equals.
+pub fn top_k(p: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..p.len()).collect();
+    idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}

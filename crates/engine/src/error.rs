@@ -1,0 +1,31 @@
+//! Errors of the engine.
+
+use samesum_gguf::GgufError;
+use samesum_quant::QuantError;
+
+/// Result with [`EngineError`].
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+/// Everything that can go wrong loading or running a model.
+#[allow(missing_docs)]
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error(transparent)]
+    Quant(#[from] QuantError),
+    #[error("unsupported architecture {found:?} (supported: {supported})")]
+    UnsupportedArch { found: String, supported: String },
+    #[error("bad hyperparameter: {0}")]
+    BadHParam(String),
+    #[error("the model's tensors do not match its architecture ({} problems):\n  {}", .0.len(), .0.join("\n  "))]
+    Tensors(Vec<String>),
+    #[error("context full: position {pos} is past the context size {ctx}")]
+    ContextFull { pos: usize, ctx: usize },
+    #[error("token id {token} is outside the vocabulary ({vocab} tokens)")]
+    BadToken { token: u32, vocab: usize },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    Template(String),
+}

@@ -1,0 +1,407 @@
+//! The forward pass, written once for `m` rows: decode is `m = 1`, prefill is the
+//! same code with `m = chunk`. Nothing here knows which one it is.
+//!
+//! Per layer: RMSNorm -> mixer (attention or gated delta net) -> residual ->
+//! RMSNorm -> MoE (router, top-k experts combined in k order, shared expert) ->
+//! residual. Projections run over all rows at once; the sequential parts
+//! (attention over the cache, the short conv, the delta rule) walk the rows in
+//! position order, each row doing exactly what a one-row call would do.
+
+use crate::cpu::{self, Cpu};
+use crate::error::{EngineError, Result};
+use crate::model::weights::{DeltaBa, DeltaInput, DeltaNetW, Mixer, MoeW};
+use crate::model::{Arch, Model};
+use crate::state::SeqState;
+use samesum_quant::dequant;
+
+/// Which rows' logits a forward call returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Every row's (`m * n_vocab` values).
+    All,
+    /// The last row's only.
+    Last,
+    /// None (state update only).
+    None,
+}
+
+/// Run `tokens` (at positions `state.pos ..`) through the model, update the
+/// state, and return the requested logits.
+pub fn forward(
+    model: &Model,
+    cpu: &Cpu,
+    st: &mut SeqState,
+    tokens: &[u32],
+    want: Logits,
+) -> Result<Vec<f32>> {
+    let hp = &model.hp;
+    let w = &model.w;
+    let file = model.bytes();
+    let (m, d) = (tokens.len(), hp.n_embd);
+    if m == 0 {
+        return Ok(Vec::new());
+    }
+    if st.pos + m > st.ctx {
+        return Err(EngineError::ContextFull {
+            pos: st.pos + m - 1,
+            ctx: st.ctx,
+        });
+    }
+    let mut h = vec![0f32; m * d];
+    for (r, &t) in tokens.iter().enumerate() {
+        if t as usize >= w.n_vocab {
+            return Err(EngineError::BadToken {
+                token: t,
+                vocab: w.n_vocab,
+            });
+        }
+        let row = w.token_embd.row(file, 0, t as usize);
+        dequant::dequantize(w.token_embd.ty, row, &mut h[r * d..(r + 1) * d])?;
+    }
+    let mut x = vec![0f32; m * d];
+    let mut y = vec![0f32; m * d];
+    for (l, lw) in w.layers.iter().enumerate() {
+        cpu::rms_norm(&h, &lw.attn_norm, hp.eps, &mut x);
+        match &lw.mixer {
+            Mixer::Attention(a) => attention(model, cpu, st, l, a, &x, &mut y),
+            Mixer::Linear(dn) => delta_net(model, cpu, st, l, dn, &x, &mut y),
+        }
+        for (hv, yv) in h.iter_mut().zip(&y) {
+            *hv += *yv;
+        }
+        cpu::rms_norm(&h, &lw.ffn_norm, hp.eps, &mut x);
+        moe(model, cpu, &lw.moe, &x, &mut y);
+        for (hv, yv) in h.iter_mut().zip(&y) {
+            *hv += *yv;
+        }
+    }
+    st.pos += m;
+    let rows: Vec<usize> = match want {
+        Logits::All => (0..m).collect(),
+        Logits::Last => vec![m - 1],
+        Logits::None => return Ok(Vec::new()),
+    };
+    let mut xs = vec![0f32; rows.len() * d];
+    for (i, &r) in rows.iter().enumerate() {
+        cpu::rms_norm(
+            &h[r * d..(r + 1) * d],
+            &w.output_norm,
+            hp.eps,
+            &mut xs[i * d..(i + 1) * d],
+        );
+    }
+    let mut logits = vec![0f32; rows.len() * w.n_vocab];
+    cpu.matmul(file, &w.output, 0, &xs, &mut logits);
+    Ok(logits)
+}
+
+fn attention(
+    model: &Model,
+    cpu: &Cpu,
+    st: &mut SeqState,
+    l: usize,
+    a: &crate::model::weights::AttentionW,
+    x: &[f32],
+    y: &mut [f32],
+) {
+    let hp = &model.hp;
+    let file = model.bytes();
+    let (hq, hkv, hd) = (hp.n_head, hp.n_head_kv, hp.head_dim);
+    let m = x.len() / hp.n_embd;
+    let (qw, kvw) = (hq * hd, hkv * hd);
+    let mut qg = vec![0f32; m * a.q.rows];
+    let mut k = vec![0f32; m * kvw];
+    let mut v = vec![0f32; m * kvw];
+    cpu.matmul(file, &a.q, 0, x, &mut qg);
+    cpu.matmul(file, &a.k, 0, x, &mut k);
+    cpu.matmul(file, &a.v, 0, x, &mut v);
+    // Split [q | gate] per head (hybrid archs).
+    let (mut q, gate) = if a.gated {
+        let mut q = vec![0f32; m * qw];
+        let mut g = vec![0f32; m * qw];
+        for r in 0..m {
+            for h in 0..hq {
+                let src = &qg[r * 2 * qw + h * 2 * hd..];
+                q[r * qw + h * hd..r * qw + (h + 1) * hd].copy_from_slice(&src[..hd]);
+                g[r * qw + h * hd..r * qw + (h + 1) * hd].copy_from_slice(&src[hd..2 * hd]);
+            }
+        }
+        (q, Some(g))
+    } else {
+        (qg, None)
+    };
+    let mut tmp = vec![0f32; q.len()];
+    cpu::rms_norm(&q, &a.q_norm, hp.eps, &mut tmp);
+    std::mem::swap(&mut q, &mut tmp);
+    let mut tmp = vec![0f32; k.len()];
+    cpu::rms_norm(&k, &a.k_norm, hp.eps, &mut tmp);
+    let mut k = tmp;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let rep = hq / hkv;
+    let cache = st.kv[l].as_mut().expect("attention layer has a KV cache");
+    let mut o = vec![0f32; m * qw];
+    for r in 0..m {
+        let pos = st.pos + r;
+        cpu::rope_row(
+            &mut q[r * qw..(r + 1) * qw],
+            hd,
+            hp.n_rot,
+            hp.rope_theta,
+            pos,
+        );
+        cpu::rope_row(
+            &mut k[r * kvw..(r + 1) * kvw],
+            hd,
+            hp.n_rot,
+            hp.rope_theta,
+            pos,
+        );
+        cache.write(
+            pos,
+            kvw,
+            &k[r * kvw..(r + 1) * kvw],
+            &v[r * kvw..(r + 1) * kvw],
+        );
+        let qr = &q[r * qw..(r + 1) * qw];
+        let cache = &*cache;
+        cpu.par_heads(&mut o[r * qw..(r + 1) * qw], hd, |h, out| {
+            let g = h / rep;
+            let qh = &qr[h * hd..(h + 1) * hd];
+            let mut s = vec![0f32; pos + 1];
+            for (j, sj) in s.iter_mut().enumerate() {
+                let mut acc = 0f32;
+                for i in 0..hd {
+                    acc += qh[i] * cache.k_at(j, kvw, g * hd + i);
+                }
+                *sj = acc * scale;
+            }
+            cpu::softmax(&mut s);
+            out.fill(0.0);
+            for (j, &p) in s.iter().enumerate() {
+                for i in 0..hd {
+                    out[i] += p * cache.v_at(j, kvw, g * hd + i);
+                }
+            }
+        });
+    }
+    if let Some(g) = gate {
+        for (ov, gv) in o.iter_mut().zip(&g) {
+            *ov *= cpu::sigmoid(*gv);
+        }
+    }
+    cpu.matmul(file, &a.o, 0, &o, y);
+}
+
+fn delta_net(
+    model: &Model,
+    cpu: &Cpu,
+    st: &mut SeqState,
+    l: usize,
+    dn: &DeltaNetW,
+    x: &[f32],
+    y: &mut [f32],
+) {
+    let hp = &model.hp;
+    let file = model.bytes();
+    let s = hp.ssm.expect("linear layers have ssm sizes");
+    let m = x.len() / hp.n_embd;
+    let (kd, vd, cd) = (s.key_dim(), s.value_dim(), s.conv_dim());
+    let (hk, hv, dk, dv, kc) = (
+        s.n_k_heads,
+        s.n_v_heads,
+        s.head_k_dim,
+        s.head_v_dim,
+        s.d_conv,
+    );
+    let ratio = hv / hk;
+    // Projections for all rows.
+    let mut qkv = vec![0f32; m * cd];
+    let mut z = vec![0f32; m * vd];
+    match &dn.input {
+        DeltaInput::Split { qkv: wq, z: wz } => {
+            cpu.matmul(file, wq, 0, x, &mut qkv);
+            cpu.matmul(file, wz, 0, x, &mut z);
+        }
+        DeltaInput::Fused { ssm_in } => {
+            let width = 2 * dk + 2 * ratio * dv;
+            let mut f = vec![0f32; m * ssm_in.rows];
+            cpu.matmul(file, ssm_in, 0, x, &mut f);
+            for r in 0..m {
+                for g in 0..hk {
+                    let src = &f[r * ssm_in.rows + g * width..];
+                    let dst = &mut qkv[r * cd..(r + 1) * cd];
+                    dst[g * dk..(g + 1) * dk].copy_from_slice(&src[..dk]);
+                    dst[kd + g * dk..kd + (g + 1) * dk].copy_from_slice(&src[dk..2 * dk]);
+                    let vs = ratio * dv;
+                    dst[2 * kd + g * vs..2 * kd + (g + 1) * vs]
+                        .copy_from_slice(&src[2 * dk..2 * dk + vs]);
+                    z[r * vd + g * vs..r * vd + (g + 1) * vs]
+                        .copy_from_slice(&src[2 * dk + vs..2 * dk + 2 * vs]);
+                }
+            }
+        }
+    }
+    // beta and alpha per value head, in the file's head order.
+    let mut b = vec![0f32; m * hv];
+    let mut a = vec![0f32; m * hv];
+    match &dn.ba {
+        DeltaBa::Fused(wba) => {
+            let mut ba = vec![0f32; m * 2 * hv];
+            cpu.matmul(file, wba, 0, x, &mut ba);
+            for r in 0..m {
+                for g in 0..hk {
+                    for j in 0..ratio {
+                        b[r * hv + g * ratio + j] = ba[r * 2 * hv + g * 2 * ratio + j];
+                        a[r * hv + g * ratio + j] = ba[r * 2 * hv + g * 2 * ratio + ratio + j];
+                    }
+                }
+            }
+        }
+        DeltaBa::Split { beta, alpha } => {
+            cpu.matmul(file, beta, 0, x, &mut b);
+            cpu.matmul(file, alpha, 0, x, &mut a);
+        }
+    }
+    let tiled = model.hp.arch == Arch::Qwen35Moe;
+    let state = st.linear[l].as_mut().expect("linear layer has state");
+    let mut o = vec![0f32; m * vd];
+    let eps = hp.eps;
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    for r in 0..m {
+        // Short causal conv over [state (Kc-1 rows) ; this row], then SiLU.
+        let xin = &qkv[r * cd..(r + 1) * cd];
+        let mut conv_out = vec![0f32; cd];
+        for c in 0..cd {
+            let taps = &dn.conv[c * kc..(c + 1) * kc];
+            let mut acc = 0f32;
+            for j in 0..kc - 1 {
+                acc += taps[j] * state.conv[j * cd + c];
+            }
+            acc += taps[kc - 1] * xin[c];
+            conv_out[c] = cpu::silu(acc);
+        }
+        if kc > 1 {
+            state.conv.copy_within(cd.., 0);
+            state.conv[(kc - 2) * cd..].copy_from_slice(xin);
+        }
+        let (qpart, rest) = conv_out.split_at_mut(kd);
+        let (kpart, vpart) = rest.split_at_mut(kd);
+        for h in 0..hk {
+            cpu::l2_norm(&mut qpart[h * dk..(h + 1) * dk], eps);
+            cpu::l2_norm(&mut kpart[h * dk..(h + 1) * dk], eps);
+        }
+        let (qpart, kpart, vpart) = (&*qpart, &*kpart, &*vpart);
+        let br = &b[r * hv..(r + 1) * hv];
+        let ar = &a[r * hv..(r + 1) * hv];
+        let zr = &z[r * vd..(r + 1) * vd];
+        let sstate = &mut state.s;
+        // Each value head owns its state block and its output slice.
+        let mut heads: Vec<(&mut [f32], &mut [f32])> = sstate
+            .chunks_mut(dk * dv)
+            .zip(o[r * vd..(r + 1) * vd].chunks_mut(dv))
+            .collect();
+        cpu.par_heads(&mut heads, 1, |n, hs| {
+            let (sn, on) = &mut hs[0];
+            let kh = if tiled { n % hk } else { n / ratio };
+            let qh = &qpart[kh * dk..(kh + 1) * dk];
+            let khv = &kpart[kh * dk..(kh + 1) * dk];
+            let vh = &vpart[n * dv..(n + 1) * dv];
+            let beta = cpu::sigmoid(br[n]);
+            let g = cpu::softplus(ar[n] + dn.dt_bias[n]) * dn.a[n];
+            let decay = g.exp();
+            for v in sn.iter_mut() {
+                *v *= decay;
+            }
+            // delta[j] = (v[j] - Σ_i S[i][j] k[i]) * beta
+            let mut delta = vec![0f32; dv];
+            for j in 0..dv {
+                let mut kv = 0f32;
+                for i in 0..dk {
+                    kv += sn[i * dv + j] * khv[i];
+                }
+                delta[j] = (vh[j] - kv) * beta;
+            }
+            for i in 0..dk {
+                let ki = khv[i];
+                let row = &mut sn[i * dv..(i + 1) * dv];
+                for j in 0..dv {
+                    row[j] += ki * delta[j];
+                }
+            }
+            // o[j] = Σ_i S[i][j] q[i] / sqrt(dk), then gated RMSNorm with z.
+            for j in 0..dv {
+                let mut acc = 0f32;
+                for i in 0..dk {
+                    acc += sn[i * dv + j] * (qh[i] * q_scale);
+                }
+                on[j] = acc;
+            }
+            let scale = cpu::rms_scale(on, eps);
+            let zh = &zr[n * dv..(n + 1) * dv];
+            for j in 0..dv {
+                on[j] = ((on[j] * scale) * dn.norm[j]) * cpu::silu(zh[j]);
+            }
+        });
+    }
+    cpu.matmul(file, &dn.out, 0, &o, y);
+}
+
+fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
+    let hp = &model.hp;
+    let file = model.bytes();
+    let (d, e, k, f) = (hp.n_embd, hp.n_expert, hp.n_expert_used, hp.n_ff_exp);
+    let m = x.len() / d;
+    let mut logits = vec![0f32; m * e];
+    cpu.matmul(file, &mw.router, 0, x, &mut logits);
+    let mut gate = vec![0f32; f];
+    let mut up = vec![0f32; f];
+    let mut out = vec![0f32; d];
+    for r in 0..m {
+        let xr = &x[r * d..(r + 1) * d];
+        let p = &mut logits[r * e..(r + 1) * e];
+        cpu::softmax(p);
+        let ids = cpu::top_k(p, k);
+        let mut sum = 0f32;
+        for &i in &ids {
+            sum += p[i];
+        }
+        let sum = sum.max(6.103_515_6e-5);
+        let yr = &mut y[r * d..(r + 1) * d];
+        yr.fill(0.0);
+        for &i in &ids {
+            let wgt = p[i] / sum;
+            cpu.matmul(file, &mw.gate, i, xr, &mut gate);
+            cpu.matmul(file, &mw.up, i, xr, &mut up);
+            for (g, u) in gate.iter_mut().zip(&up) {
+                *g = cpu::silu(*g) * *u;
+            }
+            cpu.matmul(file, &mw.down, i, &gate, &mut out);
+            for (o, v) in yr.iter_mut().zip(&out) {
+                *o += wgt * *v;
+            }
+        }
+    }
+    if let Some(sh) = &mw.shared {
+        let fs = hp.n_ff_shexp;
+        let mut sg = vec![0f32; m * fs];
+        let mut su = vec![0f32; m * fs];
+        let mut gi = vec![0f32; m];
+        let mut ys = vec![0f32; m * d];
+        cpu.matmul(file, &sh.gate, 0, x, &mut sg);
+        cpu.matmul(file, &sh.up, 0, x, &mut su);
+        cpu.matmul(file, &sh.gate_inp, 0, x, &mut gi);
+        for (g, u) in sg.iter_mut().zip(&su) {
+            *g = cpu::silu(*g) * *u;
+        }
+        cpu.matmul(file, &sh.down, 0, &sg, &mut ys);
+        for r in 0..m {
+            let s = cpu::sigmoid(gi[r]);
+            for (o, v) in y[r * d..(r + 1) * d]
+                .iter_mut()
+                .zip(&ys[r * d..(r + 1) * d])
+            {
+                *o += s * *v;
+            }
+        }
+    }
+}

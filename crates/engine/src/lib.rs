@@ -1,0 +1,13 @@
+//! The samesum engine: models, the CPU backend, sequence state and the forward
+//! pass (one code path for decode and prefill).
+
+pub mod cpu;
+mod error;
+pub mod forward;
+pub mod model;
+pub mod state;
+
+pub use error::{EngineError, Result};
+pub use forward::{Logits, forward};
+pub use model::{Arch, HParams, Model};
+pub use state::{KvType, SeqState};
