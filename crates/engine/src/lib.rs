@@ -5,7 +5,9 @@ pub mod cpu;
 mod error;
 pub mod forward;
 pub mod model;
+pub mod sample;
 pub mod state;
+pub mod tokenizer;
 
 pub use error::{EngineError, Result};
 pub use forward::{Logits, forward};

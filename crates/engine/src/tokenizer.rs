@@ -1,0 +1,253 @@
+//! The tokenizer, built from GGUF metadata with the `tokenizers` crate (pure Rust,
+//! fancy-regex), and the chat template rendered with minijinja.
+//!
+//! Supported: `tokenizer.ggml.model = "gpt2"` (byte-level BPE) with the
+//! pre-tokenizers `qwen2` and `qwen35`; anything else is an error naming it.
+
+use crate::error::{EngineError, Result};
+use samesum_gguf::Metadata;
+use tokenizers::models::bpe::BPE;
+use tokenizers::normalizers::unicode::NFC;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer as HfTokenizer};
+
+/// The qwen2 pre-tokenizer split (Qwen3, Qwen3-MoE, Qwen3-Next).
+pub const QWEN2_SPLIT: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// The qwen35 pre-tokenizer split (Qwen3.5), applied after NFC.
+pub const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A tokenizer with the model's special tokens and chat template.
+pub struct Tokenizer {
+    inner: HfTokenizer,
+    /// End-of-generation tokens (eos, plus control tokens that end a turn).
+    pub stop: Vec<u32>,
+    /// BOS id, if the model has one.
+    pub bos: Option<u32>,
+    /// Whether to prepend BOS.
+    pub add_bos: bool,
+    /// The chat template, if any.
+    pub chat_template: Option<String>,
+    tokens: Vec<String>,
+}
+
+fn err(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Tokenizer(e.to_string())
+}
+
+impl Tokenizer {
+    /// Build from GGUF metadata.
+    pub fn from_metadata(m: &Metadata) -> Result<Tokenizer> {
+        let model = m.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(err(format!(
+                "tokenizer.ggml.model {model:?} is not supported (supported: gpt2)"
+            )));
+        }
+        let pre = m.get_str("tokenizer.ggml.pre").unwrap_or("default");
+        let (pattern, nfc) = match pre {
+            "qwen2" => (QWEN2_SPLIT, false),
+            "qwen35" => (QWEN35_SPLIT, true),
+            other => {
+                return Err(err(format!(
+                    "tokenizer.ggml.pre {other:?} is not supported (supported: qwen2, qwen35)"
+                )));
+            }
+        };
+        let tokens: Vec<String> = m
+            .get_str_array("tokenizer.ggml.tokens")?
+            .into_iter()
+            .map(String::from)
+            .collect();
+        let types: Vec<i64> = match m.get("tokenizer.ggml.token_type") {
+            Some(_) => m.get_int_array("tokenizer.ggml.token_type")?,
+            None => vec![1; tokens.len()],
+        };
+        let merges: Vec<(String, String)> = match m.get("tokenizer.ggml.merges") {
+            Some(_) => m
+                .get_str_array("tokenizer.ggml.merges")?
+                .into_iter()
+                .map(|s| {
+                    s.split_once(' ')
+                        .map(|(a, b)| (a.to_string(), b.to_string()))
+                        .ok_or_else(|| err(format!("merge {s:?} is not 'a b'")))
+                })
+                .collect::<Result<_>>()?,
+            None => Vec::new(),
+        };
+        let mut vocab = tokenizers::models::bpe::Vocab::default();
+        let mut specials = Vec::new();
+        for (i, t) in tokens.iter().enumerate() {
+            // Every token keeps its GGUF id; control and user-defined tokens are also
+            // matched whole in the text, before BPE.
+            vocab.insert(t.clone(), i as u32);
+            if matches!(types.get(i).copied().unwrap_or(1), 3 | 4) {
+                specials.push((i as u32, t.clone()));
+            }
+        }
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(err)?;
+        let mut inner = HfTokenizer::new(bpe);
+        let split = Split::new(
+            SplitPattern::Regex(pattern.to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(err)?;
+        inner.with_pre_tokenizer(Some(Sequence::new(vec![
+            split.into(),
+            ByteLevel::new(false, false, false).into(),
+        ])));
+        inner.with_decoder(Some(ByteLevel::default()));
+        if nfc {
+            inner.with_normalizer(Some(NFC)).map_err(err)?;
+        }
+        // Special tokens keep their GGUF ids: the added vocabulary maps content to
+        // the id the model was trained with.
+        let added: Vec<AddedToken> = specials
+            .iter()
+            .map(|(_, s)| AddedToken::from(s.clone(), true).normalized(false))
+            .collect();
+        inner.add_special_tokens(added).map_err(err)?;
+        for (id, s) in &specials {
+            if inner.token_to_id(s) != Some(*id) {
+                return Err(err(format!(
+                    "special token {s:?} would get id {:?}, the file says {id}",
+                    inner.token_to_id(s)
+                )));
+            }
+        }
+        let id = |k: &str| m.get_uint(k).ok().map(|v| v as u32);
+        let eos = id("tokenizer.ggml.eos_token_id");
+        let mut stop: Vec<u32> = eos.into_iter().collect();
+        for (i, s) in &specials {
+            if matches!(s.as_str(), "<|im_end|>" | "<|endoftext|>" | "<|eot_id|>")
+                && !stop.contains(i)
+            {
+                stop.push(*i);
+            }
+        }
+        Ok(Tokenizer {
+            inner,
+            stop,
+            bos: id("tokenizer.ggml.bos_token_id"),
+            add_bos: m.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(false),
+            chat_template: m.get_str("tokenizer.chat_template").ok().map(String::from),
+            tokens,
+        })
+    }
+
+    /// Tokenize `text` (special tokens in the text are recognized).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, false).map_err(err)?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if self.add_bos {
+            ids.extend(self.bos);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Decode ids to text.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(err)
+    }
+
+    /// The token string of `id` (for diagnostics).
+    pub fn token(&self, id: u32) -> &str {
+        self.tokens
+            .get(id as usize)
+            .map(String::as_str)
+            .unwrap_or("<?>")
+    }
+
+    /// Vocabulary size.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether the vocabulary is empty.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// A streaming decoder: feed ids, get text as soon as it is complete UTF-8.
+    pub fn stream(&self) -> TextStream<'_> {
+        TextStream {
+            tok: self,
+            ids: Vec::new(),
+            emitted: 0,
+        }
+    }
+
+    /// Render a one-turn chat prompt with the model's template.
+    pub fn chat(&self, user: &str, system: Option<&str>) -> Result<String> {
+        let tpl = self.chat_template.as_deref().ok_or_else(|| {
+            EngineError::Template("the model has no tokenizer.chat_template (use --no-chat)".into())
+        })?;
+        let mut env = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", tpl)
+            .map_err(|e| EngineError::Template(e.to_string()))?;
+        let mut messages = Vec::new();
+        if let Some(s) = system {
+            messages.push(minijinja::context! { role => "system", content => s });
+        }
+        messages.push(minijinja::context! { role => "user", content => user });
+        let bos = self
+            .bos
+            .map(|b| self.token(b).to_string())
+            .unwrap_or_default();
+        let eos = self
+            .stop
+            .first()
+            .map(|&e| self.token(e).to_string())
+            .unwrap_or_default();
+        env.get_template("chat")
+            .and_then(|t| {
+                t.render(minijinja::context! {
+                    messages => messages,
+                    add_generation_prompt => true,
+                    bos_token => bos,
+                    eos_token => eos,
+                    enable_thinking => false,
+                })
+            })
+            .map_err(|e| EngineError::Template(e.to_string()))
+    }
+}
+
+/// Incremental detokenization: text is released once it decodes to whole
+/// characters (a multi-byte character split across tokens waits for its end).
+pub struct TextStream<'a> {
+    tok: &'a Tokenizer,
+    ids: Vec<u32>,
+    emitted: usize,
+}
+
+impl TextStream<'_> {
+    /// Add one id; return the new text, if any.
+    pub fn push(&mut self, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let text = self.tok.decode(&self.ids)?;
+        if text.ends_with('\u{FFFD}') {
+            return Ok(String::new());
+        }
+        let new = text.get(self.emitted..).unwrap_or("").to_string();
+        self.emitted = text.len();
+        Ok(new)
+    }
+}

@@ -1,0 +1,107 @@
+//! The tokenizer from GGUF metadata: golden ids from Hugging Face `tokenizers`
+//! (the conformance fixtures' prompts were tokenized by it), round trips, special
+//! tokens, chat templates, and errors for unsupported tokenizers.
+
+use samesum_engine::tokenizer::Tokenizer;
+use samesum_gguf::{Gguf, GgufFile, GgufWriter};
+use std::path::PathBuf;
+
+fn fixture(name: &str) -> GgufFile {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/conformance/fixtures")
+        .join(name);
+    GgufFile::open(p).unwrap()
+}
+
+#[test]
+fn matches_hugging_face_on_the_fixture_prompts() {
+    // make_fixtures.py tokenized these two texts with the HF tokenizer it trained;
+    // the ids are the first two prompts of every fixture manifest.
+    let f = fixture("qwen3moe.gguf");
+    let tok = Tokenizer::from_metadata(f.metadata()).unwrap();
+    let manifest = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/conformance/fixtures/qwen3moe.json"),
+    )
+    .unwrap();
+    let texts = [
+        "The quick brown fox jumps over the lazy dog.",
+        "When the engine reads a prompt, it may compute the prompt one token at a time.",
+    ];
+    let start = manifest.find("\"prompts\"").unwrap();
+    let body = &manifest[start..];
+    for (i, text) in texts.iter().enumerate() {
+        let ids = tok.encode(text).unwrap();
+        let listed: Vec<String> = ids.iter().map(|x| x.to_string()).collect();
+        // The manifest lists each prompt as a JSON array; find this one.
+        let needle = listed.join(",\n  ");
+        let compact: String = body.chars().filter(|c| !c.is_whitespace()).collect();
+        assert!(
+            compact.contains(&format!("[{}]", listed.join(","))),
+            "prompt {i}: {ids:?} not in manifest ({needle})"
+        );
+        assert_eq!(tok.decode(&ids).unwrap(), *text);
+    }
+}
+
+#[test]
+fn round_trips_and_special_tokens_on_synthetic_vocabularies() {
+    use samesum_synth::{SynthOptions, shapes, write_model};
+    for shape in ["tiny-qwen3moe", "tiny-qwen35moe"] {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.gguf");
+        let opts = SynthOptions::new(
+            shapes::by_name(shape).unwrap(),
+            samesum_gguf::GgmlType::Q8_0,
+            1,
+        );
+        write_model(&opts, &p, &mut |_, _| {}).unwrap();
+        let f = GgufFile::open(&p).unwrap();
+        let tok = Tokenizer::from_metadata(f.metadata()).unwrap();
+        for text in [
+            "Hello, world! The experts route every token.",
+            "naïve café — 日本語 🙂\n\ttabs  and  spaces",
+            "",
+        ] {
+            let ids = tok.encode(text).unwrap();
+            assert_eq!(tok.decode(&ids).unwrap(), text, "{shape}");
+            let mut s = tok.stream();
+            let streamed: String = ids.iter().map(|&i| s.push(i).unwrap()).collect();
+            assert_eq!(streamed, text, "{shape}: streaming decode");
+        }
+        // Merges apply: common words take fewer tokens than bytes.
+        let text = "the experts and the tokens";
+        assert!(
+            tok.encode(text).unwrap().len() < text.len() / 2,
+            "{shape}: merges not applied"
+        );
+        let im_end = f.metadata().get_u32("tokenizer.ggml.eos_token_id").unwrap();
+        assert_eq!(tok.encode("<|im_end|>").unwrap(), vec![im_end]);
+        assert!(tok.stop.contains(&im_end));
+        let chat = tok.chat("Hi there", Some("Be brief.")).unwrap();
+        assert_eq!(
+            chat,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let ids = tok.encode(&chat).unwrap();
+        assert_eq!(ids[0], tok.encode("<|im_start|>").unwrap()[0]);
+    }
+}
+
+#[test]
+fn unsupported_tokenizers_are_errors() {
+    let f = fixture("qwen3moe.gguf");
+    for (key, value, needle) in [
+        ("tokenizer.ggml.pre", "llama-bpe", "qwen2, qwen35"),
+        ("tokenizer.ggml.model", "llama", "gpt2"),
+    ] {
+        let mut w = GgufWriter::with_metadata(f.metadata().clone());
+        w.set(key, value);
+        let g = Gguf::from_bytes(w.to_bytes(&[]).unwrap()).unwrap();
+        let e = Tokenizer::from_metadata(g.metadata())
+            .err()
+            .expect("accepted")
+            .to_string();
+        assert!(e.contains(value) && e.contains(needle), "{e}");
+    }
+}
