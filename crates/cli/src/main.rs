@@ -2,6 +2,7 @@
 
 mod bench_quant;
 mod inspect;
+mod run;
 mod synth;
 
 use clap::{Parser, Subcommand};
@@ -18,6 +19,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Generate text from a prompt (no -m: a tiny synthetic model made on the fly).
+    Run(run::Args),
     /// Write a synthetic random-weight model at a real architecture's shape.
     Synth(synth::Args),
     /// Show a GGUF file's architecture, hyperparameters and tensors (no FILE: the
@@ -36,6 +39,7 @@ fn main() -> ExitCode {
     }
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Run(a) => run::run(a),
         Command::Synth(a) => synth::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::BenchQuant(a) => bench_quant::run(a),

@@ -75,3 +75,41 @@ fn bad_input_is_a_plain_error() {
     let (_, _, err) = samesum(&["inspect", bad.to_str().unwrap()]);
     assert!(err.contains("truncated") || err.contains("offset"), "{err}");
 }
+
+#[test]
+fn run_with_no_model_generates_and_reports() {
+    let (ok, _, err) = samesum(&["run", "-n", "8", "--temp", "0"]);
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("generation: ") && err.contains("tok/s"),
+        "{err}"
+    );
+}
+
+#[test]
+fn run_is_deterministic_for_a_seed() {
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/conformance/fixtures/qwen3next.gguf"
+    );
+    let args = [
+        "run",
+        "-m",
+        fixture,
+        "--no-chat",
+        "-p",
+        "The quick brown fox",
+        "-n",
+        "12",
+        "--seed",
+        "4",
+        "--temp",
+        "1.0",
+    ];
+    let (ok1, out1, err1) = samesum(&args);
+    let (ok2, out2, _) = samesum(&args);
+    assert!(ok1 && ok2, "{err1}");
+    assert_eq!(out1, out2);
+    let (ok, _, err) = samesum(&["run", "-m", fixture, "--no-chat", "-c", "8", "-n", "100"]);
+    assert!(!ok && err.contains("context"), "{err}");
+}

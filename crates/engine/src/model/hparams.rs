@@ -200,10 +200,10 @@ impl HParams {
                 head_k_dim: uint(m, &k("ssm.state_size"))?,
                 n_k_heads: uint(m, &k("ssm.group_count"))?,
                 n_v_heads,
-                head_v_dim: if n_v_heads > 0 { inner / n_v_heads } else { 0 },
+                head_v_dim: inner.checked_div(n_v_heads).unwrap_or(0),
             };
             if ssm.n_k_heads == 0
-                || ssm.n_v_heads % ssm.n_k_heads != 0
+                || !ssm.n_v_heads.is_multiple_of(ssm.n_k_heads)
                 || ssm.head_v_dim * n_v_heads != inner
                 || ssm.d_conv == 0
             {

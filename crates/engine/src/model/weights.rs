@@ -295,11 +295,11 @@ impl Weights {
         let embd_t = b.info("token_embd.weight");
         let n_vocab = embd_t.and_then(|t| t.dims.get(1)).copied().unwrap_or(0) as usize;
         let token_embd = b.matrix("token_embd.weight", d, n_vocab);
-        if let Some(t) = &token_embd {
-            if !dequant::can_dequantize(t.ty) {
-                b.problems
-                    .push(format!("token_embd.weight: type {} cannot be read", t.ty));
-            }
+        if let Some(t) = &token_embd
+            && !dequant::can_dequantize(t.ty)
+        {
+            b.problems
+                .push(format!("token_embd.weight: type {} cannot be read", t.ty));
         }
         let output_norm = b.vector("output_norm.weight", d);
         let output = if file.has_tensor("output.weight") {

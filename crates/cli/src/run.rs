@@ -1,0 +1,226 @@
+//! `samesum run`: generate text from a prompt, streaming it as it comes.
+
+use anyhow::{Context, Result, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use samesum_engine::sample::{Sampler, SamplerConfig};
+use samesum_engine::tokenizer::Tokenizer;
+use samesum_engine::{KvType, Logits, Model, SeqState, cpu::Cpu, forward};
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+/// Arguments of `samesum run`.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// GGUF model (default: a tiny synthetic model made on the fly).
+    #[arg(short, long)]
+    model: Option<PathBuf>,
+    /// Prompt text.
+    #[arg(
+        short,
+        long,
+        default_value = "Tell me about mixture-of-experts models."
+    )]
+    prompt: String,
+    /// Tokens to generate.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
+    n_predict: usize,
+    /// Context size in tokens.
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    ctx: usize,
+    /// Worker threads (default: all cores).
+    #[arg(short = 't', long, default_value_t = 0)]
+    threads: usize,
+    /// Temperature (0: greedy).
+    #[arg(long, default_value_t = 0.8)]
+    temp: f32,
+    /// Top-k (0: off).
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    /// Top-p (1: off).
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    /// Min-p (0: off).
+    #[arg(long, default_value_t = 0.05)]
+    min_p: f32,
+    /// Repetition penalty (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// Tokens the repetition penalty looks back over.
+    #[arg(long, default_value_t = 64)]
+    repeat_last_n: usize,
+    /// Random seed.
+    #[arg(short, long, default_value_t = 0)]
+    seed: u64,
+    /// Raw completion: do not wrap the prompt in the chat template.
+    #[arg(long)]
+    no_chat: bool,
+    /// System message (chat mode).
+    #[arg(long)]
+    system: Option<String>,
+    /// KV cache type: f32 or f16.
+    #[arg(long, default_value = "f32")]
+    kv_type: String,
+    /// Prompt rows per forward call.
+    #[arg(long, default_value_t = 64)]
+    chunk: usize,
+    /// Print the prompt's tokens before generating.
+    #[arg(long)]
+    verbose_prompt: bool,
+}
+
+pub(crate) fn run(a: Args) -> Result<()> {
+    let kv = match a.kv_type.as_str() {
+        "f32" => KvType::F32,
+        "f16" => KvType::F16,
+        other => bail!("--kv-type {other:?} is not supported (f32, f16)"),
+    };
+    if a.chunk == 0 {
+        bail!("--chunk must be at least 1");
+    }
+    let _tmp;
+    let path = match &a.model {
+        Some(p) => p.clone(),
+        None => {
+            let dir = tempfile::tempdir().context("creating a temporary directory")?;
+            let p = dir.path().join("tiny-qwen3next.gguf");
+            eprintln!(
+                "(no -m given: running on a tiny synthetic qwen3next model with random weights; expect gibberish)"
+            );
+            let opts = crate::synth::options("tiny-qwen3next", "q8_0", None, 0)?;
+            crate::synth::write(&opts, &p)?;
+            _tmp = dir;
+            p
+        }
+    };
+    let t_load = Instant::now();
+    let model = load_with_progress(&path)?;
+    let tok = Tokenizer::from_metadata(model.file.metadata())?;
+    let cpu = Cpu::new(a.threads);
+    eprintln!(
+        "loaded {} ({}, {} layers, {} experts/{} used, vocab {}) in {:.2}s, {} threads",
+        path.display(),
+        model.hp.arch.name(),
+        model.hp.n_layer,
+        model.hp.n_expert,
+        model.hp.n_expert_used,
+        model.w.n_vocab,
+        t_load.elapsed().as_secs_f64(),
+        cpu.threads()
+    );
+    let text = if a.no_chat {
+        a.prompt.clone()
+    } else {
+        tok.chat(&a.prompt, a.system.as_deref())?
+    };
+    let prompt = tok.encode(&text)?;
+    if prompt.is_empty() {
+        bail!("the prompt is empty after tokenization");
+    }
+    if a.verbose_prompt {
+        let shown: Vec<String> = prompt
+            .iter()
+            .map(|&t| format!("{t}:{:?}", tok.token(t)))
+            .collect();
+        eprintln!("prompt tokens ({}): {}", prompt.len(), shown.join(" "));
+    }
+    if prompt.len() + a.n_predict > a.ctx {
+        bail!(
+            "the prompt ({} tokens) plus {} to generate does not fit the context of {} (raise -c)",
+            prompt.len(),
+            a.n_predict,
+            a.ctx
+        );
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = stop.clone();
+        let _ = ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst));
+    }
+    let mut st = SeqState::new(&model.hp, a.ctx, kv);
+    let mut sampler = Sampler::new(SamplerConfig {
+        temp: a.temp,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repeat_penalty: a.repeat_penalty,
+        repeat_last_n: a.repeat_last_n,
+        seed: a.seed,
+    });
+    let t_prompt = Instant::now();
+    let mut logits = Vec::new();
+    for (i, chunk) in prompt.chunks(a.chunk).enumerate() {
+        if stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let last = (i + 1) * a.chunk >= prompt.len();
+        logits = forward(
+            &model,
+            &cpu,
+            &mut st,
+            chunk,
+            if last { Logits::Last } else { Logits::None },
+        )?;
+    }
+    let prompt_s = t_prompt.elapsed().as_secs_f64();
+    let mut history = prompt.clone();
+    let mut out = std::io::stdout().lock();
+    let mut stream = tok.stream();
+    let t_gen = Instant::now();
+    let mut generated = 0usize;
+    while generated < a.n_predict && !stop.load(Ordering::SeqCst) && !logits.is_empty() {
+        let next = sampler.sample(&logits, &history);
+        if tok.stop.contains(&next) {
+            break;
+        }
+        generated += 1;
+        history.push(next);
+        write!(out, "{}", stream.push(next)?)?;
+        out.flush()?;
+        if generated == a.n_predict {
+            break;
+        }
+        logits = forward(&model, &cpu, &mut st, &[next], Logits::Last)?;
+    }
+    writeln!(out)?;
+    let gen_s = t_gen.elapsed().as_secs_f64();
+    if stop.load(Ordering::SeqCst) {
+        eprintln!("[interrupted]");
+    }
+    eprintln!(
+        "prompt: {} tokens in {:.2}s ({:.1} tok/s) | generation: {} tokens in {:.2}s ({:.1} tok/s)",
+        prompt.len(),
+        prompt_s,
+        prompt.len() as f64 / prompt_s.max(1e-9),
+        generated,
+        gen_s,
+        generated as f64 / gen_s.max(1e-9)
+    );
+    Ok(())
+}
+
+/// Open and bind the model, touching every page of the mapping once with a
+/// progress bar, so the first token does not pay for page faults.
+pub(crate) fn load_with_progress(path: &std::path::Path) -> Result<Model> {
+    let model = Model::load(path)?;
+    let bytes = model.bytes();
+    let bar = ProgressBar::new(bytes.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("loading [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let mut sum = 0u8;
+    const STEP: usize = 1 << 24;
+    for (i, chunk) in bytes.chunks(STEP).enumerate() {
+        for page in chunk.iter().step_by(4096) {
+            sum = sum.wrapping_add(*page);
+        }
+        bar.set_position(((i + 1) * STEP).min(bytes.len()) as u64);
+    }
+    std::hint::black_box(sum);
+    bar.finish_and_clear();
+    Ok(model)
+}
