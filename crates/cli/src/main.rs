@@ -1,5 +1,6 @@
 //! The `samesum` binary: a thin layer of argument parsing over the library crates.
 
+mod bench;
 mod bench_quant;
 mod inspect;
 mod run;
@@ -26,6 +27,8 @@ enum Command {
     /// Show a GGUF file's architecture, hyperparameters and tensors (no FILE: the
     /// built-in tiny synthetic model).
     Inspect(inspect::Args),
+    /// Measure prompt-processing and generation speed (llama-bench style).
+    Bench(bench::Args),
     /// Measure dequantize and dot-product throughput per block format.
     BenchQuant(bench_quant::Args),
 }
@@ -42,6 +45,7 @@ fn main() -> ExitCode {
         Command::Run(a) => run::run(a),
         Command::Synth(a) => synth::run(a),
         Command::Inspect(a) => inspect::run(a),
+        Command::Bench(a) => bench::run(a),
         Command::BenchQuant(a) => bench_quant::run(a),
     };
     match result {

@@ -1,0 +1,116 @@
+//! `samesum bench`: llama-bench-style prompt-processing and generation speed.
+
+use anyhow::{Result, bail};
+use samesum_engine::{KvType, Logits, SeqState, cpu::Cpu, forward};
+use samesum_quant::rng::Rng;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Arguments of `samesum bench`.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// GGUF model (default: a tiny synthetic model made on the fly).
+    #[arg(short, long)]
+    model: Option<PathBuf>,
+    /// Prompt lengths to measure (comma-separated; 0 skips).
+    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "512")]
+    n_prompt: Vec<usize>,
+    /// Generation lengths to measure (comma-separated; 0 skips).
+    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128")]
+    n_gen: Vec<usize>,
+    /// Repetitions per test.
+    #[arg(short = 'r', long, default_value_t = 5)]
+    repetitions: usize,
+    /// Worker threads (default: all cores).
+    #[arg(short = 't', long, default_value_t = 0)]
+    threads: usize,
+    /// Prompt rows per forward call.
+    #[arg(long, default_value_t = 64)]
+    chunk: usize,
+    /// KV cache type: f32 or f16.
+    #[arg(long, default_value = "f32")]
+    kv_type: String,
+}
+
+fn mean_sd(v: &[f64]) -> (f64, f64) {
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    let var = if v.len() > 1 { v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
+    (mean, var.sqrt())
+}
+
+pub(crate) fn run(a: Args) -> Result<()> {
+    let kv = match a.kv_type.as_str() {
+        "f32" => KvType::F32,
+        "f16" => KvType::F16,
+        other => bail!("--kv-type {other:?} is not supported (f32, f16)"),
+    };
+    if a.repetitions == 0 || a.chunk == 0 {
+        bail!("--repetitions and --chunk must be at least 1");
+    }
+    let _tmp;
+    let path = match &a.model {
+        Some(p) => p.clone(),
+        None => {
+            let dir = tempfile::tempdir()?;
+            let p = dir.path().join("tiny-qwen3next.gguf");
+            crate::synth::write(&crate::synth::options("tiny-qwen3next", "q8_0", None, 0)?, &p)?;
+            _tmp = dir;
+            p
+        }
+    };
+    let model = crate::run::load_with_progress(&path)?;
+    let cpu = Cpu::new(a.threads);
+    let size: u64 = model.file.tensors().iter().map(|t| t.size).sum();
+    let params: u64 = model.file.tensors().iter().map(|t| t.n_elements()).sum();
+    let name = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    println!("| model | size | params | backend | threads | test | t/s |");
+    println!("| --- | ---: | ---: | --- | ---: | --- | ---: |");
+    let row = |test: String, rates: &[f64]| {
+        let (m, sd) = mean_sd(rates);
+        println!(
+            "| {name} ({}) | {:.2} GiB | {:.2} B | cpu | {} | {test} | {m:.2} ± {sd:.2} |",
+            model.hp.arch.name(),
+            size as f64 / (1u64 << 30) as f64,
+            params as f64 / 1e9,
+            cpu.threads()
+        );
+    };
+    let mut rng = Rng::new(42);
+    let vocab = model.w.n_vocab as u64;
+    let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.below(vocab) as u32).collect() };
+    for &np in a.n_prompt.iter().filter(|&&n| n > 0) {
+        let mut rates = Vec::new();
+        for rep in 0..=a.repetitions {
+            let prompt = tokens(np);
+            let mut st = SeqState::new(&model.hp, np, kv);
+            let t = Instant::now();
+            let chunks: Vec<&[u32]> = prompt.chunks(a.chunk).collect();
+            for (i, c) in chunks.iter().enumerate() {
+                let want = if i + 1 == chunks.len() { Logits::Last } else { Logits::None };
+                forward(&model, &cpu, &mut st, c, want)?;
+            }
+            if rep > 0 {
+                // The first run warms caches and is not counted, as llama-bench does.
+                rates.push(np as f64 / t.elapsed().as_secs_f64());
+            }
+        }
+        row(format!("pp{np}"), &rates);
+    }
+    for &ng in a.n_gen.iter().filter(|&&n| n > 0) {
+        let mut rates = Vec::new();
+        for rep in 0..=a.repetitions {
+            let toks = tokens(ng);
+            let mut st = SeqState::new(&model.hp, ng, kv);
+            let t = Instant::now();
+            for &tok in &toks {
+                forward(&model, &cpu, &mut st, &[tok], Logits::Last)?;
+            }
+            if rep > 0 {
+                rates.push(ng as f64 / t.elapsed().as_secs_f64());
+            }
+        }
+        row(format!("tg{ng}"), &rates);
+    }
+    Ok(())
+}
