@@ -14,8 +14,8 @@ pub struct Cpu {
     pool: rayon::ThreadPool,
 }
 
-/// Output columns per parallel task in a matmul.
-const COLS_PER_TASK: usize = 16;
+/// Fewest output columns per parallel task in a matmul.
+const MIN_COLS_PER_TASK: usize = 16;
 
 impl Cpu {
     /// A backend running on `threads` threads (0: all cores).
@@ -25,6 +25,12 @@ impl Cpu {
             .build()
             .expect("thread pool");
         Cpu { pool }
+    }
+
+    /// Run `f` on the pool: parallel ops inside it run on the calling worker
+    /// instead of handing each one across threads.
+    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
     }
 
     /// Threads in use.
@@ -38,20 +44,24 @@ impl Cpu {
     pub fn matmul(&self, file: &[u8], w: &Matrix, mat: usize, x: &[f32], y: &mut [f32]) {
         let m = x.len() / w.cols;
         debug_assert_eq!(y.len(), m * w.rows);
+        // A few tasks per thread: enough to balance, few enough that task overhead
+        // stays small next to the rows' bytes. The split never touches a sum.
+        let per = w.rows.div_ceil(4 * self.threads()).max(MIN_COLS_PER_TASK);
+        let bytes = w.mat_bytes(file, mat);
         for r in 0..m {
             let act = ActRow::quantize(w.ty, &x[r * w.cols..(r + 1) * w.cols])
                 .expect("bound matrices have a dot kernel and whole blocks");
             let yr = &mut y[r * w.rows..(r + 1) * w.rows];
+            if w.rows <= MIN_COLS_PER_TASK {
+                dot::dot_rows(w.ty, bytes, &act, yr).expect("checked at bind");
+                continue;
+            }
             self.pool.install(|| {
-                yr.par_chunks_mut(COLS_PER_TASK)
-                    .enumerate()
-                    .for_each(|(c, out)| {
-                        for (i, o) in out.iter_mut().enumerate() {
-                            let j = c * COLS_PER_TASK + i;
-                            *o =
-                                dot::dot(w.ty, w.row(file, mat, j), &act).expect("checked at bind");
-                        }
-                    });
+                yr.par_chunks_mut(per).enumerate().for_each(|(c, out)| {
+                    let start = c * per * w.row_bytes;
+                    let rows = &bytes[start..start + out.len() * w.row_bytes];
+                    dot::dot_rows(w.ty, rows, &act, out).expect("checked at bind");
+                });
             });
         }
     }

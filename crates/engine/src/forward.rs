@@ -313,14 +313,16 @@ fn delta_net(
                 *v *= decay;
             }
             // delta[j] = (v[j] - Σ_i S[i][j] k[i]) * beta
-            let mut delta = vec![0f32; dv];
-            for j in 0..dv {
-                let mut kv = 0f32;
-                for i in 0..dk {
-                    kv += sn[i * dv + j] * khv[i];
+            // kv[j] sums over i in ascending order; looping i outside keeps that
+            // order per j and lets the j loop vectorize.
+            let mut kv = vec![0f32; dv];
+            for i in 0..dk {
+                let ki = khv[i];
+                for (acc, s) in kv.iter_mut().zip(&sn[i * dv..(i + 1) * dv]) {
+                    *acc += s * ki;
                 }
-                delta[j] = (vh[j] - kv) * beta;
             }
+            let delta: Vec<f32> = (0..dv).map(|j| (vh[j] - kv[j]) * beta).collect();
             for i in 0..dk {
                 let ki = khv[i];
                 let row = &mut sn[i * dv..(i + 1) * dv];
@@ -329,12 +331,12 @@ fn delta_net(
                 }
             }
             // o[j] = Σ_i S[i][j] q[i] / sqrt(dk), then gated RMSNorm with z.
-            for j in 0..dv {
-                let mut acc = 0f32;
-                for i in 0..dk {
-                    acc += sn[i * dv + j] * (qh[i] * q_scale);
+            on.fill(0.0);
+            for i in 0..dk {
+                let qi = qh[i] * q_scale;
+                for (acc, s) in on.iter_mut().zip(&sn[i * dv..(i + 1) * dv]) {
+                    *acc += s * qi;
                 }
-                on[j] = acc;
             }
             let scale = cpu::rms_scale(on, eps);
             let zh = &zr[n * dv..(n + 1) * dv];

@@ -134,13 +134,22 @@ pub fn q8_k(x: &[f32; 256]) -> BlockQ8K {
     }
     let iscale = -127.0 / max;
     for (q, v) in b.qs.iter_mut().zip(x) {
-        *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+        *q = nearest_int(iscale * v).min(127) as i8;
     }
     for (j, s) in b.bsums.iter_mut().enumerate() {
         *s = b.qs[j * 16..j * 16 + 16].iter().map(|&q| q as i16).sum();
     }
     b.d = 1.0 / iscale;
     b
+}
+
+/// Round to nearest, ties to even, for |x| < 2^22 (ggml's `nearest_int`: adding
+/// 1.5 * 2^23 leaves the integer in the low mantissa bits).
+#[inline(always)]
+fn nearest_int(x: f32) -> i32 {
+    debug_assert!(x.abs() <= 4_194_303.0);
+    let v = x + 12_582_912.0;
+    (v.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
 }
 
 /// Q4_0 as ggml's `quantize_row_q4_0_ref`.
@@ -418,6 +427,14 @@ fn pack_q6(l: &[u8; 256], b: &mut BlockQ6K) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nearest_int_rounds_half_to_even() {
+        for (x, want) in [(0.5f32, 0), (1.5, 2), (2.5, 2), (-0.5, 0), (-1.5, -2), (126.6, 127), (-127.0, -127), (3.49, 3)] {
+            assert_eq!(nearest_int(x), want, "{x}");
+            assert_eq!(nearest_int(x), x.round_ties_even() as i32, "{x}");
+        }
+    }
 
     #[test]
     fn can_quantize_matches_quantize() {

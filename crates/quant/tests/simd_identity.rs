@@ -164,3 +164,25 @@ fn the_bitwise_check_catches_a_reordered_sum() {
         "{seq_differs} {fma_differs}"
     );
 }
+
+#[test]
+fn dot_rows_equals_one_dot_per_row() {
+    let mut rng = Rng::new(21);
+    for &ty in DOT_FORMATS {
+        let n = 512;
+        let rows = 7;
+        let w = random_weight_blocks(ty, rows * n / ty.block_size(), &mut rng).unwrap();
+        let act = random_act(ty, n, &mut rng);
+        let rb = w.len() / rows;
+        for isa in Isa::available() {
+            let mut out = vec![f32::NAN; rows];
+            dot::dot_rows_with(isa, ty, &w, &act, &mut out).unwrap();
+            for r in 0..rows {
+                let one = dot::dot_with(isa, ty, &w[r * rb..(r + 1) * rb], &act).unwrap();
+                assert_eq!(out[r].to_bits(), one.to_bits(), "{ty} {isa} row {r}");
+            }
+        }
+        let mut short = vec![0f32; rows + 1];
+        assert!(dot::dot_rows(ty, &w, &act, &mut short).is_err(), "{ty}: wrong row count accepted");
+    }
+}

@@ -139,65 +139,77 @@ fn cast<B: bytemuck::Pod>(ty: GgmlType, w: &[u8]) -> Result<&[B]> {
 /// The dot product with kernel family `isa` (falls back to scalar for formats
 /// that family does not accelerate). Errors if `isa` is not supported here.
 pub fn dot_with(isa: Isa, weight: GgmlType, w: &[u8], act: &ActRow) -> Result<f32> {
-    let expected_act = act_type(weight).ok_or(QuantError::Unsupported {
-        ty: weight,
-        what: "dot",
-    })?;
+    let mut out = [0f32];
+    dot_rows_with(isa, weight, w, act, &mut out)?;
+    Ok(out[0])
+}
+
+/// Dot products of `out.len()` consecutive weight rows (`w` holds exactly that
+/// many rows of `act.len()` elements) with one activation row, using the best
+/// kernel family this CPU has. Validation and dispatch happen once per call.
+pub fn dot_rows(weight: GgmlType, w: &[u8], act: &ActRow, out: &mut [f32]) -> Result<()> {
+    dot_rows_with(Isa::best(), weight, w, act, out)
+}
+
+/// [`dot_rows`] with kernel family `isa`. Every row's result is exactly
+/// [`dot_with`] of that row.
+pub fn dot_rows_with(isa: Isa, weight: GgmlType, w: &[u8], act: &ActRow, out: &mut [f32]) -> Result<()> {
+    let expected_act = act_type(weight).ok_or(QuantError::Unsupported { ty: weight, what: "dot" })?;
     if act.act_type() != expected_act {
-        return Err(QuantError::ActivationType {
-            weight,
-            act: act.act_type(),
-            expected: expected_act,
-        });
+        return Err(QuantError::ActivationType { weight, act: act.act_type(), expected: expected_act });
     }
     let n = act.len();
-    crate::check_lengths(weight, w.len(), n).map_err(|e| match e {
-        QuantError::ByteLength { .. } => QuantError::RowMismatch {
+    let row_bytes = crate::row_size(weight, n)?;
+    if w.len() != row_bytes * out.len() {
+        return Err(QuantError::RowMismatch {
             ty: weight,
-            expected: w.len() / weight.type_size() * weight.block_size(),
-            found: n,
-        },
-        e => e,
-    })?;
-    if !isa.supported() {
-        return Err(QuantError::Unsupported {
-            ty: weight,
-            what: "this kernel family on this CPU",
+            expected: if out.len() == 1 { w.len() / weight.type_size() * weight.block_size() } else { out.len() * n },
+            found: if out.len() == 1 { n } else { w.len() / row_bytes.max(1) * n },
         });
     }
-    use GgmlType as T;
-    #[cfg(target_arch = "x86_64")]
-    if isa != Isa::Scalar
-        && let Some(v) = x86::dot(isa, weight, w, act)?
-    {
-        return Ok(v);
+    if !isa.supported() {
+        return Err(QuantError::Unsupported { ty: weight, what: "this kernel family on this CPU" });
     }
-    Ok(match (weight, act) {
-        (T::F32, ActRow::F32(x)) => scalar::f32_f32(cast(weight, w)?, x),
-        (T::F16, ActRow::F32(x)) => scalar::f16_f32(cast(weight, w)?, x),
-        (T::BF16, ActRow::F32(x)) => scalar::bf16_f32(cast(weight, w)?, x),
-        (T::Q4_0, ActRow::Q8_0(a)) => scalar::q4_0_q8_0(cast(weight, w)?, a),
-        (T::Q5_0, ActRow::Q8_0(a)) => scalar::q5_0_q8_0(cast(weight, w)?, a),
-        (T::Q8_0, ActRow::Q8_0(a)) => scalar::q8_0_q8_0(cast(weight, w)?, a),
-        (T::IQ4_NL, ActRow::Q8_0(a)) => scalar::iq4_nl_q8_0(cast(weight, w)?, a),
-        (T::MXFP4, ActRow::Q8_0(a)) => scalar::mxfp4_q8_0(cast(weight, w)?, a),
-        (T::Q4_1, ActRow::Q8_1(a)) => scalar::q4_1_q8_1(cast(weight, w)?, a),
-        (T::Q5_1, ActRow::Q8_1(a)) => scalar::q5_1_q8_1(cast(weight, w)?, a),
-        (T::Q2_K, ActRow::Q8K(a)) => scalar::q2_k_q8_k(cast(weight, w)?, a),
-        (T::Q3_K, ActRow::Q8K(a)) => scalar::q3_k_q8_k(cast(weight, w)?, a),
-        (T::Q4_K, ActRow::Q8K(a)) => scalar::q4_k_q8_k(cast(weight, w)?, a),
-        (T::Q5_K, ActRow::Q8K(a)) => scalar::q5_k_q8_k(cast(weight, w)?, a),
-        (T::Q6_K, ActRow::Q8K(a)) => scalar::q6_k_q8_k(cast(weight, w)?, a),
-        (T::IQ4_XS, ActRow::Q8K(a)) => scalar::iq4_xs_q8_k(cast(weight, w)?, a),
-        (T::IQ2_XS, ActRow::Q8K(a)) => scalar::iq2_xs_q8_k(cast(weight, w)?, a),
-        (T::IQ3_S, ActRow::Q8K(a)) => scalar::iq3_s_q8_k(cast(weight, w)?, a),
-        _ => {
-            return Err(QuantError::Unsupported {
-                ty: weight,
-                what: "dot",
-            });
-        }
-    })
+    let per_row = n / weight.block_size();
+    if per_row == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Scalar && x86::dot_rows(isa, weight, w, act, per_row, out)? {
+        return Ok(());
+    }
+    macro_rules! each_row {
+        ($kernel:path, $a:expr) => {{
+            let blocks = cast(weight, w)?;
+            for (o, wr) in out.iter_mut().zip(blocks.chunks_exact(per_row)) {
+                *o = $kernel(wr, $a);
+            }
+        }};
+    }
+    use GgmlType as T;
+    match (weight, act) {
+        (T::F32, ActRow::F32(x)) => each_row!(scalar::f32_f32, x),
+        (T::F16, ActRow::F32(x)) => each_row!(scalar::f16_f32, x),
+        (T::BF16, ActRow::F32(x)) => each_row!(scalar::bf16_f32, x),
+        (T::Q4_0, ActRow::Q8_0(a)) => each_row!(scalar::q4_0_q8_0, a),
+        (T::Q5_0, ActRow::Q8_0(a)) => each_row!(scalar::q5_0_q8_0, a),
+        (T::Q8_0, ActRow::Q8_0(a)) => each_row!(scalar::q8_0_q8_0, a),
+        (T::IQ4_NL, ActRow::Q8_0(a)) => each_row!(scalar::iq4_nl_q8_0, a),
+        (T::MXFP4, ActRow::Q8_0(a)) => each_row!(scalar::mxfp4_q8_0, a),
+        (T::Q4_1, ActRow::Q8_1(a)) => each_row!(scalar::q4_1_q8_1, a),
+        (T::Q5_1, ActRow::Q8_1(a)) => each_row!(scalar::q5_1_q8_1, a),
+        (T::Q2_K, ActRow::Q8K(a)) => each_row!(scalar::q2_k_q8_k, a),
+        (T::Q3_K, ActRow::Q8K(a)) => each_row!(scalar::q3_k_q8_k, a),
+        (T::Q4_K, ActRow::Q8K(a)) => each_row!(scalar::q4_k_q8_k, a),
+        (T::Q5_K, ActRow::Q8K(a)) => each_row!(scalar::q5_k_q8_k, a),
+        (T::Q6_K, ActRow::Q8K(a)) => each_row!(scalar::q6_k_q8_k, a),
+        (T::IQ4_XS, ActRow::Q8K(a)) => each_row!(scalar::iq4_xs_q8_k, a),
+        (T::IQ2_XS, ActRow::Q8K(a)) => each_row!(scalar::iq2_xs_q8_k, a),
+        (T::IQ3_S, ActRow::Q8K(a)) => each_row!(scalar::iq3_s_q8_k, a),
+        _ => return Err(QuantError::Unsupported { ty: weight, what: "dot" }),
+    }
+    Ok(())
 }
 
 /// Which weight formats family `isa` accelerates (the rest run the scalar kernel).

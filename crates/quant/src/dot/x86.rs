@@ -40,48 +40,64 @@ pub(super) const AVX512_FORMATS: &[GgmlType] = &[
 
 /// Run the SIMD kernel for `weight` if `isa` has one; `None` means use scalar.
 /// The caller has checked lengths, pairing and that `isa` is supported.
-pub(super) fn dot(isa: Isa, weight: GgmlType, w: &[u8], act: &ActRow) -> Result<Option<f32>> {
+pub(super) fn dot_rows(
+    isa: Isa,
+    weight: GgmlType,
+    w: &[u8],
+    act: &ActRow,
+    per_row: usize,
+    out: &mut [f32],
+) -> Result<bool> {
     use GgmlType as T;
+    macro_rules! each_row {
+        ($kernel:ident, $a:expr) => {{
+            let blocks = crate::cast_blocks(weight, w)?;
+            for (o, wr) in out.iter_mut().zip(blocks.chunks_exact(per_row)) {
+                *o = $kernel(wr, $a);
+            }
+        }};
+    }
     // SAFETY (all calls below): `isa.supported()` was checked by the caller, so the
     // CPU has the features each kernel is compiled for; slices were length-checked.
-    let v = unsafe {
+    #[allow(clippy::unit_arg)]
+    unsafe {
         match (isa, weight, act) {
-            (Isa::Avx512, T::F32, ActRow::F32(x)) => f32_avx512(crate::cast_blocks(weight, w)?, x),
-            (Isa::Avx512, T::F16, ActRow::F32(x)) => f16_avx512(crate::cast_blocks(weight, w)?, x),
+            (Isa::Avx512, T::F32, ActRow::F32(x)) => each_row!(f32_avx512, x),
+            (Isa::Avx512, T::F16, ActRow::F32(x)) => each_row!(f16_avx512, x),
             (Isa::Avx512, T::BF16, ActRow::F32(x)) => {
-                bf16_avx512(crate::cast_blocks(weight, w)?, x)
+                each_row!(bf16_avx512, x)
             }
             (Isa::Avx512, T::Q8_0, ActRow::Q8_0(a)) => {
-                q8_0_avx512(crate::cast_blocks(weight, w)?, a)
+                each_row!(q8_0_avx512, a)
             }
             (Isa::Avx512, T::Q4_0, ActRow::Q8_0(a)) => {
-                q4_0_avx512(crate::cast_blocks(weight, w)?, a)
+                each_row!(q4_0_avx512, a)
             }
             (Isa::Avx512, T::Q4_K, ActRow::Q8K(a)) => {
-                q4_k_avx512(crate::cast_blocks(weight, w)?, a)
+                each_row!(q4_k_avx512, a)
             }
             (Isa::Avx512, T::Q5_K, ActRow::Q8K(a)) => {
-                q5_k_avx512(crate::cast_blocks(weight, w)?, a)
+                each_row!(q5_k_avx512, a)
             }
             (Isa::Avx512, T::Q6_K, ActRow::Q8K(a)) => {
-                q6_k_avx512(crate::cast_blocks(weight, w)?, a)
+                each_row!(q6_k_avx512, a)
             }
             (Isa::Avx512, T::IQ4_XS, ActRow::Q8K(a)) => {
-                iq4_xs_avx512(crate::cast_blocks(weight, w)?, a)
+                each_row!(iq4_xs_avx512, a)
             }
-            (_, T::F32, ActRow::F32(x)) => f32_avx2(crate::cast_blocks(weight, w)?, x),
-            (_, T::F16, ActRow::F32(x)) => f16_avx2(crate::cast_blocks(weight, w)?, x),
-            (_, T::BF16, ActRow::F32(x)) => bf16_avx2(crate::cast_blocks(weight, w)?, x),
-            (_, T::Q8_0, ActRow::Q8_0(a)) => q8_0_avx2(crate::cast_blocks(weight, w)?, a),
-            (_, T::Q4_0, ActRow::Q8_0(a)) => q4_0_avx2(crate::cast_blocks(weight, w)?, a),
-            (_, T::Q4_K, ActRow::Q8K(a)) => q4_k_avx2(crate::cast_blocks(weight, w)?, a),
-            (_, T::Q5_K, ActRow::Q8K(a)) => q5_k_avx2(crate::cast_blocks(weight, w)?, a),
-            (_, T::Q6_K, ActRow::Q8K(a)) => q6_k_avx2(crate::cast_blocks(weight, w)?, a),
-            (_, T::IQ4_XS, ActRow::Q8K(a)) => iq4_xs_avx2(crate::cast_blocks(weight, w)?, a),
-            _ => return Ok(None),
+            (_, T::F32, ActRow::F32(x)) => each_row!(f32_avx2, x),
+            (_, T::F16, ActRow::F32(x)) => each_row!(f16_avx2, x),
+            (_, T::BF16, ActRow::F32(x)) => each_row!(bf16_avx2, x),
+            (_, T::Q8_0, ActRow::Q8_0(a)) => each_row!(q8_0_avx2, a),
+            (_, T::Q4_0, ActRow::Q8_0(a)) => each_row!(q4_0_avx2, a),
+            (_, T::Q4_K, ActRow::Q8K(a)) => each_row!(q4_k_avx2, a),
+            (_, T::Q5_K, ActRow::Q8K(a)) => each_row!(q5_k_avx2, a),
+            (_, T::Q6_K, ActRow::Q8K(a)) => each_row!(q6_k_avx2, a),
+            (_, T::IQ4_XS, ActRow::Q8K(a)) => each_row!(iq4_xs_avx2, a),
+            _ => return Ok(false),
         }
     };
-    Ok(Some(v))
+    Ok(true)
 }
 
 // ---------------------------------------------------------------- float formats
