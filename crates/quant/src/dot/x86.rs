@@ -691,41 +691,44 @@ unsafe fn q5_k_avx512(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
 #[target_feature(enable = "avx512f,avx512bw,avx2")]
 unsafe fn q6_k_avx512(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
     let mut acc = 0f32;
-    for (w, a) in w.iter().zip(a) {
-        let sumi = unsafe {
-            let m4 = _mm512_set1_epi8(0x0F);
-            let m2 = _mm512_set1_epi8(0x03);
-            // One i16 scale per 16 elements, for the 64 elements of one register.
-            let mut scl = [0i16; 32];
+    unsafe {
+        let m4 = _mm512_set1_epi8(0x0F);
+        let m2 = _mm512_set1_epi8(0x03);
+        let sh_a = join(_mm256_setzero_si256(), _mm256_set1_epi16(2));
+        let sh_b = join(_mm256_set1_epi16(4), _mm256_set1_epi16(6));
+        // Byte indices [g x8, g+1 x8 | g+2 x8, g+3 x8]: one scale per 16 elements,
+        // i.e. per 8 i16 pair sums of maddubs, for the 64 elements of a register.
+        let idx0 = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+        );
+        for (w, a) in w.iter().zip(a) {
+            let scales = _mm256_broadcastsi128_si256(_mm_loadu_si128(w.scales.as_ptr() as *const __m128i));
             let mut v = _mm512_setzero_si512();
             for n in 0..2 {
                 // ql[n*64..n*64+64] holds elements e and e+32 (low nibbles) and
                 // e+64, e+96 (high nibbles); qh[n*32..] their top 2 bits.
                 let ql = _mm512_loadu_si512(w.ql[n * 64..].as_ptr() as *const _);
                 let qh = _mm512_broadcast_i64x4(load256u(&w.qh[n * 32..]));
-                let sh_a = join(_mm256_setzero_si256(), _mm256_set1_epi16(2));
-                let sh_b = join(_mm256_set1_epi16(4), _mm256_set1_epi16(6));
                 let h_a = _mm512_slli_epi16::<4>(_mm512_and_si512(_mm512_srlv_epi16(qh, sh_a), m2));
                 let h_b = _mm512_slli_epi16::<4>(_mm512_and_si512(_mm512_srlv_epi16(qh, sh_b), m2));
                 let q_a = _mm512_or_si512(_mm512_and_si512(ql, m4), h_a);
                 let q_b = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4), h_b);
                 for (half, q) in [q_a, q_b].into_iter().enumerate() {
                     let e = n * 128 + half * 64;
-                    for g in 0..4 {
-                        scl[g * 8..g * 8 + 8].fill(w.scales[e / 16 + g] as i16);
-                    }
-                    let sc = _mm512_loadu_si512(scl.as_ptr() as *const _);
+                    let idx = _mm256_add_epi8(idx0, _mm256_set1_epi8((e / 16) as i8));
+                    let sc = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(scales, idx));
                     let av = _mm512_loadu_si512(a.qs[e..].as_ptr() as *const _);
                     v = _mm512_add_epi32(v, _mm512_madd_epi16(_mm512_maddubs_epi16(q, av), sc));
                 }
             }
-            _mm512_reduce_add_epi32(v)
-        };
-        let mut corr = 0i32;
-        for g in 0..16 {
-            corr += w.scales[g] as i32 * a.bsums[g] as i32;
+            let sumi = _mm512_reduce_add_epi32(v);
+            // Σ_g sc_g * bsum_g, exactly.
+            let corr = hsum_i32(_mm256_madd_epi16(
+                _mm256_cvtepi8_epi16(_mm_loadu_si128(w.scales.as_ptr() as *const __m128i)),
+                _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i),
+            ));
+            acc = combine(acc, f16_to_f32(w.d), a.d, sumi.wrapping_sub(32 * corr));
         }
-        acc = combine(acc, f16_to_f32(w.d), a.d, sumi.wrapping_sub(32 * corr));
     }
     acc
 }
