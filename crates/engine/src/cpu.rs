@@ -14,6 +14,18 @@ pub struct Cpu {
     pool: rayon::ThreadPool,
 }
 
+/// One matmul of [`Cpu::matmuls`]: `y = W_mat · x` row by row.
+pub struct MatmulJob<'a> {
+    /// The weights.
+    pub w: &'a Matrix,
+    /// Which stacked matrix (expert).
+    pub mat: usize,
+    /// Input rows (`cols` each).
+    pub x: &'a [f32],
+    /// Output rows (`rows` each).
+    pub y: &'a mut [f32],
+}
+
 /// Fewest output columns per parallel task in a matmul.
 const MIN_COLS_PER_TASK: usize = 16;
 
@@ -42,27 +54,44 @@ impl Cpu {
     /// activation row is quantized once into the weight format's partner, then one
     /// dot per output element.
     pub fn matmul(&self, file: &[u8], w: &Matrix, mat: usize, x: &[f32], y: &mut [f32]) {
-        let m = x.len() / w.cols;
-        debug_assert_eq!(y.len(), m * w.rows);
+        self.matmuls(file, &mut [MatmulJob { w, mat, x, y }]);
+    }
+
+    /// Several independent matmuls in one parallel region (fewer thread wake-ups
+    /// than one region each). Every output element is the same single dot product
+    /// as in [`Cpu::matmul`]; only the assignment of elements to threads differs.
+    pub fn matmuls(&self, file: &[u8], jobs: &mut [MatmulJob<'_>]) {
+        // Quantize every activation row once.
+        let acts: Vec<Vec<ActRow>> = jobs
+            .iter()
+            .map(|j| {
+                j.x.chunks_exact(j.w.cols)
+                    .map(|xr| ActRow::quantize(j.w.ty, xr).expect("bound matrices have a dot kernel and whole blocks"))
+                    .collect()
+            })
+            .collect();
+        let total: usize = jobs.iter().map(|j| j.y.len()).sum();
         // A few tasks per thread: enough to balance, few enough that task overhead
         // stays small next to the rows' bytes. The split never touches a sum.
-        let per = w.rows.div_ceil(4 * self.threads()).max(MIN_COLS_PER_TASK);
-        let bytes = w.mat_bytes(file, mat);
-        for r in 0..m {
-            let act = ActRow::quantize(w.ty, &x[r * w.cols..(r + 1) * w.cols])
-                .expect("bound matrices have a dot kernel and whole blocks");
-            let yr = &mut y[r * w.rows..(r + 1) * w.rows];
-            if w.rows <= MIN_COLS_PER_TASK {
-                dot::dot_rows(w.ty, bytes, &act, yr).expect("checked at bind");
-                continue;
+        let per = total.div_ceil(4 * self.threads()).max(MIN_COLS_PER_TASK);
+        let mut tasks: Vec<(&Matrix, &[u8], &ActRow, &mut [f32])> = Vec::new();
+        for (j, act) in jobs.iter_mut().zip(&acts) {
+            let bytes = j.w.mat_bytes(file, j.mat);
+            let rb = j.w.row_bytes;
+            for (yr, a) in j.y.chunks_exact_mut(j.w.rows).zip(act) {
+                for (c, out) in yr.chunks_mut(per).enumerate() {
+                    let start = c * per * rb;
+                    tasks.push((j.w, &bytes[start..start + out.len() * rb], a, out));
+                }
             }
-            self.pool.install(|| {
-                yr.par_chunks_mut(per).enumerate().for_each(|(c, out)| {
-                    let start = c * per * w.row_bytes;
-                    let rows = &bytes[start..start + out.len() * w.row_bytes];
-                    dot::dot_rows(w.ty, rows, &act, out).expect("checked at bind");
-                });
-            });
+        }
+        let run = |(w, rows, act, out): &mut (&Matrix, &[u8], &ActRow, &mut [f32])| {
+            dot::dot_rows(w.ty, rows, act, out).expect("checked at bind");
+        };
+        if tasks.len() == 1 {
+            run(&mut tasks[0]);
+        } else {
+            self.pool.install(|| tasks.par_iter_mut().for_each(run));
         }
     }
 

@@ -7,7 +7,7 @@
 //! (attention over the cache, the short conv, the delta rule) walk the rows in
 //! position order, each row doing exactly what a one-row call would do.
 
-use crate::cpu::{self, Cpu};
+use crate::cpu::{self, Cpu, MatmulJob};
 use crate::error::{EngineError, Result};
 use crate::model::weights::{DeltaBa, DeltaInput, DeltaNetW, Mixer, MoeW};
 use crate::model::{Arch, Model};
@@ -112,9 +112,14 @@ fn attention(
     let mut qg = vec![0f32; m * a.q.rows];
     let mut k = vec![0f32; m * kvw];
     let mut v = vec![0f32; m * kvw];
-    cpu.matmul(file, &a.q, 0, x, &mut qg);
-    cpu.matmul(file, &a.k, 0, x, &mut k);
-    cpu.matmul(file, &a.v, 0, x, &mut v);
+    cpu.matmuls(
+        file,
+        &mut [
+            MatmulJob { w: &a.q, mat: 0, x, y: &mut qg },
+            MatmulJob { w: &a.k, mat: 0, x, y: &mut k },
+            MatmulJob { w: &a.v, mat: 0, x, y: &mut v },
+        ],
+    );
     // Split [q | gate] per head (hybrid archs).
     let (mut q, gate) = if a.gated {
         let mut q = vec![0f32; m * qw];
@@ -219,8 +224,10 @@ fn delta_net(
     let mut z = vec![0f32; m * vd];
     match &dn.input {
         DeltaInput::Split { qkv: wq, z: wz } => {
-            cpu.matmul(file, wq, 0, x, &mut qkv);
-            cpu.matmul(file, wz, 0, x, &mut z);
+            cpu.matmuls(
+                file,
+                &mut [MatmulJob { w: wq, mat: 0, x, y: &mut qkv }, MatmulJob { w: wz, mat: 0, x, y: &mut z }],
+            );
         }
         DeltaInput::Fused { ssm_in } => {
             let width = 2 * dk + 2 * ratio * dv;
@@ -258,8 +265,10 @@ fn delta_net(
             }
         }
         DeltaBa::Split { beta, alpha } => {
-            cpu.matmul(file, beta, 0, x, &mut b);
-            cpu.matmul(file, alpha, 0, x, &mut a);
+            cpu.matmuls(
+                file,
+                &mut [MatmulJob { w: beta, mat: 0, x, y: &mut b }, MatmulJob { w: alpha, mat: 0, x, y: &mut a }],
+            );
         }
     }
     let tiled = model.hp.arch == Arch::Qwen35Moe;
@@ -351,13 +360,17 @@ fn delta_net(
 fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
     let hp = &model.hp;
     let file = model.bytes();
-    let (d, e, k, f) = (hp.n_embd, hp.n_expert, hp.n_expert_used, hp.n_ff_exp);
+    let (d, e, k, f, fs) = (hp.n_embd, hp.n_expert, hp.n_expert_used, hp.n_ff_exp, hp.n_ff_shexp);
     let m = x.len() / d;
     let mut logits = vec![0f32; m * e];
     cpu.matmul(file, &mw.router, 0, x, &mut logits);
-    let mut gate = vec![0f32; f];
-    let mut up = vec![0f32; f];
-    let mut out = vec![0f32; d];
+    let mut gate = vec![0f32; k * f];
+    let mut up = vec![0f32; k * f];
+    let mut out = vec![0f32; k * d];
+    let mut sg = vec![0f32; fs];
+    let mut su = vec![0f32; fs];
+    let mut gi = [0f32; 1];
+    let mut ys = vec![0f32; d];
     for r in 0..m {
         let xr = &x[r * d..(r + 1) * d];
         let p = &mut logits[r * e..(r + 1) * e];
@@ -368,41 +381,50 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
             sum += p[i];
         }
         let sum = sum.max(6.103_515_6e-5);
-        let yr = &mut y[r * d..(r + 1) * d];
-        yr.fill(0.0);
-        for &i in &ids {
-            let wgt = p[i] / sum;
-            cpu.matmul(file, &mw.gate, i, xr, &mut gate);
-            cpu.matmul(file, &mw.up, i, xr, &mut up);
-            for (g, u) in gate.iter_mut().zip(&up) {
-                *g = cpu::silu(*g) * *u;
+        // Gate and up projections of every chosen expert (and the shared expert)
+        // in one parallel region; then every down projection in another.
+        {
+            let mut jobs: Vec<MatmulJob> = Vec::with_capacity(2 * k + 3);
+            for ((&i, g), u) in ids.iter().zip(gate.chunks_mut(f)).zip(up.chunks_mut(f)) {
+                jobs.push(MatmulJob { w: &mw.gate, mat: i, x: xr, y: g });
+                jobs.push(MatmulJob { w: &mw.up, mat: i, x: xr, y: u });
             }
-            cpu.matmul(file, &mw.down, i, &gate, &mut out);
-            for (o, v) in yr.iter_mut().zip(&out) {
-                *o += wgt * *v;
+            if let Some(sh) = &mw.shared {
+                jobs.push(MatmulJob { w: &sh.gate, mat: 0, x: xr, y: &mut sg });
+                jobs.push(MatmulJob { w: &sh.up, mat: 0, x: xr, y: &mut su });
+                jobs.push(MatmulJob { w: &sh.gate_inp, mat: 0, x: xr, y: &mut gi });
             }
+            cpu.matmuls(file, &mut jobs);
         }
-    }
-    if let Some(sh) = &mw.shared {
-        let fs = hp.n_ff_shexp;
-        let mut sg = vec![0f32; m * fs];
-        let mut su = vec![0f32; m * fs];
-        let mut gi = vec![0f32; m];
-        let mut ys = vec![0f32; m * d];
-        cpu.matmul(file, &sh.gate, 0, x, &mut sg);
-        cpu.matmul(file, &sh.up, 0, x, &mut su);
-        cpu.matmul(file, &sh.gate_inp, 0, x, &mut gi);
+        for (g, u) in gate.iter_mut().zip(&up) {
+            *g = cpu::silu(*g) * *u;
+        }
         for (g, u) in sg.iter_mut().zip(&su) {
             *g = cpu::silu(*g) * *u;
         }
-        cpu.matmul(file, &sh.down, 0, &sg, &mut ys);
-        for r in 0..m {
-            let s = cpu::sigmoid(gi[r]);
-            for (o, v) in y[r * d..(r + 1) * d]
-                .iter_mut()
-                .zip(&ys[r * d..(r + 1) * d])
-            {
-                *o += s * *v;
+        {
+            let mut jobs: Vec<MatmulJob> = Vec::with_capacity(k + 1);
+            for ((&i, g), o) in ids.iter().zip(gate.chunks(f)).zip(out.chunks_mut(d)) {
+                jobs.push(MatmulJob { w: &mw.down, mat: i, x: g, y: o });
+            }
+            if let Some(sh) = &mw.shared {
+                jobs.push(MatmulJob { w: &sh.down, mat: 0, x: &sg, y: &mut ys });
+            }
+            cpu.matmuls(file, &mut jobs);
+        }
+        // Combine in k order, then the gated shared expert.
+        let yr = &mut y[r * d..(r + 1) * d];
+        yr.fill(0.0);
+        for (&i, o) in ids.iter().zip(out.chunks(d)) {
+            let wgt = p[i] / sum;
+            for (acc, v) in yr.iter_mut().zip(o) {
+                *acc += wgt * *v;
+            }
+        }
+        if mw.shared.is_some() {
+            let s = cpu::sigmoid(gi[0]);
+            for (acc, v) in yr.iter_mut().zip(&ys) {
+                *acc += s * *v;
             }
         }
     }
