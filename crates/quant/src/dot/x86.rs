@@ -405,52 +405,65 @@ unsafe fn q4_k_avx2(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
     acc
 }
 
+/// `IDX_K4[c]`: i16 lane `t` takes scale `2c + t / 16` (the two sub-blocks of
+/// nibble chunk `c`, low nibbles first).
+static IDX_K4: [[i16; 32]; 4] = {
+    let mut t = [[0i16; 32]; 4];
+    let mut c = 0;
+    while c < 4 {
+        let mut l = 0;
+        while l < 32 {
+            t[c][l] = (2 * c + l / 16) as i16;
+            l += 1;
+        }
+        c += 1;
+    }
+    t
+};
+
+/// `IDX_PAIRS`: i16 lane `t` takes entry `t / 2` (each min twice, against the two
+/// 16-element sums of its 32-element group).
+static IDX_PAIRS: [i16; 32] = {
+    let mut t = [0i16; 32];
+    let mut l = 0;
+    while l < 32 {
+        t[l] = (l / 2) as i16;
+        l += 1;
+    }
+    t
+};
+
 #[target_feature(enable = "avx512f,avx512bw,avx2")]
 unsafe fn q4_k_avx512(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
     let mut acc = 0f32;
-    for (w, a) in w.iter().zip(a) {
-        let sumi = unsafe {
-            let m4 = _mm512_set1_epi8(0x0F);
-            let mut v = _mm512_setzero_si512();
-            for cc in 0..2 {
-                // Two 32-byte chunks of nibbles: chunk 2cc and 2cc+1.
-                let q = _mm512_loadu_si512(w.qs[cc * 64..].as_ptr() as *const _);
-                let lo = _mm512_and_si512(q, m4);
-                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
-                let base = 128 * cc;
-                let a_lo = _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(load256(&a.qs[base..])),
-                    load256(&a.qs[base + 64..]),
-                );
-                let a_hi = _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(load256(&a.qs[base + 32..])),
-                    load256(&a.qs[base + 96..]),
-                );
-                let j = 4 * cc;
-                let s = |k: usize| scale_min_k4(k, &w.scales).0 as i16;
-                let sc_lo = _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(_mm256_set1_epi16(s(j))),
-                    _mm256_set1_epi16(s(j + 2)),
-                );
-                let sc_hi = _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(_mm256_set1_epi16(s(j + 1))),
-                    _mm256_set1_epi16(s(j + 3)),
-                );
-                let p0 = _mm512_maddubs_epi16(lo, a_lo);
-                let p1 = _mm512_maddubs_epi16(hi, a_hi);
-                v = _mm512_add_epi32(v, _mm512_madd_epi16(p0, sc_lo));
-                v = _mm512_add_epi32(v, _mm512_madd_epi16(p1, sc_hi));
+    unsafe {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let idx: [__m512i; 4] = std::array::from_fn(|c| _mm512_loadu_si512(IDX_K4[c].as_ptr() as *const _));
+        let pairs = _mm512_loadu_si512(IDX_PAIRS.as_ptr() as *const _);
+        for (w, a) in w.iter().zip(a) {
+            let mut sc = [0u8; 16];
+            let mut mn = [0u8; 16];
+            for j in 0..8 {
+                (sc[j], mn[j]) = scale_min_k4(j, &w.scales);
             }
-            _mm512_reduce_add_epi32(v)
-        };
-        acc = combine_min(
-            acc,
-            f16_to_f32(w.d),
-            f16_to_f32(w.dmin),
-            a.d,
-            sumi,
-            summ_k4(&w.scales, a),
-        );
+            let scv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(sc.as_ptr() as *const __m128i)));
+            let mut v = _mm512_setzero_si512();
+            for c in 0..4 {
+                // Nibble chunk c: low nibbles are sub-block 2c, high nibbles 2c+1,
+                // i.e. elements 64c..64c+64 in order.
+                let q = load256u(&w.qs[c * 32..]);
+                let qz = join(_mm256_and_si256(q, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4));
+                let az = _mm512_loadu_si512(a.qs[64 * c..].as_ptr() as *const _);
+                let p = _mm512_maddubs_epi16(qz, az);
+                v = _mm512_add_epi32(v, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(idx[c], scv)));
+            }
+            let sumi = _mm512_reduce_add_epi32(v);
+            // Σ_j m_j (bsum_2j + bsum_2j+1), exactly.
+            let mnv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(mn.as_ptr() as *const __m128i)));
+            let m2 = _mm512_castsi512_si256(_mm512_permutexvar_epi16(pairs, mnv));
+            let summ = hsum_i32(_mm256_madd_epi16(m2, _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i)));
+            acc = combine_min(acc, f16_to_f32(w.d), f16_to_f32(w.dmin), a.d, sumi, summ);
+        }
     }
     acc
 }
