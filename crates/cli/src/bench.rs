@@ -13,10 +13,20 @@ pub(crate) struct Args {
     #[arg(short, long)]
     model: Option<PathBuf>,
     /// Prompt lengths to measure (comma-separated; 0 skips).
-    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "512")]
+    #[arg(
+        short = 'p',
+        long = "n-prompt",
+        value_delimiter = ',',
+        default_value = "512"
+    )]
     n_prompt: Vec<usize>,
     /// Generation lengths to measure (comma-separated; 0 skips).
-    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128")]
+    #[arg(
+        short = 'n',
+        long = "n-gen",
+        value_delimiter = ',',
+        default_value = "128"
+    )]
     n_gen: Vec<usize>,
     /// Repetitions per test.
     #[arg(short = 'r', long, default_value_t = 5)]
@@ -35,7 +45,11 @@ pub(crate) struct Args {
 fn mean_sd(v: &[f64]) -> (f64, f64) {
     let n = v.len() as f64;
     let mean = v.iter().sum::<f64>() / n;
-    let var = if v.len() > 1 { v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
+    let var = if v.len() > 1 {
+        v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)
+    } else {
+        0.0
+    };
     (mean, var.sqrt())
 }
 
@@ -54,7 +68,10 @@ pub(crate) fn run(a: Args) -> Result<()> {
         None => {
             let dir = tempfile::tempdir()?;
             let p = dir.path().join("tiny-qwen3next.gguf");
-            crate::synth::write(&crate::synth::options("tiny-qwen3next", "q8_0", None, 0)?, &p)?;
+            crate::synth::write(
+                &crate::synth::options("tiny-qwen3next", "q8_0", None, 0)?,
+                &p,
+            )?;
             _tmp = dir;
             p
         }
@@ -63,7 +80,10 @@ pub(crate) fn run(a: Args) -> Result<()> {
     let cpu = Cpu::new(a.threads);
     let size: u64 = model.file.tensors().iter().map(|t| t.size).sum();
     let params: u64 = model.file.tensors().iter().map(|t| t.n_elements()).sum();
-    let name = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
     println!("| model | size | params | backend | threads | test | t/s |");
     println!("| --- | ---: | ---: | --- | ---: | --- | ---: |");
     let row = |test: String, rates: &[f64]| {
@@ -87,7 +107,11 @@ pub(crate) fn run(a: Args) -> Result<()> {
             let t = Instant::now();
             let chunks: Vec<&[u32]> = prompt.chunks(a.chunk).collect();
             for (i, c) in chunks.iter().enumerate() {
-                let want = if i + 1 == chunks.len() { Logits::Last } else { Logits::None };
+                let want = if i + 1 == chunks.len() {
+                    Logits::Last
+                } else {
+                    Logits::None
+                };
                 forward(&model, &cpu, &mut st, c, want)?;
             }
             if rep > 0 {

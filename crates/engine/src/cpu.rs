@@ -6,12 +6,12 @@
 //! results are the same for any number of rows in the call and any thread count.
 
 use crate::model::Matrix;
-use rayon::prelude::*;
+use crate::pool::Pool;
 use samesum_quant::dot::{self, ActRow};
 
 /// The CPU backend: a thread pool.
 pub struct Cpu {
-    pool: rayon::ThreadPool,
+    pool: Pool,
 }
 
 /// One matmul of [`Cpu::matmuls`]: `y = W_mat · x` row by row.
@@ -32,22 +32,19 @@ const MIN_COLS_PER_TASK: usize = 16;
 impl Cpu {
     /// A backend running on `threads` threads (0: all cores).
     pub fn new(threads: usize) -> Cpu {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .expect("thread pool");
-        Cpu { pool }
+        Cpu {
+            pool: Pool::new(threads),
+        }
     }
 
-    /// Run `f` on the pool: parallel ops inside it run on the calling worker
-    /// instead of handing each one across threads.
-    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        self.pool.install(f)
+    /// Run `f` (kept for call sites that group work; the pool needs no setup).
+    pub fn run<R>(&self, f: impl FnOnce() -> R) -> R {
+        f()
     }
 
     /// Threads in use.
     pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
+        self.pool.threads()
     }
 
     /// `y[r][j] = W_mat[j] · x[r]` for each of the `x.len() / cols` rows: each
@@ -66,7 +63,10 @@ impl Cpu {
             .iter()
             .map(|j| {
                 j.x.chunks_exact(j.w.cols)
-                    .map(|xr| ActRow::quantize(j.w.ty, xr).expect("bound matrices have a dot kernel and whole blocks"))
+                    .map(|xr| {
+                        ActRow::quantize(j.w.ty, xr)
+                            .expect("bound matrices have a dot kernel and whole blocks")
+                    })
                     .collect()
             })
             .collect();
@@ -88,11 +88,7 @@ impl Cpu {
         let run = |(w, rows, act, out): &mut (&Matrix, &[u8], &ActRow, &mut [f32])| {
             dot::dot_rows(w.ty, rows, act, out).expect("checked at bind");
         };
-        if tasks.len() == 1 {
-            run(&mut tasks[0]);
-        } else {
-            self.pool.install(|| tasks.par_iter_mut().for_each(run));
-        }
+        self.pool.for_each_mut(&mut tasks, |_, t| run(t));
     }
 
     /// Run `f(head)` for `n` independent heads in parallel.
@@ -102,11 +98,8 @@ impl Cpu {
         per: usize,
         f: impl Fn(usize, &mut [T]) + Sync,
     ) {
-        self.pool.install(|| {
-            out.par_chunks_mut(per)
-                .enumerate()
-                .for_each(|(h, o)| f(h, o))
-        });
+        let mut chunks: Vec<&mut [T]> = out.chunks_mut(per).collect();
+        self.pool.for_each_mut(&mut chunks, |h, c| f(h, c));
     }
 }
 

@@ -115,9 +115,24 @@ fn attention(
     cpu.matmuls(
         file,
         &mut [
-            MatmulJob { w: &a.q, mat: 0, x, y: &mut qg },
-            MatmulJob { w: &a.k, mat: 0, x, y: &mut k },
-            MatmulJob { w: &a.v, mat: 0, x, y: &mut v },
+            MatmulJob {
+                w: &a.q,
+                mat: 0,
+                x,
+                y: &mut qg,
+            },
+            MatmulJob {
+                w: &a.k,
+                mat: 0,
+                x,
+                y: &mut k,
+            },
+            MatmulJob {
+                w: &a.v,
+                mat: 0,
+                x,
+                y: &mut v,
+            },
         ],
     );
     // Split [q | gate] per head (hybrid archs).
@@ -226,7 +241,20 @@ fn delta_net(
         DeltaInput::Split { qkv: wq, z: wz } => {
             cpu.matmuls(
                 file,
-                &mut [MatmulJob { w: wq, mat: 0, x, y: &mut qkv }, MatmulJob { w: wz, mat: 0, x, y: &mut z }],
+                &mut [
+                    MatmulJob {
+                        w: wq,
+                        mat: 0,
+                        x,
+                        y: &mut qkv,
+                    },
+                    MatmulJob {
+                        w: wz,
+                        mat: 0,
+                        x,
+                        y: &mut z,
+                    },
+                ],
             );
         }
         DeltaInput::Fused { ssm_in } => {
@@ -267,7 +295,20 @@ fn delta_net(
         DeltaBa::Split { beta, alpha } => {
             cpu.matmuls(
                 file,
-                &mut [MatmulJob { w: beta, mat: 0, x, y: &mut b }, MatmulJob { w: alpha, mat: 0, x, y: &mut a }],
+                &mut [
+                    MatmulJob {
+                        w: beta,
+                        mat: 0,
+                        x,
+                        y: &mut b,
+                    },
+                    MatmulJob {
+                        w: alpha,
+                        mat: 0,
+                        x,
+                        y: &mut a,
+                    },
+                ],
             );
         }
     }
@@ -360,7 +401,13 @@ fn delta_net(
 fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
     let hp = &model.hp;
     let file = model.bytes();
-    let (d, e, k, f, fs) = (hp.n_embd, hp.n_expert, hp.n_expert_used, hp.n_ff_exp, hp.n_ff_shexp);
+    let (d, e, k, f, fs) = (
+        hp.n_embd,
+        hp.n_expert,
+        hp.n_expert_used,
+        hp.n_ff_exp,
+        hp.n_ff_shexp,
+    );
     let m = x.len() / d;
     let mut logits = vec![0f32; m * e];
     cpu.matmul(file, &mw.router, 0, x, &mut logits);
@@ -386,13 +433,38 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
         {
             let mut jobs: Vec<MatmulJob> = Vec::with_capacity(2 * k + 3);
             for ((&i, g), u) in ids.iter().zip(gate.chunks_mut(f)).zip(up.chunks_mut(f)) {
-                jobs.push(MatmulJob { w: &mw.gate, mat: i, x: xr, y: g });
-                jobs.push(MatmulJob { w: &mw.up, mat: i, x: xr, y: u });
+                jobs.push(MatmulJob {
+                    w: &mw.gate,
+                    mat: i,
+                    x: xr,
+                    y: g,
+                });
+                jobs.push(MatmulJob {
+                    w: &mw.up,
+                    mat: i,
+                    x: xr,
+                    y: u,
+                });
             }
             if let Some(sh) = &mw.shared {
-                jobs.push(MatmulJob { w: &sh.gate, mat: 0, x: xr, y: &mut sg });
-                jobs.push(MatmulJob { w: &sh.up, mat: 0, x: xr, y: &mut su });
-                jobs.push(MatmulJob { w: &sh.gate_inp, mat: 0, x: xr, y: &mut gi });
+                jobs.push(MatmulJob {
+                    w: &sh.gate,
+                    mat: 0,
+                    x: xr,
+                    y: &mut sg,
+                });
+                jobs.push(MatmulJob {
+                    w: &sh.up,
+                    mat: 0,
+                    x: xr,
+                    y: &mut su,
+                });
+                jobs.push(MatmulJob {
+                    w: &sh.gate_inp,
+                    mat: 0,
+                    x: xr,
+                    y: &mut gi,
+                });
             }
             cpu.matmuls(file, &mut jobs);
         }
@@ -405,10 +477,20 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
         {
             let mut jobs: Vec<MatmulJob> = Vec::with_capacity(k + 1);
             for ((&i, g), o) in ids.iter().zip(gate.chunks(f)).zip(out.chunks_mut(d)) {
-                jobs.push(MatmulJob { w: &mw.down, mat: i, x: g, y: o });
+                jobs.push(MatmulJob {
+                    w: &mw.down,
+                    mat: i,
+                    x: g,
+                    y: o,
+                });
             }
             if let Some(sh) = &mw.shared {
-                jobs.push(MatmulJob { w: &sh.down, mat: 0, x: &sg, y: &mut ys });
+                jobs.push(MatmulJob {
+                    w: &sh.down,
+                    mat: 0,
+                    x: &sg,
+                    y: &mut ys,
+                });
             }
             cpu.matmuls(file, &mut jobs);
         }

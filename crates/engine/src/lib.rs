@@ -5,6 +5,7 @@ pub mod cpu;
 mod error;
 pub mod forward;
 pub mod model;
+pub mod pool;
 pub mod sample;
 pub mod state;
 pub mod tokenizer;

@@ -430,7 +430,16 @@ mod tests {
 
     #[test]
     fn nearest_int_rounds_half_to_even() {
-        for (x, want) in [(0.5f32, 0), (1.5, 2), (2.5, 2), (-0.5, 0), (-1.5, -2), (126.6, 127), (-127.0, -127), (3.49, 3)] {
+        for (x, want) in [
+            (0.5f32, 0),
+            (1.5, 2),
+            (2.5, 2),
+            (-0.5, 0),
+            (-1.5, -2),
+            (126.6, 127),
+            (-127.0, -127),
+            (3.49, 3),
+        ] {
             assert_eq!(nearest_int(x), want, "{x}");
             assert_eq!(nearest_int(x), x.round_ties_even() as i32, "{x}");
         }

@@ -183,6 +183,9 @@ fn dot_rows_equals_one_dot_per_row() {
             }
         }
         let mut short = vec![0f32; rows + 1];
-        assert!(dot::dot_rows(ty, &w, &act, &mut short).is_err(), "{ty}: wrong row count accepted");
+        assert!(
+            dot::dot_rows(ty, &w, &act, &mut short).is_err(),
+            "{ty}: wrong row count accepted"
+        );
     }
 }

@@ -153,22 +153,46 @@ pub fn dot_rows(weight: GgmlType, w: &[u8], act: &ActRow, out: &mut [f32]) -> Re
 
 /// [`dot_rows`] with kernel family `isa`. Every row's result is exactly
 /// [`dot_with`] of that row.
-pub fn dot_rows_with(isa: Isa, weight: GgmlType, w: &[u8], act: &ActRow, out: &mut [f32]) -> Result<()> {
-    let expected_act = act_type(weight).ok_or(QuantError::Unsupported { ty: weight, what: "dot" })?;
+pub fn dot_rows_with(
+    isa: Isa,
+    weight: GgmlType,
+    w: &[u8],
+    act: &ActRow,
+    out: &mut [f32],
+) -> Result<()> {
+    let expected_act = act_type(weight).ok_or(QuantError::Unsupported {
+        ty: weight,
+        what: "dot",
+    })?;
     if act.act_type() != expected_act {
-        return Err(QuantError::ActivationType { weight, act: act.act_type(), expected: expected_act });
+        return Err(QuantError::ActivationType {
+            weight,
+            act: act.act_type(),
+            expected: expected_act,
+        });
     }
     let n = act.len();
     let row_bytes = crate::row_size(weight, n)?;
     if w.len() != row_bytes * out.len() {
         return Err(QuantError::RowMismatch {
             ty: weight,
-            expected: if out.len() == 1 { w.len() / weight.type_size() * weight.block_size() } else { out.len() * n },
-            found: if out.len() == 1 { n } else { w.len() / row_bytes.max(1) * n },
+            expected: if out.len() == 1 {
+                w.len() / weight.type_size() * weight.block_size()
+            } else {
+                out.len() * n
+            },
+            found: if out.len() == 1 {
+                n
+            } else {
+                w.len() / row_bytes.max(1) * n
+            },
         });
     }
     if !isa.supported() {
-        return Err(QuantError::Unsupported { ty: weight, what: "this kernel family on this CPU" });
+        return Err(QuantError::Unsupported {
+            ty: weight,
+            what: "this kernel family on this CPU",
+        });
     }
     let per_row = n / weight.block_size();
     if per_row == 0 {
@@ -207,7 +231,12 @@ pub fn dot_rows_with(isa: Isa, weight: GgmlType, w: &[u8], act: &ActRow, out: &m
         (T::IQ4_XS, ActRow::Q8K(a)) => each_row!(scalar::iq4_xs_q8_k, a),
         (T::IQ2_XS, ActRow::Q8K(a)) => each_row!(scalar::iq2_xs_q8_k, a),
         (T::IQ3_S, ActRow::Q8K(a)) => each_row!(scalar::iq3_s_q8_k, a),
-        _ => return Err(QuantError::Unsupported { ty: weight, what: "dot" }),
+        _ => {
+            return Err(QuantError::Unsupported {
+                ty: weight,
+                what: "dot",
+            });
+        }
     }
     Ok(())
 }

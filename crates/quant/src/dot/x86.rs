@@ -438,7 +438,8 @@ unsafe fn q4_k_avx512(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
     let mut acc = 0f32;
     unsafe {
         let m4 = _mm256_set1_epi8(0x0F);
-        let idx: [__m512i; 4] = std::array::from_fn(|c| _mm512_loadu_si512(IDX_K4[c].as_ptr() as *const _));
+        let idx: [__m512i; 4] =
+            std::array::from_fn(|c| _mm512_loadu_si512(IDX_K4[c].as_ptr() as *const _));
         let pairs = _mm512_loadu_si512(IDX_PAIRS.as_ptr() as *const _);
         for (w, a) in w.iter().zip(a) {
             let mut sc = [0u8; 16];
@@ -446,22 +447,35 @@ unsafe fn q4_k_avx512(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
             for j in 0..8 {
                 (sc[j], mn[j]) = scale_min_k4(j, &w.scales);
             }
-            let scv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(sc.as_ptr() as *const __m128i)));
+            let scv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(
+                sc.as_ptr() as *const __m128i
+            )));
             let mut v = _mm512_setzero_si512();
             for c in 0..4 {
                 // Nibble chunk c: low nibbles are sub-block 2c, high nibbles 2c+1,
                 // i.e. elements 64c..64c+64 in order.
                 let q = load256u(&w.qs[c * 32..]);
-                let qz = join(_mm256_and_si256(q, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4));
+                let qz = join(
+                    _mm256_and_si256(q, m4),
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4),
+                );
                 let az = _mm512_loadu_si512(a.qs[64 * c..].as_ptr() as *const _);
                 let p = _mm512_maddubs_epi16(qz, az);
-                v = _mm512_add_epi32(v, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(idx[c], scv)));
+                v = _mm512_add_epi32(
+                    v,
+                    _mm512_madd_epi16(p, _mm512_permutexvar_epi16(idx[c], scv)),
+                );
             }
             let sumi = _mm512_reduce_add_epi32(v);
             // Σ_j m_j (bsum_2j + bsum_2j+1), exactly.
-            let mnv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(mn.as_ptr() as *const __m128i)));
+            let mnv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(
+                mn.as_ptr() as *const __m128i
+            )));
             let m2 = _mm512_castsi512_si256(_mm512_permutexvar_epi16(pairs, mnv));
-            let summ = hsum_i32(_mm256_madd_epi16(m2, _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i)));
+            let summ = hsum_i32(_mm256_madd_epi16(
+                m2,
+                _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i),
+            ));
             acc = combine_min(acc, f16_to_f32(w.d), f16_to_f32(w.dmin), a.d, sumi, summ);
         }
     }
@@ -712,10 +726,12 @@ unsafe fn q6_k_avx512(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
         // Byte indices [g x8, g+1 x8 | g+2 x8, g+3 x8]: one scale per 16 elements,
         // i.e. per 8 i16 pair sums of maddubs, for the 64 elements of a register.
         let idx0 = _mm256_setr_epi8(
-            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
         );
         for (w, a) in w.iter().zip(a) {
-            let scales = _mm256_broadcastsi128_si256(_mm_loadu_si128(w.scales.as_ptr() as *const __m128i));
+            let scales =
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(w.scales.as_ptr() as *const __m128i));
             let mut v = _mm512_setzero_si512();
             for n in 0..2 {
                 // ql[n*64..n*64+64] holds elements e and e+32 (low nibbles) and

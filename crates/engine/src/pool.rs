@@ -1,0 +1,206 @@
+//! A small spinning thread pool for the forward pass.
+//!
+//! Decode runs dozens of short parallel regions per token; waking sleeping
+//! threads for each costs more than the work. Workers here spin briefly on a
+//! generation counter, then park; the caller takes part in every region. Which
+//! thread runs which task never changes a value: tasks write disjoint outputs.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+
+type Job = *const (dyn Fn(usize) + Sync);
+
+struct Shared {
+    /// (generation << 32) | next task index.
+    ticket: AtomicU64,
+    /// Tasks in the current job.
+    n_tasks: AtomicUsize,
+    /// Tasks finished in the current job.
+    done: AtomicUsize,
+    /// The current job (valid while its generation is current and tasks remain).
+    job: std::sync::Mutex<Option<SendJob>>,
+    shutdown: AtomicBool,
+}
+
+#[derive(Clone, Copy)]
+struct SendJob(Job);
+// SAFETY: the job is a `dyn Fn + Sync`; it is only called while `run` keeps it alive.
+unsafe impl Send for SendJob {}
+
+/// The pool.
+pub struct Pool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    threads: usize,
+}
+
+const SPINS: u32 = 1 << 16;
+
+impl Pool {
+    /// A pool of `threads` threads in all, the caller included (0: all cores).
+    pub fn new(threads: usize) -> Pool {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        } else {
+            threads
+        };
+        let shared = Arc::new(Shared {
+            ticket: AtomicU64::new(0),
+            n_tasks: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
+            job: std::sync::Mutex::new(None),
+            shutdown: AtomicBool::new(false),
+        });
+        let workers = (1..threads)
+            .map(|i| {
+                let s = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("samesum-worker-{i}"))
+                    .spawn(move || worker(&s))
+                    .expect("spawn worker thread")
+            })
+            .collect();
+        Pool {
+            shared,
+            workers,
+            threads,
+        }
+    }
+
+    /// Threads in all (the caller included).
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Run `f(i)` for every `i` in `0..n`, spread over the pool; returns when all
+    /// are done.
+    pub fn run(&self, n: usize, f: &(dyn Fn(usize) + Sync)) {
+        if n == 0 {
+            return;
+        }
+        if self.workers.is_empty() || n == 1 {
+            (0..n).for_each(f);
+            return;
+        }
+        let s = &*self.shared;
+        // SAFETY: the pointer is erased to 'static only for the duration of this
+        // call: workers call it only while claiming tasks of this generation, and
+        // this function returns only after every task has finished.
+        let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
+        *s.job.lock().expect("pool lock") = Some(SendJob(job));
+        s.n_tasks.store(n, Ordering::Relaxed);
+        s.done.store(0, Ordering::Relaxed);
+        let gen_next = (s.ticket.load(Ordering::Relaxed) >> 32) + 1;
+        s.ticket.store(gen_next << 32, Ordering::Release);
+        for w in &self.workers {
+            w.thread().unpark();
+        }
+        claim_tasks(s, gen_next, n, job);
+        while s.done.load(Ordering::Acquire) < n {
+            std::hint::spin_loop();
+        }
+        *s.job.lock().expect("pool lock") = None;
+    }
+
+    /// Call `f(i, &mut items[i])` for every item, in parallel.
+    pub fn for_each_mut<T: Send>(&self, items: &mut [T], f: impl Fn(usize, &mut T) + Sync) {
+        let base = items.as_mut_ptr() as usize;
+        let n = items.len();
+        self.run(n, &|i| {
+            // SAFETY: each index is claimed by exactly one task, so the &mut are disjoint.
+            let item = unsafe { &mut *(base as *mut T).add(i) };
+            f(i, item)
+        });
+    }
+}
+
+/// Claim and run tasks of generation `gen` until none remain.
+fn claim_tasks(s: &Shared, gen_: u64, n: usize, job: Job) {
+    loop {
+        let t = s.ticket.load(Ordering::Acquire);
+        if t >> 32 != gen_ {
+            return;
+        }
+        let i = (t & 0xffff_ffff) as usize;
+        if i >= n {
+            return;
+        }
+        if s.ticket
+            .compare_exchange_weak(t, t + 1, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            // SAFETY: a task of the current generation was claimed, so `run` is
+            // still waiting and the job is alive.
+            unsafe { (*job)(i) };
+            s.done.fetch_add(1, Ordering::Release);
+        }
+    }
+}
+
+fn worker(s: &Shared) {
+    let mut seen = 0u64;
+    loop {
+        let mut spins = 0u32;
+        let gen_ = loop {
+            if s.shutdown.load(Ordering::Acquire) {
+                return;
+            }
+            let g = s.ticket.load(Ordering::Acquire) >> 32;
+            if g != seen {
+                break g;
+            }
+            spins += 1;
+            if spins < SPINS {
+                std::hint::spin_loop();
+            } else {
+                std::thread::park_timeout(std::time::Duration::from_millis(5));
+            }
+        };
+        seen = gen_;
+        let job = *s.job.lock().expect("pool lock");
+        let Some(SendJob(job)) = job else { continue };
+        let n = s.n_tasks.load(Ordering::Acquire);
+        claim_tasks(s, gen_, n, job);
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        for w in &self.workers {
+            w.thread().unpark();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_task_runs_once() {
+        let pool = Pool::new(3);
+        for n in [0, 1, 2, 7, 100, 1000] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(n, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "n={n}");
+        }
+        let mut v = vec![0usize; 500];
+        for round in 0..200 {
+            pool.for_each_mut(&mut v, |i, x| *x += i + round);
+        }
+        assert!(
+            v.iter()
+                .enumerate()
+                .all(|(i, &x)| x == 200 * i + (0..200).sum::<usize>())
+        );
+    }
+}
