@@ -7,6 +7,7 @@
 
 use crate::model::Matrix;
 use crate::pool::Pool;
+use crate::state::KvLayer;
 use samesum_quant::dot::{self, ActRow};
 
 /// The CPU backend: a thread pool.
@@ -89,6 +90,148 @@ impl Cpu {
             dot::dot_rows(w.ty, rows, act, out).expect("checked at bind");
         };
         self.pool.for_each_mut(&mut tasks, |_, t| run(t));
+    }
+
+    /// Attention rows over a KV cache. `q` (m rows of `n_head * head_dim`) and `k`
+    /// (m rows of `n_head_kv * head_dim`) come after their head norms and before
+    /// RoPE; row `r` is position `pos0 + r`. Rows go in order: each row's rotated
+    /// key and its value are written to the cache, then the row attends over
+    /// positions `0..=pos0 + r` (scores in key order, softmax, weighted sum in key
+    /// order), exactly as a one-row call at that position would.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_rows(
+        &self,
+        q: &mut [f32],
+        k: &mut [f32],
+        v: &[f32],
+        cache: &mut KvLayer,
+        pos0: usize,
+        p: &AttnParams,
+        o: &mut [f32],
+    ) {
+        let hd = p.head_dim;
+        let (qw, kvw) = (p.n_head * hd, p.n_head_kv * hd);
+        let m = q.len() / qw;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let rep = p.n_head / p.n_head_kv;
+        for r in 0..m {
+            let pos = pos0 + r;
+            rope_row(&mut q[r * qw..(r + 1) * qw], hd, p.n_rot, p.theta, pos);
+            rope_row(&mut k[r * kvw..(r + 1) * kvw], hd, p.n_rot, p.theta, pos);
+            cache.write(
+                pos,
+                kvw,
+                &k[r * kvw..(r + 1) * kvw],
+                &v[r * kvw..(r + 1) * kvw],
+            );
+            let qr = &q[r * qw..(r + 1) * qw];
+            let cache = &*cache;
+            self.par_heads(&mut o[r * qw..(r + 1) * qw], hd, |h, out| {
+                let g = h / rep;
+                let qh = &qr[h * hd..(h + 1) * hd];
+                let mut s = vec![0f32; pos + 1];
+                for (j, sj) in s.iter_mut().enumerate() {
+                    let mut acc = 0f32;
+                    for i in 0..hd {
+                        acc += qh[i] * cache.k_at(j, kvw, g * hd + i);
+                    }
+                    *sj = acc * scale;
+                }
+                softmax(&mut s);
+                out.fill(0.0);
+                for (j, &pj) in s.iter().enumerate() {
+                    for i in 0..hd {
+                        out[i] += pj * cache.v_at(j, kvw, g * hd + i);
+                    }
+                }
+            });
+        }
+    }
+
+    /// Gated delta-rule rows with state. Per row, in order: q and k (from the
+    /// conv output) are L2-normed per key head; each value head `n` (key head
+    /// `n % Hk` when `tiled`, else `n / (Hv/Hk)`) decays its state by
+    /// `exp(softplus(a + dt_bias) * A)`, applies the delta update with
+    /// `beta = sigmoid(b)`, reads out `S^T q / sqrt(dk)`, and applies the gated
+    /// RMSNorm with `z`. Heads run in parallel; each owns its state block.
+    #[allow(clippy::too_many_arguments)]
+    pub fn delta_rows(
+        &self,
+        conv: &[f32],
+        b: &[f32],
+        a: &[f32],
+        z: &[f32],
+        dt_bias: &[f32],
+        ssm_a: &[f32],
+        norm: &[f32],
+        p: &DeltaParams,
+        state: &mut [f32],
+        o: &mut [f32],
+    ) {
+        let (hk, hv, dk, dv) = (p.n_k_heads, p.n_v_heads, p.head_k_dim, p.head_v_dim);
+        let (kd, vd) = (hk * dk, hv * dv);
+        let cd = 2 * kd + vd;
+        let m = conv.len() / cd;
+        let ratio = hv / hk;
+        let q_scale = 1.0 / (dk as f32).sqrt();
+        let mut qk = vec![0f32; 2 * kd];
+        for r in 0..m {
+            qk.copy_from_slice(&conv[r * cd..r * cd + 2 * kd]);
+            for h in 0..2 * hk {
+                l2_norm(&mut qk[h * dk..(h + 1) * dk], p.eps);
+            }
+            let (qpart, kpart) = qk.split_at(kd);
+            let vpart = &conv[r * cd + 2 * kd..(r + 1) * cd];
+            let br = &b[r * hv..(r + 1) * hv];
+            let ar = &a[r * hv..(r + 1) * hv];
+            let zr = &z[r * vd..(r + 1) * vd];
+            let mut heads: Vec<(&mut [f32], &mut [f32])> = state
+                .chunks_mut(dk * dv)
+                .zip(o[r * vd..(r + 1) * vd].chunks_mut(dv))
+                .collect();
+            self.par_heads(&mut heads, 1, |n, hs| {
+                let (sn, on) = &mut hs[0];
+                let kh = if p.tiled { n % hk } else { n / ratio };
+                let qh = &qpart[kh * dk..(kh + 1) * dk];
+                let khv = &kpart[kh * dk..(kh + 1) * dk];
+                let vh = &vpart[n * dv..(n + 1) * dv];
+                let beta = sigmoid(br[n]);
+                let g = softplus(ar[n] + dt_bias[n]) * ssm_a[n];
+                let decay = g.exp();
+                for v in sn.iter_mut() {
+                    *v *= decay;
+                }
+                // kv[j] sums over i in ascending order; looping i outside keeps
+                // that order per j and lets the j loop vectorize.
+                let mut kv = vec![0f32; dv];
+                for i in 0..dk {
+                    let ki = khv[i];
+                    for (acc, s) in kv.iter_mut().zip(&sn[i * dv..(i + 1) * dv]) {
+                        *acc += s * ki;
+                    }
+                }
+                let delta: Vec<f32> = (0..dv).map(|j| (vh[j] - kv[j]) * beta).collect();
+                for i in 0..dk {
+                    let ki = khv[i];
+                    let row = &mut sn[i * dv..(i + 1) * dv];
+                    for j in 0..dv {
+                        row[j] += ki * delta[j];
+                    }
+                }
+                on.fill(0.0);
+                for i in 0..dk {
+                    let qi = qh[i] * q_scale;
+                    for (acc, s) in on.iter_mut().zip(&sn[i * dv..(i + 1) * dv]) {
+                        *acc += s * qi;
+                    }
+                }
+                let scale = rms_scale(on, p.eps);
+                let zh = &zr[n * dv..(n + 1) * dv];
+                for j in 0..dv {
+                    on[j] = ((on[j] * scale) * norm[j]) * silu(zh[j]);
+                }
+            });
+        }
     }
 
     /// Run `f(head)` for `n` independent heads in parallel.
@@ -192,4 +335,73 @@ pub fn top_k(p: &[f32], k: usize) -> Vec<usize> {
     idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
     idx.truncate(k);
     idx
+}
+
+/// Sizes of attention rows.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnParams {
+    /// Query heads.
+    pub n_head: usize,
+    /// KV heads.
+    pub n_head_kv: usize,
+    /// Head dim.
+    pub head_dim: usize,
+    /// Rotary dims.
+    pub n_rot: usize,
+    /// RoPE base.
+    pub theta: f32,
+}
+
+/// Sizes of gated delta-rule rows.
+#[derive(Clone, Copy, Debug)]
+pub struct DeltaParams {
+    /// Key heads Hk.
+    pub n_k_heads: usize,
+    /// Value heads Hv.
+    pub n_v_heads: usize,
+    /// Key head dim.
+    pub head_k_dim: usize,
+    /// Value head dim.
+    pub head_v_dim: usize,
+    /// Value head n pairs with key head n % Hk (qwen35moe) rather than n / ratio.
+    pub tiled: bool,
+    /// Norm epsilon.
+    pub eps: f32,
+}
+
+/// Causal conv + SiLU rows with state. `x` holds m rows of `channels`; `taps`
+/// holds `kc` taps per channel (the last multiplies the current row); `state`
+/// holds the previous `kc - 1` input rows, oldest first, and is shifted in place.
+pub fn conv_rows(x: &[f32], taps: &[f32], kc: usize, state: &mut [f32], out: &mut [f32]) {
+    let cd = taps.len() / kc;
+    for (xin, orow) in x.chunks_exact(cd).zip(out.chunks_exact_mut(cd)) {
+        for c in 0..cd {
+            let t = &taps[c * kc..(c + 1) * kc];
+            let mut acc = 0f32;
+            for j in 0..kc - 1 {
+                acc += t[j] * state[j * cd + c];
+            }
+            acc += t[kc - 1] * xin[c];
+            orow[c] = silu(acc);
+        }
+        if kc > 1 {
+            state.copy_within(cd.., 0);
+            state[(kc - 2) * cd..].copy_from_slice(xin);
+        }
+    }
+}
+
+/// Router rows: softmax over one row of expert logits (in place), the top `k`
+/// (lowest id first among equals), and their weights renormalized to sum to 1
+/// (the sum taken in k order and clamped at 2^-14, as llama.cpp does).
+pub fn route(logits: &mut [f32], k: usize) -> (Vec<usize>, Vec<f32>) {
+    softmax(logits);
+    let ids = top_k(logits, k);
+    let mut sum = 0f32;
+    for &i in &ids {
+        sum += logits[i];
+    }
+    let sum = sum.max(6.103_515_6e-5);
+    let w = ids.iter().map(|&i| logits[i] / sum).collect();
+    (ids, w)
 }

@@ -156,54 +156,16 @@ fn attention(
     let mut tmp = vec![0f32; k.len()];
     cpu::rms_norm(&k, &a.k_norm, hp.eps, &mut tmp);
     let mut k = tmp;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let rep = hq / hkv;
     let cache = st.kv[l].as_mut().expect("attention layer has a KV cache");
     let mut o = vec![0f32; m * qw];
-    for r in 0..m {
-        let pos = st.pos + r;
-        cpu::rope_row(
-            &mut q[r * qw..(r + 1) * qw],
-            hd,
-            hp.n_rot,
-            hp.rope_theta,
-            pos,
-        );
-        cpu::rope_row(
-            &mut k[r * kvw..(r + 1) * kvw],
-            hd,
-            hp.n_rot,
-            hp.rope_theta,
-            pos,
-        );
-        cache.write(
-            pos,
-            kvw,
-            &k[r * kvw..(r + 1) * kvw],
-            &v[r * kvw..(r + 1) * kvw],
-        );
-        let qr = &q[r * qw..(r + 1) * qw];
-        let cache = &*cache;
-        cpu.par_heads(&mut o[r * qw..(r + 1) * qw], hd, |h, out| {
-            let g = h / rep;
-            let qh = &qr[h * hd..(h + 1) * hd];
-            let mut s = vec![0f32; pos + 1];
-            for (j, sj) in s.iter_mut().enumerate() {
-                let mut acc = 0f32;
-                for i in 0..hd {
-                    acc += qh[i] * cache.k_at(j, kvw, g * hd + i);
-                }
-                *sj = acc * scale;
-            }
-            cpu::softmax(&mut s);
-            out.fill(0.0);
-            for (j, &p) in s.iter().enumerate() {
-                for i in 0..hd {
-                    out[i] += p * cache.v_at(j, kvw, g * hd + i);
-                }
-            }
-        });
-    }
+    let p = cpu::AttnParams {
+        n_head: hq,
+        n_head_kv: hkv,
+        head_dim: hd,
+        n_rot: hp.n_rot,
+        theta: hp.rope_theta,
+    };
+    cpu.attention_rows(&mut q, &mut k, &v, cache, st.pos, &p, &mut o);
     if let Some(g) = gate {
         for (ov, gv) in o.iter_mut().zip(&g) {
             *ov *= cpu::sigmoid(*gv);
@@ -312,89 +274,30 @@ fn delta_net(
             );
         }
     }
-    let tiled = model.hp.arch == Arch::Qwen35Moe;
     let state = st.linear[l].as_mut().expect("linear layer has state");
+    let mut conv = vec![0f32; m * cd];
+    cpu::conv_rows(&qkv, &dn.conv, kc, &mut state.conv, &mut conv);
+    let p = cpu::DeltaParams {
+        n_k_heads: hk,
+        n_v_heads: hv,
+        head_k_dim: dk,
+        head_v_dim: dv,
+        tiled: model.hp.arch == Arch::Qwen35Moe,
+        eps: hp.eps,
+    };
     let mut o = vec![0f32; m * vd];
-    let eps = hp.eps;
-    let q_scale = 1.0 / (dk as f32).sqrt();
-    for r in 0..m {
-        // Short causal conv over [state (Kc-1 rows) ; this row], then SiLU.
-        let xin = &qkv[r * cd..(r + 1) * cd];
-        let mut conv_out = vec![0f32; cd];
-        for c in 0..cd {
-            let taps = &dn.conv[c * kc..(c + 1) * kc];
-            let mut acc = 0f32;
-            for j in 0..kc - 1 {
-                acc += taps[j] * state.conv[j * cd + c];
-            }
-            acc += taps[kc - 1] * xin[c];
-            conv_out[c] = cpu::silu(acc);
-        }
-        if kc > 1 {
-            state.conv.copy_within(cd.., 0);
-            state.conv[(kc - 2) * cd..].copy_from_slice(xin);
-        }
-        let (qpart, rest) = conv_out.split_at_mut(kd);
-        let (kpart, vpart) = rest.split_at_mut(kd);
-        for h in 0..hk {
-            cpu::l2_norm(&mut qpart[h * dk..(h + 1) * dk], eps);
-            cpu::l2_norm(&mut kpart[h * dk..(h + 1) * dk], eps);
-        }
-        let (qpart, kpart, vpart) = (&*qpart, &*kpart, &*vpart);
-        let br = &b[r * hv..(r + 1) * hv];
-        let ar = &a[r * hv..(r + 1) * hv];
-        let zr = &z[r * vd..(r + 1) * vd];
-        let sstate = &mut state.s;
-        // Each value head owns its state block and its output slice.
-        let mut heads: Vec<(&mut [f32], &mut [f32])> = sstate
-            .chunks_mut(dk * dv)
-            .zip(o[r * vd..(r + 1) * vd].chunks_mut(dv))
-            .collect();
-        cpu.par_heads(&mut heads, 1, |n, hs| {
-            let (sn, on) = &mut hs[0];
-            let kh = if tiled { n % hk } else { n / ratio };
-            let qh = &qpart[kh * dk..(kh + 1) * dk];
-            let khv = &kpart[kh * dk..(kh + 1) * dk];
-            let vh = &vpart[n * dv..(n + 1) * dv];
-            let beta = cpu::sigmoid(br[n]);
-            let g = cpu::softplus(ar[n] + dn.dt_bias[n]) * dn.a[n];
-            let decay = g.exp();
-            for v in sn.iter_mut() {
-                *v *= decay;
-            }
-            // delta[j] = (v[j] - Σ_i S[i][j] k[i]) * beta
-            // kv[j] sums over i in ascending order; looping i outside keeps that
-            // order per j and lets the j loop vectorize.
-            let mut kv = vec![0f32; dv];
-            for i in 0..dk {
-                let ki = khv[i];
-                for (acc, s) in kv.iter_mut().zip(&sn[i * dv..(i + 1) * dv]) {
-                    *acc += s * ki;
-                }
-            }
-            let delta: Vec<f32> = (0..dv).map(|j| (vh[j] - kv[j]) * beta).collect();
-            for i in 0..dk {
-                let ki = khv[i];
-                let row = &mut sn[i * dv..(i + 1) * dv];
-                for j in 0..dv {
-                    row[j] += ki * delta[j];
-                }
-            }
-            // o[j] = Σ_i S[i][j] q[i] / sqrt(dk), then gated RMSNorm with z.
-            on.fill(0.0);
-            for i in 0..dk {
-                let qi = qh[i] * q_scale;
-                for (acc, s) in on.iter_mut().zip(&sn[i * dv..(i + 1) * dv]) {
-                    *acc += s * qi;
-                }
-            }
-            let scale = cpu::rms_scale(on, eps);
-            let zh = &zr[n * dv..(n + 1) * dv];
-            for j in 0..dv {
-                on[j] = ((on[j] * scale) * dn.norm[j]) * cpu::silu(zh[j]);
-            }
-        });
-    }
+    cpu.delta_rows(
+        &conv,
+        &b,
+        &a,
+        &z,
+        &dn.dt_bias,
+        &dn.a,
+        &dn.norm,
+        &p,
+        &mut state.s,
+        &mut o,
+    );
     cpu.matmul(file, &dn.out, 0, &o, y);
 }
 
@@ -420,14 +323,7 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
     let mut ys = vec![0f32; d];
     for r in 0..m {
         let xr = &x[r * d..(r + 1) * d];
-        let p = &mut logits[r * e..(r + 1) * e];
-        cpu::softmax(p);
-        let ids = cpu::top_k(p, k);
-        let mut sum = 0f32;
-        for &i in &ids {
-            sum += p[i];
-        }
-        let sum = sum.max(6.103_515_6e-5);
+        let (ids, weights) = cpu::route(&mut logits[r * e..(r + 1) * e], k);
         // Gate and up projections of every chosen expert (and the shared expert)
         // in one parallel region; then every down projection in another.
         {
@@ -497,8 +393,7 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
         // Combine in k order, then the gated shared expert.
         let yr = &mut y[r * d..(r + 1) * d];
         yr.fill(0.0);
-        for (&i, o) in ids.iter().zip(out.chunks(d)) {
-            let wgt = p[i] / sum;
+        for (&wgt, o) in weights.iter().zip(out.chunks(d)) {
             for (acc, v) in yr.iter_mut().zip(o) {
                 *acc += wgt * *v;
             }
