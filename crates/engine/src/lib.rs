@@ -1,7 +1,10 @@
 //! The samesum engine: models, the CPU backend, sequence state and the forward
 //! pass (one code path for decode and prefill).
 
+pub mod backend;
+pub mod conformance;
 pub mod cpu;
+mod cpu_backend;
 mod error;
 pub mod forward;
 pub mod model;
@@ -10,6 +13,7 @@ pub mod sample;
 pub mod state;
 pub mod tokenizer;
 
+pub use backend::Backend;
 pub use error::{EngineError, Result};
 pub use forward::{Logits, forward};
 pub use model::{Arch, HParams, Model};

@@ -1,0 +1,89 @@
+//! The backend interface: the operations the forward pass needs, at the
+//! granularity the model needs, over `m` rows at a time.
+//!
+//! The row contract: every op computes each output row with arithmetic that
+//! depends only on that row's inputs (and, for attention, the short conv and the
+//! delta rule, on the earlier positions of its own sequence, read from the state
+//! its own earlier rows wrote): never on how many rows are in the call, where the
+//! row sits in it, the other rows' values, or the number of threads. Decode is
+//! the forward pass with `m = 1`; batched prefill is the same forward with
+//! `m = chunk`, so identity holds by construction when every op obeys it.
+//!
+//! Buffers (`Buf`) are row-major `m x width` f32 arrays resident where the backend
+//! computes; sequence state (`State`) holds the KV cache and the delta-net
+//! states. Weights are referenced through the host [`Model`] (names, geometry);
+//! a device backend keeps its own resident copies keyed by them.
+
+use crate::error::Result;
+use crate::model::Model;
+use crate::model::weights::{AttentionW, DeltaNetW, MoeW};
+use crate::state::KvType;
+
+/// Which RMSNorm weight vector.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Norm {
+    /// Layer `l`'s pre-mixer norm.
+    Attn(usize),
+    /// Layer `l`'s pre-MoE norm.
+    Ffn(usize),
+    /// The final norm.
+    Output,
+}
+
+/// A compute backend.
+pub trait Backend: Sync {
+    /// Row-major f32 rows on the backend's device.
+    type Buf;
+    /// One sequence's state (KV cache, conv and delta-rule states, position).
+    type State;
+
+    /// A name for tables and logs.
+    fn name(&self) -> String;
+    /// A zeroed buffer of `n` values.
+    fn alloc(&self, n: usize) -> Self::Buf;
+    /// Copy a buffer to the host.
+    fn download(&self, buf: &Self::Buf) -> Vec<f32>;
+    /// Empty state for `ctx` tokens.
+    fn new_state(&self, model: &Model, ctx: usize, kv: KvType) -> Self::State;
+    /// The next position of a sequence.
+    fn position(&self, st: &Self::State) -> usize;
+    /// The context size of a sequence.
+    fn capacity(&self, st: &Self::State) -> usize;
+    /// Move a sequence past `m` rows (after a forward call wrote them).
+    fn advance(&self, st: &mut Self::State, m: usize);
+
+    /// Embedding rows of `tokens` (errors on ids outside the vocabulary).
+    fn embed(&self, model: &Model, tokens: &[u32], out: &mut Self::Buf) -> Result<()>;
+    /// RMSNorm rows with weight `which`.
+    fn rms_norm(&self, model: &Model, which: Norm, x: &Self::Buf, out: &mut Self::Buf);
+    /// `acc += x`, element-wise.
+    fn add(&self, acc: &mut Self::Buf, x: &Self::Buf);
+    /// Gated/plain attention rows of layer `l` over the KV cache (projections,
+    /// head norms, RoPE, cache write, attention in key order, output gate,
+    /// output projection); rows are the state's next positions, in order.
+    fn attention(
+        &self,
+        model: &Model,
+        l: usize,
+        a: &AttentionW,
+        x: &Self::Buf,
+        st: &mut Self::State,
+        y: &mut Self::Buf,
+    );
+    /// Gated delta-net rows of layer `l` (projections, causal conv with state,
+    /// delta rule with state, gated norm, output projection), rows in order.
+    fn delta_net(
+        &self,
+        model: &Model,
+        l: usize,
+        dn: &DeltaNetW,
+        x: &Self::Buf,
+        st: &mut Self::State,
+        y: &mut Self::Buf,
+    );
+    /// MoE rows: router softmax/top-k (lowest id wins ties), each chosen expert's
+    /// FFN, the combination in k order, plus the sigmoid-gated shared expert.
+    fn moe(&self, model: &Model, mw: &MoeW, x: &Self::Buf, y: &mut Self::Buf);
+    /// Final norm and LM head for `rows` of `h`, to host logits.
+    fn logits(&self, model: &Model, h: &Self::Buf, rows: &[usize]) -> Vec<f32>;
+}

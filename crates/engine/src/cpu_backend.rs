@@ -1,0 +1,431 @@
+//! The CPU implementation of [`Backend`]: layer blocks built from the CPU row
+//! kernels in [`crate::cpu`].
+
+use crate::backend::{Backend, Norm};
+use crate::cpu::{self, Cpu, MatmulJob};
+use crate::error::{EngineError, Result};
+use crate::model::weights::{AttentionW, DeltaBa, DeltaInput, DeltaNetW, MoeW};
+use crate::model::{Arch, Model};
+use crate::state::{KvType, SeqState};
+use samesum_quant::dequant;
+
+impl Backend for Cpu {
+    type Buf = Vec<f32>;
+    type State = SeqState;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", self.threads())
+    }
+
+    fn alloc(&self, n: usize) -> Vec<f32> {
+        vec![0.0; n]
+    }
+
+    fn download(&self, buf: &Vec<f32>) -> Vec<f32> {
+        buf.clone()
+    }
+
+    fn new_state(&self, model: &Model, ctx: usize, kv: KvType) -> SeqState {
+        SeqState::new(&model.hp, ctx, kv)
+    }
+
+    fn position(&self, st: &SeqState) -> usize {
+        st.pos
+    }
+
+    fn capacity(&self, st: &SeqState) -> usize {
+        st.ctx
+    }
+
+    fn advance(&self, st: &mut SeqState, m: usize) {
+        st.pos += m;
+    }
+
+    fn embed(&self, model: &Model, tokens: &[u32], out: &mut Vec<f32>) -> Result<()> {
+        let w = &model.w;
+        let d = model.hp.n_embd;
+        for (r, &t) in tokens.iter().enumerate() {
+            if t as usize >= w.n_vocab {
+                return Err(EngineError::BadToken {
+                    token: t,
+                    vocab: w.n_vocab,
+                });
+            }
+            let row = w.token_embd.row(model.bytes(), 0, t as usize);
+            dequant::dequantize(w.token_embd.ty, row, &mut out[r * d..(r + 1) * d])?;
+        }
+        Ok(())
+    }
+
+    fn rms_norm(&self, model: &Model, which: Norm, x: &Vec<f32>, out: &mut Vec<f32>) {
+        let w = match which {
+            Norm::Attn(l) => &model.w.layers[l].attn_norm,
+            Norm::Ffn(l) => &model.w.layers[l].ffn_norm,
+            Norm::Output => &model.w.output_norm,
+        };
+        cpu::rms_norm(x, w, model.hp.eps, out);
+    }
+
+    fn add(&self, acc: &mut Vec<f32>, x: &Vec<f32>) {
+        for (a, v) in acc.iter_mut().zip(x) {
+            *a += *v;
+        }
+    }
+
+    fn attention(
+        &self,
+        model: &Model,
+        l: usize,
+        a: &AttentionW,
+        x: &Vec<f32>,
+        st: &mut SeqState,
+        y: &mut Vec<f32>,
+    ) {
+        attention(model, self, st, l, a, x, y)
+    }
+
+    fn delta_net(
+        &self,
+        model: &Model,
+        l: usize,
+        dn: &DeltaNetW,
+        x: &Vec<f32>,
+        st: &mut SeqState,
+        y: &mut Vec<f32>,
+    ) {
+        delta_net(model, self, st, l, dn, x, y)
+    }
+
+    fn moe(&self, model: &Model, mw: &MoeW, x: &Vec<f32>, y: &mut Vec<f32>) {
+        moe(model, self, mw, x, y)
+    }
+
+    fn logits(&self, model: &Model, h: &Vec<f32>, rows: &[usize]) -> Vec<f32> {
+        let d = model.hp.n_embd;
+        let w = &model.w;
+        let mut xs = vec![0f32; rows.len() * d];
+        for (i, &r) in rows.iter().enumerate() {
+            cpu::rms_norm(
+                &h[r * d..(r + 1) * d],
+                &w.output_norm,
+                model.hp.eps,
+                &mut xs[i * d..(i + 1) * d],
+            );
+        }
+        let mut logits = vec![0f32; rows.len() * w.n_vocab];
+        self.matmul(model.bytes(), &w.output, 0, &xs, &mut logits);
+        logits
+    }
+}
+
+fn attention(
+    model: &Model,
+    cpu: &Cpu,
+    st: &mut SeqState,
+    l: usize,
+    a: &AttentionW,
+    x: &[f32],
+    y: &mut [f32],
+) {
+    let hp = &model.hp;
+    let file = model.bytes();
+    let (hq, hkv, hd) = (hp.n_head, hp.n_head_kv, hp.head_dim);
+    let m = x.len() / hp.n_embd;
+    let (qw, kvw) = (hq * hd, hkv * hd);
+    let mut qg = vec![0f32; m * a.q.rows];
+    let mut k = vec![0f32; m * kvw];
+    let mut v = vec![0f32; m * kvw];
+    cpu.matmuls(
+        file,
+        &mut [
+            MatmulJob {
+                w: &a.q,
+                mat: 0,
+                x,
+                y: &mut qg,
+            },
+            MatmulJob {
+                w: &a.k,
+                mat: 0,
+                x,
+                y: &mut k,
+            },
+            MatmulJob {
+                w: &a.v,
+                mat: 0,
+                x,
+                y: &mut v,
+            },
+        ],
+    );
+    // Split [q | gate] per head (hybrid archs).
+    let (mut q, gate) = if a.gated {
+        let mut q = vec![0f32; m * qw];
+        let mut g = vec![0f32; m * qw];
+        for r in 0..m {
+            for h in 0..hq {
+                let src = &qg[r * 2 * qw + h * 2 * hd..];
+                q[r * qw + h * hd..r * qw + (h + 1) * hd].copy_from_slice(&src[..hd]);
+                g[r * qw + h * hd..r * qw + (h + 1) * hd].copy_from_slice(&src[hd..2 * hd]);
+            }
+        }
+        (q, Some(g))
+    } else {
+        (qg, None)
+    };
+    let mut tmp = vec![0f32; q.len()];
+    cpu::rms_norm(&q, &a.q_norm, hp.eps, &mut tmp);
+    std::mem::swap(&mut q, &mut tmp);
+    let mut tmp = vec![0f32; k.len()];
+    cpu::rms_norm(&k, &a.k_norm, hp.eps, &mut tmp);
+    let mut k = tmp;
+    let cache = st.kv[l].as_mut().expect("attention layer has a KV cache");
+    let mut o = vec![0f32; m * qw];
+    let p = cpu::AttnParams {
+        n_head: hq,
+        n_head_kv: hkv,
+        head_dim: hd,
+        n_rot: hp.n_rot,
+        theta: hp.rope_theta,
+    };
+    cpu.attention_rows(&mut q, &mut k, &v, cache, st.pos, &p, &mut o);
+    if let Some(g) = gate {
+        for (ov, gv) in o.iter_mut().zip(&g) {
+            *ov *= cpu::sigmoid(*gv);
+        }
+    }
+    cpu.matmul(file, &a.o, 0, &o, y);
+}
+
+fn delta_net(
+    model: &Model,
+    cpu: &Cpu,
+    st: &mut SeqState,
+    l: usize,
+    dn: &DeltaNetW,
+    x: &[f32],
+    y: &mut [f32],
+) {
+    let hp = &model.hp;
+    let file = model.bytes();
+    let s = hp.ssm.expect("linear layers have ssm sizes");
+    let m = x.len() / hp.n_embd;
+    let (kd, vd, cd) = (s.key_dim(), s.value_dim(), s.conv_dim());
+    let (hk, hv, dk, dv, kc) = (
+        s.n_k_heads,
+        s.n_v_heads,
+        s.head_k_dim,
+        s.head_v_dim,
+        s.d_conv,
+    );
+    let ratio = hv / hk;
+    // Projections for all rows.
+    let mut qkv = vec![0f32; m * cd];
+    let mut z = vec![0f32; m * vd];
+    match &dn.input {
+        DeltaInput::Split { qkv: wq, z: wz } => {
+            cpu.matmuls(
+                file,
+                &mut [
+                    MatmulJob {
+                        w: wq,
+                        mat: 0,
+                        x,
+                        y: &mut qkv,
+                    },
+                    MatmulJob {
+                        w: wz,
+                        mat: 0,
+                        x,
+                        y: &mut z,
+                    },
+                ],
+            );
+        }
+        DeltaInput::Fused { ssm_in } => {
+            let width = 2 * dk + 2 * ratio * dv;
+            let mut f = vec![0f32; m * ssm_in.rows];
+            cpu.matmul(file, ssm_in, 0, x, &mut f);
+            for r in 0..m {
+                for g in 0..hk {
+                    let src = &f[r * ssm_in.rows + g * width..];
+                    let dst = &mut qkv[r * cd..(r + 1) * cd];
+                    dst[g * dk..(g + 1) * dk].copy_from_slice(&src[..dk]);
+                    dst[kd + g * dk..kd + (g + 1) * dk].copy_from_slice(&src[dk..2 * dk]);
+                    let vs = ratio * dv;
+                    dst[2 * kd + g * vs..2 * kd + (g + 1) * vs]
+                        .copy_from_slice(&src[2 * dk..2 * dk + vs]);
+                    z[r * vd + g * vs..r * vd + (g + 1) * vs]
+                        .copy_from_slice(&src[2 * dk + vs..2 * dk + 2 * vs]);
+                }
+            }
+        }
+    }
+    // beta and alpha per value head, in the file's head order.
+    let mut b = vec![0f32; m * hv];
+    let mut a = vec![0f32; m * hv];
+    match &dn.ba {
+        DeltaBa::Fused(wba) => {
+            let mut ba = vec![0f32; m * 2 * hv];
+            cpu.matmul(file, wba, 0, x, &mut ba);
+            for r in 0..m {
+                for g in 0..hk {
+                    for j in 0..ratio {
+                        b[r * hv + g * ratio + j] = ba[r * 2 * hv + g * 2 * ratio + j];
+                        a[r * hv + g * ratio + j] = ba[r * 2 * hv + g * 2 * ratio + ratio + j];
+                    }
+                }
+            }
+        }
+        DeltaBa::Split { beta, alpha } => {
+            cpu.matmuls(
+                file,
+                &mut [
+                    MatmulJob {
+                        w: beta,
+                        mat: 0,
+                        x,
+                        y: &mut b,
+                    },
+                    MatmulJob {
+                        w: alpha,
+                        mat: 0,
+                        x,
+                        y: &mut a,
+                    },
+                ],
+            );
+        }
+    }
+    let state = st.linear[l].as_mut().expect("linear layer has state");
+    let mut conv = vec![0f32; m * cd];
+    cpu::conv_rows(&qkv, &dn.conv, kc, &mut state.conv, &mut conv);
+    let p = cpu::DeltaParams {
+        n_k_heads: hk,
+        n_v_heads: hv,
+        head_k_dim: dk,
+        head_v_dim: dv,
+        tiled: model.hp.arch == Arch::Qwen35Moe,
+        eps: hp.eps,
+    };
+    let mut o = vec![0f32; m * vd];
+    cpu.delta_rows(
+        &conv,
+        &b,
+        &a,
+        &z,
+        &dn.dt_bias,
+        &dn.a,
+        &dn.norm,
+        &p,
+        &mut state.s,
+        &mut o,
+    );
+    cpu.matmul(file, &dn.out, 0, &o, y);
+}
+
+fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
+    let hp = &model.hp;
+    let file = model.bytes();
+    let (d, e, k, f, fs) = (
+        hp.n_embd,
+        hp.n_expert,
+        hp.n_expert_used,
+        hp.n_ff_exp,
+        hp.n_ff_shexp,
+    );
+    let m = x.len() / d;
+    let mut logits = vec![0f32; m * e];
+    cpu.matmul(file, &mw.router, 0, x, &mut logits);
+    let mut gate = vec![0f32; k * f];
+    let mut up = vec![0f32; k * f];
+    let mut out = vec![0f32; k * d];
+    let mut sg = vec![0f32; fs];
+    let mut su = vec![0f32; fs];
+    let mut gi = [0f32; 1];
+    let mut ys = vec![0f32; d];
+    for r in 0..m {
+        let xr = &x[r * d..(r + 1) * d];
+        let (ids, weights) = cpu::route(&mut logits[r * e..(r + 1) * e], k);
+        // Gate and up projections of every chosen expert (and the shared expert)
+        // in one parallel region; then every down projection in another.
+        {
+            let mut jobs: Vec<MatmulJob> = Vec::with_capacity(2 * k + 3);
+            for ((&i, g), u) in ids.iter().zip(gate.chunks_mut(f)).zip(up.chunks_mut(f)) {
+                jobs.push(MatmulJob {
+                    w: &mw.gate,
+                    mat: i,
+                    x: xr,
+                    y: g,
+                });
+                jobs.push(MatmulJob {
+                    w: &mw.up,
+                    mat: i,
+                    x: xr,
+                    y: u,
+                });
+            }
+            if let Some(sh) = &mw.shared {
+                jobs.push(MatmulJob {
+                    w: &sh.gate,
+                    mat: 0,
+                    x: xr,
+                    y: &mut sg,
+                });
+                jobs.push(MatmulJob {
+                    w: &sh.up,
+                    mat: 0,
+                    x: xr,
+                    y: &mut su,
+                });
+                jobs.push(MatmulJob {
+                    w: &sh.gate_inp,
+                    mat: 0,
+                    x: xr,
+                    y: &mut gi,
+                });
+            }
+            cpu.matmuls(file, &mut jobs);
+        }
+        for (g, u) in gate.iter_mut().zip(&up) {
+            *g = cpu::silu(*g) * *u;
+        }
+        for (g, u) in sg.iter_mut().zip(&su) {
+            *g = cpu::silu(*g) * *u;
+        }
+        {
+            let mut jobs: Vec<MatmulJob> = Vec::with_capacity(k + 1);
+            for ((&i, g), o) in ids.iter().zip(gate.chunks(f)).zip(out.chunks_mut(d)) {
+                jobs.push(MatmulJob {
+                    w: &mw.down,
+                    mat: i,
+                    x: g,
+                    y: o,
+                });
+            }
+            if let Some(sh) = &mw.shared {
+                jobs.push(MatmulJob {
+                    w: &sh.down,
+                    mat: 0,
+                    x: &sg,
+                    y: &mut ys,
+                });
+            }
+            cpu.matmuls(file, &mut jobs);
+        }
+        // Combine in k order, then the gated shared expert.
+        let yr = &mut y[r * d..(r + 1) * d];
+        yr.fill(0.0);
+        for (&wgt, o) in weights.iter().zip(out.chunks(d)) {
+            for (acc, v) in yr.iter_mut().zip(o) {
+                *acc += wgt * *v;
+            }
+        }
+        if mw.shared.is_some() {
+            let s = cpu::sigmoid(gi[0]);
+            for (acc, v) in yr.iter_mut().zip(&ys) {
+                *acc += s * *v;
+            }
+        }
+    }
+}
