@@ -41,6 +41,8 @@ pub trait Backend: Sync {
     fn name(&self) -> String;
     /// A zeroed buffer of `n` values.
     fn alloc(&self, n: usize) -> Self::Buf;
+    /// A buffer holding `host`.
+    fn upload(&self, host: &[f32]) -> Self::Buf;
     /// Copy a buffer to the host.
     fn download(&self, buf: &Self::Buf) -> Vec<f32>;
     /// Empty state for `ctx` tokens.

@@ -1,9 +1,10 @@
 //! Conformance bodies written once against [`Backend`], run by every backend's
 //! tests (the CPU's in `tests/`, the CUDA backend's on the GPU machine).
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Norm};
 use crate::forward::{Logits, forward};
 use crate::model::Model;
+use crate::model::weights::Mixer;
 use crate::state::KvType;
 
 /// Where two runs first differ.
@@ -46,6 +47,116 @@ pub fn forward_rows_match<B: Backend>(
                 max_abs_diff,
             });
         }
+    }
+    Ok(())
+}
+
+/// Check every block op of `model` (embedding, both norms of every layer, every
+/// layer's mixer with its state, every MoE, the final norm and head): for each
+/// `m` in `ms`, one m-row call equals m one-row calls byte for byte (the mixers
+/// carrying their state from row to row), on fresh random inputs drawn from
+/// `seed`, with every output buffer poisoned with NaN before the call.
+pub fn block_ops_match<B: Backend>(
+    b: &B,
+    model: &Model,
+    ms: &[usize],
+    seed: u64,
+) -> Result<(), String> {
+    let d = model.hp.n_embd;
+    let mut rng = samesum_quant::rng::Rng::new(seed);
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let nan = |n: usize| b.upload(&vec![f32::NAN; n]);
+    let ctx = ms.iter().copied().max().unwrap_or(1);
+    let check = |what: String, all: &[f32], rows: &[Vec<f32>]| -> Result<(), String> {
+        let w = all.len() / rows.len().max(1);
+        for (r, one) in rows.iter().enumerate() {
+            if bits(one) != bits(&all[r * w..(r + 1) * w]) {
+                return Err(format!(
+                    "{what}: row {r} of {} differs from its one-row call",
+                    rows.len()
+                ));
+            }
+            if one.iter().any(|v| v.is_nan()) {
+                return Err(format!("{what}: row {r} left unwritten (NaN)"));
+            }
+        }
+        Ok(())
+    };
+    for &m in ms {
+        let x: Vec<f32> = (0..m * d).map(|_| rng.range(-2.0, 2.0)).collect();
+        let xb = b.upload(&x);
+        let row = |r: usize| b.upload(&x[r * d..(r + 1) * d]);
+        // Embedding.
+        let toks: Vec<u32> = (0..m)
+            .map(|_| rng.below(model.w.n_vocab as u64) as u32)
+            .collect();
+        let mut all = nan(m * d);
+        b.embed(model, &toks, &mut all).map_err(|e| e.to_string())?;
+        let ones: Vec<Vec<f32>> = toks
+            .iter()
+            .map(|&t| {
+                let mut o = nan(d);
+                b.embed(model, &[t], &mut o).expect("embed");
+                b.download(&o)
+            })
+            .collect();
+        check(format!("embed m={m}"), &b.download(&all), &ones)?;
+        for (l, lw) in model.w.layers.iter().enumerate() {
+            for norm in [Norm::Attn(l), Norm::Ffn(l)] {
+                let mut all = nan(m * d);
+                b.rms_norm(model, norm, &xb, &mut all);
+                let ones: Vec<Vec<f32>> = (0..m)
+                    .map(|r| {
+                        let mut o = nan(d);
+                        b.rms_norm(model, norm, &row(r), &mut o);
+                        b.download(&o)
+                    })
+                    .collect();
+                check(format!("{norm:?} m={m}"), &b.download(&all), &ones)?;
+            }
+            // The mixer, with its state.
+            let mut st_all = b.new_state(model, ctx, KvType::F32);
+            let mut all = nan(m * d);
+            let mut st_one = b.new_state(model, ctx, KvType::F32);
+            let mut ones = Vec::with_capacity(m);
+            match &lw.mixer {
+                Mixer::Attention(a) => {
+                    b.attention(model, l, a, &xb, &mut st_all, &mut all);
+                    for r in 0..m {
+                        let mut o = nan(d);
+                        b.attention(model, l, a, &row(r), &mut st_one, &mut o);
+                        b.advance(&mut st_one, 1);
+                        ones.push(b.download(&o));
+                    }
+                }
+                Mixer::Linear(dn) => {
+                    b.delta_net(model, l, dn, &xb, &mut st_all, &mut all);
+                    for r in 0..m {
+                        let mut o = nan(d);
+                        b.delta_net(model, l, dn, &row(r), &mut st_one, &mut o);
+                        b.advance(&mut st_one, 1);
+                        ones.push(b.download(&o));
+                    }
+                }
+            }
+            check(format!("layer {l} mixer m={m}"), &b.download(&all), &ones)?;
+            // The MoE.
+            let mut all = nan(m * d);
+            b.moe(model, &lw.moe, &xb, &mut all);
+            let ones: Vec<Vec<f32>> = (0..m)
+                .map(|r| {
+                    let mut o = nan(d);
+                    b.moe(model, &lw.moe, &row(r), &mut o);
+                    b.download(&o)
+                })
+                .collect();
+            check(format!("layer {l} moe m={m}"), &b.download(&all), &ones)?;
+        }
+        // Final norm and head.
+        let rows: Vec<usize> = (0..m).collect();
+        let all = b.logits(model, &xb, &rows);
+        let ones: Vec<Vec<f32>> = (0..m).map(|r| b.logits(model, &row(r), &[0])).collect();
+        check(format!("logits m={m}"), &all, &ones)?;
     }
     Ok(())
 }

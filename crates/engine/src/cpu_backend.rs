@@ -21,6 +21,10 @@ impl Backend for Cpu {
         vec![0.0; n]
     }
 
+    fn upload(&self, host: &[f32]) -> Vec<f32> {
+        host.to_vec()
+    }
+
     fn download(&self, buf: &Vec<f32>) -> Vec<f32> {
         buf.clone()
     }
