@@ -29,6 +29,9 @@ pub struct MatmulJob<'a> {
 
 /// Fewest output columns per parallel task in a matmul.
 const MIN_COLS_PER_TASK: usize = 16;
+/// Weight rows applied to every activation row before moving on (a tile of
+/// 16 rows of a 2048-wide Q4_K matrix is 18 KiB: it stays in L1).
+const TILE_ROWS: usize = 16;
 
 impl Cpu {
     /// A backend running on `threads` threads (0: all cores).
@@ -64,32 +67,57 @@ impl Cpu {
             .iter()
             .map(|j| {
                 j.x.chunks_exact(j.w.cols)
-                    .map(|xr| {
-                        ActRow::quantize(j.w.ty, xr)
-                            .expect("bound matrices have a dot kernel and whole blocks")
-                    })
+                    .map(|xr| ActRow::quantize(j.w.ty, xr).expect("bound matrices have a dot kernel and whole blocks"))
                     .collect()
             })
             .collect();
-        let total: usize = jobs.iter().map(|j| j.y.len()).sum();
-        // A few tasks per thread: enough to balance, few enough that task overhead
-        // stays small next to the rows' bytes. The split never touches a sum.
+        let total: usize = jobs.iter().map(|j| j.w.rows).sum();
+        // Tasks are ranges of weight rows: a few per thread, enough to balance.
+        // Inside a task, a tile of weight rows is applied to every activation row
+        // before the next tile, so each weight byte is read from memory once per
+        // call whatever the number of rows. Every output element is still one dot
+        // of one weight row with one activation row: the tiling never splits a sum.
         let per = total.div_ceil(4 * self.threads()).max(MIN_COLS_PER_TASK);
-        let mut tasks: Vec<(&Matrix, &[u8], &ActRow, &mut [f32])> = Vec::new();
-        for (j, act) in jobs.iter_mut().zip(&acts) {
-            let bytes = j.w.mat_bytes(file, j.mat);
-            let rb = j.w.row_bytes;
-            for (yr, a) in j.y.chunks_exact_mut(j.w.rows).zip(act) {
-                for (c, out) in yr.chunks_mut(per).enumerate() {
-                    let start = c * per * rb;
-                    tasks.push((j.w, &bytes[start..start + out.len() * rb], a, out));
-                }
+        struct Out {
+            ptr: *mut f32,
+            len: usize,
+        }
+        // SAFETY (Send/Sync): tasks write disjoint (row, column) ranges of each
+        // output, and `matmuls` holds the &mut for the whole parallel region.
+        unsafe impl Send for Out {}
+        unsafe impl Sync for Out {}
+        let outs: Vec<Out> = jobs.iter_mut().map(|j| Out { ptr: j.y.as_mut_ptr(), len: j.y.len() }).collect();
+        let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+        for (ji, j) in jobs.iter().enumerate() {
+            let mut j0 = 0;
+            while j0 < j.w.rows {
+                let j1 = (j0 + per).min(j.w.rows);
+                tasks.push((ji, j0, j1));
+                j0 = j1;
             }
         }
-        let run = |(w, rows, act, out): &mut (&Matrix, &[u8], &ActRow, &mut [f32])| {
-            dot::dot_rows(w.ty, rows, act, out).expect("checked at bind");
-        };
-        self.pool.for_each_mut(&mut tasks, |_, t| run(t));
+        let jobs = &*jobs;
+        self.pool.run(tasks.len(), &|t| {
+            let (ji, j0, j1) = tasks[t];
+            let j = &jobs[ji];
+            let (w, rb) = (j.w, j.w.row_bytes);
+            let bytes = w.mat_bytes(file, j.mat);
+            let out = &outs[ji];
+            let mut t0 = j0;
+            while t0 < j1 {
+                let t1 = (t0 + TILE_ROWS).min(j1);
+                let rows = &bytes[t0 * rb..t1 * rb];
+                for (r, act) in acts[ji].iter().enumerate() {
+                    let start = r * w.rows + t0;
+                    debug_assert!(start + (t1 - t0) <= out.len);
+                    // SAFETY: [start, start + t1 - t0) lies in row r of this job's
+                    // output and in this task's column range only.
+                    let y = unsafe { std::slice::from_raw_parts_mut(out.ptr.add(start), t1 - t0) };
+                    dot::dot_rows(w.ty, rows, act, y).expect("checked at bind");
+                }
+                t0 = t1;
+            }
+        });
     }
 
     /// Attention rows over a KV cache. `q` (m rows of `n_head * head_dim`) and `k`

@@ -6,6 +6,7 @@ use crate::cpu::{self, Cpu, MatmulJob};
 use crate::error::{EngineError, Result};
 use crate::model::weights::{AttentionW, DeltaBa, DeltaInput, DeltaNetW, MoeW};
 use crate::model::{Arch, Model};
+use crate::plan::Plan;
 use crate::state::{KvType, SeqState};
 use samesum_quant::dequant;
 
@@ -339,6 +340,9 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
         hp.n_ff_shexp,
     );
     let m = x.len() / d;
+    if m > 1 {
+        return moe_batched(model, cpu, mw, x, y);
+    }
     let mut logits = vec![0f32; m * e];
     cpu.matmul(file, &mw.router, 0, x, &mut logits);
     let mut gate = vec![0f32; k * f];
@@ -429,6 +433,104 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
             let s = cpu::sigmoid(gi[0]);
             for (acc, v) in yr.iter_mut().zip(&ys) {
                 *acc += s * *v;
+            }
+        }
+    }
+}
+
+/// MoE over many rows with the expert plan: route every row, group the (token,
+/// slot) pairs by expert, gather each expert's rows and run its gate/up and down
+/// projections over all of them at once (its weights read once per chunk), write
+/// one result per pair, then combine each token's results in slot order and add
+/// the gated shared expert, exactly as the one-row path does.
+fn moe_batched(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
+    let hp = &model.hp;
+    let file = model.bytes();
+    let (d, e, k, f, fs) = (hp.n_embd, hp.n_expert, hp.n_expert_used, hp.n_ff_exp, hp.n_ff_shexp);
+    let m = x.len() / d;
+    let mut logits = vec![0f32; m * e];
+    cpu.matmul(file, &mw.router, 0, x, &mut logits);
+    let mut ids = vec![-1i32; m * k];
+    let mut weights = vec![0f32; m * k];
+    for r in 0..m {
+        let (ri, rw) = cpu::route(&mut logits[r * e..(r + 1) * e], k);
+        for (s, (i, w)) in ri.into_iter().zip(rw).enumerate() {
+            ids[r * k + s] = i as i32;
+            weights[r * k + s] = w;
+        }
+    }
+    let plan = Plan::build(&ids, e, 1);
+    let active: Vec<usize> = (0..e).filter(|&i| plan.counts[i] > 0).collect();
+    let xs: Vec<Vec<f32>> = active
+        .iter()
+        .map(|&i| {
+            let mut g = Vec::new();
+            plan.gather(i, x, d, k, &mut g);
+            g
+        })
+        .collect();
+    let mut gate: Vec<Vec<f32>> = active.iter().map(|&i| vec![0f32; plan.counts[i] as usize * f]).collect();
+    let mut up = gate.clone();
+    let mut sg = vec![0f32; m * fs];
+    let mut su = vec![0f32; m * fs];
+    let mut gi = vec![0f32; m];
+    {
+        let mut jobs: Vec<MatmulJob> = Vec::with_capacity(2 * active.len() + 3);
+        for (((&i, xe), g), u) in active.iter().zip(&xs).zip(gate.iter_mut()).zip(up.iter_mut()) {
+            jobs.push(MatmulJob { w: &mw.gate, mat: i, x: xe, y: g });
+            jobs.push(MatmulJob { w: &mw.up, mat: i, x: xe, y: u });
+        }
+        if let Some(sh) = &mw.shared {
+            jobs.push(MatmulJob { w: &sh.gate, mat: 0, x, y: &mut sg });
+            jobs.push(MatmulJob { w: &sh.up, mat: 0, x, y: &mut su });
+            jobs.push(MatmulJob { w: &sh.gate_inp, mat: 0, x, y: &mut gi });
+        }
+        cpu.matmuls(file, &mut jobs);
+    }
+    for (g, u) in gate.iter_mut().zip(&up) {
+        for (a, b) in g.iter_mut().zip(u) {
+            *a = cpu::silu(*a) * *b;
+        }
+    }
+    for (a, b) in sg.iter_mut().zip(&su) {
+        *a = cpu::silu(*a) * *b;
+    }
+    let mut outs: Vec<Vec<f32>> = active.iter().map(|&i| vec![0f32; plan.counts[i] as usize * d]).collect();
+    let mut ys = vec![0f32; m * d];
+    {
+        let mut jobs: Vec<MatmulJob> = Vec::with_capacity(active.len() + 1);
+        for ((&i, h), o) in active.iter().zip(&gate).zip(outs.iter_mut()) {
+            jobs.push(MatmulJob { w: &mw.down, mat: i, x: h, y: o });
+        }
+        if let Some(sh) = &mw.shared {
+            jobs.push(MatmulJob { w: &sh.down, mat: 0, x: &sg, y: &mut ys });
+        }
+        cpu.matmuls(file, &mut jobs);
+    }
+    // One result per (token, slot).
+    let mut pair_out = vec![0f32; m * k * d];
+    for (&i, o) in active.iter().zip(&outs) {
+        for (row, &p) in o.chunks_exact(d).zip(plan.expert(i)) {
+            pair_out[p as usize * d..(p as usize + 1) * d].copy_from_slice(row);
+        }
+    }
+    for r in 0..m {
+        let yr = &mut y[r * d..(r + 1) * d];
+        yr.fill(0.0);
+        for s in 0..k {
+            if ids[r * k + s] < 0 {
+                continue;
+            }
+            let wgt = weights[r * k + s];
+            let o = &pair_out[(r * k + s) * d..(r * k + s + 1) * d];
+            for (acc, v) in yr.iter_mut().zip(o) {
+                *acc += wgt * *v;
+            }
+        }
+        if mw.shared.is_some() {
+            let sgate = cpu::sigmoid(gi[r]);
+            for (acc, v) in yr.iter_mut().zip(&ys[r * d..(r + 1) * d]) {
+                *acc += sgate * *v;
             }
         }
     }

@@ -8,6 +8,7 @@ mod cpu_backend;
 mod error;
 pub mod forward;
 pub mod model;
+pub mod plan;
 pub mod pool;
 pub mod sample;
 pub mod state;
