@@ -47,6 +47,18 @@ for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
     done
 done
 
+echo "== identity gate: replay vs batched on the shipped prompt set (tiny models, chunks 1/7/16/64, threads 1/2)"
+for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
+    "$BIN" identity --shape "$shape" --chunk 1,7,16,64 --threads 1,2 --gen 64 > "$OUT/identity-$shape.md" \
+        || { cat "$OUT/identity-$shape.md"; echo "identity gate failed on $shape"; exit 1; }
+    tail -1 "$OUT/identity-$shape.md"
+done
+echo "== identity gate negative control: a reordered MoE combination must be caught"
+if "$BIN" identity --shape tiny-qwen3next --chunk 16 --max-len 200 --gen 8 --negative-control > "$OUT/neg.md" 2>&1; then
+    cat "$OUT/neg.md"; echo "the gate did not catch the reordered variant"; exit 1
+fi
+tail -2 "$OUT/neg.md" | head -1
+
 if [[ "${SAMESUM_LLAMA_CHECK:-0}" == "1" && -z "${LLAMA_SIMPLE:-}" ]]; then
     echo "== building llama.cpp's llama-simple (cached in .cache/)"
     LLAMA_SIMPLE="$(scripts/llama-cpp.sh)"

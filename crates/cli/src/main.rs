@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_quant;
+mod identity;
 mod inspect;
 mod run;
 mod synth;
@@ -22,6 +23,8 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt (no -m: a tiny synthetic model made on the fly).
     Run(run::Args),
+    /// The identity gate: replay vs batched prefill, byte for byte.
+    Identity(identity::Args),
     /// Write a synthetic random-weight model at a real architecture's shape.
     Synth(synth::Args),
     /// Show a GGUF file's architecture, hyperparameters and tensors (no FILE: the
@@ -43,6 +46,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(a) => run::run(a),
+        Command::Identity(a) => identity::run(a),
         Command::Synth(a) => synth::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(a) => bench::run(a),

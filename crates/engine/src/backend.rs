@@ -51,6 +51,9 @@ pub trait Backend: Sync {
     fn position(&self, st: &Self::State) -> usize;
     /// The context size of a sequence.
     fn capacity(&self, st: &Self::State) -> usize;
+    /// A sequence's state as host values: position, the KV rows written so far,
+    /// conv and delta-rule states (for comparing two runs bit for bit).
+    fn download_state(&self, st: &Self::State) -> Vec<f32>;
     /// Move a sequence past `m` rows (after a forward call wrote them).
     fn advance(&self, st: &mut Self::State, m: usize);
 

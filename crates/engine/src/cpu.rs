@@ -13,6 +13,7 @@ use samesum_quant::dot::{self, ActRow};
 /// The CPU backend: a thread pool.
 pub struct Cpu {
     pool: Pool,
+    reversed_topk: bool,
 }
 
 /// One matmul of [`Cpu::matmuls`]: `y = W_mat · x` row by row.
@@ -38,12 +39,28 @@ impl Cpu {
     pub fn new(threads: usize) -> Cpu {
         Cpu {
             pool: Pool::new(threads),
+            reversed_topk: false,
         }
     }
 
     /// Run `f` (kept for call sites that group work; the pool needs no setup).
     pub fn run<R>(&self, f: impl FnOnce() -> R) -> R {
         f()
+    }
+
+    /// A deliberately wrong variant for the identity gate's negative control: the
+    /// batched MoE sums each token's experts in reverse slot order with fused
+    /// multiply-adds (a different rounding from decode; with two experts the
+    /// reversal alone would commute). Never use it for anything else.
+    #[doc(hidden)]
+    pub fn with_reversed_topk(mut self) -> Self {
+        self.reversed_topk = true;
+        self
+    }
+
+    /// Whether the negative-control variant is on.
+    pub(crate) fn reversed_topk(&self) -> bool {
+        self.reversed_topk
     }
 
     /// Threads in use.
@@ -67,7 +84,10 @@ impl Cpu {
             .iter()
             .map(|j| {
                 j.x.chunks_exact(j.w.cols)
-                    .map(|xr| ActRow::quantize(j.w.ty, xr).expect("bound matrices have a dot kernel and whole blocks"))
+                    .map(|xr| {
+                        ActRow::quantize(j.w.ty, xr)
+                            .expect("bound matrices have a dot kernel and whole blocks")
+                    })
                     .collect()
             })
             .collect();
@@ -86,7 +106,13 @@ impl Cpu {
         // output, and `matmuls` holds the &mut for the whole parallel region.
         unsafe impl Send for Out {}
         unsafe impl Sync for Out {}
-        let outs: Vec<Out> = jobs.iter_mut().map(|j| Out { ptr: j.y.as_mut_ptr(), len: j.y.len() }).collect();
+        let outs: Vec<Out> = jobs
+            .iter_mut()
+            .map(|j| Out {
+                ptr: j.y.as_mut_ptr(),
+                len: j.y.len(),
+            })
+            .collect();
         let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
         for (ji, j) in jobs.iter().enumerate() {
             let mut j0 = 0;
@@ -154,24 +180,9 @@ impl Cpu {
             );
             let qr = &q[r * qw..(r + 1) * qw];
             let cache = &*cache;
-            self.par_heads(&mut o[r * qw..(r + 1) * qw], hd, |h, out| {
-                let g = h / rep;
-                let qh = &qr[h * hd..(h + 1) * hd];
-                let mut s = vec![0f32; pos + 1];
-                for (j, sj) in s.iter_mut().enumerate() {
-                    let mut acc = 0f32;
-                    for i in 0..hd {
-                        acc += qh[i] * cache.k_at(j, kvw, g * hd + i);
-                    }
-                    *sj = acc * scale;
-                }
-                softmax(&mut s);
-                out.fill(0.0);
-                for (j, &pj) in s.iter().enumerate() {
-                    for i in 0..hd {
-                        out[i] += pj * cache.v_at(j, kvw, g * hd + i);
-                    }
-                }
+            self.par_heads(&mut o[r * qw..(r + 1) * qw], hd, |h, out| match cache {
+                KvLayer::F32 { k, v } => attend_head(qr, h, rep, hd, kvw, pos, scale, k, v, out),
+                KvLayer::F16 { k, v } => attend_head(qr, h, rep, hd, kvw, pos, scale, k, v, out),
             });
         }
     }
@@ -432,4 +443,58 @@ pub fn route(logits: &mut [f32], k: usize) -> (Vec<usize>, Vec<f32>) {
     let sum = sum.max(6.103_515_6e-5);
     let w = ids.iter().map(|&i| logits[i] / sum).collect();
     (ids, w)
+}
+
+/// A KV cache element.
+trait KvElem: Copy + Sync {
+    fn f32(self) -> f32;
+}
+impl KvElem for f32 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self
+    }
+}
+impl KvElem for half::f16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        samesum_quant::blocks::f16_to_f32(self)
+    }
+}
+
+/// One query head attending over cache positions `0..=pos`: scores in key order
+/// (each a sequential dot), softmax, then the value sum in key order.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn attend_head<T: KvElem>(
+    q: &[f32],
+    h: usize,
+    rep: usize,
+    hd: usize,
+    kvw: usize,
+    pos: usize,
+    scale: f32,
+    k: &[T],
+    v: &[T],
+    out: &mut [f32],
+) {
+    let g = h / rep;
+    let qh = &q[h * hd..(h + 1) * hd];
+    let mut s = vec![0f32; pos + 1];
+    for (j, sj) in s.iter_mut().enumerate() {
+        let kr = &k[j * kvw + g * hd..j * kvw + (g + 1) * hd];
+        let mut acc = 0f32;
+        for i in 0..hd {
+            acc += qh[i] * kr[i].f32();
+        }
+        *sj = acc * scale;
+    }
+    softmax(&mut s);
+    out.fill(0.0);
+    for (j, &pj) in s.iter().enumerate() {
+        let vr = &v[j * kvw + g * hd..j * kvw + (g + 1) * hd];
+        for i in 0..hd {
+            out[i] += pj * vr[i].f32();
+        }
+    }
 }

@@ -7,7 +7,7 @@ use crate::error::{EngineError, Result};
 use crate::model::weights::{AttentionW, DeltaBa, DeltaInput, DeltaNetW, MoeW};
 use crate::model::{Arch, Model};
 use crate::plan::Plan;
-use crate::state::{KvType, SeqState};
+use crate::state::{KvLayer, KvType, SeqState};
 use samesum_quant::dequant;
 
 impl Backend for Cpu {
@@ -40,6 +40,27 @@ impl Backend for Cpu {
 
     fn capacity(&self, st: &SeqState) -> usize {
         st.ctx
+    }
+
+    fn download_state(&self, st: &SeqState) -> Vec<f32> {
+        let mut out = vec![st.pos as f32];
+        for kv in st.kv.iter().flatten() {
+            let w = match kv {
+                KvLayer::F32 { k, .. } => k.len() / st.ctx.max(1),
+                KvLayer::F16 { k, .. } => k.len() / st.ctx.max(1),
+            };
+            for pos in 0..st.pos {
+                for i in 0..w {
+                    out.push(kv.k_at(pos, w, i));
+                    out.push(kv.v_at(pos, w, i));
+                }
+            }
+        }
+        for l in st.linear.iter().flatten() {
+            out.extend_from_slice(&l.conv);
+            out.extend_from_slice(&l.s);
+        }
+        out
     }
 
     fn advance(&self, st: &mut SeqState, m: usize) {
@@ -446,7 +467,13 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
 fn moe_batched(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
     let hp = &model.hp;
     let file = model.bytes();
-    let (d, e, k, f, fs) = (hp.n_embd, hp.n_expert, hp.n_expert_used, hp.n_ff_exp, hp.n_ff_shexp);
+    let (d, e, k, f, fs) = (
+        hp.n_embd,
+        hp.n_expert,
+        hp.n_expert_used,
+        hp.n_ff_exp,
+        hp.n_ff_shexp,
+    );
     let m = x.len() / d;
     let mut logits = vec![0f32; m * e];
     cpu.matmul(file, &mw.router, 0, x, &mut logits);
@@ -469,21 +496,54 @@ fn moe_batched(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
             g
         })
         .collect();
-    let mut gate: Vec<Vec<f32>> = active.iter().map(|&i| vec![0f32; plan.counts[i] as usize * f]).collect();
+    let mut gate: Vec<Vec<f32>> = active
+        .iter()
+        .map(|&i| vec![0f32; plan.counts[i] as usize * f])
+        .collect();
     let mut up = gate.clone();
     let mut sg = vec![0f32; m * fs];
     let mut su = vec![0f32; m * fs];
     let mut gi = vec![0f32; m];
     {
         let mut jobs: Vec<MatmulJob> = Vec::with_capacity(2 * active.len() + 3);
-        for (((&i, xe), g), u) in active.iter().zip(&xs).zip(gate.iter_mut()).zip(up.iter_mut()) {
-            jobs.push(MatmulJob { w: &mw.gate, mat: i, x: xe, y: g });
-            jobs.push(MatmulJob { w: &mw.up, mat: i, x: xe, y: u });
+        for (((&i, xe), g), u) in active
+            .iter()
+            .zip(&xs)
+            .zip(gate.iter_mut())
+            .zip(up.iter_mut())
+        {
+            jobs.push(MatmulJob {
+                w: &mw.gate,
+                mat: i,
+                x: xe,
+                y: g,
+            });
+            jobs.push(MatmulJob {
+                w: &mw.up,
+                mat: i,
+                x: xe,
+                y: u,
+            });
         }
         if let Some(sh) = &mw.shared {
-            jobs.push(MatmulJob { w: &sh.gate, mat: 0, x, y: &mut sg });
-            jobs.push(MatmulJob { w: &sh.up, mat: 0, x, y: &mut su });
-            jobs.push(MatmulJob { w: &sh.gate_inp, mat: 0, x, y: &mut gi });
+            jobs.push(MatmulJob {
+                w: &sh.gate,
+                mat: 0,
+                x,
+                y: &mut sg,
+            });
+            jobs.push(MatmulJob {
+                w: &sh.up,
+                mat: 0,
+                x,
+                y: &mut su,
+            });
+            jobs.push(MatmulJob {
+                w: &sh.gate_inp,
+                mat: 0,
+                x,
+                y: &mut gi,
+            });
         }
         cpu.matmuls(file, &mut jobs);
     }
@@ -495,15 +555,28 @@ fn moe_batched(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
     for (a, b) in sg.iter_mut().zip(&su) {
         *a = cpu::silu(*a) * *b;
     }
-    let mut outs: Vec<Vec<f32>> = active.iter().map(|&i| vec![0f32; plan.counts[i] as usize * d]).collect();
+    let mut outs: Vec<Vec<f32>> = active
+        .iter()
+        .map(|&i| vec![0f32; plan.counts[i] as usize * d])
+        .collect();
     let mut ys = vec![0f32; m * d];
     {
         let mut jobs: Vec<MatmulJob> = Vec::with_capacity(active.len() + 1);
         for ((&i, h), o) in active.iter().zip(&gate).zip(outs.iter_mut()) {
-            jobs.push(MatmulJob { w: &mw.down, mat: i, x: h, y: o });
+            jobs.push(MatmulJob {
+                w: &mw.down,
+                mat: i,
+                x: h,
+                y: o,
+            });
         }
         if let Some(sh) = &mw.shared {
-            jobs.push(MatmulJob { w: &sh.down, mat: 0, x: &sg, y: &mut ys });
+            jobs.push(MatmulJob {
+                w: &sh.down,
+                mat: 0,
+                x: &sg,
+                y: &mut ys,
+            });
         }
         cpu.matmuls(file, &mut jobs);
     }
@@ -517,12 +590,25 @@ fn moe_batched(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
     for r in 0..m {
         let yr = &mut y[r * d..(r + 1) * d];
         yr.fill(0.0);
-        for s in 0..k {
+        let variant = cpu.reversed_topk();
+        let order: Vec<usize> = if variant {
+            (0..k).rev().collect()
+        } else {
+            (0..k).collect()
+        };
+        for s in order {
             if ids[r * k + s] < 0 {
                 continue;
             }
             let wgt = weights[r * k + s];
             let o = &pair_out[(r * k + s) * d..(r * k + s + 1) * d];
+            if variant {
+                // The negative control: reverse order and fused multiply-adds.
+                for (acc, v) in yr.iter_mut().zip(o) {
+                    *acc = wgt.mul_add(*v, *acc);
+                }
+                continue;
+            }
             for (acc, v) in yr.iter_mut().zip(o) {
                 *acc += wgt * *v;
             }

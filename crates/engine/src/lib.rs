@@ -7,6 +7,7 @@ pub mod cpu;
 mod cpu_backend;
 mod error;
 pub mod forward;
+pub mod identity;
 pub mod model;
 pub mod plan;
 pub mod pool;

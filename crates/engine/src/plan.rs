@@ -49,7 +49,11 @@ impl Plan {
                 *at += 1;
             }
         }
-        Plan { counts, offsets, pairs }
+        Plan {
+            counts,
+            offsets,
+            pairs,
+        }
     }
 
     /// The computed pairs of expert `e`, in token order.
@@ -77,7 +81,13 @@ mod tests {
     /// The plain reference: for each expert, scan all pairs in order.
     fn reference(ids: &[i32], n_expert: usize) -> Vec<Vec<u32>> {
         (0..n_expert)
-            .map(|e| ids.iter().enumerate().filter(|(_, i)| **i == e as i32).map(|(p, _)| p as u32).collect())
+            .map(|e| {
+                ids.iter()
+                    .enumerate()
+                    .filter(|(_, i)| **i == e as i32)
+                    .map(|(p, _)| p as u32)
+                    .collect()
+            })
             .collect()
     }
 
@@ -92,7 +102,11 @@ mod tests {
                     for _ in 0..t {
                         let mut row: Vec<i32> = Vec::new();
                         while row.len() < k {
-                            let v = if rng.below(10) == 0 { -1 } else { rng.below(e as u64) as i32 };
+                            let v = if rng.below(10) == 0 {
+                                -1
+                            } else {
+                                rng.below(e as u64) as i32
+                            };
                             if v == -1 || !row.contains(&v) {
                                 row.push(v);
                             }
@@ -104,11 +118,16 @@ mod tests {
                     let total: u32 = plan.counts.iter().sum();
                     assert_eq!(total as usize, ids.iter().filter(|&&i| i >= 0).count());
                     for ex in 0..e {
-                        assert_eq!(plan.expert(ex), want[ex].as_slice(), "T={t} E={e} tile={tile} expert {ex}");
+                        assert_eq!(
+                            plan.expert(ex),
+                            want[ex].as_slice(),
+                            "T={t} E={e} tile={tile} expert {ex}"
+                        );
                         let seg = (plan.offsets[ex + 1] - plan.offsets[ex]) as usize;
                         assert_eq!(seg % tile, 0);
                         assert!(seg >= want[ex].len() && seg < want[ex].len() + tile);
-                        let pad = &plan.pairs[plan.offsets[ex] as usize + want[ex].len()..plan.offsets[ex + 1] as usize];
+                        let pad = &plan.pairs[plan.offsets[ex] as usize + want[ex].len()
+                            ..plan.offsets[ex + 1] as usize];
                         assert!(pad.iter().all(|&p| p == EMPTY), "padding not empty");
                     }
                     // Gathered rows are the tokens' rows, in token order.
@@ -119,7 +138,9 @@ mod tests {
                         plan.gather(ex, &x, width, k, &mut g);
                         let expect: Vec<f32> = want[ex]
                             .iter()
-                            .flat_map(|&p| x[(p as usize / k) * width..(p as usize / k + 1) * width].to_vec())
+                            .flat_map(|&p| {
+                                x[(p as usize / k) * width..(p as usize / k + 1) * width].to_vec()
+                            })
                             .collect();
                         assert_eq!(g, expect);
                     }
