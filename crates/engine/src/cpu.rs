@@ -129,17 +129,29 @@ impl Cpu {
             let (w, rb) = (j.w, j.w.row_bytes);
             let bytes = w.mat_bytes(file, j.mat);
             let out = &outs[ji];
+            let acts = &acts[ji];
+            let m = acts.len();
+            let mut tile = Vec::new();
             let mut t0 = j0;
             while t0 < j1 {
                 let t1 = (t0 + TILE_ROWS).min(j1);
                 let rows = &bytes[t0 * rb..t1 * rb];
-                for (r, act) in acts[ji].iter().enumerate() {
-                    let start = r * w.rows + t0;
-                    debug_assert!(start + (t1 - t0) <= out.len);
-                    // SAFETY: [start, start + t1 - t0) lies in row r of this job's
-                    // output and in this task's column range only.
-                    let y = unsafe { std::slice::from_raw_parts_mut(out.ptr.add(start), t1 - t0) };
-                    dot::dot_rows(w.ty, rows, act, y).expect("checked at bind");
+                if m == 1 {
+                    debug_assert!(t1 <= out.len);
+                    // SAFETY: [t0, t1) is this task's column range of the only row.
+                    let y = unsafe { std::slice::from_raw_parts_mut(out.ptr.add(t0), t1 - t0) };
+                    dot::dot_rows(w.ty, rows, &acts[0], y).expect("checked at bind");
+                } else {
+                    tile.resize((t1 - t0) * m, 0.0);
+                    dot::dot_rows_multi(w.ty, rows, acts, &mut tile).expect("checked at bind");
+                    for (jj, vals) in tile.chunks_exact(m).enumerate() {
+                        for (r, &v) in vals.iter().enumerate() {
+                            let at = r * w.rows + t0 + jj;
+                            debug_assert!(at < out.len);
+                            // SAFETY: (r, t0 + jj) is in this task's column range.
+                            unsafe { *out.ptr.add(at) = v };
+                        }
+                    }
                 }
                 t0 = t1;
             }

@@ -189,3 +189,31 @@ fn dot_rows_equals_one_dot_per_row() {
         );
     }
 }
+
+#[test]
+fn dot_rows_multi_equals_one_dot_per_pair() {
+    let mut rng = Rng::new(23);
+    for &ty in DOT_FORMATS {
+        let n = 512;
+        let rows = 5;
+        let w = random_weight_blocks(ty, rows * n / ty.block_size(), &mut rng).unwrap();
+        let rb = w.len() / rows;
+        for nr in [1usize, 3, 8, 11, 17] {
+            let acts: Vec<ActRow> = (0..nr).map(|_| random_act(ty, n, &mut rng)).collect();
+            for isa in Isa::available() {
+                let mut out = vec![f32::NAN; rows * nr];
+                dot::dot_rows_multi_with(isa, ty, &w, &acts, &mut out).unwrap();
+                for j in 0..rows {
+                    for (r, a) in acts.iter().enumerate() {
+                        let one = dot::dot_with(isa, ty, &w[j * rb..(j + 1) * rb], a).unwrap();
+                        assert_eq!(
+                            out[j * nr + r].to_bits(),
+                            one.to_bits(),
+                            "{ty} {isa} nr={nr} row {j} act {r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

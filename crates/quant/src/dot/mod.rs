@@ -241,6 +241,75 @@ pub fn dot_rows_with(
     Ok(())
 }
 
+/// Dot products of `n` consecutive weight rows with several activation rows:
+/// `out[j * acts.len() + r]` = weight row `j` · `acts[r]`. Every value is
+/// bit-identical to [`dot_rows`] of that row pair; kernels that share the
+/// unpacking of a weight block across activation rows (Q4_K on AVX-512) are used
+/// where they exist.
+pub fn dot_rows_multi(weight: GgmlType, w: &[u8], acts: &[ActRow], out: &mut [f32]) -> Result<()> {
+    dot_rows_multi_with(Isa::best(), weight, w, acts, out)
+}
+
+/// [`dot_rows_multi`] with kernel family `isa`.
+pub fn dot_rows_multi_with(
+    isa: Isa,
+    weight: GgmlType,
+    w: &[u8],
+    acts: &[ActRow],
+    out: &mut [f32],
+) -> Result<()> {
+    let nr = acts.len();
+    if nr == 0 {
+        return Ok(());
+    }
+    let n = acts[0].len();
+    let row_bytes = crate::row_size(weight, n)?;
+    let rows = out.len() / nr;
+    if out.len() != rows * nr || w.len() != rows * row_bytes || acts.iter().any(|a| a.len() != n) {
+        return Err(QuantError::RowMismatch {
+            ty: weight,
+            expected: rows * nr,
+            found: out.len(),
+        });
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && isa.supported() && weight == GgmlType::Q4_K && n % 256 == 0 && n > 0 {
+        let blocks: &[BlockQ4K] = cast(weight, w)?;
+        let mut per: Vec<&[BlockQ8K]> = Vec::with_capacity(nr);
+        for a in acts {
+            match a {
+                ActRow::Q8K(b) => per.push(b),
+                other => {
+                    return Err(QuantError::ActivationType {
+                        weight,
+                        act: other.act_type(),
+                        expected: GgmlType::Q8_K,
+                    });
+                }
+            }
+        }
+        let nb = n / 256;
+        let mut tmp = [0f32; 8];
+        for (j, wr) in blocks.chunks_exact(nb).enumerate() {
+            for (g, group) in per.chunks(8).enumerate() {
+                // SAFETY: AVX-512 F/BW support was checked just above.
+                unsafe { x86::q4_k_avx512_multi(wr, group, &mut tmp) };
+                out[j * nr + g * 8..j * nr + g * 8 + group.len()]
+                    .copy_from_slice(&tmp[..group.len()]);
+            }
+        }
+        return Ok(());
+    }
+    let mut col = vec![0f32; rows];
+    for (r, a) in acts.iter().enumerate() {
+        dot_rows_with(isa, weight, w, a, &mut col)?;
+        for (j, v) in col.iter().enumerate() {
+            out[j * nr + r] = *v;
+        }
+    }
+    Ok(())
+}
+
 /// Which weight formats family `isa` accelerates (the rest run the scalar kernel).
 pub fn accelerated(isa: Isa) -> &'static [GgmlType] {
     match isa {

@@ -803,3 +803,64 @@ unsafe fn iq4_xs_avx512(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
     }
     acc
 }
+
+// ---------------------------------------------------------------- several rows
+
+/// Q4_K weights against up to 8 activation rows at once: each weight block is
+/// unpacked once and applied to every row. Per (row, block) the integer sums and
+/// the float combination are exactly those of [`q4_k_avx512`], so every result
+/// is bit-identical to the one-row kernel.
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+pub(super) unsafe fn q4_k_avx512_multi(w: &[BlockQ4K], acts: &[&[BlockQ8K]], out: &mut [f32]) {
+    let mut acc = [0f32; 8];
+    let nr = acts.len().min(8);
+    unsafe {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let idx: [__m512i; 4] =
+            std::array::from_fn(|c| _mm512_loadu_si512(IDX_K4[c].as_ptr() as *const _));
+        let pairs = _mm512_loadu_si512(IDX_PAIRS.as_ptr() as *const _);
+        for (b, wb) in w.iter().enumerate() {
+            let mut sc = [0u8; 16];
+            let mut mn = [0u8; 16];
+            for j in 0..8 {
+                (sc[j], mn[j]) = scale_min_k4(j, &wb.scales);
+            }
+            let scv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(
+                sc.as_ptr() as *const __m128i
+            )));
+            let mnv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(
+                mn.as_ptr() as *const __m128i
+            )));
+            let m2 = _mm512_castsi512_si256(_mm512_permutexvar_epi16(pairs, mnv));
+            let mut qz = [_mm512_setzero_si512(); 4];
+            let mut scl = [_mm512_setzero_si512(); 4];
+            for c in 0..4 {
+                let q = load256u(&wb.qs[c * 32..]);
+                qz[c] = join(
+                    _mm256_and_si256(q, m4),
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4),
+                );
+                scl[c] = _mm512_permutexvar_epi16(idx[c], scv);
+            }
+            let (d, dmin) = (f16_to_f32(wb.d), f16_to_f32(wb.dmin));
+            for r in 0..nr {
+                let a = &acts[r][b];
+                let mut v = _mm512_setzero_si512();
+                for c in 0..4 {
+                    let az = _mm512_loadu_si512(a.qs[64 * c..].as_ptr() as *const _);
+                    v = _mm512_add_epi32(
+                        v,
+                        _mm512_madd_epi16(_mm512_maddubs_epi16(qz[c], az), scl[c]),
+                    );
+                }
+                let sumi = _mm512_reduce_add_epi32(v);
+                let summ = hsum_i32(_mm256_madd_epi16(
+                    m2,
+                    _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i),
+                ));
+                acc[r] = combine_min(acc[r], d, dmin, a.d, sumi, summ);
+            }
+        }
+    }
+    out[..nr].copy_from_slice(&acc[..nr]);
+}
