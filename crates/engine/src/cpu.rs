@@ -28,6 +28,9 @@ pub struct MatmulJob<'a> {
     pub y: &'a mut [f32],
 }
 
+/// Largest delta-net value head dim the kernels take (real models use 128).
+const MAX_DV: usize = 512;
+
 /// Fewest output columns per parallel task in a matmul.
 const MIN_COLS_PER_TASK: usize = 16;
 /// Weight rows applied to every activation row before moving on (a tile of
@@ -83,12 +86,22 @@ impl Cpu {
         let acts: Vec<Vec<ActRow>> = jobs
             .iter()
             .map(|j| {
-                j.x.chunks_exact(j.w.cols)
-                    .map(|xr| {
-                        ActRow::quantize(j.w.ty, xr)
-                            .expect("bound matrices have a dot kernel and whole blocks")
-                    })
-                    .collect()
+                let rows: Vec<&[f32]> = j.x.chunks_exact(j.w.cols).collect();
+                let mut acts: Vec<Option<ActRow>> = vec![None; rows.len()];
+                let quantize = |r: usize, a: &mut Option<ActRow>| {
+                    *a = Some(
+                        ActRow::quantize(j.w.ty, rows[r])
+                            .expect("bound matrices have a dot kernel and whole blocks"),
+                    );
+                };
+                if rows.len() > 1 {
+                    self.pool.for_each_mut(&mut acts, quantize);
+                } else {
+                    acts.iter_mut()
+                        .enumerate()
+                        .for_each(|(r, a)| quantize(r, a));
+                }
+                acts.into_iter().map(|a| a.expect("quantized")).collect()
             })
             .collect();
         let total: usize = jobs.iter().map(|j| j.w.rows).sum();
@@ -249,31 +262,35 @@ impl Cpu {
                 let beta = sigmoid(br[n]);
                 let g = softplus(ar[n] + dt_bias[n]) * ssm_a[n];
                 let decay = g.exp();
-                for v in sn.iter_mut() {
-                    *v *= decay;
-                }
-                // kv[j] sums over i in ascending order; looping i outside keeps
-                // that order per j and lets the j loop vectorize.
-                let mut kv = vec![0f32; dv];
+                // Pass 1: decay the state and accumulate kv[j] = Σ_i S[i][j] k[i]
+                // (i ascending); pass 2: the rank-1 update and the read-out
+                // o[j] = Σ_i S'[i][j] q[i] / sqrt(dk) (i ascending). Fusing the loops
+                // keeps every element's own sequence of operations.
+                let mut kv = [0f32; MAX_DV];
+                let kv = &mut kv[..dv];
                 for i in 0..dk {
                     let ki = khv[i];
-                    for (acc, s) in kv.iter_mut().zip(&sn[i * dv..(i + 1) * dv]) {
-                        *acc += s * ki;
+                    for (acc, s) in kv.iter_mut().zip(sn[i * dv..(i + 1) * dv].iter_mut()) {
+                        *s *= decay;
+                        *acc += *s * ki;
                     }
                 }
-                let delta: Vec<f32> = (0..dv).map(|j| (vh[j] - kv[j]) * beta).collect();
-                for i in 0..dk {
-                    let ki = khv[i];
-                    let row = &mut sn[i * dv..(i + 1) * dv];
-                    for j in 0..dv {
-                        row[j] += ki * delta[j];
-                    }
+                let mut delta = [0f32; MAX_DV];
+                let delta = &mut delta[..dv];
+                for j in 0..dv {
+                    delta[j] = (vh[j] - kv[j]) * beta;
                 }
                 on.fill(0.0);
                 for i in 0..dk {
+                    let ki = khv[i];
                     let qi = qh[i] * q_scale;
-                    for (acc, s) in on.iter_mut().zip(&sn[i * dv..(i + 1) * dv]) {
-                        *acc += s * qi;
+                    for ((s, d), acc) in sn[i * dv..(i + 1) * dv]
+                        .iter_mut()
+                        .zip(delta.iter())
+                        .zip(on.iter_mut())
+                    {
+                        *s += ki * *d;
+                        *acc += *s * qi;
                     }
                 }
                 let scale = rms_scale(on, p.eps);

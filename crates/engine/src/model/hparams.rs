@@ -206,6 +206,7 @@ impl HParams {
                 || !ssm.n_v_heads.is_multiple_of(ssm.n_k_heads)
                 || ssm.head_v_dim * n_v_heads != inner
                 || ssm.d_conv == 0
+                || ssm.head_v_dim > 512
             {
                 return Err(EngineError::BadHParam(format!(
                     "delta-net sizes are inconsistent: {ssm:?} with inner_size {inner}"

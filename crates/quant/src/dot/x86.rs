@@ -843,6 +843,11 @@ pub(super) unsafe fn q4_k_avx512_multi(w: &[BlockQ4K], acts: &[&[BlockQ8K]], out
                 scl[c] = _mm512_permutexvar_epi16(idx[c], scv);
             }
             let (d, dmin) = (f16_to_f32(wb.d), f16_to_f32(wb.dmin));
+            // Integer sums of every row first; the horizontal reductions of the 8
+            // rows are done together (exact integer adds, any order), then each
+            // row's float combination in the one-row kernel's order.
+            let mut vs = [_mm256_setzero_si256(); 8];
+            let mut ms = [_mm256_setzero_si256(); 8];
             for r in 0..nr {
                 let a = &acts[r][b];
                 let mut v = _mm512_setzero_si512();
@@ -853,12 +858,17 @@ pub(super) unsafe fn q4_k_avx512_multi(w: &[BlockQ4K], acts: &[&[BlockQ8K]], out
                         _mm512_madd_epi16(_mm512_maddubs_epi16(qz[c], az), scl[c]),
                     );
                 }
-                let sumi = _mm512_reduce_add_epi32(v);
-                let summ = hsum_i32(_mm256_madd_epi16(
-                    m2,
-                    _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i),
-                ));
-                acc[r] = combine_min(acc[r], d, dmin, a.d, sumi, summ);
+                vs[r] =
+                    _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
+                ms[r] =
+                    _mm256_madd_epi16(m2, _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i));
+            }
+            let mut sumi = [0i32; 8];
+            let mut summ = [0i32; 8];
+            _mm256_storeu_si256(sumi.as_mut_ptr() as *mut __m256i, hsum8(&vs));
+            _mm256_storeu_si256(summ.as_mut_ptr() as *mut __m256i, hsum8(&ms));
+            for r in 0..nr {
+                acc[r] = combine_min(acc[r], d, dmin, acts[r][b].d, sumi[r], summ[r]);
             }
         }
     }
