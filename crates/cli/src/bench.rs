@@ -34,9 +34,12 @@ pub(crate) struct Args {
     /// Worker threads (default: all cores).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
-    /// Prompt rows per forward call.
-    #[arg(long, default_value_t = 64)]
+    /// Prompt rows per forward call in the batched arm.
+    #[arg(long, default_value_t = 128)]
     chunk: usize,
+    /// Prefill arms to measure: batched, replay (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "batched")]
+    prefill: Vec<String>,
     /// KV cache type: f32 or f16.
     #[arg(long, default_value = "f32")]
     kv_type: String,
@@ -99,27 +102,39 @@ pub(crate) fn run(a: Args) -> Result<()> {
     let mut rng = Rng::new(42);
     let vocab = model.w.n_vocab as u64;
     let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.below(vocab) as u32).collect() };
-    for &np in a.n_prompt.iter().filter(|&&n| n > 0) {
-        let mut rates = Vec::new();
-        for rep in 0..=a.repetitions {
-            let prompt = tokens(np);
-            let mut st = SeqState::new(&model.hp, np, kv);
-            let t = Instant::now();
-            let chunks: Vec<&[u32]> = prompt.chunks(a.chunk).collect();
-            for (i, c) in chunks.iter().enumerate() {
-                let want = if i + 1 == chunks.len() {
-                    Logits::Last
-                } else {
-                    Logits::None
-                };
-                forward(&model, &cpu, &mut st, c, want)?;
+    for arm in &a.prefill {
+        let chunk = match arm.as_str() {
+            "batched" => a.chunk,
+            "replay" => 1,
+            other => bail!("--prefill {other:?} is not supported (batched, replay)"),
+        };
+        for &np in a.n_prompt.iter().filter(|&&n| n > 0) {
+            let mut rates = Vec::new();
+            for rep in 0..=a.repetitions {
+                let prompt = tokens(np);
+                let mut st = SeqState::new(&model.hp, np, kv);
+                let t = Instant::now();
+                let chunks: Vec<&[u32]> = prompt.chunks(chunk).collect();
+                for (i, c) in chunks.iter().enumerate() {
+                    let want = if i + 1 == chunks.len() {
+                        Logits::Last
+                    } else {
+                        Logits::None
+                    };
+                    forward(&model, &cpu, &mut st, c, want)?;
+                }
+                if rep > 0 {
+                    // The first run warms caches and is not counted, as llama-bench does.
+                    rates.push(np as f64 / t.elapsed().as_secs_f64());
+                }
             }
-            if rep > 0 {
-                // The first run warms caches and is not counted, as llama-bench does.
-                rates.push(np as f64 / t.elapsed().as_secs_f64());
-            }
+            let name = if a.prefill.len() > 1 || arm != "batched" {
+                format!("pp{np} {arm}")
+            } else {
+                format!("pp{np}")
+            };
+            row(name, &rates);
         }
-        row(format!("pp{np}"), &rates);
     }
     for &ng in a.n_gen.iter().filter(|&&n| n > 0) {
         let mut rates = Vec::new();

@@ -63,9 +63,12 @@ pub(crate) struct Args {
     /// KV cache type: f32 or f16.
     #[arg(long, default_value = "f32")]
     kv_type: String,
-    /// Prompt rows per forward call.
-    #[arg(long, default_value_t = 64)]
+    /// Prompt rows per forward call (batched prefill).
+    #[arg(long, default_value_t = 128)]
     chunk: usize,
+    /// Prefill mode: batched (chunks of --chunk rows) or replay (one token per call).
+    #[arg(long, default_value = "batched")]
+    prefill: String,
     /// Print the prompt's tokens before generating.
     #[arg(long)]
     verbose_prompt: bool,
@@ -80,6 +83,11 @@ pub(crate) fn run(a: Args) -> Result<()> {
     if a.chunk == 0 {
         bail!("--chunk must be at least 1");
     }
+    let chunk = match a.prefill.as_str() {
+        "batched" => a.chunk,
+        "replay" => 1,
+        other => bail!("--prefill {other:?} is not supported (batched, replay)"),
+    };
     let _tmp;
     let path = match &a.model {
         Some(p) => p.clone(),
@@ -151,16 +159,16 @@ pub(crate) fn run(a: Args) -> Result<()> {
     });
     let t_prompt = Instant::now();
     let mut logits = Vec::new();
-    for (i, chunk) in prompt.chunks(a.chunk).enumerate() {
+    for (i, rows) in prompt.chunks(chunk).enumerate() {
         if stop.load(Ordering::SeqCst) {
             break;
         }
-        let last = (i + 1) * a.chunk >= prompt.len();
+        let last = (i + 1) * chunk >= prompt.len();
         logits = forward(
             &model,
             &cpu,
             &mut st,
-            chunk,
+            rows,
             if last { Logits::Last } else { Logits::None },
         )?;
     }

@@ -273,7 +273,12 @@ pub fn dot_rows_multi_with(
         });
     }
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && isa.supported() && weight == GgmlType::Q4_K && n % 256 == 0 && n > 0 {
+    if isa == Isa::Avx512
+        && isa.supported()
+        && weight == GgmlType::Q4_K
+        && n.is_multiple_of(256)
+        && n > 0
+    {
         let blocks: &[BlockQ4K] = cast(weight, w)?;
         let mut per: Vec<&[BlockQ8K]> = Vec::with_capacity(nr);
         for a in acts {
