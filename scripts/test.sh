@@ -47,7 +47,7 @@ for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
     done
 done
 
-echo "== identity gate: replay vs batched on the shipped prompt set (tiny models, chunks 1/7/16/64, threads 1/2)"
+echo "== identity gate: replay vs batched on the shipped prompt set (tiny models, chunks 1/7/64/128, threads 1/2)"
 for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
     "$BIN" identity --shape "$shape" --chunk 1,7,64,128 --threads 1,2 --gen 64 > "$OUT/identity-$shape.md" \
         || { cat "$OUT/identity-$shape.md"; echo "identity gate failed on $shape"; exit 1; }
