@@ -295,8 +295,10 @@ pub fn dot_rows_multi_with(
         }
         let nb = n / 256;
         let mut tmp = [0f32; 8];
-        for (j, wr) in blocks.chunks_exact(nb).enumerate() {
-            for (g, group) in per.chunks(8).enumerate() {
+        // Groups of 8 activation rows outside, weight rows inside: a group's
+        // activations stay in L1 while every weight row of the tile passes by.
+        for (g, group) in per.chunks(8).enumerate() {
+            for (j, wr) in blocks.chunks_exact(nb).enumerate() {
                 // SAFETY: AVX-512 F/BW support was checked just above.
                 unsafe { x86::q4_k_avx512_multi(wr, group, &mut tmp) };
                 out[j * nr + g * 8..j * nr + g * 8 + group.len()]
