@@ -26,6 +26,9 @@ pub(crate) struct Args {
     /// Row length in elements.
     #[arg(long, default_value_t = 4096)]
     row: usize,
+    /// Activation rows per call (> 1 measures `dot_rows_multi`, the prefill path).
+    #[arg(long, default_value_t = 1)]
+    acts: usize,
 }
 
 fn time(min: Duration, mut f: impl FnMut()) -> f64 {
@@ -53,6 +56,9 @@ pub(crate) fn run(a: Args) -> Result<()> {
         bail!("--row must be a positive multiple of 256");
     }
     let min = Duration::from_millis(a.min_ms);
+    if a.acts > 1 {
+        return run_multi(&a, &formats, min);
+    }
     let isas = Isa::available();
     println!(
         "single thread; {} MiB of weights per pass; row {} elements; best of repeated passes",
@@ -119,6 +125,47 @@ pub(crate) fn run(a: Args) -> Result<()> {
             );
         }
         println!();
+    }
+    Ok(())
+}
+
+/// Throughput of the multi-row dot (every weight row against `acts` activation
+/// rows), the kernel of batched prefill: weight-row x activation-row products per
+/// second, as Gelem/s of weights times rows.
+fn run_multi(a: &Args, formats: &[GgmlType], min: Duration) -> Result<()> {
+    println!(
+        "single thread; {} KiB of weights, {} activation rows per call; row {} elements",
+        a.bytes >> 10,
+        a.acts,
+        a.row
+    );
+    println!("| format | isa | Gelem/s (weights x rows) | weight GB/s |");
+    println!("|---|---|---|---|");
+    let mut rng = Rng::new(3);
+    for &ty in formats {
+        let row_bytes = samesum_quant::row_size(ty, a.row)?;
+        let rows = (a.bytes / row_bytes).max(1);
+        let w = random_weight_blocks(ty, rows * a.row / ty.block_size(), &mut rng)
+            .ok_or_else(|| anyhow::anyhow!("no random generator for {ty}"))?;
+        let acts: Vec<ActRow> = (0..a.acts)
+            .map(|_| {
+                let x: Vec<f32> = (0..a.row).map(|_| rng.range(-1.0, 1.0)).collect();
+                ActRow::quantize(ty, &x)
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        let mut out = vec![0f32; rows * a.acts];
+        for isa in Isa::available() {
+            let t = time(min, || {
+                dot::dot_rows_multi_with(isa, ty, &w, &acts, &mut out).unwrap();
+                black_box(&out);
+            });
+            let elems = (rows * a.row * a.acts) as f64;
+            println!(
+                "| {ty} | {isa} | {:.2} | {:.2} |",
+                elems / t / 1e9,
+                w.len() as f64 / t / 1e9
+            );
+        }
     }
     Ok(())
 }

@@ -812,13 +812,13 @@ unsafe fn iq4_xs_avx512(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
 /// is bit-identical to the one-row kernel.
 #[target_feature(enable = "avx512f,avx512bw,avx2")]
 pub(super) unsafe fn q4_k_avx512_multi(w: &[BlockQ4K], acts: &[&[BlockQ8K]], out: &mut [f32]) {
-    let mut acc = [0f32; 8];
     let nr = acts.len().min(8);
     unsafe {
         let m4 = _mm256_set1_epi8(0x0F);
         let idx: [__m512i; 4] =
             std::array::from_fn(|c| _mm512_loadu_si512(IDX_K4[c].as_ptr() as *const _));
         let pairs = _mm512_loadu_si512(IDX_PAIRS.as_ptr() as *const _);
+        let mut acc = _mm256_setzero_ps();
         for (b, wb) in w.iter().enumerate() {
             let mut sc = [0u8; 16];
             let mut mn = [0u8; 16];
@@ -863,14 +863,24 @@ pub(super) unsafe fn q4_k_avx512_multi(w: &[BlockQ4K], acts: &[&[BlockQ8K]], out
                 ms[r] =
                     _mm256_madd_epi16(m2, _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i));
             }
-            let mut sumi = [0i32; 8];
-            let mut summ = [0i32; 8];
-            _mm256_storeu_si256(sumi.as_mut_ptr() as *mut __m256i, hsum8(&vs));
-            _mm256_storeu_si256(summ.as_mut_ptr() as *mut __m256i, hsum8(&ms));
-            for r in 0..nr {
-                acc[r] = combine_min(acc[r], d, dmin, acts[r][b].d, sumi[r], summ[r]);
-            }
+            // The 8 rows' float combinations in the lanes of one vector: per lane
+            // exactly `(acc + (d*da)*sumi) - (dmin*da)*summ`, multiply and add
+            // separate, as the one-row kernel.
+            let ad = |r: usize| if r < nr { acts[r][b].d } else { 0.0 };
+            let da = _mm256_setr_ps(ad(0), ad(1), ad(2), ad(3), ad(4), ad(5), ad(6), ad(7));
+            let sumi = _mm256_cvtepi32_ps(hsum8(&vs));
+            let summ = _mm256_cvtepi32_ps(hsum8(&ms));
+            acc = _mm256_add_ps(
+                acc,
+                _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), da), sumi),
+            );
+            acc = _mm256_sub_ps(
+                acc,
+                _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), da), summ),
+            );
         }
+        let mut res = [0f32; 8];
+        _mm256_storeu_ps(res.as_mut_ptr(), acc);
+        out[..nr].copy_from_slice(&res[..nr]);
     }
-    out[..nr].copy_from_slice(&acc[..nr]);
 }
