@@ -193,23 +193,25 @@ impl Cpu {
         let m = q.len() / qw;
         let scale = 1.0 / (hd as f32).sqrt();
         let rep = p.n_head / p.n_head_kv;
+        // Rotate and store every row's key first: row r reads cache positions
+        // 0..=pos0+r only, so keys of later rows in the cache change nothing it
+        // computes. Then all (row, head) pairs in one parallel region.
         for r in 0..m {
             let pos = pos0 + r;
             rope_row(&mut q[r * qw..(r + 1) * qw], hd, p.n_rot, p.theta, pos);
             rope_row(&mut k[r * kvw..(r + 1) * kvw], hd, p.n_rot, p.theta, pos);
-            cache.write(
-                pos,
-                kvw,
-                &k[r * kvw..(r + 1) * kvw],
-                &v[r * kvw..(r + 1) * kvw],
-            );
-            let qr = &q[r * qw..(r + 1) * qw];
-            let cache = &*cache;
-            self.par_heads(&mut o[r * qw..(r + 1) * qw], hd, |h, out| match cache {
+            cache.write(pos, kvw, &k[r * kvw..(r + 1) * kvw], &v[r * kvw..(r + 1) * kvw]);
+        }
+        let cache = &*cache;
+        let q = &*q;
+        self.par_heads(o, hd, |t, out| {
+            let (r, h) = (t / p.n_head, t % p.n_head);
+            let (qr, pos) = (&q[r * qw..(r + 1) * qw], pos0 + r);
+            match cache {
                 KvLayer::F32 { k, v } => attend_head(qr, h, rep, hd, kvw, pos, scale, k, v, out),
                 KvLayer::F16 { k, v } => attend_head(qr, h, rep, hd, kvw, pos, scale, k, v, out),
-            });
-        }
+            }
+        });
     }
 
     /// Gated delta-rule rows with state. Per row, in order: q and k (from the
@@ -238,34 +240,36 @@ impl Cpu {
         let m = conv.len() / cd;
         let ratio = hv / hk;
         let q_scale = 1.0 / (dk as f32).sqrt();
-        let mut qk = vec![0f32; 2 * kd];
+        // L2-normed q and k of every row first (per row, per key head).
+        let mut qk = vec![0f32; m * 2 * kd];
         for r in 0..m {
-            qk.copy_from_slice(&conv[r * cd..r * cd + 2 * kd]);
+            let dst = &mut qk[r * 2 * kd..(r + 1) * 2 * kd];
+            dst.copy_from_slice(&conv[r * cd..r * cd + 2 * kd]);
             for h in 0..2 * hk {
-                l2_norm(&mut qk[h * dk..(h + 1) * dk], p.eps);
+                l2_norm(&mut dst[h * dk..(h + 1) * dk], p.eps);
             }
-            let (qpart, kpart) = qk.split_at(kd);
-            let vpart = &conv[r * cd + 2 * kd..(r + 1) * cd];
-            let br = &b[r * hv..(r + 1) * hv];
-            let ar = &a[r * hv..(r + 1) * hv];
-            let zr = &z[r * vd..(r + 1) * vd];
-            let mut heads: Vec<(&mut [f32], &mut [f32])> = state
-                .chunks_mut(dk * dv)
-                .zip(o[r * vd..(r + 1) * vd].chunks_mut(dv))
-                .collect();
-            self.par_heads(&mut heads, 1, |n, hs| {
-                let (sn, on) = &mut hs[0];
-                let kh = if p.tiled { n % hk } else { n / ratio };
-                let qh = &qpart[kh * dk..(kh + 1) * dk];
-                let khv = &kpart[kh * dk..(kh + 1) * dk];
-                let vh = &vpart[n * dv..(n + 1) * dv];
-                let beta = sigmoid(br[n]);
-                let g = softplus(ar[n] + dt_bias[n]) * ssm_a[n];
+        }
+        // Each value head owns its state: heads in parallel, each walking the
+        // rows in order, exactly as one-row calls would.
+        let mut heads: Vec<&mut [f32]> = state.chunks_mut(dk * dv).collect();
+        let o_ptr = o.as_mut_ptr() as usize;
+        self.pool.for_each_mut(&mut heads, |n, sn| {
+            let kh = if p.tiled { n % hk } else { n / ratio };
+            for r in 0..m {
+                let qkr = &qk[r * 2 * kd..(r + 1) * 2 * kd];
+                let qh = &qkr[kh * dk..(kh + 1) * dk];
+                let khv = &qkr[kd + kh * dk..kd + (kh + 1) * dk];
+                let vh = &conv[r * cd + 2 * kd + n * dv..r * cd + 2 * kd + (n + 1) * dv];
+                // SAFETY: head n of row r owns o[r*vd + n*dv .. + dv]; heads are
+                // distinct tasks and rows are walked by one task.
+                let on = unsafe { std::slice::from_raw_parts_mut((o_ptr as *mut f32).add(r * vd + n * dv), dv) };
+                let beta = sigmoid(b[r * hv + n]);
+                let g = softplus(a[r * hv + n] + dt_bias[n]) * ssm_a[n];
                 let decay = g.exp();
                 // Pass 1: decay the state and accumulate kv[j] = Σ_i S[i][j] k[i]
                 // (i ascending); pass 2: the rank-1 update and the read-out
-                // o[j] = Σ_i S'[i][j] q[i] / sqrt(dk) (i ascending). Fusing the loops
-                // keeps every element's own sequence of operations.
+                // o[j] = Σ_i S'[i][j] q[i] / sqrt(dk) (i ascending). Fusing the
+                // loops keeps every element's own sequence of operations.
                 let mut kv = [0f32; MAX_DV];
                 let kv = &mut kv[..dv];
                 for i in 0..dk {
@@ -284,22 +288,18 @@ impl Cpu {
                 for i in 0..dk {
                     let ki = khv[i];
                     let qi = qh[i] * q_scale;
-                    for ((s, d), acc) in sn[i * dv..(i + 1) * dv]
-                        .iter_mut()
-                        .zip(delta.iter())
-                        .zip(on.iter_mut())
-                    {
+                    for ((s, d), acc) in sn[i * dv..(i + 1) * dv].iter_mut().zip(delta.iter()).zip(on.iter_mut()) {
                         *s += ki * *d;
                         *acc += *s * qi;
                     }
                 }
                 let scale = rms_scale(on, p.eps);
-                let zh = &zr[n * dv..(n + 1) * dv];
+                let zh = &z[r * vd + n * dv..r * vd + (n + 1) * dv];
                 for j in 0..dv {
                     on[j] = ((on[j] * scale) * norm[j]) * silu(zh[j]);
                 }
-            });
-        }
+            }
+        });
     }
 
     /// Run `f(head)` for `n` independent heads in parallel.
