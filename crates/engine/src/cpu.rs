@@ -155,15 +155,14 @@ impl Cpu {
                     let y = unsafe { std::slice::from_raw_parts_mut(out.ptr.add(t0), t1 - t0) };
                     dot::dot_rows(w.ty, rows, &acts[0], y).expect("checked at bind");
                 } else {
-                    tile.resize((t1 - t0) * m, 0.0);
+                    let n = t1 - t0;
+                    tile.resize(n * m, 0.0);
                     dot::dot_rows_multi(w.ty, rows, acts, &mut tile).expect("checked at bind");
-                    for (jj, vals) in tile.chunks_exact(m).enumerate() {
-                        for (r, &v) in vals.iter().enumerate() {
-                            let at = r * w.rows + t0 + jj;
-                            debug_assert!(at < out.len);
-                            // SAFETY: (r, t0 + jj) is in this task's column range.
-                            unsafe { *out.ptr.add(at) = v };
-                        }
+                    for (r, vals) in tile.chunks_exact(n).enumerate() {
+                        let at = r * w.rows + t0;
+                        debug_assert!(at + n <= out.len);
+                        // SAFETY: row r, columns t0..t1 are this task's alone.
+                        unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), out.ptr.add(at), n) };
                     }
                 }
                 t0 = t1;
@@ -200,7 +199,12 @@ impl Cpu {
             let pos = pos0 + r;
             rope_row(&mut q[r * qw..(r + 1) * qw], hd, p.n_rot, p.theta, pos);
             rope_row(&mut k[r * kvw..(r + 1) * kvw], hd, p.n_rot, p.theta, pos);
-            cache.write(pos, kvw, &k[r * kvw..(r + 1) * kvw], &v[r * kvw..(r + 1) * kvw]);
+            cache.write(
+                pos,
+                kvw,
+                &k[r * kvw..(r + 1) * kvw],
+                &v[r * kvw..(r + 1) * kvw],
+            );
         }
         let cache = &*cache;
         let q = &*q;
@@ -262,7 +266,9 @@ impl Cpu {
                 let vh = &conv[r * cd + 2 * kd + n * dv..r * cd + 2 * kd + (n + 1) * dv];
                 // SAFETY: head n of row r owns o[r*vd + n*dv .. + dv]; heads are
                 // distinct tasks and rows are walked by one task.
-                let on = unsafe { std::slice::from_raw_parts_mut((o_ptr as *mut f32).add(r * vd + n * dv), dv) };
+                let on = unsafe {
+                    std::slice::from_raw_parts_mut((o_ptr as *mut f32).add(r * vd + n * dv), dv)
+                };
                 let beta = sigmoid(b[r * hv + n]);
                 let g = softplus(a[r * hv + n] + dt_bias[n]) * ssm_a[n];
                 let decay = g.exp();
@@ -288,7 +294,11 @@ impl Cpu {
                 for i in 0..dk {
                     let ki = khv[i];
                     let qi = qh[i] * q_scale;
-                    for ((s, d), acc) in sn[i * dv..(i + 1) * dv].iter_mut().zip(delta.iter()).zip(on.iter_mut()) {
+                    for ((s, d), acc) in sn[i * dv..(i + 1) * dv]
+                        .iter_mut()
+                        .zip(delta.iter())
+                        .zip(on.iter_mut())
+                    {
                         *s += ki * *d;
                         *acc += *s * qi;
                     }

@@ -207,7 +207,7 @@ fn dot_rows_multi_equals_one_dot_per_pair() {
                     for (r, a) in acts.iter().enumerate() {
                         let one = dot::dot_with(isa, ty, &w[j * rb..(j + 1) * rb], a).unwrap();
                         assert_eq!(
-                            out[j * nr + r].to_bits(),
+                            out[r * rows + j].to_bits(),
                             one.to_bits(),
                             "{ty} {isa} nr={nr} row {j} act {r}"
                         );

@@ -242,7 +242,7 @@ pub fn dot_rows_with(
 }
 
 /// Dot products of `n` consecutive weight rows with several activation rows:
-/// `out[j * acts.len() + r]` = weight row `j` · `acts[r]`. Every value is
+/// `out[r * n + j]` = weight row `j` · `acts[r]`. Every value is
 /// bit-identical to [`dot_rows`] of that row pair; kernels that share the
 /// unpacking of a weight block across activation rows (Q4_K on AVX-512) are used
 /// where they exist.
@@ -301,18 +301,15 @@ pub fn dot_rows_multi_with(
             for (j, wr) in blocks.chunks_exact(nb).enumerate() {
                 // SAFETY: AVX-512 F/BW support was checked just above.
                 unsafe { x86::q4_k_avx512_multi(wr, group, &mut tmp) };
-                out[j * nr + g * 8..j * nr + g * 8 + group.len()]
-                    .copy_from_slice(&tmp[..group.len()]);
+                for (i, &v) in tmp[..group.len()].iter().enumerate() {
+                    out[(g * 8 + i) * rows + j] = v;
+                }
             }
         }
         return Ok(());
     }
-    let mut col = vec![0f32; rows];
-    for (r, a) in acts.iter().enumerate() {
-        dot_rows_with(isa, weight, w, a, &mut col)?;
-        for (j, v) in col.iter().enumerate() {
-            out[j * nr + r] = *v;
-        }
+    for (a, o) in acts.iter().zip(out.chunks_exact_mut(rows)) {
+        dot_rows_with(isa, weight, w, a, o)?;
     }
     Ok(())
 }
