@@ -501,8 +501,32 @@ impl KvElem for half::f16 {
     }
 }
 
+/// `q · k` with element `i` accumulated into lane `i % 16` (multiply, then add)
+/// and the lanes reduced by a fixed tree: one order for every caller, and one the
+/// compiler can keep in vector registers.
+#[inline(always)]
+fn dot16<T: KvElem>(q: &[f32], k: &[T]) -> f32 {
+    let mut lanes = [0f32; 16];
+    let n = q.len().min(k.len());
+    let full = n / 16 * 16;
+    for (qc, kc) in q[..full].chunks_exact(16).zip(k[..full].chunks_exact(16)) {
+        for l in 0..16 {
+            lanes[l] = lanes[l] + qc[l] * kc[l].f32();
+        }
+    }
+    for i in full..n {
+        lanes[i % 16] = lanes[i % 16] + q[i] * k[i].f32();
+    }
+    let mut h = [0f32; 8];
+    for l in 0..8 {
+        h[l] = lanes[l] + lanes[l + 8];
+    }
+    let q4 = [h[0] + h[4], h[1] + h[5], h[2] + h[6], h[3] + h[7]];
+    (q4[0] + q4[2]) + (q4[1] + q4[3])
+}
+
 /// One query head attending over cache positions `0..=pos`: scores in key order
-/// (each a sequential dot), softmax, then the value sum in key order.
+/// (each a [`dot16`]), softmax, then the value sum in key order.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 fn attend_head<T: KvElem>(
@@ -522,11 +546,7 @@ fn attend_head<T: KvElem>(
     let mut s = vec![0f32; pos + 1];
     for (j, sj) in s.iter_mut().enumerate() {
         let kr = &k[j * kvw + g * hd..j * kvw + (g + 1) * hd];
-        let mut acc = 0f32;
-        for i in 0..hd {
-            acc += qh[i] * kr[i].f32();
-        }
-        *sj = acc * scale;
+        *sj = dot16(qh, kr) * scale;
     }
     softmax(&mut s);
     out.fill(0.0);
