@@ -117,13 +117,17 @@ fn amax_over_127(x: &[f32; 32]) -> f32 {
 /// value of largest magnitude), round half to even, clamp at 127, and the sums of
 /// each 16 quants.
 pub fn q8_k(x: &[f32; 256]) -> BlockQ8K {
-    let (mut amax, mut max) = (0f32, 0f32);
+    // The largest magnitude (a max, exact in any order, so it vectorizes), then
+    // the first value that has it: the same `max` as ggml's single scan.
+    let mut amax = 0f32;
     for &v in x {
-        if v.abs() > amax {
-            amax = v.abs();
-            max = v;
-        }
+        amax = amax.max(v.abs());
     }
+    let max = if amax > 0.0 {
+        x.iter().copied().find(|v| v.abs() == amax).unwrap_or(0.0)
+    } else {
+        0.0
+    };
     let mut b = BlockQ8K {
         d: 0.0,
         qs: [0; 256],
@@ -427,6 +431,62 @@ fn pack_q6(l: &[u8; 256], b: &mut BlockQ6K) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// ggml's Q8_K quantizer, written as its single scan.
+    fn q8_k_reference(x: &[f32; 256]) -> BlockQ8K {
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &v in x {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        let mut b = BlockQ8K {
+            d: 0.0,
+            qs: [0; 256],
+            bsums: [0; 16],
+        };
+        if amax == 0.0 {
+            return b;
+        }
+        let iscale = -127.0 / max;
+        for (q, v) in b.qs.iter_mut().zip(x) {
+            *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+        }
+        for (j, s) in b.bsums.iter_mut().enumerate() {
+            *s = b.qs[j * 16..j * 16 + 16].iter().map(|&q| q as i16).sum();
+        }
+        b.d = 1.0 / iscale;
+        b
+    }
+
+    #[test]
+    fn q8_k_matches_ggml_scan() {
+        let mut rng = crate::rng::Rng::new(8);
+        for case in 0..2000 {
+            let mut x = [0f32; 256];
+            for v in x.iter_mut() {
+                *v = rng.normal() * 3.0;
+            }
+            match case % 5 {
+                1 => x[17] = -x.iter().fold(0f32, |m, v| m.max(v.abs())), // negative extreme
+                2 => {
+                    let m = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    x[3] = m;
+                    x[200] = -m; // tie in magnitude: the first wins
+                }
+                3 => x = [0.0; 256],
+                4 => x[9] = f32::NAN,
+                _ => {}
+            }
+            let (a, b) = (q8_k(&x), q8_k_reference(&x));
+            assert_eq!(
+                bytemuck::bytes_of(&a),
+                bytemuck::bytes_of(&b),
+                "case {case}"
+            );
+        }
+    }
 
     #[test]
     fn nearest_int_rounds_half_to_even() {
