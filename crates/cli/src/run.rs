@@ -24,6 +24,9 @@ pub(crate) struct Args {
         default_value = "Tell me about mixture-of-experts models."
     )]
     prompt: String,
+    /// Read the prompt from a file instead.
+    #[arg(short = 'f', long = "file")]
+    prompt_file: Option<PathBuf>,
     /// Tokens to generate.
     #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
     n_predict: usize,
@@ -118,10 +121,16 @@ pub(crate) fn run(a: Args) -> Result<()> {
         t_load.elapsed().as_secs_f64(),
         cpu.threads()
     );
+    let user = match &a.prompt_file {
+        Some(f) => {
+            std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?
+        }
+        None => a.prompt.clone(),
+    };
     let text = if a.no_chat {
-        a.prompt.clone()
+        user
     } else {
-        tok.chat(&a.prompt, a.system.as_deref())?
+        tok.chat(&user, a.system.as_deref())?
     };
     let prompt = tok.encode(&text)?;
     if prompt.is_empty() {

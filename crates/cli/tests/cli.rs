@@ -113,3 +113,42 @@ fn run_is_deterministic_for_a_seed() {
     let (ok, _, err) = samesum(&["run", "-m", fixture, "--no-chat", "-c", "8", "-n", "100"]);
     assert!(!ok && err.contains("context"), "{err}");
 }
+
+#[test]
+fn bench_prints_a_llama_bench_table() {
+    let (ok, out, err) = samesum(&[
+        "bench",
+        "-p",
+        "16",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "--prefill",
+        "replay,batched",
+    ]);
+    assert!(ok, "{err}");
+    for needle in ["| model |", "pp16 replay", "pp16 batched", "tg4", " ± "] {
+        assert!(out.contains(needle), "missing {needle:?} in\n{out}");
+    }
+}
+
+#[test]
+fn run_reads_a_prompt_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("p.txt");
+    std::fs::write(&f, "The quick brown fox").unwrap();
+    let (ok, _, err) = samesum(&[
+        "run",
+        "-f",
+        f.to_str().unwrap(),
+        "-n",
+        "4",
+        "--temp",
+        "0",
+        "--no-chat",
+    ]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = samesum(&["run", "-f", "/nonexistent/prompt.txt", "-n", "4"]);
+    assert!(!ok && err.contains("prompt.txt"), "{err}");
+}
