@@ -53,6 +53,10 @@ for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
         || { cat "$OUT/identity-$shape.md"; echo "identity gate failed on $shape"; exit 1; }
     tail -1 "$OUT/identity-$shape.md"
 done
+echo "== identity gate with an f16 KV cache (attention-only model)"
+"$BIN" identity --shape tiny-qwen3moe --kv-type f16 --chunk 7,128 --threads 2 --max-len 1000 --gen 16 > "$OUT/identity-f16.md" \
+    || { cat "$OUT/identity-f16.md"; echo "identity gate failed with an f16 KV cache"; exit 1; }
+tail -1 "$OUT/identity-f16.md"
 echo "== identity gate negative control: a reordered MoE combination must be caught"
 if "$BIN" identity --shape tiny-qwen3next --chunk 16 --max-len 200 --gen 8 --negative-control > "$OUT/neg.md" 2>&1; then
     cat "$OUT/neg.md"; echo "the gate did not catch the reordered variant"; exit 1
