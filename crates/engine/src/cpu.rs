@@ -46,11 +46,6 @@ impl Cpu {
         }
     }
 
-    /// Run `f` (kept for call sites that group work; the pool needs no setup).
-    pub fn run<R>(&self, f: impl FnOnce() -> R) -> R {
-        f()
-    }
-
     /// A deliberately wrong variant for the identity gate's negative control: the
     /// batched MoE sums each token's experts in reverse slot order with fused
     /// multiply-adds (a different rounding from decode; with two experts the

@@ -350,121 +350,13 @@ fn delta_net(
     cpu.matmul(file, &dn.out, 0, &o, y);
 }
 
-fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
-    let hp = &model.hp;
-    let file = model.bytes();
-    let (d, e, k, f, fs) = (
-        hp.n_embd,
-        hp.n_expert,
-        hp.n_expert_used,
-        hp.n_ff_exp,
-        hp.n_ff_shexp,
-    );
-    let m = x.len() / d;
-    if m > 1 {
-        return moe_batched(model, cpu, mw, x, y);
-    }
-    let mut logits = vec![0f32; m * e];
-    cpu.matmul(file, &mw.router, 0, x, &mut logits);
-    let mut gate = vec![0f32; k * f];
-    let mut up = vec![0f32; k * f];
-    let mut out = vec![0f32; k * d];
-    let mut sg = vec![0f32; fs];
-    let mut su = vec![0f32; fs];
-    let mut gi = [0f32; 1];
-    let mut ys = vec![0f32; d];
-    for r in 0..m {
-        let xr = &x[r * d..(r + 1) * d];
-        let (ids, weights) = cpu::route(&mut logits[r * e..(r + 1) * e], k);
-        // Gate and up projections of every chosen expert (and the shared expert)
-        // in one parallel region; then every down projection in another.
-        {
-            let mut jobs: Vec<MatmulJob> = Vec::with_capacity(2 * k + 3);
-            for ((&i, g), u) in ids.iter().zip(gate.chunks_mut(f)).zip(up.chunks_mut(f)) {
-                jobs.push(MatmulJob {
-                    w: &mw.gate,
-                    mat: i,
-                    x: xr,
-                    y: g,
-                });
-                jobs.push(MatmulJob {
-                    w: &mw.up,
-                    mat: i,
-                    x: xr,
-                    y: u,
-                });
-            }
-            if let Some(sh) = &mw.shared {
-                jobs.push(MatmulJob {
-                    w: &sh.gate,
-                    mat: 0,
-                    x: xr,
-                    y: &mut sg,
-                });
-                jobs.push(MatmulJob {
-                    w: &sh.up,
-                    mat: 0,
-                    x: xr,
-                    y: &mut su,
-                });
-                jobs.push(MatmulJob {
-                    w: &sh.gate_inp,
-                    mat: 0,
-                    x: xr,
-                    y: &mut gi,
-                });
-            }
-            cpu.matmuls(file, &mut jobs);
-        }
-        for (g, u) in gate.iter_mut().zip(&up) {
-            *g = cpu::silu(*g) * *u;
-        }
-        for (g, u) in sg.iter_mut().zip(&su) {
-            *g = cpu::silu(*g) * *u;
-        }
-        {
-            let mut jobs: Vec<MatmulJob> = Vec::with_capacity(k + 1);
-            for ((&i, g), o) in ids.iter().zip(gate.chunks(f)).zip(out.chunks_mut(d)) {
-                jobs.push(MatmulJob {
-                    w: &mw.down,
-                    mat: i,
-                    x: g,
-                    y: o,
-                });
-            }
-            if let Some(sh) = &mw.shared {
-                jobs.push(MatmulJob {
-                    w: &sh.down,
-                    mat: 0,
-                    x: &sg,
-                    y: &mut ys,
-                });
-            }
-            cpu.matmuls(file, &mut jobs);
-        }
-        // Combine in k order, then the gated shared expert.
-        let yr = &mut y[r * d..(r + 1) * d];
-        yr.fill(0.0);
-        for (&wgt, o) in weights.iter().zip(out.chunks(d)) {
-            for (acc, v) in yr.iter_mut().zip(o) {
-                *acc += wgt * *v;
-            }
-        }
-        if mw.shared.is_some() {
-            let s = cpu::sigmoid(gi[0]);
-            for (acc, v) in yr.iter_mut().zip(&ys) {
-                *acc += s * *v;
-            }
-        }
-    }
-}
-
-/// MoE over many rows with the expert plan: route every row, group the (token,
-/// slot) pairs by expert, gather each expert's rows and run its gate/up and down
-/// projections over all of them at once (its weights read once per chunk), write
+/// MoE rows with the expert plan: route every row, group the (token, slot)
+/// pairs by expert, gather each expert's rows and run its gate/up and down
+/// projections over all of them at once (its weights read once per call), write
 /// one result per pair, then combine each token's results in slot order and add
-/// the gated shared expert, exactly as the one-row path does.
-fn moe_batched(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
+/// the gated shared expert. One row (decode) is the same path with a plan of k
+/// single-row experts.
+fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
     let hp = &model.hp;
     let file = model.bytes();
     let (d, e, k, f, fs) = (
@@ -590,7 +482,8 @@ fn moe_batched(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
     for r in 0..m {
         let yr = &mut y[r * d..(r + 1) * d];
         yr.fill(0.0);
-        let variant = cpu.reversed_topk();
+        // The negative control changes batched calls only, so replay stays right.
+        let variant = cpu.reversed_topk() && m > 1;
         let order: Vec<usize> = if variant {
             (0..k).rev().collect()
         } else {

@@ -300,25 +300,13 @@ pub fn dot_rows_multi_with(
         let wrows: Vec<&[BlockQ4K]> = blocks.chunks_exact(nb).collect();
         let mut tmp1 = [0f32; 8];
         for (g, group) in per.chunks(8).enumerate() {
-            let mut j = 0;
-            while j < wrows.len() {
-                if j + 1 < wrows.len() {
-                    // SAFETY: AVX-512 F/BW support was checked just above.
-                    unsafe {
-                        x86::q4_k_avx512_multi2(wrows[j], wrows[j + 1], group, &mut tmp, &mut tmp1)
-                    };
-                    for i in 0..group.len() {
-                        out[(g * 8 + i) * rows + j] = tmp[i];
-                        out[(g * 8 + i) * rows + j + 1] = tmp1[i];
-                    }
-                    j += 2;
-                } else {
-                    // SAFETY: as above.
-                    unsafe { x86::q4_k_avx512_multi(wrows[j], group, &mut tmp) };
-                    for (i, &v) in tmp[..group.len()].iter().enumerate() {
-                        out[(g * 8 + i) * rows + j] = v;
-                    }
-                    j += 1;
+            for j in (0..wrows.len()).step_by(2) {
+                let j1 = (j + 1).min(wrows.len() - 1);
+                // SAFETY: AVX-512 F/BW support was checked just above.
+                unsafe { x86::q4_k_avx512_multi2(wrows[j], wrows[j1], group, &mut tmp, &mut tmp1) };
+                for i in 0..group.len() {
+                    out[(g * 8 + i) * rows + j] = tmp[i];
+                    out[(g * 8 + i) * rows + j1] = tmp1[i];
                 }
             }
         }

@@ -806,87 +806,10 @@ unsafe fn iq4_xs_avx512(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
 
 // ---------------------------------------------------------------- several rows
 
-/// Q4_K weights against up to 8 activation rows at once: each weight block is
-/// unpacked once and applied to every row. Per (row, block) the integer sums and
-/// the float combination are exactly those of [`q4_k_avx512`], so every result
-/// is bit-identical to the one-row kernel.
-#[target_feature(enable = "avx512f,avx512bw,avx2")]
-pub(super) unsafe fn q4_k_avx512_multi(w: &[BlockQ4K], acts: &[&[BlockQ8K]], out: &mut [f32]) {
-    let nr = acts.len().min(8);
-    unsafe {
-        let m4 = _mm256_set1_epi8(0x0F);
-        let idx: [__m512i; 4] =
-            std::array::from_fn(|c| _mm512_loadu_si512(IDX_K4[c].as_ptr() as *const _));
-        let pairs = _mm512_loadu_si512(IDX_PAIRS.as_ptr() as *const _);
-        let mut acc = _mm256_setzero_ps();
-        for (b, wb) in w.iter().enumerate() {
-            let mut sc = [0u8; 16];
-            let mut mn = [0u8; 16];
-            for j in 0..8 {
-                (sc[j], mn[j]) = scale_min_k4(j, &wb.scales);
-            }
-            let scv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(
-                sc.as_ptr() as *const __m128i
-            )));
-            let mnv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(
-                mn.as_ptr() as *const __m128i
-            )));
-            let m2 = _mm512_castsi512_si256(_mm512_permutexvar_epi16(pairs, mnv));
-            let mut qz = [_mm512_setzero_si512(); 4];
-            let mut scl = [_mm512_setzero_si512(); 4];
-            for c in 0..4 {
-                let q = load256u(&wb.qs[c * 32..]);
-                qz[c] = join(
-                    _mm256_and_si256(q, m4),
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4),
-                );
-                scl[c] = _mm512_permutexvar_epi16(idx[c], scv);
-            }
-            let (d, dmin) = (f16_to_f32(wb.d), f16_to_f32(wb.dmin));
-            // Integer sums of every row first; the horizontal reductions of the 8
-            // rows are done together (exact integer adds, any order), then each
-            // row's float combination in the one-row kernel's order.
-            let mut vs = [_mm256_setzero_si256(); 8];
-            let mut ms = [_mm256_setzero_si256(); 8];
-            for r in 0..nr {
-                let a = &acts[r][b];
-                let mut v = _mm512_setzero_si512();
-                for c in 0..4 {
-                    let az = _mm512_loadu_si512(a.qs[64 * c..].as_ptr() as *const _);
-                    v = _mm512_add_epi32(
-                        v,
-                        _mm512_madd_epi16(_mm512_maddubs_epi16(qz[c], az), scl[c]),
-                    );
-                }
-                vs[r] =
-                    _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
-                ms[r] =
-                    _mm256_madd_epi16(m2, _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i));
-            }
-            // The 8 rows' float combinations in the lanes of one vector: per lane
-            // exactly `(acc + (d*da)*sumi) - (dmin*da)*summ`, multiply and add
-            // separate, as the one-row kernel.
-            let ad = |r: usize| if r < nr { acts[r][b].d } else { 0.0 };
-            let da = _mm256_setr_ps(ad(0), ad(1), ad(2), ad(3), ad(4), ad(5), ad(6), ad(7));
-            let sumi = _mm256_cvtepi32_ps(hsum8(&vs));
-            let summ = _mm256_cvtepi32_ps(hsum8(&ms));
-            acc = _mm256_add_ps(
-                acc,
-                _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), da), sumi),
-            );
-            acc = _mm256_sub_ps(
-                acc,
-                _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), da), summ),
-            );
-        }
-        let mut res = [0f32; 8];
-        _mm256_storeu_ps(res.as_mut_ptr(), acc);
-        out[..nr].copy_from_slice(&res[..nr]);
-    }
-}
-
-/// Two Q4_K weight rows against up to 8 activation rows: each activation block
-/// is loaded once for both weight rows. Per (weight row, activation row, block)
+/// Two Q4_K weight rows against up to 8 activation rows (pass the same row
+/// twice for an odd one out): each weight block is unpacked once for all the
+/// activation rows, and each activation block is loaded once for both weight
+/// rows. Per (weight row, activation row, block)
 /// the arithmetic is exactly that of [`q4_k_avx512`].
 #[target_feature(enable = "avx512f,avx512bw,avx2")]
 pub(super) unsafe fn q4_k_avx512_multi2(
