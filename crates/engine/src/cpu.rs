@@ -78,24 +78,31 @@ impl Cpu {
     /// as in [`Cpu::matmul`]; only the assignment of elements to threads differs.
     pub fn matmuls(&self, file: &[u8], jobs: &mut [MatmulJob<'_>]) {
         // Quantize every activation row once.
+        // Quantize every activation row once: jobs reading the same rows into the
+        // same activation format (gate and up of one expert) share them.
+        let key = |j: &MatmulJob| (j.x.as_ptr(), j.x.len(), j.w.cols, dot::act_type(j.w.ty));
+        let src: Vec<usize> = (0..jobs.len())
+            .map(|i| {
+                (0..i)
+                    .find(|&p| key(&jobs[p]) == key(&jobs[i]))
+                    .unwrap_or(i)
+            })
+            .collect();
         let acts: Vec<Vec<ActRow>> = jobs
             .iter()
-            .map(|j| {
+            .enumerate()
+            .map(|(i, j)| {
+                if src[i] != i {
+                    return Vec::new();
+                }
                 let rows: Vec<&[f32]> = j.x.chunks_exact(j.w.cols).collect();
                 let mut acts: Vec<Option<ActRow>> = vec![None; rows.len()];
-                let quantize = |r: usize, a: &mut Option<ActRow>| {
+                self.pool.for_each_mut(&mut acts, |r, a| {
                     *a = Some(
                         ActRow::quantize(j.w.ty, rows[r])
                             .expect("bound matrices have a dot kernel and whole blocks"),
                     );
-                };
-                if rows.len() > 1 {
-                    self.pool.for_each_mut(&mut acts, quantize);
-                } else {
-                    acts.iter_mut()
-                        .enumerate()
-                        .for_each(|(r, a)| quantize(r, a));
-                }
+                });
                 acts.into_iter().map(|a| a.expect("quantized")).collect()
             })
             .collect();
@@ -137,7 +144,7 @@ impl Cpu {
             let (w, rb) = (j.w, j.w.row_bytes);
             let bytes = w.mat_bytes(file, j.mat);
             let out = &outs[ji];
-            let acts = &acts[ji];
+            let acts = &acts[src[ji]];
             let m = acts.len();
             let mut tile = Vec::new();
             let mut t0 = j0;
