@@ -6,32 +6,21 @@
 
 use half::f16;
 use samesum_quant::GgmlType;
-use samesum_quant::dequant::dequantize;
+use samesum_quant::dequant::{can_dequantize, dequantize};
 use samesum_quant::quantize::quantize;
 use samesum_quant::rng::Rng;
 use samesum_quant::testing::random_weight_blocks;
 use std::path::PathBuf;
 
-const FORMATS: &[GgmlType] = &[
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-    GgmlType::IQ4_NL,
-    GgmlType::IQ4_XS,
-    GgmlType::MXFP4,
-    GgmlType::IQ2_XS,
-    GgmlType::IQ3_S,
-];
+/// Every format this crate dequantizes that gguf-py can check (it has no Q8_K
+/// or Q8_1 dequantizer).
+fn formats() -> Vec<GgmlType> {
+    GgmlType::ALL
+        .iter()
+        .copied()
+        .filter(|&t| can_dequantize(t) && !matches!(t, GgmlType::Q8_K | GgmlType::Q8_1))
+        .collect()
+}
 
 /// Offsets of the f16 scale fields in a block of `ty`.
 fn scale_offsets(ty: GgmlType) -> &'static [usize] {
@@ -60,7 +49,8 @@ fn main() {
         .unwrap_or(10_000);
     std::fs::create_dir_all(&dir).expect("create output dir");
     let mut rng = Rng::new(2026);
-    for &ty in FORMATS {
+    let formats = formats();
+    for &ty in &formats {
         let ts = ty.type_size();
         // Plain element types: count elements, in blocks of 256 for a fair sample.
         let per = if ty.block_size() == 1 { 256 } else { 1 };
@@ -141,5 +131,5 @@ fn main() {
         )
         .unwrap();
     }
-    eprintln!("wrote {} formats to {}", FORMATS.len(), dir.display());
+    eprintln!("wrote {} formats to {}", formats.len(), dir.display());
 }

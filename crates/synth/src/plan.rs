@@ -48,28 +48,30 @@ fn matrix_type(base: GgmlType, ne0: u64, is_output: bool) -> GgmlType {
     }
 }
 
-/// The tensors of `shape` with `vocab` tokens, weights stored as `base`.
-pub fn tensors(shape: &Shape, vocab: u64, base: GgmlType) -> Vec<TensorPlan> {
-    let d = shape.hidden as u64;
-    let mut out = Vec::new();
-    let mut mat = |name: String, dims: &[u64], is_output: bool, sd: f32| {
-        let ty = matrix_type(base, dims[0], is_output);
-        out.push(TensorPlan {
-            name,
-            dims: dims.to_vec(),
-            ty,
-            fill: Fill::Normal(sd),
-        });
-    };
-    let inv = |n: u64| 1.0 / (n as f32).sqrt();
-    mat("token_embd.weight".into(), &[d, vocab], false, 1.0);
-    let mut rest: Vec<TensorPlan> = Vec::new();
-    let f32t = |name: String, dims: &[u64], fill: Fill| TensorPlan {
+/// A weight matrix of `dims` (row length first) stored as `base` (Q6_K for the
+/// output head of a Q4_K model), drawn with standard deviation `1/sqrt(row)`.
+fn matrix(name: String, dims: &[u64], base: GgmlType, is_output: bool) -> TensorPlan {
+    TensorPlan {
+        name,
+        dims: dims.to_vec(),
+        ty: matrix_type(base, dims[0], is_output),
+        fill: Fill::Normal(1.0 / (dims[0] as f32).sqrt()),
+    }
+}
+
+/// A small F32 tensor (norms, router, conv taps, gates).
+fn vector(name: String, dims: &[u64], fill: Fill) -> TensorPlan {
+    TensorPlan {
         name,
         dims: dims.to_vec(),
         ty: GgmlType::F32,
         fill,
-    };
+    }
+}
+
+/// The tensors of `shape` with `vocab` tokens, weights stored as `base`.
+pub fn tensors(shape: &Shape, vocab: u64, base: GgmlType) -> Vec<TensorPlan> {
+    let d = shape.hidden as u64;
     let (hq, hkv, hd) = (
         shape.heads as u64,
         shape.kv_heads as u64,
@@ -80,110 +82,78 @@ pub fn tensors(shape: &Shape, vocab: u64, base: GgmlType) -> Vec<TensorPlan> {
         shape.expert_ff as u64,
         shape.shared_ff as u64,
     );
+    let mut out = vec![TensorPlan {
+        fill: Fill::Normal(1.0),
+        ..matrix("token_embd.weight".into(), &[d, vocab], base, false)
+    }];
     for l in 0..shape.layers {
         let p = |s: &str| format!("blk.{l}.{s}");
-        rest.push(f32t(p("attn_norm.weight"), &[d], Fill::Norm(0.1)));
+        let m = |s: &str, dims: &[u64]| matrix(p(s), dims, base, false);
+        out.push(vector(p("attn_norm.weight"), &[d], Fill::Norm(0.1)));
         if shape.is_full_attention(l) {
             let q_rows = if shape.arch.is_hybrid() {
                 2 * hq * hd
             } else {
                 hq * hd
             };
-            let mut m = |s: &str, dims: &[u64], sd| {
-                rest.push(TensorPlan {
-                    name: p(s),
-                    dims: dims.to_vec(),
-                    ty: matrix_type(base, dims[0], false),
-                    fill: Fill::Normal(sd),
-                })
-            };
-            m("attn_q.weight", &[d, q_rows], inv(d));
-            m("attn_k.weight", &[d, hkv * hd], inv(d));
-            m("attn_v.weight", &[d, hkv * hd], inv(d));
-            m("attn_output.weight", &[hq * hd, d], inv(hq * hd));
-            rest.push(f32t(p("attn_q_norm.weight"), &[hd], Fill::Norm(0.1)));
-            rest.push(f32t(p("attn_k_norm.weight"), &[hd], Fill::Norm(0.1)));
+            out.push(m("attn_q.weight", &[d, q_rows]));
+            out.push(m("attn_k.weight", &[d, hkv * hd]));
+            out.push(m("attn_v.weight", &[d, hkv * hd]));
+            out.push(m("attn_output.weight", &[hq * hd, d]));
+            out.push(vector(p("attn_q_norm.weight"), &[hd], Fill::Norm(0.1)));
+            out.push(vector(p("attn_k_norm.weight"), &[hd], Fill::Norm(0.1)));
         } else {
             let dn = shape.delta.expect("hybrid shapes have delta-net sizes");
             let hv = dn.value_heads as u64;
-            let mut m = |s: &str, dims: &[u64], sd| {
-                rest.push(TensorPlan {
-                    name: p(s),
-                    dims: dims.to_vec(),
-                    ty: matrix_type(base, dims[0], false),
-                    fill: Fill::Normal(sd),
-                })
-            };
-            m("attn_qkv.weight", &[d, dn.conv_dim()], inv(d));
-            m("attn_gate.weight", &[d, dn.inner_size()], inv(d));
+            out.push(m("attn_qkv.weight", &[d, dn.conv_dim()]));
+            out.push(m("attn_gate.weight", &[d, dn.inner_size()]));
             match shape.arch {
-                Arch::Qwen3Next => m("ssm_ba.weight", &[d, 2 * hv], inv(d)),
+                Arch::Qwen3Next => out.push(m("ssm_ba.weight", &[d, 2 * hv])),
                 _ => {
-                    m("ssm_beta.weight", &[d, hv], inv(d));
-                    m("ssm_alpha.weight", &[d, hv], inv(d));
+                    out.push(m("ssm_beta.weight", &[d, hv]));
+                    out.push(m("ssm_alpha.weight", &[d, hv]));
                 }
             }
-            rest.push(f32t(
+            out.push(vector(
                 p("ssm_conv1d.weight"),
                 &[dn.conv_kernel as u64, dn.conv_dim()],
                 Fill::Normal(0.5),
             ));
-            rest.push(f32t(p("ssm_dt.bias"), &[hv], Fill::Uniform(-1.0, 1.0)));
-            rest.push(f32t(p("ssm_a"), &[hv], Fill::NegExp(16.0)));
-            rest.push(f32t(
+            out.push(vector(p("ssm_dt.bias"), &[hv], Fill::Uniform(-1.0, 1.0)));
+            out.push(vector(p("ssm_a"), &[hv], Fill::NegExp(16.0)));
+            out.push(vector(
                 p("ssm_norm.weight"),
                 &[dn.value_head_dim as u64],
                 Fill::Norm(0.1),
             ));
-            let ssm_out_in = dn.inner_size();
-            rest.push(TensorPlan {
-                name: p("ssm_out.weight"),
-                dims: vec![ssm_out_in, d],
-                ty: matrix_type(base, ssm_out_in, false),
-                fill: Fill::Normal(inv(ssm_out_in)),
-            });
+            out.push(m("ssm_out.weight", &[dn.inner_size(), d]));
         }
         let post = if shape.arch.is_hybrid() {
             "post_attention_norm.weight"
         } else {
             "ffn_norm.weight"
         };
-        rest.push(f32t(p(post), &[d], Fill::Norm(0.1)));
-        rest.push(f32t(
+        out.push(vector(p(post), &[d], Fill::Norm(0.1)));
+        out.push(vector(
             p("ffn_gate_inp.weight"),
             &[d, e],
-            Fill::Normal(inv(d)),
+            Fill::Normal(1.0 / (d as f32).sqrt()),
         ));
-        let mut m = |s: &str, dims: &[u64], sd| {
-            rest.push(TensorPlan {
-                name: p(s),
-                dims: dims.to_vec(),
-                ty: matrix_type(base, dims[0], false),
-                fill: Fill::Normal(sd),
-            })
-        };
-        m("ffn_gate_exps.weight", &[d, f, e], inv(d));
-        m("ffn_up_exps.weight", &[d, f, e], inv(d));
-        m("ffn_down_exps.weight", &[f, d, e], inv(f));
+        out.push(m("ffn_gate_exps.weight", &[d, f, e]));
+        out.push(m("ffn_up_exps.weight", &[d, f, e]));
+        out.push(m("ffn_down_exps.weight", &[f, d, e]));
         if fs > 0 {
-            m("ffn_gate_shexp.weight", &[d, fs], inv(d));
-            m("ffn_up_shexp.weight", &[d, fs], inv(d));
-            m("ffn_down_shexp.weight", &[fs, d], inv(fs));
-            rest.push(f32t(
+            out.push(m("ffn_gate_shexp.weight", &[d, fs]));
+            out.push(m("ffn_up_shexp.weight", &[d, fs]));
+            out.push(m("ffn_down_shexp.weight", &[fs, d]));
+            out.push(vector(
                 p("ffn_gate_inp_shexp.weight"),
                 &[d],
-                Fill::Normal(inv(d)),
+                Fill::Normal(1.0 / (d as f32).sqrt()),
             ));
         }
     }
-    out.extend(rest);
-    out.push(f32t("output_norm.weight".into(), &[d], Fill::Norm(0.1)));
-    let ty = matrix_type(base, d, true);
-    out.push(TensorPlan {
-        name: "output.weight".into(),
-        dims: vec![d, vocab],
-        ty,
-        fill: Fill::Normal(inv(d)),
-    });
+    out.push(vector("output_norm.weight".into(), &[d], Fill::Norm(0.1)));
+    out.push(matrix("output.weight".into(), &[d, vocab], base, true));
     out
 }
