@@ -40,29 +40,35 @@ pub trait Backend: Sync {
     /// A name for tables and logs.
     fn name(&self) -> String;
     /// A zeroed buffer of `n` values.
-    fn alloc(&self, n: usize) -> Self::Buf;
+    fn alloc(&self, n: usize) -> Result<Self::Buf>;
     /// A buffer holding `host`.
-    fn upload(&self, host: &[f32]) -> Self::Buf;
+    fn upload(&self, host: &[f32]) -> Result<Self::Buf>;
     /// Copy a buffer to the host.
-    fn download(&self, buf: &Self::Buf) -> Vec<f32>;
+    fn download(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
     /// Empty state for `ctx` tokens.
-    fn new_state(&self, model: &Model, ctx: usize, kv: KvType) -> Self::State;
+    fn new_state(&self, model: &Model, ctx: usize, kv: KvType) -> Result<Self::State>;
     /// The next position of a sequence.
     fn position(&self, st: &Self::State) -> usize;
     /// The context size of a sequence.
     fn capacity(&self, st: &Self::State) -> usize;
     /// A sequence's state as host values: position, the KV rows written so far,
     /// conv and delta-rule states (for comparing two runs bit for bit).
-    fn download_state(&self, st: &Self::State) -> Vec<f32>;
+    fn download_state(&self, st: &Self::State) -> Result<Vec<f32>>;
     /// Move a sequence past `m` rows (after a forward call wrote them).
     fn advance(&self, st: &mut Self::State, m: usize);
 
     /// Embedding rows of `tokens` (errors on ids outside the vocabulary).
     fn embed(&self, model: &Model, tokens: &[u32], out: &mut Self::Buf) -> Result<()>;
     /// RMSNorm rows with weight `which`.
-    fn rms_norm(&self, model: &Model, which: Norm, x: &Self::Buf, out: &mut Self::Buf);
+    fn rms_norm(
+        &self,
+        model: &Model,
+        which: Norm,
+        x: &Self::Buf,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
     /// `acc += x`, element-wise.
-    fn add(&self, acc: &mut Self::Buf, x: &Self::Buf);
+    fn add(&self, acc: &mut Self::Buf, x: &Self::Buf) -> Result<()>;
     /// Gated/plain attention rows of layer `l` over the KV cache (projections,
     /// head norms, RoPE, cache write, attention in key order, output gate,
     /// output projection); rows are the state's next positions, in order.
@@ -74,7 +80,7 @@ pub trait Backend: Sync {
         x: &Self::Buf,
         st: &mut Self::State,
         y: &mut Self::Buf,
-    );
+    ) -> Result<()>;
     /// Gated delta-net rows of layer `l` (projections, causal conv with state,
     /// delta rule with state, gated norm, output projection), rows in order.
     fn delta_net(
@@ -85,10 +91,10 @@ pub trait Backend: Sync {
         x: &Self::Buf,
         st: &mut Self::State,
         y: &mut Self::Buf,
-    );
+    ) -> Result<()>;
     /// MoE rows: router softmax/top-k (lowest id wins ties), each chosen expert's
     /// FFN, the combination in k order, plus the sigmoid-gated shared expert.
-    fn moe(&self, model: &Model, mw: &MoeW, x: &Self::Buf, y: &mut Self::Buf);
+    fn moe(&self, model: &Model, mw: &MoeW, x: &Self::Buf, y: &mut Self::Buf) -> Result<()>;
     /// Final norm and LM head for `rows` of `h`, to host logits.
-    fn logits(&self, model: &Model, h: &Self::Buf, rows: &[usize]) -> Vec<f32>;
+    fn logits(&self, model: &Model, h: &Self::Buf, rows: &[usize]) -> Result<Vec<f32>>;
 }

@@ -28,11 +28,11 @@ pub fn forward_rows_match<B: Backend>(
     let v = model.w.n_vocab;
     let ctx = tokens.len().max(1);
     let mut batched = Vec::with_capacity(tokens.len() * v);
-    let mut st = b.new_state(model, ctx, KvType::F32);
+    let mut st = b.new_state(model, ctx, KvType::F32).expect("state");
     for c in tokens.chunks(chunk.max(1)) {
         batched.extend(forward(model, b, &mut st, c, Logits::All).expect("forward"));
     }
-    let mut st = b.new_state(model, ctx, KvType::F32);
+    let mut st = b.new_state(model, ctx, KvType::F32).expect("state");
     for (p, &t) in tokens.iter().enumerate() {
         let one = forward(model, b, &mut st, &[t], Logits::All).expect("forward");
         let row = &batched[p * v..(p + 1) * v];
@@ -65,7 +65,8 @@ pub fn block_ops_match<B: Backend>(
     let d = model.hp.n_embd;
     let mut rng = samesum_quant::rng::Rng::new(seed);
     let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-    let nan = |n: usize| b.upload(&vec![f32::NAN; n]);
+    let e = |e: crate::EngineError| e.to_string();
+    let nan = |n: usize| b.upload(&vec![f32::NAN; n]).map_err(e);
     let ctx = ms.iter().copied().max().unwrap_or(1);
     let check = |what: String, all: &[f32], rows: &[Vec<f32>]| -> Result<(), String> {
         let w = all.len() / rows.len().max(1);
@@ -84,78 +85,96 @@ pub fn block_ops_match<B: Backend>(
     };
     for &m in ms {
         let x: Vec<f32> = (0..m * d).map(|_| rng.range(-2.0, 2.0)).collect();
-        let xb = b.upload(&x);
-        let row = |r: usize| b.upload(&x[r * d..(r + 1) * d]);
+        let xb = b.upload(&x).map_err(e)?;
+        let row = |r: usize| b.upload(&x[r * d..(r + 1) * d]).map_err(e);
         // Embedding.
         let toks: Vec<u32> = (0..m)
             .map(|_| rng.below(model.w.n_vocab as u64) as u32)
             .collect();
-        let mut all = nan(m * d);
-        b.embed(model, &toks, &mut all).map_err(|e| e.to_string())?;
-        let ones: Vec<Vec<f32>> = toks
+        let mut all = nan(m * d)?;
+        b.embed(model, &toks, &mut all).map_err(e)?;
+        let ones = toks
             .iter()
             .map(|&t| {
-                let mut o = nan(d);
-                b.embed(model, &[t], &mut o).expect("embed");
-                b.download(&o)
+                let mut o = nan(d)?;
+                b.embed(model, &[t], &mut o).map_err(e)?;
+                b.download(&o).map_err(e)
             })
-            .collect();
-        check(format!("embed m={m}"), &b.download(&all), &ones)?;
+            .collect::<Result<Vec<_>, String>>()?;
+        check(format!("embed m={m}"), &b.download(&all).map_err(e)?, &ones)?;
         for (l, lw) in model.w.layers.iter().enumerate() {
             for norm in [Norm::Attn(l), Norm::Ffn(l)] {
-                let mut all = nan(m * d);
-                b.rms_norm(model, norm, &xb, &mut all);
-                let ones: Vec<Vec<f32>> = (0..m)
+                let mut all = nan(m * d)?;
+                b.rms_norm(model, norm, &xb, &mut all).map_err(e)?;
+                let ones = (0..m)
                     .map(|r| {
-                        let mut o = nan(d);
-                        b.rms_norm(model, norm, &row(r), &mut o);
-                        b.download(&o)
+                        let mut o = nan(d)?;
+                        b.rms_norm(model, norm, &row(r)?, &mut o).map_err(e)?;
+                        b.download(&o).map_err(e)
                     })
-                    .collect();
-                check(format!("{norm:?} m={m}"), &b.download(&all), &ones)?;
+                    .collect::<Result<Vec<_>, String>>()?;
+                check(
+                    format!("{norm:?} m={m}"),
+                    &b.download(&all).map_err(e)?,
+                    &ones,
+                )?;
             }
             // The mixer, with its state.
-            let mut st_all = b.new_state(model, ctx, KvType::F32);
-            let mut all = nan(m * d);
-            let mut st_one = b.new_state(model, ctx, KvType::F32);
+            let mut st_all = b.new_state(model, ctx, KvType::F32).map_err(e)?;
+            let mut all = nan(m * d)?;
+            let mut st_one = b.new_state(model, ctx, KvType::F32).map_err(e)?;
             let mut ones = Vec::with_capacity(m);
             match &lw.mixer {
                 Mixer::Attention(a) => {
-                    b.attention(model, l, a, &xb, &mut st_all, &mut all);
+                    b.attention(model, l, a, &xb, &mut st_all, &mut all)
+                        .map_err(e)?;
                     for r in 0..m {
-                        let mut o = nan(d);
-                        b.attention(model, l, a, &row(r), &mut st_one, &mut o);
+                        let mut o = nan(d)?;
+                        b.attention(model, l, a, &row(r)?, &mut st_one, &mut o)
+                            .map_err(e)?;
                         b.advance(&mut st_one, 1);
-                        ones.push(b.download(&o));
+                        ones.push(b.download(&o).map_err(e)?);
                     }
                 }
                 Mixer::Linear(dn) => {
-                    b.delta_net(model, l, dn, &xb, &mut st_all, &mut all);
+                    b.delta_net(model, l, dn, &xb, &mut st_all, &mut all)
+                        .map_err(e)?;
                     for r in 0..m {
-                        let mut o = nan(d);
-                        b.delta_net(model, l, dn, &row(r), &mut st_one, &mut o);
+                        let mut o = nan(d)?;
+                        b.delta_net(model, l, dn, &row(r)?, &mut st_one, &mut o)
+                            .map_err(e)?;
                         b.advance(&mut st_one, 1);
-                        ones.push(b.download(&o));
+                        ones.push(b.download(&o).map_err(e)?);
                     }
                 }
             }
-            check(format!("layer {l} mixer m={m}"), &b.download(&all), &ones)?;
+            check(
+                format!("layer {l} mixer m={m}"),
+                &b.download(&all).map_err(e)?,
+                &ones,
+            )?;
             // The MoE.
-            let mut all = nan(m * d);
-            b.moe(model, &lw.moe, &xb, &mut all);
-            let ones: Vec<Vec<f32>> = (0..m)
+            let mut all = nan(m * d)?;
+            b.moe(model, &lw.moe, &xb, &mut all).map_err(e)?;
+            let ones = (0..m)
                 .map(|r| {
-                    let mut o = nan(d);
-                    b.moe(model, &lw.moe, &row(r), &mut o);
-                    b.download(&o)
+                    let mut o = nan(d)?;
+                    b.moe(model, &lw.moe, &row(r)?, &mut o).map_err(e)?;
+                    b.download(&o).map_err(e)
                 })
-                .collect();
-            check(format!("layer {l} moe m={m}"), &b.download(&all), &ones)?;
+                .collect::<Result<Vec<_>, String>>()?;
+            check(
+                format!("layer {l} moe m={m}"),
+                &b.download(&all).map_err(e)?,
+                &ones,
+            )?;
         }
         // Final norm and head.
         let rows: Vec<usize> = (0..m).collect();
-        let all = b.logits(model, &xb, &rows);
-        let ones: Vec<Vec<f32>> = (0..m).map(|r| b.logits(model, &row(r), &[0])).collect();
+        let all = b.logits(model, &xb, &rows).map_err(e)?;
+        let ones = (0..m)
+            .map(|r| b.logits(model, &row(r)?, &[0]).map_err(e))
+            .collect::<Result<Vec<_>, String>>()?;
         check(format!("logits m={m}"), &all, &ones)?;
     }
     Ok(())

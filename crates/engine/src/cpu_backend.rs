@@ -18,20 +18,20 @@ impl Backend for Cpu {
         format!("cpu ({} threads)", self.threads())
     }
 
-    fn alloc(&self, n: usize) -> Vec<f32> {
-        vec![0.0; n]
+    fn alloc(&self, n: usize) -> Result<Vec<f32>> {
+        Ok(vec![0.0; n])
     }
 
-    fn upload(&self, host: &[f32]) -> Vec<f32> {
-        host.to_vec()
+    fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
+        Ok(host.to_vec())
     }
 
-    fn download(&self, buf: &Vec<f32>) -> Vec<f32> {
-        buf.clone()
+    fn download(&self, buf: &Vec<f32>) -> Result<Vec<f32>> {
+        Ok(buf.clone())
     }
 
-    fn new_state(&self, model: &Model, ctx: usize, kv: KvType) -> SeqState {
-        SeqState::new(&model.hp, ctx, kv)
+    fn new_state(&self, model: &Model, ctx: usize, kv: KvType) -> Result<SeqState> {
+        Ok(SeqState::new(&model.hp, ctx, kv))
     }
 
     fn position(&self, st: &SeqState) -> usize {
@@ -42,7 +42,7 @@ impl Backend for Cpu {
         st.ctx
     }
 
-    fn download_state(&self, st: &SeqState) -> Vec<f32> {
+    fn download_state(&self, st: &SeqState) -> Result<Vec<f32>> {
         let mut out = vec![st.pos as f32];
         for kv in st.kv.iter().flatten() {
             let w = match kv {
@@ -60,7 +60,7 @@ impl Backend for Cpu {
             out.extend_from_slice(&l.conv);
             out.extend_from_slice(&l.s);
         }
-        out
+        Ok(out)
     }
 
     fn advance(&self, st: &mut SeqState, m: usize) {
@@ -83,19 +83,21 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn rms_norm(&self, model: &Model, which: Norm, x: &Vec<f32>, out: &mut Vec<f32>) {
+    fn rms_norm(&self, model: &Model, which: Norm, x: &Vec<f32>, out: &mut Vec<f32>) -> Result<()> {
         let w = match which {
             Norm::Attn(l) => &model.w.layers[l].attn_norm,
             Norm::Ffn(l) => &model.w.layers[l].ffn_norm,
             Norm::Output => &model.w.output_norm,
         };
         cpu::rms_norm(x, w, model.hp.eps, out);
+        Ok(())
     }
 
-    fn add(&self, acc: &mut Vec<f32>, x: &Vec<f32>) {
+    fn add(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> Result<()> {
         for (a, v) in acc.iter_mut().zip(x) {
             *a += *v;
         }
+        Ok(())
     }
 
     fn attention(
@@ -106,8 +108,9 @@ impl Backend for Cpu {
         x: &Vec<f32>,
         st: &mut SeqState,
         y: &mut Vec<f32>,
-    ) {
-        attention(model, self, st, l, a, x, y)
+    ) -> Result<()> {
+        attention(model, self, st, l, a, x, y);
+        Ok(())
     }
 
     fn delta_net(
@@ -118,15 +121,17 @@ impl Backend for Cpu {
         x: &Vec<f32>,
         st: &mut SeqState,
         y: &mut Vec<f32>,
-    ) {
-        delta_net(model, self, st, l, dn, x, y)
+    ) -> Result<()> {
+        delta_net(model, self, st, l, dn, x, y);
+        Ok(())
     }
 
-    fn moe(&self, model: &Model, mw: &MoeW, x: &Vec<f32>, y: &mut Vec<f32>) {
-        moe(model, self, mw, x, y)
+    fn moe(&self, model: &Model, mw: &MoeW, x: &Vec<f32>, y: &mut Vec<f32>) -> Result<()> {
+        moe(model, self, mw, x, y);
+        Ok(())
     }
 
-    fn logits(&self, model: &Model, h: &Vec<f32>, rows: &[usize]) -> Vec<f32> {
+    fn logits(&self, model: &Model, h: &Vec<f32>, rows: &[usize]) -> Result<Vec<f32>> {
         let d = model.hp.n_embd;
         let w = &model.w;
         let mut xs = vec![0f32; rows.len() * d];
@@ -140,7 +145,7 @@ impl Backend for Cpu {
         }
         let mut logits = vec![0f32; rows.len() * w.n_vocab];
         self.matmul(model.bytes(), &w.output, 0, &xs, &mut logits);
-        logits
+        Ok(logits)
     }
 }
 

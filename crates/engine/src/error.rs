@@ -28,4 +28,11 @@ pub enum EngineError {
     Tokenizer(String),
     #[error("chat template: {0}")]
     Template(String),
+    /// A device backend's failure, naming the operation or kernel.
+    #[error("{backend}: {op}: {msg}")]
+    Device {
+        backend: &'static str,
+        op: String,
+        msg: String,
+    },
 }

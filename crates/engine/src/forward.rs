@@ -43,20 +43,20 @@ pub fn forward<B: Backend>(
             ctx: b.capacity(st),
         });
     }
-    let mut h = b.alloc(m * d);
+    let mut h = b.alloc(m * d)?;
     b.embed(model, tokens, &mut h)?;
-    let mut x = b.alloc(m * d);
-    let mut y = b.alloc(m * d);
+    let mut x = b.alloc(m * d)?;
+    let mut y = b.alloc(m * d)?;
     for (l, lw) in model.w.layers.iter().enumerate() {
-        b.rms_norm(model, Norm::Attn(l), &h, &mut x);
+        b.rms_norm(model, Norm::Attn(l), &h, &mut x)?;
         match &lw.mixer {
-            Mixer::Attention(a) => b.attention(model, l, a, &x, st, &mut y),
-            Mixer::Linear(dn) => b.delta_net(model, l, dn, &x, st, &mut y),
+            Mixer::Attention(a) => b.attention(model, l, a, &x, st, &mut y)?,
+            Mixer::Linear(dn) => b.delta_net(model, l, dn, &x, st, &mut y)?,
         }
-        b.add(&mut h, &y);
-        b.rms_norm(model, Norm::Ffn(l), &h, &mut x);
-        b.moe(model, &lw.moe, &x, &mut y);
-        b.add(&mut h, &y);
+        b.add(&mut h, &y)?;
+        b.rms_norm(model, Norm::Ffn(l), &h, &mut x)?;
+        b.moe(model, &lw.moe, &x, &mut y)?;
+        b.add(&mut h, &y)?;
     }
     b.advance(st, m);
     let rows: Vec<usize> = match want {
@@ -64,5 +64,5 @@ pub fn forward<B: Backend>(
         Logits::Last => vec![m - 1],
         Logits::None => return Ok(Vec::new()),
     };
-    Ok(b.logits(model, &h, &rows))
+    b.logits(model, &h, &rows)
 }

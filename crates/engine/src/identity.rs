@@ -80,12 +80,12 @@ pub fn replay<B: Backend>(
     kv: KvType,
 ) -> Result<Replay> {
     let v = model.w.n_vocab;
-    let mut st = b.new_state(model, prompt.len() + n_gen + 1, kv);
+    let mut st = b.new_state(model, prompt.len() + n_gen + 1, kv)?;
     let mut logits = Vec::with_capacity(prompt.len() * v);
     for &t in prompt {
         logits.extend(forward(model, b, &mut st, &[t], Logits::All)?);
     }
-    let state = b.download_state(&st);
+    let state = b.download_state(&st)?;
     let last = logits[(prompt.len() - 1) * v..].to_vec();
     let tokens = continue_greedy(b, model, &mut st, &last, n_gen)?;
     Ok(Replay {
@@ -107,7 +107,7 @@ pub fn batched<B: Backend>(
     r: &Replay,
 ) -> Result<Verdict> {
     let v = model.w.n_vocab;
-    let mut st = b.new_state(model, prompt.len() + n_gen + 1, kv);
+    let mut st = b.new_state(model, prompt.len() + n_gen + 1, kv)?;
     let mut logits = Vec::with_capacity(prompt.len() * v);
     let mut rows_batched = 0;
     for c in prompt.chunks(chunk.max(1)) {
@@ -129,7 +129,7 @@ pub fn batched<B: Backend>(
             break;
         }
     }
-    let state = b.download_state(&st);
+    let state = b.download_state(&st)?;
     let state_equal = state.len() == r.state.len()
         && state
             .iter()
