@@ -1,0 +1,348 @@
+// Row ops of the forward pass: norms, residual adds, RoPE, the KV cache,
+// attention, the causal conv, the gated delta rule, routing, the expert plan,
+// gather and combine. Each output row is computed from its own inputs (and, for
+// the sequential ops, the state its sequence's earlier rows wrote) with an
+// order of arithmetic fixed by the model's sizes, never by the call's row count.
+
+#define NORM_THREADS 256
+
+// RMSNorm of `m` rows of `width`: the sum of squares in f64, each thread over a
+// fixed stride, then a fixed tree; y = (x * scale) * w.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int width, float eps) {
+    __shared__ double part[NORM_THREADS];
+    int r = blockIdx.x, t = threadIdx.x;
+    const float* xr = x + (i64)r * width;
+    double s = 0.0;
+    for (int i = t; i < width; i += NORM_THREADS) s += (double)xr[i] * (double)xr[i];
+    part[t] = s;
+    __syncthreads();
+    for (int o = NORM_THREADS / 2; o > 0; o /= 2) {
+        if (t < o) part[t] = part[t] + part[t + o];
+        __syncthreads();
+    }
+    float mean = (float)(part[0] / (double)width);
+    float scale = 1.0f / sqrtf(mean + eps);
+    for (int i = t; i < width; i += NORM_THREADS) y[(i64)r * width + i] = (xr[i] * scale) * w[i];
+}
+
+extern "C" __global__ void add_inplace(float* acc, const float* x, i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) acc[i] = acc[i] + x[i];
+}
+
+// o *= sigmoid(g)
+extern "C" __global__ void sigmoid_mul(float* o, const float* g, i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) o[i] = o[i] * sigmoid(g[i]);
+}
+
+// a = silu(a) * b
+extern "C" __global__ void silu_mul(float* a, const float* b, i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) a[i] = silu(a[i]) * b[i];
+}
+
+// dst[r][c] = src[r][map[c]] for `m` rows.
+extern "C" __global__ void copy_cols(const float* src, int src_w, float* dst, int dst_w, const int* map, int m) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (i64)m * dst_w) return;
+    int r = (int)(i / dst_w), c = (int)(i % dst_w);
+    dst[i] = src[(i64)r * src_w + map[c]];
+}
+
+// dst[i] = src[rows[i]] (rows of `width`).
+extern "C" __global__ void gather_rows(const float* src, const int* rows, float* dst, int width, int n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (i64)n * width) return;
+    int r = (int)(i / width), c = (int)(i % width);
+    int s = rows[r];
+    dst[i] = s < 0 ? 0.0f : src[(i64)s * width + c];
+}
+
+// NeoX RoPE on the first n_rot dims of each head of `m` rows at pos0 + r.
+extern "C" __global__ void rope(float* x, int m, int heads, int hd, int n_rot, float theta, int pos0) {
+    int half = n_rot / 2;
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (i64)m * heads * half) return;
+    int i = (int)(t % half);
+    int h = (int)((t / half) % heads);
+    int r = (int)(t / ((i64)half * heads));
+    float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)n_rot);
+    float ang = (float)(pos0 + r) * inv_freq;
+    float sn, cs;
+    sincosf(ang, &sn, &cs);
+    float* head = x + ((i64)r * heads + h) * hd;
+    float a = head[i], b = head[i + half];
+    head[i] = a * cs - b * sn;
+    head[i + half] = b * cs + a * sn;
+}
+
+// Write m rows of k and v (kvw wide) to the cache at positions pos0.. (f32 or f16).
+extern "C" __global__ void kv_write(const float* k, const float* v, void* ck, void* cv, int pos0, int m, int kvw, int f16) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (i64)m * kvw) return;
+    i64 at = (i64)pos0 * kvw + i;
+    if (f16) {
+        ((u16*)ck)[at] = f32_to_f16(k[i]);
+        ((u16*)cv)[at] = f32_to_f16(v[i]);
+    } else {
+        ((float*)ck)[at] = k[i];
+        ((float*)cv)[at] = v[i];
+    }
+}
+
+__device__ __forceinline__ float kv_at(const void* c, i64 i, int f16) {
+    return f16 ? f16_to_f32(((const u16*)c)[i]) : ((const float*)c)[i];
+}
+
+#define ATT_THREADS 256
+
+// One block per (row, query head): row r is position pos0 + r and attends over
+// cache positions 0..=pos0+r. Scores in key order (each a sequential dot),
+// max, exp, the sum (each thread over a fixed stride of keys, then a fixed
+// tree), normalize, then each output dim sums the values in key order.
+// `scores` holds (pos0 + m) floats per (row, head).
+extern "C" __global__ void attention(const float* q, const void* ck, const void* cv, float* o, float* scores,
+                                     int m, int hq, int hkv, int hd, int pos0, float scale, int f16) {
+    __shared__ float red[ATT_THREADS];
+    int r = blockIdx.x / hq, h = blockIdx.x % hq, t = threadIdx.x;
+    int kvw = hkv * hd;
+    int g = h / (hq / hkv);
+    int pos = pos0 + r;
+    int n = pos + 1;
+    const float* qh = q + ((i64)r * hq + h) * hd;
+    float* s = scores + (i64)blockIdx.x * (pos0 + m);
+    float mx = -INFINITY;
+    for (int j = t; j < n; j += ATT_THREADS) {
+        i64 base = (i64)j * kvw + g * hd;
+        float d = 0.0f;
+        for (int i = 0; i < hd; i++) d = d + qh[i] * kv_at(ck, base + i, f16);
+        float v = d * scale;
+        s[j] = v;
+        mx = fmaxf(mx, v);
+    }
+    red[t] = mx;
+    __syncthreads();
+    for (int k = ATT_THREADS / 2; k > 0; k /= 2) {
+        if (t < k) red[t] = fmaxf(red[t], red[t + k]);
+        __syncthreads();
+    }
+    mx = red[0];
+    __syncthreads();
+    float sum = 0.0f;
+    for (int j = t; j < n; j += ATT_THREADS) {
+        float e = expf(s[j] - mx);
+        s[j] = e;
+        sum = sum + e;
+    }
+    red[t] = sum;
+    __syncthreads();
+    for (int k = ATT_THREADS / 2; k > 0; k /= 2) {
+        if (t < k) red[t] = red[t] + red[t + k];
+        __syncthreads();
+    }
+    sum = red[0];
+    for (int j = t; j < n; j += ATT_THREADS) s[j] = s[j] / sum;
+    __syncthreads();
+    for (int i = t; i < hd; i += ATT_THREADS) {
+        float acc = 0.0f;
+        for (int j = 0; j < n; j++) acc = acc + s[j] * kv_at(cv, (i64)j * kvw + g * hd + i, f16);
+        o[((i64)r * hq + h) * hd + i] = acc;
+    }
+}
+
+// Causal conv + SiLU with state: one thread per channel walks the rows in order.
+// state holds the previous kc-1 input rows, oldest first.
+extern "C" __global__ void conv_rows(const float* x, const float* taps, float* state, float* out, int m, int cd, int kc) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cd) return;
+    const float* tp = taps + (i64)c * kc;
+    for (int r = 0; r < m; r++) {
+        float acc = 0.0f;
+        for (int j = 0; j < kc - 1; j++) acc = acc + tp[j] * state[(i64)j * cd + c];
+        float xi = x[(i64)r * cd + c];
+        acc = acc + tp[kc - 1] * xi;
+        out[(i64)r * cd + c] = silu(acc);
+        if (kc > 1) {
+            for (int j = 0; j < kc - 2; j++) state[(i64)j * cd + c] = state[(i64)(j + 1) * cd + c];
+            state[(i64)(kc - 2) * cd + c] = xi;
+        }
+    }
+}
+
+// L2 norm of each dk-wide head of the q and k parts (2*hk heads) of m conv rows
+// into qk (m rows of 2*kd): the sum of squares in f64, index order.
+extern "C" __global__ void l2norm_qk(const float* conv, float* qk, int m, int cd, int hk, int dk, float eps) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= m * 2 * hk) return;
+    int r = t / (2 * hk), h = t % (2 * hk);
+    const float* src = conv + (i64)r * cd + h * dk;
+    float* dst = qk + (i64)r * 2 * hk * dk + h * dk;
+    double s = 0.0;
+    for (int i = 0; i < dk; i++) s += (double)src[i] * (double)src[i];
+    float scale = 1.0f / sqrtf((float)s + eps);
+    for (int i = 0; i < dk; i++) dst[i] = src[i] * scale;
+}
+
+// Gated delta rule: one block per value head n, thread j owns state column j
+// (S[i][j], i over dk) and walks the rows in order, as the CPU does:
+// decay, kv_j = sum_i S[i][j] k_i, delta_j = (v_j - kv_j) beta,
+// S[i][j] += k_i delta_j, o_j = sum_i S[i][j] q_i / sqrt(dk), then the gated
+// RMSNorm (sum of squares in f64, index order) with z.
+extern "C" __global__ void delta_rows(const float* qk, const float* conv, const float* b, const float* a,
+                                      const float* z, const float* dt_bias, const float* ssm_a, const float* norm,
+                                      float* state, float* o, int m, int hk, int hv, int dk, int dv, int tiled,
+                                      float eps) {
+    extern __shared__ float sh[];
+    float* ov = sh;  // dv values
+    int n = blockIdx.x, j = threadIdx.x;
+    int kd = hk * dk, vd = hv * dv, cd = 2 * kd + vd;
+    int ratio = hv / hk;
+    int kh = tiled ? n % hk : n / ratio;
+    float q_scale = 1.0f / sqrtf((float)dk);
+    float* S = state + (i64)n * dk * dv;
+    for (int r = 0; r < m; r++) {
+        const float* qh = qk + (i64)r * 2 * kd + kh * dk;
+        const float* kh_ = qk + (i64)r * 2 * kd + kd + kh * dk;
+        float beta = sigmoid(b[(i64)r * hv + n]);
+        float gl = softplus(a[(i64)r * hv + n] + dt_bias[n]) * ssm_a[n];
+        float decay = expf(gl);
+        if (j < dv) {
+            float kv = 0.0f;
+            for (int i = 0; i < dk; i++) {
+                float sv = S[(i64)i * dv + j] * decay;
+                S[(i64)i * dv + j] = sv;
+                kv = kv + sv * kh_[i];
+            }
+            float vj = conv[(i64)r * cd + 2 * kd + n * dv + j];
+            float delta = (vj - kv) * beta;
+            float acc = 0.0f;
+            for (int i = 0; i < dk; i++) {
+                float ki = kh_[i];
+                float qi = qh[i] * q_scale;
+                float sv = S[(i64)i * dv + j] + ki * delta;
+                S[(i64)i * dv + j] = sv;
+                acc = acc + sv * qi;
+            }
+            ov[j] = acc;
+        }
+        __syncthreads();
+        if (j < dv) {
+            double s = 0.0;
+            for (int i = 0; i < dv; i++) s += (double)ov[i] * (double)ov[i];
+            float mean = (float)(s / (double)dv);
+            float scale = 1.0f / sqrtf(mean + eps);
+            float zj = z[(i64)r * vd + n * dv + j];
+            o[(i64)r * vd + n * dv + j] = ((ov[j] * scale) * norm[j]) * silu(zj);
+        }
+        __syncthreads();
+    }
+}
+
+// Router rows: softmax (max, exp, sum in index order, divide), the top k
+// (largest first, lowest id among equals), weights renormalized by their sum in
+// k order clamped at 2^-14. One thread per row.
+extern "C" __global__ void route(float* logits, int* ids, float* wts, int m, int e, int k) {
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= m) return;
+    float* p = logits + (i64)r * e;
+    float mx = -INFINITY;
+    for (int i = 0; i < e; i++) mx = fmaxf(mx, p[i]);
+    float sum = 0.0f;
+    for (int i = 0; i < e; i++) {
+        float v = expf(p[i] - mx);
+        p[i] = v;
+        sum = sum + v;
+    }
+    for (int i = 0; i < e; i++) p[i] = p[i] / sum;
+    float tot = 0.0f;
+    for (int s = 0; s < k; s++) {
+        int best = -1;
+        float bv = 0.0f;
+        for (int i = 0; i < e; i++) {
+            bool taken = false;
+            for (int u = 0; u < s; u++) taken |= ids[(i64)r * k + u] == i;
+            if (taken) continue;
+            if (best < 0 || p[i] > bv) {
+                best = i;
+                bv = p[i];
+            }
+        }
+        ids[(i64)r * k + s] = best;
+        tot = tot + bv;
+    }
+    tot = fmaxf(tot, 6.103515625e-5f);
+    for (int s = 0; s < k; s++) wts[(i64)r * k + s] = p[ids[(i64)r * k + s]] / tot;
+}
+
+// The expert plan, three parallel deterministic kernels.
+// 1. Histogram of the (token, slot) pairs per expert (integer atomics: the
+//    counts do not depend on their order). counts must be zeroed first.
+extern "C" __global__ void plan_count(const int* ids, int n, int* counts) {
+    int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= n) return;
+    int e = ids[p];
+    if (e >= 0) atomicAdd(&counts[e], 1);
+}
+
+// 2. Exclusive scan of the counts (one block, a Hillis-Steele scan over
+//    1024-expert pieces carried in order).
+extern "C" __global__ void plan_scan(const int* counts, int* offsets, int e) {
+    __shared__ int buf[1024];
+    __shared__ int carry;
+    int t = threadIdx.x;
+    if (t == 0) carry = 0;
+    __syncthreads();
+    for (int base = 0; base < e; base += 1024) {
+        int v = base + t < e ? counts[base + t] : 0;
+        buf[t] = v;
+        __syncthreads();
+        for (int o = 1; o < 1024; o *= 2) {
+            int add = t >= o ? buf[t - o] : 0;
+            __syncthreads();
+            buf[t] += add;
+            __syncthreads();
+        }
+        if (base + t < e) offsets[base + t] = carry + buf[t] - v;
+        __syncthreads();
+        if (t == 1023) carry += buf[1023];
+        __syncthreads();
+    }
+}
+
+// 3. Stable placement: pair p goes to offsets[e] + (pairs before p with the same
+//    expert). Writes the placed pair's token row, its expert, and each pair's
+//    place (-1 for skipped ids). placed_mat must be filled with -1 first.
+extern "C" __global__ void plan_place(const int* ids, int n, int k, const int* offsets, int* placed_row,
+                                      int* placed_mat, int* slot) {
+    int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= n) return;
+    int e = ids[p];
+    if (e < 0) {
+        slot[p] = -1;
+        return;
+    }
+    int rank = 0;
+    for (int q = 0; q < p; q++) rank += ids[q] == e;
+    int dst = offsets[e] + rank;
+    placed_row[dst] = p / k;
+    placed_mat[dst] = e;
+    slot[p] = dst;
+}
+
+// y[r] = sum over slots s in k order of w[r][s] * out[slot[r][s]] (skipped ids
+// left out), plus sigmoid(gi[r]) * ys[r] when there is a shared expert.
+extern "C" __global__ void moe_combine(const float* out, const int* slot, const float* wts, const float* ys,
+                                       const float* gi, float* y, int m, int k, int d, int shared) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (i64)m * d) return;
+    int r = (int)(i / d), c = (int)(i % d);
+    float acc = 0.0f;
+    for (int s = 0; s < k; s++) {
+        int at = slot[(i64)r * k + s];
+        if (at < 0) continue;
+        acc = acc + wts[(i64)r * k + s] * out[(i64)at * d + c];
+    }
+    if (shared) acc = acc + sigmoid(gi[r]) * ys[i];
+    y[i] = acc;
+}

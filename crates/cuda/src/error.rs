@@ -1,0 +1,52 @@
+//! Errors of the CUDA backend.
+
+/// Result with [`CudaError`].
+pub type Result<T, E = CudaError> = std::result::Result<T, E>;
+
+/// Everything that can go wrong on the CUDA side.
+#[allow(missing_docs)]
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error(
+        "{0} could not be loaded (is the CUDA driver / NVRTC installed and on LD_LIBRARY_PATH?)"
+    )]
+    NoLibrary(&'static str),
+    #[error("{call} failed for module {module}: {code}")]
+    Nvrtc {
+        call: &'static str,
+        module: String,
+        code: String,
+    },
+    #[error("compiling kernel module {module} failed:\n{log}")]
+    Compile { module: String, log: String },
+    #[error("CUDA: {op}: {msg}")]
+    Driver { op: String, msg: String },
+    #[error("no CUDA device {ordinal} (this machine has {count})")]
+    NoDevice { ordinal: usize, count: usize },
+    #[error(
+        "the model does not fit on {device}: it needs {need_mib} MiB of weights, the device has {free_mib} MiB free of {total_mib} MiB"
+    )]
+    DoesNotFit {
+        device: String,
+        need_mib: u64,
+        free_mib: u64,
+        total_mib: u64,
+    },
+    #[error(
+        "{tensor}: no CUDA kernel for {ty} weights (have: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K)"
+    )]
+    Unsupported { tensor: String, ty: String },
+}
+
+impl From<CudaError> for samesum_engine::EngineError {
+    fn from(e: CudaError) -> Self {
+        samesum_engine::EngineError::Device {
+            backend: "cuda",
+            op: match &e {
+                CudaError::Driver { op, .. } => op.clone(),
+                _ => "setup".into(),
+            },
+            msg: e.to_string(),
+        }
+    }
+}

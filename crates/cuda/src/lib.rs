@@ -1,0 +1,11 @@
+//! samesum's CUDA backend: kernels compiled at run time by NVRTC (cached on
+//! disk), weights resident on the device, every op under the row contract.
+//!
+//! Nothing CUDA is needed to build this crate: the driver and NVRTC are loaded
+//! at run time, and every entry point checks for them first and returns an
+//! error (cudarc would panic) when they are missing.
+
+pub mod compile;
+mod error;
+
+pub use error::{CudaError, Result};

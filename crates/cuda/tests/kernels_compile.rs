@@ -1,0 +1,66 @@
+//! Every kernel module compiles with NVRTC for sm_90a, with no spills; runs
+//! wherever libnvrtc loads (CI installs it from PyPI), with no GPU needed.
+//! Without NVRTC the test skips, unless `SAMESUM_REQUIRE_NVRTC=1`.
+
+use samesum_cuda::compile::{self, MODULES};
+
+#[test]
+fn every_module_compiles_for_sm_90a_without_spills() {
+    if !compile::nvrtc_present() {
+        assert!(
+            std::env::var("SAMESUM_REQUIRE_NVRTC").as_deref() != Ok("1"),
+            "SAMESUM_REQUIRE_NVRTC=1 but libnvrtc could not be loaded"
+        );
+        eprintln!("skipped: no libnvrtc");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // SAFETY: tests in this binary do not read the environment concurrently.
+    unsafe { std::env::set_var("SAMESUM_KERNEL_CACHE", dir.path()) };
+    let (maj, min) = compile::nvrtc_version().unwrap();
+    eprintln!("NVRTC {maj}.{min}, arch {}", compile::DEFAULT_ARCH);
+    eprintln!("| module | kernel | registers | stack bytes | spill bytes |");
+    eprintln!("|---|---|---|---|---|");
+    for (name, _) in MODULES {
+        let c =
+            compile::compile_module(name, compile::DEFAULT_ARCH).unwrap_or_else(|e| panic!("{e}"));
+        assert!(!c.cached);
+        assert!(
+            c.cubin.len() > 1000,
+            "{name}: cubin of {} bytes",
+            c.cubin.len()
+        );
+        let res = c.resources();
+        assert!(
+            !res.is_empty(),
+            "{name}: no ptxas report in the log:\n{}",
+            c.log
+        );
+        for r in &res {
+            eprintln!(
+                "| {name} | {} | {} | {} | {} |",
+                r.kernel, r.registers, r.stack, r.spills
+            );
+            assert_eq!(r.spills, 0, "{name}: {} spills", r.kernel);
+        }
+        // The second compile comes from the disk cache, byte for byte.
+        let again = compile::compile_module(name, compile::DEFAULT_ARCH).unwrap();
+        assert!(again.cached);
+        assert_eq!(again.cubin, c.cubin);
+    }
+}
+
+#[test]
+fn a_kernel_that_does_not_compile_is_an_error_with_the_log() {
+    if !compile::nvrtc_present() {
+        return;
+    }
+    let err = compile::nvrtc_compile(
+        "broken",
+        "extern \"C\" __global__ void k(float* x) { x[0] = undefined_name; }",
+        &compile::options(compile::DEFAULT_ARCH),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("undefined_name"), "{err}");
+}
