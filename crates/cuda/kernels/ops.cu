@@ -346,3 +346,8 @@ extern "C" __global__ void moe_combine(const float* out, const int* slot, const 
     if (shared) acc = acc + sigmoid(gi[r]) * ys[i];
     y[i] = acc;
 }
+
+extern "C" __global__ void fill_i32(int* x, int v, i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = v;
+}

@@ -5,7 +5,11 @@
 //! at run time, and every entry point checks for them first and returns an
 //! error (cudarc would panic) when they are missing.
 
+pub mod backend;
 pub mod compile;
+pub mod device;
 mod error;
 
+pub use backend::{Cuda, CudaState};
+pub use device::{device_count, driver_present};
 pub use error::{CudaError, Result};

@@ -1,0 +1,914 @@
+//! [`Backend`] on a CUDA device: the layer blocks of the forward pass built
+//! from the kernels in `kernels/`, with the model's weights resident on the
+//! device (the GGUF's bytes uploaded once, matrices addressed by their file
+//! offsets; f32 vectors uploaded beside them).
+//!
+//! Decode and prefill run the same launches with a different row count; every
+//! kernel's per-row arithmetic is independent of it (see `kernels/*.cu`).
+
+use crate::device::{Device, cfg, cfg1, drv, launch};
+use crate::error::{CudaError, Result};
+use cudarc::driver::CudaSlice;
+use samesum_engine::backend::{Backend, Norm};
+use samesum_engine::model::Matrix;
+use samesum_engine::model::weights::{AttentionW, DeltaBa, DeltaInput, DeltaNetW, Mixer, MoeW};
+use samesum_engine::{Arch, EngineError, KvType, Model};
+use samesum_gguf::GgmlType;
+use samesum_quant::dequant;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+type R<T> = samesum_engine::Result<T>;
+
+/// Weight formats with a CUDA matmul kernel.
+pub const FORMATS: &[GgmlType] = &[
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+/// The CUDA backend for one model.
+pub struct Cuda {
+    dev: Device,
+    /// The GGUF file's bytes on the device (matrices at their file offsets).
+    file: CudaSlice<u8>,
+    file_ptr: u64,
+    /// f32 vectors of the model keyed by (host address, length).
+    vecs: HashMap<(usize, usize), CudaSlice<f32>>,
+    /// Column maps for layout shuffles, keyed by a description.
+    maps: Mutex<HashMap<(u8, usize, usize, usize), CudaSlice<i32>>>,
+}
+
+/// One sequence's state on the device.
+pub struct CudaState {
+    pos: usize,
+    ctx: usize,
+    kvw: usize,
+    kv: Vec<Option<(CudaSlice<u8>, CudaSlice<u8>)>>,
+    f16: bool,
+    linear: Vec<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
+}
+
+fn matrices(model: &Model) -> Vec<&Matrix> {
+    let w = &model.w;
+    let mut out = vec![&w.token_embd, &w.output];
+    for l in &w.layers {
+        match &l.mixer {
+            Mixer::Attention(a) => out.extend([&a.q, &a.k, &a.v, &a.o]),
+            Mixer::Linear(dn) => {
+                match &dn.input {
+                    DeltaInput::Split { qkv, z } => out.extend([qkv, z]),
+                    DeltaInput::Fused { ssm_in } => out.push(ssm_in),
+                }
+                match &dn.ba {
+                    DeltaBa::Fused(m) => out.push(m),
+                    DeltaBa::Split { beta, alpha } => out.extend([beta, alpha]),
+                }
+                out.push(&dn.out);
+            }
+        }
+        let m = &l.moe;
+        out.extend([&m.router, &m.gate, &m.up, &m.down]);
+        if let Some(s) = &m.shared {
+            out.extend([&s.gate, &s.up, &s.down, &s.gate_inp]);
+        }
+    }
+    out
+}
+
+fn vectors(model: &Model) -> Vec<&Vec<f32>> {
+    let w = &model.w;
+    let mut out = vec![&w.output_norm];
+    for l in &w.layers {
+        out.extend([&l.attn_norm, &l.ffn_norm]);
+        match &l.mixer {
+            Mixer::Attention(a) => out.extend([&a.q_norm, &a.k_norm]),
+            Mixer::Linear(dn) => out.extend([&dn.conv, &dn.dt_bias, &dn.a, &dn.norm]),
+        }
+    }
+    out
+}
+
+impl Cuda {
+    /// Open device `ordinal` and upload `model`'s weights (resident mode), with a
+    /// progress bar when `progress` is set. Fails before uploading anything when a
+    /// matrix has no kernel or the weights do not fit.
+    pub fn new(ordinal: usize, model: &Model, progress: bool) -> Result<Cuda> {
+        for m in matrices(model) {
+            if !FORMATS.contains(&m.ty) && !std::ptr::eq(m, &model.w.token_embd) {
+                return Err(CudaError::Unsupported {
+                    tensor: m.name.clone(),
+                    ty: format!("{:?}", m.ty),
+                });
+            }
+        }
+        let dev = Device::open(ordinal)?;
+        let bytes = model.bytes();
+        let vec_bytes: usize = vectors(model).iter().map(|v| v.len() * 4).sum();
+        let need = (bytes.len() + vec_bytes) as u64;
+        let (free, total) = dev.ctx.mem_get_info().map_err(|e| drv("cuMemGetInfo", e))?;
+        // Leave room for activations, scratch and the KV cache.
+        if need + (1 << 30) > free as u64 {
+            return Err(CudaError::DoesNotFit {
+                device: dev.name.clone(),
+                need_mib: need >> 20,
+                free_mib: (free as u64) >> 20,
+                total_mib: (total as u64) >> 20,
+            });
+        }
+        let mut file = dev.scratch::<u8>(bytes.len())?;
+        let bar = if progress {
+            indicatif::ProgressBar::new(bytes.len() as u64)
+        } else {
+            indicatif::ProgressBar::hidden()
+        };
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "uploading weights {bar:40} {bytes}/{total_bytes} {bytes_per_sec}",
+            )
+            .expect("valid template"),
+        );
+        const PIECE: usize = 64 << 20;
+        let mut at = 0;
+        while at < bytes.len() {
+            let end = (at + PIECE).min(bytes.len());
+            let mut dst = file.slice_mut(at..end);
+            dev.stream
+                .memcpy_htod(&bytes[at..end], &mut dst)
+                .map_err(|e| drv("upload weights", e))?;
+            bar.set_position(end as u64);
+            at = end;
+        }
+        dev.sync()?;
+        bar.finish_and_clear();
+        let mut vecs = HashMap::new();
+        for v in vectors(model) {
+            vecs.insert((v.as_ptr() as usize, v.len()), dev.upload(v)?);
+        }
+        let file_ptr = {
+            use cudarc::driver::DevicePtr;
+            let (p, _sync) = file.device_ptr(&dev.stream);
+            p
+        };
+        Ok(Cuda {
+            dev,
+            file,
+            file_ptr,
+            vecs,
+            maps: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    /// Bytes of weights resident on the device.
+    pub fn resident_bytes(&self) -> usize {
+        self.file.len() + self.vecs.values().map(|v| v.len() * 4).sum::<usize>()
+    }
+
+    fn vec(&self, v: &[f32]) -> Result<&CudaSlice<f32>> {
+        self.vecs
+            .get(&(v.as_ptr() as usize, v.len()))
+            .ok_or_else(|| CudaError::Driver {
+                op: "weights".into(),
+                msg: "a vector of another model was passed".into(),
+            })
+    }
+
+    /// A cached column map (built by `f` the first time).
+    fn map(&self, key: (u8, usize, usize, usize), f: impl FnOnce() -> Vec<i32>) -> Result<u64> {
+        use cudarc::driver::DevicePtr;
+        let mut maps = self.maps.lock().expect("map cache lock");
+        if !maps.contains_key(&key) {
+            let m = self.dev.upload(&f())?;
+            maps.insert(key, m);
+        }
+        let (p, _s) = maps[&key].device_ptr(&self.dev.stream);
+        Ok(p)
+    }
+
+    /// `y = W_mat(r) · x[r]` for `m` rows; `mats` gives each row's matrix
+    /// (expert), or `None` for matrix 0.
+    fn matmul(
+        &self,
+        w: &Matrix,
+        x: &CudaSlice<f32>,
+        m: usize,
+        mats: Option<&CudaSlice<i32>>,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        use cudarc::driver::DevicePtr;
+        if m == 0 {
+            return Ok(());
+        }
+        let d = &self.dev;
+        let wptr = self.file_ptr + w.offset as u64;
+        let stride = (w.rows * w.row_bytes) as i64;
+        let row_bytes = w.row_bytes as i32;
+        let mats_ptr: u64 = match mats {
+            Some(s) => s.device_ptr(&d.stream).0,
+            None => 0,
+        };
+        let (rows, mi, cols) = (w.rows as i32, m as i32, w.cols as i32);
+        let grid = ((w.rows.div_ceil(4)) as u32, m.div_ceil(8) as u32, 1);
+        let c = cfg(grid, 128, 0);
+        match w.ty {
+            GgmlType::F32 => launch!(
+                d, "mm_f32", c, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi, &cols
+            ),
+            GgmlType::F16 => launch!(
+                d, "mm_f16", c, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi, &cols
+            ),
+            GgmlType::BF16 => launch!(
+                d, "mm_bf16", c, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi, &cols
+            ),
+            GgmlType::Q8_0 => {
+                let nb = w.cols / 32;
+                let mut a = d.scratch::<u8>(m * nb * 36)?;
+                launch!(d, "quantize_q8_0", cfg1(m * nb), x, &mut a, &cols, &mi)?;
+                let nbi = nb as i32;
+                launch!(
+                    d, "mm_q8_0", c, &wptr, &stride, &row_bytes, &mats_ptr, &a, y, &rows, &mi, &nbi
+                )
+            }
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
+                let nb = w.cols / 256;
+                let mut a = d.scratch::<u8>(m * nb * 292)?;
+                launch!(
+                    d,
+                    "quantize_q8k",
+                    cfg((nb as u32, m as u32, 1), 32, 0),
+                    x,
+                    &mut a,
+                    &cols,
+                    &mi
+                )?;
+                let nbi = nb as i32;
+                match w.ty {
+                    GgmlType::Q4_K => launch!(
+                        d, "mm_q4_k", c, &wptr, &stride, &row_bytes, &mats_ptr, &a, y, &rows, &mi,
+                        &nbi
+                    ),
+                    GgmlType::Q5_K => launch!(
+                        d, "mm_q5_k", c, &wptr, &stride, &row_bytes, &mats_ptr, &a, y, &rows, &mi,
+                        &nbi
+                    ),
+                    _ => launch!(
+                        d, "mm_q6_k", c, &wptr, &stride, &row_bytes, &mats_ptr, &a, y, &rows, &mi,
+                        &nbi
+                    ),
+                }
+            }
+            other => Err(CudaError::Unsupported {
+                tensor: w.name.clone(),
+                ty: format!("{other:?}"),
+            }),
+        }
+    }
+
+    fn rms_norm_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &[f32],
+        rows: usize,
+        eps: f32,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let wd = self.vec(w)?;
+        let width = w.len() as i32;
+        launch!(
+            self.dev,
+            "rms_norm",
+            cfg((rows as u32, 1, 1), 256, 0),
+            x,
+            wd,
+            y,
+            &width,
+            &eps
+        )
+    }
+
+    fn copy_cols(
+        &self,
+        src: &CudaSlice<f32>,
+        src_w: usize,
+        dst: &mut CudaSlice<f32>,
+        dst_w: usize,
+        map: u64,
+        m: usize,
+    ) -> Result<()> {
+        let (sw, dw, mi) = (src_w as i32, dst_w as i32, m as i32);
+        launch!(
+            self.dev,
+            "copy_cols",
+            cfg1(m * dst_w),
+            src,
+            &sw,
+            dst,
+            &dw,
+            &map,
+            &mi
+        )
+    }
+
+    fn attention_rows(
+        &self,
+        model: &Model,
+        l: usize,
+        a: &AttentionW,
+        x: &CudaSlice<f32>,
+        st: &mut CudaState,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let hp = &model.hp;
+        let d = &self.dev;
+        let (hq, hkv, hd) = (hp.n_head, hp.n_head_kv, hp.head_dim);
+        let m = x.len() / hp.n_embd;
+        let (qw, kvw) = (hq * hd, hkv * hd);
+        let mut qg = d.scratch::<f32>(m * a.q.rows)?;
+        let mut k = d.scratch::<f32>(m * kvw)?;
+        let mut v = d.scratch::<f32>(m * kvw)?;
+        self.matmul(&a.q, x, m, None, &mut qg)?;
+        self.matmul(&a.k, x, m, None, &mut k)?;
+        self.matmul(&a.v, x, m, None, &mut v)?;
+        let (q_raw, gate) = if a.gated {
+            let mut q = d.scratch::<f32>(m * qw)?;
+            let mut g = d.scratch::<f32>(m * qw)?;
+            let mq = self.map((0, hq, hd, 0), || {
+                (0..qw)
+                    .map(|c| ((c / hd) * 2 * hd + c % hd) as i32)
+                    .collect()
+            })?;
+            let mg = self.map((1, hq, hd, 0), || {
+                (0..qw)
+                    .map(|c| ((c / hd) * 2 * hd + hd + c % hd) as i32)
+                    .collect()
+            })?;
+            self.copy_cols(&qg, 2 * qw, &mut q, qw, mq, m)?;
+            self.copy_cols(&qg, 2 * qw, &mut g, qw, mg, m)?;
+            (q, Some(g))
+        } else {
+            (qg, None)
+        };
+        let mut q = d.scratch::<f32>(m * qw)?;
+        self.rms_norm_rows(&q_raw, &a.q_norm, m * hq, hp.eps, &mut q)?;
+        let mut kn = d.scratch::<f32>(m * kvw)?;
+        self.rms_norm_rows(&k, &a.k_norm, m * hkv, hp.eps, &mut kn)?;
+        let (mi, hqi, hkvi, hdi, nrot, pos0) = (
+            m as i32,
+            hq as i32,
+            hkv as i32,
+            hd as i32,
+            hp.n_rot as i32,
+            st.pos as i32,
+        );
+        let theta = hp.rope_theta;
+        launch!(
+            d,
+            "rope",
+            cfg1(m * hq * hp.n_rot / 2),
+            &mut q,
+            &mi,
+            &hqi,
+            &hdi,
+            &nrot,
+            &theta,
+            &pos0
+        )?;
+        launch!(
+            d,
+            "rope",
+            cfg1(m * hkv * hp.n_rot / 2),
+            &mut kn,
+            &mi,
+            &hkvi,
+            &hdi,
+            &nrot,
+            &theta,
+            &pos0
+        )?;
+        let (ck, cv) = st.kv[l].as_mut().ok_or_else(|| CudaError::Driver {
+            op: "attention".into(),
+            msg: format!("layer {l} has no KV cache"),
+        })?;
+        let (kvwi, f16) = (kvw as i32, st.f16 as i32);
+        launch!(
+            d,
+            "kv_write",
+            cfg1(m * kvw),
+            &kn,
+            &v,
+            &mut *ck,
+            &mut *cv,
+            &pos0,
+            &mi,
+            &kvwi,
+            &f16
+        )?;
+        let mut o = d.scratch::<f32>(m * qw)?;
+        let mut scores = d.scratch::<f32>(m * hq * (st.pos + m))?;
+        let scale = 1.0f32 / (hd as f32).sqrt();
+        launch!(
+            d,
+            "attention",
+            cfg(((m * hq) as u32, 1, 1), 256, 0),
+            &q,
+            &*ck,
+            &*cv,
+            &mut o,
+            &mut scores,
+            &mi,
+            &hqi,
+            &hkvi,
+            &hdi,
+            &pos0,
+            &scale,
+            &f16
+        )?;
+        if let Some(g) = gate {
+            let n = (m * qw) as i64;
+            launch!(d, "sigmoid_mul", cfg1(m * qw), &mut o, &g, &n)?;
+        }
+        self.matmul(&a.o, &o, m, None, y)
+    }
+
+    fn delta_rows(
+        &self,
+        model: &Model,
+        l: usize,
+        dn: &DeltaNetW,
+        x: &CudaSlice<f32>,
+        st: &mut CudaState,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let hp = &model.hp;
+        let d = &self.dev;
+        let s = hp.ssm.ok_or_else(|| CudaError::Driver {
+            op: "delta_net".into(),
+            msg: "no ssm sizes".into(),
+        })?;
+        let m = x.len() / hp.n_embd;
+        let (kd, vd, cd) = (s.key_dim(), s.value_dim(), s.conv_dim());
+        let (hk, hv, dk, dv, kc) = (
+            s.n_k_heads,
+            s.n_v_heads,
+            s.head_k_dim,
+            s.head_v_dim,
+            s.d_conv,
+        );
+        let ratio = hv / hk;
+        let mut qkv = d.scratch::<f32>(m * cd)?;
+        let mut z = d.scratch::<f32>(m * vd)?;
+        match &dn.input {
+            DeltaInput::Split { qkv: wq, z: wz } => {
+                self.matmul(wq, x, m, None, &mut qkv)?;
+                self.matmul(wz, x, m, None, &mut z)?;
+            }
+            DeltaInput::Fused { ssm_in } => {
+                let width = 2 * dk + 2 * ratio * dv;
+                let mut f = d.scratch::<f32>(m * ssm_in.rows)?;
+                self.matmul(ssm_in, x, m, None, &mut f)?;
+                let vs = ratio * dv;
+                let m1 = self.map((2, hk, dk, vs), || {
+                    let mut map = vec![0i32; cd];
+                    for g in 0..hk {
+                        for i in 0..dk {
+                            map[g * dk + i] = (g * width + i) as i32;
+                            map[kd + g * dk + i] = (g * width + dk + i) as i32;
+                        }
+                        for i in 0..vs {
+                            map[2 * kd + g * vs + i] = (g * width + 2 * dk + i) as i32;
+                        }
+                    }
+                    map
+                })?;
+                let m2 = self.map((3, hk, dk, vs), || {
+                    let mut map = vec![0i32; vd];
+                    for g in 0..hk {
+                        for i in 0..vs {
+                            map[g * vs + i] = (g * width + 2 * dk + vs + i) as i32;
+                        }
+                    }
+                    map
+                })?;
+                self.copy_cols(&f, ssm_in.rows, &mut qkv, cd, m1, m)?;
+                self.copy_cols(&f, ssm_in.rows, &mut z, vd, m2, m)?;
+            }
+        }
+        let mut b = d.scratch::<f32>(m * hv)?;
+        let mut a = d.scratch::<f32>(m * hv)?;
+        match &dn.ba {
+            DeltaBa::Fused(wba) => {
+                let mut ba = d.scratch::<f32>(m * 2 * hv)?;
+                self.matmul(wba, x, m, None, &mut ba)?;
+                let mb = self.map((4, hk, ratio, 0), || {
+                    (0..hv)
+                        .map(|n| ((n / ratio) * 2 * ratio + n % ratio) as i32)
+                        .collect()
+                })?;
+                let ma = self.map((5, hk, ratio, 0), || {
+                    (0..hv)
+                        .map(|n| ((n / ratio) * 2 * ratio + ratio + n % ratio) as i32)
+                        .collect()
+                })?;
+                self.copy_cols(&ba, 2 * hv, &mut b, hv, mb, m)?;
+                self.copy_cols(&ba, 2 * hv, &mut a, hv, ma, m)?;
+            }
+            DeltaBa::Split { beta, alpha } => {
+                self.matmul(beta, x, m, None, &mut b)?;
+                self.matmul(alpha, x, m, None, &mut a)?;
+            }
+        }
+        let (conv_state, s_state) = st.linear[l].as_mut().ok_or_else(|| CudaError::Driver {
+            op: "delta_net".into(),
+            msg: format!("layer {l} has no delta-net state"),
+        })?;
+        let mut conv = d.scratch::<f32>(m * cd)?;
+        let taps = self.vec(&dn.conv)?;
+        let (mi, cdi, kci) = (m as i32, cd as i32, kc as i32);
+        launch!(
+            d,
+            "conv_rows",
+            cfg1(cd),
+            &qkv,
+            taps,
+            conv_state,
+            &mut conv,
+            &mi,
+            &cdi,
+            &kci
+        )?;
+        let mut qk = d.scratch::<f32>(m * 2 * kd)?;
+        let (hki, dki, eps) = (hk as i32, dk as i32, hp.eps);
+        launch!(
+            d,
+            "l2norm_qk",
+            cfg1(m * 2 * hk),
+            &conv,
+            &mut qk,
+            &mi,
+            &cdi,
+            &hki,
+            &dki,
+            &eps
+        )?;
+        let mut o = d.scratch::<f32>(m * vd)?;
+        let (hvi, dvi, tiled) = (hv as i32, dv as i32, (hp.arch == Arch::Qwen35Moe) as i32);
+        let block = dv.div_ceil(32) * 32;
+        let (dtb, sa, nw) = (
+            self.vec(&dn.dt_bias)?,
+            self.vec(&dn.a)?,
+            self.vec(&dn.norm)?,
+        );
+        launch!(
+            d,
+            "delta_rows",
+            cfg((hv as u32, 1, 1), block as u32, (dv * 4) as u32),
+            &qk,
+            &conv,
+            &b,
+            &a,
+            &z,
+            dtb,
+            sa,
+            nw,
+            s_state,
+            &mut o,
+            &mi,
+            &hki,
+            &hvi,
+            &dki,
+            &dvi,
+            &tiled,
+            &eps
+        )?;
+        self.matmul(&dn.out, &o, m, None, y)
+    }
+
+    fn moe_rows(
+        &self,
+        model: &Model,
+        mw: &MoeW,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let hp = &model.hp;
+        let d = &self.dev;
+        let (dm, e, k, f, fs) = (
+            hp.n_embd,
+            hp.n_expert,
+            hp.n_expert_used,
+            hp.n_ff_exp,
+            hp.n_ff_shexp,
+        );
+        let m = x.len() / dm;
+        let n = m * k;
+        let mut logits = d.scratch::<f32>(m * e)?;
+        self.matmul(&mw.router, x, m, None, &mut logits)?;
+        let mut ids = d.scratch::<i32>(n)?;
+        let mut wts = d.scratch::<f32>(n)?;
+        let (mi, ei, ki, ni) = (m as i32, e as i32, k as i32, n as i32);
+        launch!(
+            d,
+            "route",
+            cfg1(m),
+            &mut logits,
+            &mut ids,
+            &mut wts,
+            &mi,
+            &ei,
+            &ki
+        )?;
+        // The plan: histogram, scan, stable placement.
+        let mut counts = d.zeros::<i32>(e)?;
+        launch!(d, "plan_count", cfg1(n), &ids, &ni, &mut counts)?;
+        let mut offsets = d.scratch::<i32>(e)?;
+        launch!(
+            d,
+            "plan_scan",
+            cfg((1, 1, 1), 1024, 0),
+            &counts,
+            &mut offsets,
+            &ei
+        )?;
+        let mut placed_row = d.scratch::<i32>(n)?;
+        let mut placed_mat = d.scratch::<i32>(n)?;
+        let (neg, n64) = (-1i32, n as i64);
+        launch!(d, "fill_i32", cfg1(n), &mut placed_row, &neg, &n64)?;
+        launch!(d, "fill_i32", cfg1(n), &mut placed_mat, &neg, &n64)?;
+        let mut slot = d.scratch::<i32>(n)?;
+        launch!(
+            d,
+            "plan_place",
+            cfg1(n),
+            &ids,
+            &ni,
+            &ki,
+            &offsets,
+            &mut placed_row,
+            &mut placed_mat,
+            &mut slot
+        )?;
+        // Gather, the experts' rows (each tile reads its experts' weights once), down.
+        let mut xe = d.scratch::<f32>(n * dm)?;
+        let dmi = dm as i32;
+        launch!(
+            d,
+            "gather_rows",
+            cfg1(n * dm),
+            x,
+            &placed_row,
+            &mut xe,
+            &dmi,
+            &ni
+        )?;
+        let mut ge = d.scratch::<f32>(n * f)?;
+        let mut ue = d.scratch::<f32>(n * f)?;
+        self.matmul(&mw.gate, &xe, n, Some(&placed_mat), &mut ge)?;
+        self.matmul(&mw.up, &xe, n, Some(&placed_mat), &mut ue)?;
+        let nf = (n * f) as i64;
+        launch!(d, "silu_mul", cfg1(n * f), &mut ge, &ue, &nf)?;
+        let mut oe = d.scratch::<f32>(n * dm)?;
+        self.matmul(&mw.down, &ge, n, Some(&placed_mat), &mut oe)?;
+        // Shared expert.
+        let mut ys = d.scratch::<f32>(if mw.shared.is_some() { m * dm } else { 1 })?;
+        let mut gi = d.scratch::<f32>(m.max(1))?;
+        if let Some(sh) = &mw.shared {
+            let mut sg = d.scratch::<f32>(m * fs)?;
+            let mut su = d.scratch::<f32>(m * fs)?;
+            self.matmul(&sh.gate, x, m, None, &mut sg)?;
+            self.matmul(&sh.up, x, m, None, &mut su)?;
+            self.matmul(&sh.gate_inp, x, m, None, &mut gi)?;
+            let nfs = (m * fs) as i64;
+            launch!(d, "silu_mul", cfg1(m * fs), &mut sg, &su, &nfs)?;
+            self.matmul(&sh.down, &sg, m, None, &mut ys)?;
+        }
+        let shared = mw.shared.is_some() as i32;
+        launch!(
+            d,
+            "moe_combine",
+            cfg1(m * dm),
+            &oe,
+            &slot,
+            &wts,
+            &ys,
+            &gi,
+            y,
+            &mi,
+            &ki,
+            &dmi,
+            &shared
+        )
+    }
+}
+
+fn e(err: CudaError) -> EngineError {
+    err.into()
+}
+
+impl Backend for Cuda {
+    type Buf = CudaSlice<f32>;
+    type State = CudaState;
+
+    fn name(&self) -> String {
+        self.dev.name.clone()
+    }
+
+    fn alloc(&self, n: usize) -> R<CudaSlice<f32>> {
+        self.dev.zeros::<f32>(n).map_err(e)
+    }
+
+    fn upload(&self, host: &[f32]) -> R<CudaSlice<f32>> {
+        self.dev.upload(host).map_err(e)
+    }
+
+    fn download(&self, buf: &CudaSlice<f32>) -> R<Vec<f32>> {
+        self.dev.download(buf, buf.len()).map_err(e)
+    }
+
+    fn new_state(&self, model: &Model, ctx: usize, kv: KvType) -> R<CudaState> {
+        let hp = &model.hp;
+        let kvw = hp.n_head_kv * hp.head_dim;
+        let f16 = kv == KvType::F16;
+        let el = if f16 { 2 } else { 4 };
+        let mut kvs = Vec::new();
+        let mut lin = Vec::new();
+        for kind in &hp.layers {
+            if *kind == samesum_engine::model::LayerKind::Attention {
+                kvs.push(Some((
+                    self.dev.zeros::<u8>(ctx * kvw * el).map_err(e)?,
+                    self.dev.zeros::<u8>(ctx * kvw * el).map_err(e)?,
+                )));
+                lin.push(None);
+            } else {
+                let s = hp.ssm.ok_or_else(|| {
+                    EngineError::BadHParam("linear layer without ssm sizes".into())
+                })?;
+                kvs.push(None);
+                lin.push(Some((
+                    self.dev
+                        .zeros::<f32>((s.d_conv - 1) * s.conv_dim())
+                        .map_err(e)?,
+                    self.dev
+                        .zeros::<f32>(s.n_v_heads * s.head_k_dim * s.head_v_dim)
+                        .map_err(e)?,
+                )));
+            }
+        }
+        Ok(CudaState {
+            pos: 0,
+            ctx,
+            kvw,
+            kv: kvs,
+            f16,
+            linear: lin,
+        })
+    }
+
+    fn position(&self, st: &CudaState) -> usize {
+        st.pos
+    }
+
+    fn capacity(&self, st: &CudaState) -> usize {
+        st.ctx
+    }
+
+    fn download_state(&self, st: &CudaState) -> R<Vec<f32>> {
+        let mut out = vec![st.pos as f32];
+        let w = st.kvw;
+        let el = if st.f16 { 2 } else { 4 };
+        let n = st.pos * w * el;
+        let val = |b: &[u8], i: usize| -> f32 {
+            if st.f16 {
+                half::f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32()
+            } else {
+                f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
+            }
+        };
+        for (k, v) in st.kv.iter().flatten() {
+            let kh = self.dev.download(k, n).map_err(e)?;
+            let vh = self.dev.download(v, n).map_err(e)?;
+            for pos in 0..st.pos {
+                for i in 0..w {
+                    out.push(val(&kh, pos * w + i));
+                    out.push(val(&vh, pos * w + i));
+                }
+            }
+        }
+        for (c, s) in st.linear.iter().flatten() {
+            out.extend(self.dev.download(c, c.len()).map_err(e)?);
+            out.extend(self.dev.download(s, s.len()).map_err(e)?);
+        }
+        Ok(out)
+    }
+
+    fn advance(&self, st: &mut CudaState, m: usize) {
+        st.pos += m;
+    }
+
+    fn embed(&self, model: &Model, tokens: &[u32], out: &mut CudaSlice<f32>) -> R<()> {
+        let w = &model.w;
+        let d = model.hp.n_embd;
+        let mut host = vec![0f32; tokens.len() * d];
+        for (r, &t) in tokens.iter().enumerate() {
+            if t as usize >= w.n_vocab {
+                return Err(EngineError::BadToken {
+                    token: t,
+                    vocab: w.n_vocab,
+                });
+            }
+            let row = w.token_embd.row(model.bytes(), 0, t as usize);
+            dequant::dequantize(w.token_embd.ty, row, &mut host[r * d..(r + 1) * d])?;
+        }
+        let mut dst = out.slice_mut(0..host.len());
+        self.dev
+            .stream
+            .memcpy_htod(&host, &mut dst)
+            .map_err(|x| e(drv("embed: copy rows", x)))
+    }
+
+    fn rms_norm(
+        &self,
+        model: &Model,
+        which: Norm,
+        x: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> R<()> {
+        let w = match which {
+            Norm::Attn(l) => &model.w.layers[l].attn_norm,
+            Norm::Ffn(l) => &model.w.layers[l].ffn_norm,
+            Norm::Output => &model.w.output_norm,
+        };
+        self.rms_norm_rows(x, w, x.len() / w.len(), model.hp.eps, out)
+            .map_err(e)
+    }
+
+    fn add(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> R<()> {
+        let len = acc.len();
+        let n = len as i64;
+        launch!(self.dev, "add_inplace", cfg1(len), acc, x, &n).map_err(e)
+    }
+
+    fn attention(
+        &self,
+        model: &Model,
+        l: usize,
+        a: &AttentionW,
+        x: &CudaSlice<f32>,
+        st: &mut CudaState,
+        y: &mut CudaSlice<f32>,
+    ) -> R<()> {
+        self.attention_rows(model, l, a, x, st, y).map_err(e)
+    }
+
+    fn delta_net(
+        &self,
+        model: &Model,
+        l: usize,
+        dn: &DeltaNetW,
+        x: &CudaSlice<f32>,
+        st: &mut CudaState,
+        y: &mut CudaSlice<f32>,
+    ) -> R<()> {
+        self.delta_rows(model, l, dn, x, st, y).map_err(e)
+    }
+
+    fn moe(&self, model: &Model, mw: &MoeW, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>) -> R<()> {
+        self.moe_rows(model, mw, x, y).map_err(e)
+    }
+
+    fn logits(&self, model: &Model, h: &CudaSlice<f32>, rows: &[usize]) -> R<Vec<f32>> {
+        let d = model.hp.n_embd;
+        let w = &model.w;
+        let n = rows.len();
+        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let run = || -> Result<Vec<f32>> {
+            let idx = self.dev.upload(&idx)?;
+            let mut g = self.dev.scratch::<f32>(n * d)?;
+            let (di, ni) = (d as i32, n as i32);
+            launch!(
+                self.dev,
+                "gather_rows",
+                cfg1(n * d),
+                h,
+                &idx,
+                &mut g,
+                &di,
+                &ni
+            )?;
+            let mut xs = self.dev.scratch::<f32>(n * d)?;
+            self.rms_norm_rows(&g, &w.output_norm, n, model.hp.eps, &mut xs)?;
+            let mut logits = self.dev.scratch::<f32>(n * w.n_vocab)?;
+            self.matmul(&w.output, &xs, n, None, &mut logits)?;
+            self.dev.download(&logits, n * w.n_vocab)
+        };
+        run().map_err(e)
+    }
+}

@@ -1,0 +1,223 @@
+//! The device: context, stream, the compiled kernels, and launch plumbing.
+//!
+//! One context and one stream per backend (event tracking off, as the H200
+//! notes advise). Every kernel is looked up once by name; every launch and
+//! copy error becomes a [`CudaError::Driver`] naming the kernel or copy.
+
+use crate::compile;
+use crate::error::{CudaError, Result};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits,
+};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Whether the CUDA driver library can be loaded.
+pub fn driver_present() -> bool {
+    // SAFETY: only probes for the library with dlopen.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Number of CUDA devices (0 when there is no driver).
+pub fn device_count() -> usize {
+    if !driver_present() {
+        return 0;
+    }
+    CudaContext::device_count()
+        .map(|n| n.max(0) as usize)
+        .unwrap_or(0)
+}
+
+/// A device with the kernels loaded.
+pub struct Device {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    funcs: HashMap<String, CudaFunction>,
+    /// The device's name.
+    pub name: String,
+    /// Per-kernel (registers, local bytes) as the driver reports them.
+    pub resources: Vec<(String, i32, i32)>,
+}
+
+pub(crate) fn drv(op: impl Into<String>, e: impl std::fmt::Debug) -> CudaError {
+    CudaError::Driver {
+        op: op.into(),
+        msg: format!("{e:?}"),
+    }
+}
+
+impl Device {
+    /// Open device `ordinal` and load every kernel module (compiled for its
+    /// compute capability through the disk cache).
+    pub fn open(ordinal: usize) -> Result<Device> {
+        if !driver_present() {
+            return Err(CudaError::NoLibrary("libcuda"));
+        }
+        let count = device_count();
+        if ordinal >= count {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| drv("cuCtxCreate", e))?;
+        // SAFETY: called right after creation, before any allocation or stream.
+        unsafe { ctx.disable_event_tracking() };
+        let (maj, min) = ctx
+            .compute_capability()
+            .map_err(|e| drv("compute capability", e))?;
+        let arch = if (maj, min) == (9, 0) {
+            compile::DEFAULT_ARCH.to_string()
+        } else {
+            format!("sm_{maj}{min}")
+        };
+        let stream = ctx.new_stream().map_err(|e| drv("cuStreamCreate", e))?;
+        let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+        let mut funcs = HashMap::new();
+        let mut resources = Vec::new();
+        for (m, _) in compile::MODULES {
+            let c = compile::compile_module(m, &arch)?;
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))
+                .map_err(|e| drv(format!("load module {m}"), e))?;
+            for k in kernel_names(m) {
+                let f = module
+                    .load_function(k)
+                    .map_err(|e| drv(format!("load kernel {k}"), e))?;
+                resources.push((
+                    k.to_string(),
+                    f.num_regs().unwrap_or(-1),
+                    f.local_size_bytes().unwrap_or(-1),
+                ));
+                funcs.insert(k.to_string(), f);
+            }
+        }
+        Ok(Device {
+            ctx,
+            stream,
+            funcs,
+            name: format!("{name} (cuda:{ordinal}, {arch})"),
+            resources,
+        })
+    }
+
+    pub(crate) fn func(&self, name: &str) -> Result<&CudaFunction> {
+        self.funcs.get(name).ok_or_else(|| CudaError::Driver {
+            op: name.into(),
+            msg: "kernel not loaded".into(),
+        })
+    }
+
+    /// A zeroed device buffer.
+    pub(crate) fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        self.stream
+            .alloc_zeros::<T>(n.max(1))
+            .map_err(|e| drv(format!("alloc {n} elements"), e))
+    }
+
+    /// An uninitialized device buffer (every element is written before it is read).
+    pub(crate) fn scratch<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: callers write every element before reading it.
+        unsafe { self.stream.alloc::<T>(n.max(1)) }
+            .map_err(|e| drv(format!("alloc {n} elements"), e))
+    }
+
+    /// Copy a host slice to a new device buffer.
+    pub(crate) fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        if host.is_empty() {
+            return self.scratch(1);
+        }
+        self.stream
+            .clone_htod(host)
+            .map_err(|e| drv(format!("copy {} elements to the device", host.len()), e))
+    }
+
+    /// Copy a device buffer to the host (synchronizes the stream).
+    pub(crate) fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        d: &CudaSlice<T>,
+        n: usize,
+    ) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); d.len()];
+        self.stream
+            .memcpy_dtoh(d, &mut out)
+            .map_err(|e| drv("copy to the host", e))?;
+        out.truncate(n);
+        Ok(out)
+    }
+
+    /// Wait for everything queued so far; a kernel fault surfaces here.
+    pub fn sync(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| drv("synchronize", e))
+    }
+}
+
+/// The kernels each module defines (what [`Device::open`] loads).
+pub fn kernel_names(module: &str) -> &'static [&'static str] {
+    match module {
+        "matmul" => &[
+            "quantize_q8k",
+            "quantize_q8_0",
+            "mm_q4_k",
+            "mm_q5_k",
+            "mm_q6_k",
+            "mm_q8_0",
+            "mm_f32",
+            "mm_f16",
+            "mm_bf16",
+        ],
+        "ops" => &[
+            "rms_norm",
+            "add_inplace",
+            "sigmoid_mul",
+            "silu_mul",
+            "copy_cols",
+            "gather_rows",
+            "rope",
+            "kv_write",
+            "attention",
+            "conv_rows",
+            "l2norm_qk",
+            "delta_rows",
+            "route",
+            "plan_count",
+            "plan_scan",
+            "plan_place",
+            "moe_combine",
+            "fill_i32",
+        ],
+        _ => &[],
+    }
+}
+
+/// Launch kernel `$name` on `$dev` with config `$cfg`; the arguments must be
+/// references to values that live past the statement.
+macro_rules! launch {
+    ($dev:expr, $name:literal, $cfg:expr, $($arg:expr),* $(,)?) => {{
+        let f = $dev.func($name)?;
+        let mut b = $dev.stream.launch_builder(f);
+        $( cudarc::driver::PushKernelArg::arg(&mut b, $arg); )*
+        // SAFETY: the arguments match the kernel's signature in kernels/*.cu
+        // (checked by the conformance tests on the GPU), and every buffer is
+        // sized for the grid computed by the caller.
+        unsafe { b.launch($cfg) }
+            .map(|_| ())
+            .map_err(|e| $crate::device::drv($name, e))
+    }};
+}
+pub(crate) use launch;
+
+/// A 1-D launch over `n` threads in blocks of 256.
+pub(crate) fn cfg1(n: usize) -> cudarc::driver::LaunchConfig {
+    cudarc::driver::LaunchConfig {
+        grid_dim: ((n.max(1)).div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A launch of `grid` blocks of `block` threads with `smem` dynamic shared bytes.
+pub(crate) fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> cudarc::driver::LaunchConfig {
+    cudarc::driver::LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: smem,
+    }
+}

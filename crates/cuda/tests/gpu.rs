@@ -1,0 +1,271 @@
+//! The CUDA backend on a GPU: the row contract for every block op (one m-row
+//! call byte-equal to m one-row calls, NaN-poisoned outputs, fresh random
+//! inputs), CUDA against the CPU backend per op, batched forward against replay,
+//! and the Hugging Face fixtures. Every test skips where no CUDA device is
+//! present, unless `SAMESUM_REQUIRE_GPU=1` (the GPU script sets it).
+
+use samesum_cuda::Cuda;
+use samesum_engine::backend::{Backend, Norm};
+use samesum_engine::conformance::{block_ops_match, forward_rows_match};
+use samesum_engine::cpu::Cpu;
+use samesum_engine::model::weights::Mixer;
+use samesum_engine::{KvType, Logits, Model, forward};
+use samesum_gguf::GgmlType;
+use samesum_quant::rng::Rng;
+use samesum_synth::{SynthOptions, shapes, write_model};
+use std::path::PathBuf;
+
+const MS: &[usize] = &[1, 2, 3, 5, 16, 17, 64, 100, 257];
+const SHAPES: &[&str] = &["tiny-qwen3moe", "tiny-qwen3next", "tiny-qwen35moe"];
+
+fn gpu() -> bool {
+    let n = samesum_cuda::device_count();
+    if n == 0 {
+        assert!(
+            std::env::var("SAMESUM_REQUIRE_GPU").as_deref() != Ok("1"),
+            "SAMESUM_REQUIRE_GPU=1 but no CUDA device was found"
+        );
+        eprintln!("skipped: no CUDA device");
+    }
+    n > 0
+}
+
+fn synth(shape: &str, quant: GgmlType, seed: u64) -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("m.gguf");
+    write_model(
+        &SynthOptions::new(shapes::by_name(shape).unwrap(), quant, seed),
+        &p,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let m = Model::load(&p).unwrap();
+    (dir, m)
+}
+
+fn repo() -> PathBuf {
+    std::env::var_os("SAMESUM_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."))
+}
+
+#[test]
+fn every_block_op_obeys_the_row_contract_on_the_gpu() {
+    if !gpu() {
+        return;
+    }
+    for shape in SHAPES {
+        for quant in [
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+            GgmlType::Q8_0,
+            GgmlType::BF16,
+            GgmlType::F16,
+            GgmlType::F32,
+        ] {
+            let (_d, model) = synth(shape, quant, 9);
+            let cuda = Cuda::new(0, &model, false).unwrap();
+            if let Err(e) = block_ops_match(&cuda, &model, MS, 77) {
+                panic!("{shape} {quant:?}: {e}");
+            }
+            eprintln!("{shape} {quant:?}: every block op row-invariant for m in {MS:?}");
+        }
+    }
+}
+
+fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (g, w) in got.iter().zip(want) {
+        if !g.is_finite() {
+            return f64::INFINITY;
+        }
+        num += ((g - w) as f64).powi(2);
+        den += (*w as f64).powi(2);
+    }
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// Each block op on the GPU against the CPU backend on the same inputs.
+fn ops_close(model: &Model, cuda: &Cuda, cpu: &Cpu, m: usize, tol: f64, what: &str) {
+    let d = model.hp.n_embd;
+    let mut rng = Rng::new(5 + m as u64);
+    let x: Vec<f32> = (0..m * d).map(|_| rng.range(-2.0, 2.0)).collect();
+    let xg = cuda.upload(&x).unwrap();
+    let nan = |n: usize| cuda.upload(&vec![f32::NAN; n]).unwrap();
+    let mut report = |op: String, got: Vec<f32>, want: Vec<f32>| {
+        assert_eq!(got.len(), want.len(), "{what} {op}");
+        let r = rel_l2(&got, &want);
+        assert!(r <= tol, "{what} {op} m={m}: relative L2 {r:.3e} > {tol:e}");
+        eprintln!("{what} {op} m={m}: relative L2 {r:.2e}");
+    };
+    let toks: Vec<u32> = (0..m)
+        .map(|_| rng.below(model.w.n_vocab as u64) as u32)
+        .collect();
+    let mut eg = nan(m * d);
+    cuda.embed(model, &toks, &mut eg).unwrap();
+    let mut ec = vec![f32::NAN; m * d];
+    cpu.embed(model, &toks, &mut ec).unwrap();
+    report("embed".into(), cuda.download(&eg).unwrap(), ec);
+    for (l, lw) in model.w.layers.iter().enumerate() {
+        let mut g = nan(m * d);
+        cuda.rms_norm(model, Norm::Attn(l), &xg, &mut g).unwrap();
+        let mut c = vec![0f32; m * d];
+        cpu.rms_norm(model, Norm::Attn(l), &x, &mut c).unwrap();
+        report(format!("layer {l} norm"), cuda.download(&g).unwrap(), c);
+        // The mixer twice in a row (the second call reads the state the first wrote).
+        let mut sg = cuda.new_state(model, 2 * m, KvType::F32).unwrap();
+        let mut sc = cpu.new_state(model, 2 * m, KvType::F32).unwrap();
+        for call in 0..2 {
+            let mut g = nan(m * d);
+            let mut c = vec![0f32; m * d];
+            match &lw.mixer {
+                Mixer::Attention(a) => {
+                    cuda.attention(model, l, a, &xg, &mut sg, &mut g).unwrap();
+                    cpu.attention(model, l, a, &x, &mut sc, &mut c).unwrap();
+                }
+                Mixer::Linear(dn) => {
+                    cuda.delta_net(model, l, dn, &xg, &mut sg, &mut g).unwrap();
+                    cpu.delta_net(model, l, dn, &x, &mut sc, &mut c).unwrap();
+                }
+            }
+            cuda.advance(&mut sg, m);
+            cpu.advance(&mut sc, m);
+            report(
+                format!("layer {l} mixer call {call}"),
+                cuda.download(&g).unwrap(),
+                c,
+            );
+        }
+        report(
+            format!("layer {l} state"),
+            cuda.download_state(&sg).unwrap(),
+            cpu.download_state(&sc).unwrap(),
+        );
+        let mut g = nan(m * d);
+        cuda.moe(model, &lw.moe, &xg, &mut g).unwrap();
+        let mut c = vec![0f32; m * d];
+        cpu.moe(model, &lw.moe, &x, &mut c).unwrap();
+        report(format!("layer {l} moe"), cuda.download(&g).unwrap(), c);
+    }
+    let rows: Vec<usize> = (0..m).collect();
+    report(
+        "logits".into(),
+        cuda.logits(model, &xg, &rows).unwrap(),
+        cpu.logits(model, &x, &rows).unwrap(),
+    );
+}
+
+#[test]
+fn every_block_op_matches_the_cpu_backend() {
+    if !gpu() {
+        return;
+    }
+    let cpu = Cpu::new(2);
+    for shape in SHAPES {
+        // f32 weights: both sides compute in f32 from the same inputs.
+        // Quantized and half-precision weights: the first matmul of an op sees the
+        // same quantized activations on both sides, later ones inputs that differ
+        // in the last bits, which can move an activation's rounding.
+        for (quant, tol) in [
+            (GgmlType::F32, 1e-5),
+            (GgmlType::BF16, 1e-2),
+            (GgmlType::F16, 1e-2),
+            (GgmlType::Q8_0, 1e-2),
+            (GgmlType::Q4_K, 1e-2),
+        ] {
+            let (_d, model) = synth(shape, quant, 3);
+            let cuda = Cuda::new(0, &model, false).unwrap();
+            for m in [1, 7, 64] {
+                ops_close(&model, &cuda, &cpu, m, tol, &format!("{shape} {quant:?}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn batched_forward_equals_replay_on_the_gpu() {
+    if !gpu() {
+        return;
+    }
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 11);
+        let cuda = Cuda::new(0, &model, false).unwrap();
+        let mut rng = Rng::new(8);
+        let toks: Vec<u32> = (0..300)
+            .map(|_| rng.below(model.w.n_vocab as u64) as u32)
+            .collect();
+        for chunk in [7, 64, 128] {
+            if let Err(dv) = forward_rows_match(&cuda, &model, &toks, chunk) {
+                panic!("{shape} chunk {chunk}: {dv:?}");
+            }
+        }
+        eprintln!("{shape}: 300 tokens, chunks 7/64/128 byte-equal to replay");
+    }
+}
+
+fn prompts(json: &str) -> Vec<Vec<u32>> {
+    let start = json.find("\"prompts\"").expect("prompts key") + "\"prompts\"".len();
+    let body = &json[start..];
+    let open = body.find('[').unwrap();
+    let (mut depth, mut end) = (0, open);
+    for (i, c) in body[open..].char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => {
+                depth -= 1;
+                if depth == 0 {
+                    end = open + i;
+                    break;
+                }
+            }
+            _ => {}
+        }
+    }
+    body[open + 1..end]
+        .split(']')
+        .filter_map(|p| {
+            let p = p
+                .trim_start_matches([',', ' ', '\n'])
+                .trim_start_matches('[');
+            let v: Vec<u32> = p.split(',').filter_map(|t| t.trim().parse().ok()).collect();
+            (!v.is_empty()).then_some(v)
+        })
+        .collect()
+}
+
+#[test]
+fn hugging_face_fixtures_on_the_gpu() {
+    if !gpu() {
+        return;
+    }
+    let dir = repo().join("tests/conformance/fixtures");
+    for name in ["qwen3moe", "qwen3moe-tied", "qwen3next", "qwen35moe"] {
+        let model = Model::load(dir.join(format!("{name}.gguf"))).unwrap();
+        let ps = prompts(&std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap());
+        let raw = std::fs::read(dir.join(format!("{name}.logits"))).unwrap();
+        let reference: Vec<f32> = raw
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let cuda = Cuda::new(0, &model, false).unwrap();
+        let v = model.w.n_vocab;
+        let (mut off, mut worst) = (0, 0f32);
+        for p in &ps {
+            let mut st = cuda.new_state(&model, 256, KvType::F32).unwrap();
+            let got = forward(&model, &cuda, &mut st, p, Logits::All).unwrap();
+            let want = &reference[off..off + p.len() * v];
+            off += p.len() * v;
+            let max_ref = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let mut max_diff = 0f32;
+            for (a, b) in got.iter().zip(want) {
+                assert!(a.is_finite(), "{name}: non-finite logit");
+                max_diff = max_diff.max((a - b).abs());
+            }
+            worst = worst.max(max_diff / max_ref);
+        }
+        assert_eq!(off, reference.len());
+        eprintln!("{name}: max|diff|/max|ref| = {worst:.2e} (bar 1e-4)");
+        assert!(worst <= 1e-4, "{name}: {worst:.3e} > 1e-4");
+    }
+}

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark in one call.
+#
+#   scripts/gpu.sh bundle        # here (has Rust): build, put binaries in .gpu/
+#   scripts/gpu.sh run OUTDIR    # on the GPU machine (no Rust): run from .gpu/
+#
+# `run` writes its logs and tables under OUTDIR and ends with a summary.
+# SAMESUM_GPU_STEPS picks steps (default: tests,identity,bench).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-}
+case "$mode" in
+bundle)
+    set -e
+    cargo build --release -p samesum
+    cargo test --release -p samesum-cuda --no-run --message-format=json 2>/dev/null \
+        | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])
+' > .gpu.list
+    rm -rf .gpu && mkdir -p .gpu
+    cp target/release/samesum .gpu/samesum
+    while read -r name exe; do cp "$exe" ".gpu/test-$name"; done < .gpu.list
+    rm -f .gpu.list
+    strip .gpu/* 2>/dev/null || true
+    ls -la .gpu
+    ;;
+run)
+    out=${2:?usage: scripts/gpu.sh run OUTDIR}
+    mkdir -p "$out"
+    steps=${SAMESUM_GPU_STEPS:-tests,identity,bench}
+    export SAMESUM_REQUIRE_GPU=1 SAMESUM_REQUIRE_NVRTC=1 SAMESUM_REPO=$PWD
+    export SAMESUM_KERNEL_CACHE=${SAMESUM_KERNEL_CACHE:-/tmp/samesum-kernels}
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+        [ -d "$d" ] && export LD_LIBRARY_PATH=$d:${LD_LIBRARY_PATH:-}
+    done
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
+    summary=()
+    step() { # name, command...
+        local name=$1; shift
+        local t0=$SECONDS
+        echo "=== $name" | tee -a "$out/log.txt"
+        "$@" >>"$out/log.txt" 2>&1
+        local rc=$?
+        summary+=("$name: rc=$rc ($((SECONDS - t0)) s)")
+        echo "--- $name rc=$rc" | tee -a "$out/log.txt"
+        return $rc
+    }
+    if [[ $steps == *tests* ]]; then
+        step kernels-compile .gpu/test-kernels_compile --nocapture
+        step gpu-tests .gpu/test-gpu --nocapture --test-threads=1
+    fi
+    if [[ $steps == *identity* ]]; then
+        for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
+            step "identity-$shape" .gpu/samesum identity --device cuda --shape "$shape" \
+                --chunk 1,7,64,128 --gen 64
+        done
+    fi
+    if [[ $steps == *bench* ]]; then
+        mkdir -p /tmp/models
+        .gpu/samesum synth --shape qwen35moe-35b-a3b --quant q4_k -o /tmp/models/q35.gguf >>"$out/log.txt" 2>&1
+        step identity-q35-40l .gpu/samesum identity --device cuda -m /tmp/models/q35.gguf \
+            --max-len ${SAMESUM_GPU_MAXLEN:-1100} --gen 16
+        step bench-q35 .gpu/samesum bench --device cuda -m /tmp/models/q35.gguf \
+            -p ${SAMESUM_GPU_PP:-512,4096} -n 128 -r 2 --prefill replay,batched
+    fi
+    printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+    grep -E "^\|" "$out/log.txt" | tail -40
+    ;;
+*)
+    echo "usage: scripts/gpu.sh bundle | run OUTDIR" >&2
+    exit 2
+    ;;
+esac
