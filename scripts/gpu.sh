@@ -58,20 +58,42 @@ run)
     fi
     if [[ $steps == *identity* ]]; then
         for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
-            step "identity-$shape" .gpu/samesum identity --device cuda --shape "$shape" \
+            step "identity-$shape" timeout 300 .gpu/samesum identity --device cuda --shape "$shape" \
                 --chunk 1,7,64,128 --gen 64
         done
     fi
-    if [[ $steps == *bench* ]]; then
+    model() { # shape -> path of a synthetic q4_k model of it (made once per machine)
+        local f=/tmp/models/$1.gguf
         mkdir -p /tmp/models
-        .gpu/samesum synth --shape qwen35moe-35b-a3b --quant q4_k -o /tmp/models/q35.gguf >>"$out/log.txt" 2>&1
-        step identity-q35-40l .gpu/samesum identity --device cuda -m /tmp/models/q35.gguf \
-            --max-len ${SAMESUM_GPU_MAXLEN:-1100} --gen 16
-        step bench-q35 .gpu/samesum bench --device cuda -m /tmp/models/q35.gguf \
-            -p ${SAMESUM_GPU_PP:-512,4096} -n 128 -r 2 --prefill replay,batched
+        [ -f "$f" ] || .gpu/samesum synth --shape "$1" --quant q4_k -o "$f" >>"$out/log.txt" 2>&1
+        echo "$f"
+    }
+    if [[ $steps == *smoke* ]]; then
+        q35=$(model qwen35moe-35b-a3b)
+        step smoke-bench timeout 300 .gpu/samesum bench --device cuda -m "$q35" -p 512 -n 32 -r 1 \
+            --prefill batched --chunk 512
+        step smoke-profile timeout 200 .gpu/samesum bench --device cuda -m "$q35" -p 512 -n 8 -r 1 \
+            --prefill batched --chunk 512 --profile
+    fi
+    if [[ $steps == *bigidentity* ]]; then
+        q35=$(model qwen35moe-35b-a3b)
+        step identity-q35-40l timeout 400 .gpu/samesum identity --device cuda -m "$q35" \
+            --chunk 128,512 --gen 16 ${SAMESUM_GPU_IDENTITY_ARGS:-}
+    fi
+    if [[ $steps == *bench* ]]; then
+        q35=$(model qwen35moe-35b-a3b)
+        step bench-q35 timeout 400 .gpu/samesum bench --device cuda -m "$q35" \
+            -p ${SAMESUM_GPU_PP:-512,4096} -n 128 -r 2 --prefill replay,batched --chunk 512
+        step profile-q35 timeout 200 .gpu/samesum bench --device cuda -m "$q35" -p 4096 -n 32 -r 1 \
+            --prefill batched --chunk 512 --profile
+    fi
+    if [[ $steps == *q3moe* ]]; then
+        q3=$(model qwen3moe-30b-a3b)
+        step bench-q3moe timeout 400 .gpu/samesum bench --device cuda -m "$q3" \
+            -p ${SAMESUM_GPU_PP:-512,4096} -n 128 -r 2 --prefill replay,batched --chunk 512
     fi
     printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
-    grep -E "^\|" "$out/log.txt" | tail -40
+    grep -E "^\| (q|tiny|model|---|kernel|total|[a-z_0-9]+ \|)|runs equal|error" "$out/log.txt" | grep -v "| equal |" | tail -60
     ;;
 *)
     echo "usage: scripts/gpu.sh bundle | run OUTDIR" >&2

@@ -1,7 +1,8 @@
 //! `samesum bench`: llama-bench-style prompt-processing and generation speed.
 
+use crate::device::{Device, with_backend};
 use anyhow::{Result, bail};
-use samesum_engine::{KvType, Logits, SeqState, cpu::Cpu, forward};
+use samesum_engine::{Backend, KvType, Logits, Model, forward};
 use samesum_quant::rng::Rng;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -43,6 +44,12 @@ pub(crate) struct Args {
     /// KV cache type: f32 or f16.
     #[arg(long, default_value = "f32")]
     kv_type: String,
+    /// Backend: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Per-kernel time breakdown (CUDA events around every launch; slows the run).
+    #[arg(long)]
+    profile: bool,
 }
 
 fn mean_sd(v: &[f64]) -> (f64, f64) {
@@ -79,24 +86,38 @@ pub(crate) fn run(a: Args) -> Result<()> {
             p
         }
     };
+    let dev = Device::parse(&a.device)?;
+    if a.profile {
+        // SAFETY: set before any thread of this process reads the environment.
+        unsafe { std::env::set_var("SAMESUM_CUDA_PROFILE", "1") };
+    }
     let model = crate::run::load_with_progress(&path)?;
-    let cpu = Cpu::new(a.threads);
+    with_backend!(dev, &model, a.threads, |b| bench(b, &model, &path, &a, kv))
+}
+
+fn bench<B: Backend>(
+    b: &B,
+    model: &Model,
+    path: &std::path::Path,
+    a: &Args,
+    kv: KvType,
+) -> Result<()> {
     let size: u64 = model.file.tensors().iter().map(|t| t.size).sum();
     let params: u64 = model.file.tensors().iter().map(|t| t.n_elements()).sum();
     let name = path
         .file_name()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_default();
-    println!("| model | size | params | backend | threads | test | t/s |");
-    println!("| --- | ---: | ---: | --- | ---: | --- | ---: |");
+    println!("| model | size | params | backend | test | t/s |");
+    println!("| --- | ---: | ---: | --- | --- | ---: |");
     let row = |test: String, rates: &[f64]| {
         let (m, sd) = mean_sd(rates);
         println!(
-            "| {name} ({}) | {:.2} GiB | {:.2} B | cpu | {} | {test} | {m:.2} ± {sd:.2} |",
+            "| {name} ({}) | {:.2} GiB | {:.2} B | {} | {test} | {m:.2} ± {sd:.2} |",
             model.hp.arch.name(),
             size as f64 / (1u64 << 30) as f64,
             params as f64 / 1e9,
-            cpu.threads()
+            b.name(),
         );
     };
     let mut rng = Rng::new(42);
@@ -112,7 +133,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
             let mut rates = Vec::new();
             for rep in 0..=a.repetitions {
                 let prompt = tokens(np);
-                let mut st = SeqState::new(&model.hp, np, kv);
+                let mut st = b.new_state(model, np, kv)?;
                 let t = Instant::now();
                 let chunks: Vec<&[u32]> = prompt.chunks(chunk).collect();
                 for (i, c) in chunks.iter().enumerate() {
@@ -121,35 +142,52 @@ pub(crate) fn run(a: Args) -> Result<()> {
                     } else {
                         Logits::None
                     };
-                    forward(&model, &cpu, &mut st, c, want)?;
+                    forward(model, b, &mut st, c, want)?;
                 }
                 if rep > 0 {
                     // The first run warms caches and is not counted, as llama-bench does.
                     rates.push(np as f64 / t.elapsed().as_secs_f64());
+                } else {
+                    b.take_report()?;
                 }
             }
+            let report = b.take_report()?;
             let name = if a.prefill.len() > 1 || arm != "batched" {
                 format!("pp{np} {arm}")
             } else {
                 format!("pp{np}")
             };
-            row(name, &rates);
+            row(name.clone(), &rates);
+            if let Some(r) = report {
+                println!(
+                    "\nkernel time, {name}, {} timed runs:\n\n{r}",
+                    a.repetitions
+                );
+            }
         }
     }
     for &ng in a.n_gen.iter().filter(|&&n| n > 0) {
         let mut rates = Vec::new();
         for rep in 0..=a.repetitions {
             let toks = tokens(ng);
-            let mut st = SeqState::new(&model.hp, ng, kv);
+            let mut st = b.new_state(model, ng, kv)?;
             let t = Instant::now();
             for &tok in &toks {
-                forward(&model, &cpu, &mut st, &[tok], Logits::Last)?;
+                forward(model, b, &mut st, &[tok], Logits::Last)?;
             }
             if rep > 0 {
                 rates.push(ng as f64 / t.elapsed().as_secs_f64());
+            } else {
+                b.take_report()?;
             }
         }
         row(format!("tg{ng}"), &rates);
+        if let Some(r) = b.take_report()? {
+            println!(
+                "\nkernel time, tg{ng}, {} timed runs:\n\n{r}",
+                a.repetitions
+            );
+        }
     }
     Ok(())
 }

@@ -1,7 +1,9 @@
 //! `samesum identity`: the identity gate. Replay vs batched prefill on a prompt
 //! set: logits bytes at every position, state after the prompt, greedy tokens.
 
+use crate::device::Device;
 use anyhow::{Context, Result, bail};
+use samesum_engine::Backend;
 use samesum_engine::cpu::Cpu;
 use samesum_engine::identity::{batched, replay};
 use samesum_engine::tokenizer::Tokenizer;
@@ -40,6 +42,9 @@ pub(crate) struct Args {
     /// KV cache type: f32 or f16.
     #[arg(long, default_value = "f32")]
     kv_type: String,
+    /// Backend: cpu, cuda or cuda:N (threads apply to the CPU only).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Run a deliberately reordered batched MoE (top-k summed in reverse) to show
     /// that the gate catches it; the command must then fail.
     #[arg(long, hide = true)]
@@ -82,6 +87,10 @@ pub(crate) fn run(a: Args) -> Result<()> {
     };
     if a.chunk.contains(&0) {
         bail!("--chunk sizes must be at least 1");
+    }
+    let dev = Device::parse(&a.device)?;
+    if a.negative_control && dev != Device::Cpu {
+        bail!("--negative-control runs on the CPU backend only");
     }
     let _tmp;
     let path = match &a.model {
@@ -129,17 +138,58 @@ pub(crate) fn run(a: Args) -> Result<()> {
     println!("|---|---:|---:|---:|---:|---|---|---|---|");
     let t0 = Instant::now();
     let (mut failed, mut void) = (0, 0);
-    for &threads in &a.threads {
-        let cpu = Cpu::new(threads);
-        let cpu_batched = if a.negative_control {
-            Cpu::new(threads).with_reversed_topk()
-        } else {
-            Cpu::new(threads)
-        };
-        for (name, p) in &prompts {
-            let r = replay(&cpu, &model, p, a.r#gen, kv)?;
+    let runs = match dev {
+        Device::Cpu => {
+            for &threads in &a.threads {
+                let cpu = Cpu::new(threads);
+                let cpu_batched = if a.negative_control {
+                    Cpu::new(threads).with_reversed_topk()
+                } else {
+                    Cpu::new(threads)
+                };
+                let label = cpu.threads().to_string();
+                let (f, v) = gate(&cpu, &cpu_batched, &label, &model, &prompts, &a, kv)?;
+                failed += f;
+                void += v;
+            }
+            a.threads.len()
+        }
+        Device::Cuda(n) => {
+            let cuda = crate::device::cuda(n, &model)?;
+            let (f, v) = gate(&cuda, &cuda, "gpu", &model, &prompts, &a, kv)?;
+            failed += f;
+            void += v;
+            1
+        }
+    };
+    let n = prompts.len() * a.chunk.len() * runs;
+    println!(
+        "\n{} of {n} runs equal, {failed} different, {void} void, in {:.1}s",
+        n - failed - void,
+        t0.elapsed().as_secs_f64()
+    );
+    if failed > 0 || void > 0 {
+        bail!("identity gate failed: {failed} different, {void} void");
+    }
+    Ok(())
+}
+
+/// Both arms on every prompt and chunk size: (different, void) counts.
+fn gate<B: Backend>(
+    b: &B,
+    b_batched: &B,
+    label: &str,
+    model: &Model,
+    prompts: &[(String, Vec<u32>)],
+    a: &Args,
+    kv: KvType,
+) -> Result<(usize, usize)> {
+    let (mut failed, mut void) = (0, 0);
+    {
+        for (name, p) in prompts {
+            let r = replay(b, model, p, a.r#gen, kv)?;
             for &c in &a.chunk {
-                let v = batched(&cpu_batched, &model, p, c, a.r#gen, kv, &r)?;
+                let v = batched(b_batched, model, p, c, a.r#gen, kv, &r)?;
                 let logits = match v.logits_diff {
                     None => "equal".to_string(),
                     Some((pos, d)) => format!("DIFFER at {pos} (max |diff| {d:.3e})"),
@@ -158,23 +208,13 @@ pub(crate) fn run(a: Args) -> Result<()> {
                     "DIFFERENT"
                 };
                 println!(
-                    "| {name} | {} | {c} | {} | {} | {logits} | {} | {gen_s} | {verdict} |",
+                    "| {name} | {} | {c} | {label} | {} | {logits} | {} | {gen_s} | {verdict} |",
                     v.len,
-                    cpu.threads(),
                     v.rows_batched,
                     if v.state_equal { "equal" } else { "DIFFER" },
                 );
             }
         }
     }
-    let n = prompts.len() * a.chunk.len() * a.threads.len();
-    println!(
-        "\n{} of {n} runs equal, {failed} different, {void} void, in {:.1}s",
-        n - failed - void,
-        t0.elapsed().as_secs_f64()
-    );
-    if failed > 0 || void > 0 {
-        bail!("identity gate failed: {failed} different, {void} void");
-    }
-    Ok(())
+    Ok((failed, void))
 }

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_quant;
+mod device;
 mod identity;
 mod inspect;
 mod run;

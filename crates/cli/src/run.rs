@@ -1,10 +1,11 @@
 //! `samesum run`: generate text from a prompt, streaming it as it comes.
 
+use crate::device::{Device, with_backend};
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use samesum_engine::sample::{Sampler, SamplerConfig};
 use samesum_engine::tokenizer::Tokenizer;
-use samesum_engine::{KvType, Logits, Model, SeqState, cpu::Cpu, forward};
+use samesum_engine::{Backend, KvType, Logits, Model, forward};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -75,6 +76,9 @@ pub(crate) struct Args {
     /// Print the prompt's tokens before generating.
     #[arg(long)]
     verbose_prompt: bool,
+    /// Backend: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
@@ -107,11 +111,11 @@ pub(crate) fn run(a: Args) -> Result<()> {
         }
     };
     let t_load = Instant::now();
+    let dev = Device::parse(&a.device)?;
     let model = load_with_progress(&path)?;
     let tok = Tokenizer::from_metadata(model.file.metadata())?;
-    let cpu = Cpu::new(a.threads);
     eprintln!(
-        "loaded {} ({}, {} layers, {} experts/{} used, vocab {}) in {:.2}s, {} threads",
+        "loaded {} ({}, {} layers, {} experts/{} used, vocab {}) in {:.2}s",
         path.display(),
         model.hp.arch.name(),
         model.hp.n_layer,
@@ -119,7 +123,6 @@ pub(crate) fn run(a: Args) -> Result<()> {
         model.hp.n_expert_used,
         model.w.n_vocab,
         t_load.elapsed().as_secs_f64(),
-        cpu.threads()
     );
     let user = match &a.prompt_file {
         Some(f) => {
@@ -156,7 +159,24 @@ pub(crate) fn run(a: Args) -> Result<()> {
         let stop = stop.clone();
         let _ = ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst));
     }
-    let mut st = SeqState::new(&model.hp, a.ctx, kv);
+    with_backend!(dev, &model, a.threads, |b| generate(
+        b, &model, &tok, &prompt, &a, kv, chunk, &stop
+    ))
+}
+
+/// Prefill `prompt` in chunks of `chunk` rows, then sample and stream tokens.
+fn generate<B: Backend>(
+    b: &B,
+    model: &Model,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    a: &Args,
+    kv: KvType,
+    chunk: usize,
+    stop: &AtomicBool,
+) -> Result<()> {
+    eprintln!("backend: {}", b.name());
+    let mut st = b.new_state(model, a.ctx, kv)?;
     let mut sampler = Sampler::new(SamplerConfig {
         temp: a.temp,
         top_k: a.top_k,
@@ -174,15 +194,15 @@ pub(crate) fn run(a: Args) -> Result<()> {
         }
         let last = (i + 1) * chunk >= prompt.len();
         logits = forward(
-            &model,
-            &cpu,
+            model,
+            b,
             &mut st,
             rows,
             if last { Logits::Last } else { Logits::None },
         )?;
     }
     let prompt_s = t_prompt.elapsed().as_secs_f64();
-    let mut history = prompt.clone();
+    let mut history = prompt.to_vec();
     let mut out = std::io::stdout().lock();
     let mut stream = tok.stream();
     let t_gen = Instant::now();
@@ -199,7 +219,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         if generated == a.n_predict {
             break;
         }
-        logits = forward(&model, &cpu, &mut st, &[next], Logits::Last)?;
+        logits = forward(model, b, &mut st, &[next], Logits::Last)?;
     }
     writeln!(out)?;
     let gen_s = t_gen.elapsed().as_secs_f64();

@@ -188,19 +188,24 @@ extern "C" __global__ void l2norm_qk(const float* conv, float* qk, int m, int cd
 // (S[i][j], i over dk) and walks the rows in order, as the CPU does:
 // decay, kv_j = sum_i S[i][j] k_i, delta_j = (v_j - kv_j) beta,
 // S[i][j] += k_i delta_j, o_j = sum_i S[i][j] q_i / sqrt(dk), then the gated
-// RMSNorm (sum of squares in f64, index order) with z.
+// RMSNorm (sum of squares in f64, index order) with z. The head's state stays
+// in shared memory for all rows of the call (loaded once, stored once); each
+// element sees the same operations in the same order as a one-row call.
 extern "C" __global__ void delta_rows(const float* qk, const float* conv, const float* b, const float* a,
                                       const float* z, const float* dt_bias, const float* ssm_a, const float* norm,
                                       float* state, float* o, int m, int hk, int hv, int dk, int dv, int tiled,
                                       float eps) {
     extern __shared__ float sh[];
-    float* ov = sh;  // dv values
+    float* S = sh;             // dk * dv
+    float* ov = sh + dk * dv;  // dv
     int n = blockIdx.x, j = threadIdx.x;
     int kd = hk * dk, vd = hv * dv, cd = 2 * kd + vd;
     int ratio = hv / hk;
     int kh = tiled ? n % hk : n / ratio;
     float q_scale = 1.0f / sqrtf((float)dk);
-    float* S = state + (i64)n * dk * dv;
+    float* G = state + (i64)n * dk * dv;
+    if (j < dv)
+        for (int i = 0; i < dk; i++) S[i * dv + j] = G[(i64)i * dv + j];
     for (int r = 0; r < m; r++) {
         const float* qh = qk + (i64)r * 2 * kd + kh * dk;
         const float* kh_ = qk + (i64)r * 2 * kd + kd + kh * dk;
@@ -210,8 +215,8 @@ extern "C" __global__ void delta_rows(const float* qk, const float* conv, const 
         if (j < dv) {
             float kv = 0.0f;
             for (int i = 0; i < dk; i++) {
-                float sv = S[(i64)i * dv + j] * decay;
-                S[(i64)i * dv + j] = sv;
+                float sv = S[i * dv + j] * decay;
+                S[i * dv + j] = sv;
                 kv = kv + sv * kh_[i];
             }
             float vj = conv[(i64)r * cd + 2 * kd + n * dv + j];
@@ -220,8 +225,8 @@ extern "C" __global__ void delta_rows(const float* qk, const float* conv, const 
             for (int i = 0; i < dk; i++) {
                 float ki = kh_[i];
                 float qi = qh[i] * q_scale;
-                float sv = S[(i64)i * dv + j] + ki * delta;
-                S[(i64)i * dv + j] = sv;
+                float sv = S[i * dv + j] + ki * delta;
+                S[i * dv + j] = sv;
                 acc = acc + sv * qi;
             }
             ov[j] = acc;
@@ -237,6 +242,8 @@ extern "C" __global__ void delta_rows(const float* qk, const float* conv, const 
         }
         __syncthreads();
     }
+    if (j < dv)
+        for (int i = 0; i < dk; i++) G[(i64)i * dv + j] = S[i * dv + j];
 }
 
 // Router rows: softmax (max, exp, sum in index order, divide), the top k

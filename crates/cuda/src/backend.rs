@@ -19,6 +19,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 type R<T> = samesum_engine::Result<T>;
+/// A column map's description: (kind, sizes...).
+type MapKey = (u8, usize, usize, usize);
 
 /// Weight formats with a CUDA matmul kernel.
 pub const FORMATS: &[GgmlType] = &[
@@ -40,7 +42,7 @@ pub struct Cuda {
     /// f32 vectors of the model keyed by (host address, length).
     vecs: HashMap<(usize, usize), CudaSlice<f32>>,
     /// Column maps for layout shuffles, keyed by a description.
-    maps: Mutex<HashMap<(u8, usize, usize, usize), CudaSlice<i32>>>,
+    maps: Mutex<HashMap<MapKey, CudaSlice<i32>>>,
 }
 
 /// One sequence's state on the device.
@@ -183,14 +185,14 @@ impl Cuda {
     }
 
     /// A cached column map (built by `f` the first time).
-    fn map(&self, key: (u8, usize, usize, usize), f: impl FnOnce() -> Vec<i32>) -> Result<u64> {
+    fn map(&self, key: MapKey, f: impl FnOnce() -> Vec<i32>) -> Result<u64> {
         use cudarc::driver::DevicePtr;
         let mut maps = self.maps.lock().expect("map cache lock");
-        if !maps.contains_key(&key) {
-            let m = self.dev.upload(&f())?;
-            maps.insert(key, m);
-        }
-        let (p, _s) = maps[&key].device_ptr(&self.dev.stream);
+        let m = match maps.entry(key) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(self.dev.upload(&f())?),
+        };
+        let (p, _s) = m.device_ptr(&self.dev.stream);
         Ok(p)
     }
 
@@ -570,7 +572,7 @@ impl Cuda {
         launch!(
             d,
             "delta_rows",
-            cfg((hv as u32, 1, 1), block as u32, (dv * 4) as u32),
+            cfg((hv as u32, 1, 1), block as u32, ((dk * dv + dv) * 4) as u32),
             &qk,
             &conv,
             &b,
@@ -882,6 +884,25 @@ impl Backend for Cuda {
 
     fn moe(&self, model: &Model, mw: &MoeW, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>) -> R<()> {
         self.moe_rows(model, mw, x, y).map_err(e)
+    }
+
+    fn take_report(&self) -> R<Option<String>> {
+        let Some(rows) = self.dev.take_profile().map_err(e)? else {
+            return Ok(None);
+        };
+        let total: f64 = rows.iter().map(|r| r.2).sum();
+        let mut s = String::from("| kernel | launches | ms | share |\n|---|---:|---:|---:|\n");
+        for (k, n, ms) in &rows {
+            s += &format!(
+                "| {k} | {n} | {ms:.2} | {:.1}% |\n",
+                100.0 * ms / total.max(1e-12)
+            );
+        }
+        s += &format!(
+            "| total | {} | {total:.2} | 100% |\n",
+            rows.iter().map(|r| r.1).sum::<usize>()
+        );
+        Ok(Some(s))
     }
 
     fn logits(&self, model: &Model, h: &CudaSlice<f32>, rows: &[usize]) -> R<Vec<f32>> {

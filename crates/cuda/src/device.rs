@@ -7,10 +7,11 @@
 use crate::compile;
 use crate::error::{CudaError, Result};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::Mutex;
 
 /// Whether the CUDA driver library can be loaded.
 pub fn driver_present() -> bool {
@@ -28,6 +29,9 @@ pub fn device_count() -> usize {
         .unwrap_or(0)
 }
 
+/// One timed launch: kernel name, start and end events.
+type Timed = (&'static str, CudaEvent, CudaEvent);
+
 /// A device with the kernels loaded.
 pub struct Device {
     pub(crate) ctx: Arc<CudaContext>,
@@ -37,6 +41,8 @@ pub struct Device {
     pub name: String,
     /// Per-kernel (registers, local bytes) as the driver reports them.
     pub resources: Vec<(String, i32, i32)>,
+    /// With `SAMESUM_CUDA_PROFILE=1`: an event pair around every launch.
+    prof: Option<Mutex<Vec<Timed>>>,
 }
 
 pub(crate) fn drv(op: impl Into<String>, e: impl std::fmt::Debug) -> CudaError {
@@ -86,16 +92,76 @@ impl Device {
                     f.num_regs().unwrap_or(-1),
                     f.local_size_bytes().unwrap_or(-1),
                 ));
+                // Up to 227 KiB of dynamic shared memory (the delta rule keeps a
+                // head's state there); the default cap is 48 KiB.
+                let _ = f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    227 * 1024,
+                );
                 funcs.insert(k.to_string(), f);
             }
         }
+        let prof = (std::env::var("SAMESUM_CUDA_PROFILE").as_deref() == Ok("1"))
+            .then(|| Mutex::new(Vec::new()));
         Ok(Device {
             ctx,
             stream,
             funcs,
             name: format!("{name} (cuda:{ordinal}, {arch})"),
             resources,
+            prof,
         })
+    }
+
+    /// Start timing a launch (profiling only).
+    pub(crate) fn prof_begin(&self) -> Result<Option<CudaEvent>> {
+        if self.prof.is_none() {
+            return Ok(None);
+        }
+        let ev = self
+            .ctx
+            .new_event(None)
+            .map_err(|e| drv("cuEventCreate", e))?;
+        ev.record(&self.stream)
+            .map_err(|e| drv("cuEventRecord", e))?;
+        Ok(Some(ev))
+    }
+
+    /// Finish timing a launch of `name`.
+    pub(crate) fn prof_end(&self, name: &'static str, start: Option<CudaEvent>) -> Result<()> {
+        if let (Some(p), Some(s)) = (&self.prof, start) {
+            let ev = self
+                .ctx
+                .new_event(None)
+                .map_err(|e| drv("cuEventCreate", e))?;
+            ev.record(&self.stream)
+                .map_err(|e| drv("cuEventRecord", e))?;
+            p.lock().expect("profile lock").push((name, s, ev));
+        }
+        Ok(())
+    }
+
+    /// Per kernel: (name, launches, total ms), largest first, over the launches
+    /// since the last call; `None` when profiling is off.
+    pub fn take_profile(&self) -> Result<Option<Vec<(String, usize, f64)>>> {
+        let Some(p) = &self.prof else {
+            return Ok(None);
+        };
+        self.sync()?;
+        let recs = std::mem::take(&mut *p.lock().expect("profile lock"));
+        let mut by: HashMap<&str, (usize, f64)> = HashMap::new();
+        for (name, s, e) in &recs {
+            let ms = s.elapsed_ms(e).map_err(|x| drv("cuEventElapsedTime", x))? as f64;
+            let t = by.entry(name).or_default();
+            t.0 += 1;
+            t.1 += ms;
+        }
+        let mut out: Vec<(String, usize, f64)> = by
+            .into_iter()
+            .map(|(k, (n, ms))| (k.to_string(), n, ms))
+            .collect();
+        out.sort_by(|a, b| b.2.total_cmp(&a.2));
+        Ok(Some(out))
     }
 
     pub(crate) fn func(&self, name: &str) -> Result<&CudaFunction> {
@@ -192,6 +258,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
 macro_rules! launch {
     ($dev:expr, $name:literal, $cfg:expr, $($arg:expr),* $(,)?) => {{
         let f = $dev.func($name)?;
+        let ev = $dev.prof_begin()?;
         let mut b = $dev.stream.launch_builder(f);
         $( cudarc::driver::PushKernelArg::arg(&mut b, $arg); )*
         // SAFETY: the arguments match the kernel's signature in kernels/*.cu
@@ -200,6 +267,7 @@ macro_rules! launch {
         unsafe { b.launch($cfg) }
             .map(|_| ())
             .map_err(|e| $crate::device::drv($name, e))
+            .and_then(|_| $dev.prof_end($name, ev))
     }};
 }
 pub(crate) use launch;

@@ -93,7 +93,7 @@ fn ops_close(model: &Model, cuda: &Cuda, cpu: &Cpu, m: usize, tol: f64, what: &s
     let x: Vec<f32> = (0..m * d).map(|_| rng.range(-2.0, 2.0)).collect();
     let xg = cuda.upload(&x).unwrap();
     let nan = |n: usize| cuda.upload(&vec![f32::NAN; n]).unwrap();
-    let mut report = |op: String, got: Vec<f32>, want: Vec<f32>| {
+    let report = |op: String, got: Vec<f32>, want: Vec<f32>| {
         assert_eq!(got.len(), want.len(), "{what} {op}");
         let r = rel_l2(&got, &want);
         assert!(r <= tol, "{what} {op} m={m}: relative L2 {r:.3e} > {tol:e}");

@@ -95,6 +95,11 @@ pub trait Backend: Sync {
     /// MoE rows: router softmax/top-k (lowest id wins ties), each chosen expert's
     /// FFN, the combination in k order, plus the sigmoid-gated shared expert.
     fn moe(&self, model: &Model, mw: &MoeW, x: &Self::Buf, y: &mut Self::Buf) -> Result<()>;
+    /// Backend-specific measurements since the last call (a per-kernel time
+    /// table on the GPU when profiling is on), as Markdown; `None` if it has none.
+    fn take_report(&self) -> Result<Option<String>> {
+        Ok(None)
+    }
     /// Final norm and LM head for `rows` of `h`, to host logits.
     fn logits(&self, model: &Model, h: &Self::Buf, rows: &[usize]) -> Result<Vec<f32>>;
 }
