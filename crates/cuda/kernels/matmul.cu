@@ -16,11 +16,14 @@
 // `mats` (may be null) gives each activation row its stacked matrix (expert);
 // a negative entry marks an unused row (its outputs are written as 0).
 
-#define MT 8
+#define MT 16
 #define WARPS 4
 
-// Q8_K activation block: d (f32), qs[256], bsums[16] (i16) = 292 bytes.
-#define Q8K_BYTES 292
+// Q8_K activation block as laid out here: qs[256], bsums[16] (i16), d (f32),
+// padding to 304 bytes (so every block starts 16-byte aligned).
+#define Q8K_BYTES 304
+#define Q8K_BSUMS 256
+#define Q8K_D 288
 // Q8_0 activation block as laid out here: qs[32], then d widened to f32 = 36 bytes.
 #define Q8A_BYTES 36
 
@@ -47,12 +50,12 @@ extern "C" __global__ void quantize_q8k(const float* x, u8* out, int cols, int m
         if (fabsf(v[i]) == amax && first == (1 << 30)) first = i * 32 + lane;
     }
     for (int o = 16; o > 0; o /= 2) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
-    i8* qs = (i8*)(ob + 4);
-    i16* bsums = (i16*)(ob + 260);
+    i8* qs = (i8*)ob;
+    i16* bsums = (i16*)(ob + Q8K_BSUMS);
     if (amax == 0.0f) {
         for (int i = 0; i < 8; i++) qs[i * 32 + lane] = 0;
         if (lane < 16) bsums[lane] = 0;
-        if (lane == 0) *(float*)ob = 0.0f;
+        if (lane == 0) *(float*)(ob + Q8K_D) = 0.0f;
         return;
     }
     float max = xb[first];
@@ -70,7 +73,7 @@ extern "C" __global__ void quantize_q8k(const float* x, u8* out, int cols, int m
         for (int o = 8; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
         if ((lane & 15) == 0) bsums[2 * i + lane / 16] = (i16)s;
     }
-    if (lane == 0) *(float*)ob = 1.0f / iscale;
+    if (lane == 0) *(float*)(ob + Q8K_D) = 1.0f / iscale;
 }
 
 // One thread per (row, 32-block): ggml's quantize_row_q8_0_ref (d rounded to
@@ -91,89 +94,93 @@ extern "C" __global__ void quantize_q8_0(const float* x, u8* out, int cols, int 
 }
 
 // ---------------------------------------------------------------- formats
+//
+// Each format splits a block into LANES parts; `acc` adds one part's float
+// term. The order per output element: lane (group g, part p) walks blocks
+// g, g + G, ... adding its part's term, then one fixed butterfly over the warp.
 
-// Q4_K: d, dmin (f16), scales[12], qs[128]; 8 lanes per block, lane s takes
-// sub-block s (32 values).
+__device__ __forceinline__ int4 ld_i4(const u8* p) { return *(const int4*)p; }
+
+__device__ __forceinline__ void k4_scale_min(const u8* S, int s, int& sc, int& mn) {
+    if (s < 4) {
+        sc = S[s] & 63;
+        mn = S[s + 4] & 63;
+    } else {
+        sc = (S[s + 4] & 0x0F) | ((S[s - 4] >> 6) << 4);
+        mn = (S[s + 4] >> 4) | ((S[s] >> 6) << 4);
+    }
+}
+
+// Q4_K: d, dmin (f16), scales[12], qs[128]; part s = sub-block s (32 values).
 struct FmtQ4K {
     enum { ELEMS = 256, BYTES = 144, LANES = 8, ABYTES = Q8K_BYTES };
     u32 q[8];
     int sc, mn;
     float d, dmin;
     __device__ void load(const u8* b, int s) {
-        const u8* S = b + 4;
-        if (s < 4) {
-            sc = S[s] & 63;
-            mn = S[s + 4] & 63;
-        } else {
-            sc = (S[s + 4] & 0x0F) | ((S[s - 4] >> 6) << 4);
-            mn = (S[s + 4] >> 4) | ((S[s] >> 6) << 4);
-        }
-        const u8* qs = b + 16 + (s / 2) * 32;
+        k4_scale_min(b + 4, s, sc, mn);
+        const u32* qs = (const u32*)(b + 16 + (s / 2) * 32);
         int shift = 4 * (s % 2);
-        for (int i = 0; i < 8; i++) q[i] = (ld_u32(qs + 4 * i) >> shift) & 0x0F0F0F0Fu;
-        d = f16_to_f32(ld_u16(b));
-        dmin = f16_to_f32(ld_u16(b + 2));
+        for (int i = 0; i < 8; i++) q[i] = (qs[i] >> shift) & 0x0F0F0F0Fu;
+        u32 dd = *(const u32*)b;
+        d = f16_to_f32((u16)(dd & 0xffff));
+        dmin = f16_to_f32((u16)(dd >> 16));
     }
-    // Integer parts of this lane's sub-block against activation block `a`.
-    __device__ void part(const u8* a, int s, int& si, int& sm) const {
-        const int* aq = (const int*)(a + 4 + s * 32);
-        int acc = 0;
-        for (int i = 0; i < 8; i++) acc = __dp4a((int)q[i], aq[i], acc);
-        const i16* bs = (const i16*)(a + 260);
-        si = sc * acc;
-        sm = mn * ((int)bs[2 * s] + (int)bs[2 * s + 1]);
-    }
-    __device__ float combine(float acc, const u8* a, int si, int sm) const {
-        float da = *(const float*)a;
-        acc = acc + (d * da) * (float)si;
-        return acc - (dmin * da) * (float)sm;
+    __device__ float acc(float acc, const u8* a, int s) const {
+        int4 x0 = ld_i4(a + s * 32), x1 = ld_i4(a + s * 32 + 16);
+        int t = __dp4a((int)q[0], x0.x, 0);
+        t = __dp4a((int)q[1], x0.y, t);
+        t = __dp4a((int)q[2], x0.z, t);
+        t = __dp4a((int)q[3], x0.w, t);
+        t = __dp4a((int)q[4], x1.x, t);
+        t = __dp4a((int)q[5], x1.y, t);
+        t = __dp4a((int)q[6], x1.z, t);
+        t = __dp4a((int)q[7], x1.w, t);
+        const i16* bs = (const i16*)(a + Q8K_BSUMS);
+        float da = *(const float*)(a + Q8K_D);
+        acc = acc + (d * da) * (float)(sc * t);
+        return acc - (dmin * da) * (float)(mn * ((int)bs[2 * s] + (int)bs[2 * s + 1]));
     }
 };
 
-// Q5_K: d, dmin, scales[12], qh[32], qs[128]; 8 lanes per block.
+// Q5_K: d, dmin, scales[12], qh[32], qs[128]; part s = sub-block s.
 struct FmtQ5K {
     enum { ELEMS = 256, BYTES = 176, LANES = 8, ABYTES = Q8K_BYTES };
     u32 q[8];
     int sc, mn;
     float d, dmin;
     __device__ void load(const u8* b, int s) {
-        const u8* S = b + 4;
-        if (s < 4) {
-            sc = S[s] & 63;
-            mn = S[s + 4] & 63;
-        } else {
-            sc = (S[s + 4] & 0x0F) | ((S[s - 4] >> 6) << 4);
-            mn = (S[s + 4] >> 4) | ((S[s] >> 6) << 4);
-        }
-        const u8* qh = b + 16;
-        const u8* qs = b + 48 + (s / 2) * 32;
+        k4_scale_min(b + 4, s, sc, mn);
+        const u32* qh = (const u32*)(b + 16);
+        const u32* qs = (const u32*)(b + 48 + (s / 2) * 32);
         int shift = 4 * (s % 2);
         for (int i = 0; i < 8; i++) {
-            u32 lo = (ld_u32(qs + 4 * i) >> shift) & 0x0F0F0F0Fu;
-            u32 hi = 0;
-            for (int k = 0; k < 4; k++) hi |= (u32)((qh[4 * i + k] >> s) & 1) << (8 * k + 4);
+            u32 lo = (qs[i] >> shift) & 0x0F0F0F0Fu;
+            u32 hi = ((qh[i] >> s) & 0x01010101u) << 4;
             q[i] = lo | hi;
         }
-        d = f16_to_f32(ld_u16(b));
-        dmin = f16_to_f32(ld_u16(b + 2));
+        u32 dd = *(const u32*)b;
+        d = f16_to_f32((u16)(dd & 0xffff));
+        dmin = f16_to_f32((u16)(dd >> 16));
     }
-    __device__ void part(const u8* a, int s, int& si, int& sm) const {
-        const int* aq = (const int*)(a + 4 + s * 32);
-        int acc = 0;
-        for (int i = 0; i < 8; i++) acc = __dp4a((int)q[i], aq[i], acc);
-        const i16* bs = (const i16*)(a + 260);
-        si = sc * acc;
-        sm = mn * ((int)bs[2 * s] + (int)bs[2 * s + 1]);
-    }
-    __device__ float combine(float acc, const u8* a, int si, int sm) const {
-        float da = *(const float*)a;
-        acc = acc + (d * da) * (float)si;
-        return acc - (dmin * da) * (float)sm;
+    __device__ float acc(float acc, const u8* a, int s) const {
+        int4 x0 = ld_i4(a + s * 32), x1 = ld_i4(a + s * 32 + 16);
+        int t = __dp4a((int)q[0], x0.x, 0);
+        t = __dp4a((int)q[1], x0.y, t);
+        t = __dp4a((int)q[2], x0.z, t);
+        t = __dp4a((int)q[3], x0.w, t);
+        t = __dp4a((int)q[4], x1.x, t);
+        t = __dp4a((int)q[5], x1.y, t);
+        t = __dp4a((int)q[6], x1.z, t);
+        t = __dp4a((int)q[7], x1.w, t);
+        const i16* bs = (const i16*)(a + Q8K_BSUMS);
+        float da = *(const float*)(a + Q8K_D);
+        acc = acc + (d * da) * (float)(sc * t);
+        return acc - (dmin * da) * (float)(mn * ((int)bs[2 * s] + (int)bs[2 * s + 1]));
     }
 };
 
-// Q6_K: ql[128], qh[64], scales[16] (i8), d (f16); 16 lanes per block, lane g
-// takes group g (16 values).
+// Q6_K: ql[128], qh[64], scales[16] (i8), d (f16); part g = group g (16 values).
 struct FmtQ6K {
     enum { ELEMS = 256, BYTES = 210, LANES = 16, ABYTES = Q8K_BYTES };
     u32 q[4];
@@ -195,41 +202,36 @@ struct FmtQ6K {
         sc = (int)(i8)b[192 + g];
         d = f16_to_f32(ld_u16(b + 208));
     }
-    __device__ void part(const u8* a, int g, int& si, int& sm) const {
-        const int* aq = (const int*)(a + 4 + g * 16);
-        int acc = 0;
-        for (int i = 0; i < 4; i++) acc = __dp4a((int)q[i], aq[i], acc);
-        si = sc * acc;
-        sm = 0;
-    }
-    __device__ float combine(float acc, const u8* a, int si, int) const {
-        float da = *(const float*)a;
-        return acc + (d * da) * (float)si;
+    __device__ float acc(float acc, const u8* a, int g) const {
+        int4 x = ld_i4(a + g * 16);
+        int t = __dp4a((int)q[0], x.x, 0);
+        t = __dp4a((int)q[1], x.y, t);
+        t = __dp4a((int)q[2], x.z, t);
+        t = __dp4a((int)q[3], x.w, t);
+        float da = *(const float*)(a + Q8K_D);
+        return acc + (d * da) * (float)(sc * t);
     }
 };
 
-// Q8_0: d (f16), qs[32]; 8 lanes per block, 4 values each.
+// Q8_0: d (f16), qs[32]; one lane takes a whole block.
 struct FmtQ8_0 {
-    enum { ELEMS = 32, BYTES = 34, LANES = 8, ABYTES = Q8A_BYTES };
-    u32 q;
+    enum { ELEMS = 32, BYTES = 34, LANES = 1, ABYTES = Q8A_BYTES };
+    u32 q[8];
     float d;
-    __device__ void load(const u8* b, int s) {
-        const u8* p = b + 2 + 4 * s;
-        q = (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
-        d = f16_to_f32(ld_u16(b));
+    __device__ void load(const u8* b, int) {
+        const u16* h = (const u16*)b;  // 34-byte blocks: 2-byte aligned
+        for (int i = 0; i < 8; i++) q[i] = (u32)h[1 + 2 * i] | ((u32)h[2 + 2 * i] << 16);
+        d = f16_to_f32(h[0]);
     }
-    __device__ void part(const u8* a, int s, int& si, int& sm) const {
-        si = __dp4a((int)q, ((const int*)a)[s], 0);
-        sm = 0;
-    }
-    __device__ float combine(float acc, const u8* a, int si, int) const {
+    __device__ float acc(float acc, const u8* a, int) const {
+        const int* x = (const int*)a;
+        int t = 0;
+        for (int i = 0; i < 8; i++) t = __dp4a((int)q[i], x[i], t);
         float da = *(const float*)(a + 32);
-        return acc + (d * da) * (float)si;
+        return acc + (d * da) * (float)t;
     }
 };
 
-// Integer-block formats: lane = (group, sub); G = 32 / LANES groups walk the
-// blocks in turn.
 template <class F>
 __device__ void mm_blocks(const u8* W, i64 mat_stride, int row_bytes, const int* mats,
                           const u8* A, float* Y, int rows, int m, int nb) {
@@ -243,34 +245,28 @@ __device__ void mm_blocks(const u8* W, i64 mat_stride, int row_bytes, const int*
     i64 arow = (i64)nb * F::ABYTES;
     float acc[MT];
     int mat[MT];
+#pragma unroll
     for (int t = 0; t < MT; t++) {
         acc[t] = 0.0f;
         mat[t] = t < nr ? (mats ? mats[r0 + t] : 0) : -1;
     }
     F f;
-    // Every lane runs every step (the shuffles need the whole warp); a group
-    // past the last block adds nothing.
-    for (int b0 = 0; b0 < nb; b0 += G) {
-        int b = b0 + g;
-        bool live = b < nb;
+    for (int b = g; b < nb; b += G) {
         int cur = -1;
+#pragma unroll
         for (int t = 0; t < MT; t++) {
             if (mat[t] < 0) continue;
             if (mat[t] != cur) {
                 cur = mat[t];
-                if (live) f.load(W + cur * mat_stride + (i64)j * row_bytes + (i64)b * F::BYTES, s);
+                f.load(W + cur * mat_stride + (i64)j * row_bytes + (i64)b * F::BYTES, s);
             }
-            const u8* a = A + (r0 + t) * arow + (i64)(live ? b : 0) * F::ABYTES;
-            int si = 0, sm = 0;
-            if (live) f.part(a, s, si, sm);
-            si = isum_lanes(si, F::LANES);
-            sm = isum_lanes(sm, F::LANES);
-            if (live) acc[t] = f.combine(acc[t], a, si, sm);
+            acc[t] = f.acc(acc[t], A + (r0 + t) * arow + (i64)b * F::ABYTES, s);
         }
     }
-    // Groups: a fixed butterfly over the group index.
+    // One fixed butterfly over the warp.
+#pragma unroll
     for (int t = 0; t < MT; t++) {
-        for (int o = F::LANES; o < 32; o *= 2) acc[t] = acc[t] + __shfl_xor_sync(0xffffffffu, acc[t], o);
+        for (int o = 16; o > 0; o /= 2) acc[t] = acc[t] + __shfl_xor_sync(0xffffffffu, acc[t], o);
     }
     if (lane == 0) {
         for (int t = 0; t < nr; t++) Y[(i64)(r0 + t) * rows + j] = mat[t] < 0 ? 0.0f : acc[t];

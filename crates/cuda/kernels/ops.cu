@@ -184,39 +184,41 @@ extern "C" __global__ void l2norm_qk(const float* conv, float* qk, int m, int cd
     for (int i = 0; i < dk; i++) dst[i] = src[i] * scale;
 }
 
-// Gated delta rule: one block per value head n, thread j owns state column j
-// (S[i][j], i over dk) and walks the rows in order, as the CPU does:
-// decay, kv_j = sum_i S[i][j] k_i, delta_j = (v_j - kv_j) beta,
-// S[i][j] += k_i delta_j, o_j = sum_i S[i][j] q_i / sqrt(dk), then the gated
-// RMSNorm (sum of squares in f64, index order) with z. The head's state stays
-// in shared memory for all rows of the call (loaded once, stored once); each
-// element sees the same operations in the same order as a one-row call.
+// Gated delta rule: block (n, c) holds columns 32c..32c+31 of value head n's
+// state; thread j owns column j (S[i][j], i over dk) and walks the rows in
+// order, as the CPU does: decay, kv_j = sum_i S[i][j] k_i,
+// delta_j = (v_j - kv_j) beta, S[i][j] += k_i delta_j,
+// o_j = sum_i S[i][j] q_i / sqrt(dk). The columns stay in shared memory for
+// all rows of the call (loaded once, stored once); each element sees the same
+// operations in the same order as a one-row call. The gated RMSNorm over the
+// head follows in `gated_norm`.
+#define DCOLS 32
 extern "C" __global__ void delta_rows(const float* qk, const float* conv, const float* b, const float* a,
-                                      const float* z, const float* dt_bias, const float* ssm_a, const float* norm,
-                                      float* state, float* o, int m, int hk, int hv, int dk, int dv, int tiled,
-                                      float eps) {
+                                      const float* dt_bias, const float* ssm_a, float* state, float* o, int m,
+                                      int hk, int hv, int dk, int dv, int tiled) {
     extern __shared__ float sh[];
-    float* S = sh;             // dk * dv
-    float* ov = sh + dk * dv;  // dv
-    int n = blockIdx.x, j = threadIdx.x;
+    float* S = sh;  // dk * DCOLS
+    int n = blockIdx.x, t = threadIdx.x;
+    int j = blockIdx.y * DCOLS + t;
+    bool live = j < dv;
     int kd = hk * dk, vd = hv * dv, cd = 2 * kd + vd;
     int ratio = hv / hk;
     int kh = tiled ? n % hk : n / ratio;
     float q_scale = 1.0f / sqrtf((float)dk);
     float* G = state + (i64)n * dk * dv;
-    if (j < dv)
-        for (int i = 0; i < dk; i++) S[i * dv + j] = G[(i64)i * dv + j];
+    if (live)
+        for (int i = 0; i < dk; i++) S[i * DCOLS + t] = G[(i64)i * dv + j];
     for (int r = 0; r < m; r++) {
         const float* qh = qk + (i64)r * 2 * kd + kh * dk;
         const float* kh_ = qk + (i64)r * 2 * kd + kd + kh * dk;
         float beta = sigmoid(b[(i64)r * hv + n]);
         float gl = softplus(a[(i64)r * hv + n] + dt_bias[n]) * ssm_a[n];
         float decay = expf(gl);
-        if (j < dv) {
+        if (live) {
             float kv = 0.0f;
             for (int i = 0; i < dk; i++) {
-                float sv = S[i * dv + j] * decay;
-                S[i * dv + j] = sv;
+                float sv = S[i * DCOLS + t] * decay;
+                S[i * DCOLS + t] = sv;
                 kv = kv + sv * kh_[i];
             }
             float vj = conv[(i64)r * cd + 2 * kd + n * dv + j];
@@ -225,61 +227,83 @@ extern "C" __global__ void delta_rows(const float* qk, const float* conv, const 
             for (int i = 0; i < dk; i++) {
                 float ki = kh_[i];
                 float qi = qh[i] * q_scale;
-                float sv = S[i * dv + j] + ki * delta;
-                S[i * dv + j] = sv;
+                float sv = S[i * DCOLS + t] + ki * delta;
+                S[i * DCOLS + t] = sv;
                 acc = acc + sv * qi;
             }
-            ov[j] = acc;
+            o[(i64)r * vd + n * dv + j] = acc;
         }
-        __syncthreads();
-        if (j < dv) {
-            double s = 0.0;
-            for (int i = 0; i < dv; i++) s += (double)ov[i] * (double)ov[i];
-            float mean = (float)(s / (double)dv);
-            float scale = 1.0f / sqrtf(mean + eps);
-            float zj = z[(i64)r * vd + n * dv + j];
-            o[(i64)r * vd + n * dv + j] = ((ov[j] * scale) * norm[j]) * silu(zj);
-        }
-        __syncthreads();
     }
-    if (j < dv)
-        for (int i = 0; i < dk; i++) G[(i64)i * dv + j] = S[i * dv + j];
+    if (live)
+        for (int i = 0; i < dk; i++) G[(i64)i * dv + j] = S[i * DCOLS + t];
 }
 
-// Router rows: softmax (max, exp, sum in index order, divide), the top k
-// (largest first, lowest id among equals), weights renormalized by their sum in
-// k order clamped at 2^-14. One thread per row.
+// The delta net's gated RMSNorm, one warp per (row, value head): the sum of
+// squares in f64 in index order (lane 0, as the CPU does), then
+// o = ((o * scale) * norm) * silu(z).
+extern "C" __global__ void gated_norm(float* o, const float* z, const float* norm, int rows_heads, int dv, float eps) {
+    int w = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (w >= rows_heads) return;
+    float* on = o + (i64)w * dv;
+    const float* zn = z + (i64)w * dv;
+    double s = 0.0;
+    if (lane == 0)
+        for (int i = 0; i < dv; i++) s += (double)on[i] * (double)on[i];
+    s = __shfl_sync(0xffffffffu, s, 0);
+    float mean = (float)(s / (double)dv);
+    float scale = 1.0f / sqrtf(mean + eps);
+    for (int i = lane; i < dv; i += 32) on[i] = ((on[i] * scale) * norm[i]) * silu(zn[i]);
+}
+
+// Router rows, one warp per row: softmax (max; exp; the sum with lane l over
+// entries l, l + 32, ... then a fixed butterfly; divide), the top k (largest
+// first, lowest id among equals: k rounds of an exact warp argmax), weights
+// renormalized by their sum in k order clamped at 2^-14.
 extern "C" __global__ void route(float* logits, int* ids, float* wts, int m, int e, int k) {
-    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (r >= m) return;
     float* p = logits + (i64)r * e;
     float mx = -INFINITY;
-    for (int i = 0; i < e; i++) mx = fmaxf(mx, p[i]);
+    for (int i = lane; i < e; i += 32) mx = fmaxf(mx, p[i]);
+    for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     float sum = 0.0f;
-    for (int i = 0; i < e; i++) {
+    for (int i = lane; i < e; i += 32) {
         float v = expf(p[i] - mx);
         p[i] = v;
         sum = sum + v;
     }
-    for (int i = 0; i < e; i++) p[i] = p[i] / sum;
+    for (int o = 16; o > 0; o /= 2) sum = sum + __shfl_xor_sync(0xffffffffu, sum, o);
+    for (int i = lane; i < e; i += 32) p[i] = p[i] / sum;
+    __syncwarp();
+    unsigned long long taken = 0;  // bit u: entry lane + 32u chosen (e <= 2048)
     float tot = 0.0f;
     for (int s = 0; s < k; s++) {
         int best = -1;
         float bv = 0.0f;
-        for (int i = 0; i < e; i++) {
-            bool taken = false;
-            for (int u = 0; u < s; u++) taken |= ids[(i64)r * k + u] == i;
-            if (taken) continue;
-            if (best < 0 || p[i] > bv) {
+        for (int u = 0, i = lane; i < e; u++, i += 32) {
+            if ((taken >> u) & 1ull) continue;
+            float v = p[i];
+            if (best < 0 || v > bv) {
                 best = i;
-                bv = p[i];
+                bv = v;
             }
         }
-        ids[(i64)r * k + s] = best;
+        for (int o = 16; o > 0; o /= 2) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, best, o);
+            bool better = oi >= 0 && (best < 0 || ov > bv || (ov == bv && oi < best));
+            if (better) {
+                bv = ov;
+                best = oi;
+            }
+        }
+        if ((best & 31) == lane) taken |= 1ull << (best / 32);
+        if (lane == 0) ids[(i64)r * k + s] = best;
         tot = tot + bv;
     }
     tot = fmaxf(tot, 6.103515625e-5f);
-    for (int s = 0; s < k; s++) wts[(i64)r * k + s] = p[ids[(i64)r * k + s]] / tot;
+    __syncwarp();
+    for (int s = lane; s < k; s += 32) wts[(i64)r * k + s] = p[ids[(i64)r * k + s]] / tot;
 }
 
 // The expert plan, three parallel deterministic kernels.

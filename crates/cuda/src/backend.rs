@@ -219,7 +219,7 @@ impl Cuda {
             None => 0,
         };
         let (rows, mi, cols) = (w.rows as i32, m as i32, w.cols as i32);
-        let grid = ((w.rows.div_ceil(4)) as u32, m.div_ceil(8) as u32, 1);
+        let grid = ((w.rows.div_ceil(4)) as u32, m.div_ceil(16) as u32, 1);
         let c = cfg(grid, 128, 0);
         match w.ty {
             GgmlType::F32 => launch!(
@@ -242,7 +242,7 @@ impl Cuda {
             }
             GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
                 let nb = w.cols / 256;
-                let mut a = d.scratch::<u8>(m * nb * 292)?;
+                let mut a = d.scratch::<u8>(m * nb * 304)?;
                 launch!(
                     d,
                     "quantize_q8k",
@@ -563,7 +563,6 @@ impl Cuda {
         )?;
         let mut o = d.scratch::<f32>(m * vd)?;
         let (hvi, dvi, tiled) = (hv as i32, dv as i32, (hp.arch == Arch::Qwen35Moe) as i32);
-        let block = dv.div_ceil(32) * 32;
         let (dtb, sa, nw) = (
             self.vec(&dn.dt_bias)?,
             self.vec(&dn.a)?,
@@ -572,15 +571,17 @@ impl Cuda {
         launch!(
             d,
             "delta_rows",
-            cfg((hv as u32, 1, 1), block as u32, ((dk * dv + dv) * 4) as u32),
+            cfg(
+                (hv as u32, dv.div_ceil(32) as u32, 1),
+                32,
+                (dk * 32 * 4) as u32
+            ),
             &qk,
             &conv,
             &b,
             &a,
-            &z,
             dtb,
             sa,
-            nw,
             s_state,
             &mut o,
             &mi,
@@ -588,7 +589,18 @@ impl Cuda {
             &hvi,
             &dki,
             &dvi,
-            &tiled,
+            &tiled
+        )?;
+        let rh = (m * hv) as i32;
+        launch!(
+            d,
+            "gated_norm",
+            cfg(((m * hv).div_ceil(4) as u32, 1, 1), 128, 0),
+            &mut o,
+            &z,
+            nw,
+            &rh,
+            &dvi,
             &eps
         )?;
         self.matmul(&dn.out, &o, m, None, y)
@@ -617,10 +629,16 @@ impl Cuda {
         let mut ids = d.scratch::<i32>(n)?;
         let mut wts = d.scratch::<f32>(n)?;
         let (mi, ei, ki, ni) = (m as i32, e as i32, k as i32, n as i32);
+        if e > 2048 {
+            return Err(CudaError::Driver {
+                op: "route".into(),
+                msg: format!("{e} experts: the router kernel takes at most 2048"),
+            });
+        }
         launch!(
             d,
             "route",
-            cfg1(m),
+            cfg((m.div_ceil(4) as u32, 1, 1), 128, 0),
             &mut logits,
             &mut ids,
             &mut wts,

@@ -120,7 +120,7 @@ impl Device {
         }
         let ev = self
             .ctx
-            .new_event(None)
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(|e| drv("cuEventCreate", e))?;
         ev.record(&self.stream)
             .map_err(|e| drv("cuEventRecord", e))?;
@@ -132,7 +132,7 @@ impl Device {
         if let (Some(p), Some(s)) = (&self.prof, start) {
             let ev = self
                 .ctx
-                .new_event(None)
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
                 .map_err(|e| drv("cuEventCreate", e))?;
             ev.record(&self.stream)
                 .map_err(|e| drv("cuEventRecord", e))?;
@@ -242,6 +242,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "conv_rows",
             "l2norm_qk",
             "delta_rows",
+            "gated_norm",
             "route",
             "plan_count",
             "plan_scan",

@@ -3,9 +3,15 @@
 //! Without NVRTC the test skips, unless `SAMESUM_REQUIRE_NVRTC=1`.
 
 use samesum_cuda::compile::{self, MODULES};
+use std::sync::Mutex;
+
+/// NVRTC's log of one compile can pick up ptxas lines of another running at the
+/// same time, so these tests compile one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
 
 #[test]
 fn every_module_compiles_for_sm_90a_without_spills() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     if !compile::nvrtc_present() {
         assert!(
             std::env::var("SAMESUM_REQUIRE_NVRTC").as_deref() != Ok("1"),
@@ -52,6 +58,7 @@ fn every_module_compiles_for_sm_90a_without_spills() {
 
 #[test]
 fn a_kernel_that_does_not_compile_is_an_error_with_the_log() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     if !compile::nvrtc_present() {
         return;
     }
