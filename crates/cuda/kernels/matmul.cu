@@ -111,12 +111,49 @@ __device__ __forceinline__ void k4_scale_min(const u8* S, int s, int& sc, int& m
     }
 }
 
+// The float combine uses explicit round-to-nearest intrinsics, which the
+// compiler never fuses into FMAs: every instantiation of a kernel (any rows
+// per warp) computes each element with the same operations.
+#define FMUL __fmul_rn
+#define FADD __fadd_rn
+#define FSUB __fsub_rn
+
+// One part of a Q8_K activation block: 32 values, their bsums pair, d.
+struct ActK32 {
+    int4 x0, x1;
+    int bs;
+    float da;
+};
+
+__device__ __forceinline__ ActK32 act_k32(const u8* a, int s) {
+    ActK32 r;
+    r.x0 = ld_i4(a + s * 32);
+    r.x1 = ld_i4(a + s * 32 + 16);
+    const i16* bs = (const i16*)(a + Q8K_BSUMS);
+    r.bs = (int)bs[2 * s] + (int)bs[2 * s + 1];
+    r.da = *(const float*)(a + Q8K_D);
+    return r;
+}
+
+__device__ __forceinline__ int dot32(const u32* q, const ActK32& x) {
+    int t = __dp4a((int)q[0], x.x0.x, 0);
+    t = __dp4a((int)q[1], x.x0.y, t);
+    t = __dp4a((int)q[2], x.x0.z, t);
+    t = __dp4a((int)q[3], x.x0.w, t);
+    t = __dp4a((int)q[4], x.x1.x, t);
+    t = __dp4a((int)q[5], x.x1.y, t);
+    t = __dp4a((int)q[6], x.x1.z, t);
+    return __dp4a((int)q[7], x.x1.w, t);
+}
+
 // Q4_K: d, dmin (f16), scales[12], qs[128]; part s = sub-block s (32 values).
 struct FmtQ4K {
     enum { ELEMS = 256, BYTES = 144, LANES = 8, ABYTES = Q8K_BYTES };
+    typedef ActK32 A;
     u32 q[8];
     int sc, mn;
     float d, dmin;
+    static __device__ A act(const u8* a, int s) { return act_k32(a, s); }
     __device__ void load(const u8* b, int s) {
         k4_scale_min(b + 4, s, sc, mn);
         const u32* qs = (const u32*)(b + 16 + (s / 2) * 32);
@@ -126,29 +163,20 @@ struct FmtQ4K {
         d = f16_to_f32((u16)(dd & 0xffff));
         dmin = f16_to_f32((u16)(dd >> 16));
     }
-    __device__ float acc(float acc, const u8* a, int s) const {
-        int4 x0 = ld_i4(a + s * 32), x1 = ld_i4(a + s * 32 + 16);
-        int t = __dp4a((int)q[0], x0.x, 0);
-        t = __dp4a((int)q[1], x0.y, t);
-        t = __dp4a((int)q[2], x0.z, t);
-        t = __dp4a((int)q[3], x0.w, t);
-        t = __dp4a((int)q[4], x1.x, t);
-        t = __dp4a((int)q[5], x1.y, t);
-        t = __dp4a((int)q[6], x1.z, t);
-        t = __dp4a((int)q[7], x1.w, t);
-        const i16* bs = (const i16*)(a + Q8K_BSUMS);
-        float da = *(const float*)(a + Q8K_D);
-        acc = acc + (d * da) * (float)(sc * t);
-        return acc - (dmin * da) * (float)(mn * ((int)bs[2 * s] + (int)bs[2 * s + 1]));
+    __device__ float acc(float acc, const A& x) const {
+        acc = FADD(acc, FMUL(FMUL(d, x.da), (float)(sc * dot32(q, x))));
+        return FSUB(acc, FMUL(FMUL(dmin, x.da), (float)(mn * x.bs)));
     }
 };
 
 // Q5_K: d, dmin, scales[12], qh[32], qs[128]; part s = sub-block s.
 struct FmtQ5K {
     enum { ELEMS = 256, BYTES = 176, LANES = 8, ABYTES = Q8K_BYTES };
+    typedef ActK32 A;
     u32 q[8];
     int sc, mn;
     float d, dmin;
+    static __device__ A act(const u8* a, int s) { return act_k32(a, s); }
     __device__ void load(const u8* b, int s) {
         k4_scale_min(b + 4, s, sc, mn);
         const u32* qh = (const u32*)(b + 16);
@@ -163,29 +191,30 @@ struct FmtQ5K {
         d = f16_to_f32((u16)(dd & 0xffff));
         dmin = f16_to_f32((u16)(dd >> 16));
     }
-    __device__ float acc(float acc, const u8* a, int s) const {
-        int4 x0 = ld_i4(a + s * 32), x1 = ld_i4(a + s * 32 + 16);
-        int t = __dp4a((int)q[0], x0.x, 0);
-        t = __dp4a((int)q[1], x0.y, t);
-        t = __dp4a((int)q[2], x0.z, t);
-        t = __dp4a((int)q[3], x0.w, t);
-        t = __dp4a((int)q[4], x1.x, t);
-        t = __dp4a((int)q[5], x1.y, t);
-        t = __dp4a((int)q[6], x1.z, t);
-        t = __dp4a((int)q[7], x1.w, t);
-        const i16* bs = (const i16*)(a + Q8K_BSUMS);
-        float da = *(const float*)(a + Q8K_D);
-        acc = acc + (d * da) * (float)(sc * t);
-        return acc - (dmin * da) * (float)(mn * ((int)bs[2 * s] + (int)bs[2 * s + 1]));
+    __device__ float acc(float acc, const A& x) const {
+        acc = FADD(acc, FMUL(FMUL(d, x.da), (float)(sc * dot32(q, x))));
+        return FSUB(acc, FMUL(FMUL(dmin, x.da), (float)(mn * x.bs)));
     }
 };
 
 // Q6_K: ql[128], qh[64], scales[16] (i8), d (f16); part g = group g (16 values).
+struct ActK16 {
+    int4 x;
+    float da;
+};
+
 struct FmtQ6K {
     enum { ELEMS = 256, BYTES = 210, LANES = 16, ABYTES = Q8K_BYTES };
+    typedef ActK16 A;
     u32 q[4];
     int sc;
     float d;
+    static __device__ A act(const u8* a, int g) {
+        A r;
+        r.x = ld_i4(a + g * 16);
+        r.da = *(const float*)(a + Q8K_D);
+        return r;
+    }
     __device__ void load(const u8* b, int g) {
         for (int i = 0; i < 4; i++) {
             u32 w = 0;
@@ -202,55 +231,75 @@ struct FmtQ6K {
         sc = (int)(i8)b[192 + g];
         d = f16_to_f32(ld_u16(b + 208));
     }
-    __device__ float acc(float acc, const u8* a, int g) const {
-        int4 x = ld_i4(a + g * 16);
-        int t = __dp4a((int)q[0], x.x, 0);
-        t = __dp4a((int)q[1], x.y, t);
-        t = __dp4a((int)q[2], x.z, t);
-        t = __dp4a((int)q[3], x.w, t);
-        float da = *(const float*)(a + Q8K_D);
-        return acc + (d * da) * (float)(sc * t);
+    __device__ float acc(float acc, const A& x) const {
+        int t = __dp4a((int)q[0], x.x.x, 0);
+        t = __dp4a((int)q[1], x.x.y, t);
+        t = __dp4a((int)q[2], x.x.z, t);
+        t = __dp4a((int)q[3], x.x.w, t);
+        return FADD(acc, FMUL(FMUL(d, x.da), (float)(sc * t)));
     }
 };
 
 // Q8_0: d (f16), qs[32]; one lane takes a whole block.
+struct Act80 {
+    int4 x0, x1;
+    float da;
+};
+
 struct FmtQ8_0 {
     enum { ELEMS = 32, BYTES = 34, LANES = 1, ABYTES = Q8A_BYTES };
+    typedef Act80 A;
     u32 q[8];
     float d;
+    static __device__ A act(const u8* a, int) {
+        A r;
+        const int* x = (const int*)a;  // 36-byte blocks: 4-byte aligned
+        r.x0 = make_int4(x[0], x[1], x[2], x[3]);
+        r.x1 = make_int4(x[4], x[5], x[6], x[7]);
+        r.da = *(const float*)(a + 32);
+        return r;
+    }
     __device__ void load(const u8* b, int) {
         const u16* h = (const u16*)b;  // 34-byte blocks: 2-byte aligned
         for (int i = 0; i < 8; i++) q[i] = (u32)h[1 + 2 * i] | ((u32)h[2 + 2 * i] << 16);
         d = f16_to_f32(h[0]);
     }
-    __device__ float acc(float acc, const u8* a, int) const {
-        const int* x = (const int*)a;
-        int t = 0;
-        for (int i = 0; i < 8; i++) t = __dp4a((int)q[i], x[i], t);
-        float da = *(const float*)(a + 32);
-        return acc + (d * da) * (float)t;
+    __device__ float acc(float acc, const A& x) const {
+        int t = __dp4a((int)q[0], x.x0.x, 0);
+        t = __dp4a((int)q[1], x.x0.y, t);
+        t = __dp4a((int)q[2], x.x0.z, t);
+        t = __dp4a((int)q[3], x.x0.w, t);
+        t = __dp4a((int)q[4], x.x1.x, t);
+        t = __dp4a((int)q[5], x.x1.y, t);
+        t = __dp4a((int)q[6], x.x1.z, t);
+        t = __dp4a((int)q[7], x.x1.w, t);
+        return FADD(acc, FMUL(FMUL(d, x.da), (float)t));
     }
 };
 
-template <class F>
+// RW weight rows per warp (1 for decode-sized calls, 4 for prefill): the
+// activation part is loaded once for all RW rows. The per-element order does
+// not depend on RW.
+template <class F, int RW>
 __device__ void mm_blocks(const u8* W, i64 mat_stride, int row_bytes, const int* mats,
                           const u8* A, float* Y, int rows, int m, int nb) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int j = blockIdx.x * WARPS + warp;
+    int j0 = (blockIdx.x * WARPS + warp) * RW;
     int r0 = blockIdx.y * MT;
-    if (j >= rows || r0 >= m) return;
+    if (j0 >= rows || r0 >= m) return;
     const int G = 32 / F::LANES;
     int g = lane / F::LANES, s = lane % F::LANES;
     int nr = min(MT, m - r0);
     i64 arow = (i64)nb * F::ABYTES;
-    float acc[MT];
+    float acc[RW][MT];
     int mat[MT];
 #pragma unroll
     for (int t = 0; t < MT; t++) {
-        acc[t] = 0.0f;
         mat[t] = t < nr ? (mats ? mats[r0 + t] : 0) : -1;
+#pragma unroll
+        for (int w = 0; w < RW; w++) acc[w][t] = 0.0f;
     }
-    F f;
+    F f[RW];
     for (int b = g; b < nb; b += G) {
         int cur = -1;
 #pragma unroll
@@ -258,32 +307,45 @@ __device__ void mm_blocks(const u8* W, i64 mat_stride, int row_bytes, const int*
             if (mat[t] < 0) continue;
             if (mat[t] != cur) {
                 cur = mat[t];
-                f.load(W + cur * mat_stride + (i64)j * row_bytes + (i64)b * F::BYTES, s);
+#pragma unroll
+                for (int w = 0; w < RW; w++)
+                    if (j0 + w < rows)
+                        f[w].load(W + cur * mat_stride + (i64)(j0 + w) * row_bytes + (i64)b * F::BYTES, s);
             }
-            acc[t] = f.acc(acc[t], A + (r0 + t) * arow + (i64)b * F::ABYTES, s);
+            typename F::A x = F::act(A + (r0 + t) * arow + (i64)b * F::ABYTES, s);
+#pragma unroll
+            for (int w = 0; w < RW; w++) acc[w][t] = f[w].acc(acc[w][t], x);
         }
     }
     // One fixed butterfly over the warp.
 #pragma unroll
-    for (int t = 0; t < MT; t++) {
-        for (int o = 16; o > 0; o /= 2) acc[t] = acc[t] + __shfl_xor_sync(0xffffffffu, acc[t], o);
-    }
+    for (int w = 0; w < RW; w++)
+#pragma unroll
+        for (int t = 0; t < MT; t++)
+            for (int o = 16; o > 0; o /= 2) acc[w][t] = FADD(acc[w][t], __shfl_xor_sync(0xffffffffu, acc[w][t], o));
     if (lane == 0) {
-        for (int t = 0; t < nr; t++) Y[(i64)(r0 + t) * rows + j] = mat[t] < 0 ? 0.0f : acc[t];
+#pragma unroll
+        for (int w = 0; w < RW; w++)
+            if (j0 + w < rows)
+                for (int t = 0; t < nr; t++) Y[(i64)(r0 + t) * rows + j0 + w] = mat[t] < 0 ? 0.0f : acc[w][t];
     }
 }
 
-#define MM_KERNEL(name, F)                                                                    \
+#define MM_KERNEL(name, F, RW)                                                                \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                  \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
              int rows, int m, int nb) {                                                       \
-        mm_blocks<F>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);                      \
+        mm_blocks<F, RW>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);                  \
     }
 
-MM_KERNEL(mm_q4_k, FmtQ4K)
-MM_KERNEL(mm_q5_k, FmtQ5K)
-MM_KERNEL(mm_q6_k, FmtQ6K)
-MM_KERNEL(mm_q8_0, FmtQ8_0)
+MM_KERNEL(mm_q4_k, FmtQ4K, 1)
+MM_KERNEL(mm_q5_k, FmtQ5K, 1)
+MM_KERNEL(mm_q6_k, FmtQ6K, 1)
+MM_KERNEL(mm_q8_0, FmtQ8_0, 1)
+MM_KERNEL(mm_q4_k_r4, FmtQ4K, 4)
+MM_KERNEL(mm_q5_k_r4, FmtQ5K, 4)
+MM_KERNEL(mm_q6_k_r4, FmtQ6K, 4)
+MM_KERNEL(mm_q8_0_r4, FmtQ8_0, 4)
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
 // then a fixed butterfly.

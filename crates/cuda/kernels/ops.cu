@@ -193,11 +193,13 @@ extern "C" __global__ void l2norm_qk(const float* conv, float* qk, int m, int cd
 // operations in the same order as a one-row call. The gated RMSNorm over the
 // head follows in `gated_norm`.
 #define DCOLS 32
-extern "C" __global__ void delta_rows(const float* qk, const float* conv, const float* b, const float* a,
-                                      const float* dt_bias, const float* ssm_a, float* state, float* o, int m,
-                                      int hk, int hv, int dk, int dv, int tiled) {
+#define MAX_DK 512
+extern "C" __global__ void __launch_bounds__(DCOLS)
+    delta_rows(const float* qk, const float* conv, const float* b, const float* a, const float* dt_bias,
+               const float* ssm_a, float* state, float* o, int m, int hk, int hv, int dk, int dv, int tiled) {
     extern __shared__ float sh[];
     float* S = sh;  // dk * DCOLS
+    __shared__ float kq[2 * MAX_DK];  // this row's k, then q * q_scale
     int n = blockIdx.x, t = threadIdx.x;
     int j = blockIdx.y * DCOLS + t;
     bool live = j < dv;
@@ -211,25 +213,31 @@ extern "C" __global__ void delta_rows(const float* qk, const float* conv, const 
     for (int r = 0; r < m; r++) {
         const float* qh = qk + (i64)r * 2 * kd + kh * dk;
         const float* kh_ = qk + (i64)r * 2 * kd + kd + kh * dk;
+        __syncwarp();
+        for (int i = t; i < dk; i += DCOLS) {
+            kq[i] = kh_[i];
+            kq[MAX_DK + i] = qh[i] * q_scale;
+        }
+        __syncwarp();
         float beta = sigmoid(b[(i64)r * hv + n]);
         float gl = softplus(a[(i64)r * hv + n] + dt_bias[n]) * ssm_a[n];
         float decay = expf(gl);
+        float vj = live ? conv[(i64)r * cd + 2 * kd + n * dv + j] : 0.0f;
         if (live) {
             float kv = 0.0f;
+#pragma unroll 8
             for (int i = 0; i < dk; i++) {
                 float sv = S[i * DCOLS + t] * decay;
                 S[i * DCOLS + t] = sv;
-                kv = kv + sv * kh_[i];
+                kv = kv + sv * kq[i];
             }
-            float vj = conv[(i64)r * cd + 2 * kd + n * dv + j];
             float delta = (vj - kv) * beta;
             float acc = 0.0f;
+#pragma unroll 8
             for (int i = 0; i < dk; i++) {
-                float ki = kh_[i];
-                float qi = qh[i] * q_scale;
-                float sv = S[i * DCOLS + t] + ki * delta;
+                float sv = S[i * DCOLS + t] + kq[i] * delta;
                 S[i * DCOLS + t] = sv;
-                acc = acc + sv * qi;
+                acc = acc + sv * kq[MAX_DK + i];
             }
             o[(i64)r * vd + n * dv + j] = acc;
         }

@@ -221,6 +221,27 @@ impl Cuda {
         let (rows, mi, cols) = (w.rows as i32, m as i32, w.cols as i32);
         let grid = ((w.rows.div_ceil(4)) as u32, m.div_ceil(16) as u32, 1);
         let c = cfg(grid, 128, 0);
+        // Calls of more than one 16-row tile take four weight rows per warp
+        // (same per-element arithmetic, activations read once for the four).
+        let wide = m > 16;
+        let c4 = cfg(
+            (w.rows.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
+            128,
+            0,
+        );
+        macro_rules! mm {
+            ($k:literal, $k4:literal, $a:expr, $n:expr) => {
+                if wide {
+                    launch!(
+                        d, $k4, c4, &wptr, &stride, &row_bytes, &mats_ptr, $a, y, &rows, &mi, $n
+                    )
+                } else {
+                    launch!(
+                        d, $k, c, &wptr, &stride, &row_bytes, &mats_ptr, $a, y, &rows, &mi, $n
+                    )
+                }
+            };
+        }
         match w.ty {
             GgmlType::F32 => launch!(
                 d, "mm_f32", c, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi, &cols
@@ -236,9 +257,7 @@ impl Cuda {
                 let mut a = d.scratch::<u8>(m * nb * 36)?;
                 launch!(d, "quantize_q8_0", cfg1(m * nb), x, &mut a, &cols, &mi)?;
                 let nbi = nb as i32;
-                launch!(
-                    d, "mm_q8_0", c, &wptr, &stride, &row_bytes, &mats_ptr, &a, y, &rows, &mi, &nbi
-                )
+                mm!("mm_q8_0", "mm_q8_0_r4", &a, &nbi)
             }
             GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
                 let nb = w.cols / 256;
@@ -254,18 +273,9 @@ impl Cuda {
                 )?;
                 let nbi = nb as i32;
                 match w.ty {
-                    GgmlType::Q4_K => launch!(
-                        d, "mm_q4_k", c, &wptr, &stride, &row_bytes, &mats_ptr, &a, y, &rows, &mi,
-                        &nbi
-                    ),
-                    GgmlType::Q5_K => launch!(
-                        d, "mm_q5_k", c, &wptr, &stride, &row_bytes, &mats_ptr, &a, y, &rows, &mi,
-                        &nbi
-                    ),
-                    _ => launch!(
-                        d, "mm_q6_k", c, &wptr, &stride, &row_bytes, &mats_ptr, &a, y, &rows, &mi,
-                        &nbi
-                    ),
+                    GgmlType::Q4_K => mm!("mm_q4_k", "mm_q4_k_r4", &a, &nbi),
+                    GgmlType::Q5_K => mm!("mm_q5_k", "mm_q5_k_r4", &a, &nbi),
+                    _ => mm!("mm_q6_k", "mm_q6_k_r4", &a, &nbi),
                 }
             }
             other => Err(CudaError::Unsupported {
@@ -563,6 +573,12 @@ impl Cuda {
         )?;
         let mut o = d.scratch::<f32>(m * vd)?;
         let (hvi, dvi, tiled) = (hv as i32, dv as i32, (hp.arch == Arch::Qwen35Moe) as i32);
+        if dk > 512 {
+            return Err(CudaError::Driver {
+                op: "delta_rows".into(),
+                msg: format!("key head dim {dk}: the delta-rule kernel takes at most 512"),
+            });
+        }
         let (dtb, sa, nw) = (
             self.vec(&dn.dt_bias)?,
             self.vec(&dn.a)?,
