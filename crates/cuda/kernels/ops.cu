@@ -96,29 +96,39 @@ __device__ __forceinline__ float kv_at(const void* c, i64 i, int f16) {
 }
 
 #define ATT_THREADS 256
+#define ATT_WARPS (ATT_THREADS / 32)
+#define MAX_HD 512
 
 // One block per (row, query head): row r is position pos0 + r and attends over
-// cache positions 0..=pos0+r. Scores in key order (each a sequential dot),
-// max, exp, the sum (each thread over a fixed stride of keys, then a fixed
-// tree), normalize, then each output dim sums the values in key order.
-// `scores` holds (pos0 + m) floats per (row, head).
-extern "C" __global__ void attention(const float* q, const void* ck, const void* cv, float* o, float* scores,
-                                     int m, int hq, int hkv, int hd, int pos0, float scale, int f16) {
+// cache positions 0..=pos0+r. Each score is one warp's dot (lane l over dims
+// l, l + 32, ..., then a fixed butterfly), scaled; then the max, exp, the sum
+// (each thread over a fixed stride of keys, then a fixed tree), normalize, and
+// each output dim sums the values in key order. Every order here depends on
+// the head dim and the position only. `scores` holds (pos0 + m) floats per
+// (row, head).
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention(const float* q, const void* ck, const void* cv, float* o, float* scores, int m, int hq, int hkv,
+              int hd, int pos0, float scale, int f16) {
     __shared__ float red[ATT_THREADS];
+    __shared__ float qs[MAX_HD];
     int r = blockIdx.x / hq, h = blockIdx.x % hq, t = threadIdx.x;
+    int warp = t / 32, lane = t % 32;
     int kvw = hkv * hd;
     int g = h / (hq / hkv);
     int pos = pos0 + r;
     int n = pos + 1;
     const float* qh = q + ((i64)r * hq + h) * hd;
+    for (int i = t; i < hd; i += ATT_THREADS) qs[i] = qh[i];
+    __syncthreads();
     float* s = scores + (i64)blockIdx.x * (pos0 + m);
     float mx = -INFINITY;
-    for (int j = t; j < n; j += ATT_THREADS) {
+    for (int j = warp; j < n; j += ATT_WARPS) {
         i64 base = (i64)j * kvw + g * hd;
         float d = 0.0f;
-        for (int i = 0; i < hd; i++) d = d + qh[i] * kv_at(ck, base + i, f16);
+        for (int i = lane; i < hd; i += 32) d = d + qs[i] * kv_at(ck, base + i, f16);
+        for (int o2 = 16; o2 > 0; o2 /= 2) d = d + __shfl_xor_sync(0xffffffffu, d, o2);
         float v = d * scale;
-        s[j] = v;
+        if (lane == 0) s[j] = v;
         mx = fmaxf(mx, v);
     }
     red[t] = mx;
@@ -151,23 +161,40 @@ extern "C" __global__ void attention(const float* q, const void* ck, const void*
     }
 }
 
-// Causal conv + SiLU with state: one thread per channel walks the rows in order.
-// state holds the previous kc-1 input rows, oldest first.
+// Causal conv + SiLU with state: one thread per channel walks the rows in
+// order, the window of the last kc-1 inputs in registers. state holds the
+// previous kc-1 input rows, oldest first.
+#define MAX_KC 8
 extern "C" __global__ void conv_rows(const float* x, const float* taps, float* state, float* out, int m, int cd, int kc) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cd) return;
-    const float* tp = taps + (i64)c * kc;
+    float tp[MAX_KC], win[MAX_KC];
+#pragma unroll
+    for (int j = 0; j < MAX_KC; j++) {
+        tp[j] = j < kc ? taps[(i64)c * kc + j] : 0.0f;
+        win[j] = j < kc - 1 ? state[(i64)j * cd + c] : 0.0f;
+    }
     for (int r = 0; r < m; r++) {
         float acc = 0.0f;
-        for (int j = 0; j < kc - 1; j++) acc = acc + tp[j] * state[(i64)j * cd + c];
+#pragma unroll
+        for (int j = 0; j < MAX_KC - 1; j++)
+            if (j < kc - 1) acc = acc + tp[j] * win[j];
         float xi = x[(i64)r * cd + c];
-        acc = acc + tp[kc - 1] * xi;
+        float last = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MAX_KC; j++)
+            if (j == kc - 1) last = tp[j];
+        acc = acc + last * xi;
         out[(i64)r * cd + c] = silu(acc);
-        if (kc > 1) {
-            for (int j = 0; j < kc - 2; j++) state[(i64)j * cd + c] = state[(i64)(j + 1) * cd + c];
-            state[(i64)(kc - 2) * cd + c] = xi;
+#pragma unroll
+        for (int j = 0; j < MAX_KC - 1; j++) {
+            if (j < kc - 2) win[j] = win[j + 1];
+            else if (j == kc - 2) win[j] = xi;
         }
     }
+#pragma unroll
+    for (int j = 0; j < MAX_KC - 1; j++)
+        if (j < kc - 1) state[(i64)j * cd + c] = win[j];
 }
 
 // L2 norm of each dk-wide head of the q and k parts (2*hk heads) of m conv rows
@@ -193,13 +220,16 @@ extern "C" __global__ void l2norm_qk(const float* conv, float* qk, int m, int cd
 // operations in the same order as a one-row call. The gated RMSNorm over the
 // head follows in `gated_norm`.
 #define DCOLS 32
-#define MAX_DK 512
+#define DR 16
+// Dynamic shared memory: S (dk * DCOLS), then per staged row its k and
+// q * q_scale (DR * 2 * dk), then beta and decay per staged row (2 * DR).
 extern "C" __global__ void __launch_bounds__(DCOLS)
     delta_rows(const float* qk, const float* conv, const float* b, const float* a, const float* dt_bias,
                const float* ssm_a, float* state, float* o, int m, int hk, int hv, int dk, int dv, int tiled) {
     extern __shared__ float sh[];
-    float* S = sh;  // dk * DCOLS
-    __shared__ float kq[2 * MAX_DK];  // this row's k, then q * q_scale
+    float* S = sh;
+    float* kq = sh + dk * DCOLS;
+    float* bd = kq + DR * 2 * dk;
     int n = blockIdx.x, t = threadIdx.x;
     int j = blockIdx.y * DCOLS + t;
     bool live = j < dv;
@@ -210,36 +240,48 @@ extern "C" __global__ void __launch_bounds__(DCOLS)
     float* G = state + (i64)n * dk * dv;
     if (live)
         for (int i = 0; i < dk; i++) S[i * DCOLS + t] = G[(i64)i * dv + j];
-    for (int r = 0; r < m; r++) {
-        const float* qh = qk + (i64)r * 2 * kd + kh * dk;
-        const float* kh_ = qk + (i64)r * 2 * kd + kd + kh * dk;
+    for (int r0 = 0; r0 < m; r0 += DR) {
+        int cnt = min(DR, m - r0);
+        // Stage the next rows: all their loads in flight at once.
         __syncwarp();
-        for (int i = t; i < dk; i += DCOLS) {
-            kq[i] = kh_[i];
-            kq[MAX_DK + i] = qh[i] * q_scale;
+        for (int idx = t; idx < cnt * dk; idx += DCOLS) {
+            int rr = idx / dk, i = idx % dk;
+            const float* row = qk + (i64)(r0 + rr) * 2 * kd;
+            kq[rr * 2 * dk + i] = row[kd + kh * dk + i];
+            kq[rr * 2 * dk + dk + i] = row[kh * dk + i] * q_scale;
         }
+        if (t < cnt) {
+            int r = r0 + t;
+            bd[t] = sigmoid(b[(i64)r * hv + n]);
+            float gl = softplus(a[(i64)r * hv + n] + dt_bias[n]) * ssm_a[n];
+            bd[DR + t] = expf(gl);
+        }
+        float vv[DR];
+#pragma unroll
+        for (int rr = 0; rr < DR; rr++)
+            vv[rr] = (live && rr < cnt) ? conv[(i64)(r0 + rr) * cd + 2 * kd + n * dv + j] : 0.0f;
         __syncwarp();
-        float beta = sigmoid(b[(i64)r * hv + n]);
-        float gl = softplus(a[(i64)r * hv + n] + dt_bias[n]) * ssm_a[n];
-        float decay = expf(gl);
-        float vj = live ? conv[(i64)r * cd + 2 * kd + n * dv + j] : 0.0f;
-        if (live) {
+#pragma unroll
+        for (int rr = 0; rr < DR; rr++) {
+            if (rr >= cnt || !live) continue;
+            const float* kr = kq + rr * 2 * dk;
+            float beta = bd[rr], decay = bd[DR + rr];
             float kv = 0.0f;
 #pragma unroll 8
             for (int i = 0; i < dk; i++) {
                 float sv = S[i * DCOLS + t] * decay;
                 S[i * DCOLS + t] = sv;
-                kv = kv + sv * kq[i];
+                kv = kv + sv * kr[i];
             }
-            float delta = (vj - kv) * beta;
+            float delta = (vv[rr] - kv) * beta;
             float acc = 0.0f;
 #pragma unroll 8
             for (int i = 0; i < dk; i++) {
-                float sv = S[i * DCOLS + t] + kq[i] * delta;
+                float sv = S[i * DCOLS + t] + kr[i] * delta;
                 S[i * DCOLS + t] = sv;
-                acc = acc + sv * kq[MAX_DK + i];
+                acc = acc + sv * kr[dk + i];
             }
-            o[(i64)r * vd + n * dv + j] = acc;
+            o[(i64)(r0 + rr) * vd + n * dv + j] = acc;
         }
     }
     if (live)

@@ -542,6 +542,12 @@ impl Cuda {
             op: "delta_net".into(),
             msg: format!("layer {l} has no delta-net state"),
         })?;
+        if kc > 8 || kc == 0 {
+            return Err(CudaError::Driver {
+                op: "conv_rows".into(),
+                msg: format!("conv kernel of {kc} taps: the kernel takes 1 to 8"),
+            });
+        }
         let mut conv = d.scratch::<f32>(m * cd)?;
         let taps = self.vec(&dn.conv)?;
         let (mi, cdi, kci) = (m as i32, cd as i32, kc as i32);
@@ -590,7 +596,7 @@ impl Cuda {
             cfg(
                 (hv as u32, dv.div_ceil(32) as u32, 1),
                 32,
-                (dk * 32 * 4) as u32
+                ((dk * 32 + 16 * 2 * dk + 32) * 4) as u32
             ),
             &qk,
             &conv,
