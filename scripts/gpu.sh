@@ -5,7 +5,10 @@
 #   scripts/gpu.sh run OUTDIR    # on the GPU machine (no Rust): run from .gpu/
 #
 # `run` writes its logs and tables under OUTDIR and ends with a summary.
-# SAMESUM_GPU_STEPS picks steps (default: tests,identity,bench).
+# SAMESUM_GPU_STEPS picks steps, comma-separated (default: all of
+# tests,identity,bigidentity,bench,q3moe; smoke is a quick pp512/tg32 with a
+# kernel profile). A full run takes longer than one 10-minute device call:
+# split it, e.g. tests,identity then bigidentity,bench then q3moe.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -34,7 +37,7 @@ for line in sys.stdin:
 run)
     out=${2:?usage: scripts/gpu.sh run OUTDIR}
     mkdir -p "$out"
-    steps=${SAMESUM_GPU_STEPS:-tests,identity,bench}
+    steps=",${SAMESUM_GPU_STEPS:-tests,identity,bigidentity,bench,q3moe},"
     export SAMESUM_REQUIRE_GPU=1 SAMESUM_REQUIRE_NVRTC=1 SAMESUM_REPO=$PWD
     export SAMESUM_KERNEL_CACHE=${SAMESUM_KERNEL_CACHE:-/tmp/samesum-kernels}
     for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
@@ -52,11 +55,11 @@ run)
         echo "--- $name rc=$rc" | tee -a "$out/log.txt"
         return $rc
     }
-    if [[ $steps == *tests* ]]; then
+    if [[ $steps == *,tests,* ]]; then
         step kernels-compile .gpu/test-kernels_compile --nocapture
         step gpu-tests .gpu/test-gpu --nocapture --test-threads=1
     fi
-    if [[ $steps == *identity* ]]; then
+    if [[ $steps == *,identity,* ]]; then
         for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
             step "identity-$shape" timeout 300 .gpu/samesum identity --device cuda --shape "$shape" \
                 --chunk 1,7,64,128 --gen 64
@@ -68,26 +71,26 @@ run)
         [ -f "$f" ] || .gpu/samesum synth --shape "$1" --quant q4_k -o "$f" >>"$out/log.txt" 2>&1
         echo "$f"
     }
-    if [[ $steps == *smoke* ]]; then
+    if [[ $steps == *,smoke,* ]]; then
         q35=$(model qwen35moe-35b-a3b)
         step smoke-bench timeout 300 .gpu/samesum bench --device cuda -m "$q35" -p 512 -n 32 -r 1 \
             --prefill batched --chunk 512
         step smoke-profile timeout 200 .gpu/samesum bench --device cuda -m "$q35" -p 512 -n 8 -r 1 \
             --prefill batched --chunk 512 --profile
     fi
-    if [[ $steps == *bigidentity* ]]; then
+    if [[ $steps == *,bigidentity,* ]]; then
         q35=$(model qwen35moe-35b-a3b)
         step identity-q35-40l timeout 400 .gpu/samesum identity --device cuda -m "$q35" \
             --chunk 128,512 --gen 16 ${SAMESUM_GPU_IDENTITY_ARGS:-}
     fi
-    if [[ $steps == *bench* ]]; then
+    if [[ $steps == *,bench,* ]]; then
         q35=$(model qwen35moe-35b-a3b)
         step bench-q35 timeout 400 .gpu/samesum bench --device cuda -m "$q35" \
             -p ${SAMESUM_GPU_PP:-512,4096} -n 128 -r 2 --prefill replay,batched --chunk 512
         step profile-q35 timeout 200 .gpu/samesum bench --device cuda -m "$q35" -p 4096 -n 32 -r 1 \
             --prefill batched --chunk 512 --profile
     fi
-    if [[ $steps == *q3moe* ]]; then
+    if [[ $steps == *,q3moe,* ]]; then
         q3=$(model qwen3moe-30b-a3b)
         step bench-q3moe timeout 400 .gpu/samesum bench --device cuda -m "$q3" \
             -p ${SAMESUM_GPU_PP:-512,4096} -n 128 -r 2 --prefill replay,batched --chunk 512

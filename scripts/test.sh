@@ -63,6 +63,22 @@ if "$BIN" identity --shape tiny-qwen3next --chunk 16 --max-len 200 --gen 8 --neg
 fi
 tail -2 "$OUT/neg.md" | head -1
 
+if [[ "${SAMESUM_SKIP_CUDA:-0}" != "1" ]]; then
+    # No GPU here: NVRTC (from PyPI, pinned to the H200's CUDA 13.0) compiles
+    # every kernel for sm_90a, so a kernel that does not compile fails CI.
+    CUDA_VENV="${SAMESUM_CUDA_VENV:-.venv-cuda}"
+    if [[ ! -x "$CUDA_VENV/bin/python" ]]; then
+        echo "== creating $CUDA_VENV (NVRTC 13.0)"
+        python3 -m venv "$CUDA_VENV"
+        "$CUDA_VENV/bin/pip" install --quiet "nvidia-cuda-nvrtc==13.0.*"
+    fi
+    NVRTC_LIB="$("$CUDA_VENV/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')"
+    echo "== CUDA kernels compile with NVRTC for sm_90a (registers and spills per kernel)"
+    LD_LIBRARY_PATH="$NVRTC_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" SAMESUM_REQUIRE_NVRTC=1 \
+        cargo test --release --locked -q -p samesum-cuda --test kernels_compile -- --nocapture --test-threads=1 2>&1 \
+        | grep -E "^(NVRTC|\||test result)"
+fi
+
 if [[ "${SAMESUM_LLAMA_CHECK:-0}" == "1" && -z "${LLAMA_SIMPLE:-}" ]]; then
     echo "== building llama.cpp's llama-simple (cached in .cache/)"
     LLAMA_SIMPLE="$(scripts/llama-cpp.sh)"
