@@ -855,6 +855,30 @@ impl Backend for Cuda {
         st.pos += m;
     }
 
+    fn rows(&self, x: &CudaSlice<f32>, width: usize, r0: usize, n: usize) -> R<CudaSlice<f32>> {
+        let mut out = self.dev.scratch::<f32>(n * width).map_err(e)?;
+        let src = x.slice(r0 * width..(r0 + n) * width);
+        self.dev
+            .stream
+            .memcpy_dtod(&src, &mut out)
+            .map_err(|x| e(drv("copy rows", x)))?;
+        Ok(out)
+    }
+
+    fn set_rows(
+        &self,
+        dst: &mut CudaSlice<f32>,
+        width: usize,
+        r0: usize,
+        src: &CudaSlice<f32>,
+    ) -> R<()> {
+        let mut d = dst.slice_mut(r0 * width..r0 * width + src.len());
+        self.dev
+            .stream
+            .memcpy_dtod(src, &mut d)
+            .map_err(|x| e(drv("copy rows", x)))
+    }
+
     fn embed(&self, model: &Model, tokens: &[u32], out: &mut CudaSlice<f32>) -> R<()> {
         let w = &model.w;
         let d = model.hp.n_embd;

@@ -57,6 +57,12 @@ pub trait Backend: Sync {
     /// Move a sequence past `m` rows (after a forward call wrote them).
     fn advance(&self, st: &mut Self::State, m: usize);
 
+    /// Rows `r0..r0 + n` of `x` (rows of `width`) as a new buffer.
+    fn rows(&self, x: &Self::Buf, width: usize, r0: usize, n: usize) -> Result<Self::Buf>;
+    /// Copy `src` (rows of `width`) into rows `r0..` of `dst`.
+    fn set_rows(&self, dst: &mut Self::Buf, width: usize, r0: usize, src: &Self::Buf)
+    -> Result<()>;
+
     /// Embedding rows of `tokens` (errors on ids outside the vocabulary).
     fn embed(&self, model: &Model, tokens: &[u32], out: &mut Self::Buf) -> Result<()>;
     /// RMSNorm rows with weight `which`.

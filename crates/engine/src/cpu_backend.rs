@@ -67,6 +67,15 @@ impl Backend for Cpu {
         st.pos += m;
     }
 
+    fn rows(&self, x: &Vec<f32>, width: usize, r0: usize, n: usize) -> Result<Vec<f32>> {
+        Ok(x[r0 * width..(r0 + n) * width].to_vec())
+    }
+
+    fn set_rows(&self, dst: &mut Vec<f32>, width: usize, r0: usize, src: &Vec<f32>) -> Result<()> {
+        dst[r0 * width..r0 * width + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+
     fn embed(&self, model: &Model, tokens: &[u32], out: &mut Vec<f32>) -> Result<()> {
         let w = &model.w;
         let d = model.hp.n_embd;

@@ -23,6 +23,17 @@ pub enum Logits {
     None,
 }
 
+/// One sequence's part of a batched forward call: its state, its next tokens
+/// and which of their logits to return.
+pub struct Segment<'a, S> {
+    /// The sequence's state (its next positions receive `tokens`).
+    pub state: &'a mut S,
+    /// Tokens to run.
+    pub tokens: &'a [u32],
+    /// Which rows' logits to return.
+    pub want: Logits,
+}
+
 /// Run `tokens` (at the state's next positions) through the model, update the
 /// state, and return the requested logits.
 pub fn forward<B: Backend>(
@@ -32,37 +43,111 @@ pub fn forward<B: Backend>(
     tokens: &[u32],
     want: Logits,
 ) -> Result<Vec<f32>> {
-    let (m, d) = (tokens.len(), model.hp.n_embd);
+    let mut segs = [Segment {
+        state: st,
+        tokens,
+        want,
+    }];
+    Ok(forward_batch(model, b, &mut segs)?
+        .pop()
+        .unwrap_or_default())
+}
+
+/// Several sequences in one forward call: their rows go through the norms and
+/// the MoE together (one expert plan for all of them), each sequence's rows
+/// through the mixer with its own state. By the row contract each sequence
+/// gets the same bytes as in a call of its own. Returns each segment's logits.
+pub fn forward_batch<B: Backend>(
+    model: &Model,
+    b: &B,
+    segs: &mut [Segment<'_, B::State>],
+) -> Result<Vec<Vec<f32>>> {
+    let d = model.hp.n_embd;
+    let m: usize = segs.iter().map(|s| s.tokens.len()).sum();
     if m == 0 {
-        return Ok(Vec::new());
+        return Ok(segs.iter().map(|_| Vec::new()).collect());
     }
-    let pos = b.position(st);
-    if pos + m > b.capacity(st) {
-        return Err(EngineError::ContextFull {
-            pos: pos + m - 1,
-            ctx: b.capacity(st),
-        });
+    for s in segs.iter() {
+        let (pos, n) = (b.position(s.state), s.tokens.len());
+        if pos + n > b.capacity(s.state) {
+            return Err(EngineError::ContextFull {
+                pos: pos + n - 1,
+                ctx: b.capacity(s.state),
+            });
+        }
     }
+    let tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
     let mut h = b.alloc(m * d)?;
-    b.embed(model, tokens, &mut h)?;
+    b.embed(model, &tokens, &mut h)?;
     let mut x = b.alloc(m * d)?;
     let mut y = b.alloc(m * d)?;
+    let single = segs.len() == 1;
     for (l, lw) in model.w.layers.iter().enumerate() {
         b.rms_norm(model, Norm::Attn(l), &h, &mut x)?;
-        match &lw.mixer {
-            Mixer::Attention(a) => b.attention(model, l, a, &x, st, &mut y)?,
-            Mixer::Linear(dn) => b.delta_net(model, l, dn, &x, st, &mut y)?,
+        let mut r0 = 0;
+        for s in segs.iter_mut() {
+            let n = s.tokens.len();
+            if n == 0 {
+                continue;
+            }
+            if single {
+                mixer(model, b, l, &lw.mixer, &x, s.state, &mut y)?;
+            } else {
+                let xs = b.rows(&x, d, r0, n)?;
+                let mut ys = b.alloc(n * d)?;
+                mixer(model, b, l, &lw.mixer, &xs, s.state, &mut ys)?;
+                b.set_rows(&mut y, d, r0, &ys)?;
+            }
+            r0 += n;
         }
         b.add(&mut h, &y)?;
         b.rms_norm(model, Norm::Ffn(l), &h, &mut x)?;
         b.moe(model, &lw.moe, &x, &mut y)?;
         b.add(&mut h, &y)?;
     }
-    b.advance(st, m);
-    let rows: Vec<usize> = match want {
-        Logits::All => (0..m).collect(),
-        Logits::Last => vec![m - 1],
-        Logits::None => return Ok(Vec::new()),
+    let mut rows = Vec::new();
+    let mut r0 = 0;
+    for s in segs.iter_mut() {
+        let n = s.tokens.len();
+        b.advance(s.state, n);
+        match s.want {
+            Logits::All => rows.extend(r0..r0 + n),
+            Logits::Last if n > 0 => rows.push(r0 + n - 1),
+            _ => {}
+        }
+        r0 += n;
+    }
+    let logits = if rows.is_empty() {
+        Vec::new()
+    } else {
+        b.logits(model, &h, &rows)?
     };
-    b.logits(model, &h, &rows)
+    let v = model.w.n_vocab;
+    let mut out = Vec::with_capacity(segs.len());
+    let mut at = 0;
+    for s in segs.iter() {
+        let k = match s.want {
+            Logits::All => s.tokens.len(),
+            Logits::Last if !s.tokens.is_empty() => 1,
+            _ => 0,
+        };
+        out.push(logits[at * v..(at + k) * v].to_vec());
+        at += k;
+    }
+    Ok(out)
+}
+
+fn mixer<B: Backend>(
+    model: &Model,
+    b: &B,
+    l: usize,
+    mixer: &Mixer,
+    x: &B::Buf,
+    st: &mut B::State,
+    y: &mut B::Buf,
+) -> Result<()> {
+    match mixer {
+        Mixer::Attention(a) => b.attention(model, l, a, x, st, y),
+        Mixer::Linear(dn) => b.delta_net(model, l, dn, x, st, y),
+    }
 }
