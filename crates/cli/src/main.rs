@@ -6,6 +6,7 @@ mod device;
 mod identity;
 mod inspect;
 mod run;
+mod serve;
 mod synth;
 
 use clap::{Parser, Subcommand};
@@ -35,6 +36,9 @@ enum Command {
     Bench(bench::Args),
     /// Measure dequantize and dot-product throughput per block format.
     BenchQuant(bench_quant::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API (no -m: the built-in
+    /// tiny synthetic model).
+    Serve(serve::Args),
 }
 
 fn main() -> ExitCode {
@@ -52,6 +56,7 @@ fn main() -> ExitCode {
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(a) => bench::run(a),
         Command::BenchQuant(a) => bench_quant::run(a),
+        Command::Serve(a) => serve::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -185,6 +185,17 @@ impl Tokenizer {
 
     /// Render a one-turn chat prompt with the model's template.
     pub fn chat(&self, user: &str, system: Option<&str>) -> Result<String> {
+        let mut messages = Vec::new();
+        if let Some(s) = system {
+            messages.push(("system", s));
+        }
+        messages.push(("user", user));
+        self.chat_messages(&messages)
+    }
+
+    /// Render a conversation of `(role, content)` messages with the model's
+    /// template, ending with the assistant's turn opened.
+    pub fn chat_messages(&self, msgs: &[(&str, &str)]) -> Result<String> {
         let tpl = self.chat_template.as_deref().ok_or_else(|| {
             EngineError::Template("the model has no tokenizer.chat_template (use --no-chat)".into())
         })?;
@@ -202,11 +213,10 @@ impl Tokenizer {
         );
         env.add_template("chat", tpl)
             .map_err(|e| EngineError::Template(e.to_string()))?;
-        let mut messages = Vec::new();
-        if let Some(s) = system {
-            messages.push(minijinja::context! { role => "system", content => s });
-        }
-        messages.push(minijinja::context! { role => "user", content => user });
+        let messages: Vec<minijinja::Value> = msgs
+            .iter()
+            .map(|(role, content)| minijinja::context! { role => role, content => content })
+            .collect();
         let bos = self
             .bos
             .map(|b| self.token(b).to_string())

@@ -1,0 +1,189 @@
+//! Server counters and their Prometheus text form (`GET /metrics`).
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A monotonically increasing count.
+#[derive(Default, Debug)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    /// Add `n`.
+    pub fn inc(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+    /// The value.
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A value that goes up and down.
+#[derive(Default, Debug)]
+pub struct Gauge(AtomicU64);
+
+impl Gauge {
+    /// Set it.
+    pub fn set(&self, v: u64) {
+        self.0.store(v, Ordering::Relaxed);
+    }
+    /// Add one.
+    pub fn inc(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+    /// Take one away (never below 0).
+    pub fn dec(&self) {
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                Some(v.saturating_sub(1))
+            });
+    }
+    /// The value.
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A sum of seconds.
+#[derive(Default, Debug)]
+pub struct Seconds(AtomicU64);
+
+impl Seconds {
+    /// Add `s` seconds.
+    pub fn add(&self, s: f64) {
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+                Some((f64::from_bits(b) + s).to_bits())
+            });
+    }
+    /// The sum.
+    pub fn get(&self) -> f64 {
+        f64::from_bits(self.0.load(Ordering::Relaxed))
+    }
+}
+
+/// Everything `/metrics` reports.
+#[derive(Default, Debug)]
+pub struct Metrics {
+    /// Requests accepted into the queue.
+    pub requests: Counter,
+    /// Requests finished (stop or length).
+    pub requests_done: Counter,
+    /// Requests refused because the queue was full (503).
+    pub rejected: Counter,
+    /// Requests refused as malformed (4xx).
+    pub bad_requests: Counter,
+    /// Requests cancelled because the client went away.
+    pub cancelled: Counter,
+    /// Prompt tokens prefilled.
+    pub prompt_tokens: Counter,
+    /// Tokens generated.
+    pub completion_tokens: Counter,
+    /// Time in forward calls, attributed to prompt rows.
+    pub prefill_seconds: Seconds,
+    /// Time in forward calls, attributed to decode rows.
+    pub decode_seconds: Seconds,
+    /// Requests waiting in the queue.
+    pub queue_depth: Gauge,
+    /// Requests running on the model thread.
+    pub running: Gauge,
+}
+
+impl Metrics {
+    /// Prometheus text exposition format.
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        let mut put = |name: &str, kind: &str, help: &str, v: String| {
+            let _ = writeln!(
+                s,
+                "# HELP samesum_{name} {help}\n# TYPE samesum_{name} {kind}\nsamesum_{name} {v}"
+            );
+        };
+        put(
+            "requests_total",
+            "counter",
+            "Requests accepted.",
+            self.requests.get().to_string(),
+        );
+        put(
+            "requests_finished_total",
+            "counter",
+            "Requests finished.",
+            self.requests_done.get().to_string(),
+        );
+        put(
+            "requests_rejected_total",
+            "counter",
+            "Requests refused with 503 (queue full).",
+            self.rejected.get().to_string(),
+        );
+        put(
+            "requests_invalid_total",
+            "counter",
+            "Requests refused as invalid (4xx).",
+            self.bad_requests.get().to_string(),
+        );
+        put(
+            "requests_cancelled_total",
+            "counter",
+            "Requests cancelled by a client disconnect.",
+            self.cancelled.get().to_string(),
+        );
+        put(
+            "prompt_tokens_total",
+            "counter",
+            "Prompt tokens prefilled.",
+            self.prompt_tokens.get().to_string(),
+        );
+        put(
+            "completion_tokens_total",
+            "counter",
+            "Tokens generated.",
+            self.completion_tokens.get().to_string(),
+        );
+        let (pt, ps) = (self.prompt_tokens.get() as f64, self.prefill_seconds.get());
+        let (ct, ds) = (
+            self.completion_tokens.get() as f64,
+            self.decode_seconds.get(),
+        );
+        put(
+            "prefill_seconds_total",
+            "counter",
+            "Forward time spent on prompt rows.",
+            format!("{ps:.6}"),
+        );
+        put(
+            "decode_seconds_total",
+            "counter",
+            "Forward time spent on decode rows.",
+            format!("{ds:.6}"),
+        );
+        put(
+            "prefill_tokens_per_second",
+            "gauge",
+            "Prompt tokens per second of prefill time.",
+            format!("{:.3}", if ps > 0.0 { pt / ps } else { 0.0 }),
+        );
+        put(
+            "decode_tokens_per_second",
+            "gauge",
+            "Generated tokens per second of decode time.",
+            format!("{:.3}", if ds > 0.0 { ct / ds } else { 0.0 }),
+        );
+        put(
+            "queue_depth",
+            "gauge",
+            "Requests waiting in the queue.",
+            self.queue_depth.get().to_string(),
+        );
+        put(
+            "requests_running",
+            "gauge",
+            "Requests running on the model thread.",
+            self.running.get().to_string(),
+        );
+        s
+    }
+}

@@ -1,0 +1,450 @@
+//! The model thread: continuous batching over the engine's `forward_batch`.
+//!
+//! Requests arrive through a bounded queue. Each step takes every running
+//! request's next rows (one decode row each, plus at most `prefill_chunk`
+//! prompt rows shared among the requests still prefilling, oldest first) and
+//! runs them in one forward call. A request joins or leaves between steps; one
+//! whose client went away is dropped at the next step, in the middle of a
+//! prefill too. By the row contract, each request's logits (so its tokens and
+//! log-probabilities) are the same bytes whatever else runs beside it.
+
+use crate::metrics::Metrics;
+use samesum_engine::backend::Backend;
+use samesum_engine::sample::{Sampler, SamplerConfig};
+use samesum_engine::tokenizer::Tokenizer;
+use samesum_engine::{KvType, Logits, Model, Segment, forward_batch};
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// A token's log-probability and the most likely alternatives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The `n` most likely tokens and theirs.
+    pub top: Vec<(String, f32)>,
+}
+
+/// Token and timing counts of a finished request.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Time in the queue, ms.
+    pub queue_ms: f64,
+    /// Prefill time, ms.
+    pub prompt_ms: f64,
+    /// Generation time, ms.
+    pub gen_ms: f64,
+}
+
+/// What the model thread sends back for one request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// New text (possibly empty while a stop sequence or a split character is
+    /// pending) and, if asked for, the token's log-probabilities.
+    Token {
+        /// Text to append.
+        text: String,
+        /// Log-probabilities of the token.
+        logprob: Option<TokenLogprob>,
+    },
+    /// The request ended: `stop` or `length`.
+    Done {
+        /// Finish reason.
+        finish: &'static str,
+        /// Counts and timings.
+        usage: Usage,
+    },
+    /// The request failed.
+    Error(String),
+}
+
+/// One request for the model thread.
+pub struct Job {
+    /// Request id (for logs).
+    pub id: String,
+    /// Prompt tokens (non-empty, checked against the context).
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most.
+    pub max_new: usize,
+    /// Sampling.
+    pub sampler: SamplerConfig,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Log-probabilities with this many alternatives.
+    pub logprobs: Option<usize>,
+    /// Where events go; a closed channel cancels the request.
+    pub events: UnboundedSender<Event>,
+    /// When it was queued.
+    pub queued: Instant,
+}
+
+/// Model-thread settings.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Requests running at once.
+    pub max_batch: usize,
+    /// Prompt rows per step (shared by the prefilling requests).
+    pub prefill_chunk: usize,
+    /// KV cache type.
+    pub kv: KvType,
+}
+
+struct Running<S> {
+    job: Job,
+    state: S,
+    fed: usize,
+    sampler: Sampler,
+    history: Vec<u32>,
+    generated: Vec<u32>,
+    emitted: usize,
+    next: Option<u32>,
+    started: Instant,
+    prefilled: Option<Instant>,
+}
+
+/// Log-softmax value of `t` and the `n` most likely tokens.
+fn logprobs(tok: &Tokenizer, logits: &[f32], t: u32, n: usize) -> TokenLogprob {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let lse = max as f64 + sum.ln();
+    let lp = |i: u32| (logits[i as usize] as f64 - lse) as f32;
+    let text = |i: u32| tok.decode(&[i]).unwrap_or_default();
+    let mut top = Vec::new();
+    if n > 0 {
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        let k = n.min(idx.len());
+        idx.select_nth_unstable_by(k - 1, |&a, &b| {
+            logits[b as usize]
+                .total_cmp(&logits[a as usize])
+                .then(a.cmp(&b))
+        });
+        idx.truncate(k);
+        idx.sort_by(|&a, &b| {
+            logits[b as usize]
+                .total_cmp(&logits[a as usize])
+                .then(a.cmp(&b))
+        });
+        top = idx.into_iter().map(|i| (text(i), lp(i))).collect();
+    }
+    TokenLogprob {
+        token: text(t),
+        logprob: lp(t),
+        top,
+    }
+}
+
+/// The longest suffix of `s` that is a proper prefix of one of `stops` (text
+/// that must wait: the next token may complete a stop sequence).
+fn pending_prefix(s: &str, stops: &[String]) -> usize {
+    let mut best = 0;
+    for st in stops {
+        for k in (1..st.len()).rev() {
+            if k <= s.len()
+                && s.is_char_boundary(s.len() - k)
+                && st.is_char_boundary(k)
+                && s.ends_with(&st[..k])
+            {
+                best = best.max(k);
+                break;
+            }
+        }
+    }
+    best
+}
+
+impl<S> Running<S> {
+    fn usage(&self) -> Usage {
+        let now = Instant::now();
+        let pre = self.prefilled.unwrap_or(now);
+        Usage {
+            prompt_tokens: self.job.prompt.len(),
+            completion_tokens: self.generated.len(),
+            queue_ms: (self.started - self.job.queued).as_secs_f64() * 1e3,
+            prompt_ms: (pre - self.started).as_secs_f64() * 1e3,
+            gen_ms: (now - pre).as_secs_f64() * 1e3,
+        }
+    }
+
+    /// Take the logits of the next token: sample, emit, and say whether the
+    /// request goes on.
+    fn advance(&mut self, tok: &Tokenizer, logits: &[f32], m: &Metrics) -> bool {
+        let t = self.sampler.sample(logits, &self.history);
+        let lp = self.job.logprobs.map(|n| logprobs(tok, logits, t, n));
+        if tok.stop.contains(&t) {
+            return self.finish(tok, "stop", None, m);
+        }
+        self.generated.push(t);
+        self.history.push(t);
+        m.completion_tokens.inc(1);
+        let full = tok.decode(&self.generated).unwrap_or_default();
+        // A stop sequence ends the text where it starts.
+        if let Some(at) = self
+            .job
+            .stop
+            .iter()
+            .filter_map(|s| {
+                full[self.emitted.min(full.len())..]
+                    .find(s.as_str())
+                    .map(|i| i + self.emitted)
+            })
+            .min()
+        {
+            let text = full.get(self.emitted..at).unwrap_or("").to_string();
+            self.emitted = at;
+            let _ = self.job.events.send(Event::Token { text, logprob: lp });
+            return self.finish(tok, "stop", Some(at), m);
+        }
+        let safe = if full.ends_with('\u{FFFD}') {
+            self.emitted
+        } else {
+            full.len() - pending_prefix(&full, &self.job.stop)
+        };
+        let text = full
+            .get(self.emitted..safe.max(self.emitted))
+            .unwrap_or("")
+            .to_string();
+        self.emitted = safe.max(self.emitted);
+        let _ = self.job.events.send(Event::Token { text, logprob: lp });
+        if self.generated.len() >= self.job.max_new {
+            return self.finish(tok, "length", None, m);
+        }
+        self.next = Some(t);
+        true
+    }
+
+    /// Flush held-back text (unless cut at a stop sequence) and send Done.
+    fn finish(
+        &mut self,
+        tok: &Tokenizer,
+        finish: &'static str,
+        cut: Option<usize>,
+        m: &Metrics,
+    ) -> bool {
+        if cut.is_none() {
+            let full = tok.decode(&self.generated).unwrap_or_default();
+            if let Some(rest) = full.get(self.emitted..)
+                && !rest.is_empty()
+            {
+                let _ = self.job.events.send(Event::Token {
+                    text: rest.to_string(),
+                    logprob: None,
+                });
+            }
+        }
+        let usage = self.usage();
+        m.requests_done.inc(1);
+        tracing::info!(
+            id = %self.job.id,
+            prompt = usage.prompt_tokens,
+            completion = usage.completion_tokens,
+            finish,
+            prompt_ms = format!("{:.1}", usage.prompt_ms),
+            gen_ms = format!("{:.1}", usage.gen_ms),
+            "request done"
+        );
+        let _ = self.job.events.send(Event::Done { finish, usage });
+        false
+    }
+}
+
+/// Run the model thread until the queue's senders are all gone.
+pub fn run<B: Backend>(
+    model: &Model,
+    tok: &Tokenizer,
+    b: &B,
+    rx: Receiver<Job>,
+    cfg: &Config,
+    m: &Arc<Metrics>,
+) {
+    let mut running: Vec<Running<B::State>> = Vec::new();
+    loop {
+        // Admit new requests between steps (wait when idle).
+        while running.len() < cfg.max_batch.max(1) {
+            let job = if running.is_empty() {
+                match rx.recv_timeout(Duration::from_millis(200)) {
+                    Ok(j) => j,
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            } else {
+                match rx.try_recv() {
+                    Ok(j) => j,
+                    Err(_) => break,
+                }
+            };
+            m.queue_depth.dec();
+            if job.events.is_closed() {
+                m.cancelled.inc(1);
+                continue;
+            }
+            let ctx = job.prompt.len() + job.max_new + 1;
+            match b.new_state(model, ctx, cfg.kv) {
+                Ok(state) => {
+                    let seed = job.sampler.seed;
+                    running.push(Running {
+                        sampler: Sampler::new(SamplerConfig {
+                            seed,
+                            ..job.sampler.clone()
+                        }),
+                        history: job.prompt.clone(),
+                        job,
+                        state,
+                        fed: 0,
+                        generated: Vec::new(),
+                        emitted: 0,
+                        next: None,
+                        started: Instant::now(),
+                        prefilled: None,
+                    });
+                }
+                Err(e) => {
+                    let _ = job
+                        .events
+                        .send(Event::Error(format!("could not start the request: {e}")));
+                }
+            }
+        }
+        // Drop the requests whose clients went away.
+        running.retain(|r| {
+            let gone = r.job.events.is_closed();
+            if gone {
+                m.cancelled.inc(1);
+                tracing::info!(id = %r.job.id, fed = r.fed, generated = r.generated.len(), "client gone: request cancelled");
+            }
+            !gone
+        });
+        m.running.set(running.len() as u64);
+        if running.is_empty() {
+            continue;
+        }
+        // This step's rows.
+        let mut budget = cfg.prefill_chunk.max(1);
+        let mut plan: Vec<(usize, usize)> = Vec::new(); // (running index, rows)
+        let mut prefill_rows = 0;
+        for (i, r) in running.iter().enumerate() {
+            if let Some(_t) = r.next {
+                plan.push((i, 1));
+            } else if r.fed < r.job.prompt.len() && budget > 0 {
+                let n = (r.job.prompt.len() - r.fed).min(budget);
+                budget -= n;
+                prefill_rows += n;
+                plan.push((i, n));
+            }
+        }
+        let t0 = Instant::now();
+        let tokens: Vec<Vec<u32>> = plan
+            .iter()
+            .map(|&(i, n)| {
+                let r = &running[i];
+                match r.next {
+                    Some(t) => vec![t],
+                    None => r.job.prompt[r.fed..r.fed + n].to_vec(),
+                }
+            })
+            .collect();
+        let wants: Vec<Logits> = plan
+            .iter()
+            .map(|&(i, n)| {
+                let r = &running[i];
+                if r.next.is_some() || r.fed + n == r.job.prompt.len() {
+                    Logits::Last
+                } else {
+                    Logits::None
+                }
+            })
+            .collect();
+        let result = {
+            let mut states: Vec<Option<&mut B::State>> =
+                running.iter_mut().map(|r| Some(&mut r.state)).collect();
+            let mut segs: Vec<Segment<'_, B::State>> = plan
+                .iter()
+                .zip(&tokens)
+                .zip(&wants)
+                .map(|((&(i, _), t), &want)| Segment {
+                    state: states[i].take().expect("one segment per request"),
+                    tokens: t,
+                    want,
+                })
+                .collect();
+            forward_batch(model, b, &mut segs)
+        };
+        let dt = t0.elapsed().as_secs_f64();
+        let decode_rows = plan.len()
+            - plan
+                .iter()
+                .filter(|&&(i, _)| running[i].next.is_none())
+                .count();
+        if prefill_rows > 0 {
+            m.prompt_tokens.inc(prefill_rows as u64);
+            m.prefill_seconds
+                .add(dt * prefill_rows as f64 / (prefill_rows + decode_rows) as f64);
+        }
+        if decode_rows > 0 {
+            m.decode_seconds
+                .add(dt * decode_rows as f64 / (prefill_rows + decode_rows) as f64);
+        }
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!("forward failed: {e}");
+                for &(i, _) in &plan {
+                    let _ = running[i]
+                        .job
+                        .events
+                        .send(Event::Error(format!("the model failed: {e}")));
+                }
+                let failed: Vec<usize> = plan.iter().map(|&(i, _)| i).collect();
+                let mut k = 0;
+                running.retain(|_| {
+                    k += 1;
+                    !failed.contains(&(k - 1))
+                });
+                continue;
+            }
+        };
+        let mut keep = vec![true; running.len()];
+        for ((&(i, n), l), _) in plan.iter().zip(&logits).zip(&wants) {
+            let r = &mut running[i];
+            if r.next.is_none() {
+                r.fed += n;
+                if r.job.prompt.len() > cfg.prefill_chunk {
+                    tracing::info!(id = %r.job.id, fed = r.fed, of = r.job.prompt.len(), "prefill");
+                }
+                if r.fed < r.job.prompt.len() {
+                    continue;
+                }
+                r.prefilled = Some(Instant::now());
+            }
+            keep[i] = r.advance(tok, l, m);
+        }
+        let mut k = 0;
+        running.retain(|_| {
+            k += 1;
+            keep[k - 1]
+        });
+        m.running.set(running.len() as u64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pending_prefix;
+
+    #[test]
+    fn held_back_text_is_a_stop_prefix() {
+        let stops = vec!["END".to_string(), "\n\n".to_string()];
+        assert_eq!(pending_prefix("abc E", &stops), 1);
+        assert_eq!(pending_prefix("abc EN", &stops), 2);
+        assert_eq!(pending_prefix("abc\n", &stops), 1);
+        assert_eq!(pending_prefix("abc", &stops), 0);
+        assert_eq!(pending_prefix("é", &["éa".to_string()]), 2);
+    }
+}
