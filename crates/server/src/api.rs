@@ -90,6 +90,7 @@ pub struct Common {
     pub stop: Option<Stop>,
     pub stream: Option<bool>,
     pub n: Option<u64>,
+    pub ignore_eos: Option<bool>,
 }
 
 /// Defines a request struct with the endpoint's own fields plus the shared
@@ -118,6 +119,9 @@ macro_rules! request {
             /// Accepted and ignored (usage is always reported).
             pub stream_options: Option<Value>,
             pub n: Option<u64>,
+            /// Keep generating past the model's end-of-text tokens (llama.cpp's
+            /// server option; for benchmarks).
+            pub ignore_eos: Option<bool>,
             /// Accepted and ignored.
             pub user: Option<String>,
         }
@@ -140,6 +144,7 @@ macro_rules! request {
                     stop: self.stop.clone(),
                     stream: self.stream,
                     n: self.n,
+                    ignore_eos: self.ignore_eos,
                 }
             }
         }
@@ -198,6 +203,8 @@ pub struct Settings {
     pub stream: bool,
     /// Report log-probabilities, with this many alternatives per token.
     pub logprobs: Option<usize>,
+    /// Do not stop at the model's end-of-text tokens.
+    pub ignore_eos: bool,
 }
 
 /// Parse a JSON body, naming the problem on failure.
@@ -304,6 +311,7 @@ impl Common {
             stop,
             stream: self.stream.unwrap_or(false),
             logprobs,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
         })
     }
 }

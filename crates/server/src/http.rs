@@ -190,6 +190,7 @@ fn submit(
         },
         stop: s.stop.clone(),
         logprobs: s.logprobs,
+        ignore_eos: s.ignore_eos,
         events: tx,
         queued: Instant::now(),
     };

@@ -43,6 +43,10 @@ impl Gauge {
     pub fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
+    /// Raise to `v` if higher.
+    pub fn max(&self, v: u64) {
+        self.0.fetch_max(v, Ordering::Relaxed);
+    }
 }
 
 /// A sum of seconds.
@@ -89,6 +93,8 @@ pub struct Metrics {
     pub queue_depth: Gauge,
     /// Requests running on the model thread.
     pub running: Gauge,
+    /// The most requests one forward call has carried.
+    pub max_step_requests: Gauge,
 }
 
 impl Metrics {
@@ -183,6 +189,12 @@ impl Metrics {
             "gauge",
             "Requests running on the model thread.",
             self.running.get().to_string(),
+        );
+        put(
+            "max_step_requests",
+            "gauge",
+            "The most requests one forward call has carried.",
+            self.max_step_requests.get().to_string(),
         );
         s
     }

@@ -80,6 +80,8 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Log-probabilities with this many alternatives.
     pub logprobs: Option<usize>,
+    /// Generate past end-of-text tokens.
+    pub ignore_eos: bool,
     /// Where events go; a closed channel cancels the request.
     pub events: UnboundedSender<Event>,
     /// When it was queued.
@@ -178,7 +180,7 @@ impl<S> Running<S> {
     fn advance(&mut self, tok: &Tokenizer, logits: &[f32], m: &Metrics) -> bool {
         let t = self.sampler.sample(logits, &self.history);
         let lp = self.job.logprobs.map(|n| logprobs(tok, logits, t, n));
-        if tok.stop.contains(&t) {
+        if !self.job.ignore_eos && tok.stop.contains(&t) {
             return self.finish(tok, "stop", None, m);
         }
         self.generated.push(t);
@@ -339,6 +341,7 @@ pub fn run<B: Backend>(
                 plan.push((i, n));
             }
         }
+        m.max_step_requests.max(plan.len() as u64);
         let t0 = Instant::now();
         let tokens: Vec<Vec<u32>> = plan
             .iter()

@@ -1,0 +1,479 @@
+//! The server end to end on loopback, against a tiny synthetic model: the
+//! endpoints, batch invariance of concurrent requests, bad input (each a 4xx
+//! with an OpenAI-style error, the server still serving), the full queue, and
+//! cancellation by disconnect.
+
+use samesum_engine::{KvType, Model};
+use samesum_gguf::GgmlType;
+use samesum_server::{Device, Options};
+use samesum_synth::{SynthOptions, shapes, write_model};
+use serde_json::{Value, json};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+struct Server {
+    addr: SocketAddr,
+    _dir: tempfile::TempDir,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn start(max_batch: usize, max_queue: usize, ctx: usize) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("m.gguf");
+    write_model(
+        &SynthOptions::new(
+            shapes::by_name("tiny-qwen3next").unwrap(),
+            GgmlType::Q8_0,
+            0,
+        ),
+        &p,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let model = Model::load(&p).unwrap();
+    let opts = Options {
+        host: "127.0.0.1".into(),
+        port: 0,
+        device: Device::Cpu(2),
+        max_batch,
+        max_queue,
+        max_body: 4096,
+        ctx,
+        prefill_chunk: 16,
+        kv: KvType::F32,
+        model_name: "tiny".into(),
+    };
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(samesum_server::serve(
+            model,
+            opts,
+            move |a| addr_tx.send(a).unwrap(),
+            async {
+                let _ = stop_rx.await;
+            },
+        ))
+        .unwrap();
+    });
+    let addr = addr_rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    Server {
+        addr,
+        _dir: dir,
+        stop: Some(stop_tx),
+        thread: Some(thread),
+    }
+}
+
+/// One HTTP/1.1 request with `Connection: close`: (status, headers, body).
+fn request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String, Vec<u8>) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a response head");
+    let head = String::from_utf8_lossy(&raw[..split]).to_string();
+    let mut rest = raw[split + 4..].to_vec();
+    let status: u16 = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        let mut out = Vec::new();
+        loop {
+            let line_end = rest.windows(2).position(|w| w == b"\r\n").unwrap();
+            let n =
+                usize::from_str_radix(std::str::from_utf8(&rest[..line_end]).unwrap().trim(), 16)
+                    .unwrap();
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&rest[line_end + 2..line_end + 2 + n]);
+            rest.drain(..line_end + 2 + n + 2);
+        }
+        rest = out;
+    }
+    (status, head, rest)
+}
+
+fn post(addr: SocketAddr, path: &str, v: &Value) -> (u16, Value) {
+    let (st, _, b) = request(addr, "POST", path, v.to_string().as_bytes());
+    (st, serde_json::from_slice(&b).unwrap_or(Value::Null))
+}
+
+fn chat_body(content: &str, extra: Value) -> Value {
+    let mut v = json!({"messages": [{"role": "user", "content": content}], "max_tokens": 24, "logprobs": true, "top_logprobs": 3});
+    for (k, x) in extra.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    v
+}
+
+#[test]
+fn endpoints_answer() {
+    let s = start(4, 16, 512);
+    let (st, _, b) = request(s.addr, "GET", "/health", b"");
+    assert_eq!(st, 200);
+    assert_eq!(serde_json::from_slice::<Value>(&b).unwrap()["status"], "ok");
+    let (st, _, b) = request(s.addr, "GET", "/v1/models", b"");
+    assert_eq!(st, 200);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&b).unwrap()["data"][0]["id"],
+        "tiny"
+    );
+    let (st, v) = post(
+        s.addr,
+        "/v1/chat/completions",
+        &chat_body("Hello", json!({"temperature": 0})),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["usage"]["completion_tokens"], 24);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        v["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .len(),
+        24
+    );
+    let (st, v) = post(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0}),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    // Streaming: well-formed events, the text equal to the non-streamed one.
+    let body = chat_body("Hello", json!({"temperature": 0, "stream": true}));
+    let (st, head, b) = request(
+        s.addr,
+        "POST",
+        "/v1/chat/completions",
+        body.to_string().as_bytes(),
+    );
+    assert_eq!(st, 200);
+    assert!(
+        head.to_ascii_lowercase().contains("text/event-stream"),
+        "{head}"
+    );
+    let text = String::from_utf8(b).unwrap();
+    let datas: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(*datas.last().unwrap(), "[DONE]");
+    let mut streamed = String::new();
+    for d in &datas[..datas.len() - 1] {
+        let v: Value = serde_json::from_str(d).unwrap();
+        if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+            streamed.push_str(c);
+        }
+    }
+    let (_, v) = post(
+        s.addr,
+        "/v1/chat/completions",
+        &chat_body("Hello", json!({"temperature": 0})),
+    );
+    assert_eq!(
+        streamed,
+        v["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    let (st, _, b) = request(s.addr, "GET", "/metrics", b"");
+    assert_eq!(st, 200);
+    let m = String::from_utf8(b).unwrap();
+    assert!(m.contains("samesum_requests_total 4"), "{m}");
+}
+
+#[test]
+fn concurrent_requests_get_the_bytes_they_get_alone() {
+    let s = start(8, 32, 512);
+    let prompts = [
+        "Tell me a story",
+        "What is two plus two",
+        "Name three colours",
+        "Why",
+        "Explain mixture of experts models in detail please",
+        "Hi",
+    ];
+    let bodies: Vec<Value> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            if i % 2 == 0 {
+                chat_body(p, json!({"temperature": 0}))
+            } else {
+                chat_body(p, json!({"temperature": 0.9, "seed": 1000 + i}))
+            }
+        })
+        .collect();
+    let key = |v: &Value| {
+        (
+            v["choices"][0]["message"]["content"].clone(),
+            v["choices"][0]["logprobs"].to_string(),
+        )
+    };
+    let alone: Vec<_> = bodies
+        .iter()
+        .map(|b| {
+            let (st, v) = post(s.addr, "/v1/chat/completions", b);
+            assert_eq!(st, 200, "{v}");
+            key(&v)
+        })
+        .collect();
+    for round in 0..2 {
+        let handles: Vec<_> = bodies
+            .iter()
+            .cloned()
+            .map(|b| {
+                let a = s.addr;
+                std::thread::spawn(move || post(a, "/v1/chat/completions", &b))
+            })
+            .collect();
+        for (i, h) in handles.into_iter().enumerate() {
+            let (st, v) = h.join().unwrap();
+            assert_eq!(st, 200, "{v}");
+            assert_eq!(
+                key(&v),
+                alone[i],
+                "round {round}: request {i} differs when run beside others"
+            );
+        }
+    }
+    // The concurrent rounds really shared forward calls.
+    let (_, _, b) = request(s.addr, "GET", "/metrics", b"");
+    let m = String::from_utf8(b).unwrap();
+    let most: u64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("samesum_max_step_requests "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(most >= 3, "at most {most} requests shared a step");
+}
+
+#[test]
+fn bad_input_is_a_4xx_with_an_error_object_and_the_server_stays_up() {
+    let s = start(2, 8, 256);
+    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        (
+            "malformed json",
+            b"{\"messages\": [".to_vec(),
+            400,
+            "not valid JSON",
+        ),
+        (
+            "wrong type",
+            br#"{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}"#.to_vec(),
+            400,
+            "temperature",
+        ),
+        (
+            "unknown message field",
+            br#"{"messages": [{"role": "user", "content": "x", "mood": "happy"}]}"#.to_vec(),
+            400,
+            "mood",
+        ),
+        (
+            "unknown field",
+            br#"{"messages": [{"role": "user", "content": "x"}], "colour": 1}"#.to_vec(),
+            400,
+            "colour",
+        ),
+        (
+            "negative max_tokens",
+            br#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": -5}"#.to_vec(),
+            400,
+            "max_tokens",
+        ),
+        (
+            "huge max_tokens",
+            br#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000000}"#
+                .to_vec(),
+            400,
+            "context",
+        ),
+        (
+            "invalid utf-8",
+            b"{\"messages\": \xff\xfe}".to_vec(),
+            400,
+            "UTF-8",
+        ),
+        (
+            "empty messages",
+            br#"{"messages": []}"#.to_vec(),
+            400,
+            "messages",
+        ),
+        (
+            "n > 1",
+            br#"{"messages": [{"role": "user", "content": "x"}], "n": 3}"#.to_vec(),
+            400,
+            "n = 3",
+        ),
+        (
+            "oversized body",
+            format!(
+                r#"{{"messages": [{{"role": "user", "content": "{}"}}]}}"#,
+                "a".repeat(10_000)
+            )
+            .into_bytes(),
+            413,
+            "--max-body",
+        ),
+        (
+            "prompt longer than the context",
+            json!({"messages": [{"role": "user", "content": "word ".repeat(400)}]})
+                .to_string()
+                .into_bytes(),
+            400,
+            "context",
+        ),
+    ];
+    for (what, body, want, needle) in cases {
+        let (st, _, b) = request(s.addr, "POST", "/v1/chat/completions", &body);
+        assert_eq!(st, want, "{what}: {}", String::from_utf8_lossy(&b));
+        let v: Value = serde_json::from_slice(&b)
+            .unwrap_or_else(|_| panic!("{what}: not JSON: {}", String::from_utf8_lossy(&b)));
+        let msg = v["error"]["message"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{what}: no error object: {v}"));
+        assert!(
+            msg.contains(needle),
+            "{what}: {msg:?} does not mention {needle:?}"
+        );
+        assert!(v["error"]["type"].is_string(), "{what}: {v}");
+    }
+    let (st, _, _) = request(s.addr, "GET", "/nope", b"");
+    assert_eq!(st, 404);
+    // Still serving.
+    let (st, v) = post(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "ok", "max_tokens": 2}),
+    );
+    assert_eq!(st, 200, "{v}");
+}
+
+#[test]
+fn a_full_queue_answers_503_with_retry_after() {
+    // One request running, one waiting: the rest are refused.
+    let s = start(1, 1, 4096);
+    let long = json!({"prompt": "go", "max_tokens": 3000, "temperature": 0, "ignore_eos": true});
+    let addr = s.addr;
+    let first = std::thread::spawn(move || post(addr, "/v1/completions", &long));
+    std::thread::sleep(Duration::from_millis(300));
+    // Four at once while the long one runs: one fits the queue, three do not.
+    let others: Vec<_> = (0..4)
+        .map(|_| {
+            std::thread::spawn(move || {
+                request(
+                    addr,
+                    "POST",
+                    "/v1/completions",
+                    br#"{"prompt": "x", "max_tokens": 1}"#,
+                )
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for h in others {
+        let (st, head, b) = h.join().unwrap();
+        if st == 503 {
+            assert!(
+                head.to_ascii_lowercase().contains("retry-after: 1"),
+                "{head}"
+            );
+            let v: Value = serde_json::from_slice(&b).unwrap();
+            assert!(
+                v["error"]["message"].as_str().unwrap().contains("queue"),
+                "{v}"
+            );
+        }
+        statuses.push(st);
+    }
+    let refused = statuses.iter().filter(|&&s| s == 503).count();
+    assert!(
+        refused >= 2,
+        "a queue of 1 behind a long request refused {refused} of 4: {statuses:?}"
+    );
+    assert!(
+        statuses.iter().all(|&s| s == 200 || s == 503),
+        "{statuses:?}"
+    );
+    let (st, v) = first.join().unwrap();
+    assert_eq!(st, 200);
+    assert_eq!(v["usage"]["completion_tokens"], 3000, "{v}");
+}
+
+#[test]
+fn a_client_that_disconnects_is_cancelled() {
+    let s = start(2, 8, 4096);
+    let body =
+        json!({"prompt": "go", "max_tokens": 4000, "stream": true, "ignore_eos": true}).to_string();
+    let mut c = TcpStream::connect(s.addr).unwrap();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut buf = [0u8; 512];
+    let n = c.read(&mut buf).unwrap();
+    assert!(n > 0);
+    drop(c);
+    let cancelled = |s: &Server| {
+        let (_, _, b) = request(s.addr, "GET", "/metrics", b"");
+        String::from_utf8(b)
+            .unwrap()
+            .contains("samesum_requests_cancelled_total 1")
+    };
+    let t = std::time::Instant::now();
+    while !cancelled(&s) {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the request was not cancelled"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // It stopped early: far fewer than 4000 tokens were generated.
+    let (_, _, b) = request(s.addr, "GET", "/metrics", b"");
+    let m = String::from_utf8(b).unwrap();
+    let generated: u64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("samesum_completion_tokens_total "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        generated < 4000,
+        "{generated} tokens generated after the disconnect"
+    );
+}
