@@ -28,6 +28,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     "$VENV/bin/pip" install --quiet "gguf==0.19.0" "numpy>=1.26"
 fi
 PY="$VENV/bin/python"
+"$PY" -c "import openai" 2>/dev/null || "$VENV/bin/pip" install --quiet "openai==3.57.0"
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 
@@ -62,6 +63,22 @@ if "$BIN" identity --shape tiny-qwen3next --chunk 16 --max-len 200 --gen 8 --neg
     cat "$OUT/neg.md"; echo "the gate did not catch the reordered variant"; exit 1
 fi
 tail -2 "$OUT/neg.md" | head -1
+
+echo "== samesum serve: the official openai client, then a load test (32 streaming clients, 200 requests)"
+SERVER_PID=""
+stop_server() { [[ -n "$SERVER_PID" ]] && kill "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null; SERVER_PID=""; }
+trap 'stop_server; rm -rf "$OUT"' EXIT
+"$BIN" serve --port 0 --max-batch 8 > "$OUT/serve.out" 2> "$OUT/serve.log" &
+SERVER_PID=$!
+for _ in $(seq 100); do grep -q "listening on" "$OUT/serve.out" 2>/dev/null && break; sleep 0.1; done
+URL="$(grep -o 'http://[0-9.:]*' "$OUT/serve.out")" || { cat "$OUT/serve.log"; echo "the server did not start"; exit 1; }
+"$PY" tests/server/test_openai.py "$URL" > "$OUT/openai.log" 2>&1 \
+    || { cat "$OUT/openai.log"; tail -20 "$OUT/serve.log"; echo "openai client checks failed"; exit 1; }
+tail -1 "$OUT/openai.log"
+"$PY" tests/server/load.py "$URL" "$SERVER_PID" --clients 32 --requests 200 > "$OUT/load.log" 2>&1 \
+    || { cat "$OUT/load.log"; tail -20 "$OUT/serve.log"; echo "load test failed"; exit 1; }
+tail -2 "$OUT/load.log"
+stop_server
 
 if [[ "${SAMESUM_SKIP_CUDA:-0}" != "1" ]]; then
     # No GPU here: NVRTC (from PyPI, pinned to the H200's CUDA 13.0) compiles

@@ -59,6 +59,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
     let _tmp;
     let path = match &a.model {
