@@ -95,6 +95,8 @@ pub struct Metrics {
     pub running: Gauge,
     /// The most requests one forward call has carried.
     pub max_step_requests: Gauge,
+    /// Prompt tokens of running requests not prefilled yet (prefill progress).
+    pub prefill_pending: Gauge,
 }
 
 impl Metrics {
@@ -189,6 +191,12 @@ impl Metrics {
             "gauge",
             "Requests running on the model thread.",
             self.running.get().to_string(),
+        );
+        put(
+            "prefill_pending_tokens",
+            "gauge",
+            "Prompt tokens of running requests still to prefill.",
+            self.prefill_pending.get().to_string(),
         );
         put(
             "max_step_requests",

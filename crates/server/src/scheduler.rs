@@ -434,6 +434,12 @@ pub fn run<B: Backend>(
             keep[k - 1]
         });
         m.running.set(running.len() as u64);
+        m.prefill_pending.set(
+            running
+                .iter()
+                .map(|r| (r.job.prompt.len() - r.fed) as u64)
+                .sum(),
+        );
     }
 }
 

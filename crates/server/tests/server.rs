@@ -31,6 +31,10 @@ impl Drop for Server {
 }
 
 fn start(max_batch: usize, max_queue: usize, ctx: usize) -> Server {
+    start_with(max_batch, max_queue, ctx, 4096)
+}
+
+fn start_with(max_batch: usize, max_queue: usize, ctx: usize, max_body: usize) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("m.gguf");
     write_model(
@@ -50,7 +54,7 @@ fn start(max_batch: usize, max_queue: usize, ctx: usize) -> Server {
         device: Device::Cpu(2),
         max_batch,
         max_queue,
-        max_body: 4096,
+        max_body,
         ctx,
         prefill_chunk: 16,
         kv: KvType::F32,
@@ -476,4 +480,54 @@ fn a_client_that_disconnects_is_cancelled() {
         generated < 4000,
         "{generated} tokens generated after the disconnect"
     );
+}
+
+#[test]
+fn a_client_that_disconnects_during_prefill_is_cancelled_before_it_ends() {
+    let s = start_with(2, 8, 16384, 1 << 20);
+    // About 6400 prompt tokens (the tiny vocabulary splits words finely),
+    // prefilled 16 rows per step.
+    let prompt = "alpha beta gamma delta ".repeat(400);
+    let body = json!({"prompt": prompt, "max_tokens": 4, "stream": true}).to_string();
+    let mut c = TcpStream::connect(s.addr).unwrap();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut buf = [0u8; 1024];
+    let n = c.read(&mut buf).unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]).to_string();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    drop(c);
+    let metric = |name: &str| -> u64 {
+        let (_, _, b) = request(s.addr, "GET", "/metrics", b"");
+        String::from_utf8(b)
+            .unwrap()
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!("{name} "))
+                    .map(|v| v.parse::<u64>().unwrap())
+            })
+            .unwrap()
+    };
+    let t = std::time::Instant::now();
+    while metric("samesum_requests_cancelled_total") < 1 {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the request was not cancelled"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let model = Model::load(s._dir.path().join("m.gguf")).unwrap();
+    let tok = samesum_engine::tokenizer::Tokenizer::from_metadata(model.file.metadata()).unwrap();
+    let total = tok.encode(&prompt).unwrap().len() as u64;
+    let fed = metric("samesum_prompt_tokens_total");
+    eprintln!("cancelled after {fed} of {total} prompt tokens");
+    assert!(
+        fed + 500 < total,
+        "{fed} of {total} prompt tokens were prefilled despite the disconnect"
+    );
+    assert_eq!(metric("samesum_completion_tokens_total"), 0);
 }
