@@ -531,3 +531,66 @@ fn a_client_that_disconnects_during_prefill_is_cancelled_before_it_ends() {
     );
     assert_eq!(metric("samesum_completion_tokens_total"), 0);
 }
+
+#[test]
+fn a_long_prefill_does_not_stall_a_running_stream() {
+    let s = start_with(4, 8, 16384, 1 << 20);
+    let addr = s.addr;
+    // A stream that runs for a while.
+    let body =
+        json!({"prompt": "go", "max_tokens": 6000, "stream": true, "ignore_eos": true}).to_string();
+    let mut c = TcpStream::connect(addr).unwrap();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let (arrivals_tx, arrivals_rx) = std::sync::mpsc::channel::<std::time::Instant>();
+    let reader = std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = c.read(&mut buf) {
+            if n == 0 || arrivals_tx.send(std::time::Instant::now()).is_err() {
+                break;
+            }
+        }
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    // A long prompt arrives: about 6400 tokens, 16 rows per step.
+    let t0 = std::time::Instant::now();
+    let (st, v) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "alpha beta gamma delta ".repeat(400), "max_tokens": 1}),
+    );
+    let t1 = std::time::Instant::now();
+    assert_eq!(st, 200, "{v}");
+    let arrivals: Vec<std::time::Instant> = arrivals_rx
+        .try_iter()
+        .filter(|&t| t >= t0 && t <= t1)
+        .collect();
+    drop(arrivals_rx);
+    let mut gaps: Vec<f64> = arrivals
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_secs_f64())
+        .collect();
+    gaps.sort_by(f64::total_cmp);
+    let worst = gaps.last().copied().unwrap_or(f64::INFINITY);
+    eprintln!(
+        "prefill of the long prompt took {:.2}s; the stream got {} pieces meanwhile, worst gap {:.3}s",
+        (t1 - t0).as_secs_f64(),
+        arrivals.len(),
+        worst
+    );
+    assert!(
+        arrivals.len() > 20,
+        "the running stream stalled: {} pieces during the prefill",
+        arrivals.len()
+    );
+    assert!(
+        worst < 0.5,
+        "the running stream waited {worst:.3}s during the prefill"
+    );
+    drop(s);
+    let _ = reader.join();
+}
