@@ -66,7 +66,13 @@ tail -2 "$OUT/neg.md" | head -1
 
 echo "== samesum serve: the official openai client, then a load test (32 streaming clients, 200 requests)"
 SERVER_PID=""
-stop_server() { [[ -n "$SERVER_PID" ]] && kill "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null; SERVER_PID=""; }
+stop_server() {
+    if [[ -n "$SERVER_PID" ]]; then
+        kill "$SERVER_PID" 2>/dev/null || true
+        wait "$SERVER_PID" 2>/dev/null || true
+    fi
+    SERVER_PID=""
+}
 trap 'stop_server; rm -rf "$OUT"' EXIT
 "$BIN" serve --port 0 --max-batch 8 > "$OUT/serve.out" 2> "$OUT/serve.log" &
 SERVER_PID=$!

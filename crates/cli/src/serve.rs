@@ -109,7 +109,20 @@ pub(crate) fn run(a: Args) -> Result<()> {
             let _ = std::io::stdout().flush();
         },
         async {
+            // Ctrl-C or SIGTERM: stop accepting, finish the open responses.
+            #[cfg(unix)]
+            {
+                let mut term =
+                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                        .expect("a SIGTERM handler");
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            #[cfg(not(unix))]
             let _ = tokio::signal::ctrl_c().await;
+            eprintln!("shutting down");
         },
     ))?;
     Ok(())
