@@ -62,7 +62,7 @@ run)
     if [[ $steps == *,identity,* ]]; then
         for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
             step "identity-$shape" timeout 300 .gpu/samesum identity --device cuda --shape "$shape" \
-                --chunk 1,7,64,128 --gen 64
+                --chunk 1,7,64,128,256 --gen 64
         done
     fi
     model() { # shape -> path of a synthetic q4_k model of it (made once per machine)

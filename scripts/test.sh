@@ -48,14 +48,14 @@ for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
     done
 done
 
-echo "== identity gate: replay vs batched on the shipped prompt set (tiny models, chunks 1/7/64/128, threads 1/2)"
+echo "== identity gate: replay vs batched on the shipped prompt set (tiny models, chunks 1/7/64/128/256, threads 1/2)"
 for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
-    "$BIN" identity --shape "$shape" --chunk 1,7,64,128 --threads 1,2 --gen 64 > "$OUT/identity-$shape.md" \
+    "$BIN" identity --shape "$shape" --chunk 1,7,64,128,256 --threads 1,2 --gen 64 > "$OUT/identity-$shape.md" \
         || { cat "$OUT/identity-$shape.md"; echo "identity gate failed on $shape"; exit 1; }
     tail -1 "$OUT/identity-$shape.md"
 done
 echo "== identity gate with an f16 KV cache (attention-only model)"
-"$BIN" identity --shape tiny-qwen3moe --kv-type f16 --chunk 7,128 --threads 2 --max-len 1000 --gen 16 > "$OUT/identity-f16.md" \
+"$BIN" identity --shape tiny-qwen3moe --kv-type f16 --chunk 7,256 --threads 2 --max-len 1000 --gen 16 > "$OUT/identity-f16.md" \
     || { cat "$OUT/identity-f16.md"; echo "identity gate failed with an f16 KV cache"; exit 1; }
 tail -1 "$OUT/identity-f16.md"
 echo "== identity gate negative control: a reordered MoE combination must be caught"

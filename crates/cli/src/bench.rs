@@ -36,7 +36,7 @@ pub(crate) struct Args {
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
     /// Prompt rows per forward call in the batched arm.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = samesum_engine::DEFAULT_CHUNK)]
     chunk: usize,
     /// Prefill arms to measure: batched, replay (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "batched")]

@@ -34,7 +34,7 @@ pub(crate) struct Args {
     #[arg(long, default_value_t = 64)]
     r#gen: usize,
     /// Chunk sizes of the batched arm (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "128")]
+    #[arg(long, value_delimiter = ',', default_value = "256")]
     chunk: Vec<usize>,
     /// Thread counts (comma-separated; 0: all cores).
     #[arg(short = 't', long, value_delimiter = ',', default_value = "0")]

@@ -68,7 +68,7 @@ pub(crate) struct Args {
     #[arg(long, default_value = "f32")]
     kv_type: String,
     /// Prompt rows per forward call (batched prefill).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = samesum_engine::DEFAULT_CHUNK)]
     chunk: usize,
     /// Prefill mode: batched (chunks of --chunk rows) or replay (one token per call).
     #[arg(long, default_value = "batched")]

@@ -12,6 +12,11 @@ use crate::error::{EngineError, Result};
 use crate::model::Model;
 use crate::model::weights::Mixer;
 
+/// Prompt rows per forward call in batched prefill unless told otherwise:
+/// measured on the CPU (docs/BENCHMARKS.md: pp512 with 2 threads on
+/// qwen35moe-35b-a3b at 8 layers, 128: 210, 256: 236, 512: 232 tok/s).
+pub const DEFAULT_CHUNK: usize = 256;
+
 /// Which rows' logits a forward call returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {
