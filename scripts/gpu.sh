@@ -7,7 +7,7 @@
 # `run` writes its logs and tables under OUTDIR and ends with a summary.
 # SAMESUM_GPU_STEPS picks steps, comma-separated (default: all of
 # tests,identity,bigidentity,bench,q3moe; smoke is a quick pp512/tg32 with a
-# kernel profile). A full run takes longer than one 10-minute device call:
+# kernel profile; serve checks the server on the GPU). A full run takes longer than one 10-minute device call:
 # split it, e.g. tests,identity then bigidentity,bench then q3moe.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -94,6 +94,33 @@ run)
         q3=$(model qwen3moe-30b-a3b)
         step bench-q3moe timeout 400 .gpu/samesum bench --device cuda -m "$q3" \
             -p ${SAMESUM_GPU_PP:-512,4096} -n 128 -r 2 --prefill replay,batched --chunk 512
+    fi
+    if [[ $steps == *,serve,* ]]; then
+        # The server on the GPU: one request alone, then six at once (batched
+        # together), which must get the same text.
+        serve_check() {
+            .gpu/samesum serve --device cuda --port 18181 > "$out/serve.out" 2> "$out/serve.log" &
+            local pid=$! u=http://127.0.0.1:18181 body
+            for _ in $(seq 300); do grep -q listening "$out/serve.out" 2>/dev/null && break; sleep 0.2; done
+            body='{"messages":[{"role":"user","content":"Hello"}],"max_tokens":16,"temperature":0}'
+            curl -s $u/v1/chat/completions -d "$body" > "$out/serve-alone.json"
+            local pids=()
+            for i in 1 2 3 4 5 6; do
+                curl -s $u/v1/chat/completions -d "$body" > "$out/serve-c$i.json" & pids+=($!)
+            done
+            wait "${pids[@]}"
+            curl -sN $u/v1/completions -d '{"prompt":"Once","max_tokens":8,"stream":true}' | tail -2
+            curl -s $u/metrics | grep -E "^samesum_(requests_total|max_step_requests|decode_tokens_per_second)"
+            kill $pid; wait $pid
+            python3 -c "
+import json, sys
+o = '$out'
+a = json.load(open(o + '/serve-alone.json'))['choices'][0]['message']['content']
+same = [json.load(open(o + '/serve-c%d.json' % i))['choices'][0]['message']['content'] == a for i in range(1, 7)]
+print('alone:', repr(a), 'concurrent equal:', same)
+sys.exit(0 if all(same) else 1)"
+        }
+        step serve-cuda serve_check
     fi
     printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
     grep -E "^\| (q|tiny|model|---|kernel|total|[a-z_0-9]+ \|)|runs equal|error" "$out/log.txt" | grep -v "| equal |" | tail -60
