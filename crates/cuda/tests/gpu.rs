@@ -204,36 +204,6 @@ fn batched_forward_equals_replay_on_the_gpu() {
     }
 }
 
-fn prompts(json: &str) -> Vec<Vec<u32>> {
-    let start = json.find("\"prompts\"").expect("prompts key") + "\"prompts\"".len();
-    let body = &json[start..];
-    let open = body.find('[').unwrap();
-    let (mut depth, mut end) = (0, open);
-    for (i, c) in body[open..].char_indices() {
-        match c {
-            '[' => depth += 1,
-            ']' => {
-                depth -= 1;
-                if depth == 0 {
-                    end = open + i;
-                    break;
-                }
-            }
-            _ => {}
-        }
-    }
-    body[open + 1..end]
-        .split(']')
-        .filter_map(|p| {
-            let p = p
-                .trim_start_matches([',', ' ', '\n'])
-                .trim_start_matches('[');
-            let v: Vec<u32> = p.split(',').filter_map(|t| t.trim().parse().ok()).collect();
-            (!v.is_empty()).then_some(v)
-        })
-        .collect()
-}
-
 #[test]
 fn hugging_face_fixtures_on_the_gpu() {
     if !gpu() {
@@ -242,7 +212,9 @@ fn hugging_face_fixtures_on_the_gpu() {
     let dir = repo().join("tests/conformance/fixtures");
     for name in ["qwen3moe", "qwen3moe-tied", "qwen3next", "qwen35moe"] {
         let model = Model::load(dir.join(format!("{name}.gguf"))).unwrap();
-        let ps = prompts(&std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap());
+        let ps = samesum_engine::conformance::fixture_prompts(
+            &std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap(),
+        );
         let raw = std::fs::read(dir.join(format!("{name}.logits"))).unwrap();
         let reference: Vec<f32> = raw
             .chunks_exact(4)

@@ -179,3 +179,39 @@ pub fn block_ops_match<B: Backend>(
     }
     Ok(())
 }
+
+/// The prompts of a Hugging Face fixture's manifest (`"prompts": [[ids], ...]`;
+/// a small hand parser, so the engine needs no JSON dependency).
+pub fn fixture_prompts(json: &str) -> Vec<Vec<u32>> {
+    let Some(start) = json.find("\"prompts\"") else {
+        return Vec::new();
+    };
+    let body = &json[start + "\"prompts\"".len()..];
+    let Some(open) = body.find('[') else {
+        return Vec::new();
+    };
+    let (mut depth, mut end) = (0, open);
+    for (i, c) in body[open..].char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => {
+                depth -= 1;
+                if depth == 0 {
+                    end = open + i;
+                    break;
+                }
+            }
+            _ => {}
+        }
+    }
+    body[open + 1..end]
+        .split(']')
+        .filter_map(|p| {
+            let p = p
+                .trim_start_matches([',', ' ', '\n'])
+                .trim_start_matches('[');
+            let v: Vec<u32> = p.split(',').filter_map(|t| t.trim().parse().ok()).collect();
+            (!v.is_empty()).then_some(v)
+        })
+        .collect()
+}

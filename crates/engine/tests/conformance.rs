@@ -13,43 +13,11 @@ fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/conformance/fixtures")
 }
 
-/// Prompts of a fixture's manifest (a tiny hand parser: `"prompts": [[..], ..]`).
-fn prompts(json: &str) -> Vec<Vec<u32>> {
-    let start = json.find("\"prompts\"").expect("prompts key") + "\"prompts\"".len();
-    let body = &json[start..];
-    let open = body.find('[').unwrap();
-    let mut depth = 0;
-    let mut end = open;
-    for (i, c) in body[open..].char_indices() {
-        match c {
-            '[' => depth += 1,
-            ']' => {
-                depth -= 1;
-                if depth == 0 {
-                    end = open + i;
-                    break;
-                }
-            }
-            _ => {}
-        }
-    }
-    body[open + 1..end]
-        .split(']')
-        .filter_map(|p| {
-            let p = p
-                .trim_start_matches([',', ' ', '\n'])
-                .trim_start_matches('[');
-            let v: Vec<u32> = p.split(',').filter_map(|t| t.trim().parse().ok()).collect();
-            (!v.is_empty()).then_some(v)
-        })
-        .collect()
-}
-
 fn check(name: &str) -> f32 {
     let dir = fixtures();
     let model = Model::load(dir.join(format!("{name}.gguf"))).unwrap();
     let manifest = std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap();
-    let ps = prompts(&manifest);
+    let ps = samesum_engine::conformance::fixture_prompts(&manifest);
     assert!(
         ps.len() >= 4 && ps.iter().any(|p| p.len() > 64),
         "{name}: fixture prompts {ps:?}"
