@@ -152,3 +152,61 @@ fn run_reads_a_prompt_file() {
     let (ok, _, err) = samesum(&["run", "-f", "/nonexistent/prompt.txt", "-n", "4"]);
     assert!(!ok && err.contains("prompt.txt"), "{err}");
 }
+
+#[test]
+fn every_simd_level_generates_the_same_tokens() {
+    // The kernels (quantized dots, delta rule, attention) are compiled for
+    // several vector widths and chosen at run time; each must compute the same
+    // bytes, so greedy generation must not change with SAMESUM_ISA.
+    let dir = tempfile::tempdir().unwrap();
+    let mut outs = Vec::new();
+    for isa in ["scalar", "avx2", "avx512"] {
+        for shape in ["tiny-qwen35moe", "tiny-qwen3moe"] {
+            let f = dir.path().join(format!("{shape}.gguf"));
+            if !f.exists() {
+                let (ok, _, err) = samesum(&[
+                    "synth",
+                    "--shape",
+                    shape,
+                    "--quant",
+                    "q4_k",
+                    "-o",
+                    f.to_str().unwrap(),
+                ]);
+                assert!(ok, "{err}");
+            }
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_samesum"))
+                .env("SAMESUM_ISA", isa)
+                .args([
+                    "run",
+                    "-m",
+                    f.to_str().unwrap(),
+                    "--temp",
+                    "0",
+                    "-n",
+                    "40",
+                    "--no-chat",
+                    "-p",
+                    "The quick brown fox jumps over the lazy dog and keeps running",
+                    "--chunk",
+                    "5",
+                ])
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            outs.push((isa, shape, out.stdout));
+        }
+    }
+    for (isa, shape, o) in &outs {
+        let base = &outs
+            .iter()
+            .find(|x| x.0 == "scalar" && x.1 == *shape)
+            .unwrap()
+            .2;
+        assert_eq!(o, base, "{shape}: {isa} generated other tokens than scalar");
+    }
+}

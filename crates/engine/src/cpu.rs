@@ -214,8 +214,8 @@ impl Cpu {
             let (r, h) = (t / p.n_head, t % p.n_head);
             let (qr, pos) = (&q[r * qw..(r + 1) * qw], pos0 + r);
             match cache {
-                KvLayer::F32 { k, v } => attend_head(qr, h, rep, hd, kvw, pos, scale, k, v, out),
-                KvLayer::F16 { k, v } => attend_head(qr, h, rep, hd, kvw, pos, scale, k, v, out),
+                KvLayer::F32 { k, v } => attend(qr, h, rep, hd, kvw, pos, scale, k, v, out),
+                KvLayer::F16 { k, v } => attend(qr, h, rep, hd, kvw, pos, scale, k, v, out),
             }
         });
     }
@@ -274,37 +274,15 @@ impl Cpu {
                 let beta = sigmoid(b[r * hv + n]);
                 let g = softplus(a[r * hv + n] + dt_bias[n]) * ssm_a[n];
                 let decay = g.exp();
-                // Pass 1: decay the state and accumulate kv[j] = Σ_i S[i][j] k[i]
-                // (i ascending); pass 2: the rank-1 update and the read-out
-                // o[j] = Σ_i S'[i][j] q[i] / sqrt(dk) (i ascending). Fusing the
-                // loops keeps every element's own sequence of operations.
-                let mut kv = [0f32; MAX_DV];
-                let kv = &mut kv[..dv];
-                for i in 0..dk {
-                    let ki = khv[i];
-                    for (acc, s) in kv.iter_mut().zip(sn[i * dv..(i + 1) * dv].iter_mut()) {
-                        *s *= decay;
-                        *acc += *s * ki;
-                    }
-                }
-                let mut delta = [0f32; MAX_DV];
-                let delta = &mut delta[..dv];
-                for j in 0..dv {
-                    delta[j] = (vh[j] - kv[j]) * beta;
-                }
-                on.fill(0.0);
-                for i in 0..dk {
-                    let ki = khv[i];
-                    let qi = qh[i] * q_scale;
-                    for ((s, d), acc) in sn[i * dv..(i + 1) * dv]
-                        .iter_mut()
-                        .zip(delta.iter())
-                        .zip(on.iter_mut())
-                    {
-                        *s += ki * *d;
-                        *acc += *s * qi;
-                    }
-                }
+                let u = DeltaStep {
+                    k: khv,
+                    q: qh,
+                    v: vh,
+                    beta,
+                    decay,
+                    q_scale,
+                };
+                delta_step(&u, sn, on);
                 let scale = rms_scale(on, p.eps);
                 let zh = &z[r * vd + n * dv..r * vd + (n + 1) * dv];
                 for j in 0..dv {
@@ -324,6 +302,85 @@ impl Cpu {
         let mut chunks: Vec<&mut [T]> = out.chunks_mut(per).collect();
         self.pool.for_each_mut(&mut chunks, |h, c| f(h, c));
     }
+}
+
+/// One row of one value head's delta rule: the inputs of [`delta_step`].
+struct DeltaStep<'a> {
+    k: &'a [f32],
+    q: &'a [f32],
+    v: &'a [f32],
+    beta: f32,
+    decay: f32,
+    q_scale: f32,
+}
+
+/// One row's state update and read-out for one value head (`sn`: dk rows of dv).
+/// Pass 1: decay the state and accumulate kv[j] = Σ_i S[i][j] k[i] (i
+/// ascending); pass 2: the rank-1 update and the read-out
+/// o[j] = Σ_i S'[i][j] q[i] / sqrt(dk) (i ascending). Each element's sequence
+/// of operations is fixed; the loops run across j, so wider vectors change
+/// nothing but speed (Rust never fuses or reorders these float operations).
+#[inline(always)]
+fn delta_step_body(u: &DeltaStep<'_>, sn: &mut [f32], on: &mut [f32]) {
+    let (dk, dv) = (u.k.len(), on.len());
+    let mut kv = [0f32; MAX_DV];
+    let kv = &mut kv[..dv];
+    for i in 0..dk {
+        let ki = u.k[i];
+        for (acc, s) in kv.iter_mut().zip(sn[i * dv..(i + 1) * dv].iter_mut()) {
+            *s *= u.decay;
+            *acc += *s * ki;
+        }
+    }
+    let mut delta = [0f32; MAX_DV];
+    let delta = &mut delta[..dv];
+    for j in 0..dv {
+        delta[j] = (u.v[j] - kv[j]) * u.beta;
+    }
+    on.fill(0.0);
+    for i in 0..dk {
+        let ki = u.k[i];
+        let qi = u.q[i] * u.q_scale;
+        for ((s, d), acc) in sn[i * dv..(i + 1) * dv]
+            .iter_mut()
+            .zip(delta.iter())
+            .zip(on.iter_mut())
+        {
+            *s += ki * *d;
+            *acc += *s * qi;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn delta_step_avx512(u: &DeltaStep<'_>, sn: &mut [f32], on: &mut [f32]) {
+    delta_step_body(u, sn, on)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn delta_step_avx2(u: &DeltaStep<'_>, sn: &mut [f32], on: &mut [f32]) {
+    delta_step_body(u, sn, on)
+}
+
+/// [`delta_step_body`] compiled for the widest vectors the CPU has (the same
+/// bytes at every width).
+fn delta_step(u: &DeltaStep<'_>, sn: &mut [f32], on: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use samesum_quant::isa::Isa;
+        let isa = Isa::best();
+        if isa >= Isa::Avx512 {
+            // SAFETY: AVX-512 F is present (Isa::best checks the CPU).
+            return unsafe { delta_step_avx512(u, sn, on) };
+        }
+        if isa >= Isa::Avx2 {
+            // SAFETY: AVX2 is present.
+            return unsafe { delta_step_avx2(u, sn, on) };
+        }
+    }
+    delta_step_body(u, sn, on)
 }
 
 /// RMSNorm of each `dim`-wide row: `y = x * (1/sqrt(mean(x²) + eps)) * w`, the sum
@@ -527,10 +584,77 @@ fn dot16<T: KvElem>(q: &[f32], k: &[T]) -> f32 {
     (q4[0] + q4[2]) + (q4[1] + q4[3])
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+fn attend_head_avx512<T: KvElem>(
+    q: &[f32],
+    h: usize,
+    rep: usize,
+    hd: usize,
+    kvw: usize,
+    pos: usize,
+    scale: f32,
+    k: &[T],
+    v: &[T],
+    out: &mut [f32],
+) {
+    attend_head(q, h, rep, hd, kvw, pos, scale, k, v, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+fn attend_head_avx2<T: KvElem>(
+    q: &[f32],
+    h: usize,
+    rep: usize,
+    hd: usize,
+    kvw: usize,
+    pos: usize,
+    scale: f32,
+    k: &[T],
+    v: &[T],
+    out: &mut [f32],
+) {
+    attend_head(q, h, rep, hd, kvw, pos, scale, k, v, out)
+}
+
+/// [`attend_head`] compiled for the widest vectors the CPU has (the same bytes
+/// at every width: its lanes are fixed by [`dot16`], not by the vector size).
+#[allow(clippy::too_many_arguments)]
+fn attend<T: KvElem>(
+    q: &[f32],
+    h: usize,
+    rep: usize,
+    hd: usize,
+    kvw: usize,
+    pos: usize,
+    scale: f32,
+    k: &[T],
+    v: &[T],
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use samesum_quant::isa::Isa;
+        let isa = Isa::best();
+        if isa >= Isa::Avx512 {
+            // SAFETY: AVX-512 F is present (Isa::best checks the CPU).
+            return unsafe { attend_head_avx512(q, h, rep, hd, kvw, pos, scale, k, v, out) };
+        }
+        if isa >= Isa::Avx2 {
+            // SAFETY: AVX2 is present.
+            return unsafe { attend_head_avx2(q, h, rep, hd, kvw, pos, scale, k, v, out) };
+        }
+    }
+    attend_head(q, h, rep, hd, kvw, pos, scale, k, v, out)
+}
+
 /// One query head attending over cache positions `0..=pos`: scores in key order
 /// (each a [`dot16`]), softmax, then the value sum in key order.
 #[allow(clippy::too_many_arguments)]
-#[inline]
+#[inline(always)]
 fn attend_head<T: KvElem>(
     q: &[f32],
     h: usize,
