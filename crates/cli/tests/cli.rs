@@ -210,3 +210,21 @@ fn every_simd_level_generates_the_same_tokens() {
         assert_eq!(o, base, "{shape}: {isa} generated other tokens than scalar");
     }
 }
+
+#[test]
+fn a_missing_or_unknown_device_is_a_plain_error() {
+    let (ok, _, err) = samesum(&["run", "-n", "2", "--device", "tpu"]);
+    assert!(!ok);
+    assert!(err.contains("--device") && err.contains("cuda"), "{err}");
+    // On a machine without the CUDA driver the CUDA backend says so (and on a
+    // machine with one, it runs).
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        return;
+    }
+    let (ok, _, err) = samesum(&["run", "-n", "2", "--device", "cuda"]);
+    assert!(!ok);
+    assert!(
+        err.contains("libcuda") && !err.contains("panicked"),
+        "{err}"
+    );
+}
