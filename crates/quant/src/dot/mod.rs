@@ -280,30 +280,31 @@ pub fn dot_rows_multi_with(
         && n > 0
     {
         let blocks: &[BlockQ4K] = cast(weight, w)?;
-        let mut per: Vec<&[BlockQ8K]> = Vec::with_capacity(nr);
-        for a in acts {
-            match a {
-                ActRow::Q8K(b) => per.push(b),
-                other => {
-                    return Err(QuantError::ActivationType {
-                        weight,
-                        act: other.act_type(),
-                        expected: GgmlType::Q8_K,
-                    });
-                }
-            }
-        }
         let nb = n / 256;
-        let mut tmp = [0f32; 8];
+        let wrow = |j: usize| &blocks[j * nb..(j + 1) * nb];
+        let (mut tmp, mut tmp1) = ([0f32; 8], [0f32; 8]);
         // Groups of 8 activation rows outside, weight rows inside: a group's
         // activations stay in L1 while every weight row of the tile passes by.
-        let wrows: Vec<&[BlockQ4K]> = blocks.chunks_exact(nb).collect();
-        let mut tmp1 = [0f32; 8];
-        for (g, group) in per.chunks(8).enumerate() {
-            for j in (0..wrows.len()).step_by(2) {
-                let j1 = (j + 1).min(wrows.len() - 1);
+        // (No allocation per call: this runs once per tile of every matmul.)
+        for (g, group) in acts.chunks(8).enumerate() {
+            let mut per: [&[BlockQ8K]; 8] = [&[]; 8];
+            for (p, a) in per.iter_mut().zip(group) {
+                *p = match a {
+                    ActRow::Q8K(b) => b,
+                    other => {
+                        return Err(QuantError::ActivationType {
+                            weight,
+                            act: other.act_type(),
+                            expected: GgmlType::Q8_K,
+                        });
+                    }
+                };
+            }
+            let per = &per[..group.len()];
+            for j in (0..rows).step_by(2) {
+                let j1 = (j + 1).min(rows - 1);
                 // SAFETY: AVX-512 F/BW support was checked just above.
-                unsafe { x86::q4_k_avx512_multi2(wrows[j], wrows[j1], group, &mut tmp, &mut tmp1) };
+                unsafe { x86::q4_k_avx512_multi2(wrow(j), wrow(j1), per, &mut tmp, &mut tmp1) };
                 for i in 0..group.len() {
                     out[(g * 8 + i) * rows + j] = tmp[i];
                     out[(g * 8 + i) * rows + j1] = tmp1[i];
