@@ -332,7 +332,7 @@ pub fn run<B: Backend>(
         let mut plan: Vec<(usize, usize)> = Vec::new(); // (running index, rows)
         let mut prefill_rows = 0;
         for (i, r) in running.iter().enumerate() {
-            if let Some(_t) = r.next {
+            if r.next.is_some() {
                 plan.push((i, 1));
             } else if r.fed < r.job.prompt.len() && budget > 0 {
                 let n = (r.job.prompt.len() - r.fed).min(budget);
@@ -414,7 +414,7 @@ pub fn run<B: Backend>(
             }
         };
         let mut keep = vec![true; running.len()];
-        for ((&(i, n), l), _) in plan.iter().zip(&logits).zip(&wants) {
+        for (&(i, n), l) in plan.iter().zip(&logits) {
             let r = &mut running[i];
             if r.next.is_none() {
                 r.fed += n;
