@@ -587,9 +587,12 @@ fn a_long_prefill_does_not_stall_a_running_stream() {
         "the running stream stalled: {} pieces during the prefill",
         arrivals.len()
     );
+    // A stall would be about the whole prefill; allow a quarter of it (the
+    // other tests of this binary run at the same time on few cores).
+    let took = (t1 - t0).as_secs_f64();
     assert!(
-        worst < 0.5,
-        "the running stream waited {worst:.3}s during the prefill"
+        worst < took / 4.0,
+        "the running stream waited {worst:.3}s during a {took:.2}s prefill"
     );
     drop(s);
     let _ = reader.join();
