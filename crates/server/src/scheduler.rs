@@ -193,7 +193,8 @@ impl<S> Running<S> {
             .stop
             .iter()
             .filter_map(|s| {
-                full[self.emitted.min(full.len())..]
+                full.get(self.emitted..)
+                    .unwrap_or("")
                     .find(s.as_str())
                     .map(|i| i + self.emitted)
             })
