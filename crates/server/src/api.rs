@@ -431,6 +431,40 @@ mod tests {
         assert_eq!(r.check().unwrap_err().param.as_deref(), Some("temperature"));
     }
 
+    use proptest::prelude::Strategy as _;
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+
+        /// Arbitrary bytes, and JSON objects with arbitrary values in the known
+        /// fields, never panic: they parse and check, or give a 4xx.
+        #[test]
+        fn any_body_is_checked_without_panicking(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200),
+            key in proptest::sample::select(vec!["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "n", "logprobs", "top_logprobs", "messages", "prompt", "echo"]),
+            val in proptest::prop_oneof![
+                proptest::prelude::any::<i64>().prop_map(|v| v.to_string()),
+                proptest::prelude::any::<f64>().prop_map(|v| if v.is_finite() { v.to_string() } else { "1e999".into() }),
+                "\\PC{0,12}".prop_map(|s| serde_json::to_string(&s).unwrap()),
+                proptest::prelude::Just("[]".to_string()),
+                proptest::prelude::Just("null".to_string()),
+                proptest::prelude::Just("[\"a\", \"b\", \"c\", \"d\", \"e\"]".to_string()),
+                proptest::prelude::Just("{\"role\": \"user\"}".to_string()),
+            ],
+        ) {
+            let _ = parse::<ChatRequest>(&bytes).map(|r| r.check());
+            let _ = parse::<CompletionRequest>(&bytes).map(|r| r.check());
+            let chat = format!(r#"{{"messages": [{{"role": "user", "content": "x"}}], "{key}": {val}}}"#);
+            if let Err(e) = parse::<ChatRequest>(chat.as_bytes()).and_then(|r| r.check()) {
+                proptest::prop_assert!(e.status >= 400 && e.status < 500);
+            }
+            let comp = format!(r#"{{"prompt": "x", "{key}": {val}}}"#);
+            if let Err(e) = parse::<CompletionRequest>(comp.as_bytes()).and_then(|r| r.check().map(|_| ())) {
+                proptest::prop_assert!(e.status >= 400 && e.status < 500);
+            }
+        }
+    }
+
     #[test]
     fn good_bodies_parse_with_defaults() {
         let r = parse::<ChatRequest>(
