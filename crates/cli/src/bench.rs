@@ -72,20 +72,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     if a.repetitions == 0 || a.chunk == 0 {
         bail!("--repetitions and --chunk must be at least 1");
     }
-    let _tmp;
-    let path = match &a.model {
-        Some(p) => p.clone(),
-        None => {
-            let dir = tempfile::tempdir()?;
-            let p = dir.path().join("tiny-qwen3next.gguf");
-            crate::synth::write(
-                &crate::synth::options("tiny-qwen3next", "q8_0", None, 0)?,
-                &p,
-            )?;
-            _tmp = dir;
-            p
-        }
-    };
+    let (path, _tmp) = crate::synth::model_or_builtin(&a.model, "tiny-qwen3next", "q8_0", None)?;
     let dev = Device::parse(&a.device)?;
     if a.profile {
         // SAFETY: set before any thread of this process reads the environment.

@@ -92,17 +92,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     if a.negative_control && dev != Device::Cpu {
         bail!("--negative-control runs on the CPU backend only");
     }
-    let _tmp;
-    let path = match &a.model {
-        Some(p) => p.clone(),
-        None => {
-            let dir = tempfile::tempdir()?;
-            let p = dir.path().join(format!("{}.gguf", a.shape));
-            crate::synth::write(&crate::synth::options(&a.shape, "q4_k", None, 0)?, &p)?;
-            _tmp = dir;
-            p
-        }
-    };
+    let (path, _tmp) = crate::synth::model_or_builtin(&a.model, &a.shape, "q4_k", None)?;
     let model = Model::load(&path)?;
     let tok = Tokenizer::from_metadata(model.file.metadata())?;
     let json = match &a.prompts {

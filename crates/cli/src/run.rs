@@ -95,21 +95,14 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "replay" => 1,
         other => bail!("--prefill {other:?} is not supported (batched, replay)"),
     };
-    let _tmp;
-    let path = match &a.model {
-        Some(p) => p.clone(),
-        None => {
-            let dir = tempfile::tempdir().context("creating a temporary directory")?;
-            let p = dir.path().join("tiny-qwen3next.gguf");
-            eprintln!(
-                "(no -m given: running on a tiny synthetic qwen3next model with random weights; expect gibberish)"
-            );
-            let opts = crate::synth::options("tiny-qwen3next", "q8_0", None, 0)?;
-            crate::synth::write(&opts, &p)?;
-            _tmp = dir;
-            p
-        }
-    };
+    let (path, _tmp) = crate::synth::model_or_builtin(
+        &a.model,
+        "tiny-qwen3next",
+        "q8_0",
+        Some(
+            "(no -m given: running on a tiny synthetic qwen3next model with random weights; expect gibberish)",
+        ),
+    )?;
     let t_load = Instant::now();
     let dev = Device::parse(&a.device)?;
     let model = load_with_progress(&path)?;

@@ -61,23 +61,14 @@ pub(crate) fn run(a: Args) -> Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
-    let _tmp;
-    let path = match &a.model {
-        Some(p) => p.clone(),
-        None => {
-            let dir = tempfile::tempdir().context("creating a temporary directory")?;
-            let p = dir.path().join("tiny-qwen3next.gguf");
-            eprintln!(
-                "(no -m given: serving a tiny synthetic qwen3next model with random weights; expect gibberish)"
-            );
-            crate::synth::write(
-                &crate::synth::options("tiny-qwen3next", "q8_0", None, 0)?,
-                &p,
-            )?;
-            _tmp = dir;
-            p
-        }
-    };
+    let (path, _tmp) = crate::synth::model_or_builtin(
+        &a.model,
+        "tiny-qwen3next",
+        "q8_0",
+        Some(
+            "(no -m given: serving a tiny synthetic qwen3next model with random weights; expect gibberish)",
+        ),
+    )?;
     let model = crate::run::load_with_progress(&path)?;
     let name = path
         .file_stem()

@@ -81,6 +81,27 @@ pub(crate) fn write(opts: &SynthOptions, path: &Path) -> Result<samesum_synth::S
     Ok(summary)
 }
 
+/// The model a command runs on: `model` if given, else a synthetic `shape`
+/// model (`quant`) written to a temporary folder that lives as long as the
+/// returned guard; `note` is printed when the built-in model is used.
+pub(crate) fn model_or_builtin(
+    model: &Option<PathBuf>,
+    shape: &str,
+    quant: &str,
+    note: Option<&str>,
+) -> Result<(PathBuf, Option<tempfile::TempDir>)> {
+    if let Some(p) = model {
+        return Ok((p.clone(), None));
+    }
+    let dir = tempfile::tempdir().context("creating a temporary directory")?;
+    let p = dir.path().join(format!("{shape}.gguf"));
+    if let Some(n) = note {
+        eprintln!("{n}");
+    }
+    write(&options(shape, quant, None, 0)?, &p)?;
+    Ok((p, Some(dir)))
+}
+
 pub(crate) fn run(a: Args) -> Result<()> {
     let opts = options(&a.shape, &a.quant, a.layers, a.seed)?;
     if a.output.exists() && !a.force {

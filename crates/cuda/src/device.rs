@@ -113,29 +113,29 @@ impl Device {
         })
     }
 
-    /// Start timing a launch (profiling only).
-    pub(crate) fn prof_begin(&self) -> Result<Option<CudaEvent>> {
-        if self.prof.is_none() {
-            return Ok(None);
-        }
+    /// A timing event recorded on the stream now.
+    fn mark(&self) -> Result<CudaEvent> {
         let ev = self
             .ctx
             .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(|e| drv("cuEventCreate", e))?;
         ev.record(&self.stream)
             .map_err(|e| drv("cuEventRecord", e))?;
-        Ok(Some(ev))
+        Ok(ev)
+    }
+
+    /// Start timing a launch (profiling only).
+    pub(crate) fn prof_begin(&self) -> Result<Option<CudaEvent>> {
+        match self.prof {
+            Some(_) => self.mark().map(Some),
+            None => Ok(None),
+        }
     }
 
     /// Finish timing a launch of `name`.
     pub(crate) fn prof_end(&self, name: &'static str, start: Option<CudaEvent>) -> Result<()> {
         if let (Some(p), Some(s)) = (&self.prof, start) {
-            let ev = self
-                .ctx
-                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| drv("cuEventCreate", e))?;
-            ev.record(&self.stream)
-                .map_err(|e| drv("cuEventRecord", e))?;
+            let ev = self.mark()?;
             p.lock().expect("profile lock").push((name, s, ev));
         }
         Ok(())

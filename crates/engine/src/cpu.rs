@@ -28,6 +28,44 @@ pub struct MatmulJob<'a> {
     pub y: &'a mut [f32],
 }
 
+/// Defines `$name`, which runs `$body` (an `#[inline(always)]` function with the
+/// same parameters) compiled for AVX-512 F, for AVX2, or for the baseline,
+/// whichever is the widest this CPU has (`Isa::best`, so `SAMESUM_ISA` caps it
+/// too). Rust never fuses or reorders float operations, so every width
+/// computes the same bytes; only the vector length changes.
+macro_rules! widest {
+    ($(#[$m:meta])* fn $name:ident $([$($g:tt)*])? ($($a:ident: $t:ty),* $(,)?) => $body:ident) => {
+        $(#[$m])*
+        #[allow(clippy::too_many_arguments)]
+        fn $name $(<$($g)*>)? ($($a: $t),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f")]
+                #[allow(clippy::too_many_arguments)]
+                fn wide512 $(<$($g)*>)? ($($a: $t),*) {
+                    $body($($a),*)
+                }
+                #[target_feature(enable = "avx2")]
+                #[allow(clippy::too_many_arguments)]
+                fn wide256 $(<$($g)*>)? ($($a: $t),*) {
+                    $body($($a),*)
+                }
+                use samesum_quant::isa::Isa;
+                let isa = Isa::best();
+                if isa >= Isa::Avx512 {
+                    // SAFETY: Isa::best reports AVX-512 F only when the CPU has it.
+                    return unsafe { wide512($($a),*) };
+                }
+                if isa >= Isa::Avx2 {
+                    // SAFETY: as above, for AVX2.
+                    return unsafe { wide256($($a),*) };
+                }
+            }
+            $body($($a),*)
+        }
+    };
+}
+
 /// Largest delta-net value head dim the kernels take (real models use 128).
 const MAX_DV: usize = 512;
 
@@ -352,35 +390,10 @@ fn delta_step_body(u: &DeltaStep<'_>, sn: &mut [f32], on: &mut [f32]) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn delta_step_avx512(u: &DeltaStep<'_>, sn: &mut [f32], on: &mut [f32]) {
-    delta_step_body(u, sn, on)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn delta_step_avx2(u: &DeltaStep<'_>, sn: &mut [f32], on: &mut [f32]) {
-    delta_step_body(u, sn, on)
-}
-
-/// [`delta_step_body`] compiled for the widest vectors the CPU has (the same
-/// bytes at every width).
-fn delta_step(u: &DeltaStep<'_>, sn: &mut [f32], on: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use samesum_quant::isa::Isa;
-        let isa = Isa::best();
-        if isa >= Isa::Avx512 {
-            // SAFETY: AVX-512 F is present (Isa::best checks the CPU).
-            return unsafe { delta_step_avx512(u, sn, on) };
-        }
-        if isa >= Isa::Avx2 {
-            // SAFETY: AVX2 is present.
-            return unsafe { delta_step_avx2(u, sn, on) };
-        }
-    }
-    delta_step_body(u, sn, on)
+widest! {
+    /// [`delta_step_body`] compiled for the widest vectors the CPU has (the same
+    /// bytes at every width).
+    fn delta_step(u: &DeltaStep<'_>, sn: &mut [f32], on: &mut [f32]) => delta_step_body
 }
 
 /// RMSNorm of each `dim`-wide row: `y = x * (1/sqrt(mean(x²) + eps)) * w`, the sum
@@ -584,71 +597,22 @@ fn dot16<T: KvElem>(q: &[f32], k: &[T]) -> f32 {
     (q4[0] + q4[2]) + (q4[1] + q4[3])
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-fn attend_head_avx512<T: KvElem>(
-    q: &[f32],
-    h: usize,
-    rep: usize,
-    hd: usize,
-    kvw: usize,
-    pos: usize,
-    scale: f32,
-    k: &[T],
-    v: &[T],
-    out: &mut [f32],
-) {
-    attend_head(q, h, rep, hd, kvw, pos, scale, k, v, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[allow(clippy::too_many_arguments)]
-fn attend_head_avx2<T: KvElem>(
-    q: &[f32],
-    h: usize,
-    rep: usize,
-    hd: usize,
-    kvw: usize,
-    pos: usize,
-    scale: f32,
-    k: &[T],
-    v: &[T],
-    out: &mut [f32],
-) {
-    attend_head(q, h, rep, hd, kvw, pos, scale, k, v, out)
-}
-
-/// [`attend_head`] compiled for the widest vectors the CPU has (the same bytes
-/// at every width: its lanes are fixed by [`dot16`], not by the vector size).
-#[allow(clippy::too_many_arguments)]
-fn attend<T: KvElem>(
-    q: &[f32],
-    h: usize,
-    rep: usize,
-    hd: usize,
-    kvw: usize,
-    pos: usize,
-    scale: f32,
-    k: &[T],
-    v: &[T],
-    out: &mut [f32],
-) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use samesum_quant::isa::Isa;
-        let isa = Isa::best();
-        if isa >= Isa::Avx512 {
-            // SAFETY: AVX-512 F is present (Isa::best checks the CPU).
-            return unsafe { attend_head_avx512(q, h, rep, hd, kvw, pos, scale, k, v, out) };
-        }
-        if isa >= Isa::Avx2 {
-            // SAFETY: AVX2 is present.
-            return unsafe { attend_head_avx2(q, h, rep, hd, kvw, pos, scale, k, v, out) };
-        }
-    }
-    attend_head(q, h, rep, hd, kvw, pos, scale, k, v, out)
+widest! {
+    /// [`attend_head`] compiled for the widest vectors the CPU has (the same
+    /// bytes at every width: its lanes are fixed by [`dot16`], not by the vector
+    /// size).
+    fn attend[T: KvElem](
+        q: &[f32],
+        h: usize,
+        rep: usize,
+        hd: usize,
+        kvw: usize,
+        pos: usize,
+        scale: f32,
+        k: &[T],
+        v: &[T],
+        out: &mut [f32],
+    ) => attend_head
 }
 
 /// One query head attending over cache positions `0..=pos`: scores in key order
