@@ -1,13 +1,11 @@
 // Quantized matmul rows: y[r][j] = W_{mat(r)}[j] . x[r].
 //
-// One warp computes one weight row j against a tile of up to MT activation
-// rows. Each output element is reduced in one order fixed by the row length:
-// the warp walks the row's blocks in groups (lane group g takes blocks
-// g, g + G, ...), each block's integer sum is exact (integer adds in any order),
-// one float combine per block in block order per group, then a fixed butterfly
-// across the groups. Nothing depends on how many rows the call has, which tile a
-// row falls in, or which other rows share it: m = 1 (decode) and m = chunk
-// (prefill) compute the same bytes.
+// Every kernel here reduces each output element in one order fixed by the
+// row length (see "formats" below): integer sums per weight block, exact in
+// any order, then one float step per block in block order. Nothing depends on
+// how many rows the call has, which tile a row falls in, which other rows
+// share it, or which kernel (dp4a rows, tensor-core tiles) ran: m = 1 (decode)
+// and m = chunk (prefill) compute the same bytes.
 //
 // Activations are quantized per row exactly as the CPU does (Q8_K for the
 // K-quants, Q8_0 for Q8_0; f32 rows for float weights), so the integer parts
@@ -95,9 +93,21 @@ extern "C" __global__ void quantize_q8_0(const float* x, u8* out, int cols, int 
 
 // ---------------------------------------------------------------- formats
 //
-// Each format splits a block into LANES parts; `acc` adds one part's float
-// term. The order per output element: lane (group g, part p) walks blocks
-// g, g + G, ... adding its part's term, then one fixed butterfly over the warp.
+// The order per output element, shared by every kernel below (the dp4a row
+// kernels for any m and the tensor-core tile kernels for wide calls):
+//
+//     acc = 0
+//     for each weight block b, in order:
+//         isum = sum over the block's parts of scale_part * dot_part   (exact int)
+//         msum = sum over the block's parts of min_part * bsum_part    (exact int)
+//         acc = acc + (d_b * da_b) * float(isum)  [ - (dmin_b * da_b) * float(msum) ]
+//
+// The integer sums are exact whatever order or unit (dp4a, mma) computes
+// them, and the float steps use explicit round-to-nearest intrinsics that the
+// compiler never fuses into FMAs, so every kernel computes each element with
+// the same operations: m = 1 (decode) and m = chunk (prefill) agree by
+// construction. The sums fit in int32: Q4_K 8 x 63 x 32 x 15 x 127 < 2^25,
+// Q5_K < 2^26, Q6_K 16 x 128 x 16 x 32 x 127 < 2^28.
 
 __device__ __forceinline__ int4 ld_i4(const u8* p) { return *(const int4*)p; }
 
@@ -111,12 +121,19 @@ __device__ __forceinline__ void k4_scale_min(const u8* S, int s, int& sc, int& m
     }
 }
 
-// The float combine uses explicit round-to-nearest intrinsics, which the
-// compiler never fuses into FMAs: every instantiation of a kernel (any rows
-// per warp) computes each element with the same operations.
 #define FMUL __fmul_rn
 #define FADD __fadd_rn
 #define FSUB __fsub_rn
+
+// One block's float step (K-quants with mins).
+__device__ __forceinline__ float step_min(float acc, float d, float dmin, float da, int isum, int msum) {
+    acc = FADD(acc, FMUL(FMUL(d, da), __int2float_rn(isum)));
+    return FSUB(acc, FMUL(FMUL(dmin, da), __int2float_rn(msum)));
+}
+// One block's float step (formats without mins).
+__device__ __forceinline__ float step_plain(float acc, float d, float da, int isum) {
+    return FADD(acc, FMUL(FMUL(d, da), __int2float_rn(isum)));
+}
 
 // One part of a Q8_K activation block: 32 values, their bsums pair, d.
 struct ActK32 {
@@ -146,6 +163,9 @@ __device__ __forceinline__ int dot32(const u32* q, const ActK32& x) {
     return __dp4a((int)q[7], x.x1.w, t);
 }
 
+// Each format splits a block into LANES parts: `iprod`/`mprod` give one part's
+// integer terms, `step` the block's float step from the summed terms.
+
 // Q4_K: d, dmin (f16), scales[12], qs[128]; part s = sub-block s (32 values).
 struct FmtQ4K {
     enum { ELEMS = 256, BYTES = 144, LANES = 8, ABYTES = Q8K_BYTES };
@@ -163,9 +183,10 @@ struct FmtQ4K {
         d = f16_to_f32((u16)(dd & 0xffff));
         dmin = f16_to_f32((u16)(dd >> 16));
     }
-    __device__ float acc(float acc, const A& x) const {
-        acc = FADD(acc, FMUL(FMUL(d, x.da), (float)(sc * dot32(q, x))));
-        return FSUB(acc, FMUL(FMUL(dmin, x.da), (float)(mn * x.bs)));
+    __device__ int iprod(const A& x) const { return sc * dot32(q, x); }
+    __device__ int mprod(const A& x) const { return mn * x.bs; }
+    static __device__ float step(float acc, float d, float dmin, float da, int is, int ms) {
+        return step_min(acc, d, dmin, da, is, ms);
     }
 };
 
@@ -191,9 +212,10 @@ struct FmtQ5K {
         d = f16_to_f32((u16)(dd & 0xffff));
         dmin = f16_to_f32((u16)(dd >> 16));
     }
-    __device__ float acc(float acc, const A& x) const {
-        acc = FADD(acc, FMUL(FMUL(d, x.da), (float)(sc * dot32(q, x))));
-        return FSUB(acc, FMUL(FMUL(dmin, x.da), (float)(mn * x.bs)));
+    __device__ int iprod(const A& x) const { return sc * dot32(q, x); }
+    __device__ int mprod(const A& x) const { return mn * x.bs; }
+    static __device__ float step(float acc, float d, float dmin, float da, int is, int ms) {
+        return step_min(acc, d, dmin, da, is, ms);
     }
 };
 
@@ -203,12 +225,25 @@ struct ActK16 {
     float da;
 };
 
+__device__ __forceinline__ u32 ld_u32_a2(const u8* p) {  // 2-byte aligned
+    const u16* h = (const u16*)p;
+    return (u32)h[0] | ((u32)h[1] << 16);
+}
+
+// Four Q6_K values starting at element e (a multiple of 4) as signed bytes.
+__device__ __forceinline__ u32 q6_word(const u8* b, int e) {
+    int n = e / 128, r = e % 128;
+    u32 lo = (ld_u32_a2(b + n * 64 + r % 64) >> (4 * (r / 64))) & 0x0F0F0F0Fu;
+    u32 hi = (ld_u32_a2(b + 128 + n * 32 + r % 32) >> (2 * (r / 32))) & 0x03030303u;
+    return __vsub4(lo | (hi << 4), 0x20202020u);
+}
+
 struct FmtQ6K {
     enum { ELEMS = 256, BYTES = 210, LANES = 16, ABYTES = Q8K_BYTES };
     typedef ActK16 A;
     u32 q[4];
     int sc;
-    float d;
+    float d, dmin;
     static __device__ A act(const u8* a, int g) {
         A r;
         r.x = ld_i4(a + g * 16);
@@ -216,70 +251,59 @@ struct FmtQ6K {
         return r;
     }
     __device__ void load(const u8* b, int g) {
-        for (int i = 0; i < 4; i++) {
-            u32 w = 0;
-            for (int k = 0; k < 4; k++) {
-                int e = g * 16 + i * 4 + k;
-                int n = e / 128, r = e % 128;
-                int lo = (b[n * 64 + r % 64] >> (4 * (r / 64))) & 0x0F;
-                int hi = (b[128 + n * 32 + r % 32] >> (2 * (r / 32))) & 3;
-                int v = (lo | (hi << 4)) - 32;
-                w |= (u32)(u8)(i8)v << (8 * k);
-            }
-            q[i] = w;
-        }
+        for (int i = 0; i < 4; i++) q[i] = q6_word(b, g * 16 + i * 4);
         sc = (int)(i8)b[192 + g];
         d = f16_to_f32(ld_u16(b + 208));
+        dmin = 0.0f;
     }
-    __device__ float acc(float acc, const A& x) const {
+    __device__ int iprod(const A& x) const {
         int t = __dp4a((int)q[0], x.x.x, 0);
         t = __dp4a((int)q[1], x.x.y, t);
         t = __dp4a((int)q[2], x.x.z, t);
         t = __dp4a((int)q[3], x.x.w, t);
-        return FADD(acc, FMUL(FMUL(d, x.da), (float)(sc * t)));
+        return sc * t;
+    }
+    __device__ int mprod(const A&) const { return 0; }
+    static __device__ float step(float acc, float d, float, float da, int is, int) {
+        return step_plain(acc, d, da, is);
     }
 };
 
-// Q8_0: d (f16), qs[32]; one lane takes a whole block.
+// Q8_0: d (f16), qs[32]; part s = values 4s..4s+3.
 struct Act80 {
-    int4 x0, x1;
+    int x;
     float da;
 };
 
 struct FmtQ8_0 {
-    enum { ELEMS = 32, BYTES = 34, LANES = 1, ABYTES = Q8A_BYTES };
+    enum { ELEMS = 32, BYTES = 34, LANES = 8, ABYTES = Q8A_BYTES };
     typedef Act80 A;
-    u32 q[8];
-    float d;
-    static __device__ A act(const u8* a, int) {
+    u32 q;
+    float d, dmin;
+    static __device__ A act(const u8* a, int s) {
         A r;
-        const int* x = (const int*)a;  // 36-byte blocks: 4-byte aligned
-        r.x0 = make_int4(x[0], x[1], x[2], x[3]);
-        r.x1 = make_int4(x[4], x[5], x[6], x[7]);
+        r.x = ((const int*)a)[s];  // 36-byte blocks: 4-byte aligned
         r.da = *(const float*)(a + 32);
         return r;
     }
-    __device__ void load(const u8* b, int) {
-        const u16* h = (const u16*)b;  // 34-byte blocks: 2-byte aligned
-        for (int i = 0; i < 8; i++) q[i] = (u32)h[1 + 2 * i] | ((u32)h[2 + 2 * i] << 16);
-        d = f16_to_f32(h[0]);
+    __device__ void load(const u8* b, int s) {
+        q = ld_u32_a2(b + 2 + 4 * s);  // 34-byte blocks: 2-byte aligned
+        d = f16_to_f32(ld_u16(b));
+        dmin = 0.0f;
     }
-    __device__ float acc(float acc, const A& x) const {
-        int t = __dp4a((int)q[0], x.x0.x, 0);
-        t = __dp4a((int)q[1], x.x0.y, t);
-        t = __dp4a((int)q[2], x.x0.z, t);
-        t = __dp4a((int)q[3], x.x0.w, t);
-        t = __dp4a((int)q[4], x.x1.x, t);
-        t = __dp4a((int)q[5], x.x1.y, t);
-        t = __dp4a((int)q[6], x.x1.z, t);
-        t = __dp4a((int)q[7], x.x1.w, t);
-        return FADD(acc, FMUL(FMUL(d, x.da), (float)t));
+    __device__ int iprod(const A& x) const { return __dp4a((int)q, x.x, 0); }
+    __device__ int mprod(const A&) const { return 0; }
+    static __device__ float step(float acc, float d, float, float da, int is, int) {
+        return step_plain(acc, d, da, is);
     }
 };
 
-// RW weight rows per warp (1 for decode-sized calls, 4 for prefill): the
-// activation part is loaded once for all RW rows. The per-element order does
-// not depend on RW.
+// ---------------------------------------------------------------- dp4a rows
+//
+// One warp computes RW weight rows (1 for decode-sized calls, 4 for wide
+// calls) against a tile of up to MT activation rows. Lane (g, s) takes part s
+// of block b0 + g; a group's integer terms are summed exactly with shuffles,
+// then every lane applies the G blocks' float steps in block order.
 template <class F, int RW>
 __device__ void mm_blocks(const u8* W, i64 mat_stride, int row_bytes, const int* mats,
                           const u8* A, float* Y, int rows, int m, int nb) {
@@ -287,8 +311,8 @@ __device__ void mm_blocks(const u8* W, i64 mat_stride, int row_bytes, const int*
     int j0 = (blockIdx.x * WARPS + warp) * RW;
     int r0 = blockIdx.y * MT;
     if (j0 >= rows || r0 >= m) return;
-    const int G = 32 / F::LANES;
-    int g = lane / F::LANES, s = lane % F::LANES;
+    const int L = F::LANES, G = 32 / F::LANES;
+    int g = lane / L, s = lane % L;
     int nr = min(MT, m - r0);
     i64 arow = (i64)nb * F::ABYTES;
     float acc[RW][MT];
@@ -300,7 +324,9 @@ __device__ void mm_blocks(const u8* W, i64 mat_stride, int row_bytes, const int*
         for (int w = 0; w < RW; w++) acc[w][t] = 0.0f;
     }
     F f[RW];
-    for (int b = g; b < nb; b += G) {
+    for (int b0 = 0; b0 < nb; b0 += G) {
+        int b = b0 + g;
+        bool ok = b < nb;
         int cur = -1;
 #pragma unroll
         for (int t = 0; t < MT; t++) {
@@ -309,20 +335,28 @@ __device__ void mm_blocks(const u8* W, i64 mat_stride, int row_bytes, const int*
                 cur = mat[t];
 #pragma unroll
                 for (int w = 0; w < RW; w++)
-                    if (j0 + w < rows)
+                    if (ok && j0 + w < rows)
                         f[w].load(W + cur * mat_stride + (i64)(j0 + w) * row_bytes + (i64)b * F::BYTES, s);
             }
-            typename F::A x = F::act(A + (r0 + t) * arow + (i64)b * F::ABYTES, s);
+            typename F::A x = typename F::A();
+            if (ok) x = F::act(A + (r0 + t) * arow + (i64)b * F::ABYTES, s);
 #pragma unroll
-            for (int w = 0; w < RW; w++) acc[w][t] = f[w].acc(acc[w][t], x);
+            for (int w = 0; w < RW; w++) {
+                bool live = ok && j0 + w < rows;
+                int ip = isum_lanes(live ? f[w].iprod(x) : 0, L);
+                int mp = isum_lanes(live ? f[w].mprod(x) : 0, L);
+                for (int gg = 0; gg < G && b0 + gg < nb; gg++) {
+                    int src = gg * L;
+                    int is = __shfl_sync(0xffffffffu, ip, src);
+                    int ms = __shfl_sync(0xffffffffu, mp, src);
+                    float dw = __shfl_sync(0xffffffffu, f[w].d, src);
+                    float dm = __shfl_sync(0xffffffffu, f[w].dmin, src);
+                    float da = __shfl_sync(0xffffffffu, x.da, src);
+                    acc[w][t] = F::step(acc[w][t], dw, dm, da, is, ms);
+                }
+            }
         }
     }
-    // One fixed butterfly over the warp.
-#pragma unroll
-    for (int w = 0; w < RW; w++)
-#pragma unroll
-        for (int t = 0; t < MT; t++)
-            for (int o = 16; o > 0; o /= 2) acc[w][t] = FADD(acc[w][t], __shfl_xor_sync(0xffffffffu, acc[w][t], o));
     if (lane == 0) {
 #pragma unroll
         for (int w = 0; w < RW; w++)
@@ -346,6 +380,207 @@ MM_KERNEL(mm_q4_k_r4, FmtQ4K, 4)
 MM_KERNEL(mm_q5_k_r4, FmtQ5K, 4)
 MM_KERNEL(mm_q6_k_r4, FmtQ6K, 4)
 MM_KERNEL(mm_q8_0_r4, FmtQ8_0, 4)
+
+// ---------------------------------------------------------------- tensor cores
+//
+// Wide Q4_K / Q5_K calls on int8 mma.sync (m16n8k32, s32 accumulators): a
+// block computes 128 weight rows (32 per warp: two m16 tiles) against 16
+// activation rows (two n8 tiles) staged in shared memory per weight block.
+// Each mma computes one sub-block's exact dots; the scale products, the sums
+// over sub-blocks and the float step are those of the order above, so the
+// bytes equal the dp4a kernels'. A tile whose rows use several matrices
+// (experts) is computed once per matrix, storing that matrix's rows; the
+// expert plan pads each expert's rows to a multiple of 16 so that is rare.
+
+#define TQ_ROWS 16
+#define TQ_WROWS 128
+#define TQ_AST 272  // staged row stride: 256 quants + 16 (conflict-free fragment reads)
+
+__device__ __forceinline__ void mma_s8(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+}
+
+__device__ __forceinline__ int byte_of(u32 w, int i) { return (int)((w >> (8 * i)) & 0xffu); }
+
+template <int Q5>
+__device__ void mm_tc_k(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A,
+                        float* Y, int rows, int m, int nb) {
+    const int BYTES = Q5 ? 176 : 144;
+    const int QS = Q5 ? 48 : 16;
+    __shared__ __align__(16) u8 sq[TQ_ROWS * TQ_AST];
+    __shared__ int sbs[TQ_ROWS][8];
+    __shared__ float sda[TQ_ROWS];
+    __shared__ int smat[TQ_ROWS];
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    int r0 = blockIdx.y * TQ_ROWS;
+    if (r0 >= m) return;
+    int nr = min(TQ_ROWS, m - r0);
+    if (tid < TQ_ROWS) smat[tid] = tid < nr ? (mats ? mats[r0 + tid] : 0) : -1;
+    __syncthreads();
+    int gq = lane >> 2, tq = lane & 3;
+    int wbase = blockIdx.x * TQ_WROWS + warp * 32;
+    i64 arow = (i64)nb * Q8K_BYTES;
+    // Rows of the tile with no matrix get zeros, as in the dp4a kernels.
+    for (int c = tid; c < TQ_ROWS * TQ_WROWS; c += blockDim.x) {
+        int t = c / TQ_WROWS, j = blockIdx.x * TQ_WROWS + c % TQ_WROWS;
+        if (t < nr && smat[t] < 0 && j < rows) Y[(i64)(r0 + t) * rows + j] = 0.0f;
+    }
+    int prev = -1;
+    for (;;) {
+        // The next matrix of the tile, ascending (uniform over the block).
+        int cur = 0x7fffffff;
+        for (int t = 0; t < TQ_ROWS; t++) {
+            int v = smat[t];
+            if (v > prev && v < cur) cur = v;
+        }
+        if (cur == 0x7fffffff) break;
+        prev = cur;
+        const u8* wr[4];  // this thread's weight rows: wbase + 8i + gq
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int j = min(wbase + 8 * i + gq, rows - 1);
+            wr[i] = W + (i64)cur * mat_stride + (i64)j * row_bytes;
+        }
+        float acc[2][2][4];
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int b = 0; b < 2; b++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) acc[a][b][c] = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            __syncthreads();
+            for (int c = tid; c < TQ_ROWS * 16; c += blockDim.x) {
+                int t = c / 16, q = c % 16;
+                int4 v = make_int4(0, 0, 0, 0);
+                if (t < nr) v = ld_i4(A + (r0 + t) * arow + (i64)b * Q8K_BYTES + q * 16);
+                *(int4*)(sq + t * TQ_AST + q * 16) = v;
+            }
+            for (int c = tid; c < TQ_ROWS * 8; c += blockDim.x) {
+                int t = c / 8, s = c % 8;
+                int v = 0;
+                float da = 0.0f;
+                if (t < nr) {
+                    const u8* ab = A + (r0 + t) * arow + (i64)b * Q8K_BYTES;
+                    const i16* bs = (const i16*)(ab + Q8K_BSUMS);
+                    v = (int)bs[2 * s] + (int)bs[2 * s + 1];
+                    da = *(const float*)(ab + Q8K_D);
+                }
+                sbs[t][s] = v;
+                if (s == 0) sda[t] = da;
+            }
+            __syncthreads();
+            // Scales and mins of the four rows, packed a byte per sub-block.
+            u32 scl[4], sch[4], mnl[4], mnh[4];
+            float dw[4], dmw[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const u32* h = (const u32*)(wr[i] + (i64)b * BYTES);
+                u32 h0 = h[0], h1 = h[1], h2 = h[2], h3 = h[3];
+                dw[i] = f16_to_f32((u16)(h0 & 0xffff));
+                dmw[i] = f16_to_f32((u16)(h0 >> 16));
+                scl[i] = h1 & 0x3f3f3f3fu;
+                mnl[i] = h2 & 0x3f3f3f3fu;
+                sch[i] = (h3 & 0x0f0f0f0fu) | (((h1 >> 6) & 0x03030303u) << 4);
+                mnh[i] = ((h3 >> 4) & 0x0f0f0f0fu) | (((h2 >> 6) & 0x03030303u) << 4);
+            }
+            int isum[2][2][4];
+#pragma unroll
+            for (int a = 0; a < 2; a++)
+#pragma unroll
+                for (int n = 0; n < 2; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) isum[a][n][c] = 0;
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                u32 lo[4], hi[4], hl[4], hh[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const u8* blk = wr[i] + (i64)b * BYTES;
+                    lo[i] = *(const u32*)(blk + QS + 32 * p + 4 * tq);
+                    hi[i] = *(const u32*)(blk + QS + 32 * p + 4 * tq + 16);
+                    if (Q5) {
+                        hl[i] = *(const u32*)(blk + 16 + 4 * tq);
+                        hh[i] = *(const u32*)(blk + 16 + 4 * tq + 16);
+                    }
+                }
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    int s = 2 * p + h;
+                    u32 al[4], ah[4];
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        al[i] = (lo[i] >> (4 * h)) & 0x0F0F0F0Fu;
+                        ah[i] = (hi[i] >> (4 * h)) & 0x0F0F0F0Fu;
+                        if (Q5) {
+                            al[i] |= ((hl[i] >> s) & 0x01010101u) << 4;
+                            ah[i] |= ((hh[i] >> s) & 0x01010101u) << 4;
+                        }
+                    }
+                    u32 bq[2][2];
+#pragma unroll
+                    for (int n = 0; n < 2; n++) {
+                        const u8* row = sq + (n * 8 + gq) * TQ_AST + s * 32 + 4 * tq;
+                        bq[n][0] = *(const u32*)row;
+                        bq[n][1] = *(const u32*)(row + 16);
+                    }
+#pragma unroll
+                    for (int a = 0; a < 2; a++) {
+                        int sc0 = byte_of(s < 4 ? scl[2 * a] : sch[2 * a], s & 3);
+                        int sc1 = byte_of(s < 4 ? scl[2 * a + 1] : sch[2 * a + 1], s & 3);
+#pragma unroll
+                        for (int n = 0; n < 2; n++) {
+                            int d[4];
+                            mma_s8(d, al[2 * a], al[2 * a + 1], ah[2 * a], ah[2 * a + 1], bq[n][0], bq[n][1]);
+                            isum[a][n][0] += sc0 * d[0];
+                            isum[a][n][1] += sc0 * d[1];
+                            isum[a][n][2] += sc1 * d[2];
+                            isum[a][n][3] += sc1 * d[3];
+                        }
+                    }
+                }
+            }
+            // The block's float step for each of the thread's 16 elements:
+            // element (a, n, c) is weight row 2a + c/2 and activation row
+            // 8n + 2tq + c%2.
+#pragma unroll
+            for (int a = 0; a < 2; a++)
+#pragma unroll
+                for (int n = 0; n < 2; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                        int ms = 0;
+#pragma unroll
+                        for (int s = 0; s < 8; s++) ms += byte_of(s < 4 ? mnl[i] : mnh[i], s & 3) * sbs[t][s];
+                        acc[a][n][c] = step_min(acc[a][n][c], dw[i], dmw[i], sda[t], isum[a][n][c], ms);
+                    }
+        }
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int n = 0; n < 2; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    int j = wbase + 8 * (2 * a + c / 2) + gq, t = 8 * n + 2 * tq + c % 2;
+                    if (j < rows && t < nr && smat[t] == cur) Y[(i64)(r0 + t) * rows + j] = acc[a][n][c];
+                }
+    }
+}
+
+#define TC_KERNEL(name, Q5)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128)                                          \
+        name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
+             int rows, int m, int nb) {                                                        \
+        mm_tc_k<Q5>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);                        \
+    }
+
+TC_KERNEL(mm_tc_q4_k, 0)
+TC_KERNEL(mm_tc_q5_k, 1)
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
 // then a fixed butterfly.

@@ -366,16 +366,17 @@ extern "C" __global__ void plan_count(const int* ids, int n, int* counts) {
     if (e >= 0) atomicAdd(&counts[e], 1);
 }
 
-// 2. Exclusive scan of the counts (one block, a Hillis-Steele scan over
-//    1024-expert pieces carried in order).
-extern "C" __global__ void plan_scan(const int* counts, int* offsets, int e) {
+// 2. Exclusive scan of the counts, each rounded up to a multiple of `pad` (the
+//    matmul's row tile), in one block: a Hillis-Steele scan over 1024-expert
+//    pieces carried in order.
+extern "C" __global__ void plan_scan(const int* counts, int* offsets, int e, int pad) {
     __shared__ int buf[1024];
     __shared__ int carry;
     int t = threadIdx.x;
     if (t == 0) carry = 0;
     __syncthreads();
     for (int base = 0; base < e; base += 1024) {
-        int v = base + t < e ? counts[base + t] : 0;
+        int v = base + t < e ? (counts[base + t] + pad - 1) / pad * pad : 0;
         buf[t] = v;
         __syncthreads();
         for (int o = 1; o < 1024; o *= 2) {

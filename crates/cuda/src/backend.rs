@@ -43,7 +43,14 @@ pub struct Cuda {
     vecs: HashMap<(usize, usize), CudaSlice<f32>>,
     /// Column maps for layout shuffles, keyed by a description.
     maps: Mutex<HashMap<MapKey, CudaSlice<i32>>>,
+    /// Wide Q4_K/Q5_K calls on the tensor-core kernels (default); off with
+    /// `SAMESUM_CUDA_TC=0` (the dp4a kernels, same bytes) for comparisons.
+    tensor_cores: bool,
 }
+
+/// Rows per tile of the tensor-core matmuls: the expert plan pads each
+/// expert's rows to a multiple of this in wide calls.
+const TC_ROWS: usize = 16;
 
 /// One sequence's state on the device.
 pub struct CudaState {
@@ -162,6 +169,7 @@ impl Cuda {
             file_ptr,
             vecs,
             maps: Mutex::new(HashMap::new()),
+            tensor_cores: std::env::var("SAMESUM_CUDA_TC").as_deref() != Ok("0"),
         })
     }
 
@@ -196,6 +204,29 @@ impl Cuda {
         Ok(p)
     }
 
+    /// One matmul call on host data, for the kernel tests: `m` rows of `x`
+    /// against `w` (`mats` per row, -1 for none), on the tensor-core kernels
+    /// where they apply or (with `tensor_cores` false) on the dp4a kernels.
+    /// The output starts NaN-poisoned.
+    #[doc(hidden)]
+    pub fn matmul_host(
+        &self,
+        w: &Matrix,
+        x: &[f32],
+        m: usize,
+        mats: Option<&[i32]>,
+        tensor_cores: bool,
+    ) -> Result<Vec<f32>> {
+        let xd = self.dev.upload(x)?;
+        let md = match mats {
+            Some(v) => Some(self.dev.upload(v)?),
+            None => None,
+        };
+        let mut y = self.dev.upload(&vec![f32::NAN; m * w.rows])?;
+        self.matmul_on(w, &xd, m, md.as_ref(), &mut y, tensor_cores)?;
+        self.dev.download(&y, m * w.rows)
+    }
+
     /// `y = W_mat(r) · x[r]` for `m` rows; `mats` gives each row's matrix
     /// (expert), or `None` for matrix 0.
     fn matmul(
@@ -205,6 +236,18 @@ impl Cuda {
         m: usize,
         mats: Option<&CudaSlice<i32>>,
         y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        self.matmul_on(w, x, m, mats, y, self.tensor_cores)
+    }
+
+    fn matmul_on(
+        &self,
+        w: &Matrix,
+        x: &CudaSlice<f32>,
+        m: usize,
+        mats: Option<&CudaSlice<i32>>,
+        y: &mut CudaSlice<f32>,
+        tensor_cores: bool,
     ) -> Result<()> {
         use cudarc::driver::DevicePtr;
         if m == 0 {
@@ -272,6 +315,21 @@ impl Cuda {
                     &mi
                 )?;
                 let nbi = nb as i32;
+                if wide && tensor_cores && matches!(w.ty, GgmlType::Q4_K | GgmlType::Q5_K) {
+                    let k = if w.ty == GgmlType::Q4_K {
+                        "mm_tc_q4_k"
+                    } else {
+                        "mm_tc_q5_k"
+                    };
+                    let ct = cfg(
+                        (w.rows.div_ceil(128) as u32, m.div_ceil(TC_ROWS) as u32, 1),
+                        128,
+                        0,
+                    );
+                    return launch!(
+                        d, k, ct, &wptr, &stride, &row_bytes, &mats_ptr, &a, y, &rows, &mi, &nbi
+                    );
+                }
                 match w.ty {
                     GgmlType::Q4_K => mm!("mm_q4_k", "mm_q4_k_r4", &a, &nbi),
                     GgmlType::Q5_K => mm!("mm_q5_k", "mm_q5_k_r4", &a, &nbi),
@@ -646,6 +704,15 @@ impl Cuda {
         );
         let m = x.len() / dm;
         let n = m * k;
+        // Wide calls pad each expert's rows to the tensor-core tile, so a tile
+        // holds one expert; `cap` bounds the padded total (at most min(e, n)
+        // experts have rows). Rows past the real ones stay unused (-1).
+        let pad = if n > 16 && self.tensor_cores {
+            TC_ROWS
+        } else {
+            1
+        };
+        let cap = n + e.min(n) * (pad - 1);
         let mut logits = d.scratch::<f32>(m * e)?;
         self.matmul(&mw.router, x, m, None, &mut logits)?;
         let mut ids = d.scratch::<i32>(n)?;
@@ -672,19 +739,21 @@ impl Cuda {
         let mut counts = d.zeros::<i32>(e)?;
         launch!(d, "plan_count", cfg1(n), &ids, &ni, &mut counts)?;
         let mut offsets = d.scratch::<i32>(e)?;
+        let padi = pad as i32;
         launch!(
             d,
             "plan_scan",
             cfg((1, 1, 1), 1024, 0),
             &counts,
             &mut offsets,
-            &ei
+            &ei,
+            &padi
         )?;
-        let mut placed_row = d.scratch::<i32>(n)?;
-        let mut placed_mat = d.scratch::<i32>(n)?;
-        let (neg, n64) = (-1i32, n as i64);
-        launch!(d, "fill_i32", cfg1(n), &mut placed_row, &neg, &n64)?;
-        launch!(d, "fill_i32", cfg1(n), &mut placed_mat, &neg, &n64)?;
+        let mut placed_row = d.scratch::<i32>(cap)?;
+        let mut placed_mat = d.scratch::<i32>(cap)?;
+        let (neg, cap64) = (-1i32, cap as i64);
+        launch!(d, "fill_i32", cfg1(cap), &mut placed_row, &neg, &cap64)?;
+        launch!(d, "fill_i32", cfg1(cap), &mut placed_mat, &neg, &cap64)?;
         let mut slot = d.scratch::<i32>(n)?;
         launch!(
             d,
@@ -699,26 +768,26 @@ impl Cuda {
             &mut slot
         )?;
         // Gather, the experts' rows (each tile reads its experts' weights once), down.
-        let mut xe = d.scratch::<f32>(n * dm)?;
-        let dmi = dm as i32;
+        let mut xe = d.scratch::<f32>(cap * dm)?;
+        let (dmi, capi) = (dm as i32, cap as i32);
         launch!(
             d,
             "gather_rows",
-            cfg1(n * dm),
+            cfg1(cap * dm),
             x,
             &placed_row,
             &mut xe,
             &dmi,
-            &ni
+            &capi
         )?;
-        let mut ge = d.scratch::<f32>(n * f)?;
-        let mut ue = d.scratch::<f32>(n * f)?;
-        self.matmul(&mw.gate, &xe, n, Some(&placed_mat), &mut ge)?;
-        self.matmul(&mw.up, &xe, n, Some(&placed_mat), &mut ue)?;
-        let nf = (n * f) as i64;
-        launch!(d, "silu_mul", cfg1(n * f), &mut ge, &ue, &nf)?;
-        let mut oe = d.scratch::<f32>(n * dm)?;
-        self.matmul(&mw.down, &ge, n, Some(&placed_mat), &mut oe)?;
+        let mut ge = d.scratch::<f32>(cap * f)?;
+        let mut ue = d.scratch::<f32>(cap * f)?;
+        self.matmul(&mw.gate, &xe, cap, Some(&placed_mat), &mut ge)?;
+        self.matmul(&mw.up, &xe, cap, Some(&placed_mat), &mut ue)?;
+        let nf = (cap * f) as i64;
+        launch!(d, "silu_mul", cfg1(cap * f), &mut ge, &ue, &nf)?;
+        let mut oe = d.scratch::<f32>(cap * dm)?;
+        self.matmul(&mw.down, &ge, cap, Some(&placed_mat), &mut oe)?;
         // Shared expert.
         let mut ys = d.scratch::<f32>(if mw.shared.is_some() { m * dm } else { 1 })?;
         let mut gi = d.scratch::<f32>(m.max(1))?;

@@ -229,6 +229,8 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_q5_k_r4",
             "mm_q6_k_r4",
             "mm_q8_0_r4",
+            "mm_tc_q4_k",
+            "mm_tc_q5_k",
             "mm_f32",
             "mm_f16",
             "mm_bf16",
@@ -261,7 +263,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
 /// Launch kernel `$name` on `$dev` with config `$cfg`; the arguments must be
 /// references to values that live past the statement.
 macro_rules! launch {
-    ($dev:expr, $name:literal, $cfg:expr, $($arg:expr),* $(,)?) => {{
+    ($dev:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
         let f = $dev.func($name)?;
         let ev = $dev.prof_begin()?;
         let mut b = $dev.stream.launch_builder(f);

@@ -74,6 +74,75 @@ fn every_block_op_obeys_the_row_contract_on_the_gpu() {
     }
 }
 
+/// The tensor-core matmul tiles against the dp4a kernels and against one-row
+/// calls, byte for byte: expert stacks and plain matrices, rows of several
+/// experts in one tile (unsorted, with unused -1 rows), many m.
+#[test]
+fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
+    if !gpu() {
+        return;
+    }
+    let mut checked = 0;
+    for quant in [GgmlType::Q4_K, GgmlType::Q5_K] {
+        for shape in SHAPES {
+            let (_dir, model) = synth(shape, quant, 11);
+            let cuda = Cuda::new(0, &model, false).unwrap();
+            let moe = &model.w.layers[0].moe;
+            let mats: Vec<&samesum_engine::model::weights::Matrix> = vec![&moe.gate, &moe.down]
+                .into_iter()
+                .chain(match &model.w.layers[0].mixer {
+                    Mixer::Attention(a) => vec![&a.q],
+                    Mixer::Linear(d) => vec![&d.out],
+                })
+                .filter(|w| w.ty == quant)
+                .collect();
+            assert!(!mats.is_empty(), "{shape}: no {quant:?} matrix to test");
+            let mut rng = Rng::new(5);
+            for w in mats {
+                for m in [17, 33, 64, 100, 257] {
+                    let x: Vec<f32> = (0..m * w.cols).map(|_| rng.normal() * 0.5).collect();
+                    let ids: Option<Vec<i32>> = (w.n_mats > 1).then(|| {
+                        (0..m)
+                            .map(|r| {
+                                if r % 7 == 3 {
+                                    -1
+                                } else {
+                                    (rng.next_u64() % w.n_mats as u64) as i32
+                                }
+                            })
+                            .collect()
+                    });
+                    let tc = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
+                    let dp = cuda.matmul_host(w, &x, m, ids.as_deref(), false).unwrap();
+                    assert!(tc.iter().all(|v| v.is_finite()), "{}: non-finite", w.name);
+                    let same = |a: &[f32], b: &[f32]| {
+                        a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
+                    };
+                    assert!(same(&tc, &dp), "{} m={m}: tensor cores != dp4a", w.name);
+                    for r in [0, m / 2, m - 1] {
+                        let one = cuda
+                            .matmul_host(
+                                w,
+                                &x[r * w.cols..(r + 1) * w.cols],
+                                1,
+                                ids.as_ref().map(|v| &v[r..r + 1]),
+                                true,
+                            )
+                            .unwrap();
+                        assert!(
+                            same(&one, &tc[r * w.rows..(r + 1) * w.rows]),
+                            "{} m={m} row {r}: one-row call differs",
+                            w.name
+                        );
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    eprintln!("tensor-core matmul cases equal: {checked}");
+}
+
 fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
     let (mut num, mut den) = (0f64, 0f64);
     for (g, w) in got.iter().zip(want) {
