@@ -9,6 +9,9 @@
 # tests,identity,bigidentity,bench,q3moe; smoke is a quick pp512/tg32 with a
 # kernel profile; serve checks the server on the GPU). A full run takes longer than one 10-minute device call:
 # split it, e.g. tests,identity then bigidentity,bench then q3moe.
+# The bench steps take SAMESUM_GPU_PP (prompt lengths, default 512,4096),
+# SAMESUM_GPU_TG (decode tokens, 128), SAMESUM_GPU_REPS (2), SAMESUM_GPU_ARMS
+# (replay,batched) and SAMESUM_GPU_CHUNK (512).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -86,14 +89,16 @@ run)
     if [[ $steps == *,bench,* ]]; then
         q35=$(model qwen35moe-35b-a3b)
         step bench-q35 timeout 400 .gpu/samesum bench --device cuda -m "$q35" \
-            -p ${SAMESUM_GPU_PP:-512,4096} -n 128 -r 2 --prefill replay,batched --chunk 512
+            -p ${SAMESUM_GPU_PP:-512,4096} -n ${SAMESUM_GPU_TG:-128} -r ${SAMESUM_GPU_REPS:-2} \
+            --prefill ${SAMESUM_GPU_ARMS:-replay,batched} --chunk ${SAMESUM_GPU_CHUNK:-512}
         step profile-q35 timeout 200 .gpu/samesum bench --device cuda -m "$q35" -p 4096 -n 32 -r 1 \
             --prefill batched --chunk 512 --profile
     fi
     if [[ $steps == *,q3moe,* ]]; then
         q3=$(model qwen3moe-30b-a3b)
         step bench-q3moe timeout 400 .gpu/samesum bench --device cuda -m "$q3" \
-            -p ${SAMESUM_GPU_PP:-512,4096} -n 128 -r 2 --prefill replay,batched --chunk 512
+            -p ${SAMESUM_GPU_PP:-512,4096} -n ${SAMESUM_GPU_TG:-128} -r ${SAMESUM_GPU_REPS:-2} \
+            --prefill ${SAMESUM_GPU_ARMS:-replay,batched} --chunk ${SAMESUM_GPU_CHUNK:-512}
     fi
     if [[ $steps == *,serve,* ]]; then
         # The server on the GPU: one request alone, then six at once (batched

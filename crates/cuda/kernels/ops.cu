@@ -100,12 +100,15 @@ __device__ __forceinline__ float kv_at(const void* c, i64 i, int f16) {
 #define MAX_HD 512
 
 // One block per (row, query head): row r is position pos0 + r and attends over
-// cache positions 0..=pos0+r. Each score is one warp's dot (lane l over dims
-// l, l + 32, ..., then a fixed butterfly), scaled; then the max, exp, the sum
-// (each thread over a fixed stride of keys, then a fixed tree), normalize, and
-// each output dim sums the values in key order. Every order here depends on
-// the head dim and the position only. `scores` holds (pos0 + m) floats per
-// (row, head).
+// cache positions 0..=pos0+r. Each score is one warp's dot (lane l's fma chain
+// over dims l, l + 32, ..., then a fixed butterfly), scaled; then the max, exp,
+// the sum (each thread over a fixed stride of keys, then a fixed tree),
+// normalize, and each output dim's fma chain over the values in key order.
+// Every order here depends on the head dim and the position only, and every
+// operation is an explicit intrinsic: `attention_gqa` below performs the same
+// operations per (row, head), so either kernel computes the same bytes (decode
+// takes this one, with a block per head; wide calls the shared-KV one).
+// `scores` holds (pos0 + m) floats per (row, head).
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention(const float* q, const void* ck, const void* cv, float* o, float* scores, int m, int hq, int hkv,
               int hd, int pos0, float scale, int f16) {
@@ -125,9 +128,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     for (int j = warp; j < n; j += ATT_WARPS) {
         i64 base = (i64)j * kvw + g * hd;
         float d = 0.0f;
-        for (int i = lane; i < hd; i += 32) d = d + qs[i] * kv_at(ck, base + i, f16);
-        for (int o2 = 16; o2 > 0; o2 /= 2) d = d + __shfl_xor_sync(0xffffffffu, d, o2);
-        float v = d * scale;
+        for (int i = lane; i < hd; i += 32) d = __fmaf_rn(qs[i], kv_at(ck, base + i, f16), d);
+        for (int o2 = 16; o2 > 0; o2 /= 2) d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, o2));
+        float v = __fmul_rn(d, scale);
         if (lane == 0) s[j] = v;
         mx = fmaxf(mx, v);
     }
@@ -143,22 +146,152 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     for (int j = t; j < n; j += ATT_THREADS) {
         float e = expf(s[j] - mx);
         s[j] = e;
-        sum = sum + e;
+        sum = __fadd_rn(sum, e);
     }
     red[t] = sum;
     __syncthreads();
     for (int k = ATT_THREADS / 2; k > 0; k /= 2) {
-        if (t < k) red[t] = red[t] + red[t + k];
+        if (t < k) red[t] = __fadd_rn(red[t], red[t + k]);
         __syncthreads();
     }
     sum = red[0];
-    for (int j = t; j < n; j += ATT_THREADS) s[j] = s[j] / sum;
+    for (int j = t; j < n; j += ATT_THREADS) s[j] = __fdiv_rn(s[j], sum);
     __syncthreads();
     for (int i = t; i < hd; i += ATT_THREADS) {
         float acc = 0.0f;
-        for (int j = 0; j < n; j++) acc = acc + s[j] * kv_at(cv, (i64)j * kvw + g * hd + i, f16);
+        for (int j = 0; j < n; j++) acc = __fmaf_rn(s[j], kv_at(cv, (i64)j * kvw + g * hd + i, f16), acc);
         o[((i64)r * hq + h) * hd + i] = acc;
     }
+}
+
+// Attention for the usual shapes (head dim <= 256, at most 16 query heads per
+// KV head): block (g, tile) computes the AP = rows x heads-of-group (row,
+// head) pairs of KV head g for a tile of consecutive rows, so each key and
+// value row is read once for all of them instead of once per pair. Per pair
+// the operations and their order depend only on the head dim and the row's
+// position (so any tiling, m = 1 included, computes the same bytes): score j =
+// (lane l's fma chain over dims l, l + 32, ... then a fixed butterfly) *
+// scale; max; e_j = exp(s_j - max); sum = thread t's chain over j = t,
+// t + 256, ... then a fixed tree over the 256 threads; s_j = e_j / sum;
+// o_i = the fma chain over keys in order.
+#define AP 16
+#define ATT_TJ 32
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_gqa(const float* q, const void* ck, const void* cv, float* o, float* scores, int m, int hq,
+                  int hkv, int hd, int pos0, float scale, int f16) {
+    __shared__ float qs[AP][256];
+    __shared__ float red[AP][ATT_THREADS];
+    __shared__ float smax[AP][ATT_WARPS];
+    __shared__ float st[AP][ATT_TJ];
+    int t = threadIdx.x, warp = t / 32, lane = t % 32;
+    int gs = hq / hkv, rows = AP / gs;
+    int g = blockIdx.x, r0 = blockIdx.y * rows;
+    int np = min(rows, m - r0) * gs;  // live pairs: pair p = (row r0 + p / gs, head g * gs + p % gs)
+    int kvw = hkv * hd, stride = pos0 + m;
+    int nmax = pos0 + r0 + np / gs;  // keys of the tile's last row
+    for (int i = t; i < AP * 256; i += ATT_THREADS) {
+        int p = i / 256, d = i % 256;
+        float v = 0.0f;
+        if (p < np && d < hd) v = q[((i64)(r0 + p / gs) * hq + g * gs + p % gs) * hd + d];
+        qs[p][d] = v;
+    }
+    __syncthreads();
+    // Scores, one warp per key. Each lane's 16 fma chains, then the butterfly
+    // done for all 16 pairs at once: at step o every lane keeps half of its
+    // pairs and adds the partner's (lane ^ o) partial of the same pair, which
+    // is the one-pair butterfly's own + partner add; lane l ends with pair l/2.
+    int mine = lane >> 1;
+    float mx = -INFINITY;
+    for (int j = warp; j < nmax; j += ATT_WARPS) {
+        float kr[8];
+        i64 base = (i64)j * kvw + g * hd;
+#pragma unroll
+        for (int c = 0; c < 8; c++) kr[c] = lane + 32 * c < hd ? kv_at(ck, base + lane + 32 * c, f16) : 0.0f;
+        float d[AP];
+#pragma unroll
+        for (int p = 0; p < AP; p++) {
+            d[p] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+                if (lane + 32 * c < hd) d[p] = __fmaf_rn(qs[p][lane + 32 * c], kr[c], d[p]);
+        }
+#pragma unroll
+        for (int o2 = 16, w = AP / 2; o2 > 1; o2 /= 2, w /= 2) {
+            bool upper = (lane & o2) != 0;  // keeps pairs [w, 2w) of its current set
+#pragma unroll
+            for (int i = 0; i < w; i++) {
+                float send = upper ? d[i] : d[w + i];
+                float got = __shfl_xor_sync(0xffffffffu, send, o2);
+                d[i] = __fadd_rn(upper ? d[w + i] : d[i], got);
+            }
+        }
+        float v = __fadd_rn(d[0], __shfl_xor_sync(0xffffffffu, d[0], 1));
+        v = __fmul_rn(v, scale);
+        if (mine < np && j <= pos0 + r0 + mine / gs) {
+            if ((lane & 1) == 0) scores[((i64)(r0 + mine / gs) * hq + g * gs + mine % gs) * stride + j] = v;
+            mx = fmaxf(mx, v);
+        }
+    }
+    if ((lane & 1) == 0) smax[mine][warp] = mx;
+    __syncthreads();
+    // exp and the sums: thread t's chain, then a fixed tree.
+    for (int p = 0; p < np; p++) {
+        float mxp = smax[p][0];
+        for (int w = 1; w < ATT_WARPS; w++) mxp = fmaxf(mxp, smax[p][w]);
+        int n = pos0 + r0 + p / gs + 1;
+        float* s = scores + ((i64)(r0 + p / gs) * hq + g * gs + p % gs) * stride;
+        float sum = 0.0f;
+        for (int j = t; j < n; j += ATT_THREADS) {
+            float e = expf(s[j] - mxp);
+            s[j] = e;
+            sum = __fadd_rn(sum, e);
+        }
+        red[p][t] = sum;
+    }
+    __syncthreads();
+    for (int k = ATT_THREADS / 2; k > 0; k /= 2) {
+        if (t < k)
+            for (int p = 0; p < np; p++) red[p][t] = __fadd_rn(red[p][t], red[p][t + k]);
+        __syncthreads();
+    }
+    for (int p = 0; p < np; p++) {
+        int n = pos0 + r0 + p / gs + 1;
+        float* s = scores + ((i64)(r0 + p / gs) * hq + g * gs + p % gs) * stride;
+        float sum = red[p][0];
+        for (int j = t; j < n; j += ATT_THREADS) s[j] = __fdiv_rn(s[j], sum);
+    }
+    __syncthreads();
+    // Values: thread t owns dim t of every pair, keys in order; the scores
+    // come through shared memory a tile of keys at a time.
+    float acc[AP];
+#pragma unroll
+    for (int p = 0; p < AP; p++) acc[p] = 0.0f;
+    for (int j0 = 0; j0 < nmax; j0 += ATT_TJ) {
+        __syncthreads();
+        for (int i = t; i < AP * ATT_TJ; i += ATT_THREADS) {
+            int p = i / ATT_TJ, j = j0 + i % ATT_TJ;
+            float v = 0.0f;
+            if (p < np && j <= pos0 + r0 + p / gs) v = scores[((i64)(r0 + p / gs) * hq + g * gs + p % gs) * stride + j];
+            st[p][i % ATT_TJ] = v;
+        }
+        __syncthreads();
+        if (t < hd) {
+            int jn = min(ATT_TJ, nmax - j0);
+            for (int jj = 0; jj < jn; jj++) {
+                int j = j0 + jj;
+                float v = kv_at(cv, (i64)j * kvw + g * hd + t, f16);
+#pragma unroll
+                for (int p = 0; p < AP; p++) {
+                    if (j > pos0 + r0 + p / gs) continue;  // uniform; pairs past np are never stored
+                    acc[p] = __fmaf_rn(st[p][jj], v, acc[p]);
+                }
+            }
+        }
+    }
+    if (t < hd)
+#pragma unroll
+        for (int p = 0; p < AP; p++)
+            if (p < np) o[((i64)(r0 + p / gs) * hq + g * gs + p % gs) * hd + t] = acc[p];
 }
 
 // Causal conv + SiLU with state: one thread per channel walks the rows in
@@ -287,6 +420,103 @@ extern "C" __global__ void __launch_bounds__(DCOLS)
     if (live)
         for (int i = 0; i < dk; i++) G[(i64)i * dv + j] = S[i * DCOLS + t];
 }
+
+// Gated delta rule for the key head dims the models use (16..256): the same
+// recurrence, with each state column split over 8 lanes so that a row's two
+// dot products are eight short chains plus a fixed butterfly instead of one
+// chain of dk. Block (n, c): columns 16c..16c+15 of value head n, 8 lanes per
+// column; lane p keeps S[p + 8q][j] (q < dk/8) in registers for all rows of
+// the call. Per row: S *= decay; kv = sum over lanes (fixed xor 4, 2, 1
+// butterfly) of each lane's fma chain in q order; delta = (v - kv) * beta;
+// S += k * delta; o likewise. Every operation is an explicit intrinsic, the
+// order depends only on dk: a one-row call computes the same bytes.
+#define DC_COLS 16
+#define DC_PARTS 8
+#define DC_ROWS 16
+template <int DK>
+__device__ void delta_cols(const float* qk, const float* conv, const float* b, const float* a,
+                           const float* dt_bias, const float* ssm_a, float* state, float* o, int m,
+                           int hk, int hv, int dv, int tiled) {
+    const int SP = DK / DC_PARTS, ROWF = 2 * DK + DC_COLS;
+    __shared__ __align__(16) float st[DC_ROWS * ROWF];
+    __shared__ float sb[2 * DC_ROWS];
+    int n = blockIdx.x, tid = threadIdx.x;
+    int c = tid / DC_PARTS, p = tid % DC_PARTS;
+    int j = blockIdx.y * DC_COLS + c;
+    bool live = j < dv;
+    int kd = hk * DK, vd = hv * dv, cd = 2 * kd + vd;
+    int kh = tiled ? n % hk : n / (hv / hk);
+    float q_scale = 1.0f / sqrtf((float)DK);
+    float* G = state + (i64)n * DK * dv;
+    float S[SP];
+#pragma unroll
+    for (int q = 0; q < SP; q++) S[q] = live ? G[(i64)(p + DC_PARTS * q) * dv + j] : 0.0f;
+    for (int r0 = 0; r0 < m; r0 += DC_ROWS) {
+        int cnt = min(DC_ROWS, m - r0);
+        __syncthreads();
+        for (int idx = tid; idx < cnt * ROWF; idx += blockDim.x) {
+            int rr = idx / ROWF, e = idx % ROWF;
+            const float* row = qk + (i64)(r0 + rr) * 2 * kd;
+            float v;
+            if (e < DK) {
+                v = row[kd + kh * DK + e];
+            } else if (e < 2 * DK) {
+                v = row[kh * DK + e - DK] * q_scale;
+            } else {
+                int jj = blockIdx.y * DC_COLS + e - 2 * DK;
+                v = jj < dv ? conv[(i64)(r0 + rr) * cd + 2 * kd + n * dv + jj] : 0.0f;
+            }
+            st[idx] = v;
+        }
+        if (tid < cnt) {
+            int r = r0 + tid;
+            sb[tid] = sigmoid(b[(i64)r * hv + n]);
+            float gl = softplus(a[(i64)r * hv + n] + dt_bias[n]) * ssm_a[n];
+            sb[DC_ROWS + tid] = expf(gl);
+        }
+        __syncthreads();
+        for (int rr = 0; rr < cnt; rr++) {
+            const float* kr = st + rr * ROWF;
+            float beta = sb[rr], decay = sb[DC_ROWS + rr];
+            float kv = 0.0f;
+#pragma unroll
+            for (int q = 0; q < SP; q++) {
+                S[q] = __fmul_rn(S[q], decay);
+                kv = __fmaf_rn(S[q], kr[p + DC_PARTS * q], kv);
+            }
+            kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 4));
+            kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 2));
+            kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 1));
+            float delta = __fmul_rn(__fsub_rn(kr[2 * DK + c], kv), beta);
+            float acc = 0.0f;
+#pragma unroll
+            for (int q = 0; q < SP; q++) {
+                S[q] = __fmaf_rn(kr[p + DC_PARTS * q], delta, S[q]);
+                acc = __fmaf_rn(S[q], kr[DK + p + DC_PARTS * q], acc);
+            }
+            acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
+            acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
+            acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
+            if (live && p == 0) o[(i64)(r0 + rr) * vd + n * dv + j] = acc;
+        }
+    }
+    if (live)
+#pragma unroll
+        for (int q = 0; q < SP; q++) G[(i64)(p + DC_PARTS * q) * dv + j] = S[q];
+}
+
+#define DELTA_COLS(name, DK)                                                                         \
+    extern "C" __global__ void __launch_bounds__(DC_COLS * DC_PARTS, 4)                               \
+        name(const float* qk, const float* conv, const float* b, const float* a, const float* dt_bias, \
+             const float* ssm_a, float* state, float* o, int m, int hk, int hv, int dv, int tiled) {     \
+        delta_cols<DK>(qk, conv, b, a, dt_bias, ssm_a, state, o, m, hk, hv, dv, tiled);              \
+    }
+
+DELTA_COLS(delta_cols_16, 16)
+DELTA_COLS(delta_cols_32, 32)
+DELTA_COLS(delta_cols_64, 64)
+DELTA_COLS(delta_cols_128, 128)
+DELTA_COLS(delta_cols_256, 256)
 
 // The delta net's gated RMSNorm, one warp per (row, value head): the sum of
 // squares in f64 in index order (lane 0, as the CPU does), then

@@ -485,23 +485,48 @@ impl Cuda {
         let mut o = d.scratch::<f32>(m * qw)?;
         let mut scores = d.scratch::<f32>(m * hq * (st.pos + m))?;
         let scale = 1.0f32 / (hd as f32).sqrt();
-        launch!(
-            d,
-            "attention",
-            cfg(((m * hq) as u32, 1, 1), 256, 0),
-            &q,
-            &*ck,
-            &*cv,
-            &mut o,
-            &mut scores,
-            &mi,
-            &hqi,
-            &hkvi,
-            &hdi,
-            &pos0,
-            &scale,
-            &f16
-        )?;
+        let gs = hq / hkv;
+        if m >= 4 && hd <= 256 && gs <= 16 {
+            // All query heads of a KV head and a tile of rows per block (the
+            // same operations per row and head as the one-block-per-head
+            // kernel that decode-sized calls take).
+            let rows = 16 / gs;
+            launch!(
+                d,
+                "attention_gqa",
+                cfg((hkv as u32, m.div_ceil(rows) as u32, 1), 256, 0),
+                &q,
+                &*ck,
+                &*cv,
+                &mut o,
+                &mut scores,
+                &mi,
+                &hqi,
+                &hkvi,
+                &hdi,
+                &pos0,
+                &scale,
+                &f16
+            )?;
+        } else {
+            launch!(
+                d,
+                "attention",
+                cfg(((m * hq) as u32, 1, 1), 256, 0),
+                &q,
+                &*ck,
+                &*cv,
+                &mut o,
+                &mut scores,
+                &mi,
+                &hqi,
+                &hkvi,
+                &hdi,
+                &pos0,
+                &scale,
+                &f16
+            )?;
+        }
         if let Some(g) = gate {
             let n = (m * qw) as i64;
             launch!(d, "sigmoid_mul", cfg1(m * qw), &mut o, &g, &n)?;
@@ -648,29 +673,59 @@ impl Cuda {
             self.vec(&dn.a)?,
             self.vec(&dn.norm)?,
         );
-        launch!(
-            d,
-            "delta_rows",
-            cfg(
-                (hv as u32, dv.div_ceil(32) as u32, 1),
-                32,
-                ((dk * 32 + 16 * 2 * dk + 32) * 4) as u32
-            ),
-            &qk,
-            &conv,
-            &b,
-            &a,
-            dtb,
-            sa,
-            s_state,
-            &mut o,
-            &mi,
-            &hki,
-            &hvi,
-            &dki,
-            &dvi,
-            &tiled
-        )?;
+        let cols_kernel = match dk {
+            16 => Some("delta_cols_16"),
+            32 => Some("delta_cols_32"),
+            64 => Some("delta_cols_64"),
+            128 => Some("delta_cols_128"),
+            256 => Some("delta_cols_256"),
+            _ => None,
+        };
+        if let Some(kname) = cols_kernel {
+            // Eight lanes per state column (the kernel for the usual head dims).
+            launch!(
+                d,
+                kname,
+                cfg((hv as u32, dv.div_ceil(16) as u32, 1), 128, 0),
+                &qk,
+                &conv,
+                &b,
+                &a,
+                dtb,
+                sa,
+                s_state,
+                &mut o,
+                &mi,
+                &hki,
+                &hvi,
+                &dvi,
+                &tiled
+            )?;
+        } else {
+            launch!(
+                d,
+                "delta_rows",
+                cfg(
+                    (hv as u32, dv.div_ceil(32) as u32, 1),
+                    32,
+                    ((dk * 32 + 16 * 2 * dk + 32) * 4) as u32
+                ),
+                &qk,
+                &conv,
+                &b,
+                &a,
+                dtb,
+                sa,
+                s_state,
+                &mut o,
+                &mi,
+                &hki,
+                &hvi,
+                &dki,
+                &dvi,
+                &tiled
+            )?;
+        }
         let rh = (m * hv) as i32;
         launch!(
             d,
