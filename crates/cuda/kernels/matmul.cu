@@ -394,7 +394,7 @@ MM_KERNEL(mm_q8_0_r4, FmtQ8_0, 4)
 
 #define TQ_ROWS 16
 #define TQ_WROWS 128
-#define TQ_AST 272  // staged row stride: 256 quants + 16 (conflict-free fragment reads)
+#define TQ_AST 288  // staged row stride: 256 quants + 32 (conflict-free 8-byte fragment reads)
 
 __device__ __forceinline__ void mma_s8(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
@@ -412,7 +412,7 @@ __device__ void mm_tc_k(const u8* W, i64 mat_stride, int row_bytes, const int* m
     const int BYTES = Q5 ? 176 : 144;
     const int QS = Q5 ? 48 : 16;
     __shared__ __align__(16) u8 sq[TQ_ROWS * TQ_AST];
-    __shared__ int sbs[TQ_ROWS][8];
+    __shared__ int sbs[TQ_ROWS][4];  // sub-block bsums as i16 pairs (0,1) (2,3) (4,5) (6,7)
     __shared__ float sda[TQ_ROWS];
     __shared__ int smat[TQ_ROWS];
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -460,18 +460,20 @@ __device__ void mm_tc_k(const u8* W, i64 mat_stride, int row_bytes, const int* m
                 if (t < nr) v = ld_i4(A + (r0 + t) * arow + (i64)b * Q8K_BYTES + q * 16);
                 *(int4*)(sq + t * TQ_AST + q * 16) = v;
             }
-            for (int c = tid; c < TQ_ROWS * 8; c += blockDim.x) {
-                int t = c / 8, s = c % 8;
-                int v = 0;
+            for (int c = tid; c < TQ_ROWS * 4; c += blockDim.x) {
+                int t = c / 4, w = c % 4;
+                u32 v = 0;
                 float da = 0.0f;
                 if (t < nr) {
                     const u8* ab = A + (r0 + t) * arow + (i64)b * Q8K_BYTES;
                     const i16* bs = (const i16*)(ab + Q8K_BSUMS);
-                    v = (int)bs[2 * s] + (int)bs[2 * s + 1];
+                    int s0 = (int)bs[4 * w] + (int)bs[4 * w + 1];      // |sum of 32 int8| < 2^15
+                    int s1 = (int)bs[4 * w + 2] + (int)bs[4 * w + 3];
+                    v = ((u32)s0 & 0xffffu) | ((u32)s1 << 16);
                     da = *(const float*)(ab + Q8K_D);
                 }
-                sbs[t][s] = v;
-                if (s == 0) sda[t] = da;
+                sbs[t][w] = (int)v;
+                if (w == 0) sda[t] = da;
             }
             __syncthreads();
             // Scales and mins of the four rows, packed a byte per sub-block.
@@ -495,18 +497,27 @@ __device__ void mm_tc_k(const u8* W, i64 mat_stride, int row_bytes, const int* m
                 for (int n = 0; n < 2; n++)
 #pragma unroll
                     for (int c = 0; c < 4; c++) isum[a][n][c] = 0;
-#pragma unroll
-            for (int p = 0; p < 4; p++) {
-                u32 lo[4], hi[4], hl[4], hh[4];
+            // The fragments take each sub-block's values in the k order
+            // "thread tq: a0/b0 = values 8tq..8tq+3, a2/b1 = 8tq+4..8tq+7"
+            // (the same permutation for weights and activations, so the
+            // exact dots are unchanged) and load 8 contiguous bytes each.
+            u32 hl[4], hh[4];
+            if (Q5) {
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    const u8* blk = wr[i] + (i64)b * BYTES;
-                    lo[i] = *(const u32*)(blk + QS + 32 * p + 4 * tq);
-                    hi[i] = *(const u32*)(blk + QS + 32 * p + 4 * tq + 16);
-                    if (Q5) {
-                        hl[i] = *(const u32*)(blk + 16 + 4 * tq);
-                        hh[i] = *(const u32*)(blk + 16 + 4 * tq + 16);
-                    }
+                    uint2 h = *(const uint2*)(wr[i] + (i64)b * BYTES + 16 + 8 * tq);
+                    hl[i] = h.x;
+                    hh[i] = h.y;
+                }
+            }
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                u32 lo[4], hi[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    uint2 w = *(const uint2*)(wr[i] + (i64)b * BYTES + QS + 32 * p + 8 * tq);
+                    lo[i] = w.x;
+                    hi[i] = w.y;
                 }
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
@@ -524,9 +535,9 @@ __device__ void mm_tc_k(const u8* W, i64 mat_stride, int row_bytes, const int* m
                     u32 bq[2][2];
 #pragma unroll
                     for (int n = 0; n < 2; n++) {
-                        const u8* row = sq + (n * 8 + gq) * TQ_AST + s * 32 + 4 * tq;
-                        bq[n][0] = *(const u32*)row;
-                        bq[n][1] = *(const u32*)(row + 16);
+                        uint2 v = *(const uint2*)(sq + (n * 8 + gq) * TQ_AST + s * 32 + 8 * tq);
+                        bq[n][0] = v.x;
+                        bq[n][1] = v.y;
                     }
 #pragma unroll
                     for (int a = 0; a < 2; a++) {
@@ -554,9 +565,10 @@ __device__ void mm_tc_k(const u8* W, i64 mat_stride, int row_bytes, const int* m
 #pragma unroll
                     for (int c = 0; c < 4; c++) {
                         int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
-                        int ms = 0;
-#pragma unroll
-                        for (int s = 0; s < 8; s++) ms += byte_of(s < 4 ? mnl[i] : mnh[i], s & 3) * sbs[t][s];
+                        int ms = __dp2a_lo(sbs[t][0], (int)mnl[i], 0);
+                        ms = __dp2a_hi(sbs[t][1], (int)mnl[i], ms);
+                        ms = __dp2a_lo(sbs[t][2], (int)mnh[i], ms);
+                        ms = __dp2a_hi(sbs[t][3], (int)mnh[i], ms);
                         acc[a][n][c] = step_min(acc[a][n][c], dw[i], dmw[i], sda[t], isum[a][n][c], ms);
                     }
         }
@@ -582,8 +594,8 @@ __device__ void mm_tc_k(const u8* W, i64 mat_stride, int row_bytes, const int* m
 TC_KERNEL(mm_tc_q4_k, 0)
 TC_KERNEL(mm_tc_q5_k, 1)
 
-// Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
-// then a fixed butterfly.
+// Float weights against f32 rows: lane l's fma chain over elements l, l + 32,
+// ... in order, then a fixed butterfly (done for the tile's 16 rows at once).
 template <int KIND>
 __device__ __forceinline__ float ld_w(const u8* row, int i) {
     if (KIND == 0) return ((const float*)row)[i];
@@ -599,16 +611,36 @@ __device__ void mm_float(const u8* W, i64 mat_stride, int row_bytes, const int* 
     int r0 = blockIdx.y * MT;
     if (j >= rows || r0 >= m) return;
     int nr = min(MT, m - r0);
-    for (int t = 0; t < nr; t++) {
-        int mat = mats ? mats[r0 + t] : 0;
-        float acc = 0.0f;
-        if (mat >= 0) {
-            const u8* w = W + mat * mat_stride + (i64)j * row_bytes;
-            const float* x = X + (i64)(r0 + t) * cols;
-            for (int i = lane; i < cols; i += 32) acc = acc + ld_w<KIND>(w, i) * x[i];
-            for (int o = 16; o > 0; o /= 2) acc = acc + __shfl_xor_sync(0xffffffffu, acc, o);
+    int mat[MT];
+    bool same = true;
+#pragma unroll
+    for (int t = 0; t < MT; t++) {
+        mat[t] = t < nr ? (mats ? mats[r0 + t] : 0) : -1;
+        if (t < nr && mat[t] != mat[0]) same = false;
+    }
+    const u8* w0 = W + (i64)max(mat[0], 0) * mat_stride + (i64)j * row_bytes;
+    float acc[MT];
+#pragma unroll
+    for (int t = 0; t < MT; t++) acc[t] = 0.0f;
+    for (int i = lane; i < cols; i += 32) {
+        float w = ld_w<KIND>(w0, i);
+#pragma unroll
+        for (int t = 0; t < MT; t++) {
+            if (mat[t] < 0) continue;
+            float wt = same ? w : ld_w<KIND>(W + (i64)mat[t] * mat_stride + (i64)j * row_bytes, i);
+            acc[t] = __fmaf_rn(wt, X[(i64)(r0 + t) * cols + i], acc[t]);
         }
-        if (lane == 0) Y[(i64)(r0 + t) * rows + j] = acc;
+    }
+    // The 16 rows' butterflies at once; lane l ends with row l / 2.
+    halve<16, 8>(acc, lane);
+    halve<8, 4>(acc, lane);
+    halve<4, 2>(acc, lane);
+    halve<2, 1>(acc, lane);
+    float v = __fadd_rn(acc[0], __shfl_xor_sync(0xffffffffu, acc[0], 1));
+    int t = lane >> 1;
+    if ((lane & 1) == 0 && t < nr) {
+        bool unused = mats && mats[r0 + t] < 0;
+        Y[(i64)(r0 + t) * rows + j] = unused ? 0.0f : v;
     }
 }
 

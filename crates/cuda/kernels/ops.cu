@@ -182,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     __shared__ float qs[AP][256];
     __shared__ float red[AP][ATT_THREADS];
     __shared__ float smax[AP][ATT_WARPS];
-    __shared__ float st[AP][ATT_TJ];
+    __shared__ __align__(16) float st[AP][ATT_TJ];
     int t = threadIdx.x, warp = t / 32, lane = t % 32;
     int gs = hq / hkv, rows = AP / gs;
     int g = blockIdx.x, r0 = blockIdx.y * rows;
@@ -200,36 +200,45 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     // done for all 16 pairs at once: at step o every lane keeps half of its
     // pairs and adds the partner's (lane ^ o) partial of the same pair, which
     // is the one-pair butterfly's own + partner add; lane l ends with pair l/2.
+    // Two keys per step, so each query value read from shared memory feeds
+    // two fma chains.
     int mine = lane >> 1;
     float mx = -INFINITY;
-    for (int j = warp; j < nmax; j += ATT_WARPS) {
-        float kr[8];
-        i64 base = (i64)j * kvw + g * hd;
+    for (int j = 2 * warp; j < nmax; j += 2 * ATT_WARPS) {
+        float kr[2][8];
 #pragma unroll
-        for (int c = 0; c < 8; c++) kr[c] = lane + 32 * c < hd ? kv_at(ck, base + lane + 32 * c, f16) : 0.0f;
-        float d[AP];
-#pragma unroll
-        for (int p = 0; p < AP; p++) {
-            d[p] = 0.0f;
+        for (int u = 0; u < 2; u++) {
+            i64 base = (i64)(j + u) * kvw + g * hd;
 #pragma unroll
             for (int c = 0; c < 8; c++)
-                if (lane + 32 * c < hd) d[p] = __fmaf_rn(qs[p][lane + 32 * c], kr[c], d[p]);
+                kr[u][c] = (j + u < nmax && lane + 32 * c < hd) ? kv_at(ck, base + lane + 32 * c, f16) : 0.0f;
+        }
+        float d[2][AP];
+#pragma unroll
+        for (int p = 0; p < AP; p++) {
+            d[0][p] = 0.0f;
+            d[1][p] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+                if (lane + 32 * c < hd) {
+                    float qv = qs[p][lane + 32 * c];
+                    d[0][p] = __fmaf_rn(qv, kr[0][c], d[0][p]);
+                    d[1][p] = __fmaf_rn(qv, kr[1][c], d[1][p]);
+                }
         }
 #pragma unroll
-        for (int o2 = 16, w = AP / 2; o2 > 1; o2 /= 2, w /= 2) {
-            bool upper = (lane & o2) != 0;  // keeps pairs [w, 2w) of its current set
-#pragma unroll
-            for (int i = 0; i < w; i++) {
-                float send = upper ? d[i] : d[w + i];
-                float got = __shfl_xor_sync(0xffffffffu, send, o2);
-                d[i] = __fadd_rn(upper ? d[w + i] : d[i], got);
+        for (int u = 0; u < 2; u++) {
+            halve<16, 8>(d[u], lane);
+            halve<8, 4>(d[u], lane);
+            halve<4, 2>(d[u], lane);
+            halve<2, 1>(d[u], lane);
+            float v = __fadd_rn(d[u][0], __shfl_xor_sync(0xffffffffu, d[u][0], 1));
+            v = __fmul_rn(v, scale);
+            int jj = j + u;
+            if (jj < nmax && mine < np && jj <= pos0 + r0 + mine / gs) {
+                if ((lane & 1) == 0) scores[((i64)(r0 + mine / gs) * hq + g * gs + mine % gs) * stride + jj] = v;
+                mx = fmaxf(mx, v);
             }
-        }
-        float v = __fadd_rn(d[0], __shfl_xor_sync(0xffffffffu, d[0], 1));
-        v = __fmul_rn(v, scale);
-        if (mine < np && j <= pos0 + r0 + mine / gs) {
-            if ((lane & 1) == 0) scores[((i64)(r0 + mine / gs) * hq + g * gs + mine % gs) * stride + j] = v;
-            mx = fmaxf(mx, v);
         }
     }
     if ((lane & 1) == 0) smax[mine][warp] = mx;
@@ -277,13 +286,21 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         __syncthreads();
         if (t < hd) {
             int jn = min(ATT_TJ, nmax - j0);
-            for (int jj = 0; jj < jn; jj++) {
-                int j = j0 + jj;
-                float v = kv_at(cv, (i64)j * kvw + g * hd + t, f16);
+            for (int jj = 0; jj < jn; jj += 4) {
+                float v[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++)
+                    v[u] = jj + u < jn ? kv_at(cv, (i64)(j0 + jj + u) * kvw + g * hd + t, f16) : 0.0f;
 #pragma unroll
                 for (int p = 0; p < AP; p++) {
-                    if (j > pos0 + r0 + p / gs) continue;  // uniform; pairs past np are never stored
-                    acc[p] = __fmaf_rn(st[p][jj], v, acc[p]);
+                    float4 w = *(const float4*)&st[p][jj];
+                    float ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+                    for (int u = 0; u < 4; u++) {
+                        int j = j0 + jj + u;
+                        // Uniform; pairs past np are never stored.
+                        if (jj + u < jn && j <= pos0 + r0 + p / gs) acc[p] = __fmaf_rn(ws[u], v[u], acc[p]);
+                    }
                 }
             }
         }
@@ -294,40 +311,34 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
             if (p < np) o[((i64)(r0 + p / gs) * hq + g * gs + p % gs) * hd + t] = acc[p];
 }
 
-// Causal conv + SiLU with state: one thread per channel walks the rows in
-// order, the window of the last kc-1 inputs in registers. state holds the
-// previous kc-1 input rows, oldest first.
+// Causal conv + SiLU with state, one thread per (row, channel): the conv
+// reads inputs only (the last kc-1 input rows of earlier calls live in
+// `state`, oldest first), so every row is independent: acc is the fma chain
+// over taps 0..kc-1 in order against inputs r-kc+1..r. `conv_shift` then moves
+// the last kc-1 inputs into the state (a separate launch, after the reads).
 #define MAX_KC 8
-extern "C" __global__ void conv_rows(const float* x, const float* taps, float* state, float* out, int m, int cd, int kc) {
+extern "C" __global__ void conv_rows(const float* x, const float* taps, const float* state, float* out, int m, int cd,
+                                     int kc) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (i64)m * cd) return;
+    int r = (int)(i / cd), c = (int)(i % cd);
+    float acc = 0.0f;
+    for (int j = 0; j < kc; j++) {
+        int q = r - (kc - 1) + j;
+        float xv = q >= 0 ? x[(i64)q * cd + c] : state[(i64)(r + j) * cd + c];
+        acc = __fmaf_rn(taps[(i64)c * kc + j], xv, acc);
+    }
+    out[i] = silu(acc);
+}
+
+extern "C" __global__ void conv_shift(const float* x, float* state, int m, int cd, int kc) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cd) return;
-    float tp[MAX_KC], win[MAX_KC];
-#pragma unroll
-    for (int j = 0; j < MAX_KC; j++) {
-        tp[j] = j < kc ? taps[(i64)c * kc + j] : 0.0f;
-        win[j] = j < kc - 1 ? state[(i64)j * cd + c] : 0.0f;
+    // Ascending j reads state[j + m] before anything overwrites it.
+    for (int j = 0; j < kc - 1; j++) {
+        int q = m - (kc - 1) + j;
+        state[(i64)j * cd + c] = q >= 0 ? x[(i64)q * cd + c] : state[(i64)(j + m) * cd + c];
     }
-    for (int r = 0; r < m; r++) {
-        float acc = 0.0f;
-#pragma unroll
-        for (int j = 0; j < MAX_KC - 1; j++)
-            if (j < kc - 1) acc = acc + tp[j] * win[j];
-        float xi = x[(i64)r * cd + c];
-        float last = 0.0f;
-#pragma unroll
-        for (int j = 0; j < MAX_KC; j++)
-            if (j == kc - 1) last = tp[j];
-        acc = acc + last * xi;
-        out[(i64)r * cd + c] = silu(acc);
-#pragma unroll
-        for (int j = 0; j < MAX_KC - 1; j++) {
-            if (j < kc - 2) win[j] = win[j + 1];
-            else if (j == kc - 2) win[j] = xi;
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < MAX_KC - 1; j++)
-        if (j < kc - 1) state[(i64)j * cd + c] = win[j];
 }
 
 // L2 norm of each dk-wide head of the q and k parts (2*hk heads) of m conv rows

@@ -637,15 +637,16 @@ impl Cuda {
         launch!(
             d,
             "conv_rows",
-            cfg1(cd),
+            cfg1(m * cd),
             &qkv,
             taps,
-            conv_state,
+            &*conv_state,
             &mut conv,
             &mi,
             &cdi,
             &kci
         )?;
+        launch!(d, "conv_shift", cfg1(cd), &qkv, conv_state, &mi, &cdi, &kci)?;
         let mut qk = d.scratch::<f32>(m * 2 * kd)?;
         let (hki, dki, eps) = (hk as i32, dk as i32, hp.eps);
         launch!(

@@ -247,6 +247,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "attention",
             "attention_gqa",
             "conv_rows",
+            "conv_shift",
             "l2norm_qk",
             "delta_rows",
             "delta_cols_16",
