@@ -48,20 +48,3 @@ __device__ __forceinline__ int isum_lanes(int v, int w) {
     for (int o = w / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
-
-// One step of a butterfly over 2W values per lane at once: lanes with bit O
-// set keep values [W, 2W) of their current set, the others [0, W); each adds
-// its partner's (lane ^ O) partial of the value it keeps, which is exactly the
-// add the one-value butterfly `v + shfl_xor(v, O)` does for that value. After
-// halve<16,8>, <8,4>, <4,2>, <2,1> and a final xor-1 add, lane l holds value
-// l / 2 of 16, equal to the one-value butterfly's result.
-template <int O, int W>
-__device__ __forceinline__ void halve(float* d, int lane) {
-    bool upper = (lane & O) != 0;
-#pragma unroll
-    for (int i = 0; i < W; i++) {
-        float send = upper ? d[i] : d[W + i];
-        float got = __shfl_xor_sync(0xffffffffu, send, O);
-        d[i] = __fadd_rn(upper ? d[W + i] : d[i], got);
-    }
-}

@@ -594,8 +594,8 @@ __device__ void mm_tc_k(const u8* W, i64 mat_stride, int row_bytes, const int* m
 TC_KERNEL(mm_tc_q4_k, 0)
 TC_KERNEL(mm_tc_q5_k, 1)
 
-// Float weights against f32 rows: lane l's fma chain over elements l, l + 32,
-// ... in order, then a fixed butterfly (done for the tile's 16 rows at once).
+// Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
+// then a fixed butterfly.
 template <int KIND>
 __device__ __forceinline__ float ld_w(const u8* row, int i) {
     if (KIND == 0) return ((const float*)row)[i];
@@ -611,36 +611,16 @@ __device__ void mm_float(const u8* W, i64 mat_stride, int row_bytes, const int* 
     int r0 = blockIdx.y * MT;
     if (j >= rows || r0 >= m) return;
     int nr = min(MT, m - r0);
-    int mat[MT];
-    bool same = true;
-#pragma unroll
-    for (int t = 0; t < MT; t++) {
-        mat[t] = t < nr ? (mats ? mats[r0 + t] : 0) : -1;
-        if (t < nr && mat[t] != mat[0]) same = false;
-    }
-    const u8* w0 = W + (i64)max(mat[0], 0) * mat_stride + (i64)j * row_bytes;
-    float acc[MT];
-#pragma unroll
-    for (int t = 0; t < MT; t++) acc[t] = 0.0f;
-    for (int i = lane; i < cols; i += 32) {
-        float w = ld_w<KIND>(w0, i);
-#pragma unroll
-        for (int t = 0; t < MT; t++) {
-            if (mat[t] < 0) continue;
-            float wt = same ? w : ld_w<KIND>(W + (i64)mat[t] * mat_stride + (i64)j * row_bytes, i);
-            acc[t] = __fmaf_rn(wt, X[(i64)(r0 + t) * cols + i], acc[t]);
+    for (int t = 0; t < nr; t++) {
+        int mat = mats ? mats[r0 + t] : 0;
+        float acc = 0.0f;
+        if (mat >= 0) {
+            const u8* w = W + mat * mat_stride + (i64)j * row_bytes;
+            const float* x = X + (i64)(r0 + t) * cols;
+            for (int i = lane; i < cols; i += 32) acc = acc + ld_w<KIND>(w, i) * x[i];
+            for (int o = 16; o > 0; o /= 2) acc = acc + __shfl_xor_sync(0xffffffffu, acc, o);
         }
-    }
-    // The 16 rows' butterflies at once; lane l ends with row l / 2.
-    halve<16, 8>(acc, lane);
-    halve<8, 4>(acc, lane);
-    halve<4, 2>(acc, lane);
-    halve<2, 1>(acc, lane);
-    float v = __fadd_rn(acc[0], __shfl_xor_sync(0xffffffffu, acc[0], 1));
-    int t = lane >> 1;
-    if ((lane & 1) == 0 && t < nr) {
-        bool unused = mats && mats[r0 + t] < 0;
-        Y[(i64)(r0 + t) * rows + j] = unused ? 0.0f : v;
+        if (lane == 0) Y[(i64)(r0 + t) * rows + j] = acc;
     }
 }
 

@@ -182,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     __shared__ float qs[AP][256];
     __shared__ float red[AP][ATT_THREADS];
     __shared__ float smax[AP][ATT_WARPS];
-    __shared__ __align__(16) float st[AP][ATT_TJ];
+    __shared__ float st[AP][ATT_TJ];
     int t = threadIdx.x, warp = t / 32, lane = t % 32;
     int gs = hq / hkv, rows = AP / gs;
     int g = blockIdx.x, r0 = blockIdx.y * rows;
@@ -200,45 +200,36 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     // done for all 16 pairs at once: at step o every lane keeps half of its
     // pairs and adds the partner's (lane ^ o) partial of the same pair, which
     // is the one-pair butterfly's own + partner add; lane l ends with pair l/2.
-    // Two keys per step, so each query value read from shared memory feeds
-    // two fma chains.
     int mine = lane >> 1;
     float mx = -INFINITY;
-    for (int j = 2 * warp; j < nmax; j += 2 * ATT_WARPS) {
-        float kr[2][8];
+    for (int j = warp; j < nmax; j += ATT_WARPS) {
+        float kr[8];
+        i64 base = (i64)j * kvw + g * hd;
 #pragma unroll
-        for (int u = 0; u < 2; u++) {
-            i64 base = (i64)(j + u) * kvw + g * hd;
-#pragma unroll
-            for (int c = 0; c < 8; c++)
-                kr[u][c] = (j + u < nmax && lane + 32 * c < hd) ? kv_at(ck, base + lane + 32 * c, f16) : 0.0f;
-        }
-        float d[2][AP];
+        for (int c = 0; c < 8; c++) kr[c] = lane + 32 * c < hd ? kv_at(ck, base + lane + 32 * c, f16) : 0.0f;
+        float d[AP];
 #pragma unroll
         for (int p = 0; p < AP; p++) {
-            d[0][p] = 0.0f;
-            d[1][p] = 0.0f;
+            d[p] = 0.0f;
 #pragma unroll
             for (int c = 0; c < 8; c++)
-                if (lane + 32 * c < hd) {
-                    float qv = qs[p][lane + 32 * c];
-                    d[0][p] = __fmaf_rn(qv, kr[0][c], d[0][p]);
-                    d[1][p] = __fmaf_rn(qv, kr[1][c], d[1][p]);
-                }
+                if (lane + 32 * c < hd) d[p] = __fmaf_rn(qs[p][lane + 32 * c], kr[c], d[p]);
         }
 #pragma unroll
-        for (int u = 0; u < 2; u++) {
-            halve<16, 8>(d[u], lane);
-            halve<8, 4>(d[u], lane);
-            halve<4, 2>(d[u], lane);
-            halve<2, 1>(d[u], lane);
-            float v = __fadd_rn(d[u][0], __shfl_xor_sync(0xffffffffu, d[u][0], 1));
-            v = __fmul_rn(v, scale);
-            int jj = j + u;
-            if (jj < nmax && mine < np && jj <= pos0 + r0 + mine / gs) {
-                if ((lane & 1) == 0) scores[((i64)(r0 + mine / gs) * hq + g * gs + mine % gs) * stride + jj] = v;
-                mx = fmaxf(mx, v);
+        for (int o2 = 16, w = AP / 2; o2 > 1; o2 /= 2, w /= 2) {
+            bool upper = (lane & o2) != 0;  // keeps pairs [w, 2w) of its current set
+#pragma unroll
+            for (int i = 0; i < w; i++) {
+                float send = upper ? d[i] : d[w + i];
+                float got = __shfl_xor_sync(0xffffffffu, send, o2);
+                d[i] = __fadd_rn(upper ? d[w + i] : d[i], got);
             }
+        }
+        float v = __fadd_rn(d[0], __shfl_xor_sync(0xffffffffu, d[0], 1));
+        v = __fmul_rn(v, scale);
+        if (mine < np && j <= pos0 + r0 + mine / gs) {
+            if ((lane & 1) == 0) scores[((i64)(r0 + mine / gs) * hq + g * gs + mine % gs) * stride + j] = v;
+            mx = fmaxf(mx, v);
         }
     }
     if ((lane & 1) == 0) smax[mine][warp] = mx;
@@ -286,21 +277,13 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         __syncthreads();
         if (t < hd) {
             int jn = min(ATT_TJ, nmax - j0);
-            for (int jj = 0; jj < jn; jj += 4) {
-                float v[4];
-#pragma unroll
-                for (int u = 0; u < 4; u++)
-                    v[u] = jj + u < jn ? kv_at(cv, (i64)(j0 + jj + u) * kvw + g * hd + t, f16) : 0.0f;
+            for (int jj = 0; jj < jn; jj++) {
+                int j = j0 + jj;
+                float v = kv_at(cv, (i64)j * kvw + g * hd + t, f16);
 #pragma unroll
                 for (int p = 0; p < AP; p++) {
-                    float4 w = *(const float4*)&st[p][jj];
-                    float ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-                    for (int u = 0; u < 4; u++) {
-                        int j = j0 + jj + u;
-                        // Uniform; pairs past np are never stored.
-                        if (jj + u < jn && j <= pos0 + r0 + p / gs) acc[p] = __fmaf_rn(ws[u], v[u], acc[p]);
-                    }
+                    if (j > pos0 + r0 + p / gs) continue;  // uniform; pairs past np are never stored
+                    acc[p] = __fmaf_rn(st[p][jj], v, acc[p]);
                 }
             }
         }
