@@ -11,7 +11,9 @@
 # split it, e.g. tests,identity then bigidentity,bench then q3moe.
 # The bench steps take SAMESUM_GPU_PP (prompt lengths, default 512,4096),
 # SAMESUM_GPU_TG (decode tokens, 128), SAMESUM_GPU_REPS (2), SAMESUM_GPU_ARMS
-# (replay,batched) and SAMESUM_GPU_CHUNK (512).
+# (replay,batched) and SAMESUM_GPU_CHUNK (512); the chunks step sweeps
+# SAMESUM_GPU_CHUNKS ("512 1024 2048") for batched pp4096 and pp16384;
+# longq35 / longq3 measure replay at pp16384 (one run, several minutes each).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -93,6 +95,22 @@ run)
             --prefill ${SAMESUM_GPU_ARMS:-replay,batched} --chunk ${SAMESUM_GPU_CHUNK:-512}
         step profile-q35 timeout 200 .gpu/samesum bench --device cuda -m "$q35" -p 4096 -n 32 -r 1 \
             --prefill batched --chunk 512 --profile
+    fi
+    long_replay() { # shape: replay at pp16384, one run, no warm-up (minutes each)
+        local f
+        f=$(model "$1")
+        step "long-replay-$1" timeout 420 .gpu/samesum bench --device cuda -m "$f" -p 16384 -n 0 -r 1 \
+            --prefill replay --no-warmup
+    }
+    [[ $steps == *,longq35,* ]] && long_replay qwen35moe-35b-a3b
+    [[ $steps == *,longq3,* ]] && long_replay qwen3moe-30b-a3b
+    if [[ $steps == *,chunks,* ]]; then
+        # Batched prefill at several chunk sizes (picks the CUDA default).
+        q35=$(model qwen35moe-35b-a3b)
+        for c in ${SAMESUM_GPU_CHUNKS:-512 1024 2048}; do
+            step "chunk-$c" timeout 300 .gpu/samesum bench --device cuda -m "$q35" -p 4096,16384 -n 0 -r 1 \
+                --prefill batched --chunk "$c"
+        done
     fi
     if [[ $steps == *,q3moe,* ]]; then
         q3=$(model qwen3moe-30b-a3b)

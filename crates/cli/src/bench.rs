@@ -50,6 +50,10 @@ pub(crate) struct Args {
     /// Per-kernel time breakdown (CUDA events around every launch; slows the run).
     #[arg(long)]
     profile: bool,
+    /// Skip the uncounted warm-up run before each test (llama-bench's
+    /// --no-warmup), for long replay runs.
+    #[arg(long)]
+    no_warmup: bool,
 }
 
 fn mean_sd(v: &[f64]) -> (f64, f64) {
@@ -110,6 +114,7 @@ fn bench<B: Backend>(
     let mut rng = Rng::new(42);
     let vocab = model.w.n_vocab as u64;
     let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.below(vocab) as u32).collect() };
+    let first = usize::from(a.no_warmup);
     for arm in &a.prefill {
         let chunk = match arm.as_str() {
             "batched" => a.chunk,
@@ -118,7 +123,7 @@ fn bench<B: Backend>(
         };
         for &np in a.n_prompt.iter().filter(|&&n| n > 0) {
             let mut rates = Vec::new();
-            for rep in 0..=a.repetitions {
+            for rep in first..=a.repetitions {
                 let prompt = tokens(np);
                 let mut st = b.new_state(model, np, kv)?;
                 let t = Instant::now();
@@ -155,7 +160,7 @@ fn bench<B: Backend>(
     }
     for &ng in a.n_gen.iter().filter(|&&n| n > 0) {
         let mut rates = Vec::new();
-        for rep in 0..=a.repetitions {
+        for rep in first..=a.repetitions {
             let toks = tokens(ng);
             let mut st = b.new_state(model, ng, kv)?;
             let t = Instant::now();
