@@ -616,24 +616,38 @@ extern "C" __global__ void plan_scan(const int* counts, int* offsets, int e, int
     }
 }
 
-// 3. Stable placement: pair p goes to offsets[e] + (pairs before p with the same
-//    expert). Writes the placed pair's token row, its expert, and each pair's
-//    place (-1 for skipped ids). placed_mat must be filled with -1 first.
+// 3. Stable placement, one block per expert: pair p of expert e goes to
+//    offsets[e] + (pairs before p with expert e), counted in order over tiles
+//    of 256 pairs with warp ballots. Writes the placed pair's token row, its
+//    expert, and each pair's place (-1 for skipped ids, by block 0).
+//    placed_row and placed_mat must be filled with -1 first.
 extern "C" __global__ void plan_place(const int* ids, int n, int k, const int* offsets, int* placed_row,
                                       int* placed_mat, int* slot) {
-    int p = blockIdx.x * blockDim.x + threadIdx.x;
-    if (p >= n) return;
-    int e = ids[p];
-    if (e < 0) {
-        slot[p] = -1;
-        return;
+    __shared__ int wsum[8];
+    int e = blockIdx.x, t = threadIdx.x, lane = t % 32, warp = t / 32;
+    int carry = 0;
+    for (int base = 0; base < n; base += 256) {
+        int p = base + t;
+        int id = p < n ? ids[p] : -2;
+        if (e == 0 && p < n && id < 0) slot[p] = -1;
+        bool hit = id == e;
+        unsigned b = __ballot_sync(0xffffffffu, hit);
+        if (lane == 0) wsum[warp] = __popc(b);
+        __syncthreads();
+        int before = carry + __popc(b & ((1u << lane) - 1u)), total = 0;
+        for (int w = 0; w < 8; w++) {
+            if (w < warp) before += wsum[w];
+            total += wsum[w];
+        }
+        if (hit) {
+            int dst = offsets[e] + before;
+            placed_row[dst] = p / k;
+            placed_mat[dst] = e;
+            slot[p] = dst;
+        }
+        carry += total;
+        __syncthreads();
     }
-    int rank = 0;
-    for (int q = 0; q < p; q++) rank += ids[q] == e;
-    int dst = offsets[e] + rank;
-    placed_row[dst] = p / k;
-    placed_mat[dst] = e;
-    slot[p] = dst;
 }
 
 // y[r] = sum over slots s in k order of w[r][s] * out[slot[r][s]] (skipped ids

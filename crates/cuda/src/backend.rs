@@ -814,7 +814,7 @@ impl Cuda {
         launch!(
             d,
             "plan_place",
-            cfg1(n),
+            cfg((e as u32, 1, 1), 256, 0),
             &ids,
             &ni,
             &ki,
