@@ -178,8 +178,7 @@ impl Tokenizer {
     pub fn stream(&self) -> TextStream<'_> {
         TextStream {
             tok: self,
-            ids: Vec::new(),
-            emitted: 0,
+            dec: StreamDecoder::new(),
         }
     }
 
@@ -242,22 +241,79 @@ impl Tokenizer {
 
 /// Incremental detokenization: text is released once it decodes to whole
 /// characters (a multi-byte character split across tokens waits for its end).
+/// Each step decodes only a short window of ids (the ids since the last
+/// release, plus the ones before them as context, as Hugging Face's
+/// text-generation-inference does), so a long generation costs linear time,
+/// not quadratic. The concatenated pieces equal the decode of all ids.
+#[derive(Clone, Debug, Default)]
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    /// Start of the context window.
+    prefix: usize,
+    /// End of the ids already released.
+    read: usize,
+}
+
+impl StreamDecoder {
+    /// A decoder with no ids.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Add one id; return the newly complete text, if any.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let before = tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = tok.decode(&self.ids[self.prefix..])?;
+        if now.ends_with('\u{FFFD}') {
+            return Ok(String::new());
+        }
+        let piece = match now.strip_prefix(before.as_str()) {
+            Some(p) => p.to_string(),
+            // A decoder whose text for a window does not extend the shorter
+            // window's (none of ours): fall back to decoding everything.
+            None => {
+                let all = tok.decode(&self.ids)?;
+                let done = tok.decode(&self.ids[..self.read])?;
+                all.get(done.len()..).unwrap_or("").to_string()
+            }
+        };
+        self.prefix = self.read;
+        self.read = self.ids.len();
+        Ok(piece)
+    }
+
+    /// The text of ids not yet released (an incomplete character at the end
+    /// decodes lossily), for the end of a generation.
+    pub fn flush(&mut self, tok: &Tokenizer) -> Result<String> {
+        if self.read == self.ids.len() {
+            return Ok(String::new());
+        }
+        let before = tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = tok.decode(&self.ids[self.prefix..])?;
+        self.prefix = self.read;
+        self.read = self.ids.len();
+        Ok(match now.strip_prefix(before.as_str()) {
+            Some(p) => p.to_string(),
+            None => now,
+        })
+    }
+}
+
+/// [`StreamDecoder`] bound to its tokenizer.
 pub struct TextStream<'a> {
     tok: &'a Tokenizer,
-    ids: Vec<u32>,
-    emitted: usize,
+    dec: StreamDecoder,
 }
 
 impl TextStream<'_> {
     /// Add one id; return the new text, if any.
     pub fn push(&mut self, id: u32) -> Result<String> {
-        self.ids.push(id);
-        let text = self.tok.decode(&self.ids)?;
-        if text.ends_with('\u{FFFD}') {
-            return Ok(String::new());
-        }
-        let new = text.get(self.emitted..).unwrap_or("").to_string();
-        self.emitted = text.len();
-        Ok(new)
+        self.dec.push(self.tok, id)
+    }
+
+    /// The text still held back (see [`StreamDecoder::flush`]).
+    pub fn flush(&mut self) -> Result<String> {
+        self.dec.flush(self.tok)
     }
 }

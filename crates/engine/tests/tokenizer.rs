@@ -105,3 +105,37 @@ fn unsupported_tokenizers_are_errors() {
         assert!(e.contains(value) && e.contains(needle), "{e}");
     }
 }
+
+/// The windowed stream decoder releases exactly the full decode, piece by
+/// piece, on random id sequences (split multi-byte characters, invalid byte
+/// runs, special tokens), and decodes only a short window per step.
+#[test]
+fn stream_decoding_equals_the_full_decode_on_random_ids() {
+    use samesum_engine::tokenizer::StreamDecoder;
+    use samesum_quant::rng::Rng;
+    let f = fixture("qwen3moe.gguf");
+    let tok = Tokenizer::from_metadata(f.metadata()).unwrap();
+    let n = tok.len() as u64;
+    let mut rng = Rng::new(3);
+    let mut checked = 0;
+    for case in 0..300 {
+        let len = 1 + (rng.next_u64() % 80) as usize;
+        let ids: Vec<u32> = (0..len).map(|_| rng.below(n) as u32).collect();
+        let mut dec = StreamDecoder::new();
+        let mut text = String::new();
+        for &id in &ids {
+            text.push_str(&dec.push(&tok, id).unwrap());
+        }
+        text.push_str(&dec.flush(&tok).unwrap());
+        assert_eq!(text, tok.decode(&ids).unwrap(), "case {case}: {ids:?}");
+        checked += 1;
+    }
+    // Text with multi-byte characters split across byte tokens.
+    let s = "naïve café — 日本語 🙂 done";
+    let ids = tok.encode(s).unwrap();
+    let mut dec = StreamDecoder::new();
+    let pieces: Vec<String> = ids.iter().map(|&i| dec.push(&tok, i).unwrap()).collect();
+    assert_eq!(pieces.concat(), s);
+    assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')));
+    assert!(checked == 300);
+}

@@ -11,7 +11,7 @@
 use crate::metrics::Metrics;
 use samesum_engine::backend::Backend;
 use samesum_engine::sample::{Sampler, SamplerConfig};
-use samesum_engine::tokenizer::Tokenizer;
+use samesum_engine::tokenizer::{StreamDecoder, Tokenizer};
 use samesum_engine::{KvType, Logits, Model, Segment, forward_batch};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -106,6 +106,9 @@ struct Running<S> {
     sampler: Sampler,
     history: Vec<u32>,
     generated: Vec<u32>,
+    /// The generated text so far (whole characters), built incrementally.
+    text: String,
+    decoder: StreamDecoder,
     emitted: usize,
     next: Option<u32>,
     started: Instant,
@@ -186,7 +189,9 @@ impl<S> Running<S> {
         self.generated.push(t);
         self.history.push(t);
         m.completion_tokens.inc(1);
-        let full = tok.decode(&self.generated).unwrap_or_default();
+        let piece = self.decoder.push(tok, t).unwrap_or_default();
+        self.text.push_str(&piece);
+        let full = &self.text;
         // A stop sequence ends the text where it starts.
         if let Some(at) = self
             .job
@@ -205,11 +210,8 @@ impl<S> Running<S> {
             let _ = self.job.events.send(Event::Token { text, logprob: lp });
             return self.finish(tok, "stop", Some(at), m);
         }
-        let safe = if full.ends_with('\u{FFFD}') {
-            self.emitted
-        } else {
-            full.len() - pending_prefix(&full, &self.job.stop)
-        };
+        // Whole characters only (the decoder holds back a split one).
+        let safe = full.len() - pending_prefix(full, &self.job.stop);
         let text = full
             .get(self.emitted..safe.max(self.emitted))
             .unwrap_or("")
@@ -232,8 +234,9 @@ impl<S> Running<S> {
         m: &Metrics,
     ) -> bool {
         if cut.is_none() {
-            let full = tok.decode(&self.generated).unwrap_or_default();
-            if let Some(rest) = full.get(self.emitted..)
+            let tail = self.decoder.flush(tok).unwrap_or_default();
+            self.text.push_str(&tail);
+            if let Some(rest) = self.text.get(self.emitted..)
                 && !rest.is_empty()
             {
                 let _ = self.job.events.send(Event::Token {
@@ -302,6 +305,8 @@ pub fn run<B: Backend>(
                         state,
                         fed: 0,
                         generated: Vec::new(),
+                        text: String::new(),
+                        decoder: StreamDecoder::new(),
                         emitted: 0,
                         next: None,
                         started: Instant::now(),
