@@ -33,6 +33,17 @@ pub enum CudaError {
         total_mib: u64,
     },
     #[error(
+        "a VRAM budget of {budget_mib} MiB is too small: the trunk needs {trunk_mib} MiB, the KV cache and activations {reserve_mib} MiB, the two prefill staging slots {staging_mib} MiB and one token's {used} experts in every layer {slots_mib} MiB"
+    )]
+    Budget {
+        budget_mib: u64,
+        trunk_mib: u64,
+        reserve_mib: u64,
+        staging_mib: u64,
+        slots_mib: u64,
+        used: usize,
+    },
+    #[error(
         "{tensor}: no CUDA kernel for {ty} weights (have: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K)"
     )]
     Unsupported { tensor: String, ty: String },

@@ -9,6 +9,7 @@ pub mod backend;
 pub mod compile;
 pub mod device;
 mod error;
+pub mod tier;
 
 pub use backend::{Cuda, CudaState};
 pub use device::{device_count, driver_present};
