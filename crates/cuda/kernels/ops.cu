@@ -582,9 +582,15 @@ extern "C" __global__ void route(float* logits, int* ids, float* wts, int m, int
 
 // The expert plan, three parallel deterministic kernels.
 // 1. Histogram of the (token, slot) pairs per expert (integer atomics: the
-//    counts do not depend on their order). counts must be zeroed first.
-extern "C" __global__ void plan_count(const int* ids, int n, int* counts) {
+//    counts do not depend on their order); counts must be zeroed first. Also
+//    marks every placed row unused (-1) up to `cap`, for the placement.
+extern "C" __global__ void plan_count(const int* ids, int n, int* counts, int* placed_row, int* placed_mat,
+                                      int cap) {
     int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p < cap) {
+        placed_row[p] = -1;
+        placed_mat[p] = -1;
+    }
     if (p >= n) return;
     int e = ids[p];
     if (e >= 0) atomicAdd(&counts[e], 1);
@@ -620,7 +626,7 @@ extern "C" __global__ void plan_scan(const int* counts, int* offsets, int e, int
 //    offsets[e] + (pairs before p with expert e), counted in order over tiles
 //    of 256 pairs with warp ballots. Writes the placed pair's token row, its
 //    expert, and each pair's place (-1 for skipped ids, by block 0).
-//    placed_row and placed_mat must be filled with -1 first.
+//    plan_count has filled placed_row and placed_mat with -1.
 extern "C" __global__ void plan_place(const int* ids, int n, int k, const int* offsets, int* placed_row,
                                       int* placed_mat, int* slot) {
     __shared__ int wsum[8];
@@ -665,9 +671,4 @@ extern "C" __global__ void moe_combine(const float* out, const int* slot, const 
     }
     if (shared) acc = acc + sigmoid(gi[r]) * ys[i];
     y[i] = acc;
-}
-
-extern "C" __global__ void fill_i32(int* x, int v, i64 n) {
-    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] = v;
 }

@@ -48,6 +48,66 @@ pub struct Cuda {
     tensor_cores: bool,
 }
 
+/// The input rows of one or more matmuls and their quantized forms, made on
+/// first use: matmuls that share an input quantize it once (one launch, not
+/// one per matrix).
+struct Input<'a> {
+    x: &'a CudaSlice<f32>,
+    m: usize,
+    q8k: std::cell::OnceCell<CudaSlice<u8>>,
+    q80: std::cell::OnceCell<CudaSlice<u8>>,
+}
+
+impl<'a> Input<'a> {
+    fn new(x: &'a CudaSlice<f32>, m: usize) -> Self {
+        Input {
+            x,
+            m,
+            q8k: std::cell::OnceCell::new(),
+            q80: std::cell::OnceCell::new(),
+        }
+    }
+
+    /// Row width.
+    fn cols(&self) -> usize {
+        self.x.len() / self.m.max(1)
+    }
+
+    /// The rows as Q8_K blocks (304 bytes each), quantized once.
+    fn q8k(&self, d: &Device) -> Result<&CudaSlice<u8>> {
+        if self.q8k.get().is_none() {
+            let (m, cols) = (self.m, self.cols());
+            let nb = cols / 256;
+            let mut a = d.scratch::<u8>(m * nb * 304)?;
+            let (ci, mi) = (cols as i32, m as i32);
+            launch!(
+                d,
+                "quantize_q8k",
+                cfg((nb as u32, m as u32, 1), 32, 0),
+                self.x,
+                &mut a,
+                &ci,
+                &mi
+            )?;
+            let _ = self.q8k.set(a);
+        }
+        Ok(self.q8k.get().expect("set above"))
+    }
+
+    /// The rows as Q8_0 blocks (36 bytes each), quantized once.
+    fn q80(&self, d: &Device) -> Result<&CudaSlice<u8>> {
+        if self.q80.get().is_none() {
+            let (m, cols) = (self.m, self.cols());
+            let nb = cols / 32;
+            let mut a = d.scratch::<u8>(m * nb * 36)?;
+            let (ci, mi) = (cols as i32, m as i32);
+            launch!(d, "quantize_q8_0", cfg1(m * nb), self.x, &mut a, &ci, &mi)?;
+            let _ = self.q80.set(a);
+        }
+        Ok(self.q80.get().expect("set above"))
+    }
+}
+
 /// Rows per tile of the tensor-core matmuls: the expert plan pads each
 /// expert's rows to a multiple of this in wide calls.
 const TC_ROWS: usize = 16;
@@ -223,7 +283,7 @@ impl Cuda {
             None => None,
         };
         let mut y = self.dev.upload(&vec![f32::NAN; m * w.rows])?;
-        self.matmul_on(w, &xd, m, md.as_ref(), &mut y, tensor_cores)?;
+        self.matmul_on(w, &Input::new(&xd, m), md.as_ref(), &mut y, tensor_cores)?;
         self.dev.download(&y, m * w.rows)
     }
 
@@ -237,19 +297,41 @@ impl Cuda {
         mats: Option<&CudaSlice<i32>>,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        self.matmul_on(w, x, m, mats, y, self.tensor_cores)
+        self.matmul_on(w, &Input::new(x, m), mats, y, self.tensor_cores)
+    }
+
+    /// [`Self::matmul`] on a shared input (quantized once for all its matmuls).
+    fn mm(
+        &self,
+        w: &Matrix,
+        x: &Input,
+        mats: Option<&CudaSlice<i32>>,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        self.matmul_on(w, x, mats, y, self.tensor_cores)
     }
 
     fn matmul_on(
         &self,
         w: &Matrix,
-        x: &CudaSlice<f32>,
-        m: usize,
+        input: &Input,
         mats: Option<&CudaSlice<i32>>,
         y: &mut CudaSlice<f32>,
         tensor_cores: bool,
     ) -> Result<()> {
         use cudarc::driver::DevicePtr;
+        let (x, m) = (input.x, input.m);
+        if input.cols() != w.cols {
+            return Err(CudaError::Driver {
+                op: "matmul".into(),
+                msg: format!(
+                    "{}: rows of {} for {} columns",
+                    w.name,
+                    input.cols(),
+                    w.cols
+                ),
+            });
+        }
         if m == 0 {
             return Ok(());
         }
@@ -296,25 +378,13 @@ impl Cuda {
                 d, "mm_bf16", c, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi, &cols
             ),
             GgmlType::Q8_0 => {
-                let nb = w.cols / 32;
-                let mut a = d.scratch::<u8>(m * nb * 36)?;
-                launch!(d, "quantize_q8_0", cfg1(m * nb), x, &mut a, &cols, &mi)?;
-                let nbi = nb as i32;
-                mm!("mm_q8_0", "mm_q8_0_r4", &a, &nbi)
+                let nbi = (w.cols / 32) as i32;
+                let a = input.q80(d)?;
+                mm!("mm_q8_0", "mm_q8_0_r4", a, &nbi)
             }
             GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
-                let nb = w.cols / 256;
-                let mut a = d.scratch::<u8>(m * nb * 304)?;
-                launch!(
-                    d,
-                    "quantize_q8k",
-                    cfg((nb as u32, m as u32, 1), 32, 0),
-                    x,
-                    &mut a,
-                    &cols,
-                    &mi
-                )?;
-                let nbi = nb as i32;
+                let nbi = (w.cols / 256) as i32;
+                let a = input.q8k(d)?;
                 if wide && tensor_cores && matches!(w.ty, GgmlType::Q4_K | GgmlType::Q5_K) {
                     let k = if w.ty == GgmlType::Q4_K {
                         "mm_tc_q4_k"
@@ -327,13 +397,13 @@ impl Cuda {
                         0,
                     );
                     return launch!(
-                        d, k, ct, &wptr, &stride, &row_bytes, &mats_ptr, &a, y, &rows, &mi, &nbi
+                        d, k, ct, &wptr, &stride, &row_bytes, &mats_ptr, a, y, &rows, &mi, &nbi
                     );
                 }
                 match w.ty {
-                    GgmlType::Q4_K => mm!("mm_q4_k", "mm_q4_k_r4", &a, &nbi),
-                    GgmlType::Q5_K => mm!("mm_q5_k", "mm_q5_k_r4", &a, &nbi),
-                    _ => mm!("mm_q6_k", "mm_q6_k_r4", &a, &nbi),
+                    GgmlType::Q4_K => mm!("mm_q4_k", "mm_q4_k_r4", a, &nbi),
+                    GgmlType::Q5_K => mm!("mm_q5_k", "mm_q5_k_r4", a, &nbi),
+                    _ => mm!("mm_q6_k", "mm_q6_k_r4", a, &nbi),
                 }
             }
             other => Err(CudaError::Unsupported {
@@ -405,9 +475,10 @@ impl Cuda {
         let mut qg = d.scratch::<f32>(m * a.q.rows)?;
         let mut k = d.scratch::<f32>(m * kvw)?;
         let mut v = d.scratch::<f32>(m * kvw)?;
-        self.matmul(&a.q, x, m, None, &mut qg)?;
-        self.matmul(&a.k, x, m, None, &mut k)?;
-        self.matmul(&a.v, x, m, None, &mut v)?;
+        let xin = Input::new(x, m);
+        self.mm(&a.q, &xin, None, &mut qg)?;
+        self.mm(&a.k, &xin, None, &mut k)?;
+        self.mm(&a.v, &xin, None, &mut v)?;
         let (q_raw, gate) = if a.gated {
             let mut q = d.scratch::<f32>(m * qw)?;
             let mut g = d.scratch::<f32>(m * qw)?;
@@ -561,15 +632,16 @@ impl Cuda {
         let ratio = hv / hk;
         let mut qkv = d.scratch::<f32>(m * cd)?;
         let mut z = d.scratch::<f32>(m * vd)?;
+        let xin = Input::new(x, m);
         match &dn.input {
             DeltaInput::Split { qkv: wq, z: wz } => {
-                self.matmul(wq, x, m, None, &mut qkv)?;
-                self.matmul(wz, x, m, None, &mut z)?;
+                self.mm(wq, &xin, None, &mut qkv)?;
+                self.mm(wz, &xin, None, &mut z)?;
             }
             DeltaInput::Fused { ssm_in } => {
                 let width = 2 * dk + 2 * ratio * dv;
                 let mut f = d.scratch::<f32>(m * ssm_in.rows)?;
-                self.matmul(ssm_in, x, m, None, &mut f)?;
+                self.mm(ssm_in, &xin, None, &mut f)?;
                 let vs = ratio * dv;
                 let m1 = self.map((2, hk, dk, vs), || {
                     let mut map = vec![0i32; cd];
@@ -602,7 +674,7 @@ impl Cuda {
         match &dn.ba {
             DeltaBa::Fused(wba) => {
                 let mut ba = d.scratch::<f32>(m * 2 * hv)?;
-                self.matmul(wba, x, m, None, &mut ba)?;
+                self.mm(wba, &xin, None, &mut ba)?;
                 let mb = self.map((4, hk, ratio, 0), || {
                     (0..hv)
                         .map(|n| ((n / ratio) * 2 * ratio + n % ratio) as i32)
@@ -617,8 +689,8 @@ impl Cuda {
                 self.copy_cols(&ba, 2 * hv, &mut a, hv, ma, m)?;
             }
             DeltaBa::Split { beta, alpha } => {
-                self.matmul(beta, x, m, None, &mut b)?;
-                self.matmul(alpha, x, m, None, &mut a)?;
+                self.mm(beta, &xin, None, &mut b)?;
+                self.mm(alpha, &xin, None, &mut a)?;
             }
         }
         let (conv_state, s_state) = st.linear[l].as_mut().ok_or_else(|| CudaError::Driver {
@@ -770,7 +842,8 @@ impl Cuda {
         };
         let cap = n + e.min(n) * (pad - 1);
         let mut logits = d.scratch::<f32>(m * e)?;
-        self.matmul(&mw.router, x, m, None, &mut logits)?;
+        let xin = Input::new(x, m);
+        self.mm(&mw.router, &xin, None, &mut logits)?;
         let mut ids = d.scratch::<i32>(n)?;
         let mut wts = d.scratch::<f32>(n)?;
         let (mi, ei, ki, ni) = (m as i32, e as i32, k as i32, n as i32);
@@ -793,7 +866,20 @@ impl Cuda {
         )?;
         // The plan: histogram, scan, stable placement.
         let mut counts = d.zeros::<i32>(e)?;
-        launch!(d, "plan_count", cfg1(n), &ids, &ni, &mut counts)?;
+        let mut placed_row = d.scratch::<i32>(cap)?;
+        let mut placed_mat = d.scratch::<i32>(cap)?;
+        let capi = cap as i32;
+        launch!(
+            d,
+            "plan_count",
+            cfg1(cap),
+            &ids,
+            &ni,
+            &mut counts,
+            &mut placed_row,
+            &mut placed_mat,
+            &capi
+        )?;
         let mut offsets = d.scratch::<i32>(e)?;
         let padi = pad as i32;
         launch!(
@@ -805,11 +891,6 @@ impl Cuda {
             &ei,
             &padi
         )?;
-        let mut placed_row = d.scratch::<i32>(cap)?;
-        let mut placed_mat = d.scratch::<i32>(cap)?;
-        let (neg, cap64) = (-1i32, cap as i64);
-        launch!(d, "fill_i32", cfg1(cap), &mut placed_row, &neg, &cap64)?;
-        launch!(d, "fill_i32", cfg1(cap), &mut placed_mat, &neg, &cap64)?;
         let mut slot = d.scratch::<i32>(n)?;
         launch!(
             d,
@@ -825,7 +906,7 @@ impl Cuda {
         )?;
         // Gather, the experts' rows (each tile reads its experts' weights once), down.
         let mut xe = d.scratch::<f32>(cap * dm)?;
-        let (dmi, capi) = (dm as i32, cap as i32);
+        let dmi = dm as i32;
         launch!(
             d,
             "gather_rows",
@@ -838,8 +919,9 @@ impl Cuda {
         )?;
         let mut ge = d.scratch::<f32>(cap * f)?;
         let mut ue = d.scratch::<f32>(cap * f)?;
-        self.matmul(&mw.gate, &xe, cap, Some(&placed_mat), &mut ge)?;
-        self.matmul(&mw.up, &xe, cap, Some(&placed_mat), &mut ue)?;
+        let xein = Input::new(&xe, cap);
+        self.mm(&mw.gate, &xein, Some(&placed_mat), &mut ge)?;
+        self.mm(&mw.up, &xein, Some(&placed_mat), &mut ue)?;
         let nf = (cap * f) as i64;
         launch!(d, "silu_mul", cfg1(cap * f), &mut ge, &ue, &nf)?;
         let mut oe = d.scratch::<f32>(cap * dm)?;
@@ -850,9 +932,9 @@ impl Cuda {
         if let Some(sh) = &mw.shared {
             let mut sg = d.scratch::<f32>(m * fs)?;
             let mut su = d.scratch::<f32>(m * fs)?;
-            self.matmul(&sh.gate, x, m, None, &mut sg)?;
-            self.matmul(&sh.up, x, m, None, &mut su)?;
-            self.matmul(&sh.gate_inp, x, m, None, &mut gi)?;
+            self.mm(&sh.gate, &xin, None, &mut sg)?;
+            self.mm(&sh.up, &xin, None, &mut su)?;
+            self.mm(&sh.gate_inp, &xin, None, &mut gi)?;
             let nfs = (m * fs) as i64;
             launch!(d, "silu_mul", cfg1(m * fs), &mut sg, &su, &nfs)?;
             self.matmul(&sh.down, &sg, m, None, &mut ys)?;

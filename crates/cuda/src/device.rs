@@ -261,7 +261,6 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "plan_scan",
             "plan_place",
             "moe_combine",
-            "fill_i32",
         ],
         _ => &[],
     }
