@@ -96,10 +96,13 @@ run)
         step profile-q35 timeout 200 .gpu/samesum bench --device cuda -m "$q35" -p 4096 -n 32 -r 1 \
             --prefill batched --chunk 512 --profile
     fi
-    long_replay() { # shape: replay at pp16384, one run, no warm-up (minutes each)
+    # Replay slows with the context (~2 us per context token per token on
+    # qwen35moe at a312769: ~26 ms per token on average over 16384 tokens,
+    # ~7 minutes), so run each long step alone in a device call.
+    long_replay() { # shape: replay at pp16384, one run, no warm-up
         local f
         f=$(model "$1")
-        step "long-replay-$1" timeout 420 .gpu/samesum bench --device cuda -m "$f" -p 16384 -n 0 -r 1 \
+        step "long-replay-$1" timeout 540 .gpu/samesum bench --device cuda -m "$f" -p 16384 -n 0 -r 1 \
             --prefill replay --no-warmup
     }
     [[ $steps == *,longq35,* ]] && long_replay qwen35moe-35b-a3b

@@ -214,6 +214,9 @@ fn generate<B: Backend>(
         }
         logits = forward(model, b, &mut st, &[next], Logits::Last)?;
     }
+    // Text held back for a character that never completed (lossy, as the
+    // server's last piece is).
+    write!(out, "{}", stream.flush()?)?;
     writeln!(out)?;
     let gen_s = t_gen.elapsed().as_secs_f64();
     if stop.load(Ordering::SeqCst) {
