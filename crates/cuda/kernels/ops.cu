@@ -261,8 +261,14 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         for (int j = t; j < n; j += ATT_THREADS) s[j] = __fdiv_rn(s[j], sum);
     }
     __syncthreads();
-    // Values: thread t owns dim t of every pair, keys in order; the scores
-    // come through shared memory a tile of keys at a time.
+    // Values: keys in order for each (pair, dim); the scores come through
+    // shared memory a tile of keys at a time. Head dims below 256 split the
+    // pairs over groups of threads (pair p to group p % groups), so every
+    // thread works; each (pair, dim) is still one thread's fma chain.
+    int hdp = (hd + 31) / 32 * 32;
+    int groups = ATT_THREADS % hdp == 0 ? ATT_THREADS / hdp : 1;
+    int dim = t % hdp, grp = t / hdp;
+    bool act = dim < hd && grp < groups;
     float acc[AP];
 #pragma unroll
     for (int p = 0; p < AP; p++) acc[p] = 0.0f;
@@ -275,23 +281,24 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
             st[p][i % ATT_TJ] = v;
         }
         __syncthreads();
-        if (t < hd) {
+        if (act) {
             int jn = min(ATT_TJ, nmax - j0);
             for (int jj = 0; jj < jn; jj++) {
                 int j = j0 + jj;
-                float v = kv_at(cv, (i64)j * kvw + g * hd + t, f16);
+                float v = kv_at(cv, (i64)j * kvw + g * hd + dim, f16);
 #pragma unroll
                 for (int p = 0; p < AP; p++) {
-                    if (j > pos0 + r0 + p / gs) continue;  // uniform; pairs past np are never stored
+                    // Uniform over a warp; pairs past np are never stored.
+                    if (p % groups != grp || j > pos0 + r0 + p / gs) continue;
                     acc[p] = __fmaf_rn(st[p][jj], v, acc[p]);
                 }
             }
         }
     }
-    if (t < hd)
+    if (act)
 #pragma unroll
         for (int p = 0; p < AP; p++)
-            if (p < np) o[((i64)(r0 + p / gs) * hq + g * gs + p % gs) * hd + t] = acc[p];
+            if (p % groups == grp && p < np) o[((i64)(r0 + p / gs) * hq + g * gs + p % gs) * hd + dim] = acc[p];
 }
 
 // Causal conv + SiLU with state, one thread per (row, channel): the conv
