@@ -557,47 +557,31 @@ impl Cuda {
         let mut scores = d.scratch::<f32>(m * hq * (st.pos + m))?;
         let scale = 1.0f32 / (hd as f32).sqrt();
         let gs = hq / hkv;
-        if m >= 4 && hd <= 256 && gs <= 16 {
-            // All query heads of a KV head and a tile of rows per block (the
-            // same operations per row and head as the one-block-per-head
-            // kernel that decode-sized calls take).
-            let rows = 16 / gs;
-            launch!(
-                d,
-                "attention_gqa",
-                cfg((hkv as u32, m.div_ceil(rows) as u32, 1), 256, 0),
-                &q,
-                &*ck,
-                &*cv,
-                &mut o,
-                &mut scores,
-                &mi,
-                &hqi,
-                &hkvi,
-                &hdi,
-                &pos0,
-                &scale,
-                &f16
-            )?;
+        // Wide calls: all query heads of a KV head and a tile of rows per block.
+        // Decode-sized calls: a block per (row, head). Both kernels perform the
+        // same operations per row and head, so either gives the same bytes.
+        let (kernel, grid) = if m >= 4 && hd <= 256 && gs <= 16 {
+            ("attention_gqa", (hkv as u32, m.div_ceil(16 / gs) as u32, 1))
         } else {
-            launch!(
-                d,
-                "attention",
-                cfg(((m * hq) as u32, 1, 1), 256, 0),
-                &q,
-                &*ck,
-                &*cv,
-                &mut o,
-                &mut scores,
-                &mi,
-                &hqi,
-                &hkvi,
-                &hdi,
-                &pos0,
-                &scale,
-                &f16
-            )?;
-        }
+            ("attention", ((m * hq) as u32, 1, 1))
+        };
+        launch!(
+            d,
+            kernel,
+            cfg(grid, 256, 0),
+            &q,
+            &*ck,
+            &*cv,
+            &mut o,
+            &mut scores,
+            &mi,
+            &hqi,
+            &hkvi,
+            &hdi,
+            &pos0,
+            &scale,
+            &f16
+        )?;
         if let Some(g) = gate {
             let n = (m * qw) as i64;
             launch!(d, "sigmoid_mul", cfg1(m * qw), &mut o, &g, &n)?;

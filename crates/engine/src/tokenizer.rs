@@ -263,9 +263,24 @@ impl StreamDecoder {
     /// Add one id; return the newly complete text, if any.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
         self.ids.push(id);
+        self.release(tok, true)
+    }
+
+    /// The text of ids not yet released (an incomplete character at the end
+    /// decodes lossily), for the end of a generation.
+    pub fn flush(&mut self, tok: &Tokenizer) -> Result<String> {
+        if self.read == self.ids.len() {
+            return Ok(String::new());
+        }
+        self.release(tok, false)
+    }
+
+    /// Release the text of the ids past `read`, decoding only the window
+    /// from `prefix`; with `hold`, nothing while it ends in a split character.
+    fn release(&mut self, tok: &Tokenizer, hold: bool) -> Result<String> {
         let before = tok.decode(&self.ids[self.prefix..self.read])?;
         let now = tok.decode(&self.ids[self.prefix..])?;
-        if now.ends_with('\u{FFFD}') {
+        if hold && now.ends_with('\u{FFFD}') {
             return Ok(String::new());
         }
         let piece = match now.strip_prefix(before.as_str()) {
@@ -281,22 +296,6 @@ impl StreamDecoder {
         self.prefix = self.read;
         self.read = self.ids.len();
         Ok(piece)
-    }
-
-    /// The text of ids not yet released (an incomplete character at the end
-    /// decodes lossily), for the end of a generation.
-    pub fn flush(&mut self, tok: &Tokenizer) -> Result<String> {
-        if self.read == self.ids.len() {
-            return Ok(String::new());
-        }
-        let before = tok.decode(&self.ids[self.prefix..self.read])?;
-        let now = tok.decode(&self.ids[self.prefix..])?;
-        self.prefix = self.read;
-        self.read = self.ids.len();
-        Ok(match now.strip_prefix(before.as_str()) {
-            Some(p) => p.to_string(),
-            None => now,
-        })
     }
 }
 
