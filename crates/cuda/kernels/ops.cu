@@ -98,6 +98,8 @@ __device__ __forceinline__ float kv_at(const void* c, i64 i, int f16) {
 #define ATT_THREADS 256
 #define ATT_WARPS (ATT_THREADS / 32)
 #define MAX_HD 512
+#define ATT_KU 4   // keys per warp step in the scores
+#define ATT_VU 16  // value loads in flight per thread
 
 // One block per (row, query head): row r is position pos0 + r and attends over
 // cache positions 0..=pos0+r. Each score is one warp's dot (lane l's fma chain
@@ -125,14 +127,41 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     __syncthreads();
     float* s = scores + (i64)blockIdx.x * (pos0 + m);
     float mx = -INFINITY;
-    for (int j = warp; j < n; j += ATT_WARPS) {
-        i64 base = (i64)j * kvw + g * hd;
-        float d = 0.0f;
-        for (int i = lane; i < hd; i += 32) d = __fmaf_rn(qs[i], kv_at(ck, base + i, f16), d);
-        for (int o2 = 16; o2 > 0; o2 /= 2) d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, o2));
-        float v = __fmul_rn(d, scale);
-        if (lane == 0) s[j] = v;
-        mx = fmaxf(mx, v);
+    // Scores: warp w takes keys w, w + 8, ...; ATT_KU of them per step, all
+    // their key loads issued before any arithmetic (a long context is bound
+    // by load latency otherwise). Each score is still lane l's fma chain over
+    // dims l, l + 32, ... then the butterfly.
+    for (int j0 = warp; j0 < n; j0 += ATT_WARPS * ATT_KU) {
+        float d[ATT_KU];
+#pragma unroll
+        for (int u = 0; u < ATT_KU; u++) d[u] = 0.0f;
+        for (int i0 = 0; i0 < hd; i0 += 256) {  // dims i0 + lane + 32c, c < 8: the chain continues in order
+            float kr[ATT_KU][8];
+#pragma unroll
+            for (int u = 0; u < ATT_KU; u++) {
+                int j = j0 + u * ATT_WARPS;
+                i64 base = (i64)j * kvw + g * hd + i0 + lane;
+#pragma unroll
+                for (int c = 0; c < 8; c++)
+                    kr[u][c] = j < n && i0 + lane + 32 * c < hd ? kv_at(ck, base + 32 * c, f16) : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < ATT_KU; u++)
+#pragma unroll
+                for (int c = 0; c < 8; c++)
+                    if (i0 + lane + 32 * c < hd) d[u] = __fmaf_rn(qs[i0 + lane + 32 * c], kr[u][c], d[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < ATT_KU; u++) {
+            int j = j0 + u * ATT_WARPS;
+            float e = d[u];
+            for (int o2 = 16; o2 > 0; o2 /= 2) e = __fadd_rn(e, __shfl_xor_sync(0xffffffffu, e, o2));
+            float v = __fmul_rn(e, scale);
+            if (j < n) {
+                if (lane == 0) s[j] = v;
+                mx = fmaxf(mx, v);
+            }
+        }
     }
     red[t] = mx;
     __syncthreads();
@@ -156,11 +185,38 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     }
     sum = red[0];
     for (int j = t; j < n; j += ATT_THREADS) s[j] = __fdiv_rn(s[j], sum);
-    __syncthreads();
-    for (int i = t; i < hd; i += ATT_THREADS) {
-        float acc = 0.0f;
-        for (int j = 0; j < n; j++) acc = __fmaf_rn(s[j], kv_at(cv, (i64)j * kvw + g * hd + i, f16), acc);
-        o[((i64)r * hq + h) * hd + i] = acc;
+    // Values: each output dim's fma chain over the keys in order. The scores
+    // come through shared memory ATT_THREADS keys at a time (thread t wrote
+    // key j0 + t itself above) and each thread issues ATT_VU value loads
+    // before their fmas.
+    float acc[MAX_HD / ATT_THREADS];
+#pragma unroll
+    for (int q2 = 0; q2 < MAX_HD / ATT_THREADS; q2++) acc[q2] = 0.0f;
+    for (int j0 = 0; j0 < n; j0 += ATT_THREADS) {
+        int jn = min(ATT_THREADS, n - j0);
+        __syncthreads();
+        if (t < jn) red[t] = s[j0 + t];
+        __syncthreads();
+#pragma unroll
+        for (int q2 = 0; q2 < MAX_HD / ATT_THREADS; q2++) {
+            int i = t + q2 * ATT_THREADS;
+            if (i >= hd) continue;
+            const i64 col = (i64)g * hd + i;
+            for (int jj = 0; jj < jn; jj += ATT_VU) {
+                float vv[ATT_VU];
+#pragma unroll
+                for (int u = 0; u < ATT_VU; u++)
+                    vv[u] = jj + u < jn ? kv_at(cv, (i64)(j0 + jj + u) * kvw + col, f16) : 0.0f;
+#pragma unroll
+                for (int u = 0; u < ATT_VU; u++)
+                    if (jj + u < jn) acc[q2] = __fmaf_rn(red[jj + u], vv[u], acc[q2]);
+            }
+        }
+    }
+#pragma unroll
+    for (int q2 = 0; q2 < MAX_HD / ATT_THREADS; q2++) {
+        int i = t + q2 * ATT_THREADS;
+        if (i < hd) o[((i64)r * hq + h) * hd + i] = acc[q2];
     }
 }
 
