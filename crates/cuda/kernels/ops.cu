@@ -97,156 +97,50 @@ __device__ __forceinline__ float kv_at(const void* c, i64 i, int f16) {
 
 #define ATT_THREADS 256
 #define ATT_WARPS (ATT_THREADS / 32)
-#define MAX_HD 512
-#define ATT_KU 4   // keys per warp step in the scores
-#define ATT_VU 16  // value loads in flight per thread
+#define ATT_T 256  // keys per tile: tile b holds positions [256 b, 256 b + 256)
+#define AP 16      // (row, head) pairs per block
+#define ATT_HD 256 // largest head dim
 
-// One block per (row, query head): row r is position pos0 + r and attends over
-// cache positions 0..=pos0+r. Each score is one warp's dot (lane l's fma chain
-// over dims l, l + 32, ..., then a fixed butterfly), scaled; then the max, exp,
-// the sum (each thread over a fixed stride of keys, then a fixed tree),
-// normalize, and each output dim's fma chain over the values in key order.
-// Every order here depends on the head dim and the position only, and every
-// operation is an explicit intrinsic: `attention_gqa` below performs the same
-// operations per (row, head), so either kernel computes the same bytes (decode
-// takes this one, with a block per head; wide calls the shared-KV one).
-// `scores` holds (pos0 + m) floats per (row, head).
+// Attention in fixed key tiles. For the (row, head) pair at position p (keys
+// 0..=p), tile b covers keys [256 b, min(256 b + 256, p + 1)) and computes
+//   s_j  = (lane l's fma chain over dims l, l + 32, ... then a fixed xor
+//          butterfly) * scale,
+//   m_b  = max of the tile's s_j,
+//   e_j  = exp(s_j - m_b), zero in the tile's slots past p,
+//   l_b  = sum of the 256 slots (a butterfly in each warp, then a fixed tree
+//          over the 8 warps),
+//   a_b  = per output dim, the fma chain of e_j * v_j over the keys in order;
+// then `attention_combine` folds the tiles in order: M = max m_b,
+// w_b = exp(m_b - M), l = chain of l_b * w_b, o = (fma chain of a_b * w_b) / l.
+// Every step depends on the head dim and the position only: not on m, on
+// which rows share a block, or on the other rows, so decode (m = 1) and a
+// prefill chunk run this one kernel and get the same bytes. The tiles make a
+// long context parallel (a block per KV head and tile) instead of one
+// sequential chain per output.
+//
+// Block (g, y, b): KV head g, a tile of rows (16 / gs rows x the gs query
+// heads of the group = up to 16 pairs, each key and value row read once for
+// all of them), key tile b. Writes pml[(pair, b)] = (m_b, l_b) and
+// pacc[(pair, b)] = a_b for pairs with a key in the tile; `nb` tiles per pair.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention(const float* q, const void* ck, const void* cv, float* o, float* scores, int m, int hq, int hkv,
-              int hd, int pos0, float scale, int f16) {
-    __shared__ float red[ATT_THREADS];
-    __shared__ float qs[MAX_HD];
-    int r = blockIdx.x / hq, h = blockIdx.x % hq, t = threadIdx.x;
-    int warp = t / 32, lane = t % 32;
-    int kvw = hkv * hd;
-    int g = h / (hq / hkv);
-    int pos = pos0 + r;
-    int n = pos + 1;
-    const float* qh = q + ((i64)r * hq + h) * hd;
-    for (int i = t; i < hd; i += ATT_THREADS) qs[i] = qh[i];
-    __syncthreads();
-    float* s = scores + (i64)blockIdx.x * (pos0 + m);
-    float mx = -INFINITY;
-    // Scores: warp w takes keys w, w + 8, ...; ATT_KU of them per step, all
-    // their key loads issued before any arithmetic (a long context is bound
-    // by load latency otherwise). Each score is still lane l's fma chain over
-    // dims l, l + 32, ... then the butterfly.
-    for (int j0 = warp; j0 < n; j0 += ATT_WARPS * ATT_KU) {
-        float d[ATT_KU];
-#pragma unroll
-        for (int u = 0; u < ATT_KU; u++) d[u] = 0.0f;
-        for (int i0 = 0; i0 < hd; i0 += 256) {  // dims i0 + lane + 32c, c < 8: the chain continues in order
-            float kr[ATT_KU][8];
-#pragma unroll
-            for (int u = 0; u < ATT_KU; u++) {
-                int j = j0 + u * ATT_WARPS;
-                i64 base = (i64)j * kvw + g * hd + i0 + lane;
-#pragma unroll
-                for (int c = 0; c < 8; c++)
-                    kr[u][c] = j < n && i0 + lane + 32 * c < hd ? kv_at(ck, base + 32 * c, f16) : 0.0f;
-            }
-#pragma unroll
-            for (int u = 0; u < ATT_KU; u++)
-#pragma unroll
-                for (int c = 0; c < 8; c++)
-                    if (i0 + lane + 32 * c < hd) d[u] = __fmaf_rn(qs[i0 + lane + 32 * c], kr[u][c], d[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < ATT_KU; u++) {
-            int j = j0 + u * ATT_WARPS;
-            float e = d[u];
-            for (int o2 = 16; o2 > 0; o2 /= 2) e = __fadd_rn(e, __shfl_xor_sync(0xffffffffu, e, o2));
-            float v = __fmul_rn(e, scale);
-            if (j < n) {
-                if (lane == 0) s[j] = v;
-                mx = fmaxf(mx, v);
-            }
-        }
-    }
-    red[t] = mx;
-    __syncthreads();
-    for (int k = ATT_THREADS / 2; k > 0; k /= 2) {
-        if (t < k) red[t] = fmaxf(red[t], red[t + k]);
-        __syncthreads();
-    }
-    mx = red[0];
-    __syncthreads();
-    float sum = 0.0f;
-    for (int j = t; j < n; j += ATT_THREADS) {
-        float e = expf(s[j] - mx);
-        s[j] = e;
-        sum = __fadd_rn(sum, e);
-    }
-    red[t] = sum;
-    __syncthreads();
-    for (int k = ATT_THREADS / 2; k > 0; k /= 2) {
-        if (t < k) red[t] = __fadd_rn(red[t], red[t + k]);
-        __syncthreads();
-    }
-    sum = red[0];
-    for (int j = t; j < n; j += ATT_THREADS) s[j] = __fdiv_rn(s[j], sum);
-    // Values: each output dim's fma chain over the keys in order. The scores
-    // come through shared memory ATT_THREADS keys at a time (thread t wrote
-    // key j0 + t itself above) and each thread issues ATT_VU value loads
-    // before their fmas.
-    float acc[MAX_HD / ATT_THREADS];
-#pragma unroll
-    for (int q2 = 0; q2 < MAX_HD / ATT_THREADS; q2++) acc[q2] = 0.0f;
-    for (int j0 = 0; j0 < n; j0 += ATT_THREADS) {
-        int jn = min(ATT_THREADS, n - j0);
-        __syncthreads();
-        if (t < jn) red[t] = s[j0 + t];
-        __syncthreads();
-#pragma unroll
-        for (int q2 = 0; q2 < MAX_HD / ATT_THREADS; q2++) {
-            int i = t + q2 * ATT_THREADS;
-            if (i >= hd) continue;
-            const i64 col = (i64)g * hd + i;
-            for (int jj = 0; jj < jn; jj += ATT_VU) {
-                float vv[ATT_VU];
-#pragma unroll
-                for (int u = 0; u < ATT_VU; u++)
-                    vv[u] = jj + u < jn ? kv_at(cv, (i64)(j0 + jj + u) * kvw + col, f16) : 0.0f;
-#pragma unroll
-                for (int u = 0; u < ATT_VU; u++)
-                    if (jj + u < jn) acc[q2] = __fmaf_rn(red[jj + u], vv[u], acc[q2]);
-            }
-        }
-    }
-#pragma unroll
-    for (int q2 = 0; q2 < MAX_HD / ATT_THREADS; q2++) {
-        int i = t + q2 * ATT_THREADS;
-        if (i < hd) o[((i64)r * hq + h) * hd + i] = acc[q2];
-    }
-}
-
-// Attention for the usual shapes (head dim <= 256, at most 16 query heads per
-// KV head): block (g, tile) computes the AP = rows x heads-of-group (row,
-// head) pairs of KV head g for a tile of consecutive rows, so each key and
-// value row is read once for all of them instead of once per pair. Per pair
-// the operations and their order depend only on the head dim and the row's
-// position (so any tiling, m = 1 included, computes the same bytes): score j =
-// (lane l's fma chain over dims l, l + 32, ... then a fixed butterfly) *
-// scale; max; e_j = exp(s_j - max); sum = thread t's chain over j = t,
-// t + 256, ... then a fixed tree over the 256 threads; s_j = e_j / sum;
-// o_i = the fma chain over keys in order.
-#define AP 16
-#define ATT_TJ 32
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_gqa(const float* q, const void* ck, const void* cv, float* o, float* scores, int m, int hq,
-                  int hkv, int hd, int pos0, float scale, int f16) {
-    __shared__ float qs[AP][256];
-    __shared__ float red[AP][ATT_THREADS];
+    attention_tiles(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
+                    int hkv, int hd, int pos0, float scale, int f16, int nb) {
+    __shared__ float qs[AP][ATT_HD];
+    __shared__ float st[AP][ATT_T];
     __shared__ float smax[AP][ATT_WARPS];
-    __shared__ float st[AP][ATT_TJ];
+    __shared__ float wsum[AP][ATT_WARPS];
+    __shared__ float pmax[AP];
     int t = threadIdx.x, warp = t / 32, lane = t % 32;
     int gs = hq / hkv, rows = AP / gs;
-    int g = blockIdx.x, r0 = blockIdx.y * rows;
+    int g = blockIdx.x, r0 = blockIdx.y * rows, b = blockIdx.z;
     int np = min(rows, m - r0) * gs;  // live pairs: pair p = (row r0 + p / gs, head g * gs + p % gs)
-    int kvw = hkv * hd, stride = pos0 + m;
-    int nmax = pos0 + r0 + np / gs;  // keys of the tile's last row
-    for (int i = t; i < AP * 256; i += ATT_THREADS) {
-        int p = i / 256, d = i % 256;
+    int j0 = b * ATT_T;
+    int nmax = pos0 + r0 + np / gs;  // keys of the block's last row
+    if (j0 >= nmax) return;          // the whole block: no pair reaches this tile
+    int jend = min(j0 + ATT_T, nmax);
+    int kvw = hkv * hd;
+    for (int i = t; i < AP * ATT_HD; i += ATT_THREADS) {
+        int p = i / ATT_HD, d = i % ATT_HD;
         float v = 0.0f;
         if (p < np && d < hd) v = q[((i64)(r0 + p / gs) * hq + g * gs + p % gs) * hd + d];
         qs[p][d] = v;
@@ -258,103 +152,110 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     // is the one-pair butterfly's own + partner add; lane l ends with pair l/2.
     int mine = lane >> 1;
     float mx = -INFINITY;
-    for (int j = warp; j < nmax; j += ATT_WARPS) {
-        float kr[8];
-        i64 base = (i64)j * kvw + g * hd;
+    for (int jj = warp; jj < ATT_T; jj += ATT_WARPS) {
+        int j = j0 + jj;
+        float v = -INFINITY;
+        if (j < jend) {  // uniform over the warp
+            float kr[8];
+            i64 base = (i64)j * kvw + g * hd;
 #pragma unroll
-        for (int c = 0; c < 8; c++) kr[c] = lane + 32 * c < hd ? kv_at(ck, base + lane + 32 * c, f16) : 0.0f;
-        float d[AP];
+            for (int c = 0; c < 8; c++) kr[c] = lane + 32 * c < hd ? kv_at(ck, base + lane + 32 * c, f16) : 0.0f;
+            float d[AP];
 #pragma unroll
-        for (int p = 0; p < AP; p++) {
-            d[p] = 0.0f;
+            for (int p = 0; p < AP; p++) {
+                d[p] = 0.0f;
 #pragma unroll
-            for (int c = 0; c < 8; c++)
-                if (lane + 32 * c < hd) d[p] = __fmaf_rn(qs[p][lane + 32 * c], kr[c], d[p]);
-        }
+                for (int c = 0; c < 8; c++)
+                    if (lane + 32 * c < hd) d[p] = __fmaf_rn(qs[p][lane + 32 * c], kr[c], d[p]);
+            }
 #pragma unroll
-        for (int o2 = 16, w = AP / 2; o2 > 1; o2 /= 2, w /= 2) {
-            bool upper = (lane & o2) != 0;  // keeps pairs [w, 2w) of its current set
+            for (int o2 = 16, w = AP / 2; o2 > 1; o2 /= 2, w /= 2) {
+                bool upper = (lane & o2) != 0;  // keeps pairs [w, 2w) of its current set
 #pragma unroll
-            for (int i = 0; i < w; i++) {
-                float send = upper ? d[i] : d[w + i];
-                float got = __shfl_xor_sync(0xffffffffu, send, o2);
-                d[i] = __fadd_rn(upper ? d[w + i] : d[i], got);
+                for (int i = 0; i < w; i++) {
+                    float send = upper ? d[i] : d[w + i];
+                    float got = __shfl_xor_sync(0xffffffffu, send, o2);
+                    d[i] = __fadd_rn(upper ? d[w + i] : d[i], got);
+                }
+            }
+            float s = __fadd_rn(d[0], __shfl_xor_sync(0xffffffffu, d[0], 1));
+            if (mine < np && j <= pos0 + r0 + mine / gs) {
+                v = __fmul_rn(s, scale);
+                mx = fmaxf(mx, v);
             }
         }
-        float v = __fadd_rn(d[0], __shfl_xor_sync(0xffffffffu, d[0], 1));
-        v = __fmul_rn(v, scale);
-        if (mine < np && j <= pos0 + r0 + mine / gs) {
-            if ((lane & 1) == 0) scores[((i64)(r0 + mine / gs) * hq + g * gs + mine % gs) * stride + j] = v;
-            mx = fmaxf(mx, v);
-        }
+        if ((lane & 1) == 0) st[mine][jj] = v;
     }
     if ((lane & 1) == 0) smax[mine][warp] = mx;
     __syncthreads();
-    // exp and the sums: thread t's chain, then a fixed tree.
+    // e in place, thread t owning slot t of every pair; each warp's sum by a
+    // butterfly.
     for (int p = 0; p < np; p++) {
         float mxp = smax[p][0];
         for (int w = 1; w < ATT_WARPS; w++) mxp = fmaxf(mxp, smax[p][w]);
-        int n = pos0 + r0 + p / gs + 1;
-        float* s = scores + ((i64)(r0 + p / gs) * hq + g * gs + p % gs) * stride;
-        float sum = 0.0f;
-        for (int j = t; j < n; j += ATT_THREADS) {
-            float e = expf(s[j] - mxp);
-            s[j] = e;
-            sum = __fadd_rn(sum, e);
+        float e = 0.0f;
+        if (mxp != -INFINITY) {
+            e = expf(__fsub_rn(st[p][t], mxp));  // exp(-inf) = 0 in the slots past the pair's keys
+            st[p][t] = e;
         }
-        red[p][t] = sum;
+        for (int o2 = 16; o2 > 0; o2 /= 2) e = __fadd_rn(e, __shfl_xor_sync(0xffffffffu, e, o2));
+        if (lane == 0) wsum[p][warp] = e;
+        if (t == 0) pmax[p] = mxp;
     }
     __syncthreads();
-    for (int k = ATT_THREADS / 2; k > 0; k /= 2) {
-        if (t < k)
-            for (int p = 0; p < np; p++) red[p][t] = __fadd_rn(red[p][t], red[p][t + k]);
-        __syncthreads();
-    }
-    for (int p = 0; p < np; p++) {
-        int n = pos0 + r0 + p / gs + 1;
-        float* s = scores + ((i64)(r0 + p / gs) * hq + g * gs + p % gs) * stride;
-        float sum = red[p][0];
-        for (int j = t; j < n; j += ATT_THREADS) s[j] = __fdiv_rn(s[j], sum);
-    }
-    __syncthreads();
-    // Values: keys in order for each (pair, dim); the scores come through
-    // shared memory a tile of keys at a time. Head dims below 256 split the
-    // pairs over groups of threads (pair p to group p % groups), so every
-    // thread works; each (pair, dim) is still one thread's fma chain.
+    // Values: keys in order for each (pair, dim). Head dims below 256 split
+    // the pairs over groups of threads (pair p to group p % groups), so every
+    // thread works; each (pair, dim) is one thread's fma chain.
     int hdp = (hd + 31) / 32 * 32;
     int groups = ATT_THREADS % hdp == 0 ? ATT_THREADS / hdp : 1;
     int dim = t % hdp, grp = t / hdp;
-    bool act = dim < hd && grp < groups;
-    float acc[AP];
+    if (dim < hd && grp < groups) {
+        float acc[AP];
 #pragma unroll
-    for (int p = 0; p < AP; p++) acc[p] = 0.0f;
-    for (int j0 = 0; j0 < nmax; j0 += ATT_TJ) {
-        __syncthreads();
-        for (int i = t; i < AP * ATT_TJ; i += ATT_THREADS) {
-            int p = i / ATT_TJ, j = j0 + i % ATT_TJ;
-            float v = 0.0f;
-            if (p < np && j <= pos0 + r0 + p / gs) v = scores[((i64)(r0 + p / gs) * hq + g * gs + p % gs) * stride + j];
-            st[p][i % ATT_TJ] = v;
-        }
-        __syncthreads();
-        if (act) {
-            int jn = min(ATT_TJ, nmax - j0);
-            for (int jj = 0; jj < jn; jj++) {
-                int j = j0 + jj;
-                float v = kv_at(cv, (i64)j * kvw + g * hd + dim, f16);
+        for (int p = 0; p < AP; p++) acc[p] = 0.0f;
+        for (int j = j0; j < jend; j++) {
+            float v = kv_at(cv, (i64)j * kvw + g * hd + dim, f16);
 #pragma unroll
-                for (int p = 0; p < AP; p++) {
-                    // Uniform over a warp; pairs past np are never stored.
-                    if (p % groups != grp || j > pos0 + r0 + p / gs) continue;
-                    acc[p] = __fmaf_rn(st[p][jj], v, acc[p]);
-                }
+            for (int p = 0; p < AP; p++) {
+                // Uniform over a warp; pairs past np are never stored.
+                if (p % groups != grp || j > pos0 + r0 + p / gs) continue;
+                acc[p] = __fmaf_rn(st[p][j - j0], v, acc[p]);
             }
         }
-    }
-    if (act)
 #pragma unroll
         for (int p = 0; p < AP; p++)
-            if (p % groups == grp && p < np) o[((i64)(r0 + p / gs) * hq + g * gs + p % gs) * hd + dim] = acc[p];
+            if (p % groups == grp && p < np && j0 <= pos0 + r0 + p / gs) {
+                i64 pair = (i64)(r0 + p / gs) * hq + g * gs + p % gs;
+                pacc[(pair * nb + b) * hd + dim] = acc[p];
+            }
+    }
+    if (t < np && j0 <= pos0 + r0 + t / gs) {
+        float* w = wsum[t];
+        float l = __fadd_rn(__fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3])),
+                            __fadd_rn(__fadd_rn(w[4], w[5]), __fadd_rn(w[6], w[7])));
+        i64 pair = (i64)(r0 + t / gs) * hq + g * gs + t % gs;
+        pml[(pair * nb + b) * 2] = pmax[t];
+        pml[(pair * nb + b) * 2 + 1] = l;
+    }
+}
+
+// The tiles of each (row, head) pair folded in tile order (see
+// attention_tiles): a block per pair, a thread per output dim.
+extern "C" __global__ void attention_combine(const float* pml, const float* pacc, float* o, int m, int hq, int hd,
+                                             int pos0, int nb) {
+    int pair = blockIdx.x, t = threadIdx.x;
+    int r = pair / hq;
+    int tiles = (pos0 + r + 1 + ATT_T - 1) / ATT_T;
+    const float* ml = pml + (i64)pair * nb * 2;
+    float mx = -INFINITY;
+    for (int b = 0; b < tiles; b++) mx = fmaxf(mx, ml[2 * b]);
+    float l = 0.0f, acc = 0.0f;
+    for (int b = 0; b < tiles; b++) {
+        float w = expf(__fsub_rn(ml[2 * b], mx));
+        l = __fadd_rn(l, __fmul_rn(ml[2 * b + 1], w));
+        if (t < hd) acc = __fmaf_rn(pacc[((i64)pair * nb + b) * hd + t], w, acc);
+    }
+    if (t < hd) o[(i64)pair * hd + t] = __fdiv_rn(acc, l);
 }
 
 // Causal conv + SiLU with state, one thread per (row, channel): the conv

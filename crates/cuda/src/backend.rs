@@ -554,33 +554,53 @@ impl Cuda {
             &f16
         )?;
         let mut o = d.scratch::<f32>(m * qw)?;
-        let mut scores = d.scratch::<f32>(m * hq * (st.pos + m))?;
         let scale = 1.0f32 / (hd as f32).sqrt();
         let gs = hq / hkv;
-        // Wide calls: all query heads of a KV head and a tile of rows per block.
-        // Decode-sized calls: a block per (row, head). Both kernels perform the
-        // same operations per row and head, so either gives the same bytes.
-        let (kernel, grid) = if m >= 4 && hd <= 256 && gs <= 16 {
-            ("attention_gqa", (hkv as u32, m.div_ceil(16 / gs) as u32, 1))
-        } else {
-            ("attention", ((m * hq) as u32, 1, 1))
-        };
+        if hd > 256 || gs > 16 || gs * hkv != hq {
+            return Err(CudaError::Driver {
+                op: "attention".into(),
+                msg: format!(
+                    "{hq} query heads over {hkv} KV heads of dim {hd}: the CUDA attention takes head dims up to 256 and up to 16 query heads per KV head"
+                ),
+            });
+        }
+        // One kernel for every m: fixed key tiles of 256 positions, a block
+        // per (KV head, row tile, key tile), then the tiles folded in order
+        // (ops.cu, attention_tiles).
+        let nb = (st.pos + m).div_ceil(256);
+        let mut pml = d.scratch::<f32>(m * hq * nb * 2)?;
+        let mut pacc = d.scratch::<f32>(m * hq * nb * hd)?;
+        let nbi = nb as i32;
         launch!(
             d,
-            kernel,
-            cfg(grid, 256, 0),
+            "attention_tiles",
+            cfg((hkv as u32, m.div_ceil(16 / gs) as u32, nb as u32), 256, 0),
             &q,
             &*ck,
             &*cv,
-            &mut o,
-            &mut scores,
+            &mut pml,
+            &mut pacc,
             &mi,
             &hqi,
             &hkvi,
             &hdi,
             &pos0,
             &scale,
-            &f16
+            &f16,
+            &nbi
+        )?;
+        launch!(
+            d,
+            "attention_combine",
+            cfg(((m * hq) as u32, 1, 1), hd.div_ceil(32) as u32 * 32, 0),
+            &pml,
+            &pacc,
+            &mut o,
+            &mi,
+            &hqi,
+            &hdi,
+            &pos0,
+            &nbi
         )?;
         if let Some(g) = gate {
             let n = (m * qw) as i64;
