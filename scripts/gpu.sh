@@ -13,7 +13,9 @@
 # SAMESUM_GPU_TG (decode tokens, 128), SAMESUM_GPU_REPS (2), SAMESUM_GPU_ARMS
 # (replay,batched) and SAMESUM_GPU_CHUNK (512); the chunks step sweeps
 # SAMESUM_GPU_CHUNKS ("512 1024 2048") for batched pp4096 and pp16384;
-# longq35 / longq3 measure replay at pp16384 (one run, several minutes each).
+# longq35 / longq3 measure replay at pp16384 (one run, several minutes each;
+# SAMESUM_GPU_LONG_PP and _LONG_TIMEOUT change the lengths and the limit);
+# SAMESUM_GPU_ID_CHUNKS sets the identity step's chunk sizes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -67,7 +69,7 @@ run)
     if [[ $steps == *,identity,* ]]; then
         for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
             step "identity-$shape" timeout 300 .gpu/samesum identity --device cuda --shape "$shape" \
-                --chunk 1,7,64,128,256 --gen 64
+                --chunk ${SAMESUM_GPU_ID_CHUNKS:-1,7,64,128,256} --gen 64
         done
     fi
     model() { # shape -> path of a synthetic q4_k model of it (made once per machine)
@@ -102,7 +104,8 @@ run)
     long_replay() { # shape: replay at pp16384, one run, no warm-up
         local f
         f=$(model "$1")
-        step "long-replay-$1" timeout 540 .gpu/samesum bench --device cuda -m "$f" -p 16384 -n 0 -r 1 \
+        step "long-replay-$1" timeout ${SAMESUM_GPU_LONG_TIMEOUT:-540} .gpu/samesum bench --device cuda -m "$f" \
+            -p ${SAMESUM_GPU_LONG_PP:-16384} -n 0 -r 1 \
             --prefill replay --no-warmup
     }
     [[ $steps == *,longq35,* ]] && long_replay qwen35moe-35b-a3b

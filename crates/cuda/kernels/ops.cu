@@ -101,6 +101,40 @@ __device__ __forceinline__ float kv_at(const void* c, i64 i, int f16) {
 #define AP 16      // (row, head) pairs per block
 #define ATT_HD 256 // largest head dim
 
+// The value pass of attention_tiles for one thread: output dim t % hdp of
+// pairs t / hdp, t / hdp + G, ... (AP / G of them); each (pair, dim) is the
+// fma chain over the tile's keys in order, up to the pair's own position.
+template <int G>
+__device__ __forceinline__ void tile_values(const void* cv, const float (*st)[ATT_T], float* pacc, int hdp, int kvw,
+                                            int np, int gs, int g, int hq, int hd, int r0, int pos0, int j0,
+                                            int jend, int b, int nb, int f16) {
+    constexpr int P = AP / G;
+    int t = threadIdx.x, dim = t % hdp, grp = t / hdp;
+    if (dim >= hd || grp >= G) return;
+    int cnt[P];  // keys of the tile the pair sees
+    float acc[P];
+#pragma unroll
+    for (int i = 0; i < P; i++) {
+        int p = grp + G * i;
+        cnt[i] = p < np ? min(jend, pos0 + r0 + p / gs + 1) - j0 : 0;
+        acc[i] = 0.0f;
+    }
+    for (int jj = 0; jj < jend - j0; jj++) {
+        float v = kv_at(cv, (i64)(j0 + jj) * kvw + g * hd + dim, f16);
+#pragma unroll
+        for (int i = 0; i < P; i++)
+            if (jj < cnt[i]) acc[i] = __fmaf_rn(st[grp + G * i][jj], v, acc[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < P; i++) {
+        int p = grp + G * i;
+        if (cnt[i] > 0) {
+            i64 pair = (i64)(r0 + p / gs) * hq + g * gs + p % gs;
+            pacc[(pair * nb + b) * hd + dim] = acc[i];
+        }
+    }
+}
+
 // Attention in fixed key tiles. For the (row, head) pair at position p (keys
 // 0..=p), tile b covers keys [256 b, min(256 b + 256, p + 1)) and computes
 //   s_j  = (lane l's fma chain over dims l, l + 32, ... then a fixed xor
@@ -151,6 +185,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     // pairs and adds the partner's (lane ^ o) partial of the same pair, which
     // is the one-pair butterfly's own + partner add; lane l ends with pair l/2.
     int mine = lane >> 1;
+    int mylast = pos0 + r0 + mine / gs;  // the last key of this lane's pair
     float mx = -INFINITY;
     for (int jj = warp; jj < ATT_T; jj += ATT_WARPS) {
         int j = j0 + jj;
@@ -179,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                 }
             }
             float s = __fadd_rn(d[0], __shfl_xor_sync(0xffffffffu, d[0], 1));
-            if (mine < np && j <= pos0 + r0 + mine / gs) {
+            if (mine < np && j <= mylast) {
                 v = __fmul_rn(s, scale);
                 mx = fmaxf(mx, v);
             }
@@ -204,30 +239,14 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     }
     __syncthreads();
     // Values: keys in order for each (pair, dim). Head dims below 256 split
-    // the pairs over groups of threads (pair p to group p % groups), so every
+    // the pairs over G groups of threads (pair p to group p % G), so every
     // thread works; each (pair, dim) is one thread's fma chain.
     int hdp = (hd + 31) / 32 * 32;
-    int groups = ATT_THREADS % hdp == 0 ? ATT_THREADS / hdp : 1;
-    int dim = t % hdp, grp = t / hdp;
-    if (dim < hd && grp < groups) {
-        float acc[AP];
-#pragma unroll
-        for (int p = 0; p < AP; p++) acc[p] = 0.0f;
-        for (int j = j0; j < jend; j++) {
-            float v = kv_at(cv, (i64)j * kvw + g * hd + dim, f16);
-#pragma unroll
-            for (int p = 0; p < AP; p++) {
-                // Uniform over a warp; pairs past np are never stored.
-                if (p % groups != grp || j > pos0 + r0 + p / gs) continue;
-                acc[p] = __fmaf_rn(st[p][j - j0], v, acc[p]);
-            }
-        }
-#pragma unroll
-        for (int p = 0; p < AP; p++)
-            if (p % groups == grp && p < np && j0 <= pos0 + r0 + p / gs) {
-                i64 pair = (i64)(r0 + p / gs) * hq + g * gs + p % gs;
-                pacc[(pair * nb + b) * hd + dim] = acc[p];
-            }
+    switch (ATT_THREADS % hdp == 0 ? ATT_THREADS / hdp : 1) {
+    case 8: tile_values<8>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
+    case 4: tile_values<4>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
+    case 2: tile_values<2>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
+    default: tile_values<1>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
     }
     if (t < np && j0 <= pos0 + r0 + t / gs) {
         float* w = wsum[t];
