@@ -603,6 +603,8 @@ __device__ __forceinline__ float ld_w(const u8* row, int i) {
     return bf16_to_f32(((const u16*)row)[i]);
 }
 
+#define MMF_U 8
+
 template <int KIND>
 __device__ void mm_float(const u8* W, i64 mat_stride, int row_bytes, const int* mats,
                          const float* X, float* Y, int rows, int m, int cols) {
@@ -617,8 +619,23 @@ __device__ void mm_float(const u8* W, i64 mat_stride, int row_bytes, const int* 
         if (mat >= 0) {
             const u8* w = W + mat * mat_stride + (i64)j * row_bytes;
             const float* x = X + (i64)(r0 + t) * cols;
-            for (int i = lane; i < cols; i += 32) acc = acc + ld_w<KIND>(w, i) * x[i];
-            for (int o = 16; o > 0; o /= 2) acc = acc + __shfl_xor_sync(0xffffffffu, acc, o);
+            // MMF_U elements' loads issued before their fmas (a row is a
+            // chain of dependent fmas per lane; without the batch every
+            // step waits for its own load). The chain is lane l's over
+            // elements l, l + 32, ... in order, as before.
+            for (int i0 = lane; i0 < cols; i0 += 32 * MMF_U) {
+                float wv[MMF_U], xv[MMF_U];
+#pragma unroll
+                for (int u = 0; u < MMF_U; u++) {
+                    int i = i0 + 32 * u;
+                    wv[u] = i < cols ? ld_w<KIND>(w, i) : 0.0f;
+                    xv[u] = i < cols ? x[i] : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < MMF_U; u++)
+                    if (i0 + 32 * u < cols) acc = __fmaf_rn(wv[u], xv[u], acc);
+            }
+            for (int o = 16; o > 0; o /= 2) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
         }
         if (lane == 0) Y[(i64)(r0 + t) * rows + j] = acc;
     }
