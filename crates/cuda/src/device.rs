@@ -261,6 +261,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "plan_scan",
             "plan_place",
             "moe_combine",
+            "remap_ids",
         ],
         _ => &[],
     }
