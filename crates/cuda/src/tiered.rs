@@ -85,6 +85,11 @@ fn stack_bytes(m: &Matrix) -> usize {
     m.rows * m.row_bytes * m.n_mats
 }
 
+/// A stack's start in a staging buffer keeps the file's alignment (and more).
+fn aligned(n: usize) -> usize {
+    n.next_multiple_of(256)
+}
+
 fn ptr(dev: &Device, s: &CudaSlice<u8>) -> u64 {
     s.device_ptr(&dev.stream).0
 }
@@ -163,7 +168,7 @@ impl Tier {
                 done += whole[i] as u64;
                 bar.set_position(done);
             }
-            stage_bytes = stage_bytes.max(whole.iter().sum::<usize>());
+            stage_bytes = stage_bytes.max(whole.iter().map(|&w| aligned(w)).sum::<usize>());
             let three = || drv("tier", "a layer without gate, up and down expert stacks");
             let host: [HostCopy; 3] = host.try_into().map_err(|_| three())?;
             let pools: [CudaSlice<u8>; 3] = pools.try_into().map_err(|_| three())?;
@@ -183,6 +188,9 @@ impl Tier {
             .ctx
             .new_stream()
             .map_err(|e| drv("tier: copy stream", e))?;
+        // The buffers were allocated in the compute stream's order; the copy
+        // stream writes the staging buffers, so let the allocations finish.
+        dev.sync()?;
         Ok(Tier {
             cache: Mutex::new(ExpertCache::new(
                 layers.len(),
@@ -332,9 +340,9 @@ impl Tier {
                 ptr(dev, &self.stage[b]) + at as u64,
                 &self.copy,
             )?;
-            at += le.whole[k];
+            self.staged.fetch_add(le.whole[k] as u64, Ordering::Relaxed);
+            at += aligned(le.whole[k]);
         }
-        self.staged.fetch_add(at as u64, Ordering::Relaxed);
         self.staged_layers.fetch_add(1, Ordering::Relaxed);
         s.filled[b] = Some(
             self.copy
@@ -376,8 +384,8 @@ impl Tier {
             b,
             [
                 base,
-                base + le.whole[0] as u64,
-                base + (le.whole[0] + le.whole[1]) as u64,
+                base + aligned(le.whole[0]) as u64,
+                base + (aligned(le.whole[0]) + aligned(le.whole[1])) as u64,
             ],
         ))
     }
@@ -403,5 +411,12 @@ impl Tier {
             self.fill(dev, model, &mut s, 1 - b, next)?;
         }
         Ok(())
+    }
+}
+
+impl Drop for Tier {
+    fn drop(&mut self) {
+        // Staging copies may still be running into buffers about to be freed.
+        let _ = self.copy.synchronize();
     }
 }
