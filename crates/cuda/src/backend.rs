@@ -181,6 +181,20 @@ fn upload_bar(show: bool, total: u64, what: &str) -> indicatif::ProgressBar {
     bar
 }
 
+/// The attention shapes the tiled kernel takes: head dims up to 256 and up
+/// to 16 query heads per KV head (all three architectures' models are).
+fn attention_shape(hq: usize, hkv: usize, hd: usize) -> Result<()> {
+    if hd == 0 || hd > 256 || hkv == 0 || !hq.is_multiple_of(hkv) || hq / hkv > 16 {
+        return Err(CudaError::Driver {
+            op: "attention".into(),
+            msg: format!(
+                "{hq} query heads over {hkv} KV heads of dim {hd}: the CUDA attention takes head dims up to 256 and up to 16 query heads per KV head"
+            ),
+        });
+    }
+    Ok(())
+}
+
 fn vectors(model: &Model) -> Vec<&Vec<f32>> {
     let w = &model.w;
     let mut out = vec![&w.output_norm];
@@ -219,6 +233,15 @@ impl Cuda {
                     ty: format!("{:?}", m.ty),
                 });
             }
+        }
+        let hp = &model.hp;
+        if model
+            .w
+            .layers
+            .iter()
+            .any(|l| matches!(l.mixer, Mixer::Attention(_)))
+        {
+            attention_shape(hp.n_head, hp.n_head_kv, hp.head_dim)?;
         }
         let dev = Device::open(ordinal)?;
         let bytes = model.bytes();
@@ -728,14 +751,7 @@ impl Cuda {
         let mut o = d.scratch::<f32>(m * qw)?;
         let scale = 1.0f32 / (hd as f32).sqrt();
         let gs = hq / hkv;
-        if hd > 256 || gs > 16 || gs * hkv != hq {
-            return Err(CudaError::Driver {
-                op: "attention".into(),
-                msg: format!(
-                    "{hq} query heads over {hkv} KV heads of dim {hd}: the CUDA attention takes head dims up to 256 and up to 16 query heads per KV head"
-                ),
-            });
-        }
+        attention_shape(hq, hkv, hd)?;
         // One kernel for every m: fixed key tiles of 256 positions, a block
         // per (KV head, row tile, key tile), then the tiles folded in order
         // (ops.cu, attention_tiles).
@@ -1433,5 +1449,30 @@ impl Backend for Cuda {
             self.dev.download(&logits, n * w.n_vocab)
         };
         run().map_err(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::attention_shape;
+
+    #[test]
+    fn attention_shapes_beyond_the_kernel_are_refused_with_the_shape_named() {
+        assert!(attention_shape(32, 4, 128).is_ok());
+        assert!(attention_shape(16, 2, 256).is_ok());
+        assert!(attention_shape(16, 1, 64).is_ok());
+        for (hq, hkv, hd) in [
+            (32, 1, 128),
+            (16, 2, 512),
+            (12, 5, 64),
+            (8, 0, 64),
+            (8, 8, 0),
+        ] {
+            let e = attention_shape(hq, hkv, hd).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("{hq} query heads over {hkv} KV heads of dim {hd}")),
+                "{e}"
+            );
+        }
     }
 }
