@@ -6,7 +6,7 @@
 //! Decode and prefill run the same launches with a different row count; every
 //! kernel's per-row arithmetic is independent of it (see `kernels/*.cu`).
 
-use crate::device::{Device, cfg, cfg1, drv, launch};
+use crate::device::{Device, addr, cfg, cfg1, drv, launch, upload_bar};
 use crate::error::{CudaError, Result};
 use crate::tier::{RESERVE, TierSizes, plan as tier_plan};
 use crate::tiered::{Tier, TierStats};
@@ -165,22 +165,6 @@ fn matrices(model: &Model) -> Vec<&Matrix> {
     out
 }
 
-/// A byte progress bar (hidden unless `show`).
-fn upload_bar(show: bool, total: u64, what: &str) -> indicatif::ProgressBar {
-    let bar = if show {
-        indicatif::ProgressBar::new(total)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(&format!(
-            "{what} {{bar:40}} {{bytes}}/{{total_bytes}} {{bytes_per_sec}}"
-        ))
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    bar
-}
-
 /// The attention shapes the tiled kernel takes: head dims up to 256 and up
 /// to 16 query heads per KV head (all three architectures' models are).
 fn attention_shape(hq: usize, hkv: usize, hd: usize) -> Result<()> {
@@ -299,11 +283,7 @@ impl Cuda {
         let size = |m: &Matrix| (m.rows * m.row_bytes * m.n_mats).next_multiple_of(256);
         let trunk_bytes: usize = trunk_mats.iter().map(|m| size(m)).sum();
         let mut file = dev.scratch::<u8>(trunk_bytes)?;
-        let file_ptr = {
-            use cudarc::driver::DevicePtr;
-            let (p, _sync) = file.device_ptr(&dev.stream);
-            p
-        };
+        let file_ptr = addr(&dev, &file);
         let bar = upload_bar(progress, trunk_bytes as u64, "trunk to VRAM");
         let mut trunk = HashMap::new();
         let mut at = 0usize;
@@ -331,19 +311,31 @@ impl Cuda {
         dev.sync()?;
         bar.finish_and_clear();
         let tier = Tier::new(&dev, model, plan, progress)?;
+        Cuda::assemble(dev, model, file, trunk, Some(tier))
+    }
+
+    /// The backend around uploaded matrices: the f32 vectors uploaded beside
+    /// them, the caches empty.
+    fn assemble(
+        dev: Device,
+        model: &Model,
+        file: CudaSlice<u8>,
+        trunk: HashMap<usize, u64>,
+        tier: Option<Tier>,
+    ) -> Result<Cuda> {
         let mut vecs = HashMap::new();
         for v in vectors(model) {
             vecs.insert((v.as_ptr() as usize, v.len()), dev.upload(v)?);
         }
         Ok(Cuda {
+            file_ptr: addr(&dev, &file),
             dev,
             file,
-            file_ptr,
             vecs,
             maps: Mutex::new(HashMap::new()),
             tensor_cores: std::env::var("SAMESUM_CUDA_TC").as_deref() != Ok("0"),
             trunk,
-            tier: Some(tier),
+            tier,
         })
     }
 
@@ -365,25 +357,7 @@ impl Cuda {
         }
         dev.sync()?;
         bar.finish_and_clear();
-        let mut vecs = HashMap::new();
-        for v in vectors(model) {
-            vecs.insert((v.as_ptr() as usize, v.len()), dev.upload(v)?);
-        }
-        let file_ptr = {
-            use cudarc::driver::DevicePtr;
-            let (p, _sync) = file.device_ptr(&dev.stream);
-            p
-        };
-        Ok(Cuda {
-            dev,
-            file,
-            file_ptr,
-            vecs,
-            maps: Mutex::new(HashMap::new()),
-            tensor_cores: std::env::var("SAMESUM_CUDA_TC").as_deref() != Ok("0"),
-            trunk: HashMap::new(),
-            tier: None,
-        })
+        Cuda::assemble(dev, model, file, HashMap::new(), None)
     }
 
     /// Tier mode's plan and counters (`None` in resident mode).

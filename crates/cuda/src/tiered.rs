@@ -9,10 +9,10 @@
 //! decode, expert ids in a staged stack), so the bytes read, and therefore
 //! the results, are the resident mode's.
 
-use crate::device::{Device, drv};
+use crate::device::{Device, addr as ptr, drv, upload_bar};
 use crate::error::Result;
 use crate::tier::{ExpertCache, TierPlan};
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 use samesum_engine::Model;
 use samesum_engine::model::Matrix;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -90,10 +90,6 @@ fn aligned(n: usize) -> usize {
     n.next_multiple_of(256)
 }
 
-fn ptr(dev: &Device, s: &CudaSlice<u8>) -> u64 {
-    s.device_ptr(&dev.stream).0
-}
-
 impl Tier {
     /// Copy `model`'s routed experts into page-locked host memory (falling
     /// back to the mapped file, with a warning, when that runs out) and
@@ -106,17 +102,7 @@ impl Tier {
             .iter()
             .map(|l| stack_bytes(&l.moe.gate) + stack_bytes(&l.moe.up) + stack_bytes(&l.moe.down))
             .sum();
-        let bar = if progress {
-            indicatif::ProgressBar::new(total as u64)
-        } else {
-            indicatif::ProgressBar::hidden()
-        };
-        bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "experts to host memory {bar:40} {bytes}/{total_bytes} {bytes_per_sec}",
-            )
-            .expect("valid template"),
-        );
+        let bar = upload_bar(progress, total as u64, "experts to host memory");
         let mut pinned = true;
         let mut layers = Vec::with_capacity(model.w.layers.len());
         let mut stage_bytes = 0;
