@@ -16,6 +16,9 @@
 # longq35 / longq3 measure replay at pp16384 (one run, several minutes each;
 # SAMESUM_GPU_LONG_PP and _LONG_TIMEOUT change the lengths and the limit);
 # SAMESUM_GPU_ID_CHUNKS sets the identity step's chunk sizes.
+# tier runs tier mode (issue 8): identity on the tiny models with
+# --vram-budget 2G, then bench on qwen35moe at SAMESUM_GPU_BUDGETS ("24G
+# 12G") for SAMESUM_GPU_TIER_PP (1024,8192); tier122 the 122B shape at 40G.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -123,6 +126,28 @@ run)
         step bench-q3moe timeout 400 .gpu/samesum bench --device cuda -m "$q3" \
             -p ${SAMESUM_GPU_PP:-512,4096} -n ${SAMESUM_GPU_TG:-128} -r ${SAMESUM_GPU_REPS:-2} \
             --prefill ${SAMESUM_GPU_ARMS:-replay,batched} --chunk ${SAMESUM_GPU_CHUNK:-512}
+    fi
+    if [[ $steps == *,tier,* ]]; then
+        # Tier mode (issue 8): the identity gate with the experts in host
+        # memory, then qwen35moe under VRAM budgets (prefill from staged
+        # layers, decode through the expert cache; bench prints the cache's
+        # hits and the bytes copied).
+        for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
+            step "identity-tier-$shape" timeout 300 .gpu/samesum identity --device cuda --vram-budget 2G \
+                --shape "$shape" --chunk ${SAMESUM_GPU_ID_CHUNKS:-7,64,256} --gen 64
+        done
+        q35=$(model qwen35moe-35b-a3b)
+        for b in ${SAMESUM_GPU_BUDGETS:-24G 12G}; do
+            step "bench-tier-$b" timeout 400 .gpu/samesum bench --device cuda --vram-budget "$b" -m "$q35" \
+                -p ${SAMESUM_GPU_TIER_PP:-1024,8192} -n 128 -r 1 --prefill batched --chunk 512
+        done
+    fi
+    if [[ $steps == *,tier122,* ]]; then
+        # qwen35moe-122b-a10b at q4_k is ~70 GB: more than the 1-GPU
+        # machine's 64 GB disk; run on nvidia-h200-x2 (128 GB).
+        big=$(model qwen35moe-122b-a10b)
+        step "bench-tier122-40G" timeout 500 .gpu/samesum bench --device cuda --vram-budget 40G -m "$big" \
+            -p ${SAMESUM_GPU_TIER_PP:-1024,8192} -n 128 -r 1 --prefill batched --chunk 512
     fi
     if [[ $steps == *,serve,* ]]; then
         # The server on the GPU: one request alone, then six at once (batched

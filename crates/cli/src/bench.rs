@@ -47,6 +47,11 @@ pub(crate) struct Args {
     /// Backend: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Tier mode within this VRAM budget (e.g. 24G): routed experts in host
+    /// memory, a VRAM cache of them for decode, staged layers for prefill.
+    /// Without it, tier mode starts by itself when the model does not fit.
+    #[arg(long, value_name = "BYTES")]
+    vram_budget: Option<String>,
     /// Per-kernel time breakdown (CUDA events around every launch; slows the run).
     #[arg(long)]
     profile: bool,
@@ -77,13 +82,49 @@ pub(crate) fn run(a: Args) -> Result<()> {
         bail!("--repetitions and --chunk must be at least 1");
     }
     let (path, _tmp) = crate::synth::model_or_builtin(&a.model, "tiny-qwen3next", "q8_0", None)?;
-    let dev = Device::parse(&a.device)?;
+    let dev = Device::parse(&a.device, a.vram_budget.as_deref())?;
     if a.profile {
         // SAFETY: set before any thread of this process reads the environment.
         unsafe { std::env::set_var("SAMESUM_CUDA_PROFILE", "1") };
     }
     let model = crate::run::load_with_progress(&path)?;
     with_backend!(dev, &model, a.threads, |b| bench(b, &model, &path, &a, kv))
+}
+
+/// Tier mode's counters over a test's timed runs.
+#[derive(Default)]
+struct Offload {
+    at: Option<samesum_engine::backend::OffloadCounters>,
+    secs: f64,
+}
+
+impl Offload {
+    /// Before run `rep`: the timed runs start at 1.
+    fn start<B: Backend>(&mut self, b: &B, rep: usize) {
+        if rep == 1 {
+            self.at = b.offload_counters();
+        }
+    }
+
+    /// One line after the test's row (nothing in resident mode).
+    fn print<B: Backend>(&self, b: &B, test: &str) {
+        let (Some(now), Some(at)) = (b.offload_counters(), self.at) else {
+            return;
+        };
+        let d = now.since(&at);
+        let gib = |x: u64| x as f64 / (1u64 << 30) as f64;
+        let rate = |x: u64| x as f64 / 1e9 / self.secs.max(1e-9);
+        println!(
+            "{test}, tier mode, timed runs: decode cache {} hits, {} misses ({:.1}% hits), {:.2} GiB fetched ({:.1} GB/s), {:.2} GiB staged for prefill ({:.1} GB/s)",
+            d.hits,
+            d.misses,
+            100.0 * d.hit_rate(),
+            gib(d.fetched_bytes),
+            rate(d.fetched_bytes),
+            gib(d.staged_bytes),
+            rate(d.staged_bytes)
+        );
+    }
 }
 
 fn bench<B: Backend>(
@@ -123,7 +164,9 @@ fn bench<B: Backend>(
         };
         for &np in a.n_prompt.iter().filter(|&&n| n > 0) {
             let mut rates = Vec::new();
+            let mut off = Offload::default();
             for rep in first..=a.repetitions {
+                off.start(b, rep);
                 let prompt = tokens(np);
                 let mut st = b.new_state(model, np, kv)?;
                 let t = Instant::now();
@@ -139,6 +182,7 @@ fn bench<B: Backend>(
                 if rep > 0 {
                     // The first run warms caches and is not counted, as llama-bench does.
                     rates.push(np as f64 / t.elapsed().as_secs_f64());
+                    off.secs += t.elapsed().as_secs_f64();
                 } else {
                     b.take_report()?;
                 }
@@ -150,6 +194,7 @@ fn bench<B: Backend>(
                 format!("pp{np}")
             };
             row(name.clone(), &rates);
+            off.print(b, &name);
             if let Some(r) = report {
                 println!(
                     "\nkernel time, {name}, {} timed runs:\n\n{r}",
@@ -160,7 +205,9 @@ fn bench<B: Backend>(
     }
     for &ng in a.n_gen.iter().filter(|&&n| n > 0) {
         let mut rates = Vec::new();
+        let mut off = Offload::default();
         for rep in first..=a.repetitions {
+            off.start(b, rep);
             let toks = tokens(ng);
             let mut st = b.new_state(model, ng, kv)?;
             let t = Instant::now();
@@ -169,11 +216,13 @@ fn bench<B: Backend>(
             }
             if rep > 0 {
                 rates.push(ng as f64 / t.elapsed().as_secs_f64());
+                off.secs += t.elapsed().as_secs_f64();
             } else {
                 b.take_report()?;
             }
         }
         row(format!("tg{ng}"), &rates);
+        off.print(b, &format!("tg{ng}"));
         if let Some(r) = b.take_report()? {
             println!(
                 "\nkernel time, tg{ng}, {} timed runs:\n\n{r}",

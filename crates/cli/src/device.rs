@@ -7,41 +7,76 @@ use anyhow::{Result, bail};
 pub(crate) enum Device {
     /// The CPU backend.
     Cpu,
-    /// CUDA device N.
-    Cuda(usize),
+    /// CUDA device N, with a VRAM budget for tier mode.
+    Cuda(usize, Option<u64>),
 }
 
 impl Device {
-    /// `cpu`, `cuda` (device 0) or `cuda:N`.
-    pub(crate) fn parse(s: &str) -> Result<Device> {
+    /// `cpu`, `cuda` (device 0) or `cuda:N`, and `--vram-budget` (CUDA only).
+    pub(crate) fn parse(s: &str, vram_budget: Option<&str>) -> Result<Device> {
         let s = s.trim().to_ascii_lowercase();
-        if s == "cpu" {
+        let budget = match vram_budget {
+            None => None,
+            Some(b) => Some(
+                samesum_cuda::tier::parse_bytes(b)
+                    .map_err(|e| anyhow::anyhow!("--vram-budget {e}"))?,
+            ),
+        };
+        let ordinal = if s == "cpu" {
+            if budget.is_some() {
+                bail!("--vram-budget applies to --device cuda, not the CPU");
+            }
             return Ok(Device::Cpu);
-        }
-        if s == "cuda" || s == "gpu" {
-            return Ok(Device::Cuda(0));
-        }
-        if let Some(n) = s.strip_prefix("cuda:") {
-            return match n.parse() {
-                Ok(i) => Ok(Device::Cuda(i)),
+        } else if s == "cuda" || s == "gpu" {
+            0
+        } else if let Some(n) = s.strip_prefix("cuda:") {
+            match n.parse() {
+                Ok(i) => i,
                 Err(_) => bail!("--device {s:?}: expected cuda:N with N a device number"),
-            };
-        }
-        bail!("--device {s:?} is not supported (cpu, cuda, cuda:N)")
+            }
+        } else {
+            bail!("--device {s:?} is not supported (cpu, cuda, cuda:N)")
+        };
+        Ok(Device::Cuda(ordinal, budget))
     }
 }
 
 /// Open the CUDA backend for `model` on device `n`, uploading its weights with a
 /// progress bar; errors say what is missing (driver, NVRTC, device, memory).
-pub(crate) fn cuda(n: usize, model: &samesum_engine::Model) -> Result<samesum_cuda::Cuda> {
+pub(crate) fn cuda(
+    n: usize,
+    budget: Option<u64>,
+    model: &samesum_engine::Model,
+) -> Result<samesum_cuda::Cuda> {
     let t = std::time::Instant::now();
-    let c = samesum_cuda::Cuda::new(n, model, true)?;
-    eprintln!(
-        "{}: {:.2} GiB of weights resident in {:.2}s",
-        samesum_engine::Backend::name(&c),
-        c.resident_bytes() as f64 / (1u64 << 30) as f64,
-        t.elapsed().as_secs_f64()
-    );
+    let opts = samesum_cuda::CudaOptions {
+        vram_budget: budget,
+    };
+    let c = samesum_cuda::Cuda::with_options(n, model, true, opts)?;
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    match c.tier_stats() {
+        None => eprintln!(
+            "{}: {:.2} GiB of weights resident in {:.2}s",
+            samesum_engine::Backend::name(&c),
+            gib(c.resident_bytes() as u64),
+            t.elapsed().as_secs_f64()
+        ),
+        Some((plan, _, pinned)) => eprintln!(
+            "{}: tier mode, {:.2} GiB in VRAM (trunk {:.2} GiB, {} expert slots per layer, two staging buffers of {:.2} GiB), {:.2} GiB of experts in {} host memory, in {:.2}s",
+            samesum_engine::Backend::name(&c),
+            gib(c.resident_bytes() as u64),
+            gib(plan.sizes.trunk),
+            plan.slots,
+            gib(plan.sizes.layer_experts()),
+            gib(plan.sizes.layer_experts() * plan.sizes.layers as u64),
+            if pinned {
+                "page-locked"
+            } else {
+                "partly pageable"
+            },
+            t.elapsed().as_secs_f64()
+        ),
+    }
     Ok(c)
 }
 
@@ -53,8 +88,8 @@ macro_rules! with_backend {
                 let $b = &samesum_engine::cpu::Cpu::new($threads);
                 $body
             }
-            $crate::device::Device::Cuda(n) => {
-                let $b = &$crate::device::cuda(n, $model)?;
+            $crate::device::Device::Cuda(n, budget) => {
+                let $b = &$crate::device::cuda(n, budget, $model)?;
                 $body
             }
         }
@@ -68,10 +103,20 @@ mod tests {
 
     #[test]
     fn parses_devices() {
-        assert_eq!(Device::parse("cpu").unwrap(), Device::Cpu);
-        assert_eq!(Device::parse("cuda").unwrap(), Device::Cuda(0));
-        assert_eq!(Device::parse("CUDA:3").unwrap(), Device::Cuda(3));
-        assert!(Device::parse("cuda:x").is_err());
-        assert!(Device::parse("tpu").is_err());
+        assert_eq!(Device::parse("cpu", None).unwrap(), Device::Cpu);
+        assert_eq!(Device::parse("cuda", None).unwrap(), Device::Cuda(0, None));
+        assert_eq!(
+            Device::parse("CUDA:3", None).unwrap(),
+            Device::Cuda(3, None)
+        );
+        assert_eq!(
+            Device::parse("cuda", Some("24G")).unwrap(),
+            Device::Cuda(0, Some(24 << 30))
+        );
+        assert!(Device::parse("cuda:x", None).is_err());
+        assert!(Device::parse("tpu", None).is_err());
+        assert!(Device::parse("cuda", Some("lots")).is_err());
+        let e = Device::parse("cpu", Some("24G")).unwrap_err().to_string();
+        assert!(e.contains("--vram-budget"), "{e}");
     }
 }

@@ -45,6 +45,11 @@ pub(crate) struct Args {
     /// Backend: cpu, cuda or cuda:N (threads apply to the CPU only).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Tier mode within this VRAM budget (e.g. 24G): routed experts in host
+    /// memory, a VRAM cache of them for decode, staged layers for prefill.
+    /// Without it, tier mode starts by itself when the model does not fit.
+    #[arg(long, value_name = "BYTES")]
+    vram_budget: Option<String>,
     /// Run a deliberately reordered batched MoE (top-k summed in reverse) to show
     /// that the gate catches it; the command must then fail.
     #[arg(long, hide = true)]
@@ -88,7 +93,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     if a.chunk.contains(&0) {
         bail!("--chunk sizes must be at least 1");
     }
-    let dev = Device::parse(&a.device)?;
+    let dev = Device::parse(&a.device, a.vram_budget.as_deref())?;
     if a.negative_control && dev != Device::Cpu {
         bail!("--negative-control runs on the CPU backend only");
     }
@@ -144,8 +149,8 @@ pub(crate) fn run(a: Args) -> Result<()> {
             }
             a.threads.len()
         }
-        Device::Cuda(n) => {
-            let cuda = crate::device::cuda(n, &model)?;
+        Device::Cuda(n, budget) => {
+            let cuda = crate::device::cuda(n, budget, &model)?;
             let (f, v) = gate(&cuda, &cuda, "gpu", &model, &prompts, &a, kv)?;
             failed += f;
             void += v;

@@ -79,6 +79,11 @@ pub(crate) struct Args {
     /// Backend: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Tier mode within this VRAM budget (e.g. 24G): routed experts in host
+    /// memory, a VRAM cache of them for decode, staged layers for prefill.
+    /// Without it, tier mode starts by itself when the model does not fit.
+    #[arg(long, value_name = "BYTES")]
+    vram_budget: Option<String>,
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
@@ -104,7 +109,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         ),
     )?;
     let t_load = Instant::now();
-    let dev = Device::parse(&a.device)?;
+    let dev = Device::parse(&a.device, a.vram_budget.as_deref())?;
     let model = load_with_progress(&path)?;
     let tok = Tokenizer::from_metadata(model.file.metadata())?;
     eprintln!(

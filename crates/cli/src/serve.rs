@@ -20,6 +20,11 @@ pub(crate) struct Args {
     /// Backend: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Tier mode within this VRAM budget (e.g. 24G): routed experts in host
+    /// memory, a VRAM cache of them for decode, staged layers for prefill.
+    /// Without it, tier mode starts by itself when the model does not fit.
+    #[arg(long, value_name = "BYTES")]
+    vram_budget: Option<String>,
     /// CPU worker threads (0: all cores).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
@@ -49,9 +54,9 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "f16" => KvType::F16,
         other => bail!("--kv-type {other:?} is not supported (f32, f16)"),
     };
-    let device = match Device::parse(&a.device)? {
+    let device = match Device::parse(&a.device, a.vram_budget.as_deref())? {
         Device::Cpu => samesum_server::Device::Cpu(a.threads),
-        Device::Cuda(n) => samesum_server::Device::Cuda(n),
+        Device::Cuda(n, budget) => samesum_server::Device::Cuda(n, budget),
     };
     let _ = tracing_subscriber::fmt()
         .with_env_filter(

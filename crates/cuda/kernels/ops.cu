@@ -655,3 +655,13 @@ extern "C" __global__ void moe_combine(const float* out, const int* slot, const 
     if (shared) acc = acc + sigmoid(gi[r]) * ys[i];
     y[i] = acc;
 }
+
+// Tier mode's decode cache: each placed row's expert id through the layer's
+// slot table (expert -> slot), so the expert matmuls read a slot pool with
+// the same per-row matrix addressing as the resident weights. -1 stays -1.
+extern "C" __global__ void remap_ids(const int* ids, const int* table, int* out, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int e = ids[i];
+    out[i] = e < 0 ? -1 : table[e];
+}

@@ -6,8 +6,10 @@
 //! Decode and prefill run the same launches with a different row count; every
 //! kernel's per-row arithmetic is independent of it (see `kernels/*.cu`).
 
-use crate::device::{Device, cfg, cfg1, drv, launch};
+use crate::device::{Device, addr, cfg, cfg1, drv, launch, upload_bar};
 use crate::error::{CudaError, Result};
+use crate::tier::{RESERVE, TierSizes, plan as tier_plan};
+use crate::tiered::{Tier, TierStats};
 use cudarc::driver::CudaSlice;
 use samesum_engine::backend::{Backend, Norm};
 use samesum_engine::model::Matrix;
@@ -46,6 +48,20 @@ pub struct Cuda {
     /// Wide Q4_K/Q5_K calls on the tensor-core kernels (default); off with
     /// `SAMESUM_CUDA_TC=0` (the dp4a kernels, same bytes) for comparisons.
     tensor_cores: bool,
+    /// Tier mode: each trunk matrix's device address by its file offset
+    /// (`file` then holds the trunk packed); empty in resident mode.
+    trunk: HashMap<usize, u64>,
+    /// Tier mode's expert store, cache and staging.
+    tier: Option<Tier>,
+}
+
+/// How to place a model on the device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Tier mode within this many bytes of VRAM (`--vram-budget`); without
+    /// it, resident mode when the model fits and tier mode with the free
+    /// memory as the budget when it does not.
+    pub vram_budget: Option<u64>,
 }
 
 /// The input rows of one or more matmuls and their quantized forms, made on
@@ -177,10 +193,23 @@ fn vectors(model: &Model) -> Vec<&Vec<f32>> {
 }
 
 impl Cuda {
-    /// Open device `ordinal` and upload `model`'s weights (resident mode), with a
-    /// progress bar when `progress` is set. Fails before uploading anything when a
-    /// matrix has no kernel or the weights do not fit.
+    /// Open device `ordinal` and upload `model`'s weights (resident mode, or
+    /// tier mode when they do not fit), with progress bars when `progress`
+    /// is set.
     pub fn new(ordinal: usize, model: &Model, progress: bool) -> Result<Cuda> {
+        Cuda::with_options(ordinal, model, progress, CudaOptions::default())
+    }
+
+    /// [`Cuda::new`] with options. Fails before uploading anything when a
+    /// matrix has no kernel, or when the trunk, the reserve for activations
+    /// and the KV cache, the staging buffers and one token's experts do not
+    /// fit the budget (the error names each size).
+    pub fn with_options(
+        ordinal: usize,
+        model: &Model,
+        progress: bool,
+        opts: CudaOptions,
+    ) -> Result<Cuda> {
         for m in matrices(model) {
             if !FORMATS.contains(&m.ty) && !std::ptr::eq(m, &model.w.token_embd) {
                 return Err(CudaError::Unsupported {
@@ -203,27 +232,118 @@ impl Cuda {
         let vec_bytes: usize = vectors(model).iter().map(|v| v.len() * 4).sum();
         let need = (bytes.len() + vec_bytes) as u64;
         let (free, total) = dev.ctx.mem_get_info().map_err(|e| drv("cuMemGetInfo", e))?;
-        // Leave room for activations, scratch and the KV cache.
-        if need + (1 << 30) > free as u64 {
-            return Err(CudaError::DoesNotFit {
-                device: dev.name.clone(),
-                need_mib: need >> 20,
-                free_mib: (free as u64) >> 20,
-                total_mib: (total as u64) >> 20,
-            });
-        }
-        let mut file = dev.scratch::<u8>(bytes.len())?;
-        let bar = if progress {
-            indicatif::ProgressBar::new(bytes.len() as u64)
-        } else {
-            indicatif::ProgressBar::hidden()
+        let (free, total) = (free as u64, total as u64);
+        let budget = match opts.vram_budget {
+            Some(b) if b > free => {
+                return Err(CudaError::Driver {
+                    op: "--vram-budget".into(),
+                    msg: format!(
+                        "{} MiB asked for, but {} has {} MiB free of {} MiB",
+                        b >> 20,
+                        dev.name,
+                        free >> 20,
+                        total >> 20
+                    ),
+                });
+            }
+            Some(b) => Some(b),
+            None if need + RESERVE > free => Some(free),
+            None => None,
         };
-        bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "uploading weights {bar:40} {bytes}/{total_bytes} {bytes_per_sec}",
-            )
-            .expect("valid template"),
-        );
+        let Some(budget) = budget else {
+            return Cuda::resident(dev, model, progress);
+        };
+        let plan = tier_plan(TierSizes::of(model), budget, RESERVE)?;
+        if opts.vram_budget.is_none() && progress {
+            eprintln!(
+                "the model ({} MiB) does not fit in {} MiB of free VRAM: tier mode, {} expert slots per layer",
+                need >> 20,
+                free >> 20,
+                plan.slots
+            );
+        }
+        // The trunk: every matrix but the routed experts, packed; the token
+        // embedding stays on the host (the embedding is dequantized there)
+        // unless the head shares it.
+        let routed: std::collections::HashSet<usize> = model
+            .w
+            .layers
+            .iter()
+            .flat_map(|l| [l.moe.gate.offset, l.moe.up.offset, l.moe.down.offset])
+            .collect();
+        let mut trunk_mats: Vec<&Matrix> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for m in matrices(model) {
+            let embd_only = std::ptr::eq(m, &model.w.token_embd);
+            if routed.contains(&m.offset) || embd_only || !seen.insert(m.offset) {
+                continue;
+            }
+            trunk_mats.push(m);
+        }
+        let size = |m: &Matrix| (m.rows * m.row_bytes * m.n_mats).next_multiple_of(256);
+        let trunk_bytes: usize = trunk_mats.iter().map(|m| size(m)).sum();
+        let mut file = dev.scratch::<u8>(trunk_bytes)?;
+        let file_ptr = addr(&dev, &file);
+        let bar = upload_bar(progress, trunk_bytes as u64, "trunk to VRAM");
+        let mut trunk = HashMap::new();
+        let mut at = 0usize;
+        for m in trunk_mats {
+            let len = m.rows * m.row_bytes * m.n_mats;
+            let src = bytes
+                .get(m.offset..m.offset + len)
+                .ok_or_else(|| CudaError::Driver {
+                    op: "upload weights".into(),
+                    msg: format!(
+                        "{}: {len} bytes at offset {} run past the file ({} bytes)",
+                        m.name,
+                        m.offset,
+                        bytes.len()
+                    ),
+                })?;
+            let mut dst = file.slice_mut(at..at + len);
+            dev.stream
+                .memcpy_htod(src, &mut dst)
+                .map_err(|e| drv(format!("upload {}", m.name), e))?;
+            trunk.insert(m.offset, file_ptr + at as u64);
+            at += size(m);
+            bar.set_position(at as u64);
+        }
+        dev.sync()?;
+        bar.finish_and_clear();
+        let tier = Tier::new(&dev, model, plan, progress)?;
+        Cuda::assemble(dev, model, file, trunk, Some(tier))
+    }
+
+    /// The backend around uploaded matrices: the f32 vectors uploaded beside
+    /// them, the caches empty.
+    fn assemble(
+        dev: Device,
+        model: &Model,
+        file: CudaSlice<u8>,
+        trunk: HashMap<usize, u64>,
+        tier: Option<Tier>,
+    ) -> Result<Cuda> {
+        let mut vecs = HashMap::new();
+        for v in vectors(model) {
+            vecs.insert((v.as_ptr() as usize, v.len()), dev.upload(v)?);
+        }
+        Ok(Cuda {
+            file_ptr: addr(&dev, &file),
+            dev,
+            file,
+            vecs,
+            maps: Mutex::new(HashMap::new()),
+            tensor_cores: std::env::var("SAMESUM_CUDA_TC").as_deref() != Ok("0"),
+            trunk,
+            tier,
+        })
+    }
+
+    /// Resident mode: the whole file on the device.
+    fn resident(dev: Device, model: &Model, progress: bool) -> Result<Cuda> {
+        let bytes = model.bytes();
+        let mut file = dev.scratch::<u8>(bytes.len())?;
+        let bar = upload_bar(progress, bytes.len() as u64, "uploading weights");
         const PIECE: usize = 64 << 20;
         let mut at = 0;
         while at < bytes.len() {
@@ -237,23 +357,29 @@ impl Cuda {
         }
         dev.sync()?;
         bar.finish_and_clear();
-        let mut vecs = HashMap::new();
-        for v in vectors(model) {
-            vecs.insert((v.as_ptr() as usize, v.len()), dev.upload(v)?);
+        Cuda::assemble(dev, model, file, HashMap::new(), None)
+    }
+
+    /// Tier mode's plan and counters (`None` in resident mode).
+    pub fn tier_stats(&self) -> Option<(crate::tier::TierPlan, TierStats, bool)> {
+        self.tier.as_ref().map(|t| (t.plan, t.stats(), t.pinned))
+    }
+
+    /// A matrix's device address.
+    fn wptr(&self, w: &Matrix) -> Result<u64> {
+        if self.tier.is_none() {
+            return Ok(self.file_ptr + w.offset as u64);
         }
-        let file_ptr = {
-            use cudarc::driver::DevicePtr;
-            let (p, _sync) = file.device_ptr(&dev.stream);
-            p
-        };
-        Ok(Cuda {
-            dev,
-            file,
-            file_ptr,
-            vecs,
-            maps: Mutex::new(HashMap::new()),
-            tensor_cores: std::env::var("SAMESUM_CUDA_TC").as_deref() != Ok("0"),
-        })
+        self.trunk
+            .get(&w.offset)
+            .copied()
+            .ok_or_else(|| CudaError::Driver {
+                op: "matmul".into(),
+                msg: format!(
+                    "{} is not in VRAM (a routed expert stack in tier mode)",
+                    w.name
+                ),
+            })
     }
 
     /// The device.
@@ -261,9 +387,12 @@ impl Cuda {
         &self.dev
     }
 
-    /// Bytes of weights resident on the device.
+    /// Bytes of weights on the device (in tier mode: the trunk, the expert
+    /// cache and the staging buffers).
     pub fn resident_bytes(&self) -> usize {
-        self.file.len() + self.vecs.values().map(|v| v.len() * 4).sum::<usize>()
+        self.file.len()
+            + self.vecs.values().map(|v| v.len() * 4).sum::<usize>()
+            + self.tier.as_ref().map_or(0, |t| t.vram_bytes())
     }
 
     fn vec(&self, v: &[f32]) -> Result<&CudaSlice<f32>> {
@@ -306,7 +435,15 @@ impl Cuda {
             None => None,
         };
         let mut y = self.dev.upload(&vec![f32::NAN; m * w.rows])?;
-        self.matmul_on(w, &Input::new(&xd, m), md.as_ref(), &mut y, tensor_cores)?;
+        let base = self.wptr(w)?;
+        self.matmul_on(
+            w,
+            base,
+            &Input::new(&xd, m),
+            md.as_ref(),
+            &mut y,
+            tensor_cores,
+        )?;
         self.dev.download(&y, m * w.rows)
     }
 
@@ -320,7 +457,14 @@ impl Cuda {
         mats: Option<&CudaSlice<i32>>,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        self.matmul_on(w, &Input::new(x, m), mats, y, self.tensor_cores)
+        self.matmul_on(
+            w,
+            self.wptr(w)?,
+            &Input::new(x, m),
+            mats,
+            y,
+            self.tensor_cores,
+        )
     }
 
     /// [`Self::matmul`] on a shared input (quantized once for all its matmuls).
@@ -331,12 +475,14 @@ impl Cuda {
         mats: Option<&CudaSlice<i32>>,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        self.matmul_on(w, x, mats, y, self.tensor_cores)
+        self.matmul_on(w, self.wptr(w)?, x, mats, y, self.tensor_cores)
     }
 
+    /// A matmul reading `w`'s stacked matrices at device address `base`.
     fn matmul_on(
         &self,
         w: &Matrix,
+        base: u64,
         input: &Input,
         mats: Option<&CudaSlice<i32>>,
         y: &mut CudaSlice<f32>,
@@ -359,7 +505,7 @@ impl Cuda {
             return Ok(());
         }
         let d = &self.dev;
-        let wptr = self.file_ptr + w.offset as u64;
+        let wptr = base;
         let stride = (w.rows * w.row_bytes) as i64;
         let row_bytes = w.row_bytes as i32;
         let mats_ptr: u64 = match mats {
@@ -937,15 +1083,58 @@ impl Cuda {
             &dmi,
             &capi
         )?;
+        // Where the experts' weights are read: the resident file, or in tier
+        // mode the decode cache's slot pools (rows remapped from expert ids
+        // to slots) or a staged copy of the layer (expert ids as they are).
+        // Either way every row reads the same bytes.
+        let mut remapped = None;
+        let mut staged = None;
+        let layer = model.w.layers.iter().position(|l| std::ptr::eq(&l.moe, mw));
+        let bases = match (&self.tier, layer) {
+            (Some(t), Some(l)) if t.uses_cache(m, k) => {
+                // The one read-back per layer: the step's expert ids.
+                let ids_h = d.download(&ids, n)?;
+                let (table, bases) = t.fetch(d, model, l, &ids_h)?;
+                let table = d.upload(&table)?;
+                let mut mats = d.scratch::<i32>(cap)?;
+                launch!(
+                    d,
+                    "remap_ids",
+                    cfg1(cap),
+                    &placed_mat,
+                    &table,
+                    &mut mats,
+                    &capi
+                )?;
+                remapped = Some(mats);
+                bases
+            }
+            (Some(t), Some(l)) => {
+                let (b, bases) = t.stage(d, model, l)?;
+                staged = Some((t, b, l));
+                bases
+            }
+            _ => [
+                self.wptr(&mw.gate)?,
+                self.wptr(&mw.up)?,
+                self.wptr(&mw.down)?,
+            ],
+        };
+        let mats = remapped.as_ref().unwrap_or(&placed_mat);
         let mut ge = d.scratch::<f32>(cap * f)?;
         let mut ue = d.scratch::<f32>(cap * f)?;
         let xein = Input::new(&xe, cap);
-        self.mm(&mw.gate, &xein, Some(&placed_mat), &mut ge)?;
-        self.mm(&mw.up, &xein, Some(&placed_mat), &mut ue)?;
+        let tc = self.tensor_cores;
+        self.matmul_on(&mw.gate, bases[0], &xein, Some(mats), &mut ge, tc)?;
+        self.matmul_on(&mw.up, bases[1], &xein, Some(mats), &mut ue, tc)?;
         let nf = (cap * f) as i64;
         launch!(d, "silu_mul", cfg1(cap * f), &mut ge, &ue, &nf)?;
         let mut oe = d.scratch::<f32>(cap * dm)?;
-        self.matmul(&mw.down, &ge, cap, Some(&placed_mat), &mut oe)?;
+        let gin = Input::new(&ge, cap);
+        self.matmul_on(&mw.down, bases[2], &gin, Some(mats), &mut oe, tc)?;
+        if let Some((t, b, l)) = staged {
+            t.staged_read(d, model, b, l)?;
+        }
         // Shared expert.
         let mut ys = d.scratch::<f32>(if mw.shared.is_some() { m * dm } else { 1 })?;
         let mut gi = d.scratch::<f32>(m.max(1))?;
@@ -1175,6 +1364,18 @@ impl Backend for Cuda {
 
     fn moe(&self, model: &Model, mw: &MoeW, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>) -> R<()> {
         self.moe_rows(model, mw, x, y).map_err(e)
+    }
+
+    fn offload_counters(&self) -> Option<samesum_engine::backend::OffloadCounters> {
+        self.tier.as_ref().map(|t| {
+            let s = t.stats();
+            samesum_engine::backend::OffloadCounters {
+                hits: s.hits,
+                misses: s.misses,
+                fetched_bytes: s.fetched_bytes,
+                staged_bytes: s.staged_bytes,
+            }
+        })
     }
 
     fn take_report(&self) -> R<Option<String>> {

@@ -45,6 +45,28 @@ pub struct Device {
     prof: Option<Mutex<Vec<Timed>>>,
 }
 
+/// A byte progress bar (hidden unless `show`).
+pub(crate) fn upload_bar(show: bool, total: u64, what: &str) -> indicatif::ProgressBar {
+    let bar = if show {
+        indicatif::ProgressBar::new(total)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(&format!(
+            "{what} {{bar:40}} {{bytes}}/{{total_bytes}} {{bytes_per_sec}}"
+        ))
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+/// A buffer's device address.
+pub(crate) fn addr<T>(dev: &Device, s: &CudaSlice<T>) -> u64 {
+    use cudarc::driver::DevicePtr;
+    s.device_ptr(&dev.stream).0
+}
+
 pub(crate) fn drv(op: impl Into<String>, e: impl std::fmt::Debug) -> CudaError {
     CudaError::Driver {
         op: op.into(),
@@ -261,6 +283,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "plan_scan",
             "plan_place",
             "moe_combine",
+            "remap_ids",
         ],
         _ => &[],
     }

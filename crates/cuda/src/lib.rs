@@ -10,7 +10,9 @@ pub mod compile;
 pub mod device;
 mod error;
 pub mod tier;
+mod tiered;
 
-pub use backend::{Cuda, CudaState};
+pub use backend::{Cuda, CudaOptions, CudaState};
 pub use device::{device_count, driver_present};
 pub use error::{CudaError, Result};
+pub use tiered::TierStats;

@@ -14,6 +14,9 @@ use crate::{CudaError, Result};
 use samesum_engine::Model;
 use samesum_engine::model::weights::Matrix;
 
+/// VRAM a tier plan keeps free for the KV cache, activations and scratch.
+pub const RESERVE: u64 = 1 << 30;
+
 /// Bytes of one matrix (all its stacked matrices).
 fn matrix_bytes(m: &Matrix) -> u64 {
     (m.rows * m.row_bytes * m.n_mats) as u64

@@ -4,7 +4,8 @@
 //! and the Hugging Face fixtures. Every test skips where no CUDA device is
 //! present, unless `SAMESUM_REQUIRE_GPU=1` (the GPU script sets it).
 
-use samesum_cuda::Cuda;
+use samesum_cuda::tier::{RESERVE, TierSizes};
+use samesum_cuda::{Cuda, CudaError, CudaOptions};
 use samesum_engine::backend::{Backend, Norm};
 use samesum_engine::conformance::{block_ops_match, forward_rows_match};
 use samesum_engine::cpu::Cpu;
@@ -308,5 +309,81 @@ fn hugging_face_fixtures_on_the_gpu() {
         assert_eq!(off, reference.len());
         eprintln!("{name}: max|diff|/max|ref| = {worst:.2e} (bar 1e-4)");
         assert!(worst <= 1e-4, "{name}: {worst:.3e} > 1e-4");
+    }
+}
+
+/// Every position's logits of `tokens` fed in chunks of `chunk`.
+fn all_logits<B: Backend>(b: &B, model: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
+    let mut st = b.new_state(model, tokens.len(), KvType::F32).unwrap();
+    let mut out = Vec::new();
+    for c in tokens.chunks(chunk) {
+        out.extend(forward(model, b, &mut st, c, Logits::All).unwrap());
+    }
+    out
+}
+
+/// Tier mode (routed experts in host memory, a decode cache of two slots
+/// more than a token needs, so replay evicts; prefill from staged layers)
+/// against resident mode on the same file: the same logits bytes at every
+/// position, replayed and batched; and a budget that cannot hold the trunk is
+/// refused with the sizes named.
+#[test]
+fn tier_mode_equals_resident_mode() {
+    if !gpu() {
+        return;
+    }
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 12);
+        let sizes = TierSizes::of(&model);
+        let per_slot = sizes.expert * sizes.layers as u64;
+        let slots = (sizes.used + 2).min(sizes.experts);
+        let budget = sizes.trunk + RESERVE + 2 * sizes.layer_experts() + per_slot * slots as u64;
+        let opts = CudaOptions {
+            vram_budget: Some(budget),
+        };
+        let tier = Cuda::with_options(0, &model, false, opts).unwrap();
+        let (plan, _, _) = tier.tier_stats().unwrap();
+        assert_eq!(plan.slots, slots, "{shape}");
+        let resident = Cuda::new(0, &model, false).unwrap();
+        assert!(resident.tier_stats().is_none());
+        let mut rng = Rng::new(21);
+        let toks: Vec<u32> = (0..200)
+            .map(|_| rng.below(model.w.n_vocab as u64) as u32)
+            .collect();
+        for chunk in [1, 64] {
+            let want = all_logits(&resident, &model, &toks, chunk);
+            let got = all_logits(&tier, &model, &toks, chunk);
+            assert_eq!(want.len(), got.len());
+            if let Some(i) = want
+                .iter()
+                .zip(&got)
+                .position(|(a, b)| a.to_bits() != b.to_bits())
+            {
+                panic!(
+                    "{shape} chunk {chunk}: tier mode differs from resident mode at position {}",
+                    i / model.w.n_vocab
+                );
+            }
+        }
+        let (_, st, _) = tier.tier_stats().unwrap();
+        assert!(st.hits > 0 && st.misses > 0, "{shape}: {st:?}");
+        assert!(st.staged_layers > 0, "{shape}: {st:?}");
+        if let Err(dv) = forward_rows_match(&tier, &model, &toks, 64) {
+            panic!("{shape} tier mode: batched differs from replay: {dv:?}");
+        }
+        eprintln!(
+            "{shape}: tier mode ({slots} slots) == resident, chunks 1 and 64; {} hits, {} misses, {} layers staged",
+            st.hits, st.misses, st.staged_layers
+        );
+        let small = CudaOptions {
+            vram_budget: Some(sizes.trunk / 2),
+        };
+        match Cuda::with_options(0, &model, false, small) {
+            Err(e @ CudaError::Budget { .. }) => {
+                assert!(e.to_string().contains("trunk needs"), "{e}")
+            }
+            Err(e) => panic!("{shape}: a tiny budget gave another error: {e}"),
+            Ok(_) => panic!("{shape}: a budget of half the trunk was accepted"),
+        }
     }
 }

@@ -30,6 +30,41 @@ pub enum Norm {
     Output,
 }
 
+/// Cumulative counters of weights brought to the device on demand.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OffloadCounters {
+    /// Decode-cache lookups that found the expert on the device.
+    pub hits: u64,
+    /// Decode-cache lookups that copied the expert in.
+    pub misses: u64,
+    /// Bytes copied into the decode cache.
+    pub fetched_bytes: u64,
+    /// Bytes copied into the prefill staging buffers.
+    pub staged_bytes: u64,
+}
+
+impl OffloadCounters {
+    /// The counts since `earlier`.
+    pub fn since(&self, earlier: &OffloadCounters) -> OffloadCounters {
+        OffloadCounters {
+            hits: self.hits - earlier.hits,
+            misses: self.misses - earlier.misses,
+            fetched_bytes: self.fetched_bytes - earlier.fetched_bytes,
+            staged_bytes: self.staged_bytes - earlier.staged_bytes,
+        }
+    }
+
+    /// Hits over lookups (0 without lookups).
+    pub fn hit_rate(&self) -> f64 {
+        let n = self.hits + self.misses;
+        if n == 0 {
+            0.0
+        } else {
+            self.hits as f64 / n as f64
+        }
+    }
+}
+
 /// A compute backend.
 pub trait Backend: Sync {
     /// Row-major f32 rows on the backend's device.
@@ -105,6 +140,11 @@ pub trait Backend: Sync {
     /// table on the GPU when profiling is on), as Markdown; `None` if it has none.
     fn take_report(&self) -> Result<Option<String>> {
         Ok(None)
+    }
+    /// Counters of a backend that keeps some weights off the device (the
+    /// CUDA backend's tier mode); `None` for one that keeps them all resident.
+    fn offload_counters(&self) -> Option<OffloadCounters> {
+        None
     }
     /// Final norm and LM head for `rows` of `h`, to host logits.
     fn logits(&self, model: &Model, h: &Self::Buf, rows: &[usize]) -> Result<Vec<f32>>;

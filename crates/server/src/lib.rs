@@ -22,8 +22,9 @@ use std::sync::atomic::AtomicU64;
 pub enum Device {
     /// The CPU backend with this many threads (0: all cores).
     Cpu(usize),
-    /// CUDA device N.
-    Cuda(usize),
+    /// CUDA device N, with a VRAM budget for tier mode (`None`: resident
+    /// when the model fits, tier mode by itself when it does not).
+    Cuda(usize, Option<u64>),
 }
 
 /// Server settings.
@@ -106,7 +107,14 @@ pub async fn serve(
                     let _ = ready_tx.send(Ok(b.name()));
                     scheduler::run(&model, &tok2, &b, rx, &cfg, &m2);
                 }
-                Device::Cuda(n) => match samesum_cuda::Cuda::new(n, &model, true) {
+                Device::Cuda(n, budget) => match samesum_cuda::Cuda::with_options(
+                    n,
+                    &model,
+                    true,
+                    samesum_cuda::CudaOptions {
+                        vram_budget: budget,
+                    },
+                ) {
                     Ok(b) => {
                         let _ = ready_tx.send(Ok(b.name()));
                         scheduler::run(&model, &tok2, &b, rx, &cfg, &m2);

@@ -97,6 +97,10 @@ pub struct Metrics {
     pub max_step_requests: Gauge,
     /// Prompt tokens of running requests not prefilled yet (prefill progress).
     pub prefill_pending: Gauge,
+    /// Tier mode's decode cache: lookups that found the expert in VRAM.
+    pub expert_cache_hits: Gauge,
+    /// Tier mode's decode cache: lookups that copied the expert in.
+    pub expert_cache_misses: Gauge,
 }
 
 impl Metrics {
@@ -203,6 +207,18 @@ impl Metrics {
             "gauge",
             "The most requests one forward call has carried.",
             self.max_step_requests.get().to_string(),
+        );
+        put(
+            "expert_cache_hits_total",
+            "counter",
+            "Tier mode: decode expert lookups served from VRAM (0 in resident mode).",
+            self.expert_cache_hits.get().to_string(),
+        );
+        put(
+            "expert_cache_misses_total",
+            "counter",
+            "Tier mode: decode expert lookups copied from host memory (0 in resident mode).",
+            self.expert_cache_misses.get().to_string(),
         );
         s
     }

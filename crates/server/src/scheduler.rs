@@ -386,6 +386,10 @@ pub fn run<B: Backend>(
             forward_batch(model, b, &mut segs)
         };
         let dt = t0.elapsed().as_secs_f64();
+        if let Some(c) = b.offload_counters() {
+            m.expert_cache_hits.set(c.hits);
+            m.expert_cache_misses.set(c.misses);
+        }
         let decode_rows = plan.len()
             - plan
                 .iter()
