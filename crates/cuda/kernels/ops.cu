@@ -59,8 +59,12 @@ extern "C" __global__ void gather_rows(const float* src, const int* rows, float*
     dst[i] = s < 0 ? 0.0f : src[(i64)s * width + c];
 }
 
+// The sequence position (`pos0` of the kernels below) is read from device
+// memory, so a recorded decode step (a CUDA graph) replays at any position.
+
 // NeoX RoPE on the first n_rot dims of each head of `m` rows at pos0 + r.
-extern "C" __global__ void rope(float* x, int m, int heads, int hd, int n_rot, float theta, int pos0) {
+extern "C" __global__ void rope(float* x, int m, int heads, int hd, int n_rot, float theta, const int* posp) {
+    int pos0 = *posp;
     int half = n_rot / 2;
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (i64)m * heads * half) return;
@@ -78,7 +82,9 @@ extern "C" __global__ void rope(float* x, int m, int heads, int hd, int n_rot, f
 }
 
 // Write m rows of k and v (kvw wide) to the cache at positions pos0.. (f32 or f16).
-extern "C" __global__ void kv_write(const float* k, const float* v, void* ck, void* cv, int pos0, int m, int kvw, int f16) {
+extern "C" __global__ void kv_write(const float* k, const float* v, void* ck, void* cv, const int* posp, int m,
+                                    int kvw, int f16) {
+    int pos0 = *posp;
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)m * kvw) return;
     i64 at = (i64)pos0 * kvw + i;
@@ -158,7 +164,8 @@ __device__ __forceinline__ void tile_values(const void* cv, const float (*st)[AT
 // pacc[(pair, b)] = a_b for pairs with a key in the tile; `nb` tiles per pair.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
-                    int hkv, int hd, int pos0, float scale, int f16, int nb) {
+                    int hkv, int hd, const int* posp, float scale, int f16, int nb) {
+    int pos0 = *posp;
     __shared__ float qs[AP][ATT_HD];
     __shared__ float st[AP][ATT_T];
     __shared__ float smax[AP][ATT_WARPS];
@@ -261,7 +268,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // The tiles of each (row, head) pair folded in tile order (see
 // attention_tiles): a block per pair, a thread per output dim.
 extern "C" __global__ void attention_combine(const float* pml, const float* pacc, float* o, int m, int hq, int hd,
-                                             int pos0, int nb) {
+                                             const int* posp, int nb) {
+    int pos0 = *posp;
     int pair = blockIdx.x, t = threadIdx.x;
     int r = pair / hq;
     int tiles = (pos0 + r + 1 + ATT_T - 1) / ATT_T;

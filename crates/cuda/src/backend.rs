@@ -53,6 +53,9 @@ pub struct Cuda {
     trunk: HashMap<usize, u64>,
     /// Tier mode's expert store, cache and staging.
     tier: Option<Tier>,
+    /// One-token steps recorded as CUDA graphs and replayed (default; off
+    /// with `SAMESUM_CUDA_GRAPHS=0`, the same launches one by one).
+    graphs: bool,
 }
 
 /// How to place a model on the device.
@@ -136,6 +139,25 @@ pub struct CudaState {
     kv: Vec<Option<(CudaSlice<u8>, CudaSlice<u8>)>>,
     f16: bool,
     linear: Vec<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
+    /// The position on the device (the kernels read it there, so a recorded
+    /// step replays at any position) and the value last written to it.
+    pos_dev: CudaSlice<i32>,
+    pos_dev_val: Option<usize>,
+    /// Attention grids sized for the whole context (while recording a step).
+    whole_ctx: bool,
+    /// One-token steps run eagerly so far (the first warms the caches).
+    eager_steps: usize,
+    /// The recorded one-token step and the row buffers it was recorded on.
+    step: Option<Step>,
+}
+
+/// A one-token step recorded as a CUDA graph, on its own row buffers (the
+/// graph has their addresses baked in).
+struct Step {
+    h: CudaSlice<f32>,
+    x: CudaSlice<f32>,
+    y: CudaSlice<f32>,
+    graph: Option<cudarc::driver::CudaGraph>,
 }
 
 fn matrices(model: &Model) -> Vec<&Matrix> {
@@ -334,6 +356,7 @@ impl Cuda {
             vecs,
             maps: Mutex::new(HashMap::new()),
             tensor_cores: std::env::var("SAMESUM_CUDA_TC").as_deref() != Ok("0"),
+            graphs: std::env::var("SAMESUM_CUDA_GRAPHS").as_deref() != Ok("0"),
             trunk,
             tier,
         })
@@ -380,6 +403,13 @@ impl Cuda {
                     w.name
                 ),
             })
+    }
+
+    /// Record one-token steps as CUDA graphs (`true`, the default unless
+    /// `SAMESUM_CUDA_GRAPHS=0`) or launch them one by one, for comparisons.
+    #[doc(hidden)]
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs = on;
     }
 
     /// The device.
@@ -627,6 +657,90 @@ impl Cuda {
         )
     }
 
+    /// Write the state's position to its device copy if it changed.
+    fn sync_pos(&self, st: &mut CudaState) -> Result<()> {
+        if st.pos_dev_val != Some(st.pos) {
+            self.dev
+                .stream
+                .memcpy_htod(&[st.pos as i32], &mut st.pos_dev)
+                .map_err(|x| drv("copy the position", x))?;
+            st.pos_dev_val = Some(st.pos);
+        }
+        Ok(())
+    }
+
+    /// One token on one sequence: the first step runs eagerly (loading
+    /// kernels, uploading column maps), the second is recorded as a CUDA
+    /// graph and launched, later ones launch it. The graph holds the same
+    /// launches with the same arguments (the position comes from the device),
+    /// so it computes the bytes the eager path does.
+    fn graph_step(
+        &self,
+        model: &Model,
+        st: &mut CudaState,
+        token: u32,
+        want: samesum_engine::Logits,
+    ) -> R<Vec<f32>> {
+        let d = model.hp.n_embd;
+        let mut step = match st.step.take() {
+            Some(s) => s,
+            None => Step {
+                h: self.dev.scratch::<f32>(d).map_err(e)?,
+                x: self.dev.scratch::<f32>(d).map_err(e)?,
+                y: self.dev.scratch::<f32>(d).map_err(e)?,
+                graph: None,
+            },
+        };
+        let out = self.run_step(model, st, &mut step, token, want);
+        st.step = Some(step);
+        out
+    }
+
+    fn run_step(
+        &self,
+        model: &Model,
+        st: &mut CudaState,
+        step: &mut Step,
+        token: u32,
+        want: samesum_engine::Logits,
+    ) -> R<Vec<f32>> {
+        use samesum_engine::backend::Backend as _;
+        self.embed(model, &[token], &mut step.h)?;
+        self.sync_pos(st).map_err(e)?;
+        let Step { h, x, y, graph } = step;
+        if let Some(g) = graph {
+            g.launch()
+                .map_err(|x| e(drv("launch the decode graph", x)))?;
+        } else if st.eager_steps == 0 {
+            samesum_engine::layers_one(model, self, st, h, x, y)?;
+            st.eager_steps += 1;
+        } else {
+            let stream = &self.dev.stream;
+            stream
+                .begin_capture(
+                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+                .map_err(|x| e(drv("begin recording the decode step", x)))?;
+            st.whole_ctx = true;
+            let ran = samesum_engine::layers_one(model, self, st, h, x, y);
+            st.whole_ctx = false;
+            // End the capture whatever happened, so the stream works again.
+            let ended = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+            ran?;
+            let g = ended
+                .map_err(|x| e(drv("record the decode step", x)))?
+                .ok_or_else(|| e(drv("record the decode step", "an empty graph")))?;
+            g.launch()
+                .map_err(|x| e(drv("launch the decode graph", x)))?;
+            *graph = Some(g);
+        }
+        st.pos += 1;
+        match want {
+            samesum_engine::Logits::None => Ok(Vec::new()),
+            _ => self.logits(model, h, &[0]),
+        }
+    }
+
     fn attention_rows(
         &self,
         model: &Model,
@@ -671,14 +785,10 @@ impl Cuda {
         self.rms_norm_rows(&q_raw, &a.q_norm, m * hq, hp.eps, &mut q)?;
         let mut kn = d.scratch::<f32>(m * kvw)?;
         self.rms_norm_rows(&k, &a.k_norm, m * hkv, hp.eps, &mut kn)?;
-        let (mi, hqi, hkvi, hdi, nrot, pos0) = (
-            m as i32,
-            hq as i32,
-            hkv as i32,
-            hd as i32,
-            hp.n_rot as i32,
-            st.pos as i32,
-        );
+        self.sync_pos(st)?;
+        let (mi, hqi, hkvi, hdi, nrot) =
+            (m as i32, hq as i32, hkv as i32, hd as i32, hp.n_rot as i32);
+        let pos0 = &st.pos_dev;
         let theta = hp.rope_theta;
         launch!(
             d,
@@ -690,7 +800,7 @@ impl Cuda {
             &hdi,
             &nrot,
             &theta,
-            &pos0
+            pos0
         )?;
         launch!(
             d,
@@ -702,7 +812,7 @@ impl Cuda {
             &hdi,
             &nrot,
             &theta,
-            &pos0
+            pos0
         )?;
         let (ck, cv) = st.kv[l].as_mut().ok_or_else(|| CudaError::Driver {
             op: "attention".into(),
@@ -717,7 +827,7 @@ impl Cuda {
             &v,
             &mut *ck,
             &mut *cv,
-            &pos0,
+            pos0,
             &mi,
             &kvwi,
             &f16
@@ -729,7 +839,13 @@ impl Cuda {
         // One kernel for every m: fixed key tiles of 256 positions, a block
         // per (KV head, row tile, key tile), then the tiles folded in order
         // (ops.cu, attention_tiles).
-        let nb = (st.pos + m).div_ceil(256);
+        // A recorded step covers the whole context (blocks past a row's
+        // position return at once), so its replays serve every position.
+        let nb = if st.whole_ctx {
+            st.ctx.div_ceil(256)
+        } else {
+            (st.pos + m).div_ceil(256)
+        };
         let mut pml = d.scratch::<f32>(m * hq * nb * 2)?;
         let mut pacc = d.scratch::<f32>(m * hq * nb * hd)?;
         let nbi = nb as i32;
@@ -746,7 +862,7 @@ impl Cuda {
             &hqi,
             &hkvi,
             &hdi,
-            &pos0,
+            pos0,
             &scale,
             &f16,
             &nbi
@@ -761,7 +877,7 @@ impl Cuda {
             &mi,
             &hqi,
             &hdi,
-            &pos0,
+            pos0,
             &nbi
         )?;
         if let Some(g) = gate {
@@ -1227,6 +1343,11 @@ impl Backend for Cuda {
             kv: kvs,
             f16,
             linear: lin,
+            pos_dev: self.dev.zeros::<i32>(1).map_err(e)?,
+            pos_dev_val: None,
+            whole_ctx: false,
+            eager_steps: 0,
+            step: None,
         })
     }
 
@@ -1376,6 +1497,19 @@ impl Backend for Cuda {
                 staged_bytes: s.staged_bytes,
             }
         })
+    }
+
+    fn step_one(
+        &self,
+        model: &Model,
+        st: &mut CudaState,
+        token: u32,
+        want: samesum_engine::Logits,
+    ) -> Option<R<Vec<f32>>> {
+        if !self.graphs || self.tier.is_some() || self.dev.profiling() {
+            return None;
+        }
+        Some(self.graph_step(model, st, token, want))
     }
 
     fn take_report(&self) -> R<Option<String>> {

@@ -231,6 +231,11 @@ impl Device {
         Ok(out)
     }
 
+    /// Whether launches are being timed (`SAMESUM_CUDA_PROFILE=1`).
+    pub(crate) fn profiling(&self) -> bool {
+        self.prof.is_some()
+    }
+
     /// Wait for everything queued so far; a kernel fault surfaces here.
     pub fn sync(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| drv("synchronize", e))

@@ -146,6 +146,20 @@ pub trait Backend: Sync {
     fn offload_counters(&self) -> Option<OffloadCounters> {
         None
     }
+    /// One decode step (one sequence, one token, the state's position
+    /// advanced by one) run by the backend itself, e.g. recorded once and
+    /// replayed; `None` leaves it to the generic path. It must compute what
+    /// the generic path computes: embed, [`crate::forward::layers_one`], the
+    /// logits `want` asks for.
+    fn step_one(
+        &self,
+        _model: &Model,
+        _st: &mut Self::State,
+        _token: u32,
+        _want: crate::forward::Logits,
+    ) -> Option<Result<Vec<f32>>> {
+        None
+    }
     /// Final norm and LM head for `rows` of `h`, to host logits.
     fn logits(&self, model: &Model, h: &Self::Buf, rows: &[usize]) -> Result<Vec<f32>>;
 }

@@ -81,34 +81,39 @@ pub fn forward_batch<B: Backend>(
             });
         }
     }
+    if let [seg] = &mut *segs
+        && let [token] = seg.tokens
+        && let Some(r) = b.step_one(model, seg.state, *token, seg.want)
+    {
+        return Ok(vec![r?]);
+    }
     let tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
     let mut h = b.alloc(m * d)?;
     b.embed(model, &tokens, &mut h)?;
     let mut x = b.alloc(m * d)?;
     let mut y = b.alloc(m * d)?;
-    let single = segs.len() == 1;
-    for (l, lw) in model.w.layers.iter().enumerate() {
-        b.rms_norm(model, Norm::Attn(l), &h, &mut x)?;
-        let mut r0 = 0;
-        for s in segs.iter_mut() {
-            let n = s.tokens.len();
-            if n == 0 {
-                continue;
-            }
-            if single {
-                mixer(model, b, l, &lw.mixer, &x, s.state, &mut y)?;
-            } else {
+    if let [seg] = &mut *segs {
+        layers_one(model, b, seg.state, &mut h, &mut x, &mut y)?;
+    } else {
+        for (l, lw) in model.w.layers.iter().enumerate() {
+            b.rms_norm(model, Norm::Attn(l), &h, &mut x)?;
+            let mut r0 = 0;
+            for s in segs.iter_mut() {
+                let n = s.tokens.len();
+                if n == 0 {
+                    continue;
+                }
                 let xs = b.rows(&x, d, r0, n)?;
                 let mut ys = b.alloc(n * d)?;
                 mixer(model, b, l, &lw.mixer, &xs, s.state, &mut ys)?;
                 b.set_rows(&mut y, d, r0, &ys)?;
+                r0 += n;
             }
-            r0 += n;
+            b.add(&mut h, &y)?;
+            b.rms_norm(model, Norm::Ffn(l), &h, &mut x)?;
+            b.moe(model, &lw.moe, &x, &mut y)?;
+            b.add(&mut h, &y)?;
         }
-        b.add(&mut h, &y)?;
-        b.rms_norm(model, Norm::Ffn(l), &h, &mut x)?;
-        b.moe(model, &lw.moe, &x, &mut y)?;
-        b.add(&mut h, &y)?;
     }
     let mut rows = Vec::new();
     let mut r0 = 0;
@@ -140,6 +145,29 @@ pub fn forward_batch<B: Backend>(
         at += k;
     }
     Ok(out)
+}
+
+/// The layer stack over one sequence's rows: `h` (the embedded rows) is
+/// updated in place, `x` and `y` are scratch of the same size. This is what
+/// [`forward_batch`] runs for a single sequence; a backend that records a
+/// decode step ([`Backend::step_one`]) runs exactly this.
+pub fn layers_one<B: Backend>(
+    model: &Model,
+    b: &B,
+    st: &mut B::State,
+    h: &mut B::Buf,
+    x: &mut B::Buf,
+    y: &mut B::Buf,
+) -> Result<()> {
+    for (l, lw) in model.w.layers.iter().enumerate() {
+        b.rms_norm(model, Norm::Attn(l), h, x)?;
+        mixer(model, b, l, &lw.mixer, x, st, y)?;
+        b.add(h, y)?;
+        b.rms_norm(model, Norm::Ffn(l), h, x)?;
+        b.moe(model, &lw.moe, x, y)?;
+        b.add(h, y)?;
+    }
+    Ok(())
 }
 
 fn mixer<B: Backend>(

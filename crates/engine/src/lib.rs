@@ -17,6 +17,6 @@ pub mod tokenizer;
 
 pub use backend::Backend;
 pub use error::{EngineError, Result};
-pub use forward::{DEFAULT_CHUNK, Logits, Segment, forward, forward_batch};
+pub use forward::{DEFAULT_CHUNK, Logits, Segment, forward, forward_batch, layers_one};
 pub use model::{Arch, HParams, Model};
 pub use state::{KvType, SeqState};
