@@ -147,6 +147,8 @@ pub struct CudaState {
     whole_ctx: bool,
     /// One-token steps run eagerly so far (the first warms the caches).
     eager_steps: usize,
+    /// Recording failed once for this state: its steps stay eager.
+    no_graph: bool,
     /// The recorded one-token step and the row buffers it was recorded on.
     step: Option<Step>,
 }
@@ -711,34 +713,58 @@ impl Cuda {
         if let Some(g) = graph {
             g.launch()
                 .map_err(|x| e(drv("launch the decode graph", x)))?;
-        } else if st.eager_steps == 0 {
+        } else if st.eager_steps == 0 || st.no_graph {
             samesum_engine::layers_one(model, self, st, h, x, y)?;
             st.eager_steps += 1;
         } else {
-            let stream = &self.dev.stream;
-            stream
-                .begin_capture(
-                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-                )
-                .map_err(|x| e(drv("begin recording the decode step", x)))?;
-            st.whole_ctx = true;
-            let ran = samesum_engine::layers_one(model, self, st, h, x, y);
-            st.whole_ctx = false;
-            // End the capture whatever happened, so the stream works again.
-            let ended = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
-            ran?;
-            let g = ended
-                .map_err(|x| e(drv("record the decode step", x)))?
-                .ok_or_else(|| e(drv("record the decode step", "an empty graph")))?;
-            g.launch()
-                .map_err(|x| e(drv("launch the decode graph", x)))?;
-            *graph = Some(g);
+            match self.record(model, st, h, x, y) {
+                Ok(g) => {
+                    g.launch()
+                        .map_err(|x| e(drv("launch the decode graph", x)))?;
+                    *graph = Some(g);
+                }
+                Err(err) => {
+                    // Nothing ran while recording: run the step eagerly, and
+                    // keep this sequence's steps eager from now on.
+                    eprintln!(
+                        "warning: recording the decode step failed ({err}); this sequence decodes without CUDA graphs"
+                    );
+                    st.no_graph = true;
+                    samesum_engine::layers_one(model, self, st, h, x, y)?;
+                }
+            }
         }
         st.pos += 1;
         match want {
             samesum_engine::Logits::None => Ok(Vec::new()),
             _ => self.logits(model, h, &[0]),
         }
+    }
+
+    /// Record `layers_one` on the compute stream as a graph (not run).
+    fn record(
+        &self,
+        model: &Model,
+        st: &mut CudaState,
+        h: &mut CudaSlice<f32>,
+        x: &mut CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+    ) -> R<cudarc::driver::CudaGraph> {
+        let stream = &self.dev.stream;
+        stream
+            .begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .map_err(|x| e(drv("begin recording the decode step", x)))?;
+        st.whole_ctx = true;
+        let ran = samesum_engine::layers_one(model, self, st, h, x, y);
+        st.whole_ctx = false;
+        // End the capture whatever happened, so the stream works again.
+        let ended = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        ran?;
+        ended
+            .map_err(|x| e(drv("record the decode step", x)))?
+            .ok_or_else(|| e(drv("record the decode step", "an empty graph")))
     }
 
     fn attention_rows(
@@ -1347,6 +1373,7 @@ impl Backend for Cuda {
             pos_dev_val: None,
             whole_ctx: false,
             eager_steps: 0,
+            no_graph: false,
             step: None,
         })
     }
