@@ -17,6 +17,24 @@ pub(crate) struct Args {
     /// Print every metadata key (arrays abbreviated).
     #[arg(long)]
     all_metadata: bool,
+    /// Also plan the CUDA backend's tier mode for this VRAM budget (e.g.
+    /// 24G): the trunk, the expert slots per layer, the staging buffers; an
+    /// error (non-zero exit) naming the sizes when the budget is too small.
+    #[arg(long, value_name = "BYTES")]
+    vram_budget: Option<String>,
+}
+
+/// The tier plan for `budget`, or the reason there is none.
+fn tier_plan(path: &std::path::Path, budget: &str) -> Result<samesum_cuda::tier::TierPlan> {
+    let bytes = samesum_cuda::tier::parse_bytes(budget)
+        .map_err(|e| anyhow::anyhow!("--vram-budget {e}"))?;
+    let model = samesum_engine::Model::load(path)?;
+    let sizes = samesum_cuda::tier::TierSizes::of(&model);
+    Ok(samesum_cuda::tier::plan(
+        sizes,
+        bytes,
+        samesum_cuda::tier::RESERVE,
+    )?)
 }
 
 const HPARAMS: &[&str] = &[
@@ -104,6 +122,11 @@ pub(crate) fn run(a: Args) -> Result<()> {
         .get_array("tokenizer.ggml.tokens")
         .map(|a| a.items.len())
         .ok();
+    let plan = match &a.vram_budget {
+        Some(b) => Some(tier_plan(&path, b)?),
+        None => None,
+    };
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     if a.json {
         let out = json!({
             "file": path.display().to_string(),
@@ -121,6 +144,17 @@ pub(crate) fn run(a: Args) -> Result<()> {
             "parameters": n_params,
             "tensor_bytes": total,
             "by_type": by_type.iter().map(|(k, (n, b))| (k.clone(), json!({"tensors": n, "bytes": b}))).collect::<serde_json::Map<_, _>>(),
+            "tier_plan": plan.map(|p| json!({
+                "trunk_bytes": p.sizes.trunk,
+                "host_embedding_bytes": p.sizes.host,
+                "expert_bytes": p.sizes.expert,
+                "experts_per_layer": p.sizes.experts,
+                "experts_used": p.sizes.used,
+                "layers": p.sizes.layers,
+                "slots_per_layer": p.slots,
+                "staging_bytes": p.staging,
+                "vram_bytes": p.vram,
+            })),
             "metadata": if a.all_metadata { Some(m.iter().map(|(k, v)| (k.to_string(), to_json(v))).collect::<serde_json::Map<_, _>>()) } else { None },
             "tensors": f.tensors().iter().map(|t| json!({
                 "name": t.name, "dims": t.dims, "type": t.ggml_type.name(), "offset": t.offset, "bytes": t.size,
@@ -156,6 +190,35 @@ pub(crate) fn run(a: Args) -> Result<()> {
         println!(
             "  {ty:<8} {n:>6} tensors {:>12.2} MiB",
             *b as f64 / (1 << 20) as f64
+        );
+    }
+    if let Some(p) = plan {
+        let z = p.sizes;
+        println!(
+            "tier plan (--vram-budget {}):",
+            a.vram_budget.as_deref().unwrap_or("")
+        );
+        println!("  trunk in VRAM            {:>12.2} MiB", mib(z.trunk));
+        println!("  token embedding in host  {:>12.2} MiB", mib(z.host));
+        println!(
+            "  routed experts in host   {:>12.2} MiB ({} layers x {} experts x {:.2} MiB)",
+            mib(z.layer_experts() * z.layers as u64),
+            z.layers,
+            z.experts,
+            mib(z.expert)
+        );
+        println!(
+            "  decode cache             {:>12} slots per layer ({} routed per token)",
+            p.slots, z.used
+        );
+        println!(
+            "  prefill staging          {:>12.2} MiB (two layers)",
+            mib(p.staging)
+        );
+        println!(
+            "  VRAM for weights         {:>12.2} MiB (+ {:.0} MiB kept for the KV cache and activations)",
+            mib(p.vram),
+            mib(samesum_cuda::tier::RESERVE)
         );
     }
     if a.all_metadata {

@@ -26,6 +26,31 @@ fn inspect_with_no_file_runs_on_the_builtin_model() {
 }
 
 #[test]
+fn inspect_plans_tier_mode_for_a_vram_budget_and_refuses_one_too_small() {
+    let (ok, out, err) = samesum(&["inspect", "--vram-budget", "2G"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("tier plan (--vram-budget 2G)"), "{out}");
+    assert!(out.contains("slots per layer"), "{out}");
+    let (ok, out, err) = samesum(&["inspect", "--json", "--vram-budget", "2G"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let slots = v["tier_plan"]["slots_per_layer"].as_u64().unwrap();
+    let experts = v["tier_plan"]["experts_per_layer"].as_u64().unwrap();
+    assert!(slots >= v["tier_plan"]["experts_used"].as_u64().unwrap() && slots <= experts);
+    // 2 GiB holds the tiny model whole: every expert gets a slot.
+    assert_eq!(slots, experts);
+    let (ok, _, err) = samesum(&["inspect", "--vram-budget", "1M"]);
+    assert!(!ok, "a 1 MiB budget was accepted");
+    assert!(
+        err.contains("too small") && err.contains("trunk needs"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    let (ok, _, err) = samesum(&["inspect", "--vram-budget", "lots"]);
+    assert!(!ok && err.contains("--vram-budget"), "{err}");
+}
+
+#[test]
 fn synth_then_inspect_json() {
     let dir = tempfile::tempdir().unwrap();
     let f = dir.path().join("m.gguf");

@@ -30,8 +30,12 @@ fn one_bytes(m: &Matrix) -> u64 {
 /// Sizes that decide a tier plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TierSizes {
-    /// Everything but the routed experts, in bytes.
+    /// What stays in VRAM: everything but the routed experts and `host`, in
+    /// bytes (file metadata included, a slight overestimate).
     pub trunk: u64,
+    /// The token embedding when only the embedding reads it: the CUDA
+    /// backend dequantizes those rows on the host, so it needs no VRAM.
+    pub host: u64,
     /// One routed expert of one layer (gate + up + down), in bytes.
     pub expert: u64,
     /// Routed experts per layer.
@@ -55,8 +59,14 @@ impl TierSizes {
             expert = expert.max(one_bytes(&m.gate) + one_bytes(&m.up) + one_bytes(&m.down));
         }
         let total = model.bytes().len() as u64;
+        let host = if w.output.offset == w.token_embd.offset {
+            0
+        } else {
+            matrix_bytes(&w.token_embd)
+        };
         TierSizes {
-            trunk: total.saturating_sub(routed),
+            trunk: total.saturating_sub(routed + host),
+            host,
             expert,
             experts: model.hp.n_expert,
             used: model.hp.n_expert_used,
@@ -71,7 +81,7 @@ impl TierSizes {
 
     /// The whole model, in bytes.
     pub fn total(&self) -> u64 {
-        self.trunk + self.layer_experts() * self.layers as u64
+        self.trunk + self.host + self.layer_experts() * self.layers as u64
     }
 }
 
@@ -317,7 +327,16 @@ mod tests {
             let model = Model::load(&p).unwrap();
             let s = TierSizes::of(&model);
             let file = std::fs::metadata(&p).unwrap().len();
-            assert_eq!(s.total(), file, "{shape}: trunk + experts = the file");
+            assert_eq!(
+                s.total(),
+                file,
+                "{shape}: trunk + embedding + experts = the file"
+            );
+            assert_eq!(
+                s.host,
+                matrix_bytes(&model.w.token_embd),
+                "{shape}: untied embedding"
+            );
             let moe = &model.w.layers[0].moe;
             let routed: u64 = model
                 .w
@@ -341,6 +360,7 @@ mod tests {
         // Roughly qwen35moe-35b-a3b q4_k: 256 experts of 1.77 MB, 40 layers.
         TierSizes {
             trunk: 700 << 20,
+            host: 0,
             expert: 3 * 2048 * 512 * 144 / 256,
             experts: 256,
             used: 8,
