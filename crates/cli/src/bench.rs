@@ -29,6 +29,15 @@ pub(crate) struct Args {
         default_value = "128"
     )]
     n_gen: Vec<usize>,
+    /// Context depths (comma-separated, llama-bench's -d): each test runs
+    /// after this many random tokens were prefilled (batched, not timed).
+    #[arg(
+        short = 'd',
+        long = "n-depth",
+        value_delimiter = ',',
+        default_value = "0"
+    )]
+    n_depth: Vec<usize>,
     /// Repetitions per test.
     #[arg(short = 'r', long, default_value_t = 5)]
     repetitions: usize,
@@ -86,6 +95,39 @@ pub(crate) fn run(a: Args) -> Result<()> {
     with_backend!(dev, &model, a.threads, |b| bench(b, &model, &path, &a, kv))
 }
 
+/// Every (length, depth) pair of the lists, lengths outer, zero lengths skipped.
+fn tests<'a>(
+    lens: &'a [usize],
+    depths: &'a [usize],
+) -> impl Iterator<Item = (&'a usize, &'a usize)> {
+    lens.iter()
+        .filter(|&&n| n > 0)
+        .flat_map(move |n| depths.iter().map(move |d| (n, d)))
+}
+
+/// A test name's depth suffix, as llama-bench writes it.
+fn at(depth: usize) -> String {
+    if depth > 0 {
+        format!(" @ d{depth}")
+    } else {
+        String::new()
+    }
+}
+
+/// Fill the context with `toks` before a test (batched, no logits; untimed).
+fn prefill_depth<B: Backend>(
+    b: &B,
+    model: &Model,
+    st: &mut B::State,
+    toks: &[u32],
+    chunk: usize,
+) -> Result<()> {
+    for c in toks.chunks(chunk.max(1)) {
+        forward(model, b, st, c, Logits::None)?;
+    }
+    Ok(())
+}
+
 fn bench<B: Backend>(
     b: &B,
     model: &Model,
@@ -121,11 +163,12 @@ fn bench<B: Backend>(
             "replay" => 1,
             other => bail!("--prefill {other:?} is not supported (batched, replay)"),
         };
-        for &np in a.n_prompt.iter().filter(|&&n| n > 0) {
+        for (&np, &depth) in tests(&a.n_prompt, &a.n_depth) {
             let mut rates = Vec::new();
             for rep in first..=a.repetitions {
+                let mut st = b.new_state(model, depth + np, kv)?;
+                prefill_depth(b, model, &mut st, &tokens(depth), a.chunk)?;
                 let prompt = tokens(np);
-                let mut st = b.new_state(model, np, kv)?;
                 let t = Instant::now();
                 let chunks: Vec<&[u32]> = prompt.chunks(chunk).collect();
                 for (i, c) in chunks.iter().enumerate() {
@@ -145,9 +188,9 @@ fn bench<B: Backend>(
             }
             let report = b.take_report()?;
             let name = if a.prefill.len() > 1 || arm != "batched" {
-                format!("pp{np} {arm}")
+                format!("pp{np} {arm}{}", at(depth))
             } else {
-                format!("pp{np}")
+                format!("pp{np}{}", at(depth))
             };
             row(name.clone(), &rates);
             if let Some(r) = report {
@@ -158,11 +201,12 @@ fn bench<B: Backend>(
             }
         }
     }
-    for &ng in a.n_gen.iter().filter(|&&n| n > 0) {
+    for (&ng, &depth) in tests(&a.n_gen, &a.n_depth) {
         let mut rates = Vec::new();
         for rep in first..=a.repetitions {
+            let mut st = b.new_state(model, depth + ng, kv)?;
+            prefill_depth(b, model, &mut st, &tokens(depth), a.chunk)?;
             let toks = tokens(ng);
-            let mut st = b.new_state(model, ng, kv)?;
             let t = Instant::now();
             for &tok in &toks {
                 forward(model, b, &mut st, &[tok], Logits::Last)?;
@@ -173,7 +217,7 @@ fn bench<B: Backend>(
                 b.take_report()?;
             }
         }
-        row(format!("tg{ng}"), &rates);
+        row(format!("tg{ng}{}", at(depth)), &rates);
         if let Some(r) = b.take_report()? {
             println!(
                 "\nkernel time, tg{ng}, {} timed runs:\n\n{r}",
