@@ -29,6 +29,15 @@ pub(crate) struct Args {
         default_value = "128"
     )]
     n_gen: Vec<usize>,
+    /// Context depths (comma-separated, llama-bench's -d): each test runs
+    /// after this many random tokens were prefilled (batched, not timed).
+    #[arg(
+        short = 'd',
+        long = "n-depth",
+        value_delimiter = ',',
+        default_value = "0"
+    )]
+    n_depth: Vec<usize>,
     /// Repetitions per test.
     #[arg(short = 'r', long, default_value_t = 5)]
     repetitions: usize,
@@ -91,27 +100,43 @@ pub(crate) fn run(a: Args) -> Result<()> {
     with_backend!(dev, &model, a.threads, |b| bench(b, &model, &path, &a, kv))
 }
 
-/// Tier mode's counters over a test's timed runs.
+/// Tier mode's counters over a test's timed runs (the untimed warm-up and
+/// depth fills left out).
 #[derive(Default)]
 struct Offload {
     at: Option<samesum_engine::backend::OffloadCounters>,
+    sum: Option<samesum_engine::backend::OffloadCounters>,
     secs: f64,
 }
 
 impl Offload {
-    /// Before run `rep`: the timed runs start at 1.
-    fn start<B: Backend>(&mut self, b: &B, rep: usize) {
-        if rep == 1 {
-            self.at = b.offload_counters();
+    /// Right before a run's timed part.
+    fn begin<B: Backend>(&mut self, b: &B) {
+        self.at = b.offload_counters();
+    }
+
+    /// Right after a run's timed part of `secs` seconds (run 0 is the
+    /// warm-up and is not counted).
+    fn end<B: Backend>(&mut self, b: &B, rep: usize, secs: f64) {
+        if rep == 0 {
+            return;
         }
+        if let (Some(now), Some(at)) = (b.offload_counters(), self.at) {
+            let d = now.since(&at);
+            let s = self.sum.get_or_insert_with(Default::default);
+            s.hits += d.hits;
+            s.misses += d.misses;
+            s.fetched_bytes += d.fetched_bytes;
+            s.staged_bytes += d.staged_bytes;
+        }
+        self.secs += secs;
     }
 
     /// One line after the test's row (nothing in resident mode).
-    fn print<B: Backend>(&self, b: &B, test: &str) {
-        let (Some(now), Some(at)) = (b.offload_counters(), self.at) else {
+    fn print(&self, test: &str) {
+        let Some(d) = self.sum else {
             return;
         };
-        let d = now.since(&at);
         let gib = |x: u64| x as f64 / (1u64 << 30) as f64;
         let rate = |x: u64| x as f64 / 1e9 / self.secs.max(1e-9);
         println!(
@@ -125,6 +150,39 @@ impl Offload {
             rate(d.staged_bytes)
         );
     }
+}
+
+/// Every (length, depth) pair of the lists, lengths outer, zero lengths skipped.
+fn tests<'a>(
+    lens: &'a [usize],
+    depths: &'a [usize],
+) -> impl Iterator<Item = (&'a usize, &'a usize)> {
+    lens.iter()
+        .filter(|&&n| n > 0)
+        .flat_map(move |n| depths.iter().map(move |d| (n, d)))
+}
+
+/// A test name's depth suffix, as llama-bench writes it.
+fn at(depth: usize) -> String {
+    if depth > 0 {
+        format!(" @ d{depth}")
+    } else {
+        String::new()
+    }
+}
+
+/// Fill the context with `toks` before a test (batched, no logits; untimed).
+fn prefill_depth<B: Backend>(
+    b: &B,
+    model: &Model,
+    st: &mut B::State,
+    toks: &[u32],
+    chunk: usize,
+) -> Result<()> {
+    for c in toks.chunks(chunk.max(1)) {
+        forward(model, b, st, c, Logits::None)?;
+    }
+    Ok(())
 }
 
 fn bench<B: Backend>(
@@ -162,13 +220,14 @@ fn bench<B: Backend>(
             "replay" => 1,
             other => bail!("--prefill {other:?} is not supported (batched, replay)"),
         };
-        for &np in a.n_prompt.iter().filter(|&&n| n > 0) {
+        for (&np, &depth) in tests(&a.n_prompt, &a.n_depth) {
             let mut rates = Vec::new();
             let mut off = Offload::default();
             for rep in first..=a.repetitions {
-                off.start(b, rep);
+                let mut st = b.new_state(model, depth + np, kv)?;
+                prefill_depth(b, model, &mut st, &tokens(depth), a.chunk)?;
                 let prompt = tokens(np);
-                let mut st = b.new_state(model, np, kv)?;
+                off.begin(b);
                 let t = Instant::now();
                 let chunks: Vec<&[u32]> = prompt.chunks(chunk).collect();
                 for (i, c) in chunks.iter().enumerate() {
@@ -179,22 +238,23 @@ fn bench<B: Backend>(
                     };
                     forward(model, b, &mut st, c, want)?;
                 }
+                let secs = t.elapsed().as_secs_f64();
+                off.end(b, rep, secs);
                 if rep > 0 {
                     // The first run warms caches and is not counted, as llama-bench does.
-                    rates.push(np as f64 / t.elapsed().as_secs_f64());
-                    off.secs += t.elapsed().as_secs_f64();
+                    rates.push(np as f64 / secs);
                 } else {
                     b.take_report()?;
                 }
             }
             let report = b.take_report()?;
             let name = if a.prefill.len() > 1 || arm != "batched" {
-                format!("pp{np} {arm}")
+                format!("pp{np} {arm}{}", at(depth))
             } else {
-                format!("pp{np}")
+                format!("pp{np}{}", at(depth))
             };
             row(name.clone(), &rates);
-            off.print(b, &name);
+            off.print(&name);
             if let Some(r) = report {
                 println!(
                     "\nkernel time, {name}, {} timed runs:\n\n{r}",
@@ -203,26 +263,28 @@ fn bench<B: Backend>(
             }
         }
     }
-    for &ng in a.n_gen.iter().filter(|&&n| n > 0) {
+    for (&ng, &depth) in tests(&a.n_gen, &a.n_depth) {
         let mut rates = Vec::new();
         let mut off = Offload::default();
         for rep in first..=a.repetitions {
-            off.start(b, rep);
+            let mut st = b.new_state(model, depth + ng, kv)?;
+            prefill_depth(b, model, &mut st, &tokens(depth), a.chunk)?;
             let toks = tokens(ng);
-            let mut st = b.new_state(model, ng, kv)?;
+            off.begin(b);
             let t = Instant::now();
             for &tok in &toks {
                 forward(model, b, &mut st, &[tok], Logits::Last)?;
             }
+            let secs = t.elapsed().as_secs_f64();
+            off.end(b, rep, secs);
             if rep > 0 {
-                rates.push(ng as f64 / t.elapsed().as_secs_f64());
-                off.secs += t.elapsed().as_secs_f64();
+                rates.push(ng as f64 / secs);
             } else {
                 b.take_report()?;
             }
         }
-        row(format!("tg{ng}"), &rates);
-        off.print(b, &format!("tg{ng}"));
+        row(format!("tg{ng}{}", at(depth)), &rates);
+        off.print(&format!("tg{ng}{}", at(depth)));
         if let Some(r) = b.take_report()? {
             println!(
                 "\nkernel time, tg{ng}, {} timed runs:\n\n{r}",

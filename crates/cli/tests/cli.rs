@@ -51,6 +51,15 @@ fn inspect_plans_tier_mode_for_a_vram_budget_and_refuses_one_too_small() {
 }
 
 #[test]
+fn bench_runs_each_test_at_each_context_depth() {
+    let (ok, out, err) = samesum(&["bench", "-p", "8", "-n", "2", "-d", "0,16", "-r", "1"]);
+    assert!(ok, "{err}");
+    for test in ["| pp8 |", "| pp8 @ d16 |", "| tg2 |", "| tg2 @ d16 |"] {
+        assert!(out.contains(test), "{test} missing:\n{out}");
+    }
+}
+
+#[test]
 fn synth_then_inspect_json() {
     let dir = tempfile::tempdir().unwrap();
     let f = dir.path().join("m.gguf");
