@@ -16,6 +16,8 @@
 # longq35 / longq3 measure replay at pp16384 (one run, several minutes each;
 # SAMESUM_GPU_LONG_PP and _LONG_TIMEOUT change the lengths and the limit);
 # SAMESUM_GPU_ID_CHUNKS sets the identity step's chunk sizes.
+# depth measures decode (tg128) at context depths SAMESUM_GPU_DEPTHS
+# (0,4096,16384) on both models.
 # tier runs tier mode (issue 8): identity on the tiny models with
 # --vram-budget 2G, then bench on qwen35moe at SAMESUM_GPU_BUDGETS ("24G
 # 12G") for SAMESUM_GPU_TIER_PP (1024,8192); tier122 the 122B shape at 40G.
@@ -126,6 +128,15 @@ run)
         step bench-q3moe timeout 400 .gpu/samesum bench --device cuda -m "$q3" \
             -p ${SAMESUM_GPU_PP:-512,4096} -n ${SAMESUM_GPU_TG:-128} -r ${SAMESUM_GPU_REPS:-2} \
             --prefill ${SAMESUM_GPU_ARMS:-replay,batched} --chunk ${SAMESUM_GPU_CHUNK:-512}
+    fi
+    if [[ $steps == *,depth,* ]]; then
+        # Decode at context depths (llama-bench's -d): tg128 after 0, 4096
+        # and 16384 prefilled tokens, both models.
+        for shape in qwen35moe-35b-a3b qwen3moe-30b-a3b; do
+            f=$(model "$shape")
+            step "depth-$shape" timeout 400 .gpu/samesum bench --device cuda -m "$f" -p 0 -n 128 \
+                -d ${SAMESUM_GPU_DEPTHS:-0,4096,16384} -r 1 --chunk ${SAMESUM_GPU_CHUNK:-512}
+        done
     fi
     if [[ $steps == *,tier,* ]]; then
         # Tier mode (issue 8): the identity gate with the experts in host
