@@ -60,6 +60,42 @@ fn bench_runs_each_test_at_each_context_depth() {
 }
 
 #[test]
+fn an_impossible_context_is_a_plain_error() {
+    for args in [
+        [
+            "bench",
+            "-p",
+            "0",
+            "-n",
+            "1",
+            "-d",
+            "100000000000",
+            "-r",
+            "1",
+        ],
+        [
+            "bench",
+            "-p",
+            "100000000000",
+            "-n",
+            "0",
+            "-d",
+            "0",
+            "-r",
+            "1",
+        ],
+    ] {
+        let (ok, _, err) = samesum(&args);
+        assert!(!ok, "{args:?} succeeded");
+        assert!(err.contains("cannot allocate the KV cache"), "{err}");
+        assert!(
+            !err.contains("panicked") && !err.contains("memory allocation"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
 fn synth_then_inspect_json() {
     let dir = tempfile::tempdir().unwrap();
     let f = dir.path().join("m.gguf");

@@ -861,7 +861,6 @@ impl Cuda {
         let mut o = d.scratch::<f32>(m * qw)?;
         let scale = 1.0f32 / (hd as f32).sqrt();
         let gs = hq / hkv;
-        attention_shape(hq, hkv, hd)?;
         // One kernel for every m: fixed key tiles of 256 positions, a block
         // per (KV head, row tile, key tile), then the tiles folded in order
         // (ops.cu, attention_tiles).

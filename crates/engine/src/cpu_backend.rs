@@ -31,7 +31,7 @@ impl Backend for Cpu {
     }
 
     fn new_state(&self, model: &Model, ctx: usize, kv: KvType) -> Result<SeqState> {
-        Ok(SeqState::new(&model.hp, ctx, kv))
+        SeqState::try_new(&model.hp, ctx, kv)
     }
 
     fn position(&self, st: &SeqState) -> usize {

@@ -22,6 +22,12 @@ pub enum EngineError {
     Tensors(Vec<String>),
     #[error("context full: position {pos} is past the context size {ctx}")]
     ContextFull { pos: usize, ctx: usize },
+    #[error("cannot allocate the {what} for a context of {ctx} tokens ({bytes} bytes)")]
+    Alloc {
+        what: &'static str,
+        ctx: usize,
+        bytes: u128,
+    },
     #[error("token id {token} is outside the vocabulary ({vocab} tokens)")]
     BadToken { token: u32, vocab: usize },
     #[error("tokenizer: {0}")]

@@ -107,9 +107,38 @@ pub struct SeqState {
 }
 
 impl SeqState {
-    /// Empty state for a context of `ctx` tokens.
+    /// Empty state for a context of `ctx` tokens (panics where
+    /// [`SeqState::try_new`] fails: for tests and known-small contexts).
     pub fn new(hp: &HParams, ctx: usize, kv_type: KvType) -> Self {
+        Self::try_new(hp, ctx, kv_type).expect("state allocation")
+    }
+
+    /// Empty state for a context of `ctx` tokens, or an error naming the
+    /// size when the KV cache cannot be allocated.
+    pub fn try_new(hp: &HParams, ctx: usize, kv_type: KvType) -> crate::Result<Self> {
         let kvw = hp.n_head_kv * hp.head_dim;
+        let el = match kv_type {
+            KvType::F32 => 4,
+            KvType::F16 => 2,
+        };
+        let layers = hp
+            .layers
+            .iter()
+            .filter(|k| **k == LayerKind::Attention)
+            .count();
+        let bytes = 2 * (layers * kvw * el) as u128 * ctx as u128;
+        // Probe the largest buffer first (the allocation itself stays lazy
+        // zeroed memory), so an impossible context is an error, not an abort.
+        let fits = ctx
+            .checked_mul(kvw * el)
+            .is_some_and(|n| Vec::<u8>::new().try_reserve_exact(n).is_ok());
+        if !fits {
+            return Err(crate::EngineError::Alloc {
+                what: "KV cache",
+                ctx,
+                bytes,
+            });
+        }
         let kv = hp
             .layers
             .iter()
@@ -128,12 +157,12 @@ impl SeqState {
                 })
             })
             .collect();
-        SeqState {
+        Ok(SeqState {
             pos: 0,
             ctx,
             kv,
             linear,
-        }
+        })
     }
 
     /// Forget everything (position 0, zero state).
