@@ -21,6 +21,7 @@
 # tier runs tier mode (issue 8): identity on the tiny models with
 # --vram-budget 2G, then bench on qwen35moe at SAMESUM_GPU_BUDGETS ("24G
 # 12G") for SAMESUM_GPU_TIER_PP (1024,8192); tier122 the 122B shape at 40G.
+# SAMESUM_GPU_TIER_ARGS adds arguments to the tier benches (e.g. --no-warmup).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -150,7 +151,7 @@ run)
         q35=$(model qwen35moe-35b-a3b)
         for b in ${SAMESUM_GPU_BUDGETS:-24G 12G}; do
             step "bench-tier-$b" timeout 400 .gpu/samesum bench --device cuda --vram-budget "$b" -m "$q35" \
-                -p ${SAMESUM_GPU_TIER_PP:-1024,8192} -n 128 -r 1 --prefill batched --chunk 512
+                -p ${SAMESUM_GPU_TIER_PP:-1024,8192} -n 128 -r 1 --prefill batched --chunk 512 ${SAMESUM_GPU_TIER_ARGS:-}
         done
     fi
     if [[ $steps == *,tier122,* ]]; then
@@ -158,7 +159,7 @@ run)
         # machine's 64 GB disk; run on nvidia-h200-x2 (128 GB).
         big=$(model qwen35moe-122b-a10b)
         step "bench-tier122-40G" timeout 500 .gpu/samesum bench --device cuda --vram-budget 40G -m "$big" \
-            -p ${SAMESUM_GPU_TIER_PP:-1024,8192} -n 128 -r 1 --prefill batched --chunk 512
+            -p ${SAMESUM_GPU_TIER_PP:-1024,8192} -n 128 -r 1 --prefill batched --chunk 512 ${SAMESUM_GPU_TIER_ARGS:-}
     fi
     if [[ $steps == *,serve,* ]]; then
         # The server on the GPU: one request alone, then six at once (batched
