@@ -14,19 +14,24 @@ type Job = *const (dyn Fn(usize) + Sync);
 struct Shared {
     /// (generation << 32) | next task index.
     ticket: AtomicU64,
-    /// Tasks in the current job.
-    n_tasks: AtomicUsize,
     /// Tasks finished in the current job.
     done: AtomicUsize,
-    /// The current job (valid while its generation is current and tasks remain).
-    job: std::sync::Mutex<Option<SendJob>>,
+    /// The current job: its generation, the function and its task count, set
+    /// together under the lock before the ticket announces the generation. A
+    /// worker claims tasks only for the generation it read here, so it never
+    /// pairs one run's generation with the next run's job or count.
+    job: std::sync::Mutex<Option<Current>>,
     shutdown: AtomicBool,
 }
 
 #[derive(Clone, Copy)]
-struct SendJob(Job);
+struct Current {
+    generation: u64,
+    job: Job,
+    n: usize,
+}
 // SAFETY: the job is a `dyn Fn + Sync`; it is only called while `run` keeps it alive.
-unsafe impl Send for SendJob {}
+unsafe impl Send for Current {}
 
 /// The pool.
 pub struct Pool {
@@ -49,7 +54,6 @@ impl Pool {
         };
         let shared = Arc::new(Shared {
             ticket: AtomicU64::new(0),
-            n_tasks: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
             job: std::sync::Mutex::new(None),
             shutdown: AtomicBool::new(false),
@@ -90,10 +94,13 @@ impl Pool {
         // call: workers call it only while claiming tasks of this generation, and
         // this function returns only after every task has finished.
         let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
-        *s.job.lock().expect("pool lock") = Some(SendJob(job));
-        s.n_tasks.store(n, Ordering::Relaxed);
-        s.done.store(0, Ordering::Relaxed);
         let gen_next = (s.ticket.load(Ordering::Relaxed) >> 32) + 1;
+        s.done.store(0, Ordering::Relaxed);
+        *s.job.lock().expect("pool lock") = Some(Current {
+            generation: gen_next,
+            job,
+            n,
+        });
         s.ticket.store(gen_next << 32, Ordering::Release);
         for w in &self.workers {
             w.thread().unpark();
@@ -160,10 +167,11 @@ fn worker(s: &Shared) {
             }
         };
         seen = gen_;
-        let job = *s.job.lock().expect("pool lock");
-        let Some(SendJob(job)) = job else { continue };
-        let n = s.n_tasks.load(Ordering::Acquire);
-        claim_tasks(s, gen_, n, job);
+        // The job may already be a later run's (or gone): claim_tasks checks
+        // the ticket against the generation stored with it.
+        let current = *s.job.lock().expect("pool lock");
+        let Some(c) = current else { continue };
+        claim_tasks(s, c.generation, c.n, c.job);
     }
 }
 
@@ -202,5 +210,28 @@ mod tests {
                 .enumerate()
                 .all(|(i, &x)| x == 200 * i + (0..200).sum::<usize>())
         );
+    }
+
+    /// A run returns only after every task of its own job ran, exactly once,
+    /// even when back-to-back runs alternate small and large task counts
+    /// (a worker that saw one run's generation must never claim tasks with
+    /// the next run's job or count).
+    #[test]
+    fn back_to_back_runs_never_mix_jobs() {
+        let pool = Pool::new(4);
+        for round in 0..20_000usize {
+            let n = if round % 2 == 0 { 2 } else { 3 + round % 61 };
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(n, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            for (i, h) in hits.iter().enumerate() {
+                assert_eq!(
+                    h.load(Ordering::Relaxed),
+                    1,
+                    "round {round}: task {i} of {n}"
+                );
+            }
+        }
     }
 }
