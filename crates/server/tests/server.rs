@@ -214,6 +214,9 @@ fn endpoints_answer() {
     assert_eq!(st, 200);
     let m = String::from_utf8(b).unwrap();
     assert!(m.contains("samesum_requests_total 4"), "{m}");
+    // Tier mode's expert-cache counters are exposed, zero without tier mode.
+    assert!(m.contains("samesum_expert_cache_hits_total 0"), "{m}");
+    assert!(m.contains("samesum_expert_cache_misses_total 0"), "{m}");
 }
 
 #[test]
