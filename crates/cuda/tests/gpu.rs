@@ -253,6 +253,48 @@ fn every_block_op_matches_the_cpu_backend() {
     }
 }
 
+/// The attention kernel's paths by head dim (q in registers up to 128, in
+/// shared memory above; the value pass's thread groups depend on it too) at
+/// the real models' shapes, which the tiny models (head dim 64) do not reach:
+/// the row contract byte for byte and the CPU backend within the f32 bar.
+#[test]
+fn attention_at_the_real_models_head_shapes() {
+    if !gpu() {
+        return;
+    }
+    let cpu = Cpu::new(2);
+    // (query heads, KV heads, head dim): qwen3moe-30b-a3b, qwen35moe-35b-a3b,
+    // a group of 16, and a head dim whose thread groups do not divide the
+    // 256-thread block (96).
+    for (heads, kv_heads, head_dim) in [(32, 4, 128), (16, 2, 256), (16, 1, 128), (6, 3, 96)] {
+        let shape = shapes::Shape {
+            heads,
+            kv_heads,
+            head_dim,
+            layers: 1,
+            ..shapes::by_name("tiny-qwen3moe").unwrap()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.gguf");
+        write_model(
+            &SynthOptions::new(shape, GgmlType::F32, 4),
+            &p,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let model = Model::load(&p).unwrap();
+        let cuda = Cuda::new(0, &model, false).unwrap();
+        let what = format!("heads {heads}/{kv_heads} x {head_dim}");
+        if let Err(e) = block_ops_match(&cuda, &model, MS, 78) {
+            panic!("{what}: {e}");
+        }
+        for m in [1, 7, 64, 300] {
+            ops_close(&model, &cuda, &cpu, m, 1e-5, &what);
+        }
+        eprintln!("{what}: row-invariant for m in {MS:?}, within 1e-5 of the CPU");
+    }
+}
+
 #[test]
 fn batched_forward_equals_replay_on_the_gpu() {
     if !gpu() {
