@@ -125,7 +125,24 @@ __device__ __forceinline__ void tile_values(const void* cv, const float (*st)[AT
         cnt[i] = p < np ? min(jend, pos0 + r0 + p / gs + 1) - j0 : 0;
         acc[i] = 0.0f;
     }
-    for (int jj = 0; jj < jend - j0; jj++) {
+    // Four keys per step: their values loaded first, each pair's four scores
+    // read as one float4 (st rows are 16-byte aligned), then the same fma
+    // chain, key by key, as one key per step.
+    int n = jend - j0, jj = 0;
+    for (; jj + 4 <= n; jj += 4) {
+        i64 at = (i64)(j0 + jj) * kvw + g * hd + dim;
+        float v0 = kv_at(cv, at, f16), v1 = kv_at(cv, at + kvw, f16);
+        float v2 = kv_at(cv, at + 2 * kvw, f16), v3 = kv_at(cv, at + 3 * kvw, f16);
+#pragma unroll
+        for (int i = 0; i < P; i++) {
+            float4 s4 = *reinterpret_cast<const float4*>(&st[grp + G * i][jj]);
+            if (jj < cnt[i]) acc[i] = __fmaf_rn(s4.x, v0, acc[i]);
+            if (jj + 1 < cnt[i]) acc[i] = __fmaf_rn(s4.y, v1, acc[i]);
+            if (jj + 2 < cnt[i]) acc[i] = __fmaf_rn(s4.z, v2, acc[i]);
+            if (jj + 3 < cnt[i]) acc[i] = __fmaf_rn(s4.w, v3, acc[i]);
+        }
+    }
+    for (; jj < n; jj++) {
         float v = kv_at(cv, (i64)(j0 + jj) * kvw + g * hd + dim, f16);
 #pragma unroll
         for (int i = 0; i < P; i++)
@@ -139,6 +156,73 @@ __device__ __forceinline__ void tile_values(const void* cv, const float (*st)[AT
             pacc[(pair * nb + b) * hd + dim] = acc[i];
         }
     }
+}
+
+// The score pass of attention_tiles for one warp: keys warp, warp + 8, ...
+// of the tile. Lane l holds dims l, l + 32, ... (NC chunks of 32) and runs the
+// 16 pairs' fma chains over them; the butterfly then runs for all 16 pairs at
+// once: at step o every lane keeps half of its pairs and adds the partner's
+// (lane ^ o) partial of the same pair, which is the one-pair butterfly's own +
+// partner add; lane l ends with pair l / 2. With NC <= 4 each lane keeps its
+// q values in registers (64 at most); with NC = 8 it reads them from shared
+// memory. The same terms in the same order either way. Returns the lane's
+// running max (pair l / 2), writes the scaled scores to st (-inf past a
+// pair's last key).
+template <int NC>
+__device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*st)[ATT_T], const void* ck, int kvw,
+                                             int g, int hd, int mylast, int j0, int jend, int np, float scale,
+                                             int f16) {
+    constexpr bool REG = NC <= 4;
+    int t = threadIdx.x, warp = t / 32, lane = t % 32, mine = lane >> 1;
+    float qr[REG ? AP : 1][REG ? NC : 1];
+    if constexpr (REG) {
+#pragma unroll
+        for (int p = 0; p < AP; p++)
+#pragma unroll
+            for (int c = 0; c < NC; c++) qr[p][c] = qs[p][lane + 32 * c];
+    }
+    float mx = -INFINITY;
+    for (int jj = warp; jj < ATT_T; jj += ATT_WARPS) {
+        int j = j0 + jj;
+        float v = -INFINITY;
+        if (j < jend) {  // uniform over the warp
+            float kr[NC];
+            i64 base = (i64)j * kvw + g * hd;
+#pragma unroll
+            for (int c = 0; c < NC; c++) kr[c] = lane + 32 * c < hd ? kv_at(ck, base + lane + 32 * c, f16) : 0.0f;
+            float d[AP];
+#pragma unroll
+            for (int p = 0; p < AP; p++) {
+                d[p] = 0.0f;
+#pragma unroll
+                for (int c = 0; c < NC; c++) {
+                    if (lane + 32 * c < hd) {
+                        float qv;
+                        if constexpr (REG) qv = qr[p][c];
+                        else qv = qs[p][lane + 32 * c];
+                        d[p] = __fmaf_rn(qv, kr[c], d[p]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int o2 = 16, w = AP / 2; o2 > 1; o2 /= 2, w /= 2) {
+                bool upper = (lane & o2) != 0;  // keeps pairs [w, 2w) of its current set
+#pragma unroll
+                for (int i = 0; i < w; i++) {
+                    float send = upper ? d[i] : d[w + i];
+                    float got = __shfl_xor_sync(0xffffffffu, send, o2);
+                    d[i] = __fadd_rn(upper ? d[w + i] : d[i], got);
+                }
+            }
+            float s = __fadd_rn(d[0], __shfl_xor_sync(0xffffffffu, d[0], 1));
+            if (mine < np && j <= mylast) {
+                v = __fmul_rn(s, scale);
+                mx = fmaxf(mx, v);
+            }
+        }
+        if ((lane & 1) == 0) st[mine][jj] = v;
+    }
+    return mx;
 }
 
 // Attention in fixed key tiles. For the (row, head) pair at position p (keys
@@ -167,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                     int hkv, int hd, const int* posp, float scale, int f16, int nb) {
     int pos0 = *posp;
     __shared__ float qs[AP][ATT_HD];
-    __shared__ float st[AP][ATT_T];
+    __shared__ __align__(16) float st[AP][ATT_T];  // 16-byte rows: the value pass reads float4s
     __shared__ float smax[AP][ATT_WARPS];
     __shared__ float wsum[AP][ATT_WARPS];
     __shared__ float pmax[AP];
@@ -187,47 +271,14 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         qs[p][d] = v;
     }
     __syncthreads();
-    // Scores, one warp per key. Each lane's 16 fma chains, then the butterfly
-    // done for all 16 pairs at once: at step o every lane keeps half of its
-    // pairs and adds the partner's (lane ^ o) partial of the same pair, which
-    // is the one-pair butterfly's own + partner add; lane l ends with pair l/2.
+    // Scores, one warp per key (tile_scores); q in registers for head dims
+    // up to 128, read from shared memory for larger ones.
     int mine = lane >> 1;
-    int mylast = pos0 + r0 + mine / gs;  // the last key of this lane's pair
-    float mx = -INFINITY;
-    for (int jj = warp; jj < ATT_T; jj += ATT_WARPS) {
-        int j = j0 + jj;
-        float v = -INFINITY;
-        if (j < jend) {  // uniform over the warp
-            float kr[8];
-            i64 base = (i64)j * kvw + g * hd;
-#pragma unroll
-            for (int c = 0; c < 8; c++) kr[c] = lane + 32 * c < hd ? kv_at(ck, base + lane + 32 * c, f16) : 0.0f;
-            float d[AP];
-#pragma unroll
-            for (int p = 0; p < AP; p++) {
-                d[p] = 0.0f;
-#pragma unroll
-                for (int c = 0; c < 8; c++)
-                    if (lane + 32 * c < hd) d[p] = __fmaf_rn(qs[p][lane + 32 * c], kr[c], d[p]);
-            }
-#pragma unroll
-            for (int o2 = 16, w = AP / 2; o2 > 1; o2 /= 2, w /= 2) {
-                bool upper = (lane & o2) != 0;  // keeps pairs [w, 2w) of its current set
-#pragma unroll
-                for (int i = 0; i < w; i++) {
-                    float send = upper ? d[i] : d[w + i];
-                    float got = __shfl_xor_sync(0xffffffffu, send, o2);
-                    d[i] = __fadd_rn(upper ? d[w + i] : d[i], got);
-                }
-            }
-            float s = __fadd_rn(d[0], __shfl_xor_sync(0xffffffffu, d[0], 1));
-            if (mine < np && j <= mylast) {
-                v = __fmul_rn(s, scale);
-                mx = fmaxf(mx, v);
-            }
-        }
-        if ((lane & 1) == 0) st[mine][jj] = v;
-    }
+    float mx;
+    if (hd <= 32) mx = tile_scores<1>(qs, st, ck, kvw, g, hd, pos0 + r0 + mine / gs, j0, jend, np, scale, f16);
+    else if (hd <= 64) mx = tile_scores<2>(qs, st, ck, kvw, g, hd, pos0 + r0 + mine / gs, j0, jend, np, scale, f16);
+    else if (hd <= 128) mx = tile_scores<4>(qs, st, ck, kvw, g, hd, pos0 + r0 + mine / gs, j0, jend, np, scale, f16);
+    else mx = tile_scores<8>(qs, st, ck, kvw, g, hd, pos0 + r0 + mine / gs, j0, jend, np, scale, f16);
     if ((lane & 1) == 0) smax[mine][warp] = mx;
     __syncthreads();
     // e in place, thread t owning slot t of every pair; each warp's sum by a
