@@ -584,6 +584,240 @@ __device__ void mm_tc_k(const u8* W, i64 mat_stride, int row_bytes, const int* m
     }
 }
 
+// The weights of one Q4_K/Q5_K block for this thread's four rows: the
+// 16-byte header (d, dmin, packed scales and mins), the Q5 high bits at
+// 8 tq.. and the quants at 32 p + 8 tq.. (p = 0..3).
+struct TcW {
+    u32 h[4][4];
+    uint2 q[4][4];  // [p][row]
+    uint2 qh[4];
+};
+
+template <int Q5>
+__device__ __forceinline__ void tc_load_w(TcW& w, const u8* const* wr, int b, int tq) {
+    const int BYTES = Q5 ? 176 : 144;
+    const int QS = Q5 ? 48 : 16;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const u8* blk = wr[i] + (i64)b * BYTES;
+        const u32* h = (const u32*)blk;
+#pragma unroll
+        for (int k = 0; k < 4; k++) w.h[i][k] = h[k];
+        if (Q5) w.qh[i] = *(const uint2*)(blk + 16 + 8 * tq);
+#pragma unroll
+        for (int p = 0; p < 4; p++) w.q[p][i] = *(const uint2*)(blk + QS + 32 * p + 8 * tq);
+    }
+}
+
+// This thread's share of staging one activation block of the tile's 16 rows:
+// two 16-byte pieces of quants (c = tid, tid + 128 of 16 rows x 16 pieces)
+// and, for tid < 64, one pair of sub-block bsums (and the row's scale).
+struct TcA {
+    int4 v[2];
+    u32 bs;
+    float da;
+};
+
+__device__ __forceinline__ void tc_load_a(TcA& x, const u8* A, i64 arow, int r0, int nr, int b, int tid) {
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        int c = tid + 128 * k, t = c / 16, q = c % 16;
+        x.v[k] = t < nr ? ld_i4(A + (r0 + t) * arow + (i64)b * Q8K_BYTES + q * 16) : make_int4(0, 0, 0, 0);
+    }
+    x.bs = 0;
+    x.da = 0.0f;
+    if (tid < TQ_ROWS * 4) {
+        int t = tid / 4, w = tid % 4;
+        if (t < nr) {
+            const u8* ab = A + (r0 + t) * arow + (i64)b * Q8K_BYTES;
+            const i16* bs = (const i16*)(ab + Q8K_BSUMS);
+            int s0 = (int)bs[4 * w] + (int)bs[4 * w + 1];  // |sum of 32 int8| < 2^15
+            int s1 = (int)bs[4 * w + 2] + (int)bs[4 * w + 3];
+            x.bs = ((u32)s0 & 0xffffu) | ((u32)s1 << 16);
+            x.da = *(const float*)(ab + Q8K_D);
+        }
+    }
+}
+
+__device__ __forceinline__ void tc_store_a(const TcA& x, u8* sq, int (*sbs)[4], float* sda, int tid) {
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        int c = tid + 128 * k, t = c / 16, q = c % 16;
+        *(int4*)(sq + t * TQ_AST + q * 16) = x.v[k];
+    }
+    if (tid < TQ_ROWS * 4) {
+        int t = tid / 4, w = tid % 4;
+        sbs[t][w] = (int)x.bs;
+        if (w == 0) sda[t] = x.da;
+    }
+}
+
+// One block of 128 threads (the staging above assumes exactly 128).
+// Software-pipelined over the weight blocks: block b + 1's weights (into
+// registers) and activations (into the other of two shared buffers) are
+// loaded while block b computes; one barrier per block. The arithmetic of
+// each element is unchanged.
+template <int Q5>
+__device__ void mm_tc_pipe_k(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A,
+                        float* Y, int rows, int m, int nb) {
+    __shared__ __align__(16) u8 sq[2][TQ_ROWS * TQ_AST];
+    __shared__ int sbs[2][TQ_ROWS][4];  // sub-block bsums as i16 pairs (0,1) (2,3) (4,5) (6,7)
+    __shared__ float sda[2][TQ_ROWS];
+    __shared__ int smat[TQ_ROWS];
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    int r0 = blockIdx.y * TQ_ROWS;
+    if (r0 >= m) return;
+    int nr = min(TQ_ROWS, m - r0);
+    if (tid < TQ_ROWS) smat[tid] = tid < nr ? (mats ? mats[r0 + tid] : 0) : -1;
+    __syncthreads();
+    int gq = lane >> 2, tq = lane & 3;
+    int wbase = blockIdx.x * TQ_WROWS + warp * 32;
+    i64 arow = (i64)nb * Q8K_BYTES;
+    // Rows of the tile with no matrix get zeros, as in the dp4a kernels.
+    for (int c = tid; c < TQ_ROWS * TQ_WROWS; c += blockDim.x) {
+        int t = c / TQ_WROWS, j = blockIdx.x * TQ_WROWS + c % TQ_WROWS;
+        if (t < nr && smat[t] < 0 && j < rows) Y[(i64)(r0 + t) * rows + j] = 0.0f;
+    }
+    int prev = -1;
+    for (;;) {
+        // The next matrix of the tile, ascending (uniform over the block).
+        int cur = 0x7fffffff;
+        for (int t = 0; t < TQ_ROWS; t++) {
+            int v = smat[t];
+            if (v > prev && v < cur) cur = v;
+        }
+        if (cur == 0x7fffffff) break;
+        prev = cur;
+        const u8* wr[4];  // this thread's weight rows: wbase + 8i + gq
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int j = min(wbase + 8 * i + gq, rows - 1);
+            wr[i] = W + (i64)cur * mat_stride + (i64)j * row_bytes;
+        }
+        float acc[2][2][4];
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int b = 0; b < 2; b++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) acc[a][b][c] = 0.0f;
+        // Prologue: block 0's activations staged in buffer 0, its weights in
+        // registers. (The barrier also orders this matrix's first writes
+        // after the previous matrix's last reads of buffer 0.)
+        TcW w;
+        TcA x;
+        __syncthreads();
+        tc_load_a(x, A, arow, r0, nr, 0, tid);
+        tc_store_a(x, sq[0], sbs[0], sda[0], tid);
+        tc_load_w<Q5>(w, wr, 0, tq);
+        __syncthreads();
+        for (int b = 0; b < nb; b++) {
+            const int cb = b & 1;
+            TcW wn;
+            bool more = b + 1 < nb;
+            if (more) {
+                tc_load_a(x, A, arow, r0, nr, b + 1, tid);
+                tc_load_w<Q5>(wn, wr, b + 1, tq);
+            }
+            // Scales and mins of the four rows, packed a byte per sub-block.
+            u32 scl[4], sch[4], mnl[4], mnh[4];
+            float dw[4], dmw[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                u32 h0 = w.h[i][0], h1 = w.h[i][1], h2 = w.h[i][2], h3 = w.h[i][3];
+                dw[i] = f16_to_f32((u16)(h0 & 0xffff));
+                dmw[i] = f16_to_f32((u16)(h0 >> 16));
+                scl[i] = h1 & 0x3f3f3f3fu;
+                mnl[i] = h2 & 0x3f3f3f3fu;
+                sch[i] = (h3 & 0x0f0f0f0fu) | (((h1 >> 6) & 0x03030303u) << 4);
+                mnh[i] = ((h3 >> 4) & 0x0f0f0f0fu) | (((h2 >> 6) & 0x03030303u) << 4);
+            }
+            int isum[2][2][4];
+#pragma unroll
+            for (int a = 0; a < 2; a++)
+#pragma unroll
+                for (int n = 0; n < 2; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) isum[a][n][c] = 0;
+            // The fragments take each sub-block's values in the k order
+            // "thread tq: a0/b0 = values 8tq..8tq+3, a2/b1 = 8tq+4..8tq+7"
+            // (the same permutation for weights and activations, so the
+            // exact dots are unchanged) and load 8 contiguous bytes each.
+            const u8* sqb = sq[cb];
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    int s = 2 * p + h;
+                    u32 al[4], ah[4];
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        al[i] = (w.q[p][i].x >> (4 * h)) & 0x0F0F0F0Fu;
+                        ah[i] = (w.q[p][i].y >> (4 * h)) & 0x0F0F0F0Fu;
+                        if (Q5) {
+                            al[i] |= ((w.qh[i].x >> s) & 0x01010101u) << 4;
+                            ah[i] |= ((w.qh[i].y >> s) & 0x01010101u) << 4;
+                        }
+                    }
+                    u32 bq[2][2];
+#pragma unroll
+                    for (int n = 0; n < 2; n++) {
+                        uint2 v = *(const uint2*)(sqb + (n * 8 + gq) * TQ_AST + s * 32 + 8 * tq);
+                        bq[n][0] = v.x;
+                        bq[n][1] = v.y;
+                    }
+#pragma unroll
+                    for (int a = 0; a < 2; a++) {
+                        int sc0 = byte_of(s < 4 ? scl[2 * a] : sch[2 * a], s & 3);
+                        int sc1 = byte_of(s < 4 ? scl[2 * a + 1] : sch[2 * a + 1], s & 3);
+#pragma unroll
+                        for (int n = 0; n < 2; n++) {
+                            int d[4];
+                            mma_s8(d, al[2 * a], al[2 * a + 1], ah[2 * a], ah[2 * a + 1], bq[n][0], bq[n][1]);
+                            isum[a][n][0] += sc0 * d[0];
+                            isum[a][n][1] += sc0 * d[1];
+                            isum[a][n][2] += sc1 * d[2];
+                            isum[a][n][3] += sc1 * d[3];
+                        }
+                    }
+                }
+            }
+            // The block's float step for each of the thread's 16 elements:
+            // element (a, n, c) is weight row 2a + c/2 and activation row
+            // 8n + 2tq + c%2.
+#pragma unroll
+            for (int a = 0; a < 2; a++)
+#pragma unroll
+                for (int n = 0; n < 2; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                        int ms = __dp2a_lo(sbs[cb][t][0], (int)mnl[i], 0);
+                        ms = __dp2a_hi(sbs[cb][t][1], (int)mnl[i], ms);
+                        ms = __dp2a_lo(sbs[cb][t][2], (int)mnh[i], ms);
+                        ms = __dp2a_hi(sbs[cb][t][3], (int)mnh[i], ms);
+                        acc[a][n][c] = step_min(acc[a][n][c], dw[i], dmw[i], sda[cb][t], isum[a][n][c], ms);
+                    }
+            if (more) {
+                // Buffer cb ^ 1 was last read in block b - 1, before the
+                // barrier that ended it.
+                tc_store_a(x, sq[cb ^ 1], sbs[cb ^ 1], sda[cb ^ 1], tid);
+                w = wn;
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int n = 0; n < 2; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    int j = wbase + 8 * (2 * a + c / 2) + gq, t = 8 * n + 2 * tq + c % 2;
+                    if (j < rows && t < nr && smat[t] == cur) Y[(i64)(r0 + t) * rows + j] = acc[a][n][c];
+                }
+    }
+}
+
 #define TC_KERNEL(name, Q5)                                                                    \
     extern "C" __global__ void __launch_bounds__(128)                                          \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
@@ -593,6 +827,17 @@ __device__ void mm_tc_k(const u8* W, i64 mat_stride, int row_bytes, const int* m
 
 TC_KERNEL(mm_tc_q4_k, 0)
 TC_KERNEL(mm_tc_q5_k, 1)
+
+// The software-pipelined variant (opt-in while it is measured: the same bytes).
+#define TC_PIPE_KERNEL(name, Q5)                                                               \
+    extern "C" __global__ void __launch_bounds__(128)                                          \
+        name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
+             int rows, int m, int nb) {                                                        \
+        mm_tc_pipe_k<Q5>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);                   \
+    }
+
+TC_PIPE_KERNEL(mm_tc_q4_k_pipe, 0)
+TC_PIPE_KERNEL(mm_tc_q5_k_pipe, 1)
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
 // then a fixed butterfly.

@@ -48,6 +48,9 @@ pub struct Cuda {
     /// Wide Q4_K/Q5_K calls on the tensor-core kernels (default); off with
     /// `SAMESUM_CUDA_TC=0` (the dp4a kernels, same bytes) for comparisons.
     tensor_cores: bool,
+    /// The software-pipelined tensor-core kernels (`SAMESUM_CUDA_TC_PIPE=1`;
+    /// opt-in until measured: the same bytes as the plain ones).
+    tc_pipe: bool,
     /// Tier mode: each trunk matrix's device address by its file offset
     /// (`file` then holds the trunk packed); empty in resident mode.
     trunk: HashMap<usize, u64>,
@@ -358,6 +361,7 @@ impl Cuda {
             vecs,
             maps: Mutex::new(HashMap::new()),
             tensor_cores: std::env::var("SAMESUM_CUDA_TC").as_deref() != Ok("0"),
+            tc_pipe: std::env::var("SAMESUM_CUDA_TC_PIPE").as_deref() == Ok("1"),
             graphs: std::env::var("SAMESUM_CUDA_GRAPHS").as_deref() != Ok("0"),
             trunk,
             tier,
@@ -412,6 +416,13 @@ impl Cuda {
     #[doc(hidden)]
     pub fn set_graphs(&mut self, on: bool) {
         self.graphs = on;
+    }
+
+    /// Use the software-pipelined tensor-core kernels (`true`; the default
+    /// is `SAMESUM_CUDA_TC_PIPE=1`) or the plain ones, for comparisons.
+    #[doc(hidden)]
+    pub fn set_tc_pipeline(&mut self, on: bool) {
+        self.tc_pipe = on;
     }
 
     /// The device.
@@ -587,10 +598,11 @@ impl Cuda {
                 let nbi = (w.cols / 256) as i32;
                 let a = input.q8k(d)?;
                 if wide && tensor_cores && matches!(w.ty, GgmlType::Q4_K | GgmlType::Q5_K) {
-                    let k = if w.ty == GgmlType::Q4_K {
-                        "mm_tc_q4_k"
-                    } else {
-                        "mm_tc_q5_k"
+                    let k = match (w.ty == GgmlType::Q4_K, self.tc_pipe) {
+                        (true, false) => "mm_tc_q4_k",
+                        (true, true) => "mm_tc_q4_k_pipe",
+                        (false, false) => "mm_tc_q5_k",
+                        (false, true) => "mm_tc_q5_k_pipe",
                     };
                     let ct = cfg(
                         (w.rows.div_ceil(128) as u32, m.div_ceil(TC_ROWS) as u32, 1),

@@ -258,6 +258,8 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_q8_0_r4",
             "mm_tc_q4_k",
             "mm_tc_q5_k",
+            "mm_tc_q4_k_pipe",
+            "mm_tc_q5_k_pipe",
             "mm_f32",
             "mm_f16",
             "mm_bf16",

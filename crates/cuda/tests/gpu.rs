@@ -84,59 +84,86 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
         return;
     }
     let mut checked = 0;
+    // The tiny shapes have 256 columns (one weight block per row); a wider
+    // one runs the kernels' block loop over several blocks (odd and even).
+    let mut shapes_: Vec<shapes::Shape> =
+        SHAPES.iter().map(|n| shapes::by_name(n).unwrap()).collect();
+    shapes_.push(shapes::Shape {
+        hidden: 768,
+        expert_ff: 512,
+        layers: 1,
+        ..shapes::by_name("tiny-qwen3moe").unwrap()
+    });
     for quant in [GgmlType::Q4_K, GgmlType::Q5_K] {
-        for shape in SHAPES {
-            let (_dir, model) = synth(shape, quant, 11);
-            let cuda = Cuda::new(0, &model, false).unwrap();
-            let moe = &model.w.layers[0].moe;
-            let mats: Vec<&samesum_engine::model::weights::Matrix> = vec![&moe.gate, &moe.down]
-                .into_iter()
-                .chain(match &model.w.layers[0].mixer {
-                    Mixer::Attention(a) => vec![&a.q],
-                    Mixer::Linear(d) => vec![&d.out],
-                })
-                .filter(|w| w.ty == quant)
-                .collect();
-            assert!(!mats.is_empty(), "{shape}: no {quant:?} matrix to test");
-            let mut rng = Rng::new(5);
-            for w in mats {
-                for m in [17, 33, 64, 100, 257] {
-                    let x: Vec<f32> = (0..m * w.cols).map(|_| rng.normal() * 0.5).collect();
-                    let ids: Option<Vec<i32>> = (w.n_mats > 1).then(|| {
-                        (0..m)
-                            .map(|r| {
-                                if r % 7 == 3 {
-                                    -1
-                                } else {
-                                    (rng.next_u64() % w.n_mats as u64) as i32
-                                }
-                            })
-                            .collect()
-                    });
-                    let tc = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
-                    let dp = cuda.matmul_host(w, &x, m, ids.as_deref(), false).unwrap();
-                    assert!(tc.iter().all(|v| v.is_finite()), "{}: non-finite", w.name);
-                    let same = |a: &[f32], b: &[f32]| {
-                        a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
-                    };
-                    assert!(same(&tc, &dp), "{} m={m}: tensor cores != dp4a", w.name);
-                    for r in [0, m / 2, m - 1] {
-                        let one = cuda
-                            .matmul_host(
-                                w,
-                                &x[r * w.cols..(r + 1) * w.cols],
-                                1,
-                                ids.as_ref().map(|v| &v[r..r + 1]),
-                                true,
-                            )
-                            .unwrap();
+        for sh in &shapes_ {
+            let shape = format!("{} x{}", sh.name, sh.hidden);
+            let dir = tempfile::tempdir().unwrap();
+            let p = dir.path().join("m.gguf");
+            write_model(
+                &SynthOptions::new(sh.clone(), quant, 11),
+                &p,
+                &mut |_, _| {},
+            )
+            .unwrap();
+            let model = Model::load(&p).unwrap();
+            let mut cuda = Cuda::new(0, &model, false).unwrap();
+            for pipe in [false, true] {
+                cuda.set_tc_pipeline(pipe);
+                let kind = if pipe { "pipelined " } else { "" };
+                let moe = &model.w.layers[0].moe;
+                let mats: Vec<&samesum_engine::model::weights::Matrix> = vec![&moe.gate, &moe.down]
+                    .into_iter()
+                    .chain(match &model.w.layers[0].mixer {
+                        Mixer::Attention(a) => vec![&a.q],
+                        Mixer::Linear(d) => vec![&d.out],
+                    })
+                    .filter(|w| w.ty == quant)
+                    .collect();
+                assert!(!mats.is_empty(), "{shape}: no {quant:?} matrix to test");
+                let mut rng = Rng::new(5);
+                for w in mats {
+                    for m in [17, 33, 64, 100, 257] {
+                        let x: Vec<f32> = (0..m * w.cols).map(|_| rng.normal() * 0.5).collect();
+                        let ids: Option<Vec<i32>> = (w.n_mats > 1).then(|| {
+                            (0..m)
+                                .map(|r| {
+                                    if r % 7 == 3 {
+                                        -1
+                                    } else {
+                                        (rng.next_u64() % w.n_mats as u64) as i32
+                                    }
+                                })
+                                .collect()
+                        });
+                        let tc = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
+                        let dp = cuda.matmul_host(w, &x, m, ids.as_deref(), false).unwrap();
+                        assert!(tc.iter().all(|v| v.is_finite()), "{}: non-finite", w.name);
+                        let same = |a: &[f32], b: &[f32]| {
+                            a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
+                        };
                         assert!(
-                            same(&one, &tc[r * w.rows..(r + 1) * w.rows]),
-                            "{} m={m} row {r}: one-row call differs",
+                            same(&tc, &dp),
+                            "{} m={m}: {kind}tensor cores != dp4a",
                             w.name
                         );
+                        for r in [0, m / 2, m - 1] {
+                            let one = cuda
+                                .matmul_host(
+                                    w,
+                                    &x[r * w.cols..(r + 1) * w.cols],
+                                    1,
+                                    ids.as_ref().map(|v| &v[r..r + 1]),
+                                    true,
+                                )
+                                .unwrap();
+                            assert!(
+                                same(&one, &tc[r * w.rows..(r + 1) * w.rows]),
+                                "{} m={m} row {r}: one-row call differs",
+                                w.name
+                            );
+                        }
+                        checked += 1;
                     }
-                    checked += 1;
                 }
             }
         }
