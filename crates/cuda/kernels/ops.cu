@@ -698,6 +698,65 @@ extern "C" __global__ void plan_place(const int* ids, int n, int k, const int* o
     }
 }
 
+// The whole plan in one launch for small calls (n <= 256 pairs, e <= 2048
+// experts; decode is n = k): one block does what plan_count, plan_scan and
+// plan_place do (and the zeroing of the counts before them), with the same
+// results: every expert's padded count, their exclusive scan as offsets (an
+// integer sum: the same whatever the order), and pair p of expert e placed
+// at offsets[e] + (pairs before p with expert e). Unused places stay -1.
+#define PLAN_SMALL_PAIRS 256
+#define PLAN_SMALL_EXPERTS 2048
+extern "C" __global__ void __launch_bounds__(256)
+    plan_small(const int* ids, int n, int k, int e, int pad, int* placed_row, int* placed_mat, int* slot, int cap) {
+    __shared__ int sid[PLAN_SMALL_PAIRS];
+    __shared__ int cnt[PLAN_SMALL_EXPERTS];  // counts, then offsets
+    __shared__ int part[256];
+    int t = threadIdx.x;
+    for (int i = t; i < cap; i += 256) {
+        placed_row[i] = -1;
+        placed_mat[i] = -1;
+    }
+    for (int i = t; i < e; i += 256) cnt[i] = 0;
+    if (t < n) sid[t] = ids[t];
+    __syncthreads();
+    if (t < n && sid[t] >= 0) atomicAdd(&cnt[sid[t]], 1);
+    __syncthreads();
+    // Thread t owns experts [lo, hi): their padded counts' sum, an inclusive
+    // scan of those sums over the threads, then each expert's offset.
+    int per = (e + 255) / 256;
+    int lo = min(t * per, e), hi = min(lo + per, e);
+    int mine = 0;
+    for (int i = lo; i < hi; i++) mine += (cnt[i] + pad - 1) / pad * pad;
+    part[t] = mine;
+    __syncthreads();
+    for (int o = 1; o < 256; o *= 2) {
+        int add = t >= o ? part[t - o] : 0;
+        __syncthreads();
+        part[t] += add;
+        __syncthreads();
+    }
+    int run = part[t] - mine;
+    for (int i = lo; i < hi; i++) {
+        int v = (cnt[i] + pad - 1) / pad * pad;
+        cnt[i] = run;
+        run += v;
+    }
+    __syncthreads();
+    if (t < n) {
+        int id = sid[t];
+        if (id < 0) {
+            slot[t] = -1;
+        } else {
+            int before = 0;
+            for (int q = 0; q < t; q++) before += sid[q] == id;
+            int dst = cnt[id] + before;
+            placed_row[dst] = t / k;
+            placed_mat[dst] = id;
+            slot[t] = dst;
+        }
+    }
+}
+
 // y[r] = sum over slots s in k order of w[r][s] * out[slot[r][s]] (skipped ids
 // left out), plus sigmoid(gi[r]) * ys[r] when there is a shared expert.
 extern "C" __global__ void moe_combine(const float* out, const int* slot, const float* wts, const float* ys,

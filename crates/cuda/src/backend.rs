@@ -51,6 +51,9 @@ pub struct Cuda {
     /// The software-pipelined tensor-core kernels (`SAMESUM_CUDA_TC_PIPE=1`;
     /// opt-in until measured: the same bytes as the plain ones).
     tc_pipe: bool,
+    /// Small calls' expert plans in one launch (`plan_small`; default, off
+    /// with `SAMESUM_CUDA_SMALL_PLAN=0`: the same plan in three launches).
+    small_plan: bool,
     /// Tier mode: each trunk matrix's device address by its file offset
     /// (`file` then holds the trunk packed); empty in resident mode.
     trunk: HashMap<usize, u64>,
@@ -133,6 +136,10 @@ impl<'a> Input<'a> {
 /// Rows per tile of the tensor-core matmuls: the expert plan pads each
 /// expert's rows to a multiple of this in wide calls.
 const TC_ROWS: usize = 16;
+
+/// The one-launch plan's limits (`plan_small` in ops.cu).
+const PLAN_SMALL_PAIRS: usize = 256;
+const PLAN_SMALL_EXPERTS: usize = 2048;
 
 /// One sequence's state on the device.
 pub struct CudaState {
@@ -362,6 +369,7 @@ impl Cuda {
             maps: Mutex::new(HashMap::new()),
             tensor_cores: std::env::var("SAMESUM_CUDA_TC").as_deref() != Ok("0"),
             tc_pipe: std::env::var("SAMESUM_CUDA_TC_PIPE").as_deref() == Ok("1"),
+            small_plan: std::env::var("SAMESUM_CUDA_SMALL_PLAN").as_deref() != Ok("0"),
             graphs: std::env::var("SAMESUM_CUDA_GRAPHS").as_deref() != Ok("0"),
             trunk,
             tier,
@@ -1133,6 +1141,105 @@ impl Cuda {
         self.matmul(&dn.out, &o, m, None, y)
     }
 
+    /// The expert plan of `n` (token, k) pairs (`ids`, -1 for skipped):
+    /// each expert's rows padded to `pad`, placed in token order. Returns the
+    /// placed pairs' token rows and experts (`cap` places, -1 where unused)
+    /// and each pair's place (-1 for skipped ids). `small` (up to 256 pairs)
+    /// runs it as one launch, otherwise as histogram, scan and placement:
+    /// the same results.
+    #[allow(clippy::too_many_arguments)]
+    fn plan(
+        &self,
+        ids: &CudaSlice<i32>,
+        n: usize,
+        k: usize,
+        e: usize,
+        pad: usize,
+        cap: usize,
+        small: bool,
+    ) -> Result<(CudaSlice<i32>, CudaSlice<i32>, CudaSlice<i32>)> {
+        let d = &self.dev;
+        let (ei, ki, ni, padi, capi) = (e as i32, k as i32, n as i32, pad as i32, cap as i32);
+        let mut placed_row = d.scratch::<i32>(cap)?;
+        let mut placed_mat = d.scratch::<i32>(cap)?;
+        let mut slot = d.scratch::<i32>(n)?;
+        if small && n <= PLAN_SMALL_PAIRS && e <= PLAN_SMALL_EXPERTS {
+            launch!(
+                d,
+                "plan_small",
+                cfg((1, 1, 1), 256, 0),
+                ids,
+                &ni,
+                &ki,
+                &ei,
+                &padi,
+                &mut placed_row,
+                &mut placed_mat,
+                &mut slot,
+                &capi
+            )?;
+            return Ok((placed_row, placed_mat, slot));
+        }
+        let mut counts = d.zeros::<i32>(e)?;
+        launch!(
+            d,
+            "plan_count",
+            cfg1(cap),
+            ids,
+            &ni,
+            &mut counts,
+            &mut placed_row,
+            &mut placed_mat,
+            &capi
+        )?;
+        let mut offsets = d.scratch::<i32>(e)?;
+        launch!(
+            d,
+            "plan_scan",
+            cfg((1, 1, 1), 1024, 0),
+            &counts,
+            &mut offsets,
+            &ei,
+            &padi
+        )?;
+        launch!(
+            d,
+            "plan_place",
+            cfg((e as u32, 1, 1), 256, 0),
+            ids,
+            &ni,
+            &ki,
+            &offsets,
+            &mut placed_row,
+            &mut placed_mat,
+            &mut slot
+        )?;
+        Ok((placed_row, placed_mat, slot))
+    }
+
+    /// The expert plan on host data, for the kernel tests: (placed rows,
+    /// placed experts, slots), through the one-launch kernel (`small`) or
+    /// the three-kernel path.
+    #[doc(hidden)]
+    pub fn plan_host(
+        &self,
+        ids: &[i32],
+        k: usize,
+        e: usize,
+        pad: usize,
+        small: bool,
+    ) -> Result<(Vec<i32>, Vec<i32>, Vec<i32>)> {
+        let n = ids.len();
+        let cap = n + e.min(n) * (pad - 1);
+        let idd = self.dev.upload(ids)?;
+        let (r, m, sl) = self.plan(&idd, n, k, e, pad, cap, small)?;
+        Ok((
+            self.dev.download(&r, cap)?,
+            self.dev.download(&m, cap)?,
+            self.dev.download(&sl, n)?,
+        ))
+    }
+
     fn moe_rows(
         &self,
         model: &Model,
@@ -1165,7 +1272,7 @@ impl Cuda {
         self.mm(&mw.router, &xin, None, &mut logits)?;
         let mut ids = d.scratch::<i32>(n)?;
         let mut wts = d.scratch::<f32>(n)?;
-        let (mi, ei, ki, ni) = (m as i32, e as i32, k as i32, n as i32);
+        let (mi, ei, ki) = (m as i32, e as i32, k as i32);
         if e > 2048 {
             return Err(CudaError::Driver {
                 op: "route".into(),
@@ -1184,45 +1291,8 @@ impl Cuda {
             &ki
         )?;
         // The plan: histogram, scan, stable placement.
-        let mut counts = d.zeros::<i32>(e)?;
-        let mut placed_row = d.scratch::<i32>(cap)?;
-        let mut placed_mat = d.scratch::<i32>(cap)?;
+        let (placed_row, placed_mat, slot) = self.plan(&ids, n, k, e, pad, cap, self.small_plan)?;
         let capi = cap as i32;
-        launch!(
-            d,
-            "plan_count",
-            cfg1(cap),
-            &ids,
-            &ni,
-            &mut counts,
-            &mut placed_row,
-            &mut placed_mat,
-            &capi
-        )?;
-        let mut offsets = d.scratch::<i32>(e)?;
-        let padi = pad as i32;
-        launch!(
-            d,
-            "plan_scan",
-            cfg((1, 1, 1), 1024, 0),
-            &counts,
-            &mut offsets,
-            &ei,
-            &padi
-        )?;
-        let mut slot = d.scratch::<i32>(n)?;
-        launch!(
-            d,
-            "plan_place",
-            cfg((e as u32, 1, 1), 256, 0),
-            &ids,
-            &ni,
-            &ki,
-            &offsets,
-            &mut placed_row,
-            &mut placed_mat,
-            &mut slot
-        )?;
         // Gather, the experts' rows (each tile reads its experts' weights once), down.
         let mut xe = d.scratch::<f32>(cap * dm)?;
         let dmi = dm as i32;

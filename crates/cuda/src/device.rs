@@ -289,6 +289,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "plan_count",
             "plan_scan",
             "plan_place",
+            "plan_small",
             "moe_combine",
             "remap_ids",
         ],

@@ -171,6 +171,77 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
     eprintln!("tensor-core matmul cases equal: {checked}");
 }
 
+/// The one-launch expert plan (small calls) against the three-kernel plan
+/// and a plain host reference, on random routings with skipped (-1) ids:
+/// places padded per expert, pairs in token order, unused places -1.
+#[test]
+fn the_one_launch_plan_equals_the_three_kernel_plan() {
+    if !gpu() {
+        return;
+    }
+    let (_d, model) = synth("tiny-qwen3moe", GgmlType::Q8_0, 1);
+    let cuda = Cuda::new(0, &model, false).unwrap();
+    let mut rng = Rng::new(21);
+    let mut cases = 0;
+    for e in [8usize, 128, 256, 512, 2048] {
+        for k in [1usize, 2, 8] {
+            for n in [1usize, 2, 7, 8, 64, 100, 255, 256] {
+                if n % k != 0 {
+                    continue;
+                }
+                for pad in [1usize, 16] {
+                    let ids: Vec<i32> = (0..n)
+                        .map(|_| {
+                            if rng.below(10) == 0 {
+                                -1
+                            } else {
+                                // Half the routings crowd 4 experts (many pairs each).
+                                let span = if rng.below(2) == 0 { e.min(4) } else { e };
+                                rng.below(span as u64) as i32
+                            }
+                        })
+                        .collect();
+                    // Host reference.
+                    let cap = n + e.min(n) * (pad - 1);
+                    let mut counts = vec![0usize; e];
+                    for &i in &ids {
+                        if i >= 0 {
+                            counts[i as usize] += 1;
+                        }
+                    }
+                    let mut off = vec![0usize; e];
+                    let mut run = 0;
+                    for x in 0..e {
+                        off[x] = run;
+                        run += counts[x].div_ceil(pad) * pad;
+                    }
+                    let (mut rows, mut mats, mut slot) =
+                        (vec![-1i32; cap], vec![-1i32; cap], vec![-1i32; n]);
+                    for (p, &i) in ids.iter().enumerate() {
+                        if i >= 0 {
+                            let dst = off[i as usize];
+                            off[i as usize] += 1;
+                            rows[dst] = (p / k) as i32;
+                            mats[dst] = i;
+                            slot[p] = dst as i32;
+                        }
+                    }
+                    let want = (rows, mats, slot);
+                    let small = cuda.plan_host(&ids, k, e, pad, true).unwrap();
+                    let three = cuda.plan_host(&ids, k, e, pad, false).unwrap();
+                    assert_eq!(
+                        three, want,
+                        "three-kernel plan: e={e} k={k} n={n} pad={pad}"
+                    );
+                    assert_eq!(small, want, "one-launch plan: e={e} k={k} n={n} pad={pad}");
+                    cases += 1;
+                }
+            }
+        }
+    }
+    eprintln!("{cases} plans equal (one launch, three launches, host)");
+}
+
 fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
     let (mut num, mut den) = (0f64, 0f64);
     for (g, w) in got.iter().zip(want) {
