@@ -204,7 +204,7 @@ mod tests {
             x ^= x << 17;
             x
         };
-        let mut check = |s: [u8; 12]| {
+        let check = |s: [u8; 12]| {
             let (sc, mn) = scales_mins_k4(&s);
             for j in 0..8 {
                 let (a, b) = scale_min_k4(j, &s);
