@@ -248,6 +248,26 @@ impl Cpu {
         }
         let cache = &*cache;
         let q = &*q;
+        // Enough rows to keep every thread busy: one task per (row, KV head),
+        // its query heads reading each key and value row once together.
+        // Otherwise (decode on many threads) one task per (row, head). Both
+        // compute every score and output element with the same operations
+        // in the same order (attend_group_matches_attend_head).
+        if m * p.n_head_kv >= 4 * self.threads() {
+            self.par_heads(o, rep * hd, |t, out| {
+                let (r, g) = (t / p.n_head_kv, t % p.n_head_kv);
+                let (qr, pos) = (&q[r * qw..(r + 1) * qw], pos0 + r);
+                match cache {
+                    KvLayer::F32 { k, v } => {
+                        attend_group(qr, g, rep, hd, kvw, pos, scale, k, v, out)
+                    }
+                    KvLayer::F16 { k, v } => {
+                        attend_group(qr, g, rep, hd, kvw, pos, scale, k, v, out)
+                    }
+                }
+            });
+            return;
+        }
         self.par_heads(o, hd, |t, out| {
             let (r, h) = (t / p.n_head, t % p.n_head);
             let (qr, pos) = (&q[r * qw..(r + 1) * qw], pos0 + r);
@@ -615,6 +635,67 @@ widest! {
     ) => attend_head
 }
 
+widest! {
+    /// [`attend_group_body`] compiled for the widest vectors the CPU has (the
+    /// same bytes at every width).
+    fn attend_group[T: KvElem](
+        q: &[f32],
+        g: usize,
+        rep: usize,
+        hd: usize,
+        kvw: usize,
+        pos: usize,
+        scale: f32,
+        k: &[T],
+        v: &[T],
+        out: &mut [f32],
+    ) => attend_group_body
+}
+
+/// The `rep` query heads of KV head `g` (heads `g * rep..`) attending over
+/// cache positions `0..=pos` together: each key and value row is read once
+/// for all of them. Per head, every score, the softmax and every output
+/// element are computed exactly as [`attend_head`] computes them (scores in
+/// key order, each a [`dot16`]; the value sum in key order). `out` holds the
+/// `rep` heads' outputs, `hd` each.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn attend_group_body<T: KvElem>(
+    q: &[f32],
+    g: usize,
+    rep: usize,
+    hd: usize,
+    kvw: usize,
+    pos: usize,
+    scale: f32,
+    k: &[T],
+    v: &[T],
+    out: &mut [f32],
+) {
+    let n = pos + 1;
+    let mut s = vec![0f32; rep * n];
+    for j in 0..n {
+        let kr = &k[j * kvw + g * hd..j * kvw + (g + 1) * hd];
+        for hh in 0..rep {
+            let h = g * rep + hh;
+            s[hh * n + j] = dot16(&q[h * hd..(h + 1) * hd], kr) * scale;
+        }
+    }
+    for sh in s.chunks_exact_mut(n) {
+        softmax(sh);
+    }
+    out.fill(0.0);
+    for j in 0..n {
+        let vr = &v[j * kvw + g * hd..j * kvw + (g + 1) * hd];
+        for (hh, oh) in out.chunks_exact_mut(hd).enumerate() {
+            let pj = s[hh * n + j];
+            for i in 0..hd {
+                oh[i] += pj * vr[i].f32();
+            }
+        }
+    }
+}
+
 /// One query head attending over cache positions `0..=pos`: scores in key order
 /// (each a [`dot16`]), softmax, then the value sum in key order.
 #[allow(clippy::too_many_arguments)]
@@ -644,6 +725,60 @@ fn attend_head<T: KvElem>(
         let vr = &v[j * kvw + g * hd..j * kvw + (g + 1) * hd];
         for i in 0..hd {
             out[i] += pj * vr[i].f32();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The grouped attention (all query heads of a KV head at once) against
+    /// one head at a time, byte for byte, f32 and f16 caches: the prefill and
+    /// the decode paths of `attention_rows` compute the same bytes.
+    #[test]
+    fn attend_group_matches_attend_head() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+        };
+        for (rep, hd, n_kv) in [(1, 16, 1), (2, 64, 2), (8, 128, 4), (8, 256, 2), (3, 40, 2)] {
+            let kvw = n_kv * hd;
+            for pos in [0, 1, 15, 16, 17, 300] {
+                let q: Vec<f32> = (0..rep * n_kv * hd).map(|_| rnd()).collect();
+                let k: Vec<f32> = (0..(pos + 1) * kvw).map(|_| rnd()).collect();
+                let v: Vec<f32> = (0..(pos + 1) * kvw).map(|_| rnd()).collect();
+                let kh: Vec<half::f16> = k.iter().map(|&a| half::f16::from_f32(a)).collect();
+                let vh: Vec<half::f16> = v.iter().map(|&a| half::f16::from_f32(a)).collect();
+                let scale = 1.0 / (hd as f32).sqrt();
+                for g in 0..n_kv {
+                    let mut grouped = vec![f32::NAN; rep * hd];
+                    let mut grouped16 = vec![f32::NAN; rep * hd];
+                    attend_group(&q, g, rep, hd, kvw, pos, scale, &k, &v, &mut grouped);
+                    attend_group(&q, g, rep, hd, kvw, pos, scale, &kh, &vh, &mut grouped16);
+                    for hh in 0..rep {
+                        let h = g * rep + hh;
+                        let mut one = vec![f32::NAN; hd];
+                        let mut one16 = vec![f32::NAN; hd];
+                        attend(&q, h, rep, hd, kvw, pos, scale, &k, &v, &mut one);
+                        attend(&q, h, rep, hd, kvw, pos, scale, &kh, &vh, &mut one16);
+                        let bits = |a: &[f32]| a.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(&grouped[hh * hd..(hh + 1) * hd]),
+                            bits(&one),
+                            "rep {rep} hd {hd} pos {pos} head {h}"
+                        );
+                        assert_eq!(
+                            bits(&grouped16[hh * hd..(hh + 1) * hd]),
+                            bits(&one16),
+                            "f16: rep {rep} hd {hd} pos {pos} head {h}"
+                        );
+                    }
+                }
+            }
         }
     }
 }

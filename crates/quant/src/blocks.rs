@@ -117,6 +117,24 @@ pub fn e8m0_to_f32_half(e: u8) -> f32 {
     f32::from_bits(bits)
 }
 
+/// All eight 6-bit scales and mins of a Q4_K/Q5_K block at once, a byte per
+/// group (group j in byte j, little-endian): the same values as
+/// [`scale_min_k4`] for j = 0..8, from 32-bit masks and shifts instead of
+/// eight byte-wise calls.
+#[inline]
+pub fn scales_mins_k4(s: &[u8; 12]) -> (u64, u64) {
+    let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let (h1, h2, h3) = (w(0), w(1), w(2));
+    let sc_lo = h1 & 0x3f3f_3f3f;
+    let mn_lo = h2 & 0x3f3f_3f3f;
+    let sc_hi = (h3 & 0x0f0f_0f0f) | (((h1 >> 6) & 0x0303_0303) << 4);
+    let mn_hi = ((h3 >> 4) & 0x0f0f_0f0f) | (((h2 >> 6) & 0x0303_0303) << 4);
+    (
+        sc_lo as u64 | ((sc_hi as u64) << 32),
+        mn_lo as u64 | ((mn_hi as u64) << 32),
+    )
+}
+
 /// Unpack the 6-bit scale and min of group `j` (0..8) of a Q4_K/Q5_K block.
 #[inline]
 pub fn scale_min_k4(j: usize, s: &[u8; 12]) -> (u8, u8) {
@@ -173,6 +191,36 @@ mod tests {
             } else {
                 assert_eq!(ours.to_bits(), reference.to_bits(), "{bits:#06x}");
             }
+        }
+    }
+
+    #[test]
+    fn all_scales_and_mins_at_once_equal_the_one_group_unpacking() {
+        // Every byte value at every position (the others random), then random blocks.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let check = |s: [u8; 12]| {
+            let (sc, mn) = scales_mins_k4(&s);
+            for j in 0..8 {
+                let (a, b) = scale_min_k4(j, &s);
+                assert_eq!(((sc >> (8 * j)) & 0xff) as u8, a, "{s:?} scale {j}");
+                assert_eq!(((mn >> (8 * j)) & 0xff) as u8, b, "{s:?} min {j}");
+            }
+        };
+        for pos in 0..12 {
+            for v in 0..=255u8 {
+                let mut s: [u8; 12] = std::array::from_fn(|_| next() as u8);
+                s[pos] = v;
+                check(s);
+            }
+        }
+        for _ in 0..100_000 {
+            check(std::array::from_fn(|_| next() as u8));
         }
     }
 }

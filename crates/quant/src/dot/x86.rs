@@ -442,14 +442,8 @@ unsafe fn q4_k_avx512(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
             std::array::from_fn(|c| _mm512_loadu_si512(IDX_K4[c].as_ptr() as *const _));
         let pairs = _mm512_loadu_si512(IDX_PAIRS.as_ptr() as *const _);
         for (w, a) in w.iter().zip(a) {
-            let mut sc = [0u8; 16];
-            let mut mn = [0u8; 16];
-            for j in 0..8 {
-                (sc[j], mn[j]) = scale_min_k4(j, &w.scales);
-            }
-            let scv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(
-                sc.as_ptr() as *const __m128i
-            )));
+            let (sc, mn) = scales_mins_k4(&w.scales);
+            let scv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_cvtsi64_si128(sc as i64)));
             let mut v = _mm512_setzero_si512();
             for c in 0..4 {
                 // Nibble chunk c: low nibbles are sub-block 2c, high nibbles 2c+1,
@@ -468,9 +462,7 @@ unsafe fn q4_k_avx512(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
             }
             let sumi = _mm512_reduce_add_epi32(v);
             // Σ_j m_j (bsum_2j + bsum_2j+1), exactly.
-            let mnv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(
-                mn.as_ptr() as *const __m128i
-            )));
+            let mnv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_cvtsi64_si128(mn as i64)));
             let m2 = _mm512_castsi512_si256(_mm512_permutexvar_epi16(pairs, mnv));
             let summ = hsum_i32(_mm256_madd_epi16(
                 m2,
@@ -832,17 +824,12 @@ pub(super) unsafe fn q4_k_avx512_multi2(
             let mut m2 = [_mm256_setzero_si256(); 2];
             let mut dd = [(0f32, 0f32); 2];
             for (t, wb) in [&w0[b], &w1[b]].into_iter().enumerate() {
-                let mut sc = [0u8; 16];
-                let mut mn = [0u8; 16];
-                for j in 0..8 {
-                    (sc[j], mn[j]) = scale_min_k4(j, &wb.scales);
-                }
-                let scv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(
-                    sc.as_ptr() as *const __m128i,
-                )));
-                let mnv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(
-                    mn.as_ptr() as *const __m128i,
-                )));
+                // The eight scales and mins a byte each (upper 8 bytes zero).
+                let (sc, mn) = scales_mins_k4(&wb.scales);
+                let scv =
+                    _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_cvtsi64_si128(sc as i64)));
+                let mnv =
+                    _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_cvtsi64_si128(mn as i64)));
                 m2[t] = _mm512_castsi512_si256(_mm512_permutexvar_epi16(pairs, mnv));
                 for c in 0..4 {
                     let q = load256u(&wb.qs[c * 32..]);
