@@ -242,14 +242,18 @@ __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*
 // long context parallel (a block per KV head and tile) instead of one
 // sequential chain per output.
 //
+// A step's rows may come in several calls (row groups, to bound the
+// partials' memory): a call's row r is the step's row rbase + r, at position
+// *posp + rbase + r; nothing else changes.
+//
 // Block (g, y, b): KV head g, a tile of rows (16 / gs rows x the gs query
 // heads of the group = up to 16 pairs, each key and value row read once for
 // all of them), key tile b. Writes pml[(pair, b)] = (m_b, l_b) and
 // pacc[(pair, b)] = a_b for pairs with a key in the tile; `nb` tiles per pair.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
-                    int hkv, int hd, const int* posp, float scale, int f16, int nb) {
-    int pos0 = *posp;
+                    int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
+    int pos0 = *posp + rbase;  // this call's row 0 is row rbase of the step
     __shared__ float qs[AP][ATT_HD];
     __shared__ __align__(16) float st[AP][ATT_T];  // 16-byte rows: the value pass reads float4s
     __shared__ float smax[AP][ATT_WARPS];
@@ -319,8 +323,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // The tiles of each (row, head) pair folded in tile order (see
 // attention_tiles): a block per pair, a thread per output dim.
 extern "C" __global__ void attention_combine(const float* pml, const float* pacc, float* o, int m, int hq, int hd,
-                                             const int* posp, int nb) {
-    int pos0 = *posp;
+                                             const int* posp, int rbase, int nb) {
+    int pos0 = *posp + rbase;
     int pair = blockIdx.x, t = threadIdx.x;
     int r = pair / hq;
     int tiles = (pos0 + r + 1 + ATT_T - 1) / ATT_T;

@@ -54,6 +54,9 @@ pub struct Cuda {
     /// Small calls' expert plans in one launch (`plan_small`; default, off
     /// with `SAMESUM_CUDA_SMALL_PLAN=0`: the same plan in three launches).
     small_plan: bool,
+    /// Most bytes of attention partials one call may use (rows run in groups
+    /// under it; [`ATTN_PARTIALS`] unless set for a test).
+    attn_partials: usize,
     /// Tier mode: each trunk matrix's device address by its file offset
     /// (`file` then holds the trunk packed); empty in resident mode.
     trunk: HashMap<usize, u64>,
@@ -140,6 +143,12 @@ const TC_ROWS: usize = 16;
 /// The one-launch plan's limits (`plan_small` in ops.cu).
 const PLAN_SMALL_PAIRS: usize = 256;
 const PLAN_SMALL_EXPERTS: usize = 2048;
+
+/// Most bytes of attention partials (per pair and key tile: max, sum and a
+/// head-dim row) one attention call allocates; longer contexts run the rows
+/// in groups. 256 MiB: a 512-row chunk of qwen3moe (32 heads of 128) stays in
+/// one group up to ~7,900 positions.
+const ATTN_PARTIALS: usize = 256 << 20;
 
 /// One sequence's state on the device.
 pub struct CudaState {
@@ -370,6 +379,7 @@ impl Cuda {
             tensor_cores: std::env::var("SAMESUM_CUDA_TC").as_deref() != Ok("0"),
             tc_pipe: std::env::var("SAMESUM_CUDA_TC_PIPE").as_deref() == Ok("1"),
             small_plan: std::env::var("SAMESUM_CUDA_SMALL_PLAN").as_deref() != Ok("0"),
+            attn_partials: ATTN_PARTIALS,
             graphs: std::env::var("SAMESUM_CUDA_GRAPHS").as_deref() != Ok("0"),
             trunk,
             tier,
@@ -431,6 +441,13 @@ impl Cuda {
     #[doc(hidden)]
     pub fn set_tc_pipeline(&mut self, on: bool) {
         self.tc_pipe = on;
+    }
+
+    /// Cap the attention partials of one call at `bytes` (rows then run in
+    /// groups; 1 runs one row at a time), for the tests.
+    #[doc(hidden)]
+    pub fn set_attention_partials(&mut self, bytes: usize) {
+        self.attn_partials = bytes.max(1);
     }
 
     /// The device.
@@ -891,40 +908,55 @@ impl Cuda {
         } else {
             (st.pos + m).div_ceil(256)
         };
-        let mut pml = d.scratch::<f32>(m * hq * nb * 2)?;
-        let mut pacc = d.scratch::<f32>(m * hq * nb * hd)?;
+        // The partials (a max, a sum and a head-dim row per pair and tile)
+        // grow with rows x context, so long contexts run the rows in groups
+        // that keep them under `attn_partials` bytes. Each pair's sums are
+        // the same whatever group it is in.
+        let per_row = hq * nb * (hd + 2) * 4;
+        let group = (self.attn_partials / per_row).clamp(1, m);
+        let group = m.div_ceil(m.div_ceil(group)); // groups of even size
+        let mut pml = d.scratch::<f32>(group * hq * nb * 2)?;
+        let mut pacc = d.scratch::<f32>(group * hq * nb * hd)?;
         let nbi = nb as i32;
-        launch!(
-            d,
-            "attention_tiles",
-            cfg((hkv as u32, m.div_ceil(16 / gs) as u32, nb as u32), 256, 0),
-            &q,
-            &*ck,
-            &*cv,
-            &mut pml,
-            &mut pacc,
-            &mi,
-            &hqi,
-            &hkvi,
-            &hdi,
-            pos0,
-            &scale,
-            &f16,
-            &nbi
-        )?;
-        launch!(
-            d,
-            "attention_combine",
-            cfg(((m * hq) as u32, 1, 1), hd.div_ceil(32) as u32 * 32, 0),
-            &pml,
-            &pacc,
-            &mut o,
-            &mi,
-            &hqi,
-            &hdi,
-            pos0,
-            &nbi
-        )?;
+        for r0 in (0..m).step_by(group) {
+            let mr = group.min(m - r0);
+            let (mri, r0i) = (mr as i32, r0 as i32);
+            let qg = q.slice(r0 * qw..(r0 + mr) * qw);
+            launch!(
+                d,
+                "attention_tiles",
+                cfg((hkv as u32, mr.div_ceil(16 / gs) as u32, nb as u32), 256, 0),
+                &qg,
+                &*ck,
+                &*cv,
+                &mut pml,
+                &mut pacc,
+                &mri,
+                &hqi,
+                &hkvi,
+                &hdi,
+                pos0,
+                &r0i,
+                &scale,
+                &f16,
+                &nbi
+            )?;
+            let mut og = o.slice_mut(r0 * qw..(r0 + mr) * qw);
+            launch!(
+                d,
+                "attention_combine",
+                cfg(((mr * hq) as u32, 1, 1), hd.div_ceil(32) as u32 * 32, 0),
+                &pml,
+                &pacc,
+                &mut og,
+                &mri,
+                &hqi,
+                &hdi,
+                pos0,
+                &r0i,
+                &nbi
+            )?;
+        }
         if let Some(g) = gate {
             let n = (m * qw) as i64;
             launch!(d, "sigmoid_mul", cfg1(m * qw), &mut o, &g, &n)?;

@@ -393,6 +393,37 @@ fn attention_at_the_real_models_head_shapes() {
     }
 }
 
+/// Attention rows run in groups when their partials would pass the cap:
+/// logits at every position byte-equal with the default cap, with one row
+/// per group, and with groups of a few rows, over 300 tokens (two key tiles).
+#[test]
+fn attention_row_groups_equal_one_call() {
+    if !gpu() {
+        return;
+    }
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 6);
+        let mut cuda = Cuda::new(0, &model, false).unwrap();
+        let mut rng = Rng::new(8);
+        let tokens: Vec<u32> = (0..300)
+            .map(|_| rng.below(model.w.n_vocab as u64) as u32)
+            .collect();
+        let whole = all_logits(&cuda, &model, &tokens, 64);
+        for cap in [1usize, 20_000] {
+            cuda.set_attention_partials(cap);
+            let grouped = all_logits(&cuda, &model, &tokens, 64);
+            assert!(
+                whole
+                    .iter()
+                    .zip(&grouped)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{shape}: attention in row groups (cap {cap} bytes) differs"
+            );
+        }
+        eprintln!("{shape}: attention in row groups == one call");
+    }
+}
+
 #[test]
 fn batched_forward_equals_replay_on_the_gpu() {
     if !gpu() {
