@@ -21,6 +21,10 @@ struct Shared {
     /// worker claims tasks only for the generation it read here, so it never
     /// pairs one run's generation with the next run's job or count.
     job: std::sync::Mutex<Option<Current>>,
+    /// The first panic of the current run's tasks, re-raised by `run` once
+    /// every task has finished (a task that panics still counts as done, so
+    /// the run neither hangs nor returns while other tasks use its closure).
+    panic: std::sync::Mutex<Option<Box<dyn std::any::Any + Send>>>,
     shutdown: AtomicBool,
 }
 
@@ -56,6 +60,7 @@ impl Pool {
             ticket: AtomicU64::new(0),
             done: AtomicUsize::new(0),
             job: std::sync::Mutex::new(None),
+            panic: std::sync::Mutex::new(None),
             shutdown: AtomicBool::new(false),
         });
         let workers = (1..threads)
@@ -110,6 +115,10 @@ impl Pool {
             std::hint::spin_loop();
         }
         *s.job.lock().expect("pool lock") = None;
+        let panicked = s.panic.lock().map(|mut p| p.take()).unwrap_or(None);
+        if let Some(p) = panicked {
+            std::panic::resume_unwind(p);
+        }
     }
 
     /// Call `f(i, &mut items[i])` for every item, in parallel.
@@ -141,7 +150,12 @@ fn claim_tasks(s: &Shared, gen_: u64, n: usize, job: Job) {
         {
             // SAFETY: a task of the current generation was claimed, so `run` is
             // still waiting and the job is alive.
-            unsafe { (*job)(i) };
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { (*job)(i) }));
+            if let Err(p) = r
+                && let Ok(mut first) = s.panic.lock()
+            {
+                first.get_or_insert(p);
+            }
             s.done.fetch_add(1, Ordering::Release);
         }
     }
@@ -210,6 +224,34 @@ mod tests {
                 .enumerate()
                 .all(|(i, &x)| x == 200 * i + (0..200).sum::<usize>())
         );
+    }
+
+    /// A panicking task (on a worker or on the caller) makes `run` panic
+    /// with its message after every other task has finished: no hang, and
+    /// the pool works afterwards.
+    #[test]
+    fn a_panicking_task_is_raised_by_run_after_the_others_finish() {
+        let pool = Pool::new(3);
+        for bad in [0usize, 5, 63] {
+            let hits: Vec<AtomicUsize> = (0..64).map(|_| AtomicUsize::new(0)).collect();
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                pool.run(64, &|i| {
+                    if i == bad {
+                        panic!("task {i} failed");
+                    }
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                })
+            }));
+            let msg = r.expect_err("run must raise the task's panic");
+            let msg = msg.downcast_ref::<String>().cloned().unwrap_or_default();
+            assert_eq!(msg, format!("task {bad} failed"));
+            for (i, h) in hits.iter().enumerate() {
+                assert_eq!(h.load(Ordering::Relaxed), (i != bad) as usize, "task {i}");
+            }
+        }
+        let mut v = vec![0usize; 100];
+        pool.for_each_mut(&mut v, |i, x| *x = i);
+        assert!(v.iter().enumerate().all(|(i, &x)| x == i));
     }
 
     /// A run returns only after every task of its own job ran, exactly once,
