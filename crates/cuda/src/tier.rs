@@ -211,12 +211,12 @@ impl ExpertCache {
 
     /// Hit rate so far (0 when nothing was looked up).
     pub fn hit_rate(&self) -> f64 {
-        let n = self.hits + self.misses;
-        if n == 0 {
-            0.0
-        } else {
-            self.hits as f64 / n as f64
+        samesum_engine::backend::OffloadCounters {
+            hits: self.hits,
+            misses: self.misses,
+            ..Default::default()
         }
+        .hit_rate()
     }
 
     /// Make the experts one step routes to in `layer` resident: `ids` are the

@@ -32,14 +32,13 @@ fn gpu() -> bool {
 }
 
 fn synth(shape: &str, quant: GgmlType, seed: u64) -> (tempfile::TempDir, Model) {
+    synth_shape(shapes::by_name(shape).unwrap(), quant, seed)
+}
+
+fn synth_shape(shape: shapes::Shape, quant: GgmlType, seed: u64) -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("m.gguf");
-    write_model(
-        &SynthOptions::new(shapes::by_name(shape).unwrap(), quant, seed),
-        &p,
-        &mut |_, _| {},
-    )
-    .unwrap();
+    write_model(&SynthOptions::new(shape, quant, seed), &p, &mut |_, _| {}).unwrap();
     let m = Model::load(&p).unwrap();
     (dir, m)
 }
@@ -372,15 +371,7 @@ fn attention_at_the_real_models_head_shapes() {
             layers: 1,
             ..shapes::by_name("tiny-qwen3moe").unwrap()
         };
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("m.gguf");
-        write_model(
-            &SynthOptions::new(shape, GgmlType::F32, 4),
-            &p,
-            &mut |_, _| {},
-        )
-        .unwrap();
-        let model = Model::load(&p).unwrap();
+        let (_dir, model) = synth_shape(shape, GgmlType::F32, 4);
         let cuda = Cuda::new(0, &model, false).unwrap();
         let what = format!("heads {heads}/{kv_heads} x {head_dim}");
         if let Err(e) = block_ops_match(&cuda, &model, MS, 78) {

@@ -250,30 +250,20 @@ impl Cpu {
         let q = &*q;
         // Enough rows to keep every thread busy: one task per (row, KV head),
         // its query heads reading each key and value row once together.
-        // Otherwise (decode on many threads) one task per (row, head). Both
-        // compute every score and output element with the same operations
-        // in the same order (attend_group_matches_attend_head).
-        if m * p.n_head_kv >= 4 * self.threads() {
-            self.par_heads(o, rep * hd, |t, out| {
-                let (r, g) = (t / p.n_head_kv, t % p.n_head_kv);
-                let (qr, pos) = (&q[r * qw..(r + 1) * qw], pos0 + r);
-                match cache {
-                    KvLayer::F32 { k, v } => {
-                        attend_group(qr, g, rep, hd, kvw, pos, scale, k, v, out)
-                    }
-                    KvLayer::F16 { k, v } => {
-                        attend_group(qr, g, rep, hd, kvw, pos, scale, k, v, out)
-                    }
-                }
-            });
-            return;
-        }
-        self.par_heads(o, hd, |t, out| {
-            let (r, h) = (t / p.n_head, t % p.n_head);
-            let (qr, pos) = (&q[r * qw..(r + 1) * qw], pos0 + r);
+        // Otherwise (decode on many threads) one task per (row, head). Each
+        // head's arithmetic is the same either way (a_head_group_attends_as_each_head_alone).
+        let per = if m * p.n_head_kv >= 4 * self.threads() {
+            rep
+        } else {
+            1
+        };
+        self.par_heads(o, per * hd, |t, out| {
+            let (r, h0) = (t * per / p.n_head, t * per % p.n_head);
+            let (qh, pos) = (&q[r * qw + h0 * hd..r * qw + (h0 + per) * hd], pos0 + r);
+            let g = h0 / rep;
             match cache {
-                KvLayer::F32 { k, v } => attend(qr, h, rep, hd, kvw, pos, scale, k, v, out),
-                KvLayer::F16 { k, v } => attend(qr, h, rep, hd, kvw, pos, scale, k, v, out),
+                KvLayer::F32 { k, v } => attend(qh, g, hd, kvw, pos, scale, k, v, out),
+                KvLayer::F16 { k, v } => attend(qh, g, hd, kvw, pos, scale, k, v, out),
             }
         });
     }
@@ -618,30 +608,12 @@ fn dot16<T: KvElem>(q: &[f32], k: &[T]) -> f32 {
 }
 
 widest! {
-    /// [`attend_head`] compiled for the widest vectors the CPU has (the same
-    /// bytes at every width: its lanes are fixed by [`dot16`], not by the vector
-    /// size).
+    /// [`attend_heads`] compiled for the widest vectors the CPU has (the same
+    /// bytes at every width: its lanes are fixed by [`dot16`], not by the
+    /// vector size).
     fn attend[T: KvElem](
         q: &[f32],
-        h: usize,
-        rep: usize,
-        hd: usize,
-        kvw: usize,
-        pos: usize,
-        scale: f32,
-        k: &[T],
-        v: &[T],
-        out: &mut [f32],
-    ) => attend_head
-}
-
-widest! {
-    /// [`attend_group_body`] compiled for the widest vectors the CPU has (the
-    /// same bytes at every width).
-    fn attend_group[T: KvElem](
-        q: &[f32],
         g: usize,
-        rep: usize,
         hd: usize,
         kvw: usize,
         pos: usize,
@@ -649,21 +621,19 @@ widest! {
         k: &[T],
         v: &[T],
         out: &mut [f32],
-    ) => attend_group_body
+    ) => attend_heads
 }
 
-/// The `rep` query heads of KV head `g` (heads `g * rep..`) attending over
-/// cache positions `0..=pos` together: each key and value row is read once
-/// for all of them. Per head, every score, the softmax and every output
-/// element are computed exactly as [`attend_head`] computes them (scores in
-/// key order, each a [`dot16`]; the value sum in key order). `out` holds the
-/// `rep` heads' outputs, `hd` each.
+/// Query heads of KV head `g` (`q` and `out` hold `q.len() / hd` of them, `hd`
+/// each) attending over cache positions `0..=pos` together, so each key and
+/// value row is read once for all of them. Per head: scores in key order, each
+/// a [`dot16`], then softmax, then the value sum in key order; nothing depends
+/// on how many heads share the call.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn attend_group_body<T: KvElem>(
+fn attend_heads<T: KvElem>(
     q: &[f32],
     g: usize,
-    rep: usize,
     hd: usize,
     kvw: usize,
     pos: usize,
@@ -673,12 +643,11 @@ fn attend_group_body<T: KvElem>(
     out: &mut [f32],
 ) {
     let n = pos + 1;
-    let mut s = vec![0f32; rep * n];
+    let mut s = vec![0f32; q.len() / hd * n];
     for j in 0..n {
         let kr = &k[j * kvw + g * hd..j * kvw + (g + 1) * hd];
-        for hh in 0..rep {
-            let h = g * rep + hh;
-            s[hh * n + j] = dot16(&q[h * hd..(h + 1) * hd], kr) * scale;
+        for (sh, qh) in s.chunks_exact_mut(n).zip(q.chunks_exact(hd)) {
+            sh[j] = dot16(qh, kr) * scale;
         }
     }
     for sh in s.chunks_exact_mut(n) {
@@ -687,44 +656,11 @@ fn attend_group_body<T: KvElem>(
     out.fill(0.0);
     for j in 0..n {
         let vr = &v[j * kvw + g * hd..j * kvw + (g + 1) * hd];
-        for (hh, oh) in out.chunks_exact_mut(hd).enumerate() {
-            let pj = s[hh * n + j];
+        for (sh, oh) in s.chunks_exact(n).zip(out.chunks_exact_mut(hd)) {
+            let pj = sh[j];
             for i in 0..hd {
                 oh[i] += pj * vr[i].f32();
             }
-        }
-    }
-}
-
-/// One query head attending over cache positions `0..=pos`: scores in key order
-/// (each a [`dot16`]), softmax, then the value sum in key order.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn attend_head<T: KvElem>(
-    q: &[f32],
-    h: usize,
-    rep: usize,
-    hd: usize,
-    kvw: usize,
-    pos: usize,
-    scale: f32,
-    k: &[T],
-    v: &[T],
-    out: &mut [f32],
-) {
-    let g = h / rep;
-    let qh = &q[h * hd..(h + 1) * hd];
-    let mut s = vec![0f32; pos + 1];
-    for (j, sj) in s.iter_mut().enumerate() {
-        let kr = &k[j * kvw + g * hd..j * kvw + (g + 1) * hd];
-        *sj = dot16(qh, kr) * scale;
-    }
-    softmax(&mut s);
-    out.fill(0.0);
-    for (j, &pj) in s.iter().enumerate() {
-        let vr = &v[j * kvw + g * hd..j * kvw + (g + 1) * hd];
-        for i in 0..hd {
-            out[i] += pj * vr[i].f32();
         }
     }
 }
@@ -737,7 +673,7 @@ mod tests {
     /// one head at a time, byte for byte, f32 and f16 caches: the prefill and
     /// the decode paths of `attention_rows` compute the same bytes.
     #[test]
-    fn attend_group_matches_attend_head() {
+    fn a_head_group_attends_as_each_head_alone() {
         let mut x = 0x2545_f491_4f6c_dd1du64;
         let mut rnd = move || {
             x ^= x << 13;
@@ -755,16 +691,18 @@ mod tests {
                 let vh: Vec<half::f16> = v.iter().map(|&a| half::f16::from_f32(a)).collect();
                 let scale = 1.0 / (hd as f32).sqrt();
                 for g in 0..n_kv {
+                    let qg = &q[g * rep * hd..(g + 1) * rep * hd];
                     let mut grouped = vec![f32::NAN; rep * hd];
                     let mut grouped16 = vec![f32::NAN; rep * hd];
-                    attend_group(&q, g, rep, hd, kvw, pos, scale, &k, &v, &mut grouped);
-                    attend_group(&q, g, rep, hd, kvw, pos, scale, &kh, &vh, &mut grouped16);
+                    attend(qg, g, hd, kvw, pos, scale, &k, &v, &mut grouped);
+                    attend(qg, g, hd, kvw, pos, scale, &kh, &vh, &mut grouped16);
                     for hh in 0..rep {
                         let h = g * rep + hh;
+                        let qh = &q[h * hd..(h + 1) * hd];
                         let mut one = vec![f32::NAN; hd];
                         let mut one16 = vec![f32::NAN; hd];
-                        attend(&q, h, rep, hd, kvw, pos, scale, &k, &v, &mut one);
-                        attend(&q, h, rep, hd, kvw, pos, scale, &kh, &vh, &mut one16);
+                        attend(qh, g, hd, kvw, pos, scale, &k, &v, &mut one);
+                        attend(qh, g, hd, kvw, pos, scale, &kh, &vh, &mut one16);
                         let bits = |a: &[f32]| a.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                         assert_eq!(
                             bits(&grouped[hh * hd..(hh + 1) * hd]),
