@@ -39,6 +39,19 @@ __device__ __forceinline__ u32 ld_u32(const u8* p) {
 
 #define INFINITY __int_as_float(0x7f800000)
 
+// The first statement of every kernel. Under programmatic dependent launch
+// (Hopper and later; see Device::launch_raw) a kernel may start while the one
+// before it in the stream is still running: `griddepcontrol.wait` blocks until
+// that kernel has completed and its memory writes are visible, so nothing is
+// read or written early. `launch_dependents` then lets the next kernel be
+// scheduled (it waits in turn). Without the launch attribute both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }

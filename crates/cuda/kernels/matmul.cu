@@ -29,6 +29,7 @@
 
 // One warp per (row, 256-block): ggml's quantize_row_q8_K_ref.
 extern "C" __global__ void quantize_q8k(const float* x, u8* out, int cols, int m) {
+    pdl_wait();
     int nb = cols / 256;
     int blk = blockIdx.x;
     int r = blockIdx.y;
@@ -77,6 +78,7 @@ extern "C" __global__ void quantize_q8k(const float* x, u8* out, int cols, int m
 // One thread per (row, 32-block): ggml's quantize_row_q8_0_ref (d rounded to
 // f16, quants rounded half away from zero).
 extern "C" __global__ void quantize_q8_0(const float* x, u8* out, int cols, int m) {
+    pdl_wait();
     int nb = cols / 32;
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (i64)m * nb) return;
@@ -368,9 +370,77 @@ __device__ void mm_blocks(const u8* W, i64 mat_stride, int row_bytes, const int*
 #define MM_KERNEL(name, F, RW)                                                                \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                  \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
-             int rows, int m, int nb) {                                                       \
+             int rows, int m, int nb) { pdl_wait();                                           \
         mm_blocks<F, RW>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);                  \
     }
+
+// ---------------------------------------------------------------- one row
+//
+// Decode-sized calls (one activation row, or a few rows that each name their
+// own expert): one warp per (weight row, activation row), so a warp never
+// waits on one expert's loads before the next expert's. Group b0 + G's
+// weights and activations are loaded before group b0's arithmetic (double
+// buffering), so a row of two groups (2,048 Q4_K columns) waits on memory
+// once. The per-element arithmetic is mm_blocks's: exact integer terms per
+// block, then the float steps in block order.
+template <class F>
+__device__ void mm_row(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A,
+                       float* Y, int rows, int m, int nb) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int j = blockIdx.x * WARPS + warp;
+    int r = blockIdx.y;
+    if (j >= rows || r >= m) return;
+    const int L = F::LANES, G = 32 / F::LANES;
+    int g = lane / L, s = lane % L;
+    int mat = mats ? mats[r] : 0;
+    if (mat < 0) {
+        if (lane == 0) Y[(i64)r * rows + j] = 0.0f;
+        return;
+    }
+    const u8* wr = W + mat * mat_stride + (i64)j * row_bytes;
+    const u8* ar = A + (i64)r * nb * F::ABYTES;
+    F f, fn;
+    typename F::A x = typename F::A(), xn = typename F::A();
+    if (g < nb) {
+        f.load(wr + (i64)g * F::BYTES, s);
+        x = F::act(ar + (i64)g * F::ABYTES, s);
+    }
+    float acc = 0.0f;
+    for (int b0 = 0; b0 < nb; b0 += G) {
+        int b = b0 + g;
+        bool ok = b < nb;
+        if (b + G < nb) {
+            fn.load(wr + (i64)(b + G) * F::BYTES, s);
+            xn = F::act(ar + (i64)(b + G) * F::ABYTES, s);
+        }
+        int ip = isum_lanes(ok ? f.iprod(x) : 0, L);
+        int mp = isum_lanes(ok ? f.mprod(x) : 0, L);
+        for (int gg = 0; gg < G && b0 + gg < nb; gg++) {
+            int src = gg * L;
+            int is = __shfl_sync(0xffffffffu, ip, src);
+            int ms = __shfl_sync(0xffffffffu, mp, src);
+            float dw = __shfl_sync(0xffffffffu, f.d, src);
+            float dm = __shfl_sync(0xffffffffu, f.dmin, src);
+            float da = __shfl_sync(0xffffffffu, x.da, src);
+            acc = F::step(acc, dw, dm, da, is, ms);
+        }
+        f = fn;
+        x = xn;
+    }
+    if (lane == 0) Y[(i64)r * rows + j] = acc;
+}
+
+#define MM_ROW_KERNEL(name, F)                                                                \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                  \
+        name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
+             int rows, int m, int nb) { pdl_wait();                                           \
+        mm_row<F>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);                         \
+    }
+
+MM_ROW_KERNEL(mm_q4_k_1, FmtQ4K)
+MM_ROW_KERNEL(mm_q5_k_1, FmtQ5K)
+MM_ROW_KERNEL(mm_q6_k_1, FmtQ6K)
+MM_ROW_KERNEL(mm_q8_0_1, FmtQ8_0)
 
 MM_KERNEL(mm_q4_k, FmtQ4K, 1)
 MM_KERNEL(mm_q5_k, FmtQ5K, 1)
@@ -821,7 +891,7 @@ __device__ void mm_tc_pipe_k(const u8* W, i64 mat_stride, int row_bytes, const i
 #define TC_KERNEL(name, Q5)                                                                    \
     extern "C" __global__ void __launch_bounds__(128)                                          \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
-             int rows, int m, int nb) {                                                        \
+             int rows, int m, int nb) { pdl_wait();                                            \
         mm_tc_k<Q5>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);                        \
     }
 
@@ -832,7 +902,7 @@ TC_KERNEL(mm_tc_q5_k, 1)
 #define TC_PIPE_KERNEL(name, Q5)                                                               \
     extern "C" __global__ void __launch_bounds__(128)                                          \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
-             int rows, int m, int nb) {                                                        \
+             int rows, int m, int nb) { pdl_wait();                                            \
         mm_tc_pipe_k<Q5>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);                   \
     }
 
@@ -866,19 +936,32 @@ __device__ void mm_float(const u8* W, i64 mat_stride, int row_bytes, const int* 
             const float* x = X + (i64)(r0 + t) * cols;
             // MMF_U elements' loads issued before their fmas (a row is a
             // chain of dependent fmas per lane; without the batch every
-            // step waits for its own load). The chain is lane l's over
+            // step waits for its own load), and the next batch's loads
+            // issued before this batch's fmas. The chain is lane l's over
             // elements l, l + 32, ... in order, as before.
+            float wv[MMF_U], xv[MMF_U], wn[MMF_U], xn[MMF_U];
+#pragma unroll
+            for (int u = 0; u < MMF_U; u++) {
+                int i = lane + 32 * u;
+                wv[u] = i < cols ? ld_w<KIND>(w, i) : 0.0f;
+                xv[u] = i < cols ? x[i] : 0.0f;
+            }
             for (int i0 = lane; i0 < cols; i0 += 32 * MMF_U) {
-                float wv[MMF_U], xv[MMF_U];
+                int i1 = i0 + 32 * MMF_U;
 #pragma unroll
                 for (int u = 0; u < MMF_U; u++) {
-                    int i = i0 + 32 * u;
-                    wv[u] = i < cols ? ld_w<KIND>(w, i) : 0.0f;
-                    xv[u] = i < cols ? x[i] : 0.0f;
+                    int i = i1 + 32 * u;
+                    wn[u] = i < cols ? ld_w<KIND>(w, i) : 0.0f;
+                    xn[u] = i < cols ? x[i] : 0.0f;
                 }
 #pragma unroll
                 for (int u = 0; u < MMF_U; u++)
                     if (i0 + 32 * u < cols) acc = __fmaf_rn(wv[u], xv[u], acc);
+#pragma unroll
+                for (int u = 0; u < MMF_U; u++) {
+                    wv[u] = wn[u];
+                    xv[u] = xn[u];
+                }
             }
             for (int o = 16; o > 0; o /= 2) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
         }
@@ -889,7 +972,7 @@ __device__ void mm_float(const u8* W, i64 mat_stride, int row_bytes, const int* 
 #define MMF_KERNEL(name, KIND)                                                                 \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const float* X, float* Y, \
-             int rows, int m, int cols) {                                                      \
+             int rows, int m, int cols) { pdl_wait();                                          \
         mm_float<KIND>(W, mat_stride, row_bytes, mats, X, Y, rows, m, cols);                   \
     }
 

@@ -9,6 +9,7 @@
 // RMSNorm of `m` rows of `width`: the sum of squares in f64, each thread over a
 // fixed stride, then a fixed tree; y = (x * scale) * w.
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int width, float eps) {
+    pdl_wait();
     __shared__ double part[NORM_THREADS];
     int r = blockIdx.x, t = threadIdx.x;
     const float* xr = x + (i64)r * width;
@@ -16,34 +17,46 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, in
     for (int i = t; i < width; i += NORM_THREADS) s += (double)xr[i] * (double)xr[i];
     part[t] = s;
     __syncthreads();
-    for (int o = NORM_THREADS / 2; o > 0; o /= 2) {
+    for (int o = NORM_THREADS / 2; o > 16; o /= 2) {
         if (t < o) part[t] = part[t] + part[t + o];
         __syncthreads();
     }
+    // The tree's last five levels in warp 0 by shuffles: lane t adds lane
+    // t + o's partial, exactly part[t] + part[t + o].
+    if (t < 32) {
+        double v = part[t];
+        for (int o = 16; o > 0; o /= 2) v = v + __shfl_down_sync(0xffffffffu, v, o);
+        if (t == 0) part[0] = v;
+    }
+    __syncthreads();
     float mean = (float)(part[0] / (double)width);
     float scale = 1.0f / sqrtf(mean + eps);
     for (int i = t; i < width; i += NORM_THREADS) y[(i64)r * width + i] = (xr[i] * scale) * w[i];
 }
 
 extern "C" __global__ void add_inplace(float* acc, const float* x, i64 n) {
+    pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) acc[i] = acc[i] + x[i];
 }
 
 // o *= sigmoid(g)
 extern "C" __global__ void sigmoid_mul(float* o, const float* g, i64 n) {
+    pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) o[i] = o[i] * sigmoid(g[i]);
 }
 
 // a = silu(a) * b
 extern "C" __global__ void silu_mul(float* a, const float* b, i64 n) {
+    pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) a[i] = silu(a[i]) * b[i];
 }
 
 // dst[r][c] = src[r][map[c]] for `m` rows.
 extern "C" __global__ void copy_cols(const float* src, int src_w, float* dst, int dst_w, const int* map, int m) {
+    pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)m * dst_w) return;
     int r = (int)(i / dst_w), c = (int)(i % dst_w);
@@ -52,6 +65,7 @@ extern "C" __global__ void copy_cols(const float* src, int src_w, float* dst, in
 
 // dst[i] = src[rows[i]] (rows of `width`).
 extern "C" __global__ void gather_rows(const float* src, const int* rows, float* dst, int width, int n) {
+    pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)n * width) return;
     int r = (int)(i / width), c = (int)(i % width);
@@ -64,6 +78,7 @@ extern "C" __global__ void gather_rows(const float* src, const int* rows, float*
 
 // NeoX RoPE on the first n_rot dims of each head of `m` rows at pos0 + r.
 extern "C" __global__ void rope(float* x, int m, int heads, int hd, int n_rot, float theta, const int* posp) {
+    pdl_wait();
     int pos0 = *posp;
     int half = n_rot / 2;
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -84,6 +99,7 @@ extern "C" __global__ void rope(float* x, int m, int heads, int hd, int n_rot, f
 // Write m rows of k and v (kvw wide) to the cache at positions pos0.. (f32 or f16).
 extern "C" __global__ void kv_write(const float* k, const float* v, void* ck, void* cv, const int* posp, int m,
                                     int kvw, int f16) {
+    pdl_wait();
     int pos0 = *posp;
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)m * kvw) return;
@@ -253,6 +269,7 @@ __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
                     int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
+    pdl_wait();
     int pos0 = *posp + rbase;  // this call's row 0 is row rbase of the step
     __shared__ float qs[AP][ATT_HD];
     __shared__ __align__(16) float st[AP][ATT_T];  // 16-byte rows: the value pass reads float4s
@@ -324,6 +341,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // attention_tiles): a block per pair, a thread per output dim.
 extern "C" __global__ void attention_combine(const float* pml, const float* pacc, float* o, int m, int hq, int hd,
                                              const int* posp, int rbase, int nb) {
+    pdl_wait();
     int pos0 = *posp + rbase;
     int pair = blockIdx.x, t = threadIdx.x;
     int r = pair / hq;
@@ -348,6 +366,7 @@ extern "C" __global__ void attention_combine(const float* pml, const float* pacc
 #define MAX_KC 8
 extern "C" __global__ void conv_rows(const float* x, const float* taps, const float* state, float* out, int m, int cd,
                                      int kc) {
+    pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)m * cd) return;
     int r = (int)(i / cd), c = (int)(i % cd);
@@ -361,6 +380,7 @@ extern "C" __global__ void conv_rows(const float* x, const float* taps, const fl
 }
 
 extern "C" __global__ void conv_shift(const float* x, float* state, int m, int cd, int kc) {
+    pdl_wait();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cd) return;
     // Ascending j reads state[j + m] before anything overwrites it.
@@ -372,16 +392,33 @@ extern "C" __global__ void conv_shift(const float* x, float* state, int m, int c
 
 // L2 norm of each dk-wide head of the q and k parts (2*hk heads) of m conv rows
 // into qk (m rows of 2*kd): the sum of squares in f64, index order.
-extern "C" __global__ void l2norm_qk(const float* conv, float* qk, int m, int cd, int hk, int dk, float eps) {
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
+// One warp per (row, head): the head's values are read once, coalesced, into
+// shared memory (head dims up to 256; larger ones read global memory); lane 0
+// sums the squares in f64 in index order (as the CPU does), then every lane
+// scales its values.
+#define L2_WARPS 4
+extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
+    l2norm_qk(const float* conv, float* qk, int m, int cd, int hk, int dk, float eps) {
+    pdl_wait();
+    __shared__ float stage[L2_WARPS][256];
+    int t = blockIdx.x * L2_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (t >= m * 2 * hk) return;
     int r = t / (2 * hk), h = t % (2 * hk);
     const float* src = conv + (i64)r * cd + h * dk;
     float* dst = qk + (i64)r * 2 * hk * dk + h * dk;
+    const float* v = src;
+    if (dk <= 256) {
+        float* sv = stage[threadIdx.x / 32];
+        for (int i = lane; i < dk; i += 32) sv[i] = src[i];
+        __syncwarp();
+        v = sv;
+    }
     double s = 0.0;
-    for (int i = 0; i < dk; i++) s += (double)src[i] * (double)src[i];
+    if (lane == 0)
+        for (int i = 0; i < dk; i++) s += (double)v[i] * (double)v[i];
+    s = __shfl_sync(0xffffffffu, s, 0);
     float scale = 1.0f / sqrtf((float)s + eps);
-    for (int i = 0; i < dk; i++) dst[i] = src[i] * scale;
+    for (int i = lane; i < dk; i += 32) dst[i] = v[i] * scale;
 }
 
 // Gated delta rule: block (n, c) holds columns 32c..32c+31 of value head n's
@@ -399,6 +436,7 @@ extern "C" __global__ void l2norm_qk(const float* conv, float* qk, int m, int cd
 extern "C" __global__ void __launch_bounds__(DCOLS)
     delta_rows(const float* qk, const float* conv, const float* b, const float* a, const float* dt_bias,
                const float* ssm_a, float* state, float* o, int m, int hk, int hv, int dk, int dv, int tiled) {
+    pdl_wait();
     extern __shared__ float sh[];
     float* S = sh;
     float* kq = sh + dk * DCOLS;
@@ -548,7 +586,7 @@ __device__ void delta_cols(const float* qk, const float* conv, const float* b, c
 #define DELTA_COLS(name, DK)                                                                         \
     extern "C" __global__ void __launch_bounds__(DC_COLS * DC_PARTS, 4)                               \
         name(const float* qk, const float* conv, const float* b, const float* a, const float* dt_bias, \
-             const float* ssm_a, float* state, float* o, int m, int hk, int hv, int dv, int tiled) {     \
+             const float* ssm_a, float* state, float* o, int m, int hk, int hv, int dv, int tiled) { pdl_wait(); \
         delta_cols<DK>(qk, conv, b, a, dt_bias, ssm_a, state, o, m, hk, hv, dv, tiled);              \
     }
 
@@ -562,6 +600,7 @@ DELTA_COLS(delta_cols_256, 256)
 // squares in f64 in index order (lane 0, as the CPU does), then
 // o = ((o * scale) * norm) * silu(z).
 extern "C" __global__ void gated_norm(float* o, const float* z, const float* norm, int rows_heads, int dv, float eps) {
+    pdl_wait();
     int w = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (w >= rows_heads) return;
     float* on = o + (i64)w * dv;
@@ -580,6 +619,7 @@ extern "C" __global__ void gated_norm(float* o, const float* z, const float* nor
 // first, lowest id among equals: k rounds of an exact warp argmax), weights
 // renormalized by their sum in k order clamped at 2^-14.
 extern "C" __global__ void route(float* logits, int* ids, float* wts, int m, int e, int k) {
+    pdl_wait();
     int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (r >= m) return;
     float* p = logits + (i64)r * e;
@@ -632,6 +672,7 @@ extern "C" __global__ void route(float* logits, int* ids, float* wts, int m, int
 //    marks every placed row unused (-1) up to `cap`, for the placement.
 extern "C" __global__ void plan_count(const int* ids, int n, int* counts, int* placed_row, int* placed_mat,
                                       int cap) {
+    pdl_wait();
     int p = blockIdx.x * blockDim.x + threadIdx.x;
     if (p < cap) {
         placed_row[p] = -1;
@@ -646,6 +687,7 @@ extern "C" __global__ void plan_count(const int* ids, int n, int* counts, int* p
 //    matmul's row tile), in one block: a Hillis-Steele scan over 1024-expert
 //    pieces carried in order.
 extern "C" __global__ void plan_scan(const int* counts, int* offsets, int e, int pad) {
+    pdl_wait();
     __shared__ int buf[1024];
     __shared__ int carry;
     int t = threadIdx.x;
@@ -675,6 +717,7 @@ extern "C" __global__ void plan_scan(const int* counts, int* offsets, int e, int
 //    plan_count has filled placed_row and placed_mat with -1.
 extern "C" __global__ void plan_place(const int* ids, int n, int k, const int* offsets, int* placed_row,
                                       int* placed_mat, int* slot) {
+    pdl_wait();
     __shared__ int wsum[8];
     int e = blockIdx.x, t = threadIdx.x, lane = t % 32, warp = t / 32;
     int carry = 0;
@@ -712,6 +755,7 @@ extern "C" __global__ void plan_place(const int* ids, int n, int k, const int* o
 #define PLAN_SMALL_EXPERTS 2048
 extern "C" __global__ void __launch_bounds__(256)
     plan_small(const int* ids, int n, int k, int e, int pad, int* placed_row, int* placed_mat, int* slot, int cap) {
+    pdl_wait();
     __shared__ int sid[PLAN_SMALL_PAIRS];
     __shared__ int cnt[PLAN_SMALL_EXPERTS];  // counts, then offsets
     __shared__ int part[256];
@@ -765,6 +809,7 @@ extern "C" __global__ void __launch_bounds__(256)
 // left out), plus sigmoid(gi[r]) * ys[r] when there is a shared expert.
 extern "C" __global__ void moe_combine(const float* out, const int* slot, const float* wts, const float* ys,
                                        const float* gi, float* y, int m, int k, int d, int shared) {
+    pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)m * d) return;
     int r = (int)(i / d), c = (int)(i % d);
@@ -782,6 +827,7 @@ extern "C" __global__ void moe_combine(const float* out, const int* slot, const 
 // slot table (expert -> slot), so the expert matmuls read a slot pool with
 // the same per-row matrix addressing as the resident weights. -1 stays -1.
 extern "C" __global__ void remap_ids(const int* ids, const int* table, int* out, int n) {
+    pdl_wait();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     int e = ids[i];

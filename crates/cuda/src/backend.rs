@@ -52,6 +52,11 @@ pub struct Cuda {
     /// with `SAMESUM_CUDA_TC_PIPE=0`: the same bytes, for comparisons).
     /// Measured on the H200: qwen35moe pp4096 5,647 -> 5,996 tok/s.
     tc_pipe: bool,
+    /// Decode-sized quantized calls (one row, or up to 16 rows with experts)
+    /// on the one-row kernels (`mm_*_1`: a warp per weight row and activation
+    /// row; default, off with `SAMESUM_CUDA_ROW=0`: the 16-row tile kernels,
+    /// the same bytes).
+    row_kernels: bool,
     /// Small calls' expert plans in one launch (`plan_small`; default, off
     /// with `SAMESUM_CUDA_SMALL_PLAN=0`: the same plan in three launches).
     small_plan: bool,
@@ -380,6 +385,7 @@ impl Cuda {
             tensor_cores: std::env::var("SAMESUM_CUDA_TC").as_deref() != Ok("0"),
             tc_pipe: std::env::var("SAMESUM_CUDA_TC_PIPE").as_deref() != Ok("0"),
             small_plan: std::env::var("SAMESUM_CUDA_SMALL_PLAN").as_deref() != Ok("0"),
+            row_kernels: std::env::var("SAMESUM_CUDA_ROW").as_deref() != Ok("0"),
             attn_partials: ATTN_PARTIALS,
             graphs: std::env::var("SAMESUM_CUDA_GRAPHS").as_deref() != Ok("0"),
             trunk,
@@ -435,6 +441,13 @@ impl Cuda {
     #[doc(hidden)]
     pub fn set_graphs(&mut self, on: bool) {
         self.graphs = on;
+    }
+
+    /// Use the one-row kernels for decode-sized calls (`true`, the default
+    /// unless `SAMESUM_CUDA_ROW=0`) or the 16-row tile kernels, for comparisons.
+    #[doc(hidden)]
+    pub fn set_row_kernels(&mut self, on: bool) {
+        self.row_kernels = on;
     }
 
     /// Use the software-pipelined tensor-core kernels (`true`, the default
@@ -587,14 +600,22 @@ impl Cuda {
         // Calls of more than one 16-row tile take four weight rows per warp
         // (same per-element arithmetic, activations read once for the four).
         let wide = m > 16;
+        // One activation row, or a few rows that each name an expert: a warp
+        // per (weight row, activation row), same per-element arithmetic.
+        let one_row = self.row_kernels && !wide && (m == 1 || mats.is_some());
+        let c1 = cfg((w.rows.div_ceil(4) as u32, m as u32, 1), 128, 0);
         let c4 = cfg(
             (w.rows.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
             128,
             0,
         );
         macro_rules! mm {
-            ($k:literal, $k4:literal, $a:expr, $n:expr) => {
-                if wide {
+            ($k:literal, $k4:literal, $k1:literal, $a:expr, $n:expr) => {
+                if one_row {
+                    launch!(
+                        d, $k1, c1, &wptr, &stride, &row_bytes, &mats_ptr, $a, y, &rows, &mi, $n
+                    )
+                } else if wide {
                     launch!(
                         d, $k4, c4, &wptr, &stride, &row_bytes, &mats_ptr, $a, y, &rows, &mi, $n
                     )
@@ -618,7 +639,7 @@ impl Cuda {
             GgmlType::Q8_0 => {
                 let nbi = (w.cols / 32) as i32;
                 let a = input.q80(d)?;
-                mm!("mm_q8_0", "mm_q8_0_r4", a, &nbi)
+                mm!("mm_q8_0", "mm_q8_0_r4", "mm_q8_0_1", a, &nbi)
             }
             GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
                 let nbi = (w.cols / 256) as i32;
@@ -640,9 +661,9 @@ impl Cuda {
                     );
                 }
                 match w.ty {
-                    GgmlType::Q4_K => mm!("mm_q4_k", "mm_q4_k_r4", a, &nbi),
-                    GgmlType::Q5_K => mm!("mm_q5_k", "mm_q5_k_r4", a, &nbi),
-                    _ => mm!("mm_q6_k", "mm_q6_k_r4", a, &nbi),
+                    GgmlType::Q4_K => mm!("mm_q4_k", "mm_q4_k_r4", "mm_q4_k_1", a, &nbi),
+                    GgmlType::Q5_K => mm!("mm_q5_k", "mm_q5_k_r4", "mm_q5_k_1", a, &nbi),
+                    _ => mm!("mm_q6_k", "mm_q6_k_r4", "mm_q6_k_1", a, &nbi),
                 }
             }
             other => Err(CudaError::Unsupported {
@@ -1084,7 +1105,7 @@ impl Cuda {
         launch!(
             d,
             "l2norm_qk",
-            cfg1(m * 2 * hk),
+            cfg(((m * 2 * hk).div_ceil(4) as u32, 1, 1), 128, 0),
             &conv,
             &mut qk,
             &mi,

@@ -43,6 +43,57 @@ pub struct Device {
     pub resources: Vec<(String, i32, i32)>,
     /// With `SAMESUM_CUDA_PROFILE=1`: an event pair around every launch.
     prof: Option<Mutex<Vec<Timed>>>,
+    /// Launches allow programmatic dependent launch (Hopper and later;
+    /// `SAMESUM_CUDA_PDL=0` turns it off): a kernel may be scheduled while
+    /// the one before it finishes, and waits (`griddepcontrol.wait`, the
+    /// first statement of every kernel) until that one has completed and its
+    /// writes are visible. Only the launch latency overlaps; no kernel reads
+    /// or writes anything before its predecessor is done.
+    pdl: std::sync::atomic::AtomicBool,
+}
+
+/// A kernel argument as the driver takes it: a device address (passed by
+/// value) or a pointer to a scalar.
+pub(crate) enum ArgSlot {
+    Addr(u64),
+    Val(*const std::ffi::c_void),
+}
+
+/// What a kernel launch can take as an argument.
+pub(crate) trait KernelArg {
+    fn slot(&self, stream: &CudaStream) -> ArgSlot;
+}
+
+macro_rules! scalar_arg {
+    ($($t:ty),*) => {$(
+        impl KernelArg for $t {
+            fn slot(&self, _: &CudaStream) -> ArgSlot {
+                ArgSlot::Val(self as *const $t as *const std::ffi::c_void)
+            }
+        }
+    )*};
+}
+scalar_arg!(i32, u32, i64, u64, f32);
+
+impl<T> KernelArg for CudaSlice<T> {
+    fn slot(&self, stream: &CudaStream) -> ArgSlot {
+        use cudarc::driver::DevicePtr;
+        ArgSlot::Addr(self.device_ptr(stream).0)
+    }
+}
+
+impl<T> KernelArg for cudarc::driver::CudaView<'_, T> {
+    fn slot(&self, stream: &CudaStream) -> ArgSlot {
+        use cudarc::driver::DevicePtr;
+        ArgSlot::Addr(self.device_ptr(stream).0)
+    }
+}
+
+impl<T> KernelArg for cudarc::driver::CudaViewMut<'_, T> {
+    fn slot(&self, stream: &CudaStream) -> ArgSlot {
+        use cudarc::driver::DevicePtr;
+        ArgSlot::Addr(self.device_ptr(stream).0)
+    }
 }
 
 /// A byte progress bar (hidden unless `show`).
@@ -132,7 +183,79 @@ impl Device {
             name: format!("{name} (cuda:{ordinal}, {arch})"),
             resources,
             prof,
+            pdl: std::sync::atomic::AtomicBool::new(
+                maj >= 9 && std::env::var("SAMESUM_CUDA_PDL").as_deref() != Ok("0"),
+            ),
         })
+    }
+
+    /// Allow programmatic dependent launch (where the device has it) or not,
+    /// for comparisons; the kernels compute the same bytes either way.
+    pub fn set_pdl(&self, on: bool) {
+        let (maj, _) = self.ctx.compute_capability().unwrap_or((0, 0));
+        self.pdl
+            .store(on && maj >= 9, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Launch `name` with `cfg` and `args` on the stream.
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's signature in kernels/*.cu and
+    /// every buffer must be sized for the grid.
+    pub(crate) unsafe fn launch_raw(
+        &self,
+        name: &str,
+        cfg: cudarc::driver::LaunchConfig,
+        args: &[ArgSlot],
+    ) -> Result<()> {
+        use cudarc::driver::sys;
+        let f = self.func(name)?;
+        self.ctx.bind_to_thread().map_err(|e| drv(name, e))?;
+        let addrs: Vec<u64> = args
+            .iter()
+            .map(|a| match a {
+                ArgSlot::Addr(p) => *p,
+                ArgSlot::Val(_) => 0,
+            })
+            .collect();
+        let mut params: Vec<*mut std::ffi::c_void> = args
+            .iter()
+            .zip(&addrs)
+            .map(|(a, p)| match a {
+                ArgSlot::Addr(_) => p as *const u64 as *mut std::ffi::c_void,
+                ArgSlot::Val(v) => *v as *mut std::ffi::c_void,
+            })
+            .collect();
+        // SAFETY: plain C structs; zero is a valid value for every field.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let pdl = self.pdl.load(std::sync::atomic::Ordering::Relaxed);
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(pdl),
+        };
+        // SAFETY: `params` points at one value per kernel parameter (the
+        // caller's contract), alive until the call returns; the driver copies
+        // them at launch.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(|e| drv(name, e))
     }
 
     /// A timing event recorded on the stream now.
@@ -256,6 +379,10 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_q5_k_r4",
             "mm_q6_k_r4",
             "mm_q8_0_r4",
+            "mm_q4_k_1",
+            "mm_q5_k_1",
+            "mm_q6_k_1",
+            "mm_q8_0_1",
             "mm_tc_q4_k",
             "mm_tc_q5_k",
             "mm_tc_q4_k_pipe",
@@ -301,16 +428,12 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
 /// references to values that live past the statement.
 macro_rules! launch {
     ($dev:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
-        let f = $dev.func($name)?;
         let ev = $dev.prof_begin()?;
-        let mut b = $dev.stream.launch_builder(f);
-        $( cudarc::driver::PushKernelArg::arg(&mut b, $arg); )*
+        let args = [$( $crate::device::KernelArg::slot(&*$arg, &$dev.stream) ),*];
         // SAFETY: the arguments match the kernel's signature in kernels/*.cu
         // (checked by the conformance tests on the GPU), and every buffer is
         // sized for the grid computed by the caller.
-        unsafe { b.launch($cfg) }
-            .map(|_| ())
-            .map_err(|e| $crate::device::drv($name, e))
+        unsafe { $dev.launch_raw($name, $cfg, &args) }
             .and_then(|_| $dev.prof_end($name, ev))
     }};
 }

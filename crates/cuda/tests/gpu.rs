@@ -74,6 +74,79 @@ fn every_block_op_obeys_the_row_contract_on_the_gpu() {
     }
 }
 
+/// The one-row decode kernels (`mm_*_1`) against the 16-row tile kernels, byte
+/// for byte: every quantized matrix of a layer and the head, every format,
+/// m = 1..16 with and without expert ids (unused -1 rows included), outputs
+/// NaN-poisoned.
+#[test]
+fn one_row_kernels_equal_the_tile_kernels() {
+    if !gpu() {
+        return;
+    }
+    let mut checked = 0;
+    for quant in [
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+    ] {
+        for shape in SHAPES {
+            let (_d, model) = synth(shape, quant, 13);
+            let mut cuda = Cuda::new(0, &model, false).unwrap();
+            let l0 = &model.w.layers[0];
+            let mut mats = vec![&l0.moe.gate, &l0.moe.up, &l0.moe.down, &model.w.output];
+            match &l0.mixer {
+                Mixer::Attention(a) => mats.extend([&a.q, &a.k, &a.v, &a.o]),
+                Mixer::Linear(d) => mats.push(&d.out),
+            }
+            let mut rng = Rng::new(31);
+            for w in mats {
+                if !matches!(
+                    w.ty,
+                    GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0
+                ) {
+                    continue;
+                }
+                for m in 1..=16 {
+                    let x: Vec<f32> = (0..m * w.cols).map(|_| rng.normal() * 0.5).collect();
+                    let ids: Option<Vec<i32>> = (w.n_mats > 1).then(|| {
+                        (0..m)
+                            .map(|r| {
+                                if r % 5 == 2 {
+                                    -1
+                                } else {
+                                    (rng.next_u64() % w.n_mats as u64) as i32
+                                }
+                            })
+                            .collect()
+                    });
+                    cuda.set_row_kernels(true);
+                    let one = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
+                    cuda.set_row_kernels(false);
+                    let tile = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
+                    assert!(
+                        one.iter().all(|v| v.is_finite()),
+                        "{shape} {}: non-finite",
+                        w.name
+                    );
+                    let same = one
+                        .iter()
+                        .zip(&tile)
+                        .all(|(p, q)| p.to_bits() == q.to_bits());
+                    assert!(
+                        same,
+                        "{shape} {} {:?} m={m}: one-row kernel != tile kernel",
+                        w.name, w.ty
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked > 100, "too few cases: {checked}");
+    eprintln!("one-row matmul cases equal to the tile kernels: {checked}");
+}
+
 /// The tensor-core matmul tiles against the dp4a kernels and against one-row
 /// calls, byte for byte: expert stacks and plain matrices, rows of several
 /// experts in one tile (unsorted, with unused -1 rows), many m.
@@ -561,8 +634,11 @@ fn graph_replayed_steps_equal_eager_steps() {
     for shape in SHAPES {
         let (_d, model) = synth(shape, GgmlType::Q4_K, 13);
         let graphs = Cuda::new(0, &model, false).unwrap();
+        // The reference launches every kernel alone, in stream order: no
+        // graphs and no programmatic dependent launch.
         let mut eager = Cuda::new(0, &model, false).unwrap();
         eager.set_graphs(false);
+        eager.device().set_pdl(false);
         let mut rng = Rng::new(22);
         let toks: Vec<u32> = (0..300)
             .map(|_| rng.below(model.w.n_vocab as u64) as u32)
@@ -587,6 +663,22 @@ fn graph_replayed_steps_equal_eager_steps() {
                 i / model.w.n_vocab
             );
         }
-        eprintln!("{shape}: 300 graph-replayed steps == eager steps");
+        eprintln!("{shape}: 300 graph-replayed steps == eager steps without PDL");
+        // Batched prefill (chunks of 64 rows: the wide kernels) with and
+        // without programmatic dependent launch.
+        let batched = |b: &Cuda| {
+            let mut st = b.new_state(&model, 400, KvType::F32).unwrap();
+            let mut out = Vec::new();
+            for c in toks.chunks(64) {
+                out.extend(forward(&model, b, &mut st, c, Logits::All).unwrap());
+            }
+            out
+        };
+        let (p, q) = (batched(&graphs), batched(&eager));
+        assert!(
+            p.iter().zip(&q).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{shape}: batched prefill with PDL differs from without"
+        );
+        eprintln!("{shape}: batched prefill with PDL == without");
     }
 }
