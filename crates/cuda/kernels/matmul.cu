@@ -383,9 +383,9 @@ __device__ void mm_blocks(const u8* W, i64 mat_stride, int row_bytes, const int*
 // buffering), so a row of two groups (2,048 Q4_K columns) waits on memory
 // once. The per-element arithmetic is mm_blocks's: exact integer terms per
 // block, then the float steps in block order.
-template <class F>
-__device__ void mm_row(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A,
-                       float* Y, int rows, int m, int nb) {
+template <class F, int NW>
+__device__ void mm_row(const u8* W, const u8* W2, i64 mat_stride, int row_bytes, const int* mats,
+                       const u8* A, float* Y, int rows, int m, int nb) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int j = blockIdx.x * WARPS + warp;
     int r = blockIdx.y;
@@ -397,50 +397,73 @@ __device__ void mm_row(const u8* W, i64 mat_stride, int row_bytes, const int* ma
         if (lane == 0) Y[(i64)r * rows + j] = 0.0f;
         return;
     }
-    const u8* wr = W + mat * mat_stride + (i64)j * row_bytes;
+    const u8* wr[NW];
+    wr[0] = W + mat * mat_stride + (i64)j * row_bytes;
+    if (NW == 2) wr[NW - 1] = W2 + mat * mat_stride + (i64)j * row_bytes;
     const u8* ar = A + (i64)r * nb * F::ABYTES;
-    F f, fn;
+    F f[NW], fn[NW];
     typename F::A x = typename F::A(), xn = typename F::A();
     if (g < nb) {
-        f.load(wr + (i64)g * F::BYTES, s);
+#pragma unroll
+        for (int w = 0; w < NW; w++) f[w].load(wr[w] + (i64)g * F::BYTES, s);
         x = F::act(ar + (i64)g * F::ABYTES, s);
     }
-    float acc = 0.0f;
+    float acc[NW];
+#pragma unroll
+    for (int w = 0; w < NW; w++) acc[w] = 0.0f;
     for (int b0 = 0; b0 < nb; b0 += G) {
         int b = b0 + g;
         bool ok = b < nb;
         if (b + G < nb) {
-            fn.load(wr + (i64)(b + G) * F::BYTES, s);
+#pragma unroll
+            for (int w = 0; w < NW; w++) fn[w].load(wr[w] + (i64)(b + G) * F::BYTES, s);
             xn = F::act(ar + (i64)(b + G) * F::ABYTES, s);
         }
-        int ip = isum_lanes(ok ? f.iprod(x) : 0, L);
-        int mp = isum_lanes(ok ? f.mprod(x) : 0, L);
-        for (int gg = 0; gg < G && b0 + gg < nb; gg++) {
-            int src = gg * L;
-            int is = __shfl_sync(0xffffffffu, ip, src);
-            int ms = __shfl_sync(0xffffffffu, mp, src);
-            float dw = __shfl_sync(0xffffffffu, f.d, src);
-            float dm = __shfl_sync(0xffffffffu, f.dmin, src);
-            float da = __shfl_sync(0xffffffffu, x.da, src);
-            acc = F::step(acc, dw, dm, da, is, ms);
+#pragma unroll
+        for (int w = 0; w < NW; w++) {
+            int ip = isum_lanes(ok ? f[w].iprod(x) : 0, L);
+            int mp = isum_lanes(ok ? f[w].mprod(x) : 0, L);
+            for (int gg = 0; gg < G && b0 + gg < nb; gg++) {
+                int src = gg * L;
+                int is = __shfl_sync(0xffffffffu, ip, src);
+                int ms = __shfl_sync(0xffffffffu, mp, src);
+                float dw = __shfl_sync(0xffffffffu, f[w].d, src);
+                float dm = __shfl_sync(0xffffffffu, f[w].dmin, src);
+                float da = __shfl_sync(0xffffffffu, x.da, src);
+                acc[w] = F::step(acc[w], dw, dm, da, is, ms);
+            }
+            f[w] = fn[w];
         }
-        f = fn;
         x = xn;
     }
-    if (lane == 0) Y[(i64)r * rows + j] = acc;
+    // NW = 2: the gate and up rows of a GLU, combined as silu_mul does.
+    if (lane == 0) Y[(i64)r * rows + j] = NW == 2 ? silu(acc[0]) * acc[NW - 1] : acc[0];
 }
 
 #define MM_ROW_KERNEL(name, F)                                                                \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                  \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
              int rows, int m, int nb) { pdl_wait();                                           \
-        mm_row<F>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);                         \
+        mm_row<F, 1>(W, nullptr, mat_stride, row_bytes, mats, A, Y, rows, m, nb);             \
+    }
+
+// y = silu(Wg . x) * (Wu . x) for decode-sized calls: each product exactly as
+// the one-row kernel computes it, then silu_mul's expression.
+#define MM_GLU_KERNEL(name, F)                                                                \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                  \
+        name(const u8* Wg, const u8* Wu, i64 mat_stride, int row_bytes, const int* mats,      \
+             const u8* A, float* Y, int rows, int m, int nb) { pdl_wait();                    \
+        mm_row<F, 2>(Wg, Wu, mat_stride, row_bytes, mats, A, Y, rows, m, nb);                 \
     }
 
 MM_ROW_KERNEL(mm_q4_k_1, FmtQ4K)
 MM_ROW_KERNEL(mm_q5_k_1, FmtQ5K)
 MM_ROW_KERNEL(mm_q6_k_1, FmtQ6K)
 MM_ROW_KERNEL(mm_q8_0_1, FmtQ8_0)
+MM_GLU_KERNEL(mm_q4_k_glu_1, FmtQ4K)
+MM_GLU_KERNEL(mm_q5_k_glu_1, FmtQ5K)
+MM_GLU_KERNEL(mm_q6_k_glu_1, FmtQ6K)
+MM_GLU_KERNEL(mm_q8_0_glu_1, FmtQ8_0)
 
 MM_KERNEL(mm_q4_k, FmtQ4K, 1)
 MM_KERNEL(mm_q5_k, FmtQ5K, 1)

@@ -73,6 +73,20 @@ extern "C" __global__ void gather_rows(const float* src, const int* rows, float*
     dst[i] = s < 0 ? 0.0f : src[(i64)s * width + c];
 }
 
+// dst row i = src row rows[i] for rows of `words` 16-byte words (quantized
+// activation rows); a negative index gives a zero row.
+extern "C" __global__ void gather_words(const int4* src, const int* rows, int4* dst, int words, int n) {
+    pdl_wait();
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (i64)n * words) return;
+    int r = (int)(i / words), c = (int)(i % words);
+    int s = rows[r];
+    int4 v;
+    v.x = v.y = v.z = v.w = 0;
+    if (s >= 0) v = src[(i64)s * words + c];
+    dst[i] = v;
+}
+
 // The sequence position (`pos0` of the kernels below) is read from device
 // memory, so a recorded decode step (a CUDA graph) replays at any position.
 

@@ -57,6 +57,14 @@ pub struct Cuda {
     /// row; default, off with `SAMESUM_CUDA_ROW=0`: the 16-row tile kernels,
     /// the same bytes).
     row_kernels: bool,
+    /// Decode-sized GLUs (gate and up of one format) in one launch
+    /// (`mm_*_glu_1`: both products and silu_mul's expression; default, off
+    /// with `SAMESUM_CUDA_GLU=0`: two matmuls and silu_mul, the same bytes).
+    glu: bool,
+    /// MoE rows gathered as Q8_K blocks after quantizing each token row once
+    /// (default; `SAMESUM_CUDA_QGATHER=0` gathers f32 rows and quantizes the
+    /// gathered ones: the same bytes).
+    quantized_gather: bool,
     /// Small calls' expert plans in one launch (`plan_small`; default, off
     /// with `SAMESUM_CUDA_SMALL_PLAN=0`: the same plan in three launches).
     small_plan: bool,
@@ -86,8 +94,10 @@ pub struct CudaOptions {
 /// first use: matmuls that share an input quantize it once (one launch, not
 /// one per matrix).
 struct Input<'a> {
-    x: &'a CudaSlice<f32>,
+    /// The f32 rows; `None` when the rows arrive already quantized.
+    x: Option<&'a CudaSlice<f32>>,
     m: usize,
+    cols: usize,
     q8k: std::cell::OnceCell<CudaSlice<u8>>,
     q80: std::cell::OnceCell<CudaSlice<u8>>,
 }
@@ -95,16 +105,39 @@ struct Input<'a> {
 impl<'a> Input<'a> {
     fn new(x: &'a CudaSlice<f32>, m: usize) -> Self {
         Input {
-            x,
+            x: Some(x),
             m,
+            cols: x.len() / m.max(1),
             q8k: std::cell::OnceCell::new(),
+            q80: std::cell::OnceCell::new(),
+        }
+    }
+
+    /// `m` rows of `cols` given only as Q8_K blocks (a quantized row is a
+    /// function of the row alone, so these equal quantizing the f32 rows).
+    fn quantized(q8k: CudaSlice<u8>, m: usize, cols: usize) -> Self {
+        let cell = std::cell::OnceCell::new();
+        let _ = cell.set(q8k);
+        Input {
+            x: None,
+            m,
+            cols,
+            q8k: cell,
             q80: std::cell::OnceCell::new(),
         }
     }
 
     /// Row width.
     fn cols(&self) -> usize {
-        self.x.len() / self.m.max(1)
+        self.cols
+    }
+
+    /// The f32 rows (an error for rows given only quantized).
+    fn f32_rows(&self) -> Result<&'a CudaSlice<f32>> {
+        self.x.ok_or_else(|| CudaError::Driver {
+            op: "matmul".into(),
+            msg: "f32 rows wanted from rows given as Q8_K blocks".into(),
+        })
     }
 
     /// The rows as Q8_K blocks (304 bytes each), quantized once.
@@ -118,7 +151,7 @@ impl<'a> Input<'a> {
                 d,
                 "quantize_q8k",
                 cfg((nb as u32, m as u32, 1), 32, 0),
-                self.x,
+                self.f32_rows()?,
                 &mut a,
                 &ci,
                 &mi
@@ -135,7 +168,15 @@ impl<'a> Input<'a> {
             let nb = cols / 32;
             let mut a = d.scratch::<u8>(m * nb * 36)?;
             let (ci, mi) = (cols as i32, m as i32);
-            launch!(d, "quantize_q8_0", cfg1(m * nb), self.x, &mut a, &ci, &mi)?;
+            launch!(
+                d,
+                "quantize_q8_0",
+                cfg1(m * nb),
+                self.f32_rows()?,
+                &mut a,
+                &ci,
+                &mi
+            )?;
             let _ = self.q80.set(a);
         }
         Ok(self.q80.get().expect("set above"))
@@ -386,6 +427,8 @@ impl Cuda {
             tc_pipe: std::env::var("SAMESUM_CUDA_TC_PIPE").as_deref() != Ok("0"),
             small_plan: std::env::var("SAMESUM_CUDA_SMALL_PLAN").as_deref() != Ok("0"),
             row_kernels: std::env::var("SAMESUM_CUDA_ROW").as_deref() != Ok("0"),
+            glu: std::env::var("SAMESUM_CUDA_GLU").as_deref() != Ok("0"),
+            quantized_gather: std::env::var("SAMESUM_CUDA_QGATHER").as_deref() != Ok("0"),
             attn_partials: ATTN_PARTIALS,
             graphs: std::env::var("SAMESUM_CUDA_GRAPHS").as_deref() != Ok("0"),
             trunk,
@@ -448,6 +491,102 @@ impl Cuda {
     #[doc(hidden)]
     pub fn set_row_kernels(&mut self, on: bool) {
         self.row_kernels = on;
+    }
+
+    /// Gather MoE rows as Q8_K blocks (`true`, the default unless
+    /// `SAMESUM_CUDA_QGATHER=0`) or as f32 rows, for comparisons.
+    #[doc(hidden)]
+    pub fn set_quantized_gather(&mut self, on: bool) {
+        self.quantized_gather = on;
+    }
+
+    /// Fuse decode-sized GLUs into one launch (`true`, the default unless
+    /// `SAMESUM_CUDA_GLU=0`) or run two matmuls and silu_mul, for comparisons.
+    #[doc(hidden)]
+    pub fn set_fused_glu(&mut self, on: bool) {
+        self.glu = on;
+    }
+
+    /// `silu(gate . x) * (up . x)` for `m` host rows through
+    /// [`Cuda::glu_on`]'s choice of kernels (for tests).
+    #[doc(hidden)]
+    pub fn glu_host(
+        &self,
+        gate: &Matrix,
+        up: &Matrix,
+        x: &[f32],
+        m: usize,
+        mats: Option<&[i32]>,
+    ) -> Result<Vec<f32>> {
+        let xd = self.dev.upload(x)?;
+        let md = match mats {
+            Some(v) => Some(self.dev.upload(v)?),
+            None => None,
+        };
+        let mut y = self.dev.upload(&vec![f32::NAN; m * gate.rows])?;
+        let (bg, bu) = (self.wptr(gate)?, self.wptr(up)?);
+        self.glu_on(gate, up, [bg, bu], &Input::new(&xd, m), md.as_ref(), &mut y)?;
+        self.dev.download(&y, m * gate.rows)
+    }
+
+    /// `y = silu(gate . x) * (up . x)` per row (rows with a negative matrix
+    /// id give 0): in one launch for decode-sized calls where gate and up
+    /// share a format and shape, else two matmuls and `silu_mul`. The same
+    /// bytes either way: each product is the matmul's, then silu_mul's
+    /// expression.
+    fn glu_on(
+        &self,
+        gate: &Matrix,
+        up: &Matrix,
+        bases: [u64; 2],
+        input: &Input,
+        mats: Option<&CudaSlice<i32>>,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        use cudarc::driver::DevicePtr;
+        let m = input.m;
+        let fused = self.glu
+            && self.row_kernels
+            && m > 0
+            && m <= 16
+            && (m == 1 || mats.is_some())
+            && gate.ty == up.ty
+            && (gate.rows, gate.cols, gate.row_bytes, gate.n_mats)
+                == (up.rows, up.cols, up.row_bytes, up.n_mats)
+            && input.cols() == gate.cols;
+        let kernel = match gate.ty {
+            GgmlType::Q4_K => "mm_q4_k_glu_1",
+            GgmlType::Q5_K => "mm_q5_k_glu_1",
+            GgmlType::Q6_K => "mm_q6_k_glu_1",
+            GgmlType::Q8_0 => "mm_q8_0_glu_1",
+            _ => "",
+        };
+        if !fused || kernel.is_empty() {
+            let mut u = self.dev.scratch::<f32>(m * up.rows)?;
+            self.matmul_on(gate, bases[0], input, mats, y, self.tensor_cores)?;
+            self.matmul_on(up, bases[1], input, mats, &mut u, self.tensor_cores)?;
+            let n = (m * gate.rows) as i64;
+            return launch!(self.dev, "silu_mul", cfg1(m * gate.rows), y, &u, &n);
+        }
+        let d = &self.dev;
+        let a = if gate.ty == GgmlType::Q8_0 {
+            input.q80(d)?
+        } else {
+            input.q8k(d)?
+        };
+        let nb = (gate.cols / if gate.ty == GgmlType::Q8_0 { 32 } else { 256 }) as i32;
+        let stride = (gate.rows * gate.row_bytes) as i64;
+        let row_bytes = gate.row_bytes as i32;
+        let mats_ptr: u64 = match mats {
+            Some(s) => s.device_ptr(&d.stream).0,
+            None => 0,
+        };
+        let (rows, mi) = (gate.rows as i32, m as i32);
+        let c = cfg((gate.rows.div_ceil(4) as u32, m as u32, 1), 128, 0);
+        launch!(
+            d, kernel, c, &bases[0], &bases[1], &stride, &row_bytes, &mats_ptr, a, y, &rows, &mi,
+            &nb
+        )
     }
 
     /// Use the software-pipelined tensor-core kernels (`true`, the default
@@ -571,7 +710,7 @@ impl Cuda {
         tensor_cores: bool,
     ) -> Result<()> {
         use cudarc::driver::DevicePtr;
-        let (x, m) = (input.x, input.m);
+        let m = input.m;
         if input.cols() != w.cols {
             return Err(CudaError::Driver {
                 op: "matmul".into(),
@@ -628,13 +767,46 @@ impl Cuda {
         }
         match w.ty {
             GgmlType::F32 => launch!(
-                d, "mm_f32", c, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi, &cols
+                d,
+                "mm_f32",
+                c,
+                &wptr,
+                &stride,
+                &row_bytes,
+                &mats_ptr,
+                input.f32_rows()?,
+                y,
+                &rows,
+                &mi,
+                &cols
             ),
             GgmlType::F16 => launch!(
-                d, "mm_f16", c, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi, &cols
+                d,
+                "mm_f16",
+                c,
+                &wptr,
+                &stride,
+                &row_bytes,
+                &mats_ptr,
+                input.f32_rows()?,
+                y,
+                &rows,
+                &mi,
+                &cols
             ),
             GgmlType::BF16 => launch!(
-                d, "mm_bf16", c, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi, &cols
+                d,
+                "mm_bf16",
+                c,
+                &wptr,
+                &stride,
+                &row_bytes,
+                &mats_ptr,
+                input.f32_rows()?,
+                y,
+                &rows,
+                &mi,
+                &cols
             ),
             GgmlType::Q8_0 => {
                 let nbi = (w.cols / 32) as i32;
@@ -1348,18 +1520,44 @@ impl Cuda {
         let (placed_row, placed_mat, slot) = self.plan(&ids, n, k, e, pad, cap, self.small_plan)?;
         let capi = cap as i32;
         // Gather, the experts' rows (each tile reads its experts' weights once), down.
-        let mut xe = d.scratch::<f32>(cap * dm)?;
+        // Where gate and up read Q8_K activations, the token rows are
+        // quantized once and their blocks gathered (a quantized row is a
+        // function of the row alone; the shared expert reuses them), else
+        // the f32 rows are gathered.
+        let k_quant = |t: GgmlType| matches!(t, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K);
         let dmi = dm as i32;
-        launch!(
-            d,
-            "gather_rows",
-            cfg1(cap * dm),
-            x,
-            &placed_row,
-            &mut xe,
-            &dmi,
-            &capi
-        )?;
+        let gather_quantized =
+            self.quantized_gather && k_quant(mw.gate.ty) && k_quant(mw.up.ty) && dm % 256 == 0;
+        let mut xe = d.scratch::<f32>(if gather_quantized { 1 } else { cap * dm })?;
+        let xein = if gather_quantized {
+            let xq = xin.q8k(d)?;
+            let words = dm / 256 * 304 / 16;
+            let mut xeq = d.scratch::<u8>(cap * words * 16)?;
+            let wi = words as i32;
+            launch!(
+                d,
+                "gather_words",
+                cfg1(cap * words),
+                xq,
+                &placed_row,
+                &mut xeq,
+                &wi,
+                &capi
+            )?;
+            Input::quantized(xeq, cap, dm)
+        } else {
+            launch!(
+                d,
+                "gather_rows",
+                cfg1(cap * dm),
+                x,
+                &placed_row,
+                &mut xe,
+                &dmi,
+                &capi
+            )?;
+            Input::new(&xe, cap)
+        };
         // Where the experts' weights are read: the resident file, or in tier
         // mode the decode cache's slot pools (rows remapped from expert ids
         // to slots) or a staged copy of the layer (expert ids as they are).
@@ -1399,13 +1597,15 @@ impl Cuda {
         };
         let mats = remapped.as_ref().unwrap_or(&placed_mat);
         let mut ge = d.scratch::<f32>(cap * f)?;
-        let mut ue = d.scratch::<f32>(cap * f)?;
-        let xein = Input::new(&xe, cap);
         let tc = self.tensor_cores;
-        self.matmul_on(&mw.gate, bases[0], &xein, Some(mats), &mut ge, tc)?;
-        self.matmul_on(&mw.up, bases[1], &xein, Some(mats), &mut ue, tc)?;
-        let nf = (cap * f) as i64;
-        launch!(d, "silu_mul", cfg1(cap * f), &mut ge, &ue, &nf)?;
+        self.glu_on(
+            &mw.gate,
+            &mw.up,
+            [bases[0], bases[1]],
+            &xein,
+            Some(mats),
+            &mut ge,
+        )?;
         let mut oe = d.scratch::<f32>(cap * dm)?;
         let gin = Input::new(&ge, cap);
         self.matmul_on(&mw.down, bases[2], &gin, Some(mats), &mut oe, tc)?;
@@ -1417,12 +1617,9 @@ impl Cuda {
         let mut gi = d.scratch::<f32>(m.max(1))?;
         if let Some(sh) = &mw.shared {
             let mut sg = d.scratch::<f32>(m * fs)?;
-            let mut su = d.scratch::<f32>(m * fs)?;
-            self.mm(&sh.gate, &xin, None, &mut sg)?;
-            self.mm(&sh.up, &xin, None, &mut su)?;
+            let bases = [self.wptr(&sh.gate)?, self.wptr(&sh.up)?];
+            self.glu_on(&sh.gate, &sh.up, bases, &xin, None, &mut sg)?;
             self.mm(&sh.gate_inp, &xin, None, &mut gi)?;
-            let nfs = (m * fs) as i64;
-            launch!(d, "silu_mul", cfg1(m * fs), &mut sg, &su, &nfs)?;
             self.matmul(&sh.down, &sg, m, None, &mut ys)?;
         }
         let shared = mw.shared.is_some() as i32;

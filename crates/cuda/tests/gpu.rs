@@ -77,13 +77,13 @@ fn every_block_op_obeys_the_row_contract_on_the_gpu() {
 /// The one-row decode kernels (`mm_*_1`) against the 16-row tile kernels, byte
 /// for byte: every quantized matrix of a layer and the head, every format,
 /// m = 1..16 with and without expert ids (unused -1 rows included), outputs
-/// NaN-poisoned.
+/// NaN-poisoned; and the fused GLU kernels against two matmuls and silu_mul.
 #[test]
 fn one_row_kernels_equal_the_tile_kernels() {
     if !gpu() {
         return;
     }
-    let mut checked = 0;
+    let (mut checked, mut glu_checked) = (0, 0);
     for quant in [
         GgmlType::Q4_K,
         GgmlType::Q5_K,
@@ -141,10 +141,97 @@ fn one_row_kernels_equal_the_tile_kernels() {
                     checked += 1;
                 }
             }
+            // The fused GLU (gate, up and silu_mul in one launch) against
+            // two matmuls and silu_mul.
+            let mut glus = vec![(&l0.moe.gate, &l0.moe.up)];
+            if let Some(sh) = &l0.moe.shared {
+                glus.push((&sh.gate, &sh.up));
+            }
+            for (g, u) in glus {
+                for m in 1..=16 {
+                    let x: Vec<f32> = (0..m * g.cols).map(|_| rng.normal() * 0.5).collect();
+                    let ids: Option<Vec<i32>> = (g.n_mats > 1).then(|| {
+                        (0..m)
+                            .map(|r| {
+                                if r % 5 == 2 {
+                                    -1
+                                } else {
+                                    (rng.next_u64() % g.n_mats as u64) as i32
+                                }
+                            })
+                            .collect()
+                    });
+                    cuda.set_row_kernels(true);
+                    cuda.set_fused_glu(true);
+                    let fused = cuda.glu_host(g, u, &x, m, ids.as_deref()).unwrap();
+                    cuda.set_fused_glu(false);
+                    let apart = cuda.glu_host(g, u, &x, m, ids.as_deref()).unwrap();
+                    assert!(
+                        fused.iter().all(|v| v.is_finite()),
+                        "{shape} {}: non-finite GLU",
+                        g.name
+                    );
+                    assert!(
+                        fused
+                            .iter()
+                            .zip(&apart)
+                            .all(|(p, q)| p.to_bits() == q.to_bits()),
+                        "{shape} {} {:?} m={m}: fused GLU != two matmuls and silu_mul",
+                        g.name,
+                        g.ty
+                    );
+                    glu_checked += 1;
+                }
+            }
         }
     }
     assert!(checked > 100, "too few cases: {checked}");
-    eprintln!("one-row matmul cases equal to the tile kernels: {checked}");
+    assert!(glu_checked > 100, "too few GLU cases: {glu_checked}");
+    eprintln!(
+        "one-row matmul cases equal to the tile kernels: {checked}; fused GLU cases equal: {glu_checked}"
+    );
+}
+
+/// The MoE block with its rows gathered as Q8_K blocks (each token row
+/// quantized once) against gathering f32 rows and quantizing those, byte for
+/// byte, at decode and prefill sizes, with the fused GLU on and off.
+#[test]
+fn quantized_gather_equals_f32_gather() {
+    if !gpu() {
+        return;
+    }
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 17);
+        let mut cuda = Cuda::new(0, &model, false).unwrap();
+        let dm = model.hp.n_embd;
+        let mut rng = Rng::new(8);
+        for m in [1, 2, 5, 17, 64, 300] {
+            let x: Vec<f32> = (0..m * dm).map(|_| rng.normal()).collect();
+            let xd = cuda.upload(&x).unwrap();
+            let mut outs = Vec::new();
+            for (q, glu) in [(true, true), (false, false), (true, false)] {
+                cuda.set_quantized_gather(q);
+                cuda.set_fused_glu(glu);
+                let mut y = cuda.upload(&vec![f32::NAN; m * dm]).unwrap();
+                cuda.moe(&model, &model.w.layers[0].moe, &xd, &mut y)
+                    .unwrap();
+                outs.push(cuda.download(&y).unwrap());
+            }
+            assert!(
+                outs[0].iter().all(|v| v.is_finite()),
+                "{shape} m={m}: non-finite"
+            );
+            for o in &outs[1..] {
+                assert!(
+                    o.iter()
+                        .zip(&outs[0])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{shape} m={m}: the quantized gather changed the MoE output"
+                );
+            }
+        }
+        eprintln!("{shape}: quantized gather == f32 gather, m up to 300");
+    }
 }
 
 /// The tensor-core matmul tiles against the dp4a kernels and against one-row
