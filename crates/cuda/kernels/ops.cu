@@ -34,6 +34,39 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, in
     for (int i = t; i < width; i += NORM_THREADS) y[(i64)r * width + i] = (xr[i] * scale) * w[i];
 }
 
+// acc += x, then y = RMSNorm(acc) for `m` rows of `width`: add_inplace's sum
+// per element, then rms_norm's arithmetic on the stored sums (the same
+// per-thread strides and tree), in one launch.
+extern "C" __global__ void add_rms_norm(float* acc, const float* x, const float* w, float* y, int width,
+                                        float eps) {
+    pdl_wait();
+    __shared__ double part[NORM_THREADS];
+    int r = blockIdx.x, t = threadIdx.x;
+    float* ar = acc + (i64)r * width;
+    const float* xr = x + (i64)r * width;
+    double s = 0.0;
+    for (int i = t; i < width; i += NORM_THREADS) {
+        float a = ar[i] + xr[i];
+        ar[i] = a;
+        s += (double)a * (double)a;
+    }
+    part[t] = s;
+    __syncthreads();
+    for (int o = NORM_THREADS / 2; o > 16; o /= 2) {
+        if (t < o) part[t] = part[t] + part[t + o];
+        __syncthreads();
+    }
+    if (t < 32) {
+        double v = part[t];
+        for (int o = 16; o > 0; o /= 2) v = v + __shfl_down_sync(0xffffffffu, v, o);
+        if (t == 0) part[0] = v;
+    }
+    __syncthreads();
+    float mean = (float)(part[0] / (double)width);
+    float scale = 1.0f / sqrtf(mean + eps);
+    for (int i = t; i < width; i += NORM_THREADS) y[(i64)r * width + i] = (ar[i] * scale) * w[i];
+}
+
 extern "C" __global__ void add_inplace(float* acc, const float* x, i64 n) {
     pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -393,6 +426,29 @@ extern "C" __global__ void conv_rows(const float* x, const float* taps, const fl
     out[i] = silu(acc);
 }
 
+// Decode-sized calls: conv_rows then conv_shift for one channel per thread
+// (every row's output from the old state first, then the shift), one launch;
+// each output and state value as the two kernels compute it.
+extern "C" __global__ void conv_small(const float* x, const float* taps, float* state, float* out, int m, int cd,
+                                      int kc) {
+    pdl_wait();
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cd) return;
+    for (int r = 0; r < m; r++) {
+        float acc = 0.0f;
+        for (int j = 0; j < kc; j++) {
+            int q = r - (kc - 1) + j;
+            float xv = q >= 0 ? x[(i64)q * cd + c] : state[(i64)(r + j) * cd + c];
+            acc = __fmaf_rn(taps[(i64)c * kc + j], xv, acc);
+        }
+        out[(i64)r * cd + c] = silu(acc);
+    }
+    for (int j = 0; j < kc - 1; j++) {
+        int q = m - (kc - 1) + j;
+        state[(i64)j * cd + c] = q >= 0 ? x[(i64)q * cd + c] : state[(i64)(j + m) * cd + c];
+    }
+}
+
 extern "C" __global__ void conv_shift(const float* x, float* state, int m, int cd, int kc) {
     pdl_wait();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -632,10 +688,7 @@ extern "C" __global__ void gated_norm(float* o, const float* z, const float* nor
 // entries l, l + 32, ... then a fixed butterfly; divide), the top k (largest
 // first, lowest id among equals: k rounds of an exact warp argmax), weights
 // renormalized by their sum in k order clamped at 2^-14.
-extern "C" __global__ void route(float* logits, int* ids, float* wts, int m, int e, int k) {
-    pdl_wait();
-    int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (r >= m) return;
+__device__ __forceinline__ void route_row(float* logits, int* ids, float* wts, int r, int e, int k, int lane) {
     float* p = logits + (i64)r * e;
     float mx = -INFINITY;
     for (int i = lane; i < e; i += 32) mx = fmaxf(mx, p[i]);
@@ -678,6 +731,13 @@ extern "C" __global__ void route(float* logits, int* ids, float* wts, int m, int
     tot = fmaxf(tot, 6.103515625e-5f);
     __syncwarp();
     for (int s = lane; s < k; s += 32) wts[(i64)r * k + s] = p[ids[(i64)r * k + s]] / tot;
+}
+
+extern "C" __global__ void route(float* logits, int* ids, float* wts, int m, int e, int k) {
+    pdl_wait();
+    int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (r >= m) return;
+    route_row(logits, ids, wts, r, e, k, lane);
 }
 
 // The expert plan, three parallel deterministic kernels.
@@ -767,9 +827,8 @@ extern "C" __global__ void plan_place(const int* ids, int n, int k, const int* o
 // at offsets[e] + (pairs before p with expert e). Unused places stay -1.
 #define PLAN_SMALL_PAIRS 256
 #define PLAN_SMALL_EXPERTS 2048
-extern "C" __global__ void __launch_bounds__(256)
-    plan_small(const int* ids, int n, int k, int e, int pad, int* placed_row, int* placed_mat, int* slot, int cap) {
-    pdl_wait();
+__device__ __forceinline__ void plan_small_block(const int* ids, int n, int k, int e, int pad, int* placed_row,
+                                                 int* placed_mat, int* slot, int cap) {
     __shared__ int sid[PLAN_SMALL_PAIRS];
     __shared__ int cnt[PLAN_SMALL_EXPERTS];  // counts, then offsets
     __shared__ int part[256];
@@ -817,6 +876,26 @@ extern "C" __global__ void __launch_bounds__(256)
             slot[t] = dst;
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    plan_small(const int* ids, int n, int k, int e, int pad, int* placed_row, int* placed_mat, int* slot, int cap) {
+    pdl_wait();
+    plan_small_block(ids, n, k, e, pad, placed_row, placed_mat, slot, cap);
+}
+
+// Decode-sized routing and plan in one launch of one 256-thread block: warp w
+// routes rows w, w + 8, ... exactly as `route` does, then (after a block
+// barrier, which makes the ids visible to the block) the block plans them
+// exactly as `plan_small` does.
+extern "C" __global__ void __launch_bounds__(256)
+    route_plan_small(float* logits, int* ids, float* wts, int m, int e, int k, int pad, int* placed_row,
+                     int* placed_mat, int* slot, int cap) {
+    pdl_wait();
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int r = warp; r < m; r += 8) route_row(logits, ids, wts, r, e, k, lane);
+    __syncthreads();
+    plan_small_block(ids, m * k, k, e, pad, placed_row, placed_mat, slot, cap);
 }
 
 // y[r] = sum over slots s in k order of w[r][s] * out[slot[r][s]] (skipped ids

@@ -65,8 +65,11 @@ pub struct Cuda {
     /// (default; `SAMESUM_CUDA_QGATHER=0` gathers f32 rows and quantizes the
     /// gathered ones: the same bytes).
     quantized_gather: bool,
-    /// Small calls' expert plans in one launch (`plan_small`; default, off
-    /// with `SAMESUM_CUDA_SMALL_PLAN=0`: the same plan in three launches).
+    /// Small calls' routing and expert plans in one launch
+    /// (`route_plan_small`) and their causal conv and state shift in one
+    /// (`conv_small`); default, off with `SAMESUM_CUDA_SMALL_PLAN=0`: the
+    /// same results from `route`, three plan launches, `conv_rows` and
+    /// `conv_shift`.
     small_plan: bool,
     /// Most bytes of attention partials one call may use (rows run in groups
     /// under it; [`ATTN_PARTIALS`] unless set for a test).
@@ -484,6 +487,14 @@ impl Cuda {
     #[doc(hidden)]
     pub fn set_graphs(&mut self, on: bool) {
         self.graphs = on;
+    }
+
+    /// Route, plan and conv decode-sized calls in single launches (`true`,
+    /// the default unless `SAMESUM_CUDA_SMALL_PLAN=0`) or through the
+    /// separate kernels, for comparisons.
+    #[doc(hidden)]
+    pub fn set_small_plan(&mut self, on: bool) {
+        self.small_plan = on;
     }
 
     /// Use the one-row kernels for decode-sized calls (`true`, the default
@@ -1259,19 +1270,35 @@ impl Cuda {
         let mut conv = d.scratch::<f32>(m * cd)?;
         let taps = self.vec(&dn.conv)?;
         let (mi, cdi, kci) = (m as i32, cd as i32, kc as i32);
-        launch!(
-            d,
-            "conv_rows",
-            cfg1(m * cd),
-            &qkv,
-            taps,
-            &*conv_state,
-            &mut conv,
-            &mi,
-            &cdi,
-            &kci
-        )?;
-        launch!(d, "conv_shift", cfg1(cd), &qkv, conv_state, &mi, &cdi, &kci)?;
+        if m <= 16 && self.small_plan {
+            // Decode sizes: the conv and the state shift in one launch.
+            launch!(
+                d,
+                "conv_small",
+                cfg1(cd),
+                &qkv,
+                taps,
+                conv_state,
+                &mut conv,
+                &mi,
+                &cdi,
+                &kci
+            )?;
+        } else {
+            launch!(
+                d,
+                "conv_rows",
+                cfg1(m * cd),
+                &qkv,
+                taps,
+                &*conv_state,
+                &mut conv,
+                &mi,
+                &cdi,
+                &kci
+            )?;
+            launch!(d, "conv_shift", cfg1(cd), &qkv, conv_state, &mi, &cdi, &kci)?;
+        }
         let mut qk = d.scratch::<f32>(m * 2 * kd)?;
         let (hki, dki, eps) = (hk as i32, dk as i32, hp.eps);
         launch!(
@@ -1443,6 +1470,101 @@ impl Cuda {
         Ok((placed_row, placed_mat, slot))
     }
 
+    /// Route `m` rows of router logits (softmax in place, top `k` ids and
+    /// weights) and plan their pairs: one launch for decode-sized calls
+    /// (`route_plan_small`, with the small plan on), else `route` then
+    /// [`Cuda::plan`]. The same results either way.
+    #[allow(clippy::too_many_arguments)]
+    fn route_plan(
+        &self,
+        logits: &mut CudaSlice<f32>,
+        ids: &mut CudaSlice<i32>,
+        wts: &mut CudaSlice<f32>,
+        m: usize,
+        e: usize,
+        k: usize,
+        pad: usize,
+        cap: usize,
+    ) -> Result<(CudaSlice<i32>, CudaSlice<i32>, CudaSlice<i32>)> {
+        let d = &self.dev;
+        let n = m * k;
+        if e > 2048 {
+            return Err(CudaError::Driver {
+                op: "route".into(),
+                msg: format!("{e} experts: the router kernel takes at most 2048"),
+            });
+        }
+        let (mi, ei, ki, padi, capi) = (m as i32, e as i32, k as i32, pad as i32, cap as i32);
+        if self.small_plan && n <= PLAN_SMALL_PAIRS && e <= PLAN_SMALL_EXPERTS {
+            let mut placed_row = d.scratch::<i32>(cap)?;
+            let mut placed_mat = d.scratch::<i32>(cap)?;
+            let mut slot = d.scratch::<i32>(n)?;
+            launch!(
+                d,
+                "route_plan_small",
+                cfg((1, 1, 1), 256, 0),
+                logits,
+                ids,
+                wts,
+                &mi,
+                &ei,
+                &ki,
+                &padi,
+                &mut placed_row,
+                &mut placed_mat,
+                &mut slot,
+                &capi
+            )?;
+            return Ok((placed_row, placed_mat, slot));
+        }
+        launch!(
+            d,
+            "route",
+            cfg((m.div_ceil(4) as u32, 1, 1), 128, 0),
+            logits,
+            ids,
+            wts,
+            &mi,
+            &ei,
+            &ki
+        )?;
+        self.plan(ids, n, k, e, pad, cap, self.small_plan)
+    }
+
+    /// Routing and plan on host logits, for the kernel tests: (softmaxed
+    /// logits, ids, weights, placed rows, placed experts, slots), through the
+    /// one-launch kernel (`small`) or `route` and the three-kernel plan.
+    #[doc(hidden)]
+    #[allow(clippy::type_complexity)]
+    pub fn route_plan_host(
+        &mut self,
+        logits: &[f32],
+        m: usize,
+        k: usize,
+        pad: usize,
+        small: bool,
+    ) -> Result<(Vec<f32>, Vec<i32>, Vec<f32>, Vec<i32>, Vec<i32>, Vec<i32>)> {
+        let e = logits.len() / m.max(1);
+        let n = m * k;
+        let cap = n + e.min(n) * (pad - 1);
+        let was = self.small_plan;
+        self.small_plan = small;
+        let mut lg = self.dev.upload(logits)?;
+        let mut ids = self.dev.upload(&vec![i32::MIN; n])?;
+        let mut wts = self.dev.upload(&vec![f32::NAN; n])?;
+        let r = self.route_plan(&mut lg, &mut ids, &mut wts, m, e, k, pad, cap);
+        self.small_plan = was;
+        let (pr, pm, sl) = r?;
+        Ok((
+            self.dev.download(&lg, m * e)?,
+            self.dev.download(&ids, n)?,
+            self.dev.download(&wts, n)?,
+            self.dev.download(&pr, cap)?,
+            self.dev.download(&pm, cap)?,
+            self.dev.download(&sl, n)?,
+        ))
+    }
+
     /// The expert plan on host data, for the kernel tests: (placed rows,
     /// placed experts, slots), through the one-launch kernel (`small`) or
     /// the three-kernel path.
@@ -1498,26 +1620,9 @@ impl Cuda {
         self.mm(&mw.router, &xin, None, &mut logits)?;
         let mut ids = d.scratch::<i32>(n)?;
         let mut wts = d.scratch::<f32>(n)?;
-        let (mi, ei, ki) = (m as i32, e as i32, k as i32);
-        if e > 2048 {
-            return Err(CudaError::Driver {
-                op: "route".into(),
-                msg: format!("{e} experts: the router kernel takes at most 2048"),
-            });
-        }
-        launch!(
-            d,
-            "route",
-            cfg((m.div_ceil(4) as u32, 1, 1), 128, 0),
-            &mut logits,
-            &mut ids,
-            &mut wts,
-            &mi,
-            &ei,
-            &ki
-        )?;
-        // The plan: histogram, scan, stable placement.
-        let (placed_row, placed_mat, slot) = self.plan(&ids, n, k, e, pad, cap, self.small_plan)?;
+        let (mi, ki) = (m as i32, k as i32);
+        let (placed_row, placed_mat, slot) =
+            self.route_plan(&mut logits, &mut ids, &mut wts, m, e, k, pad, cap)?;
         let capi = cap as i32;
         // Gather, the experts' rows (each tile reads its experts' weights once), down.
         // Where gate and up read Q8_K activations, the token rows are
@@ -1794,6 +1899,47 @@ impl Backend for Cuda {
             .stream
             .memcpy_htod(&host, &mut dst)
             .map_err(|x| e(drv("embed: copy rows", x)))
+    }
+
+    fn add_rms_norm(
+        &self,
+        model: &Model,
+        which: Norm,
+        acc: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> R<()> {
+        let w = match which {
+            Norm::Attn(l) => &model.w.layers[l].attn_norm,
+            Norm::Ffn(l) => &model.w.layers[l].ffn_norm,
+            Norm::Output => &model.w.output_norm,
+        };
+        if acc.len() != x.len() || out.len() < acc.len() || !acc.len().is_multiple_of(w.len()) {
+            return Err(e(CudaError::Driver {
+                op: "add_rms_norm".into(),
+                msg: format!(
+                    "{} + {} values into {} for rows of {}",
+                    acc.len(),
+                    x.len(),
+                    out.len(),
+                    w.len()
+                ),
+            }));
+        }
+        let wd = self.vec(w).map_err(e)?;
+        let (rows, width, eps) = (acc.len() / w.len(), w.len() as i32, model.hp.eps);
+        launch!(
+            self.dev,
+            "add_rms_norm",
+            cfg((rows as u32, 1, 1), 256, 0),
+            acc,
+            x,
+            wd,
+            out,
+            &width,
+            &eps
+        )
+        .map_err(e)
     }
 
     fn rms_norm(

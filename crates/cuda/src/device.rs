@@ -398,6 +398,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
         "ops" => &[
             "rms_norm",
             "add_inplace",
+            "add_rms_norm",
             "sigmoid_mul",
             "silu_mul",
             "copy_cols",
@@ -409,6 +410,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "attention_combine",
             "conv_rows",
             "conv_shift",
+            "conv_small",
             "l2norm_qk",
             "delta_rows",
             "delta_cols_16",
@@ -422,6 +424,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "plan_scan",
             "plan_place",
             "plan_small",
+            "route_plan_small",
             "moe_combine",
             "remap_ids",
         ],

@@ -333,6 +333,48 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
 /// The one-launch expert plan (small calls) against the three-kernel plan
 /// and a plain host reference, on random routings with skipped (-1) ids:
 /// places padded per expert, pairs in token order, unused places -1.
+/// Routing and the plan in one launch (decode sizes) against `route` and the
+/// three-kernel plan: softmaxed logits, ids, weights and places, byte for
+/// byte, with ties among the logits.
+#[test]
+fn the_one_launch_route_and_plan_equal_the_separate_kernels() {
+    if !gpu() {
+        return;
+    }
+    let (_d, model) = synth("tiny-qwen3moe", GgmlType::Q8_0, 1);
+    let mut cuda = Cuda::new(0, &model, false).unwrap();
+    let mut rng = Rng::new(4);
+    let mut cases = 0;
+    for e in [8usize, 128, 256, 512] {
+        for k in [1usize, 2, 8] {
+            for m in [1usize, 2, 3, 16, 32] {
+                if m * k > 256 || k > e {
+                    continue;
+                }
+                for pad in [1usize, 16] {
+                    // Logits on a coarse grid, so equal values (ties) occur.
+                    let lg: Vec<f32> = (0..m * e)
+                        .map(|_| (rng.below(16) as f32 - 8.0) * 0.25)
+                        .collect();
+                    let one = cuda.route_plan_host(&lg, m, k, pad, true).unwrap();
+                    let sep = cuda.route_plan_host(&lg, m, k, pad, false).unwrap();
+                    let fb = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(fb(&one.0), fb(&sep.0), "e={e} k={k} m={m}: softmax");
+                    assert_eq!(one.1, sep.1, "e={e} k={k} m={m}: ids");
+                    assert!(one.1.iter().all(|&i| i >= 0 && (i as usize) < e));
+                    assert_eq!(fb(&one.2), fb(&sep.2), "e={e} k={k} m={m}: weights");
+                    assert_eq!(one.3, sep.3, "e={e} k={k} m={m} pad={pad}: placed rows");
+                    assert_eq!(one.4, sep.4, "e={e} k={k} m={m} pad={pad}: placed experts");
+                    assert_eq!(one.5, sep.5, "e={e} k={k} m={m} pad={pad}: slots");
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert!(cases > 50, "too few cases: {cases}");
+    eprintln!("{cases} routings equal (one launch, route + plan)");
+}
+
 #[test]
 fn the_one_launch_plan_equals_the_three_kernel_plan() {
     if !gpu() {
@@ -713,6 +755,57 @@ fn tier_mode_equals_resident_mode() {
 /// Decode steps recorded as CUDA graphs and replayed against the same steps
 /// launched one by one: the same logits bytes at every position, over more
 /// than one attention key tile (the recorded step covers the whole context).
+/// Every decode-size fusion (one-row and fused-GLU matmuls, routing with the
+/// plan, the conv with its state shift, the quantized gather, programmatic
+/// dependent launch) against the separate kernels, through whole forward
+/// passes: 200 replayed steps and a prefill in chunks of 7 rows, byte for
+/// byte.
+#[test]
+fn decode_fusions_equal_the_separate_kernels() {
+    if !gpu() {
+        return;
+    }
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 19);
+        let mut fused = Cuda::new(0, &model, false).unwrap();
+        fused.set_graphs(false);
+        let mut apart = Cuda::new(0, &model, false).unwrap();
+        apart.set_graphs(false);
+        apart.set_row_kernels(false);
+        apart.set_fused_glu(false);
+        apart.set_small_plan(false);
+        apart.set_quantized_gather(false);
+        apart.device().set_pdl(false);
+        let mut rng = Rng::new(23);
+        let toks: Vec<u32> = (0..200)
+            .map(|_| rng.below(model.w.n_vocab as u64) as u32)
+            .collect();
+        for chunk in [1usize, 7] {
+            let run = |b: &Cuda| {
+                let mut st = b.new_state(&model, 256, KvType::F32).unwrap();
+                let mut out = Vec::new();
+                for c in toks.chunks(chunk) {
+                    out.extend(forward(&model, b, &mut st, c, Logits::All).unwrap());
+                }
+                out
+            };
+            let (p, q) = (run(&fused), run(&apart));
+            assert_eq!(p.len(), q.len());
+            if let Some(i) = p
+                .iter()
+                .zip(&q)
+                .position(|(a, b)| a.to_bits() != b.to_bits())
+            {
+                panic!(
+                    "{shape} chunk {chunk}: fused kernels differ from separate ones at position {}",
+                    i / model.w.n_vocab
+                );
+            }
+        }
+        eprintln!("{shape}: decode fusions == separate kernels (replay and chunks of 7)");
+    }
+}
+
 #[test]
 fn graph_replayed_steps_equal_eager_steps() {
     if !gpu() {

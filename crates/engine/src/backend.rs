@@ -110,6 +110,20 @@ pub trait Backend: Sync {
     ) -> Result<()>;
     /// `acc += x`, element-wise.
     fn add(&self, acc: &mut Self::Buf, x: &Self::Buf) -> Result<()>;
+    /// `acc += x`, then `out` = RMSNorm of the new `acc` rows with weight
+    /// `which`: exactly [`Backend::add`] then [`Backend::rms_norm`] (a
+    /// backend may do both in one pass, with the same arithmetic).
+    fn add_rms_norm(
+        &self,
+        model: &Model,
+        which: Norm,
+        acc: &mut Self::Buf,
+        x: &Self::Buf,
+        out: &mut Self::Buf,
+    ) -> Result<()> {
+        self.add(acc, x)?;
+        self.rms_norm(model, which, acc, out)
+    }
     /// Gated/plain attention rows of layer `l` over the KV cache (projections,
     /// head norms, RoPE, cache write, attention in key order, output gate,
     /// output projection); rows are the state's next positions, in order.

@@ -119,6 +119,42 @@ pub fn block_ops_match<B: Backend>(
                     &ones,
                 )?;
             }
+            // The residual add fused with a norm: row-invariant, and
+            // byte-equal to `add` then `rms_norm`.
+            {
+                let inc: Vec<f32> = (0..m * d).map(|_| rng.range(-2.0, 2.0)).collect();
+                let incb = b.upload(&inc).map_err(e)?;
+                let mut acc = b.upload(&x).map_err(e)?;
+                let mut all = nan(m * d)?;
+                b.add_rms_norm(model, Norm::Attn(l), &mut acc, &incb, &mut all)
+                    .map_err(e)?;
+                let (all, acc) = (b.download(&all).map_err(e)?, b.download(&acc).map_err(e)?);
+                let mut ones = Vec::with_capacity(m);
+                let mut accs = Vec::with_capacity(m);
+                for r in 0..m {
+                    let mut a1 = row(r)?;
+                    let i1 = b.upload(&inc[r * d..(r + 1) * d]).map_err(e)?;
+                    let mut o = nan(d)?;
+                    b.add_rms_norm(model, Norm::Attn(l), &mut a1, &i1, &mut o)
+                        .map_err(e)?;
+                    ones.push(b.download(&o).map_err(e)?);
+                    accs.push(b.download(&a1).map_err(e)?);
+                }
+                check(format!("add_rms_norm m={m}"), &all, &ones)?;
+                check(format!("add_rms_norm sum m={m}"), &acc, &accs)?;
+                let mut acc2 = b.upload(&x).map_err(e)?;
+                let mut sep = nan(m * d)?;
+                b.add(&mut acc2, &incb).map_err(e)?;
+                b.rms_norm(model, Norm::Attn(l), &acc2, &mut sep)
+                    .map_err(e)?;
+                if bits(&b.download(&sep).map_err(e)?) != bits(&all)
+                    || bits(&b.download(&acc2).map_err(e)?) != bits(&acc)
+                {
+                    return Err(format!(
+                        "add_rms_norm m={m}: differs from add then rms_norm"
+                    ));
+                }
+            }
             // The mixer, with its state.
             let mut st_all = b.new_state(model, ctx, KvType::F32).map_err(e)?;
             let mut all = nan(m * d)?;

@@ -95,8 +95,11 @@ pub fn forward_batch<B: Backend>(
     if let [seg] = &mut *segs {
         layers_one(model, b, seg.state, &mut h, &mut x, &mut y)?;
     } else {
+        let n_layers = model.w.layers.len();
         for (l, lw) in model.w.layers.iter().enumerate() {
-            b.rms_norm(model, Norm::Attn(l), &h, &mut x)?;
+            if l == 0 {
+                b.rms_norm(model, Norm::Attn(l), &h, &mut x)?;
+            }
             let mut r0 = 0;
             for s in segs.iter_mut() {
                 let n = s.tokens.len();
@@ -109,10 +112,14 @@ pub fn forward_batch<B: Backend>(
                 b.set_rows(&mut y, d, r0, &ys)?;
                 r0 += n;
             }
-            b.add(&mut h, &y)?;
-            b.rms_norm(model, Norm::Ffn(l), &h, &mut x)?;
+            b.add_rms_norm(model, Norm::Ffn(l), &mut h, &y, &mut x)?;
             b.moe(model, &lw.moe, &x, &mut y)?;
-            b.add(&mut h, &y)?;
+            // The residual add, fused with the next layer's input norm.
+            if l + 1 < n_layers {
+                b.add_rms_norm(model, Norm::Attn(l + 1), &mut h, &y, &mut x)?;
+            } else {
+                b.add(&mut h, &y)?;
+            }
         }
     }
     let mut rows = Vec::new();
@@ -159,13 +166,20 @@ pub fn layers_one<B: Backend>(
     x: &mut B::Buf,
     y: &mut B::Buf,
 ) -> Result<()> {
+    let n_layers = model.w.layers.len();
     for (l, lw) in model.w.layers.iter().enumerate() {
-        b.rms_norm(model, Norm::Attn(l), h, x)?;
+        if l == 0 {
+            b.rms_norm(model, Norm::Attn(l), h, x)?;
+        }
         mixer(model, b, l, &lw.mixer, x, st, y)?;
-        b.add(h, y)?;
-        b.rms_norm(model, Norm::Ffn(l), h, x)?;
+        b.add_rms_norm(model, Norm::Ffn(l), h, y, x)?;
         b.moe(model, &lw.moe, x, y)?;
-        b.add(h, y)?;
+        // The residual add, fused with the next layer's input norm.
+        if l + 1 < n_layers {
+            b.add_rms_norm(model, Norm::Attn(l + 1), h, y, x)?;
+        } else {
+            b.add(h, y)?;
+        }
     }
     Ok(())
 }
