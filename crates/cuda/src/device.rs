@@ -3,6 +3,9 @@
 //! One context and one stream per backend (event tracking off, as the H200
 //! notes advise). Every kernel is looked up once by name; every launch and
 //! copy error becomes a [`CudaError::Driver`] naming the kernel or copy.
+//! Launches go through `cuLaunchKernelEx` (`Device::launch_raw`, the
+//! `launch!` macro) so that, on Hopper, each may use programmatic dependent
+//! launch; every kernel's first statement waits for its predecessor.
 
 use crate::compile;
 use crate::error::{CudaError, Result};
