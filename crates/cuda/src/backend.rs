@@ -554,7 +554,6 @@ impl Cuda {
         mats: Option<&CudaSlice<i32>>,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        use cudarc::driver::DevicePtr;
         let m = input.m;
         let fused = self.glu
             && self.row_kernels
@@ -588,10 +587,7 @@ impl Cuda {
         let nb = (gate.cols / if gate.ty == GgmlType::Q8_0 { 32 } else { 256 }) as i32;
         let stride = (gate.rows * gate.row_bytes) as i64;
         let row_bytes = gate.row_bytes as i32;
-        let mats_ptr: u64 = match mats {
-            Some(s) => s.device_ptr(&d.stream).0,
-            None => 0,
-        };
+        let mats_ptr: u64 = mats.map_or(0, |s| crate::device::addr(d, s));
         let (rows, mi) = (gate.rows as i32, m as i32);
         let c = cfg((gate.rows.div_ceil(4) as u32, m as u32, 1), 128, 0);
         launch!(
@@ -720,7 +716,6 @@ impl Cuda {
         y: &mut CudaSlice<f32>,
         tensor_cores: bool,
     ) -> Result<()> {
-        use cudarc::driver::DevicePtr;
         let m = input.m;
         if input.cols() != w.cols {
             return Err(CudaError::Driver {
@@ -740,10 +735,7 @@ impl Cuda {
         let wptr = base;
         let stride = (w.rows * w.row_bytes) as i64;
         let row_bytes = w.row_bytes as i32;
-        let mats_ptr: u64 = match mats {
-            Some(s) => s.device_ptr(&d.stream).0,
-            None => 0,
-        };
+        let mats_ptr: u64 = mats.map_or(0, |s| crate::device::addr(d, s));
         let (rows, mi, cols) = (w.rows as i32, m as i32, w.cols as i32);
         let grid = ((w.rows.div_ceil(4)) as u32, m.div_ceil(16) as u32, 1);
         let c = cfg(grid, 128, 0);
@@ -1633,7 +1625,7 @@ impl Cuda {
         let dmi = dm as i32;
         let gather_quantized =
             self.quantized_gather && k_quant(mw.gate.ty) && k_quant(mw.up.ty) && dm % 256 == 0;
-        let mut xe = d.scratch::<f32>(if gather_quantized { 1 } else { cap * dm })?;
+        let xe;
         let xein = if gather_quantized {
             let xq = xin.q8k(d)?;
             let words = dm / 256 * 304 / 16;
@@ -1651,16 +1643,18 @@ impl Cuda {
             )?;
             Input::quantized(xeq, cap, dm)
         } else {
+            let mut rows = d.scratch::<f32>(cap * dm)?;
             launch!(
                 d,
                 "gather_rows",
                 cfg1(cap * dm),
                 x,
                 &placed_row,
-                &mut xe,
+                &mut rows,
                 &dmi,
                 &capi
             )?;
+            xe = rows;
             Input::new(&xe, cap)
         };
         // Where the experts' weights are read: the resident file, or in tier

@@ -55,6 +55,10 @@ pub struct Device {
     pdl: std::sync::atomic::AtomicBool,
 }
 
+/// The most parameters a kernel here takes (the launch keeps their pointers
+/// in a fixed array).
+const MAX_KERNEL_ARGS: usize = 24;
+
 /// A kernel argument as the driver takes it: a device address (passed by
 /// value) or a pointer to a scalar.
 pub(crate) enum ArgSlot {
@@ -214,21 +218,24 @@ impl Device {
         use cudarc::driver::sys;
         let f = self.func(name)?;
         self.ctx.bind_to_thread().map_err(|e| drv(name, e))?;
-        let addrs: Vec<u64> = args
-            .iter()
-            .map(|a| match a {
-                ArgSlot::Addr(p) => *p,
-                ArgSlot::Val(_) => 0,
-            })
-            .collect();
-        let mut params: Vec<*mut std::ffi::c_void> = args
-            .iter()
-            .zip(&addrs)
-            .map(|(a, p)| match a {
-                ArgSlot::Addr(_) => p as *const u64 as *mut std::ffi::c_void,
+        // One pointer per parameter, on the stack (no allocation per launch):
+        // a device address is passed by pointing at it inside `args`.
+        let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_KERNEL_ARGS];
+        if args.len() > MAX_KERNEL_ARGS {
+            return Err(CudaError::Driver {
+                op: name.into(),
+                msg: format!(
+                    "{} kernel arguments (at most {MAX_KERNEL_ARGS})",
+                    args.len()
+                ),
+            });
+        }
+        for (p, a) in params.iter_mut().zip(args) {
+            *p = match a {
+                ArgSlot::Addr(addr) => addr as *const u64 as *mut std::ffi::c_void,
                 ArgSlot::Val(v) => *v as *mut std::ffi::c_void,
-            })
-            .collect();
+            };
+        }
         // SAFETY: plain C structs; zero is a valid value for every field.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;

@@ -43,6 +43,30 @@ fn synth_shape(shape: shapes::Shape, quant: GgmlType, seed: u64) -> (tempfile::T
     (dir, m)
 }
 
+/// `m` random activation rows for `w` (normal, times 0.5) and, for an expert
+/// stack, each row's expert: row r unused (-1) where r % every.0 == every.1,
+/// else a random expert.
+fn random_rows(
+    rng: &mut Rng,
+    w: &samesum_engine::model::weights::Matrix,
+    m: usize,
+    every: (usize, usize),
+) -> (Vec<f32>, Option<Vec<i32>>) {
+    let x: Vec<f32> = (0..m * w.cols).map(|_| rng.normal() * 0.5).collect();
+    let ids = (w.n_mats > 1).then(|| {
+        (0..m)
+            .map(|r| {
+                if r % every.0 == every.1 {
+                    -1
+                } else {
+                    (rng.next_u64() % w.n_mats as u64) as i32
+                }
+            })
+            .collect()
+    });
+    (x, ids)
+}
+
 fn repo() -> PathBuf {
     std::env::var_os("SAMESUM_REPO")
         .map(PathBuf::from)
@@ -108,18 +132,7 @@ fn one_row_kernels_equal_the_tile_kernels() {
                     continue;
                 }
                 for m in 1..=16 {
-                    let x: Vec<f32> = (0..m * w.cols).map(|_| rng.normal() * 0.5).collect();
-                    let ids: Option<Vec<i32>> = (w.n_mats > 1).then(|| {
-                        (0..m)
-                            .map(|r| {
-                                if r % 5 == 2 {
-                                    -1
-                                } else {
-                                    (rng.next_u64() % w.n_mats as u64) as i32
-                                }
-                            })
-                            .collect()
-                    });
+                    let (x, ids) = random_rows(&mut rng, w, m, (5, 2));
                     cuda.set_row_kernels(true);
                     let one = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
                     cuda.set_row_kernels(false);
@@ -149,18 +162,7 @@ fn one_row_kernels_equal_the_tile_kernels() {
             }
             for (g, u) in glus {
                 for m in 1..=16 {
-                    let x: Vec<f32> = (0..m * g.cols).map(|_| rng.normal() * 0.5).collect();
-                    let ids: Option<Vec<i32>> = (g.n_mats > 1).then(|| {
-                        (0..m)
-                            .map(|r| {
-                                if r % 5 == 2 {
-                                    -1
-                                } else {
-                                    (rng.next_u64() % g.n_mats as u64) as i32
-                                }
-                            })
-                            .collect()
-                    });
+                    let (x, ids) = random_rows(&mut rng, g, m, (5, 2));
                     cuda.set_row_kernels(true);
                     cuda.set_fused_glu(true);
                     let fused = cuda.glu_host(g, u, &x, m, ids.as_deref()).unwrap();
@@ -282,18 +284,7 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
                 let mut rng = Rng::new(5);
                 for w in mats {
                     for m in [17, 33, 64, 100, 257] {
-                        let x: Vec<f32> = (0..m * w.cols).map(|_| rng.normal() * 0.5).collect();
-                        let ids: Option<Vec<i32>> = (w.n_mats > 1).then(|| {
-                            (0..m)
-                                .map(|r| {
-                                    if r % 7 == 3 {
-                                        -1
-                                    } else {
-                                        (rng.next_u64() % w.n_mats as u64) as i32
-                                    }
-                                })
-                                .collect()
-                        });
+                        let (x, ids) = random_rows(&mut rng, w, m, (7, 3));
                         let tc = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
                         let dp = cuda.matmul_host(w, &x, m, ids.as_deref(), false).unwrap();
                         assert!(tc.iter().all(|v| v.is_finite()), "{}: non-finite", w.name);
