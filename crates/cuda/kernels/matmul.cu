@@ -941,7 +941,7 @@ __device__ __forceinline__ float ld_w(const u8* row, int i) {
     return bf16_to_f32(((const u16*)row)[i]);
 }
 
-#define MMF_U 8
+#define MMF_U 16
 
 template <int KIND>
 __device__ void mm_float(const u8* W, i64 mat_stride, int row_bytes, const int* mats,

@@ -5,66 +5,97 @@
 // order of arithmetic fixed by the model's sizes, never by the call's row count.
 
 #define NORM_THREADS 256
+// Values per thread kept in registers (rows up to 256 x 8 = 2,048 wide); wider
+// rows take the same loops through memory.
+#define NORM_VPT 8
 
-// RMSNorm of `m` rows of `width`: the sum of squares in f64, each thread over a
-// fixed stride, then a fixed tree; y = (x * scale) * w.
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int width, float eps) {
-    pdl_wait();
-    __shared__ double part[NORM_THREADS];
-    int r = blockIdx.x, t = threadIdx.x;
-    const float* xr = x + (i64)r * width;
-    double s = 0.0;
-    for (int i = t; i < width; i += NORM_THREADS) s += (double)xr[i] * (double)xr[i];
-    part[t] = s;
+// The block's sum of `part` (one f64 per thread): a fixed tree, its last five
+// levels by shuffles in warp 0 (lane t adds lane t + o: part[t] + part[t + o]).
+__device__ __forceinline__ double norm_tree(double* part, int t) {
     __syncthreads();
     for (int o = NORM_THREADS / 2; o > 16; o /= 2) {
         if (t < o) part[t] = part[t] + part[t + o];
         __syncthreads();
     }
-    // The tree's last five levels in warp 0 by shuffles: lane t adds lane
-    // t + o's partial, exactly part[t] + part[t + o].
     if (t < 32) {
         double v = part[t];
         for (int o = 16; o > 0; o /= 2) v = v + __shfl_down_sync(0xffffffffu, v, o);
         if (t == 0) part[0] = v;
     }
     __syncthreads();
-    float mean = (float)(part[0] / (double)width);
-    float scale = 1.0f / sqrtf(mean + eps);
-    for (int i = t; i < width; i += NORM_THREADS) y[(i64)r * width + i] = (xr[i] * scale) * w[i];
+    return part[0];
 }
 
-// acc += x, then y = RMSNorm(acc) for `m` rows of `width`: add_inplace's sum
-// per element, then rms_norm's arithmetic on the stored sums (the same
-// per-thread strides and tree), in one launch.
-extern "C" __global__ void add_rms_norm(float* acc, const float* x, const float* w, float* y, int width,
-                                        float eps) {
-    pdl_wait();
+// One row of RMSNorm (and, with `inc`, the residual add before it: acc[i] =
+// acc[i] + inc[i], stored): thread t takes elements t, t + 256, ... in order
+// for its f64 sum of squares, then the fixed tree; y = (x * scale) * w. For
+// rows up to 2,048 every load (x, inc, w) is issued before any arithmetic, so
+// the row waits on memory once; the operations are the same either way.
+__device__ __forceinline__ void norm_row(float* xr, const float* inc, const float* w, float* yr, int width,
+                                         float eps) {
     __shared__ double part[NORM_THREADS];
-    int r = blockIdx.x, t = threadIdx.x;
-    float* ar = acc + (i64)r * width;
-    const float* xr = x + (i64)r * width;
+    int t = threadIdx.x;
     double s = 0.0;
+    if (width <= NORM_THREADS * NORM_VPT) {
+        float v[NORM_VPT], wv[NORM_VPT], iv[NORM_VPT];
+#pragma unroll
+        for (int k = 0; k < NORM_VPT; k++) {
+            int i = t + k * NORM_THREADS;
+            v[k] = i < width ? xr[i] : 0.0f;
+            iv[k] = inc && i < width ? inc[i] : 0.0f;
+            wv[k] = i < width ? w[i] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < NORM_VPT; k++) {
+            int i = t + k * NORM_THREADS;
+            if (i < width) {
+                if (inc) {
+                    v[k] = v[k] + iv[k];
+                    xr[i] = v[k];
+                }
+                s += (double)v[k] * (double)v[k];
+            }
+        }
+        part[t] = s;
+        float mean = (float)(norm_tree(part, t) / (double)width);
+        float scale = 1.0f / sqrtf(mean + eps);
+#pragma unroll
+        for (int k = 0; k < NORM_VPT; k++) {
+            int i = t + k * NORM_THREADS;
+            if (i < width) yr[i] = (v[k] * scale) * wv[k];
+        }
+        return;
+    }
     for (int i = t; i < width; i += NORM_THREADS) {
-        float a = ar[i] + xr[i];
-        ar[i] = a;
+        float a = xr[i];
+        if (inc) {
+            a = a + inc[i];
+            xr[i] = a;
+        }
         s += (double)a * (double)a;
     }
     part[t] = s;
-    __syncthreads();
-    for (int o = NORM_THREADS / 2; o > 16; o /= 2) {
-        if (t < o) part[t] = part[t] + part[t + o];
-        __syncthreads();
-    }
-    if (t < 32) {
-        double v = part[t];
-        for (int o = 16; o > 0; o /= 2) v = v + __shfl_down_sync(0xffffffffu, v, o);
-        if (t == 0) part[0] = v;
-    }
-    __syncthreads();
-    float mean = (float)(part[0] / (double)width);
+    float mean = (float)(norm_tree(part, t) / (double)width);
     float scale = 1.0f / sqrtf(mean + eps);
-    for (int i = t; i < width; i += NORM_THREADS) y[(i64)r * width + i] = (ar[i] * scale) * w[i];
+    for (int i = t; i < width; i += NORM_THREADS) yr[i] = (xr[i] * scale) * w[i];
+}
+
+// RMSNorm of `m` rows of `width` (a block per row): the sum of squares in f64,
+// each thread over a fixed stride, then a fixed tree; y = (x * scale) * w.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    rms_norm(const float* x, const float* w, float* y, int width, float eps) {
+    pdl_wait();
+    int r = blockIdx.x;
+    norm_row((float*)(x + (i64)r * width), nullptr, w, y + (i64)r * width, width, eps);
+}
+
+// acc += x, then y = RMSNorm(acc): add_inplace's sum per element, then
+// rms_norm's arithmetic on the stored sums, in one launch.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    add_rms_norm(float* acc, const float* x, const float* w, float* y, int width, float eps) {
+    pdl_wait();
+    int r = blockIdx.x;
+    norm_row(acc + (i64)r * width, x + (i64)r * width, w, y + (i64)r * width, width, eps);
 }
 
 extern "C" __global__ void add_inplace(float* acc, const float* x, i64 n) {
@@ -460,6 +491,25 @@ extern "C" __global__ void conv_shift(const float* x, float* state, int m, int c
     }
 }
 
+// A head's f64 sum of squares in index order, by lane 0, from a copy of the
+// head in shared memory (read four values per load; the adds stay in order).
+// `v` is 16-byte aligned; returns the sum to every lane.
+__device__ __forceinline__ double sumsq_in_order(const float* v, int n, int lane) {
+    double s = 0.0;
+    if (lane == 0) {
+        int i = 0;
+        for (; i + 4 <= n; i += 4) {
+            float4 q = *(const float4*)(v + i);
+            s += (double)q.x * (double)q.x;
+            s += (double)q.y * (double)q.y;
+            s += (double)q.z * (double)q.z;
+            s += (double)q.w * (double)q.w;
+        }
+        for (; i < n; i++) s += (double)v[i] * (double)v[i];
+    }
+    return __shfl_sync(0xffffffffu, s, 0);
+}
+
 // L2 norm of each dk-wide head of the q and k parts (2*hk heads) of m conv rows
 // into qk (m rows of 2*kd): the sum of squares in f64, index order.
 // One warp per (row, head): the head's values are read once, coalesced, into
@@ -470,7 +520,7 @@ extern "C" __global__ void conv_shift(const float* x, float* state, int m, int c
 extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
     l2norm_qk(const float* conv, float* qk, int m, int cd, int hk, int dk, float eps) {
     pdl_wait();
-    __shared__ float stage[L2_WARPS][256];
+    __shared__ __align__(16) float stage[L2_WARPS][256];
     int t = blockIdx.x * L2_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (t >= m * 2 * hk) return;
     int r = t / (2 * hk), h = t % (2 * hk);
@@ -483,10 +533,15 @@ extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
         __syncwarp();
         v = sv;
     }
-    double s = 0.0;
-    if (lane == 0)
-        for (int i = 0; i < dk; i++) s += (double)v[i] * (double)v[i];
-    s = __shfl_sync(0xffffffffu, s, 0);
+    double s;
+    if (dk <= 256) {
+        s = sumsq_in_order(v, dk, lane);
+    } else {
+        s = 0.0;
+        if (lane == 0)
+            for (int i = 0; i < dk; i++) s += (double)v[i] * (double)v[i];
+        s = __shfl_sync(0xffffffffu, s, 0);
+    }
     float scale = 1.0f / sqrtf((float)s + eps);
     for (int i = lane; i < dk; i += 32) dst[i] = v[i] * scale;
 }
@@ -666,19 +721,31 @@ DELTA_COLS(delta_cols_64, 64)
 DELTA_COLS(delta_cols_128, 128)
 DELTA_COLS(delta_cols_256, 256)
 
-// The delta net's gated RMSNorm, one warp per (row, value head): the sum of
-// squares in f64 in index order (lane 0, as the CPU does), then
-// o = ((o * scale) * norm) * silu(z).
-extern "C" __global__ void gated_norm(float* o, const float* z, const float* norm, int rows_heads, int dv, float eps) {
+// The delta net's gated RMSNorm, one warp per (row, value head): the head is
+// read once, coalesced, into shared memory (head dims up to 256; larger ones
+// read global memory), the sum of squares in f64 in index order (lane 0, as
+// the CPU does), then o = ((o * scale) * norm) * silu(z).
+#define GN_WARPS 4
+extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
+    gated_norm(float* o, const float* z, const float* norm, int rows_heads, int dv, float eps) {
     pdl_wait();
-    int w = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    __shared__ __align__(16) float stage[GN_WARPS][256];
+    int w = blockIdx.x * GN_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (w >= rows_heads) return;
     float* on = o + (i64)w * dv;
     const float* zn = z + (i64)w * dv;
-    double s = 0.0;
-    if (lane == 0)
-        for (int i = 0; i < dv; i++) s += (double)on[i] * (double)on[i];
-    s = __shfl_sync(0xffffffffu, s, 0);
+    double s;
+    if (dv <= 256) {
+        float* sv = stage[threadIdx.x / 32];
+        for (int i = lane; i < dv; i += 32) sv[i] = on[i];
+        __syncwarp();
+        s = sumsq_in_order(sv, dv, lane);
+    } else {
+        s = 0.0;
+        if (lane == 0)
+            for (int i = 0; i < dv; i++) s += (double)on[i] * (double)on[i];
+        s = __shfl_sync(0xffffffffu, s, 0);
+    }
     float mean = (float)(s / (double)dv);
     float scale = 1.0f / sqrtf(mean + eps);
     for (int i = lane; i < dv; i += 32) on[i] = ((on[i] * scale) * norm[i]) * silu(zn[i]);
@@ -688,7 +755,75 @@ extern "C" __global__ void gated_norm(float* o, const float* z, const float* nor
 // entries l, l + 32, ... then a fixed butterfly; divide), the top k (largest
 // first, lowest id among equals: k rounds of an exact warp argmax), weights
 // renormalized by their sum in k order clamped at 2^-14.
-__device__ __forceinline__ void route_row(float* logits, int* ids, float* wts, int r, int e, int k, int lane) {
+// One row's routing with the row's logits in registers (U per lane, U * 32 >=
+// e): lane l holds entries l, l + 32, ... and every pass (max, exp and sum,
+// divide, each argmax round) walks them in that order, as a loop over memory
+// would; the softmaxed row is also stored back.
+template <int U>
+__device__ __forceinline__ void route_row_u(float* logits, int* ids, float* wts, int r, int e, int k, int lane) {
+    float* p = logits + (i64)r * e;
+    float v[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        int i = lane + 32 * u;
+        v[u] = i < e ? p[i] : 0.0f;
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < U; u++)
+        if (lane + 32 * u < e) mx = fmaxf(mx, v[u]);
+    for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.0f;
+#pragma unroll
+    for (int u = 0; u < U; u++)
+        if (lane + 32 * u < e) {
+            v[u] = expf(v[u] - mx);
+            sum = sum + v[u];
+        }
+    for (int o = 16; o > 0; o /= 2) sum = sum + __shfl_xor_sync(0xffffffffu, sum, o);
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        int i = lane + 32 * u;
+        if (i < e) {
+            v[u] = v[u] / sum;
+            p[i] = v[u];
+        }
+    }
+    __syncwarp();
+    unsigned long long taken = 0;  // bit u: entry lane + 32u chosen (e <= 2048)
+    float tot = 0.0f;
+    for (int s = 0; s < k; s++) {
+        int best = -1;
+        float bv = 0.0f;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int i = lane + 32 * u;
+            if (i >= e || ((taken >> u) & 1ull)) continue;
+            if (best < 0 || v[u] > bv) {
+                best = i;
+                bv = v[u];
+            }
+        }
+        for (int o = 16; o > 0; o /= 2) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, best, o);
+            bool better = oi >= 0 && (best < 0 || ov > bv || (ov == bv && oi < best));
+            if (better) {
+                bv = ov;
+                best = oi;
+            }
+        }
+        if ((best & 31) == lane) taken |= 1ull << (best / 32);
+        if (lane == 0) ids[(i64)r * k + s] = best;
+        tot = tot + bv;
+    }
+    tot = fmaxf(tot, 6.103515625e-5f);
+    __syncwarp();
+    for (int s = lane; s < k; s += 32) wts[(i64)r * k + s] = p[ids[(i64)r * k + s]] / tot;
+}
+
+// The same through memory, for more than 1,024 experts.
+__device__ __forceinline__ void route_row_mem(float* logits, int* ids, float* wts, int r, int e, int k, int lane) {
     float* p = logits + (i64)r * e;
     float mx = -INFINITY;
     for (int i = lane; i < e; i += 32) mx = fmaxf(mx, p[i]);
@@ -731,6 +866,24 @@ __device__ __forceinline__ void route_row(float* logits, int* ids, float* wts, i
     tot = fmaxf(tot, 6.103515625e-5f);
     __syncwarp();
     for (int s = lane; s < k; s += 32) wts[(i64)r * k + s] = p[ids[(i64)r * k + s]] / tot;
+}
+
+// Routing of row r: softmax (max; exp; the sum with lane l over entries l,
+// l + 32, ... then a fixed butterfly; divide), the top k (largest first,
+// lowest id among equals: k rounds of an exact warp argmax), weights
+// renormalized by their sum in k order clamped at 2^-14 (e <= 2048).
+__device__ __forceinline__ void route_row(float* logits, int* ids, float* wts, int r, int e, int k, int lane) {
+    int n = (e + 31) / 32;
+    if (n <= 4)
+        route_row_u<4>(logits, ids, wts, r, e, k, lane);
+    else if (n <= 8)
+        route_row_u<8>(logits, ids, wts, r, e, k, lane);
+    else if (n <= 16)
+        route_row_u<16>(logits, ids, wts, r, e, k, lane);
+    else if (n <= 32)
+        route_row_u<32>(logits, ids, wts, r, e, k, lane);
+    else
+        route_row_mem(logits, ids, wts, r, e, k, lane);
 }
 
 extern "C" __global__ void route(float* logits, int* ids, float* wts, int m, int e, int k) {
@@ -888,7 +1041,7 @@ extern "C" __global__ void __launch_bounds__(256)
 // routes rows w, w + 8, ... exactly as `route` does, then (after a block
 // barrier, which makes the ids visible to the block) the block plans them
 // exactly as `plan_small` does.
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, 1)
     route_plan_small(float* logits, int* ids, float* wts, int m, int e, int k, int pad, int* placed_row,
                      int* placed_mat, int* slot, int cap) {
     pdl_wait();
