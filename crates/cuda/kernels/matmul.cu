@@ -385,9 +385,9 @@ __device__ void mm_blocks(const u8* W, i64 mat_stride, int row_bytes, const int*
 // block, then the float steps in block order.
 template <class F, int NW>
 __device__ void mm_row(const u8* W, const u8* W2, i64 mat_stride, int row_bytes, const int* mats,
-                       const u8* A, float* Y, int rows, int m, int nb) {
+                       const u8* A, float* Y, int rows, int m, int nb, int jb) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int j = blockIdx.x * WARPS + warp;
+    int j = jb * WARPS + warp;
     int r = blockIdx.y;
     if (j >= rows || r >= m) return;
     const int L = F::LANES, G = 32 / F::LANES;
@@ -444,7 +444,7 @@ __device__ void mm_row(const u8* W, const u8* W2, i64 mat_stride, int row_bytes,
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                  \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
              int rows, int m, int nb) { pdl_wait();                                           \
-        mm_row<F, 1>(W, nullptr, mat_stride, row_bytes, mats, A, Y, rows, m, nb);             \
+        mm_row<F, 1>(W, nullptr, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x); \
     }
 
 // y = silu(Wg . x) * (Wu . x) for decode-sized calls: each product exactly as
@@ -453,8 +453,43 @@ __device__ void mm_row(const u8* W, const u8* W2, i64 mat_stride, int row_bytes,
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                  \
         name(const u8* Wg, const u8* Wu, i64 mat_stride, int row_bytes, const int* mats,      \
              const u8* A, float* Y, int rows, int m, int nb) { pdl_wait();                    \
-        mm_row<F, 2>(Wg, Wu, mat_stride, row_bytes, mats, A, Y, rows, m, nb);                 \
+        mm_row<F, 2>(Wg, Wu, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x);     \
     }
+
+// Up to four matrices of one format and width against the same activation
+// rows in one launch (a layer's input projections at decode): the blocks of
+// job 0 come first, then job 1's, ...; each block computes its job's rows
+// exactly as the one-row kernel does.
+struct MmJobs {
+    const u8* w[4];
+    float* y[4];
+    int rows[4];
+    int nj;
+};
+
+#define MM_MULTI_KERNEL(name, F)                                                              \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                  \
+        name(MmJobs jobs, int row_bytes, const u8* A, int m, int nb) { pdl_wait();            \
+        int bx = blockIdx.x, j = 0;                                                           \
+        int c0 = (jobs.rows[0] + WARPS - 1) / WARPS, c1 = (jobs.rows[1] + WARPS - 1) / WARPS;  \
+        int c2 = (jobs.rows[2] + WARPS - 1) / WARPS;                                          \
+        if (jobs.nj > 1 && bx >= c0) {                                                        \
+            bx -= c0, j = 1;                                                                  \
+            if (jobs.nj > 2 && bx >= c1) {                                                    \
+                bx -= c1, j = 2;                                                              \
+                if (jobs.nj > 3 && bx >= c2) bx -= c2, j = 3;                                 \
+            }                                                                                 \
+        }                                                                                     \
+        const u8* w = j == 0 ? jobs.w[0] : j == 1 ? jobs.w[1] : j == 2 ? jobs.w[2] : jobs.w[3]; \
+        float* y = j == 0 ? jobs.y[0] : j == 1 ? jobs.y[1] : j == 2 ? jobs.y[2] : jobs.y[3];  \
+        int rows = j == 0 ? jobs.rows[0] : j == 1 ? jobs.rows[1] : j == 2 ? jobs.rows[2] : jobs.rows[3]; \
+        mm_row<F, 1>(w, nullptr, 0, row_bytes, nullptr, A, y, rows, m, nb, bx);               \
+    }
+
+MM_MULTI_KERNEL(mm_q4_k_multi_1, FmtQ4K)
+MM_MULTI_KERNEL(mm_q5_k_multi_1, FmtQ5K)
+MM_MULTI_KERNEL(mm_q6_k_multi_1, FmtQ6K)
+MM_MULTI_KERNEL(mm_q8_0_multi_1, FmtQ8_0)
 
 MM_ROW_KERNEL(mm_q4_k_1, FmtQ4K)
 MM_ROW_KERNEL(mm_q5_k_1, FmtQ5K)

@@ -61,6 +61,10 @@ pub struct Cuda {
     /// (`mm_*_glu_1`: both products and silu_mul's expression; default, off
     /// with `SAMESUM_CUDA_GLU=0`: two matmuls and silu_mul, the same bytes).
     glu: bool,
+    /// One-row calls of a layer's input projections in one launch
+    /// (`mm_*_multi_1`; default, off with `SAMESUM_CUDA_MULTI=0`: one launch
+    /// per matrix, the same bytes).
+    multi: bool,
     /// MoE rows gathered as Q8_K blocks after quantizing each token row once
     /// (default; `SAMESUM_CUDA_QGATHER=0` gathers f32 rows and quantizes the
     /// gathered ones: the same bytes).
@@ -431,6 +435,7 @@ impl Cuda {
             small_plan: std::env::var("SAMESUM_CUDA_SMALL_PLAN").as_deref() != Ok("0"),
             row_kernels: std::env::var("SAMESUM_CUDA_ROW").as_deref() != Ok("0"),
             glu: std::env::var("SAMESUM_CUDA_GLU").as_deref() != Ok("0"),
+            multi: std::env::var("SAMESUM_CUDA_MULTI").as_deref() != Ok("0"),
             quantized_gather: std::env::var("SAMESUM_CUDA_QGATHER").as_deref() != Ok("0"),
             attn_partials: ATTN_PARTIALS,
             graphs: std::env::var("SAMESUM_CUDA_GRAPHS").as_deref() != Ok("0"),
@@ -502,6 +507,13 @@ impl Cuda {
     #[doc(hidden)]
     pub fn set_row_kernels(&mut self, on: bool) {
         self.row_kernels = on;
+    }
+
+    /// Run a layer's one-row input projections in one launch (`true`, the
+    /// default unless `SAMESUM_CUDA_MULTI=0`) or one launch per matrix.
+    #[doc(hidden)]
+    pub fn set_grouped_projections(&mut self, on: bool) {
+        self.multi = on;
     }
 
     /// Gather MoE rows as Q8_K blocks (`true`, the default unless
@@ -704,6 +716,92 @@ impl Cuda {
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
         self.matmul_on(w, self.wptr(w)?, x, mats, y, self.tensor_cores)
+    }
+
+    /// `ys[i] = ws[i] . x` for up to four matrices sharing the input: one
+    /// launch (`mm_*_multi_1`) for one-row calls where every matrix has one
+    /// format, width and row size, else one matmul each. The same bytes
+    /// either way: each row is the one-row kernel's.
+    fn mm_group(&self, input: &Input, jobs: &mut [(&Matrix, &mut CudaSlice<f32>)]) -> Result<()> {
+        let first = jobs.first().map(|(w, _)| (w.ty, w.cols, w.row_bytes));
+        let kernel = match first.map(|f| f.0) {
+            Some(GgmlType::Q4_K) => "mm_q4_k_multi_1",
+            Some(GgmlType::Q5_K) => "mm_q5_k_multi_1",
+            Some(GgmlType::Q6_K) => "mm_q6_k_multi_1",
+            Some(GgmlType::Q8_0) => "mm_q8_0_multi_1",
+            _ => "",
+        };
+        let grouped = self.row_kernels
+            && self.multi
+            && input.m == 1
+            && !kernel.is_empty()
+            && (2..=4).contains(&jobs.len())
+            && jobs.iter().all(|(w, y)| {
+                Some((w.ty, w.cols, w.row_bytes)) == first && w.n_mats == 1 && y.len() >= w.rows
+            })
+            && input.cols() == jobs[0].0.cols;
+        if !grouped {
+            for (w, y) in jobs.iter_mut() {
+                self.mm(w, input, None, y)?;
+            }
+            return Ok(());
+        }
+        let d = &self.dev;
+        let (ty, cols, row_bytes) = first.expect("jobs is not empty");
+        let a = if ty == GgmlType::Q8_0 {
+            input.q80(d)?
+        } else {
+            input.q8k(d)?
+        };
+        let mut mj = crate::device::MmJobs::default();
+        let mut blocks = 0u32;
+        for (i, (w, y)) in jobs.iter().enumerate() {
+            mj.w[i] = self.wptr(w)?;
+            mj.y[i] = crate::device::addr(d, y);
+            mj.rows[i] = w.rows as i32;
+            blocks += w.rows.div_ceil(4) as u32;
+        }
+        mj.nj = jobs.len() as i32;
+        let nb = (cols / if ty == GgmlType::Q8_0 { 32 } else { 256 }) as i32;
+        let (rb, mi) = (row_bytes as i32, 1i32);
+        launch!(
+            d,
+            kernel,
+            cfg((blocks, 1, 1), 128, 0),
+            &mj,
+            &rb,
+            a,
+            &mi,
+            &nb
+        )
+    }
+
+    /// Matmuls of `ws` on host rows through [`Cuda::mm_group`] (`grouped`) or
+    /// one at a time, for tests.
+    #[doc(hidden)]
+    pub fn mm_group_host(
+        &mut self,
+        ws: &[&Matrix],
+        x: &[f32],
+        m: usize,
+        grouped: bool,
+    ) -> Result<Vec<Vec<f32>>> {
+        let xd = self.dev.upload(x)?;
+        let mut ys = ws
+            .iter()
+            .map(|w| self.dev.upload(&vec![f32::NAN; m * w.rows]))
+            .collect::<Result<Vec<_>>>()?;
+        let was = self.multi;
+        self.multi = grouped;
+        let mut jobs: Vec<(&Matrix, &mut CudaSlice<f32>)> =
+            ws.iter().copied().zip(ys.iter_mut()).collect();
+        let r = self.mm_group(&Input::new(&xd, m), &mut jobs);
+        self.multi = was;
+        r?;
+        ws.iter()
+            .zip(&ys)
+            .map(|(w, y)| self.dev.download(y, m * w.rows))
+            .collect()
     }
 
     /// A matmul reading `w`'s stacked matrices at device address `base`.
@@ -1019,9 +1117,7 @@ impl Cuda {
         let mut k = d.scratch::<f32>(m * kvw)?;
         let mut v = d.scratch::<f32>(m * kvw)?;
         let xin = Input::new(x, m);
-        self.mm(&a.q, &xin, None, &mut qg)?;
-        self.mm(&a.k, &xin, None, &mut k)?;
-        self.mm(&a.v, &xin, None, &mut v)?;
+        self.mm_group(&xin, &mut [(&a.q, &mut qg), (&a.k, &mut k), (&a.v, &mut v)])?;
         let (q_raw, gate) = if a.gated {
             let mut q = d.scratch::<f32>(m * qw)?;
             let mut g = d.scratch::<f32>(m * qw)?;
@@ -1189,7 +1285,26 @@ impl Cuda {
         let mut qkv = d.scratch::<f32>(m * cd)?;
         let mut z = d.scratch::<f32>(m * vd)?;
         let xin = Input::new(x, m);
+        let mut b = d.scratch::<f32>(m * hv)?;
+        let mut a = d.scratch::<f32>(m * hv)?;
+        // The common layout (split projections): all four in one group.
+        let mut grouped = false;
+        if let (DeltaInput::Split { qkv: wq, z: wz }, DeltaBa::Split { beta, alpha }) =
+            (&dn.input, &dn.ba)
+        {
+            self.mm_group(
+                &xin,
+                &mut [
+                    (wq, &mut qkv),
+                    (wz, &mut z),
+                    (beta, &mut b),
+                    (alpha, &mut a),
+                ],
+            )?;
+            grouped = true;
+        }
         match &dn.input {
+            _ if grouped => {}
             DeltaInput::Split { qkv: wq, z: wz } => {
                 self.mm(wq, &xin, None, &mut qkv)?;
                 self.mm(wz, &xin, None, &mut z)?;
@@ -1225,9 +1340,8 @@ impl Cuda {
                 self.copy_cols(&f, ssm_in.rows, &mut z, vd, m2, m)?;
             }
         }
-        let mut b = d.scratch::<f32>(m * hv)?;
-        let mut a = d.scratch::<f32>(m * hv)?;
         match &dn.ba {
+            _ if grouped => {}
             DeltaBa::Fused(wba) => {
                 let mut ba = d.scratch::<f32>(m * 2 * hv)?;
                 self.mm(wba, &xin, None, &mut ba)?;

@@ -82,6 +82,24 @@ macro_rules! scalar_arg {
 }
 scalar_arg!(i32, u32, i64, u64, f32);
 
+/// Up to four matrices of one format against the same rows in one launch
+/// (`MmJobs` in kernels/matmul.cu: weight addresses, output addresses, row
+/// counts, how many are used).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct MmJobs {
+    pub w: [u64; 4],
+    pub y: [u64; 4],
+    pub rows: [i32; 4],
+    pub nj: i32,
+}
+
+impl KernelArg for MmJobs {
+    fn slot(&self, _: &CudaStream) -> ArgSlot {
+        ArgSlot::Val(self as *const MmJobs as *const std::ffi::c_void)
+    }
+}
+
 impl<T> KernelArg for CudaSlice<T> {
     fn slot(&self, stream: &CudaStream) -> ArgSlot {
         use cudarc::driver::DevicePtr;
@@ -394,6 +412,10 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_q6_k_1",
             "mm_q8_0_1",
             "mm_q4_k_glu_1",
+            "mm_q4_k_multi_1",
+            "mm_q5_k_multi_1",
+            "mm_q6_k_multi_1",
+            "mm_q8_0_multi_1",
             "mm_q5_k_glu_1",
             "mm_q6_k_glu_1",
             "mm_q8_0_glu_1",
@@ -472,5 +494,21 @@ pub(crate) fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> cudarc::drive
         grid_dim: grid,
         block_dim: (block, 1, 1),
         shared_mem_bytes: smem,
+    }
+}
+
+#[cfg(test)]
+mod layout_tests {
+    /// `MmJobs` is passed by value to the kernels: its C layout must be the
+    /// CUDA struct's (four pointers, four pointers, four ints, an int; 88
+    /// bytes with the 8-byte alignment).
+    #[test]
+    fn mm_jobs_has_the_kernels_layout() {
+        use std::mem::{align_of, offset_of, size_of};
+        assert_eq!(size_of::<super::MmJobs>(), 88);
+        assert_eq!(align_of::<super::MmJobs>(), 8);
+        assert_eq!(offset_of!(super::MmJobs, y), 32);
+        assert_eq!(offset_of!(super::MmJobs, rows), 64);
+        assert_eq!(offset_of!(super::MmJobs, nj), 80);
     }
 }

@@ -194,6 +194,62 @@ fn one_row_kernels_equal_the_tile_kernels() {
     );
 }
 
+/// A layer's input projections in one launch (`mm_*_multi_1`: attention q, k,
+/// v; delta-net qkv, z, beta, alpha) against one matmul each, byte for byte,
+/// every format, one row and a few rows.
+#[test]
+fn grouped_input_projections_equal_separate_matmuls() {
+    if !gpu() {
+        return;
+    }
+    use samesum_engine::model::weights::{DeltaBa, DeltaInput};
+    let mut groups = 0;
+    for quant in [
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+    ] {
+        for shape in SHAPES {
+            let (_d, model) = synth(shape, quant, 29);
+            let mut cuda = Cuda::new(0, &model, false).unwrap();
+            let mut rng = Rng::new(3);
+            for lw in &model.w.layers {
+                let ws: Vec<&samesum_engine::model::weights::Matrix> = match &lw.mixer {
+                    Mixer::Attention(a) => vec![&a.q, &a.k, &a.v],
+                    Mixer::Linear(d) => match (&d.input, &d.ba) {
+                        (DeltaInput::Split { qkv, z }, DeltaBa::Split { beta, alpha }) => {
+                            vec![qkv, z, beta, alpha]
+                        }
+                        _ => continue,
+                    },
+                };
+                for m in [1usize, 2, 5] {
+                    let x: Vec<f32> = (0..m * ws[0].cols).map(|_| rng.normal()).collect();
+                    let one = cuda.mm_group_host(&ws, &x, m, true).unwrap();
+                    let sep = cuda.mm_group_host(&ws, &x, m, false).unwrap();
+                    for ((w, p), q) in ws.iter().zip(&one).zip(&sep) {
+                        assert!(
+                            p.iter().all(|v| v.is_finite()),
+                            "{shape} {}: non-finite",
+                            w.name
+                        );
+                        assert!(
+                            p.iter().zip(q).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{shape} {} {:?} m={m}: grouped != separate",
+                            w.name,
+                            w.ty
+                        );
+                    }
+                    groups += 1;
+                }
+            }
+        }
+    }
+    assert!(groups > 20, "too few groups: {groups}");
+    eprintln!("{groups} grouped input projections equal to separate matmuls");
+}
+
 /// The MoE block with its rows gathered as Q8_K blocks (each token row
 /// quantized once) against gathering f32 rows and quantizing those, byte for
 /// byte, at decode and prefill sizes, with the fused GLU on and off.
@@ -766,6 +822,7 @@ fn decode_fusions_equal_the_separate_kernels() {
         apart.set_fused_glu(false);
         apart.set_small_plan(false);
         apart.set_quantized_gather(false);
+        apart.set_grouped_projections(false);
         apart.device().set_pdl(false);
         let mut rng = Rng::new(23);
         let toks: Vec<u32> = (0..200)
