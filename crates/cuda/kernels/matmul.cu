@@ -946,6 +946,180 @@ __device__ void mm_tc_pipe_k(const u8* W, i64 mat_stride, int row_bytes, const i
     }
 }
 
+// mma with unsigned weights (u8, up to 255) and signed activations,
+// accumulating into d.
+__device__ __forceinline__ void mma_u8s8_acc(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The pipelined kernel with the sub-block scales folded into the weights.
+// A 6-bit scale sc is lo + 8 hi (lo, hi < 8); a quant q (< 32) times lo or
+// hi is below 256, so the products w * lo and w * hi are u8 fragments (one
+// 32-bit multiply scales four packed bytes, no carries), and both chains
+// accumulate over all 8 sub-blocks of a block inside the mma:
+//   sum_s sc_s dot_s = sum_s dot(w lo_s, a) + 8 sum_s dot(w hi_s, a),
+// the same integer (|partial sums| < 2^24, no overflow) that the other
+// kernels form one sub-block at a time. The per-block float step is theirs,
+// so the bytes are equal; what goes is the integer multiply and add per mma
+// output and the byte extraction per sub-block.
+template <int Q5>
+__device__ void mm_tc_fold_k(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A,
+                             float* Y, int rows, int m, int nb) {
+    __shared__ __align__(16) u8 sq[2][TQ_ROWS * TQ_AST];
+    __shared__ int sbs[2][TQ_ROWS][4];
+    __shared__ float sda[2][TQ_ROWS];
+    __shared__ int smat[TQ_ROWS];
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    int r0 = blockIdx.y * TQ_ROWS;
+    if (r0 >= m) return;
+    int nr = min(TQ_ROWS, m - r0);
+    if (tid < TQ_ROWS) smat[tid] = tid < nr ? (mats ? mats[r0 + tid] : 0) : -1;
+    __syncthreads();
+    int gq = lane >> 2, tq = lane & 3;
+    int wbase = blockIdx.x * TQ_WROWS + warp * 32;
+    i64 arow = (i64)nb * Q8K_BYTES;
+    for (int c = tid; c < TQ_ROWS * TQ_WROWS; c += blockDim.x) {
+        int t = c / TQ_WROWS, j = blockIdx.x * TQ_WROWS + c % TQ_WROWS;
+        if (t < nr && smat[t] < 0 && j < rows) Y[(i64)(r0 + t) * rows + j] = 0.0f;
+    }
+    int prev = -1;
+    for (;;) {
+        int cur = 0x7fffffff;
+        for (int t = 0; t < TQ_ROWS; t++) {
+            int v = smat[t];
+            if (v > prev && v < cur) cur = v;
+        }
+        if (cur == 0x7fffffff) break;
+        prev = cur;
+        const u8* wr[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int j = min(wbase + 8 * i + gq, rows - 1);
+            wr[i] = W + (i64)cur * mat_stride + (i64)j * row_bytes;
+        }
+        float acc[2][2][4];
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int b = 0; b < 2; b++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) acc[a][b][c] = 0.0f;
+        TcW w;
+        TcA x;
+        __syncthreads();
+        tc_load_a(x, A, arow, r0, nr, 0, tid);
+        tc_store_a(x, sq[0], sbs[0], sda[0], tid);
+        tc_load_w<Q5>(w, wr, 0, tq);
+        __syncthreads();
+        for (int b = 0; b < nb; b++) {
+            const int cb = b & 1;
+            TcW wn;
+            bool more = b + 1 < nb;
+            if (more) {
+                tc_load_a(x, A, arow, r0, nr, b + 1, tid);
+                tc_load_w<Q5>(wn, wr, b + 1, tq);
+            }
+            // Per row: the low and high 3 bits of the 8 sub-block scales
+            // (a byte each, sub-blocks 0-3 then 4-7), the mins, d and dmin.
+            u32 klo[4][2], khi[4][2], mnl[4], mnh[4];
+            float dw[4], dmw[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                u32 h0 = w.h[i][0], h1 = w.h[i][1], h2 = w.h[i][2], h3 = w.h[i][3];
+                dw[i] = f16_to_f32((u16)(h0 & 0xffff));
+                dmw[i] = f16_to_f32((u16)(h0 >> 16));
+                u32 scl = h1 & 0x3f3f3f3fu;
+                u32 sch = (h3 & 0x0f0f0f0fu) | (((h1 >> 6) & 0x03030303u) << 4);
+                klo[i][0] = scl & 0x07070707u;
+                khi[i][0] = (scl >> 3) & 0x07070707u;
+                klo[i][1] = sch & 0x07070707u;
+                khi[i][1] = (sch >> 3) & 0x07070707u;
+                mnl[i] = h2 & 0x3f3f3f3fu;
+                mnh[i] = ((h3 >> 4) & 0x0f0f0f0fu) | (((h2 >> 6) & 0x03030303u) << 4);
+            }
+            int dl[2][2][4], dh[2][2][4];
+#pragma unroll
+            for (int a = 0; a < 2; a++)
+#pragma unroll
+                for (int n = 0; n < 2; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) dl[a][n][c] = 0, dh[a][n][c] = 0;
+            const u8* sqb = sq[cb];
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    int s = 2 * p + h;
+                    u32 all[4], ahl[4], alh[4], ahh[4];
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        u32 al = (w.q[p][i].x >> (4 * h)) & 0x0F0F0F0Fu;
+                        u32 ah = (w.q[p][i].y >> (4 * h)) & 0x0F0F0F0Fu;
+                        if (Q5) {
+                            al |= ((w.qh[i].x >> s) & 0x01010101u) << 4;
+                            ah |= ((w.qh[i].y >> s) & 0x01010101u) << 4;
+                        }
+                        u32 lo = (u32)byte_of(klo[i][s >> 2], s & 3);
+                        u32 hi = (u32)byte_of(khi[i][s >> 2], s & 3);
+                        all[i] = al * lo;
+                        ahl[i] = ah * lo;
+                        alh[i] = al * hi;
+                        ahh[i] = ah * hi;
+                    }
+                    u32 bq[2][2];
+#pragma unroll
+                    for (int n = 0; n < 2; n++) {
+                        uint2 v = *(const uint2*)(sqb + (n * 8 + gq) * TQ_AST + s * 32 + 8 * tq);
+                        bq[n][0] = v.x;
+                        bq[n][1] = v.y;
+                    }
+#pragma unroll
+                    for (int a = 0; a < 2; a++)
+#pragma unroll
+                        for (int n = 0; n < 2; n++) {
+                            mma_u8s8_acc(dl[a][n], all[2 * a], all[2 * a + 1], ahl[2 * a], ahl[2 * a + 1],
+                                         bq[n][0], bq[n][1]);
+                            mma_u8s8_acc(dh[a][n], alh[2 * a], alh[2 * a + 1], ahh[2 * a], ahh[2 * a + 1],
+                                         bq[n][0], bq[n][1]);
+                        }
+                }
+            }
+#pragma unroll
+            for (int a = 0; a < 2; a++)
+#pragma unroll
+                for (int n = 0; n < 2; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                        int isum = dl[a][n][c] + dh[a][n][c] * 8;
+                        int ms = __dp2a_lo(sbs[cb][t][0], (int)mnl[i], 0);
+                        ms = __dp2a_hi(sbs[cb][t][1], (int)mnl[i], ms);
+                        ms = __dp2a_lo(sbs[cb][t][2], (int)mnh[i], ms);
+                        ms = __dp2a_hi(sbs[cb][t][3], (int)mnh[i], ms);
+                        acc[a][n][c] = step_min(acc[a][n][c], dw[i], dmw[i], sda[cb][t], isum, ms);
+                    }
+            if (more) {
+                tc_store_a(x, sq[cb ^ 1], sbs[cb ^ 1], sda[cb ^ 1], tid);
+                w = wn;
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int n = 0; n < 2; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    int j = wbase + 8 * (2 * a + c / 2) + gq, t = 8 * n + 2 * tq + c % 2;
+                    if (j < rows && t < nr && smat[t] == cur) Y[(i64)(r0 + t) * rows + j] = acc[a][n][c];
+                }
+    }
+}
+
 #define TC_KERNEL(name, Q5)                                                                    \
     extern "C" __global__ void __launch_bounds__(128)                                          \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
@@ -966,6 +1140,16 @@ TC_KERNEL(mm_tc_q5_k, 1)
 
 TC_PIPE_KERNEL(mm_tc_q4_k_pipe, 0)
 TC_PIPE_KERNEL(mm_tc_q5_k_pipe, 1)
+
+#define TC_FOLD_KERNEL(name, Q5)                                                               \
+    extern "C" __global__ void __launch_bounds__(128)                                          \
+        name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
+             int rows, int m, int nb) { pdl_wait();                                            \
+        mm_tc_fold_k<Q5>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);                   \
+    }
+
+TC_FOLD_KERNEL(mm_tc_q4_k_fold, 0)
+TC_FOLD_KERNEL(mm_tc_q5_k_fold, 1)
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
 // then a fixed butterfly.

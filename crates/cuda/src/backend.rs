@@ -48,10 +48,12 @@ pub struct Cuda {
     /// Wide Q4_K/Q5_K calls on the tensor-core kernels (default); off with
     /// `SAMESUM_CUDA_TC=0` (the dp4a kernels, same bytes) for comparisons.
     tensor_cores: bool,
-    /// The software-pipelined tensor-core kernels (default; the plain ones
-    /// with `SAMESUM_CUDA_TC_PIPE=0`: the same bytes, for comparisons).
-    /// Measured on the H200: qwen35moe pp4096 5,647 -> 5,996 tok/s.
-    tc_pipe: bool,
+    /// Which tensor-core kernel family runs the wide calls (all compute the
+    /// same bytes): the pipelined one with the scales folded into the
+    /// weights (default), the pipelined one (`SAMESUM_CUDA_TC_FOLD=0`) or the
+    /// plain one (`SAMESUM_CUDA_TC_PIPE=0`). Measured on the H200: qwen35moe
+    /// pp4096 5,647 (plain) -> 5,996 (pipelined).
+    tc_kernel: TcKernel,
     /// Decode-sized quantized calls (one row, or up to 16 rows with experts)
     /// on the one-row kernels (`mm_*_1`: a warp per weight row and activation
     /// row; default, off with `SAMESUM_CUDA_ROW=0`: the 16-row tile kernels,
@@ -193,6 +195,21 @@ impl<'a> Input<'a> {
 /// Rows per tile of the tensor-core matmuls: the expert plan pads each
 /// expert's rows to a multiple of this in wide calls.
 const TC_ROWS: usize = 16;
+
+/// The tensor-core kernel families for wide Q4_K/Q5_K calls; every one
+/// computes the same bytes as the dp4a kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcKernel {
+    /// One weight block at a time (`mm_tc_*`).
+    Plain,
+    /// The next block's loads issued before this block's arithmetic
+    /// (`mm_tc_*_pipe`).
+    Pipelined,
+    /// Pipelined, with each sub-block scale split into two 3-bit halves
+    /// multiplied into the weights so the mma accumulates a whole block
+    /// (`mm_tc_*_fold`; the default).
+    Folded,
+}
 
 /// The one-launch plan's limits (`plan_small` in ops.cu).
 const PLAN_SMALL_PAIRS: usize = 256;
@@ -431,7 +448,13 @@ impl Cuda {
             vecs,
             maps: Mutex::new(HashMap::new()),
             tensor_cores: std::env::var("SAMESUM_CUDA_TC").as_deref() != Ok("0"),
-            tc_pipe: std::env::var("SAMESUM_CUDA_TC_PIPE").as_deref() != Ok("0"),
+            tc_kernel: if std::env::var("SAMESUM_CUDA_TC_PIPE").as_deref() == Ok("0") {
+                TcKernel::Plain
+            } else if std::env::var("SAMESUM_CUDA_TC_FOLD").as_deref() == Ok("0") {
+                TcKernel::Pipelined
+            } else {
+                TcKernel::Folded
+            },
             small_plan: std::env::var("SAMESUM_CUDA_SMALL_PLAN").as_deref() != Ok("0"),
             row_kernels: std::env::var("SAMESUM_CUDA_ROW").as_deref() != Ok("0"),
             glu: std::env::var("SAMESUM_CUDA_GLU").as_deref() != Ok("0"),
@@ -608,11 +631,11 @@ impl Cuda {
         )
     }
 
-    /// Use the software-pipelined tensor-core kernels (`true`, the default
-    /// unless `SAMESUM_CUDA_TC_PIPE=0`) or the plain ones, for comparisons.
+    /// Pick the tensor-core kernel family (they compute the same bytes), for
+    /// comparisons.
     #[doc(hidden)]
-    pub fn set_tc_pipeline(&mut self, on: bool) {
-        self.tc_pipe = on;
+    pub fn set_tc_kernel(&mut self, k: TcKernel) {
+        self.tc_kernel = k;
     }
 
     /// Cap the attention partials of one call at `bytes` (rows then run in
@@ -918,11 +941,13 @@ impl Cuda {
                 let nbi = (w.cols / 256) as i32;
                 let a = input.q8k(d)?;
                 if wide && tensor_cores && matches!(w.ty, GgmlType::Q4_K | GgmlType::Q5_K) {
-                    let k = match (w.ty == GgmlType::Q4_K, self.tc_pipe) {
-                        (true, false) => "mm_tc_q4_k",
-                        (true, true) => "mm_tc_q4_k_pipe",
-                        (false, false) => "mm_tc_q5_k",
-                        (false, true) => "mm_tc_q5_k_pipe",
+                    let k = match (w.ty == GgmlType::Q4_K, self.tc_kernel) {
+                        (true, TcKernel::Plain) => "mm_tc_q4_k",
+                        (true, TcKernel::Pipelined) => "mm_tc_q4_k_pipe",
+                        (true, TcKernel::Folded) => "mm_tc_q4_k_fold",
+                        (false, TcKernel::Plain) => "mm_tc_q5_k",
+                        (false, TcKernel::Pipelined) => "mm_tc_q5_k_pipe",
+                        (false, TcKernel::Folded) => "mm_tc_q5_k_fold",
                     };
                     let ct = cfg(
                         (w.rows.div_ceil(128) as u32, m.div_ceil(TC_ROWS) as u32, 1),

@@ -12,7 +12,7 @@ mod error;
 pub mod tier;
 mod tiered;
 
-pub use backend::{Cuda, CudaOptions, CudaState};
+pub use backend::{Cuda, CudaOptions, CudaState, TcKernel};
 pub use device::{device_count, driver_present};
 pub use error::{CudaError, Result};
 pub use tiered::TierStats;

@@ -5,7 +5,7 @@
 //! present, unless `SAMESUM_REQUIRE_GPU=1` (the GPU script sets it).
 
 use samesum_cuda::tier::{RESERVE, TierSizes};
-use samesum_cuda::{Cuda, CudaError, CudaOptions};
+use samesum_cuda::{Cuda, CudaError, CudaOptions, TcKernel};
 use samesum_engine::backend::{Backend, Norm};
 use samesum_engine::conformance::{block_ops_match, forward_rows_match};
 use samesum_engine::cpu::Cpu;
@@ -324,9 +324,9 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
             .unwrap();
             let model = Model::load(&p).unwrap();
             let mut cuda = Cuda::new(0, &model, false).unwrap();
-            for pipe in [false, true] {
-                cuda.set_tc_pipeline(pipe);
-                let kind = if pipe { "pipelined " } else { "" };
+            for tk in [TcKernel::Plain, TcKernel::Pipelined, TcKernel::Folded] {
+                cuda.set_tc_kernel(tk);
+                let kind = format!("{tk:?} ");
                 let moe = &model.w.layers[0].moe;
                 let mats: Vec<&samesum_engine::model::weights::Matrix> = vec![&moe.gate, &moe.down]
                     .into_iter()
