@@ -1221,3 +1221,87 @@ __device__ void mm_float(const u8* W, i64 mat_stride, int row_bytes, const int* 
 MMF_KERNEL(mm_f32, 0)
 MMF_KERNEL(mm_f16, 1)
 MMF_KERNEL(mm_bf16, 2)
+
+// Float weights against many f32 rows of one matrix (the routers and gates
+// in prefill): a warp computes a tile of MFT_W weight rows x MFT_R
+// activation rows, every lane holding its chain for each of the tile's
+// outputs, so a loaded weight serves MFT_R rows and an activation MFT_W
+// rows. Each output's arithmetic is mm_float's: lane l's fmas over elements
+// l, l + 32, ... in order (none past the row's end), then the same
+// butterfly; only the loads are shared.
+#define MFT_W 4
+#define MFT_R 8
+
+template <int KIND>
+__device__ void mm_float_tile(const u8* W, int row_bytes, const float* X, float* Y, int rows, int m,
+                              int cols) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int j0 = (blockIdx.x * WARPS + warp) * MFT_W;
+    int r0 = blockIdx.y * MFT_R;
+    if (j0 >= rows || r0 >= m) return;
+    const u8* wp[MFT_W];
+    const float* xp[MFT_R];
+#pragma unroll
+    for (int c = 0; c < MFT_W; c++) wp[c] = W + (i64)min(j0 + c, rows - 1) * row_bytes;
+#pragma unroll
+    for (int t = 0; t < MFT_R; t++) xp[t] = X + (i64)min(r0 + t, m - 1) * cols;
+    float acc[MFT_W][MFT_R];
+#pragma unroll
+    for (int c = 0; c < MFT_W; c++)
+#pragma unroll
+        for (int t = 0; t < MFT_R; t++) acc[c][t] = 0.0f;
+    // Two steps' loads in flight: step i + 64's issued before step i's fmas.
+    float wv[2][MFT_W], xv[2][MFT_R];
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        int i = lane + 32 * u;
+#pragma unroll
+        for (int c = 0; c < MFT_W; c++) wv[u][c] = i < cols ? ld_w<KIND>(wp[c], i) : 0.0f;
+#pragma unroll
+        for (int t = 0; t < MFT_R; t++) xv[u][t] = i < cols ? xp[t][i] : 0.0f;
+    }
+    for (int i0 = lane; i0 < cols; i0 += 64) {
+        float wn[2][MFT_W], xn[2][MFT_R];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            int i = i0 + 64 + 32 * u;
+#pragma unroll
+            for (int c = 0; c < MFT_W; c++) wn[u][c] = i < cols ? ld_w<KIND>(wp[c], i) : 0.0f;
+#pragma unroll
+            for (int t = 0; t < MFT_R; t++) xn[u][t] = i < cols ? xp[t][i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++)
+            if (i0 + 32 * u < cols)
+#pragma unroll
+                for (int c = 0; c < MFT_W; c++)
+#pragma unroll
+                    for (int t = 0; t < MFT_R; t++) acc[c][t] = __fmaf_rn(wv[u][c], xv[u][t], acc[c][t]);
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+#pragma unroll
+            for (int c = 0; c < MFT_W; c++) wv[u][c] = wn[u][c];
+#pragma unroll
+            for (int t = 0; t < MFT_R; t++) xv[u][t] = xn[u][t];
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < MFT_W; c++)
+#pragma unroll
+        for (int t = 0; t < MFT_R; t++) {
+            float a = acc[c][t];
+            for (int o = 16; o > 0; o /= 2) a = __fadd_rn(a, __shfl_xor_sync(0xffffffffu, a, o));
+            if (lane == 0 && j0 + c < rows && r0 + t < m) Y[(i64)(r0 + t) * rows + j0 + c] = a;
+        }
+}
+
+#define MFT_KERNEL(name, KIND)                                                                 \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
+        name(const u8* W, int row_bytes, const float* X, float* Y, int rows, int m, int cols) { \
+        pdl_wait();                                                                            \
+        mm_float_tile<KIND>(W, row_bytes, X, Y, rows, m, cols);                                \
+    }
+
+MFT_KERNEL(mm_f32_tile, 0)
+MFT_KERNEL(mm_f16_tile, 1)
+MFT_KERNEL(mm_bf16_tile, 2)

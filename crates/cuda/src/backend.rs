@@ -54,6 +54,10 @@ pub struct Cuda {
     /// plain one (`SAMESUM_CUDA_TC_PIPE=0`). Measured on the H200: qwen35moe
     /// pp4096 5,647 (plain) -> 5,996 (pipelined).
     tc_kernel: TcKernel,
+    /// Wide float matmuls of one matrix (routers, gates in prefill) on the
+    /// register-tiled kernels (`mm_*_tile`: each output's fmas and butterfly
+    /// as the per-row kernel's; default, off with `SAMESUM_CUDA_F32_TILE=0`).
+    float_tiles: bool,
     /// Decode-sized quantized calls (one row, or up to 16 rows with experts)
     /// on the one-row kernels (`mm_*_1`: a warp per weight row and activation
     /// row; default, off with `SAMESUM_CUDA_ROW=0`: the 16-row tile kernels,
@@ -455,6 +459,7 @@ impl Cuda {
             } else {
                 TcKernel::Folded
             },
+            float_tiles: std::env::var("SAMESUM_CUDA_F32_TILE").as_deref() != Ok("0"),
             small_plan: std::env::var("SAMESUM_CUDA_SMALL_PLAN").as_deref() != Ok("0"),
             row_kernels: std::env::var("SAMESUM_CUDA_ROW").as_deref() != Ok("0"),
             glu: std::env::var("SAMESUM_CUDA_GLU").as_deref() != Ok("0"),
@@ -629,6 +634,14 @@ impl Cuda {
             d, kernel, c, &bases[0], &bases[1], &stride, &row_bytes, &mats_ptr, a, y, &rows, &mi,
             &nb
         )
+    }
+
+    /// Use the register-tiled float kernels for wide calls (`true`, the
+    /// default unless `SAMESUM_CUDA_F32_TILE=0`) or the per-row ones, for
+    /// comparisons.
+    #[doc(hidden)]
+    pub fn set_float_tiles(&mut self, on: bool) {
+        self.float_tiles = on;
     }
 
     /// Pick the tensor-core kernel family (they compute the same bytes), for
@@ -890,48 +903,26 @@ impl Cuda {
             };
         }
         match w.ty {
-            GgmlType::F32 => launch!(
-                d,
-                "mm_f32",
-                c,
-                &wptr,
-                &stride,
-                &row_bytes,
-                &mats_ptr,
-                input.f32_rows()?,
-                y,
-                &rows,
-                &mi,
-                &cols
-            ),
-            GgmlType::F16 => launch!(
-                d,
-                "mm_f16",
-                c,
-                &wptr,
-                &stride,
-                &row_bytes,
-                &mats_ptr,
-                input.f32_rows()?,
-                y,
-                &rows,
-                &mi,
-                &cols
-            ),
-            GgmlType::BF16 => launch!(
-                d,
-                "mm_bf16",
-                c,
-                &wptr,
-                &stride,
-                &row_bytes,
-                &mats_ptr,
-                input.f32_rows()?,
-                y,
-                &rows,
-                &mi,
-                &cols
-            ),
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+                let (k, kt) = match w.ty {
+                    GgmlType::F32 => ("mm_f32", "mm_f32_tile"),
+                    GgmlType::F16 => ("mm_f16", "mm_f16_tile"),
+                    _ => ("mm_bf16", "mm_bf16_tile"),
+                };
+                let x = input.f32_rows()?;
+                if wide && mats.is_none() && self.float_tiles {
+                    // Tiles of 4 weight rows x 8 activation rows per warp.
+                    let ct = cfg(
+                        (w.rows.div_ceil(16) as u32, m.div_ceil(8) as u32, 1),
+                        128,
+                        0,
+                    );
+                    return launch!(d, kt, ct, &wptr, &row_bytes, x, y, &rows, &mi, &cols);
+                }
+                launch!(
+                    d, k, c, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi, &cols
+                )
+            }
             GgmlType::Q8_0 => {
                 let nbi = (w.cols / 32) as i32;
                 let a = input.q80(d)?;

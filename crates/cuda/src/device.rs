@@ -428,6 +428,9 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_f32",
             "mm_f16",
             "mm_bf16",
+            "mm_f32_tile",
+            "mm_f16_tile",
+            "mm_bf16_tile",
         ],
         "ops" => &[
             "rms_norm",

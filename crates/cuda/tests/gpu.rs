@@ -292,6 +292,71 @@ fn quantized_gather_equals_f32_gather() {
     }
 }
 
+/// The register-tiled float kernel (prefill's routers and gates) against the
+/// per-row float kernel and against one-row calls, byte for byte, for many m,
+/// on the routers of every tiny shape and a wider one (768 columns: the
+/// kernel's two-step loop ends on a half step), poisoned outputs.
+#[test]
+fn float_tile_matmuls_equal_the_row_kernel_and_single_rows() {
+    if !gpu() {
+        return;
+    }
+    let mut shapes_: Vec<shapes::Shape> =
+        SHAPES.iter().map(|n| shapes::by_name(n).unwrap()).collect();
+    shapes_.push(shapes::Shape {
+        hidden: 768,
+        layers: 1,
+        ..shapes::by_name("tiny-qwen3moe").unwrap()
+    });
+    let mut checked = 0;
+    for sh in &shapes_ {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.gguf");
+        write_model(
+            &SynthOptions::new(sh.clone(), GgmlType::Q8_0, 13),
+            &p,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let model = Model::load(&p).unwrap();
+        let mut cuda = Cuda::new(0, &model, false).unwrap();
+        let w = &model.w.layers[0].moe.router;
+        assert_eq!(w.ty, GgmlType::F32, "{}: the router is not f32", sh.name);
+        let mut rng = Rng::new(17);
+        for m in [17, 24, 33, 100, 257] {
+            let (x, _) = random_rows(&mut rng, w, m, (7, 3));
+            cuda.set_float_tiles(true);
+            let tile = cuda.matmul_host(w, &x, m, None, true).unwrap();
+            cuda.set_float_tiles(false);
+            let row = cuda.matmul_host(w, &x, m, None, true).unwrap();
+            assert!(
+                tile.iter().all(|v| v.is_finite()),
+                "{}: non-finite",
+                sh.name
+            );
+            let same =
+                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+            assert!(
+                same(&tile, &row),
+                "{} m={m}: tiled != per-row float kernel",
+                sh.name
+            );
+            for r in [0, m / 2, m - 1] {
+                let one = cuda
+                    .matmul_host(w, &x[r * w.cols..(r + 1) * w.cols], 1, None, true)
+                    .unwrap();
+                assert!(
+                    same(&one, &tile[r * w.rows..(r + 1) * w.rows]),
+                    "{} m={m} row {r}: one-row call differs",
+                    sh.name
+                );
+            }
+            checked += 1;
+        }
+    }
+    eprintln!("float tile matmul cases equal: {checked}");
+}
+
 /// The tensor-core matmul tiles against the dp4a kernels and against one-row
 /// calls, byte for byte: expert stacks and plain matrices, rows of several
 /// experts in one tile (unsorted, with unused -1 rows), many m.
