@@ -11,13 +11,15 @@
 # split it, e.g. tests,identity then bigidentity,bench then q3moe.
 # The bench steps take SAMESUM_GPU_PP (prompt lengths, default 512,4096),
 # SAMESUM_GPU_TG (decode tokens, 128), SAMESUM_GPU_REPS (2), SAMESUM_GPU_ARMS
-# (replay,batched) and SAMESUM_GPU_CHUNK (512); the chunks step sweeps
+# (replay,batched) and SAMESUM_GPU_CHUNK (the CUDA default, 2048); the chunks step sweeps
 # SAMESUM_GPU_CHUNKS ("512 1024 2048") for batched pp4096 and pp16384;
 # longq35 / longq3 measure replay at pp16384 (one run, several minutes each;
 # SAMESUM_GPU_LONG_PP and _LONG_TIMEOUT change the lengths and the limit);
 # SAMESUM_GPU_ID_CHUNKS sets the identity step's chunk sizes.
 # depth measures decode (tg128) at context depths SAMESUM_GPU_DEPTHS
 # (0,4096,16384) on both models.
+# ncu profiles single launches with Nsight Compute (SAMESUM_GPU_NCU_PREFILL,
+# _DECODE, _SKIP).
 # tier runs tier mode (issue 8): identity on the tiny models with
 # --vram-budget 2G, then bench on qwen35moe at SAMESUM_GPU_BUDGETS ("24G
 # 12G") for SAMESUM_GPU_TIER_PP (1024,8192); tier122 the 122B shape at 40G.
@@ -87,22 +89,22 @@ run)
     if [[ $steps == *,smoke,* ]]; then
         q35=$(model qwen35moe-35b-a3b)
         step smoke-bench timeout 300 .gpu/samesum bench --device cuda -m "$q35" -p 512 -n 32 -r 1 \
-            --prefill batched --chunk 512
+            --prefill batched
         step smoke-profile timeout 200 .gpu/samesum bench --device cuda -m "$q35" -p 512 -n 8 -r 1 \
-            --prefill batched --chunk 512 --profile
+            --prefill batched --profile
     fi
     if [[ $steps == *,bigidentity,* ]]; then
         q35=$(model qwen35moe-35b-a3b)
         step identity-q35-40l timeout 400 .gpu/samesum identity --device cuda -m "$q35" \
-            --chunk 128,512 --gen 16 ${SAMESUM_GPU_IDENTITY_ARGS:-}
+            --chunk 128,2048 --gen 16 ${SAMESUM_GPU_IDENTITY_ARGS:-}
     fi
     if [[ $steps == *,bench,* ]]; then
         q35=$(model qwen35moe-35b-a3b)
         step bench-q35 timeout 400 .gpu/samesum bench --device cuda -m "$q35" \
             -p ${SAMESUM_GPU_PP:-512,4096} -n ${SAMESUM_GPU_TG:-128} -r ${SAMESUM_GPU_REPS:-2} \
-            --prefill ${SAMESUM_GPU_ARMS:-replay,batched} --chunk ${SAMESUM_GPU_CHUNK:-512}
+            --prefill ${SAMESUM_GPU_ARMS:-replay,batched} ${SAMESUM_GPU_CHUNK:+--chunk $SAMESUM_GPU_CHUNK}
         step profile-q35 timeout 200 .gpu/samesum bench --device cuda -m "$q35" -p 4096 -n 32 -r 1 \
-            --prefill batched --chunk 512 --profile
+            --prefill batched --profile
     fi
     # Replay slows with the context (~2 us per context token per token on
     # qwen35moe at a312769: ~26 ms per token on average over 16384 tokens,
@@ -128,7 +130,7 @@ run)
         q3=$(model qwen3moe-30b-a3b)
         step bench-q3moe timeout 400 .gpu/samesum bench --device cuda -m "$q3" \
             -p ${SAMESUM_GPU_PP:-512,4096} -n ${SAMESUM_GPU_TG:-128} -r ${SAMESUM_GPU_REPS:-2} \
-            --prefill ${SAMESUM_GPU_ARMS:-replay,batched} --chunk ${SAMESUM_GPU_CHUNK:-512}
+            --prefill ${SAMESUM_GPU_ARMS:-replay,batched} ${SAMESUM_GPU_CHUNK:+--chunk $SAMESUM_GPU_CHUNK}
     fi
     if [[ $steps == *,depth,* ]]; then
         # Decode at context depths (llama-bench's -d): tg128 after 0, 4096
@@ -136,7 +138,7 @@ run)
         for shape in qwen35moe-35b-a3b qwen3moe-30b-a3b; do
             f=$(model "$shape")
             step "depth-$shape" timeout 400 .gpu/samesum bench --device cuda -m "$f" -p 0 -n 128 \
-                -d ${SAMESUM_GPU_DEPTHS:-0,4096,16384} -r 1 --chunk ${SAMESUM_GPU_CHUNK:-512}
+                -d ${SAMESUM_GPU_DEPTHS:-0,4096,16384} -r 1 ${SAMESUM_GPU_CHUNK:+--chunk $SAMESUM_GPU_CHUNK}
         done
     fi
     if [[ $steps == *,tier,* ]]; then
@@ -160,6 +162,28 @@ run)
         big=$(model qwen35moe-122b-a10b)
         step "bench-tier122-40G" timeout 500 .gpu/samesum bench --device cuda --vram-budget 40G -m "$big" \
             -p ${SAMESUM_GPU_TIER_PP:-1024,8192} -n 128 -r 1 --prefill batched --chunk 512 ${SAMESUM_GPU_TIER_ARGS:-}
+    fi
+    if [[ $steps == *,ncu,* ]]; then
+        # Nsight Compute on single launches (hardware counters; clocks left
+        # alone): prefill kernels from a pp512 batched run, decode kernels
+        # from a tg8 run, graphs off so each launch is its own.
+        # SAMESUM_GPU_NCU_PREFILL / _DECODE name the kernels, _SKIP the
+        # launches skipped first (past the first layers).
+        ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+        q35=$(model qwen35moe-35b-a3b)
+        secs="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats --section MemoryWorkloadAnalysis"
+        ncu_one() { # kernel, bench arguments...
+            local k=$1; shift
+            step "ncu-$k" timeout 300 "$ncu_bin" --clock-control none -k "regex:^$k\$" \
+                --launch-skip ${SAMESUM_GPU_NCU_SKIP:-5} -c 1 $secs \
+                env SAMESUM_CUDA_GRAPHS=0 .gpu/samesum bench --device cuda -m "$q35" "$@" -r 1 --no-warmup
+        }
+        for k in ${SAMESUM_GPU_NCU_PREFILL:-mm_tc_q4_k_pipe attention_tiles delta_cols_128 mm_f32_tile}; do
+            ncu_one "$k" -p 512 -n 0 --prefill batched --chunk 512
+        done
+        for k in ${SAMESUM_GPU_NCU_DECODE:-mm_q4_k_1 mm_q4_k_glu_1 quantize_q8k add_rms_norm}; do
+            ncu_one "$k" -p 0 -n 8
+        done
     fi
     if [[ $steps == *,serve,* ]]; then
         # The server on the GPU: one request alone, then six at once (batched

@@ -45,8 +45,9 @@ pub(crate) struct Args {
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
     /// Prompt rows per forward call in the batched arm.
-    #[arg(long, default_value_t = samesum_engine::DEFAULT_CHUNK)]
-    chunk: usize,
+    /// [default: 256 on the CPU, 2048 on CUDA]
+    #[arg(long)]
+    chunk: Option<usize>,
     /// Prefill arms to measure: batched, replay (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "batched")]
     prefill: Vec<String>,
@@ -87,17 +88,20 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "f16" => KvType::F16,
         other => bail!("--kv-type {other:?} is not supported (f32, f16)"),
     };
-    if a.repetitions == 0 || a.chunk == 0 {
-        bail!("--repetitions and --chunk must be at least 1");
-    }
     let (path, _tmp) = crate::synth::model_or_builtin(&a.model, "tiny-qwen3next", "q8_0", None)?;
     let dev = Device::parse(&a.device, a.vram_budget.as_deref())?;
+    let chunk = a.chunk.unwrap_or(dev.default_chunk());
+    if a.repetitions == 0 || chunk == 0 {
+        bail!("--repetitions and --chunk must be at least 1");
+    }
     if a.profile {
         // SAFETY: set before any thread of this process reads the environment.
         unsafe { std::env::set_var("SAMESUM_CUDA_PROFILE", "1") };
     }
     let model = crate::run::load_with_progress(&path)?;
-    with_backend!(dev, &model, a.threads, |b| bench(b, &model, &path, &a, kv))
+    with_backend!(dev, &model, a.threads, |b| bench(
+        b, &model, &path, &a, kv, chunk
+    ))
 }
 
 /// Tier mode's counters over a test's timed runs (the untimed warm-up and
@@ -191,6 +195,7 @@ fn bench<B: Backend>(
     path: &std::path::Path,
     a: &Args,
     kv: KvType,
+    batch_chunk: usize,
 ) -> Result<()> {
     let size: u64 = model.file.tensors().iter().map(|t| t.size).sum();
     let params: u64 = model.file.tensors().iter().map(|t| t.n_elements()).sum();
@@ -216,7 +221,7 @@ fn bench<B: Backend>(
     let first = usize::from(a.no_warmup);
     for arm in &a.prefill {
         let chunk = match arm.as_str() {
-            "batched" => a.chunk,
+            "batched" => batch_chunk,
             "replay" => 1,
             other => bail!("--prefill {other:?} is not supported (batched, replay)"),
         };
@@ -225,7 +230,7 @@ fn bench<B: Backend>(
             let mut off = Offload::default();
             for rep in first..=a.repetitions {
                 let mut st = b.new_state(model, depth + np, kv)?;
-                prefill_depth(b, model, &mut st, &tokens(depth), a.chunk)?;
+                prefill_depth(b, model, &mut st, &tokens(depth), batch_chunk)?;
                 let prompt = tokens(np);
                 off.begin(b);
                 let t = Instant::now();
@@ -268,7 +273,7 @@ fn bench<B: Backend>(
         let mut off = Offload::default();
         for rep in first..=a.repetitions {
             let mut st = b.new_state(model, depth + ng, kv)?;
-            prefill_depth(b, model, &mut st, &tokens(depth), a.chunk)?;
+            prefill_depth(b, model, &mut st, &tokens(depth), batch_chunk)?;
             let toks = tokens(ng);
             off.begin(b);
             let t = Instant::now();

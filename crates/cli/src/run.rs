@@ -68,8 +68,9 @@ pub(crate) struct Args {
     #[arg(long, default_value = "f32")]
     kv_type: String,
     /// Prompt rows per forward call (batched prefill).
-    #[arg(long, default_value_t = samesum_engine::DEFAULT_CHUNK)]
-    chunk: usize,
+    /// [default: 256 on the CPU, 2048 on CUDA]
+    #[arg(long)]
+    chunk: Option<usize>,
     /// Prefill mode: batched (chunks of --chunk rows) or replay (one token per call).
     #[arg(long, default_value = "batched")]
     prefill: String,
@@ -92,11 +93,13 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "f16" => KvType::F16,
         other => bail!("--kv-type {other:?} is not supported (f32, f16)"),
     };
-    if a.chunk == 0 {
+    let dev = Device::parse(&a.device, a.vram_budget.as_deref())?;
+    let batch_chunk = a.chunk.unwrap_or(dev.default_chunk());
+    if batch_chunk == 0 {
         bail!("--chunk must be at least 1");
     }
     let chunk = match a.prefill.as_str() {
-        "batched" => a.chunk,
+        "batched" => batch_chunk,
         "replay" => 1,
         other => bail!("--prefill {other:?} is not supported (batched, replay)"),
     };
@@ -109,7 +112,6 @@ pub(crate) fn run(a: Args) -> Result<()> {
         ),
     )?;
     let t_load = Instant::now();
-    let dev = Device::parse(&a.device, a.vram_budget.as_deref())?;
     let model = load_with_progress(&path)?;
     let tok = Tokenizer::from_metadata(model.file.metadata())?;
     eprintln!(

@@ -636,6 +636,7 @@ extern "C" __global__ void __launch_bounds__(DCOLS)
 #define DC_COLS 16
 #define DC_PARTS 8
 #define DC_ROWS 16
+#define DC_BATCH 12
 template <int DK>
 __device__ void delta_cols(const float* qk, const float* conv, const float* b, const float* a,
                            const float* dt_bias, const float* ssm_a, float* state, float* o, int m,
@@ -657,19 +658,33 @@ __device__ void delta_cols(const float* qk, const float* conv, const float* b, c
     for (int r0 = 0; r0 < m; r0 += DC_ROWS) {
         int cnt = min(DC_ROWS, m - r0);
         __syncthreads();
-        for (int idx = tid; idx < cnt * ROWF; idx += blockDim.x) {
-            int rr = idx / ROWF, e = idx % ROWF;
-            const float* row = qk + (i64)(r0 + rr) * 2 * kd;
-            float v;
-            if (e < DK) {
-                v = row[kd + kh * DK + e];
-            } else if (e < 2 * DK) {
-                v = row[kh * DK + e - DK] * q_scale;
-            } else {
-                int jj = blockIdx.y * DC_COLS + e - 2 * DK;
-                v = jj < dv ? conv[(i64)(r0 + rr) * cd + 2 * kd + n * dv + jj] : 0.0f;
+        // The staging loads go out DC_BATCH at a time before any is
+        // stored (a plain loop waited on each load in turn: the kernel's
+        // bound at prefill sizes). Values and places are unchanged.
+        for (int base = 0; base < cnt * ROWF; base += DC_BATCH * DC_COLS * DC_PARTS) {
+            float v[DC_BATCH];
+#pragma unroll
+            for (int u = 0; u < DC_BATCH; u++) {
+                int idx = base + u * DC_COLS * DC_PARTS + tid;
+                v[u] = 0.0f;
+                if (idx < cnt * ROWF) {
+                    int rr = idx / ROWF, e = idx % ROWF;
+                    const float* row = qk + (i64)(r0 + rr) * 2 * kd;
+                    if (e < DK) {
+                        v[u] = row[kd + kh * DK + e];
+                    } else if (e < 2 * DK) {
+                        v[u] = row[kh * DK + e - DK] * q_scale;
+                    } else {
+                        int jj = blockIdx.y * DC_COLS + e - 2 * DK;
+                        v[u] = jj < dv ? conv[(i64)(r0 + rr) * cd + 2 * kd + n * dv + jj] : 0.0f;
+                    }
+                }
             }
-            st[idx] = v;
+#pragma unroll
+            for (int u = 0; u < DC_BATCH; u++) {
+                int idx = base + u * DC_COLS * DC_PARTS + tid;
+                if (idx < cnt * ROWF) st[idx] = v[u];
+            }
         }
         if (tid < cnt) {
             int r = r0 + tid;

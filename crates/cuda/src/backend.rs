@@ -49,10 +49,11 @@ pub struct Cuda {
     /// `SAMESUM_CUDA_TC=0` (the dp4a kernels, same bytes) for comparisons.
     tensor_cores: bool,
     /// Which tensor-core kernel family runs the wide calls (all compute the
-    /// same bytes): the pipelined one with the scales folded into the
-    /// weights (default), the pipelined one (`SAMESUM_CUDA_TC_FOLD=0`) or the
-    /// plain one (`SAMESUM_CUDA_TC_PIPE=0`). Measured on the H200: qwen35moe
-    /// pp4096 5,647 (plain) -> 5,996 (pipelined).
+    /// same bytes): the pipelined one (default), the plain one
+    /// (`SAMESUM_CUDA_TC_PIPE=0`) or the pipelined one with the scales folded
+    /// into the weights (`SAMESUM_CUDA_TC_FOLD=1`). Measured on the H200,
+    /// qwen35moe pp4096 at chunk 512: plain 5,647 -> pipelined 5,996 tok/s
+    /// (session 6); pipelined 252 ms of kernel time -> folded 271 ms.
     tc_kernel: TcKernel,
     /// Wide float matmuls of one matrix (routers, gates in prefill) on the
     /// register-tiled kernels (`mm_*_tile`: each output's fmas and butterfly
@@ -207,11 +208,11 @@ pub enum TcKernel {
     /// One weight block at a time (`mm_tc_*`).
     Plain,
     /// The next block's loads issued before this block's arithmetic
-    /// (`mm_tc_*_pipe`).
+    /// (`mm_tc_*_pipe`; the default).
     Pipelined,
     /// Pipelined, with each sub-block scale split into two 3-bit halves
     /// multiplied into the weights so the mma accumulates a whole block
-    /// (`mm_tc_*_fold`; the default).
+    /// (`mm_tc_*_fold`; opt-in: slower at chunk 512).
     Folded,
 }
 
@@ -454,10 +455,10 @@ impl Cuda {
             tensor_cores: std::env::var("SAMESUM_CUDA_TC").as_deref() != Ok("0"),
             tc_kernel: if std::env::var("SAMESUM_CUDA_TC_PIPE").as_deref() == Ok("0") {
                 TcKernel::Plain
-            } else if std::env::var("SAMESUM_CUDA_TC_FOLD").as_deref() == Ok("0") {
-                TcKernel::Pipelined
-            } else {
+            } else if std::env::var("SAMESUM_CUDA_TC_FOLD").as_deref() == Ok("1") {
                 TcKernel::Folded
+            } else {
+                TcKernel::Pipelined
             },
             float_tiles: std::env::var("SAMESUM_CUDA_F32_TILE").as_deref() != Ok("0"),
             small_plan: std::env::var("SAMESUM_CUDA_SMALL_PLAN").as_deref() != Ok("0"),
