@@ -641,14 +641,8 @@ template <int DK>
 __device__ void delta_cols(const float* qk, const float* conv, const float* b, const float* a,
                            const float* dt_bias, const float* ssm_a, float* state, float* o, int m,
                            int hk, int hv, int dv, int tiled) {
-    // Shared rows hold k and q transposed: lane p's values k[p + 8q]
-    // (q < SP) contiguous at p * KST, so a lane reads its SP values with
-    // 16-byte loads; KST = SP rounded up to 4, plus 4, makes the 8 lanes'
-    // reads (and the staging writes) fall in distinct banks. Then q the same
-    // way at 8 KST, then the block's DC_COLS values of v.
     const int SP = DK / DC_PARTS, ROWF = 2 * DK + DC_COLS;
-    const int KST = (SP + 3) / 4 * 4 + 4, ROWT = 2 * DC_PARTS * KST + DC_COLS;
-    __shared__ __align__(16) float st[DC_ROWS * ROWT];
+    __shared__ __align__(16) float st[DC_ROWS * ROWF];
     __shared__ float sb[2 * DC_ROWS];
     int n = blockIdx.x, tid = threadIdx.x;
     int c = tid / DC_PARTS, p = tid % DC_PARTS;
@@ -664,8 +658,9 @@ __device__ void delta_cols(const float* qk, const float* conv, const float* b, c
     for (int r0 = 0; r0 < m; r0 += DC_ROWS) {
         int cnt = min(DC_ROWS, m - r0);
         __syncthreads();
-        // The staging loads go out DC_BATCH at a time before any is stored
-        // (the values as before; only their places in shared memory moved).
+        // The staging loads go out DC_BATCH at a time before any is
+        // stored (a plain loop waited on each load in turn: the kernel's
+        // bound at prefill sizes). Values and places are unchanged.
         for (int base = 0; base < cnt * ROWF; base += DC_BATCH * DC_COLS * DC_PARTS) {
             float v[DC_BATCH];
 #pragma unroll
@@ -688,16 +683,7 @@ __device__ void delta_cols(const float* qk, const float* conv, const float* b, c
 #pragma unroll
             for (int u = 0; u < DC_BATCH; u++) {
                 int idx = base + u * DC_COLS * DC_PARTS + tid;
-                if (idx < cnt * ROWF) {
-                    int rr = idx / ROWF, e = idx % ROWF, at;
-                    if (e < 2 * DK) {
-                        int half = e / DK, ee = e % DK;  // k (0) or q (1); element ee = pp + 8 qq
-                        at = (half * DC_PARTS + ee % DC_PARTS) * KST + ee / DC_PARTS;
-                    } else {
-                        at = 2 * DC_PARTS * KST + e - 2 * DK;
-                    }
-                    st[rr * ROWT + at] = v[u];
-                }
+                if (idx < cnt * ROWF) st[idx] = v[u];
             }
         }
         if (tid < cnt) {
@@ -708,37 +694,23 @@ __device__ void delta_cols(const float* qk, const float* conv, const float* b, c
         }
         __syncthreads();
         for (int rr = 0; rr < cnt; rr++) {
-            const float* kt = st + rr * ROWT + p * KST;
-            const float* qt = kt + DC_PARTS * KST;
-            float kk[SP], qq[SP];
-            if constexpr (SP % 4 == 0) {
-#pragma unroll
-                for (int q = 0; q < SP; q += 4) {
-                    float4 a4 = *reinterpret_cast<const float4*>(kt + q);
-                    float4 b4 = *reinterpret_cast<const float4*>(qt + q);
-                    kk[q] = a4.x, kk[q + 1] = a4.y, kk[q + 2] = a4.z, kk[q + 3] = a4.w;
-                    qq[q] = b4.x, qq[q + 1] = b4.y, qq[q + 2] = b4.z, qq[q + 3] = b4.w;
-                }
-            } else {
-#pragma unroll
-                for (int q = 0; q < SP; q++) kk[q] = kt[q], qq[q] = qt[q];
-            }
+            const float* kr = st + rr * ROWF;
             float beta = sb[rr], decay = sb[DC_ROWS + rr];
             float kv = 0.0f;
 #pragma unroll
             for (int q = 0; q < SP; q++) {
                 S[q] = __fmul_rn(S[q], decay);
-                kv = __fmaf_rn(S[q], kk[q], kv);
+                kv = __fmaf_rn(S[q], kr[p + DC_PARTS * q], kv);
             }
             kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 4));
             kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 2));
             kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 1));
-            float delta = __fmul_rn(__fsub_rn(st[rr * ROWT + 2 * DC_PARTS * KST + c], kv), beta);
+            float delta = __fmul_rn(__fsub_rn(kr[2 * DK + c], kv), beta);
             float acc = 0.0f;
 #pragma unroll
             for (int q = 0; q < SP; q++) {
-                S[q] = __fmaf_rn(kk[q], delta, S[q]);
-                acc = __fmaf_rn(S[q], qq[q], acc);
+                S[q] = __fmaf_rn(kr[p + DC_PARTS * q], delta, S[q]);
+                acc = __fmaf_rn(S[q], kr[DK + p + DC_PARTS * q], acc);
             }
             acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
             acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
