@@ -61,3 +61,52 @@ __device__ __forceinline__ int isum_lanes(int v, int w) {
     for (int o = w / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+
+// Q8_K activation block as laid out here: qs[256], bsums[16] (i16), d (f32),
+// padding to 304 bytes (so every block starts 16-byte aligned).
+#define Q8K_BYTES 304
+#define Q8K_BSUMS 256
+#define Q8K_D 288
+// One Q8_K block of 256 floats by one warp (lane = 0..31): ggml's
+// quantize_row_q8_K_ref. Lane l holds elements l, l + 32, ...; the max, the
+// first index reaching it, the element roundings and the integer block sums
+// do not depend on which lane holds which element, so any caller gets the
+// same bytes. `xb` may be global or shared memory.
+__device__ __forceinline__ void q8k_block(const float* xb, u8* ob, int lane) {
+    float v[8];
+    float amax = 0.0f;
+    int first = 1 << 30;
+    for (int i = 0; i < 8; i++) {
+        v[i] = xb[i * 32 + lane];
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    for (int i = 0; i < 8; i++) {
+        if (fabsf(v[i]) == amax && first == (1 << 30)) first = i * 32 + lane;
+    }
+    for (int o = 16; o > 0; o /= 2) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+    i8* qs = (i8*)ob;
+    i16* bsums = (i16*)(ob + Q8K_BSUMS);
+    if (amax == 0.0f) {
+        for (int i = 0; i < 8; i++) qs[i * 32 + lane] = 0;
+        if (lane < 16) bsums[lane] = 0;
+        if (lane == 0) *(float*)(ob + Q8K_D) = 0.0f;
+        return;
+    }
+    float max = xb[first];
+    float iscale = -127.0f / max;
+    int q[8];
+    for (int i = 0; i < 8; i++) {
+        int t = __float2int_rn(iscale * v[i]);
+        q[i] = t > 127 ? 127 : t;
+        qs[i * 32 + lane] = (i8)q[i];
+    }
+    // bsums[g] = sum of elements 16g..16g+15: element i*32+lane lies in group
+    // 2i + lane/16; integer sums, so the order is free.
+    for (int i = 0; i < 8; i++) {
+        int s = q[i];
+        for (int o = 8; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if ((lane & 15) == 0) bsums[2 * i + lane / 16] = (i16)s;
+    }
+    if (lane == 0) *(float*)(ob + Q8K_D) = 1.0f / iscale;
+}

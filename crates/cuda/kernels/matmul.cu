@@ -17,62 +17,20 @@
 #define MT 16
 #define WARPS 4
 
-// Q8_K activation block as laid out here: qs[256], bsums[16] (i16), d (f32),
-// padding to 304 bytes (so every block starts 16-byte aligned).
-#define Q8K_BYTES 304
-#define Q8K_BSUMS 256
-#define Q8K_D 288
 // Q8_0 activation block as laid out here: qs[32], then d widened to f32 = 36 bytes.
 #define Q8A_BYTES 36
 
 // ---------------------------------------------------------------- activations
 
-// One warp per (row, 256-block): ggml's quantize_row_q8_K_ref.
+// One warp per (row, 256-block): ggml's quantize_row_q8_K_ref (q8k_block in
+// common.cuh).
 extern "C" __global__ void quantize_q8k(const float* x, u8* out, int cols, int m) {
     pdl_wait();
     int nb = cols / 256;
     int blk = blockIdx.x;
     int r = blockIdx.y;
     if (r >= m || blk >= nb) return;
-    int lane = threadIdx.x;
-    const float* xb = x + (i64)r * cols + blk * 256;
-    u8* ob = out + ((i64)r * nb + blk) * Q8K_BYTES;
-    float v[8];
-    float amax = 0.0f;
-    int first = 1 << 30;
-    for (int i = 0; i < 8; i++) {
-        v[i] = xb[i * 32 + lane];
-        amax = fmaxf(amax, fabsf(v[i]));
-    }
-    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    for (int i = 0; i < 8; i++) {
-        if (fabsf(v[i]) == amax && first == (1 << 30)) first = i * 32 + lane;
-    }
-    for (int o = 16; o > 0; o /= 2) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
-    i8* qs = (i8*)ob;
-    i16* bsums = (i16*)(ob + Q8K_BSUMS);
-    if (amax == 0.0f) {
-        for (int i = 0; i < 8; i++) qs[i * 32 + lane] = 0;
-        if (lane < 16) bsums[lane] = 0;
-        if (lane == 0) *(float*)(ob + Q8K_D) = 0.0f;
-        return;
-    }
-    float max = xb[first];
-    float iscale = -127.0f / max;
-    int q[8];
-    for (int i = 0; i < 8; i++) {
-        int t = __float2int_rn(iscale * v[i]);
-        q[i] = t > 127 ? 127 : t;
-        qs[i * 32 + lane] = (i8)q[i];
-    }
-    // bsums[g] = sum of elements 16g..16g+15: element i*32+lane lies in group
-    // 2i + lane/16; integer sums, so the order is free.
-    for (int i = 0; i < 8; i++) {
-        int s = q[i];
-        for (int o = 8; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if ((lane & 15) == 0) bsums[2 * i + lane / 16] = (i16)s;
-    }
-    if (lane == 0) *(float*)(ob + Q8K_D) = 1.0f / iscale;
+    q8k_block(x + (i64)r * cols + blk * 256, out + ((i64)r * nb + blk) * Q8K_BYTES, threadIdx.x);
 }
 
 // One thread per (row, 32-block): ggml's quantize_row_q8_0_ref (d rounded to

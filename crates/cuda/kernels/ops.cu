@@ -89,6 +89,33 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     norm_row((float*)(x + (i64)r * width), nullptr, w, y + (i64)r * width, width, eps);
 }
 
+// rms_norm and add_rms_norm that also write each output row as Q8_K blocks
+// (width a multiple of 256): after the row is stored, warp w quantizes blocks
+// w, w + 8, ... of it exactly as quantize_q8k does (q8k_block), so the
+// layer's matmuls need no separate quantize launch.
+__device__ __forceinline__ void quantize_own_row(const float* yr, u8* qr, int width) {
+    __syncthreads();  // the block's stores of yr are visible to the block
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int blk = warp; blk < width / 256; blk += NORM_THREADS / 32)
+        q8k_block(yr + blk * 256, qr + (i64)blk * Q8K_BYTES, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    rms_norm_q8k(const float* x, const float* w, float* y, u8* q, int width, float eps) {
+    pdl_wait();
+    int r = blockIdx.x;
+    norm_row((float*)(x + (i64)r * width), nullptr, w, y + (i64)r * width, width, eps);
+    quantize_own_row(y + (i64)r * width, q + (i64)r * (width / 256) * Q8K_BYTES, width);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    add_rms_norm_q8k(float* acc, const float* x, const float* w, float* y, u8* q, int width, float eps) {
+    pdl_wait();
+    int r = blockIdx.x;
+    norm_row(acc + (i64)r * width, x + (i64)r * width, w, y + (i64)r * width, width, eps);
+    quantize_own_row(y + (i64)r * width, q + (i64)r * (width / 256) * Q8K_BYTES, width);
+}
+
 // acc += x, then y = RMSNorm(acc): add_inplace's sum per element, then
 // rms_norm's arithmetic on the stored sums, in one launch.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)

@@ -59,6 +59,13 @@ pub struct Cuda {
     /// register-tiled kernels (`mm_*_tile`: each output's fmas and butterfly
     /// as the per-row kernel's; default, off with `SAMESUM_CUDA_F32_TILE=0`).
     float_tiles: bool,
+    /// The layer norms also write their output as Q8_K blocks
+    /// (`rms_norm_q8k`, `add_rms_norm_q8k`: quantize_q8k's bytes), kept here
+    /// for the next op's input projections instead of a quantize launch
+    /// (default; off with `SAMESUM_CUDA_NORM_Q8K=0`).
+    norm_quant: bool,
+    /// The last norm's Q8_K rows, valid while no kernel has run since.
+    norm_q8k: Mutex<Option<NormQ8k>>,
     /// Decode-sized quantized calls (one row, or up to 16 rows with experts)
     /// on the one-row kernels (`mm_*_1`: a warp per weight row and activation
     /// row; default, off with `SAMESUM_CUDA_ROW=0`: the 16-row tile kernels,
@@ -116,7 +123,27 @@ struct Input<'a> {
     q80: std::cell::OnceCell<CudaSlice<u8>>,
 }
 
+/// A norm's output rows as Q8_K blocks, written by the norm kernel itself.
+struct NormQ8k {
+    /// Device address and length of the f32 rows they quantize.
+    addr: u64,
+    len: usize,
+    /// The device's launch count right after the norm.
+    seq: u64,
+    q: CudaSlice<u8>,
+}
+
 impl<'a> Input<'a> {
+    /// f32 rows whose Q8_K blocks may already exist (`q`: quantize_q8k's
+    /// bytes for exactly these rows).
+    fn with_q8k(x: &'a CudaSlice<f32>, m: usize, q: Option<CudaSlice<u8>>) -> Self {
+        let me = Input::new(x, m);
+        if let Some(q) = q {
+            let _ = me.q8k.set(q);
+        }
+        me
+    }
+
     fn new(x: &'a CudaSlice<f32>, m: usize) -> Self {
         Input {
             x: Some(x),
@@ -461,6 +488,8 @@ impl Cuda {
                 TcKernel::Pipelined
             },
             float_tiles: std::env::var("SAMESUM_CUDA_F32_TILE").as_deref() != Ok("0"),
+            norm_quant: std::env::var("SAMESUM_CUDA_NORM_Q8K").as_deref() != Ok("0"),
+            norm_q8k: Mutex::new(None),
             small_plan: std::env::var("SAMESUM_CUDA_SMALL_PLAN").as_deref() != Ok("0"),
             row_kernels: std::env::var("SAMESUM_CUDA_ROW").as_deref() != Ok("0"),
             glu: std::env::var("SAMESUM_CUDA_GLU").as_deref() != Ok("0"),
@@ -635,6 +664,39 @@ impl Cuda {
             d, kernel, c, &bases[0], &bases[1], &stride, &row_bytes, &mats_ptr, a, y, &rows, &mi,
             &nb
         )
+    }
+
+    /// Keep a norm's Q8_K rows for the next op (see `take_norm_q8k`).
+    fn keep_norm_q8k(&self, out: &CudaSlice<f32>, q: CudaSlice<u8>) {
+        let kept = NormQ8k {
+            addr: crate::device::addr(&self.dev, out),
+            len: out.len(),
+            seq: self.dev.launch_count(),
+            q,
+        };
+        *self.norm_q8k.lock().unwrap_or_else(|p| p.into_inner()) = Some(kept);
+    }
+
+    /// The Q8_K rows of `x` if the last kernel launched was the norm that
+    /// wrote `x` (same address and length, no launch since); taken either way.
+    fn take_norm_q8k(&self, x: &CudaSlice<f32>) -> Option<CudaSlice<u8>> {
+        let kept = self
+            .norm_q8k
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()?;
+        (kept.seq == self.dev.launch_count()
+            && kept.len == x.len()
+            && kept.addr == crate::device::addr(&self.dev, x))
+        .then_some(kept.q)
+    }
+
+    /// Fuse the Q8_K quantization of the layer norms' outputs into the norms
+    /// (`true`, the default unless `SAMESUM_CUDA_NORM_Q8K=0`), for
+    /// comparisons.
+    #[doc(hidden)]
+    pub fn set_norm_quant(&mut self, on: bool) {
+        self.norm_quant = on;
     }
 
     /// Use the register-tiled float kernels for wide calls (`true`, the
@@ -1125,6 +1187,7 @@ impl Cuda {
         st: &mut CudaState,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        let pre = self.take_norm_q8k(x);
         let hp = &model.hp;
         let d = &self.dev;
         let (hq, hkv, hd) = (hp.n_head, hp.n_head_kv, hp.head_dim);
@@ -1133,7 +1196,7 @@ impl Cuda {
         let mut qg = d.scratch::<f32>(m * a.q.rows)?;
         let mut k = d.scratch::<f32>(m * kvw)?;
         let mut v = d.scratch::<f32>(m * kvw)?;
-        let xin = Input::new(x, m);
+        let xin = Input::with_q8k(x, m, pre);
         self.mm_group(&xin, &mut [(&a.q, &mut qg), (&a.k, &mut k), (&a.v, &mut v)])?;
         let (q_raw, gate) = if a.gated {
             let mut q = d.scratch::<f32>(m * qw)?;
@@ -1283,6 +1346,7 @@ impl Cuda {
         st: &mut CudaState,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        let pre = self.take_norm_q8k(x);
         let hp = &model.hp;
         let d = &self.dev;
         let s = hp.ssm.ok_or_else(|| CudaError::Driver {
@@ -1301,7 +1365,7 @@ impl Cuda {
         let ratio = hv / hk;
         let mut qkv = d.scratch::<f32>(m * cd)?;
         let mut z = d.scratch::<f32>(m * vd)?;
-        let xin = Input::new(x, m);
+        let xin = Input::with_q8k(x, m, pre);
         let mut b = d.scratch::<f32>(m * hv)?;
         let mut a = d.scratch::<f32>(m * hv)?;
         // The common layout (split projections): all four in one group.
@@ -1718,6 +1782,7 @@ impl Cuda {
         x: &CudaSlice<f32>,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        let pre = self.take_norm_q8k(x);
         let hp = &model.hp;
         let d = &self.dev;
         let (dm, e, k, f, fs) = (
@@ -1739,7 +1804,7 @@ impl Cuda {
         };
         let cap = n + e.min(n) * (pad - 1);
         let mut logits = d.scratch::<f32>(m * e)?;
-        let xin = Input::new(x, m);
+        let xin = Input::with_q8k(x, m, pre);
         self.mm(&mw.router, &xin, None, &mut logits)?;
         let mut ids = d.scratch::<i32>(n)?;
         let mut wts = d.scratch::<f32>(n)?;
@@ -2053,6 +2118,28 @@ impl Backend for Cuda {
         }
         let wd = self.vec(w).map_err(e)?;
         let (rows, width, eps) = (acc.len() / w.len(), w.len() as i32, model.hp.eps);
+        let layer_norm = !matches!(which, Norm::Output);
+        if self.norm_quant && layer_norm && w.len().is_multiple_of(256) && out.len() == acc.len() {
+            let mut q = self
+                .dev
+                .scratch::<u8>(rows * w.len() / 256 * 304)
+                .map_err(e)?;
+            launch!(
+                self.dev,
+                "add_rms_norm_q8k",
+                cfg((rows as u32, 1, 1), 256, 0),
+                acc,
+                x,
+                wd,
+                out,
+                &mut q,
+                &width,
+                &eps
+            )
+            .map_err(e)?;
+            self.keep_norm_q8k(out, q);
+            return Ok(());
+        }
         launch!(
             self.dev,
             "add_rms_norm",
@@ -2079,8 +2166,33 @@ impl Backend for Cuda {
             Norm::Ffn(l) => &model.w.layers[l].ffn_norm,
             Norm::Output => &model.w.output_norm,
         };
-        self.rms_norm_rows(x, w, x.len() / w.len(), model.hp.eps, out)
-            .map_err(e)
+        let rows = x.len() / w.len();
+        // Only the layer norms: their next op (attention, delta net, MoE)
+        // takes the Q8_K rows at once, so they never outlive a captured step.
+        let layer_norm = !matches!(which, Norm::Output);
+        if self.norm_quant && layer_norm && w.len().is_multiple_of(256) && out.len() == x.len() {
+            let wd = self.vec(w).map_err(e)?;
+            let (width, eps) = (w.len() as i32, model.hp.eps);
+            let mut q = self
+                .dev
+                .scratch::<u8>(rows * w.len() / 256 * 304)
+                .map_err(e)?;
+            launch!(
+                self.dev,
+                "rms_norm_q8k",
+                cfg((rows as u32, 1, 1), 256, 0),
+                x,
+                wd,
+                out,
+                &mut q,
+                &width,
+                &eps
+            )
+            .map_err(e)?;
+            self.keep_norm_q8k(out, q);
+            return Ok(());
+        }
+        self.rms_norm_rows(x, w, rows, model.hp.eps, out).map_err(e)
     }
 
     fn add(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> R<()> {

@@ -53,6 +53,9 @@ pub struct Device {
     /// writes are visible. Only the launch latency overlaps; no kernel reads
     /// or writes anything before its predecessor is done.
     pdl: std::sync::atomic::AtomicBool,
+    /// Kernels launched so far: a result kept on the side (the Q8_K copy of
+    /// a norm's output) is valid only while no kernel has run since.
+    launches: std::sync::atomic::AtomicU64,
 }
 
 /// The most parameters a kernel here takes (the launch keeps their pointers
@@ -208,6 +211,7 @@ impl Device {
             name: format!("{name} (cuda:{ordinal}, {arch})"),
             resources,
             prof,
+            launches: std::sync::atomic::AtomicU64::new(0),
             pdl: std::sync::atomic::AtomicBool::new(
                 maj >= 9 && std::env::var("SAMESUM_CUDA_PDL").as_deref() != Ok("0"),
             ),
@@ -236,6 +240,8 @@ impl Device {
         use cudarc::driver::sys;
         let f = self.func(name)?;
         self.ctx.bind_to_thread().map_err(|e| drv(name, e))?;
+        self.launches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         // One pointer per parameter, on the stack (no allocation per launch):
         // a device address is passed by pointing at it inside `args`.
         let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_KERNEL_ARGS];
@@ -284,6 +290,11 @@ impl Device {
         }
         .result()
         .map_err(|e| drv(name, e))
+    }
+
+    /// How many kernels have been launched on this device so far.
+    pub(crate) fn launch_count(&self) -> u64 {
+        self.launches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// A timing event recorded on the stream now.
@@ -434,6 +445,8 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
         ],
         "ops" => &[
             "rms_norm",
+            "rms_norm_q8k",
+            "add_rms_norm_q8k",
             "add_inplace",
             "add_rms_norm",
             "sigmoid_mul",

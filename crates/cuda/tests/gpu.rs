@@ -888,6 +888,7 @@ fn decode_fusions_equal_the_separate_kernels() {
         apart.set_small_plan(false);
         apart.set_quantized_gather(false);
         apart.set_grouped_projections(false);
+        apart.set_norm_quant(false);
         apart.device().set_pdl(false);
         let mut rng = Rng::new(23);
         let toks: Vec<u32> = (0..200)
