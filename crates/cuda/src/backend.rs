@@ -65,8 +65,10 @@ pub struct Cuda {
     /// (default; off with `SAMESUM_CUDA_NORM_Q8K=0`).
     norm_quant: bool,
     /// Decode-sized routing (up to 4 rows) by the whole block, each entry's
-    /// rank counted by its own thread (default; `SAMESUM_CUDA_BLOCK_ROUTE=0`
-    /// for a warp's argmax rounds per row: the same ids and weights).
+    /// rank counted by its own thread (opt-in with
+    /// `SAMESUM_CUDA_BLOCK_ROUTE=1`; written to give the argmax rounds' ids
+    /// and weights, not yet verified on a GPU); by default a warp's argmax
+    /// rounds per row.
     block_route: bool,
     /// The last norm's Q8_K rows, valid while no kernel has run since.
     norm_q8k: Mutex<Option<NormQ8k>>,
@@ -494,7 +496,7 @@ impl Cuda {
             float_tiles: std::env::var("SAMESUM_CUDA_F32_TILE").as_deref() != Ok("0"),
             norm_quant: std::env::var("SAMESUM_CUDA_NORM_Q8K").as_deref() != Ok("0"),
             norm_q8k: Mutex::new(None),
-            block_route: std::env::var("SAMESUM_CUDA_BLOCK_ROUTE").as_deref() != Ok("0"),
+            block_route: std::env::var("SAMESUM_CUDA_BLOCK_ROUTE").as_deref() == Ok("1"),
             small_plan: std::env::var("SAMESUM_CUDA_SMALL_PLAN").as_deref() != Ok("0"),
             row_kernels: std::env::var("SAMESUM_CUDA_ROW").as_deref() != Ok("0"),
             glu: std::env::var("SAMESUM_CUDA_GLU").as_deref() != Ok("0"),
@@ -704,9 +706,8 @@ impl Cuda {
         self.norm_quant = on;
     }
 
-    /// Route decode-sized calls with the whole block (`true`, the default
-    /// unless `SAMESUM_CUDA_BLOCK_ROUTE=0`) or a warp per row, for
-    /// comparisons.
+    /// Route decode-sized calls with the whole block (`true`; opt-in with
+    /// `SAMESUM_CUDA_BLOCK_ROUTE=1`) or a warp per row (the default).
     #[doc(hidden)]
     pub fn set_block_route(&mut self, on: bool) {
         self.block_route = on;
@@ -1696,7 +1697,8 @@ impl Cuda {
         }
         let (mi, ei, ki, padi, capi) = (m as i32, e as i32, k as i32, pad as i32, cap as i32);
         if self.small_plan && n <= PLAN_SMALL_PAIRS && e <= PLAN_SMALL_EXPERTS {
-            // Up to 4 rows are routed one at a time by the whole block.
+            // With block routing on, up to 4 rows are routed one at a time by
+            // the whole block.
             let block_rows: i32 = if self.block_route { 4 } else { 0 };
             let mut placed_row = d.scratch::<i32>(cap)?;
             let mut placed_mat = d.scratch::<i32>(cap)?;

@@ -455,6 +455,7 @@ fn the_one_launch_route_and_plan_equal_the_separate_kernels() {
     }
     let (_d, model) = synth("tiny-qwen3moe", GgmlType::Q8_0, 1);
     let mut cuda = Cuda::new(0, &model, false).unwrap();
+    cuda.set_block_route(true);
     let mut rng = Rng::new(4);
     let mut cases = 0;
     // m <= 4 (e <= 1024) routes each row with the whole block (ranks),
@@ -482,7 +483,17 @@ fn the_one_launch_route_and_plan_equal_the_separate_kernels() {
                     let fb = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(fb(&one.0), fb(&sep.0), "e={e} k={k} m={m}: softmax");
                     assert_eq!(one.1, sep.1, "e={e} k={k} m={m}: ids");
-                    assert!(one.1.iter().all(|&i| i >= 0 && (i as usize) < e));
+                    // A row holding a NaN may name -1 (a skipped pick: the
+                    // argmax rounds do not order NaNs; seen on the H200 in
+                    // session 7 on both paths alike); other rows name experts.
+                    for (r, row) in one.1.chunks(k).enumerate() {
+                        let nan = lg[r * e..(r + 1) * e].iter().any(|v| v.is_nan());
+                        let lo = if nan { -1 } else { 0 };
+                        assert!(
+                            row.iter().all(|&i| i >= lo && i < e as i32),
+                            "e={e} k={k} m={m} row {r}: ids {row:?}"
+                        );
+                    }
                     assert_eq!(fb(&one.2), fb(&sep.2), "e={e} k={k} m={m}: weights");
                     assert_eq!(one.3, sep.3, "e={e} k={k} m={m} pad={pad}: placed rows");
                     assert_eq!(one.4, sep.4, "e={e} k={k} m={m} pad={pad}: placed experts");
@@ -893,6 +904,7 @@ fn decode_fusions_equal_the_separate_kernels() {
         let (_d, model) = synth(shape, GgmlType::Q4_K, 19);
         let mut fused = Cuda::new(0, &model, false).unwrap();
         fused.set_graphs(false);
+        fused.set_block_route(true);
         let mut apart = Cuda::new(0, &model, false).unwrap();
         apart.set_graphs(false);
         apart.set_row_kernels(false);
