@@ -90,8 +90,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     };
     let (path, _tmp) = crate::synth::model_or_builtin(&a.model, "tiny-qwen3next", "q8_0", None)?;
     let dev = Device::parse(&a.device, a.vram_budget.as_deref())?;
-    let chunk = a.chunk.unwrap_or(dev.default_chunk());
-    if a.repetitions == 0 || chunk == 0 {
+    if a.repetitions == 0 || a.chunk == Some(0) {
         bail!("--repetitions and --chunk must be at least 1");
     }
     if a.profile {
@@ -99,9 +98,12 @@ pub(crate) fn run(a: Args) -> Result<()> {
         unsafe { std::env::set_var("SAMESUM_CUDA_PROFILE", "1") };
     }
     let model = crate::run::load_with_progress(&path)?;
-    with_backend!(dev, &model, a.threads, |b| bench(
-        b, &model, &path, &a, kv, chunk
-    ))
+    with_backend!(dev, &model, a.threads, |b| {
+        let chunk = a
+            .chunk
+            .unwrap_or_else(|| dev.default_chunk(b.offload_counters().is_some()));
+        bench(b, &model, &path, &a, kv, chunk)
+    })
 }
 
 /// Tier mode's counters over a test's timed runs (the untimed warm-up and

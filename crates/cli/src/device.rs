@@ -43,10 +43,13 @@ impl Device {
     /// Prompt rows per batched forward call when `--chunk` is not given:
     /// 256 on the CPU (measured best on the build machine), 2048 on CUDA
     /// (qwen35moe pp4096 on the H200: 6,576 tok/s at 512, 7,005 at 1024,
-    /// 7,164 at 2048). Any chunk computes the same bytes.
-    pub(crate) fn default_chunk(self) -> usize {
+    /// 7,164 at 2048), 512 on CUDA in tier mode (`tiered`: the size its
+    /// activations were measured at inside a VRAM budget). Any chunk
+    /// computes the same bytes.
+    pub(crate) fn default_chunk(self, tiered: bool) -> usize {
         match self {
             Device::Cpu => samesum_engine::DEFAULT_CHUNK,
+            Device::Cuda(..) if tiered => CUDA_TIER_CHUNK,
             Device::Cuda(..) => CUDA_CHUNK,
         }
     }
@@ -54,6 +57,8 @@ impl Device {
 
 /// The default prompt rows per batched call on CUDA.
 pub(crate) const CUDA_CHUNK: usize = 2048;
+/// The default in tier mode.
+pub(crate) const CUDA_TIER_CHUNK: usize = 512;
 
 /// Open the CUDA backend for `model` on device `n`, uploading its weights with a
 /// progress bar; errors say what is missing (driver, NVRTC, device, memory).
@@ -114,6 +119,16 @@ pub(crate) use with_backend;
 #[cfg(test)]
 mod tests {
     use super::Device;
+
+    #[test]
+    fn default_chunks_follow_the_device() {
+        assert_eq!(
+            Device::Cpu.default_chunk(false),
+            samesum_engine::DEFAULT_CHUNK
+        );
+        assert_eq!(Device::Cuda(0, None).default_chunk(false), 2048);
+        assert_eq!(Device::Cuda(0, Some(24 << 30)).default_chunk(true), 512);
+    }
 
     #[test]
     fn parses_devices() {

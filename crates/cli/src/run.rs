@@ -94,13 +94,12 @@ pub(crate) fn run(a: Args) -> Result<()> {
         other => bail!("--kv-type {other:?} is not supported (f32, f16)"),
     };
     let dev = Device::parse(&a.device, a.vram_budget.as_deref())?;
-    let batch_chunk = a.chunk.unwrap_or(dev.default_chunk());
-    if batch_chunk == 0 {
+    if a.chunk == Some(0) {
         bail!("--chunk must be at least 1");
     }
-    let chunk = match a.prefill.as_str() {
-        "batched" => batch_chunk,
-        "replay" => 1,
+    let replay = match a.prefill.as_str() {
+        "batched" => false,
+        "replay" => true,
         other => bail!("--prefill {other:?} is not supported (batched, replay)"),
     };
     let (path, _tmp) = crate::synth::model_or_builtin(
@@ -159,9 +158,14 @@ pub(crate) fn run(a: Args) -> Result<()> {
         let stop = stop.clone();
         let _ = ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst));
     }
-    with_backend!(dev, &model, a.threads, |b| generate(
-        b, &model, &tok, &prompt, &a, kv, chunk, &stop
-    ))
+    with_backend!(dev, &model, a.threads, |b| {
+        let chunk = match (replay, a.chunk) {
+            (true, _) => 1,
+            (false, Some(c)) => c,
+            (false, None) => dev.default_chunk(b.offload_counters().is_some()),
+        };
+        generate(b, &model, &tok, &prompt, &a, kv, chunk, &stop)
+    })
 }
 
 /// Prefill `prompt` in chunks of `chunk` rows, then sample and stream tokens.
