@@ -45,7 +45,7 @@ pub(crate) struct Args {
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
     /// Prompt rows per forward call in the batched arm.
-    /// [default: 256 on the CPU, 2048 on CUDA]
+    /// [default: 256 on the CPU, 2048 on CUDA, 512 on CUDA in tier mode]
     #[arg(long)]
     chunk: Option<usize>,
     /// Prefill arms to measure: batched, replay (comma-separated).

@@ -68,7 +68,7 @@ pub(crate) struct Args {
     #[arg(long, default_value = "f32")]
     kv_type: String,
     /// Prompt rows per forward call (batched prefill).
-    /// [default: 256 on the CPU, 2048 on CUDA]
+    /// [default: 256 on the CPU, 2048 on CUDA, 512 on CUDA in tier mode]
     #[arg(long)]
     chunk: Option<usize>,
     /// Prefill mode: batched (chunks of --chunk rows) or replay (one token per call).
