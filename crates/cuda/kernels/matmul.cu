@@ -904,6 +904,237 @@ __device__ void mm_tc_pipe_k(const u8* W, i64 mat_stride, int row_bytes, const i
     }
 }
 
+// ---------------------------------------------------------------- tensor cores, async copies
+//
+// The pipelined kernel's arithmetic with the weight and activation blocks
+// brought into shared memory by cp.async (two stages: block b + 1 is in
+// flight while block b computes) instead of held in registers, so more
+// blocks fit on a multiprocessor (the register double buffer held 112 of the
+// pipelined kernel's 237 registers: 2 blocks of 4 warps per SM; this one
+// takes 163-166 registers and 53-69 KB of shared memory: 3 blocks). Rows are
+// padded in shared memory so a warp's 8-byte fragment reads hit distinct
+// banks (weights: 160 bytes a row for Q4_K, 224 for Q5_K; activations: 352).
+// Every element's integer sums and float steps are the other kernels'.
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes global -> shared, zero-filled when !valid (src must still be a
+// mapped address).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+#define TA_AST 352
+template <int Q5>
+struct TaLayout {
+    static constexpr int BYTES = Q5 ? 176 : 144;
+    static constexpr int QS = Q5 ? 48 : 16;
+    static constexpr int WST = Q5 ? 224 : 160;
+    static constexpr int W_OFF = 0;
+    static constexpr int A_OFF = TQ_WROWS * WST;
+    static constexpr int BS_OFF = A_OFF + TQ_ROWS * TA_AST;
+    static constexpr int DA_OFF = BS_OFF + TQ_ROWS * 4 * 4;
+    static constexpr int STAGE = DA_OFF + TQ_ROWS * 4;
+};
+
+// Issue the copies of weight block b (the tile's 128 rows of matrix `cur`)
+// and activation block b (its 16 rows) into `stage`.
+template <int Q5>
+__device__ __forceinline__ void ta_issue(u8* stage, const u8* W, i64 mat_stride, int row_bytes, int cur, int wrow0,
+                                         int rows, const u8* A, i64 arow, int r0, int nr, int b, int tid) {
+    typedef TaLayout<Q5> L;
+    const int PIECES = L::BYTES / 16;
+    for (int c = tid; c < TQ_WROWS * PIECES; c += 128) {
+        int r = c / PIECES, q = c % PIECES;
+        int j = min(wrow0 + r, rows - 1);
+        const u8* src = W + (i64)cur * mat_stride + (i64)j * row_bytes + (i64)b * L::BYTES + q * 16;
+        cp_async16(stage + L::W_OFF + r * L::WST + q * 16, src, true);
+    }
+    for (int c = tid; c < TQ_ROWS * (Q8K_BYTES / 16); c += 128) {
+        int t = c / (Q8K_BYTES / 16), q = c % (Q8K_BYTES / 16);
+        bool ok = t < nr;
+        const u8* src = A + (ok ? (r0 + t) * arow + (i64)b * Q8K_BYTES + q * 16 : 0);
+        cp_async16(stage + L::A_OFF + t * TA_AST + q * 16, src, ok);
+    }
+}
+
+template <int Q5>
+__device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,
+                              int rows, int m, int nb) {
+    typedef TaLayout<Q5> L;
+    extern __shared__ __align__(16) u8 dsm[];
+    __shared__ int smat[TQ_ROWS];
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    int r0 = blockIdx.y * TQ_ROWS;
+    if (r0 >= m) return;
+    int nr = min(TQ_ROWS, m - r0);
+    if (tid < TQ_ROWS) smat[tid] = tid < nr ? (mats ? mats[r0 + tid] : 0) : -1;
+    __syncthreads();
+    int gq = lane >> 2, tq = lane & 3;
+    int wrow0 = blockIdx.x * TQ_WROWS;
+    i64 arow = (i64)nb * Q8K_BYTES;
+    for (int c = tid; c < TQ_ROWS * TQ_WROWS; c += blockDim.x) {
+        int t = c / TQ_WROWS, j = wrow0 + c % TQ_WROWS;
+        if (t < nr && smat[t] < 0 && j < rows) Y[(i64)(r0 + t) * rows + j] = 0.0f;
+    }
+    int prev = -1;
+    for (;;) {
+        int cur = 0x7fffffff;
+        for (int t = 0; t < TQ_ROWS; t++) {
+            int v = smat[t];
+            if (v > prev && v < cur) cur = v;
+        }
+        if (cur == 0x7fffffff) break;
+        prev = cur;
+        float acc[2][2][4];
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int n = 0; n < 2; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
+        ta_issue<Q5>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, A, arow, r0, nr, 0, tid);
+        cp_async_commit();
+        for (int b = 0; b < nb; b++) {
+            u8* st = dsm + (b & 1) * L::STAGE;
+            if (b + 1 < nb) {
+                ta_issue<Q5>(dsm + ((b + 1) & 1) * L::STAGE, W, mat_stride, row_bytes, cur, wrow0, rows, A, arow,
+                             r0, nr, b + 1, tid);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
+            int* sbs = (int*)(st + L::BS_OFF);  // [t][4]: sub-block bsums as i16 pairs
+            float* sda = (float*)(st + L::DA_OFF);
+            if (tid < TQ_ROWS * 4) {
+                int t = tid / 4, w = tid % 4;
+                const i16* bs = (const i16*)(st + L::A_OFF + t * TA_AST + Q8K_BSUMS);
+                int s0 = (int)bs[4 * w] + (int)bs[4 * w + 1];  // |sum of 32 int8| < 2^15
+                int s1 = (int)bs[4 * w + 2] + (int)bs[4 * w + 3];
+                sbs[t * 4 + w] = (int)(((u32)s0 & 0xffffu) | ((u32)s1 << 16));
+                if (w == 0) sda[t] = *(const float*)(st + L::A_OFF + t * TA_AST + Q8K_D);
+            }
+            __syncthreads();
+            // This thread's rows: wrow + 8 i WST (one base, constant offsets).
+            const u8* wrow = st + L::W_OFF + (warp * 32 + gq) * L::WST;
+            u32 scl[4], sch[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                // Header words 1 (scales) and 3 (high scale bits).
+                u32 h1 = *(const u32*)(wrow + 8 * i * L::WST + 4);
+                u32 h3 = *(const u32*)(wrow + 8 * i * L::WST + 12);
+                scl[i] = h1 & 0x3f3f3f3fu;
+                sch[i] = (h3 & 0x0f0f0f0fu) | (((h1 >> 6) & 0x03030303u) << 4);
+            }
+            uint2 qh[4];
+            if (Q5) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) qh[i] = *(const uint2*)(wrow + 8 * i * L::WST + 16 + 8 * tq);
+            }
+            int isum[2][2][4];
+#pragma unroll
+            for (int a = 0; a < 2; a++)
+#pragma unroll
+                for (int n = 0; n < 2; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) isum[a][n][c] = 0;
+            const u8* sqb = st + L::A_OFF;
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                uint2 wq[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) wq[i] = *(const uint2*)(wrow + 8 * i * L::WST + L::QS + 32 * p + 8 * tq);
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    int s = 2 * p + h;
+                    u32 al[4], ah[4];
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        al[i] = (wq[i].x >> (4 * h)) & 0x0F0F0F0Fu;
+                        ah[i] = (wq[i].y >> (4 * h)) & 0x0F0F0F0Fu;
+                        if (Q5) {
+                            al[i] |= ((qh[i].x >> s) & 0x01010101u) << 4;
+                            ah[i] |= ((qh[i].y >> s) & 0x01010101u) << 4;
+                        }
+                    }
+                    u32 bq[2][2];
+#pragma unroll
+                    for (int n = 0; n < 2; n++) {
+                        uint2 v = *(const uint2*)(sqb + (n * 8 + gq) * TA_AST + s * 32 + 8 * tq);
+                        bq[n][0] = v.x;
+                        bq[n][1] = v.y;
+                    }
+#pragma unroll
+                    for (int a = 0; a < 2; a++) {
+                        int sc0 = byte_of(s < 4 ? scl[2 * a] : sch[2 * a], s & 3);
+                        int sc1 = byte_of(s < 4 ? scl[2 * a + 1] : sch[2 * a + 1], s & 3);
+#pragma unroll
+                        for (int n = 0; n < 2; n++) {
+                            int d[4];
+                            mma_s8(d, al[2 * a], al[2 * a + 1], ah[2 * a], ah[2 * a + 1], bq[n][0], bq[n][1]);
+                            isum[a][n][0] += sc0 * d[0];
+                            isum[a][n][1] += sc0 * d[1];
+                            isum[a][n][2] += sc1 * d[2];
+                            isum[a][n][3] += sc1 * d[3];
+                        }
+                    }
+                }
+            }
+            // d, dmin and the mins of the four rows, read again for the
+            // float steps (shorter live ranges).
+            u32 mnl[4], mnh[4];
+            float dw[4], dmw[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                uint4 h = *(const uint4*)(wrow + 8 * i * L::WST);
+                dw[i] = f16_to_f32((u16)(h.x & 0xffff));
+                dmw[i] = f16_to_f32((u16)(h.x >> 16));
+                mnl[i] = h.z & 0x3f3f3f3fu;
+                mnh[i] = ((h.w >> 4) & 0x0f0f0f0fu) | (((h.z >> 6) & 0x03030303u) << 4);
+            }
+#pragma unroll
+            for (int a = 0; a < 2; a++)
+#pragma unroll
+                for (int n = 0; n < 2; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                        int ms = __dp2a_lo(sbs[t * 4 + 0], (int)mnl[i], 0);
+                        ms = __dp2a_hi(sbs[t * 4 + 1], (int)mnl[i], ms);
+                        ms = __dp2a_lo(sbs[t * 4 + 2], (int)mnh[i], ms);
+                        ms = __dp2a_hi(sbs[t * 4 + 3], (int)mnh[i], ms);
+                        acc[a][n][c] = step_min(acc[a][n][c], dw[i], dmw[i], sda[t], isum[a][n][c], ms);
+                    }
+            // Stage b & 1 is refilled by the next iteration's copies (block
+            // b + 2): every read of it ends here.
+            __syncthreads();
+        }
+        int wbase = wrow0 + warp * 32;
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int n = 0; n < 2; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    int j = wbase + 8 * (2 * a + c / 2) + gq, t = 8 * n + 2 * tq + c % 2;
+                    if (j < rows && t < nr && smat[t] == cur) Y[(i64)(r0 + t) * rows + j] = acc[a][n][c];
+                }
+    }
+}
+
 #define TC_KERNEL(name, Q5)                                                                    \
     extern "C" __global__ void __launch_bounds__(128)                                          \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
@@ -924,6 +1155,18 @@ TC_KERNEL(mm_tc_q5_k, 1)
 
 TC_PIPE_KERNEL(mm_tc_q4_k_pipe, 0)
 TC_PIPE_KERNEL(mm_tc_q5_k_pipe, 1)
+
+// The async-copy kernel: launch with 2 * TaLayout<Q5>::STAGE bytes of
+// dynamic shared memory (52,864 for Q4_K, 69,248 for Q5_K).
+#define TC_ASYNC_KERNEL(name, Q5)                                                              \
+    extern "C" __global__ void __launch_bounds__(128, 3)                                       \
+        name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
+             int rows, int m, int nb) { pdl_wait();                                            \
+        mm_tc_async_k<Q5>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);                  \
+    }
+
+TC_ASYNC_KERNEL(mm_tc_q4_k_async, 0)
+TC_ASYNC_KERNEL(mm_tc_q5_k_async, 1)
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
 // then a fixed butterfly.

@@ -232,6 +232,14 @@ impl<'a> Input<'a> {
 /// expert's rows to a multiple of this in wide calls.
 const TC_ROWS: usize = 16;
 
+/// Dynamic shared memory of the async tensor-core kernel: two stages of
+/// (128 weight rows at 160 bytes for Q4_K or 224 for Q5_K, 16 activation
+/// rows at 352, 16 x 4 packed bsums, 16 scales), as `TaLayout` in matmul.cu.
+const fn tc_async_smem(q5: bool) -> u32 {
+    let wst = if q5 { 224 } else { 160 };
+    2 * (128 * wst + 16 * 352 + 16 * 4 * 4 + 16 * 4)
+}
+
 /// A `SAMESUM_CUDA_*` switch: `default` unless the variable says otherwise
 /// (`0` turns a default-on path off, `1` turns a default-off path on).
 fn env_switch(name: &str, default: bool) -> bool {
@@ -251,6 +259,11 @@ pub enum TcKernel {
     /// The next block's loads issued before this block's arithmetic
     /// (`mm_tc_*_pipe`; the default).
     Pipelined,
+    /// The pipelined kernel's arithmetic with the weight and activation
+    /// blocks copied into shared memory by `cp.async`, two stages, so more
+    /// blocks fit per multiprocessor (`mm_tc_*_async`; opt-in with
+    /// `SAMESUM_CUDA_TC_ASYNC=1`, not yet run on a GPU).
+    Async,
 }
 
 /// The one-launch plan's limits (`plan_small` in ops.cu).
@@ -490,10 +503,12 @@ impl Cuda {
             vecs,
             maps: Mutex::new(HashMap::new()),
             tensor_cores: env_switch("SAMESUM_CUDA_TC", true),
-            tc_kernel: if env_switch("SAMESUM_CUDA_TC_PIPE", true) {
-                TcKernel::Pipelined
-            } else {
+            tc_kernel: if !env_switch("SAMESUM_CUDA_TC_PIPE", true) {
                 TcKernel::Plain
+            } else if env_switch("SAMESUM_CUDA_TC_ASYNC", false) {
+                TcKernel::Async
+            } else {
+                TcKernel::Pipelined
             },
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
             norm_quant: env_switch("SAMESUM_CUDA_NORM_Q8K", true),
@@ -1016,11 +1031,19 @@ impl Cuda {
                         (true, TcKernel::Pipelined) => "mm_tc_q4_k_pipe",
                         (false, TcKernel::Plain) => "mm_tc_q5_k",
                         (false, TcKernel::Pipelined) => "mm_tc_q5_k_pipe",
+                        (true, TcKernel::Async) => "mm_tc_q4_k_async",
+                        (false, TcKernel::Async) => "mm_tc_q5_k_async",
+                    };
+                    // The async kernel's two stages of shared memory (see
+                    // TaLayout in matmul.cu).
+                    let smem = match self.tc_kernel {
+                        TcKernel::Async => tc_async_smem(w.ty == GgmlType::Q5_K),
+                        _ => 0,
                     };
                     let ct = cfg(
                         (w.rows.div_ceil(128) as u32, m.div_ceil(TC_ROWS) as u32, 1),
                         128,
-                        0,
+                        smem,
                     );
                     return launch!(
                         d, k, ct, &wptr, &stride, &row_bytes, &mats_ptr, a, y, &rows, &mi, &nbi
