@@ -68,6 +68,10 @@ pub struct Cuda {
     /// and weights, not yet verified on a GPU); by default a warp's argmax
     /// rounds per row.
     block_route: bool,
+    /// Prefill's shared expert on a second stream beside the routed experts
+    /// (default; `SAMESUM_CUDA_OVERLAP=0` runs it after them on the main
+    /// stream: the same kernels on the same inputs, the same bytes).
+    overlap: bool,
     /// The last norm's Q8_K rows, valid while no kernel has run since.
     norm_q8k: Mutex<Option<NormQ8k>>,
     /// Decode-sized quantized calls (one row, or up to 16 rows with experts)
@@ -519,6 +523,7 @@ impl Cuda {
             glu: env_switch("SAMESUM_CUDA_GLU", true),
             multi: env_switch("SAMESUM_CUDA_MULTI", true),
             quantized_gather: env_switch("SAMESUM_CUDA_QGATHER", true),
+            overlap: env_switch("SAMESUM_CUDA_OVERLAP", true),
             attn_partials: ATTN_PARTIALS,
             graphs: env_switch("SAMESUM_CUDA_GRAPHS", true),
             trunk,
@@ -728,6 +733,14 @@ impl Cuda {
     #[doc(hidden)]
     pub fn set_block_route(&mut self, on: bool) {
         self.block_route = on;
+    }
+
+    /// Run prefill's shared expert on the second stream (`true`, the default
+    /// unless `SAMESUM_CUDA_OVERLAP=0`) or after the routed experts, for
+    /// comparisons.
+    #[doc(hidden)]
+    pub fn set_overlap(&mut self, on: bool) {
+        self.overlap = on;
     }
 
     /// Use the register-tiled float kernels for wide calls (`true`, the
@@ -1816,6 +1829,24 @@ impl Cuda {
         ))
     }
 
+    /// The shared expert of `m` token rows: ys = down(silu(gate x) * up x),
+    /// gi = the gate's input projection (sigmoid applied by the combine).
+    fn shared_expert(
+        &self,
+        sh: &samesum_engine::model::weights::SharedW,
+        xin: &Input,
+        m: usize,
+        fs: usize,
+        ys: &mut CudaSlice<f32>,
+        gi: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let mut sg = self.dev.scratch::<f32>(m * fs)?;
+        let bases = [self.wptr(&sh.gate)?, self.wptr(&sh.up)?];
+        self.glu_on(&sh.gate, &sh.up, bases, xin, None, &mut sg)?;
+        self.mm(&sh.gate_inp, xin, None, gi)?;
+        self.matmul(&sh.down, &sg, m, None, ys)
+    }
+
     fn moe_rows(
         &self,
         model: &Model,
@@ -1853,6 +1884,30 @@ impl Cuda {
         let (placed_row, placed_mat, slot) =
             self.route_plan(&mut logits, &mut ids, &mut wts, m, e, k, pad, cap)?;
         let capi = cap as i32;
+        // The shared expert's outputs (written on the second stream when it
+        // runs beside the routed experts: prefill-sized calls, resident
+        // weights, launches not being timed).
+        let mut ys = d.scratch::<f32>(if mw.shared.is_some() { m * dm } else { 1 })?;
+        let mut gi = d.scratch::<f32>(m.max(1))?;
+        let side_done = match &mw.shared {
+            Some(sh) if self.overlap && m > 16 && self.tier.is_none() && !d.profiling() => {
+                // The token rows' quantized form, made on the main stream
+                // before the fork (it is read on both streams).
+                match sh.gate.ty {
+                    GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
+                        xin.q8k(d)?;
+                    }
+                    GgmlType::Q8_0 => {
+                        xin.q80(d)?;
+                    }
+                    _ => {}
+                }
+                let ((), ev) =
+                    d.on_side(|| self.shared_expert(sh, &xin, m, fs, &mut ys, &mut gi))?;
+                Some(ev)
+            }
+            _ => None,
+        };
         // Gather, the experts' rows (each tile reads its experts' weights once), down.
         // Where gate and up read Q8_K activations, the token rows are
         // quantized once and their blocks gathered (a quantized row is a
@@ -1948,15 +2003,12 @@ impl Cuda {
         if let Some((t, b, l)) = staged {
             t.staged_read(d, model, b, l)?;
         }
-        // Shared expert.
-        let mut ys = d.scratch::<f32>(if mw.shared.is_some() { m * dm } else { 1 })?;
-        let mut gi = d.scratch::<f32>(m.max(1))?;
-        if let Some(sh) = &mw.shared {
-            let mut sg = d.scratch::<f32>(m * fs)?;
-            let bases = [self.wptr(&sh.gate)?, self.wptr(&sh.up)?];
-            self.glu_on(&sh.gate, &sh.up, bases, &xin, None, &mut sg)?;
-            self.mm(&sh.gate_inp, &xin, None, &mut gi)?;
-            self.matmul(&sh.down, &sg, m, None, &mut ys)?;
+        // Shared expert: computed beside the routed experts (above) when it
+        // went to the second stream, here otherwise.
+        if let Some(ev) = &side_done {
+            d.wait_for(ev)?;
+        } else if let Some(sh) = &mw.shared {
+            self.shared_expert(sh, &xin, m, fs, &mut ys, &mut gi)?;
         }
         let shared = mw.shared.is_some() as i32;
         launch!(

@@ -39,6 +39,11 @@ type Timed = (&'static str, CudaEvent, CudaEvent);
 pub struct Device {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
+    /// A second stream for work that runs beside the main stream's (the
+    /// shared expert in prefill; see [`Device::on_side`]).
+    side: Arc<CudaStream>,
+    /// Launches and allocations go to `side` while set.
+    on_side: std::sync::atomic::AtomicBool,
     funcs: HashMap<String, CudaFunction>,
     /// The device's name.
     pub name: String,
@@ -204,9 +209,14 @@ impl Device {
         }
         let prof = (std::env::var("SAMESUM_CUDA_PROFILE").as_deref() == Ok("1"))
             .then(|| Mutex::new(Vec::new()));
+        let side = stream
+            .fork()
+            .map_err(|e| drv("create a second stream", e))?;
         Ok(Device {
             ctx,
             stream,
+            side,
+            on_side: std::sync::atomic::AtomicBool::new(false),
             funcs,
             name: format!("{name} (cuda:{ordinal}, {arch})"),
             resources,
@@ -273,7 +283,7 @@ impl Device {
             blockDimY: cfg.block_dim.1,
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: self.stream.cu_stream(),
+            hStream: self.current().cu_stream(),
             attrs: &mut attr,
             numAttrs: u32::from(pdl),
         };
@@ -355,9 +365,51 @@ impl Device {
         })
     }
 
+    /// The stream launches and allocations go to now.
+    fn current(&self) -> &Arc<CudaStream> {
+        if self.on_side.load(std::sync::atomic::Ordering::Relaxed) {
+            &self.side
+        } else {
+            &self.stream
+        }
+    }
+
+    /// Run `f`'s launches on the second stream, after everything queued on
+    /// the main stream so far, while later main-stream work goes on beside
+    /// them; returns `f`'s result and an event the main stream must wait for
+    /// before it reads anything `f` wrote. Buffers `f` allocates live on the
+    /// second stream (their frees are ordered after its work); buffers it
+    /// writes for the main stream must be allocated before the call.
+    pub(crate) fn on_side<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<(T, CudaEvent)> {
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        use std::sync::atomic::Ordering::Relaxed;
+        let start = self
+            .stream
+            .record_event(Some(CU_EVENT_DISABLE_TIMING))
+            .map_err(|e| drv("cuEventRecord", e))?;
+        self.side
+            .wait(&start)
+            .map_err(|e| drv("cuStreamWaitEvent", e))?;
+        self.on_side.store(true, Relaxed);
+        let r = f();
+        self.on_side.store(false, Relaxed);
+        let done = self
+            .side
+            .record_event(Some(CU_EVENT_DISABLE_TIMING))
+            .map_err(|e| drv("cuEventRecord", e))?;
+        Ok((r?, done))
+    }
+
+    /// Make the main stream wait for `ev` (from [`Device::on_side`]).
+    pub(crate) fn wait_for(&self, ev: &CudaEvent) -> Result<()> {
+        self.stream
+            .wait(ev)
+            .map_err(|e| drv("cuStreamWaitEvent", e))
+    }
+
     /// A zeroed device buffer.
     pub(crate) fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
-        self.stream
+        self.current()
             .alloc_zeros::<T>(n.max(1))
             .map_err(|e| drv(format!("alloc {n} elements"), e))
     }
@@ -365,7 +417,7 @@ impl Device {
     /// An uninitialized device buffer (every element is written before it is read).
     pub(crate) fn scratch<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
         // SAFETY: callers write every element before reading it.
-        unsafe { self.stream.alloc::<T>(n.max(1)) }
+        unsafe { self.current().alloc::<T>(n.max(1)) }
             .map_err(|e| drv(format!("alloc {n} elements"), e))
     }
 

@@ -884,6 +884,64 @@ fn tier_mode_equals_resident_mode() {
 /// dependent launch) against the separate kernels, through whole forward
 /// passes: 200 replayed steps and a prefill in chunks of 7 rows, byte for
 /// byte.
+/// Prefill with the shared expert on the second stream (beside the routed
+/// experts) against the same prefill with it after them on the main stream:
+/// every logit byte-equal, on the shapes with a shared expert, chunks that
+/// take the overlap (64, 100) and one that does not (7).
+#[test]
+fn shared_expert_beside_the_routed_experts_equals_serial() {
+    if !gpu() {
+        return;
+    }
+    let mut checked = 0;
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 29);
+        if model.w.layers.iter().all(|l| l.moe.shared.is_none()) {
+            continue;
+        }
+        let mut side = Cuda::new(0, &model, false).unwrap();
+        side.set_overlap(true);
+        let mut serial = Cuda::new(0, &model, false).unwrap();
+        serial.set_overlap(false);
+        let mut rng = Rng::new(31);
+        let toks: Vec<u32> = (0..300)
+            .map(|_| rng.below(model.w.n_vocab as u64) as u32)
+            .collect();
+        for chunk in [64usize, 100, 7] {
+            let run = |b: &Cuda| {
+                let mut st = b.new_state(&model, 320, KvType::F32).unwrap();
+                let mut out = Vec::new();
+                for c in toks.chunks(chunk) {
+                    out.extend(forward(&model, b, &mut st, c, Logits::All).unwrap());
+                }
+                out
+            };
+            let (p, q) = (run(&side), run(&serial));
+            assert_eq!(p.len(), q.len());
+            assert!(
+                p.iter().all(|v| v.is_finite()),
+                "{shape}: non-finite logits"
+            );
+            if let Some(i) = p
+                .iter()
+                .zip(&q)
+                .position(|(a, b)| a.to_bits() != b.to_bits())
+            {
+                panic!(
+                    "{shape} chunk {chunk}: the overlapped shared expert differs at position {}",
+                    i / model.w.n_vocab
+                );
+            }
+            checked += 1;
+        }
+        eprintln!("{shape}: shared expert on the second stream == serial (chunks 64, 100, 7)");
+    }
+    assert!(
+        checked >= 6,
+        "too few shapes with a shared expert: {checked} runs"
+    );
+}
+
 #[test]
 fn decode_fusions_equal_the_separate_kernels() {
     if !gpu() {
@@ -903,6 +961,7 @@ fn decode_fusions_equal_the_separate_kernels() {
         apart.set_grouped_projections(false);
         apart.set_norm_quant(false);
         apart.set_block_route(false);
+        apart.set_overlap(false);
         apart.device().set_pdl(false);
         let mut rng = Rng::new(23);
         let toks: Vec<u32> = (0..200)
