@@ -479,6 +479,44 @@ struct MmJobs {
         mm_row<F, 1>(w, nullptr, 0, row_bytes, nullptr, A, y, rows, m, nb, bx);               \
     }
 
+// A decode MoE's routed experts and its shared expert in one launch: two
+// jobs of one format and row width, each with its own weights (stacked
+// experts with per-row ids, or one matrix), input rows, row count and
+// outputs; job 0's blocks first, blockIdx.y the input row. NW = 2: the GLU
+// (gate and up bases), NW = 1: a plain product. Each block computes its
+// job's rows exactly as mm_*_1 / mm_*_glu_1 do.
+struct MoeJobs {
+    const u8* wg[2];
+    const u8* wu[2];
+    i64 stride[2];
+    const int* mats[2];
+    const u8* a[2];
+    float* y[2];
+    int rows[2];
+    int m[2];
+};
+
+#define MM_MOE_KERNEL(name, F, NW)                                                            \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                  \
+        name(MoeJobs jobs, int row_bytes, int nb) { pdl_wait();                               \
+        int c0 = (jobs.rows[0] + WARPS - 1) / WARPS, bx = blockIdx.x, j = 0;                  \
+        if (bx >= c0) bx -= c0, j = 1;                                                        \
+        mm_row<F, NW>(j ? jobs.wg[1] : jobs.wg[0], j ? jobs.wu[1] : jobs.wu[0],               \
+                      j ? jobs.stride[1] : jobs.stride[0], row_bytes,                         \
+                      j ? jobs.mats[1] : jobs.mats[0], j ? jobs.a[1] : jobs.a[0],             \
+                      j ? jobs.y[1] : jobs.y[0], j ? jobs.rows[1] : jobs.rows[0],             \
+                      j ? jobs.m[1] : jobs.m[0], nb, bx);                                     \
+    }
+
+MM_MOE_KERNEL(mm_q4_k_moe_1, FmtQ4K, 1)
+MM_MOE_KERNEL(mm_q5_k_moe_1, FmtQ5K, 1)
+MM_MOE_KERNEL(mm_q6_k_moe_1, FmtQ6K, 1)
+MM_MOE_KERNEL(mm_q8_0_moe_1, FmtQ8_0, 1)
+MM_MOE_KERNEL(mm_q4_k_moe_glu_1, FmtQ4K, 2)
+MM_MOE_KERNEL(mm_q5_k_moe_glu_1, FmtQ5K, 2)
+MM_MOE_KERNEL(mm_q6_k_moe_glu_1, FmtQ6K, 2)
+MM_MOE_KERNEL(mm_q8_0_moe_glu_1, FmtQ8_0, 2)
+
 MM_MULTI_KERNEL(mm_q4_k_multi_1, FmtQ4K)
 MM_MULTI_KERNEL(mm_q5_k_multi_1, FmtQ5K)
 MM_MULTI_KERNEL(mm_q6_k_multi_1, FmtQ6K)
@@ -1216,9 +1254,9 @@ __device__ __forceinline__ float ld_w(const u8* row, int i) {
 
 template <int KIND>
 __device__ void mm_float(const u8* W, i64 mat_stride, int row_bytes, const int* mats,
-                         const float* X, float* Y, int rows, int m, int cols) {
+                         const float* X, float* Y, int rows, int m, int cols, int jb) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int j = blockIdx.x * WARPS + warp;
+    int j = jb * WARPS + warp;
     int r0 = blockIdx.y * MT;
     if (j >= rows || r0 >= m) return;
     int nr = min(MT, m - r0);
@@ -1267,12 +1305,27 @@ __device__ void mm_float(const u8* W, i64 mat_stride, int row_bytes, const int* 
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const float* X, float* Y, \
              int rows, int m, int cols) { pdl_wait();                                          \
-        mm_float<KIND>(W, mat_stride, row_bytes, mats, X, Y, rows, m, cols);                   \
+        mm_float<KIND>(W, mat_stride, row_bytes, mats, X, Y, rows, m, cols, blockIdx.x);       \
     }
 
 MMF_KERNEL(mm_f32, 0)
 MMF_KERNEL(mm_f16, 1)
 MMF_KERNEL(mm_bf16, 2)
+
+// Two f32 matrices of one row width against the same rows in one launch (a
+// decode MoE's router and its shared expert's input gate): job 0's blocks
+// first, each block computing its job's rows as mm_f32 does.
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+    mm_f32_multi(MmJobs jobs, int row_bytes, const float* X, int m, int cols) {
+    pdl_wait();
+    int c0 = (jobs.rows[0] + WARPS - 1) / WARPS;
+    int bx = blockIdx.x, j = 0;
+    if (jobs.nj > 1 && bx >= c0) bx -= c0, j = 1;
+    const u8* w = j == 0 ? jobs.w[0] : jobs.w[1];
+    float* y = j == 0 ? jobs.y[0] : jobs.y[1];
+    int rows = j == 0 ? jobs.rows[0] : jobs.rows[1];
+    mm_float<0>(w, 0, row_bytes, nullptr, X, y, rows, m, cols, bx);
+}
 
 // Float weights against many f32 rows of one matrix (the routers and gates
 // in prefill): a warp computes a tile of MFT_W weight rows x MFT_R

@@ -72,6 +72,10 @@ pub struct Cuda {
     /// (default; `SAMESUM_CUDA_OVERLAP=0` runs it after them on the main
     /// stream: the same kernels on the same inputs, the same bytes).
     overlap: bool,
+    /// Decode-sized MoE calls run the routed and shared experts in the same
+    /// launches (`mm_*_moe_*`, `mm_f32_multi`; default, off with
+    /// `SAMESUM_CUDA_MOE_JOINT=0`: separate launches, the same bytes).
+    moe_joint: bool,
     /// The last norm's Q8_K rows, valid while no kernel has run since.
     norm_q8k: Mutex<Option<NormQ8k>>,
     /// Decode-sized quantized calls (one row, or up to 16 rows with experts)
@@ -524,6 +528,7 @@ impl Cuda {
             multi: env_switch("SAMESUM_CUDA_MULTI", true),
             quantized_gather: env_switch("SAMESUM_CUDA_QGATHER", true),
             overlap: env_switch("SAMESUM_CUDA_OVERLAP", true),
+            moe_joint: env_switch("SAMESUM_CUDA_MOE_JOINT", true),
             attn_partials: ATTN_PARTIALS,
             graphs: env_switch("SAMESUM_CUDA_GRAPHS", true),
             trunk,
@@ -741,6 +746,14 @@ impl Cuda {
     #[doc(hidden)]
     pub fn set_overlap(&mut self, on: bool) {
         self.overlap = on;
+    }
+
+    /// Run decode-sized MoE calls' routed and shared experts in the same
+    /// launches (`true`, the default unless `SAMESUM_CUDA_MOE_JOINT=0`), for
+    /// comparisons.
+    #[doc(hidden)]
+    pub fn set_moe_joint(&mut self, on: bool) {
+        self.moe_joint = on;
     }
 
     /// Use the register-tiled float kernels for wide calls (`true`, the
@@ -1847,6 +1860,119 @@ impl Cuda {
         self.matmul(&sh.down, &sg, m, None, ys)
     }
 
+    /// The rest of a decode-sized MoE call with a shared expert (see
+    /// `moe_rows`): both GLUs in one launch into one buffer (the routed
+    /// rows, then the token rows), one quantization of it, both down
+    /// projections in one launch, then the combine.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_joint_rows(
+        &self,
+        mw: &MoeW,
+        sh: &samesum_engine::model::weights::SharedW,
+        bases: [u64; 3],
+        mats: &CudaSlice<i32>,
+        xein: &Input,
+        xin: &Input,
+        cap: usize,
+        m: usize,
+        slot: &CudaSlice<i32>,
+        wts: &CudaSlice<f32>,
+        gi: CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        k: usize,
+    ) -> Result<()> {
+        use crate::device::{MoeJobs, addr};
+        let d = &self.dev;
+        let (f, dm) = (mw.gate.rows, mw.down.rows);
+        let q8_0 = |t: GgmlType| t == GgmlType::Q8_0;
+        let quant = |input: &Input, t: GgmlType| -> Result<u64> {
+            Ok(addr(
+                d,
+                if q8_0(t) {
+                    input.q80(d)?
+                } else {
+                    input.q8k(d)?
+                },
+            ))
+        };
+        let kname = |t: GgmlType, glu: bool| match (t, glu) {
+            (GgmlType::Q4_K, true) => "mm_q4_k_moe_glu_1",
+            (GgmlType::Q5_K, true) => "mm_q5_k_moe_glu_1",
+            (GgmlType::Q6_K, true) => "mm_q6_k_moe_glu_1",
+            (_, true) => "mm_q8_0_moe_glu_1",
+            (GgmlType::Q4_K, false) => "mm_q4_k_moe_1",
+            (GgmlType::Q5_K, false) => "mm_q5_k_moe_1",
+            (GgmlType::Q6_K, false) => "mm_q6_k_moe_1",
+            (_, false) => "mm_q8_0_moe_1",
+        };
+        let nb = |w: &Matrix| (w.cols / if q8_0(w.ty) { 32 } else { 256 }) as i32;
+        // Both GLUs: rows 0..cap the routed pairs, cap..cap+m the tokens.
+        let g = d.scratch::<f32>((cap + m) * f)?;
+        let gp = addr(d, &g);
+        let mut jobs = MoeJobs {
+            wg: [bases[0], self.wptr(&sh.gate)?],
+            wu: [bases[1], self.wptr(&sh.up)?],
+            stride: [(mw.gate.rows * mw.gate.row_bytes) as i64, 0],
+            mats: [addr(d, mats), 0],
+            a: [quant(xein, mw.gate.ty)?, quant(xin, mw.gate.ty)?],
+            y: [gp, gp + (cap * f * 4) as u64],
+            rows: [f as i32, f as i32],
+            m: [cap as i32, m as i32],
+        };
+        let blocks = (2 * f.div_ceil(4)) as u32;
+        let (rb, nbg) = (mw.gate.row_bytes as i32, nb(&mw.gate));
+        launch!(
+            d,
+            kname(mw.gate.ty, true),
+            cfg((blocks, cap.max(m) as u32, 1), 128, 0),
+            &jobs,
+            &rb,
+            &nbg
+        )?;
+        // One quantization of both, then both down projections.
+        let gin = Input::new(&g, cap + m);
+        let ga = quant(&gin, mw.down.ty)?;
+        let row_q = if q8_0(mw.down.ty) {
+            f / 32 * 36
+        } else {
+            f / 256 * 304
+        };
+        let oe = d.scratch::<f32>(cap * dm)?;
+        let ys = d.scratch::<f32>(m * dm)?;
+        jobs.wg = [bases[2], self.wptr(&sh.down)?];
+        jobs.wu = [0, 0];
+        jobs.stride = [(mw.down.rows * mw.down.row_bytes) as i64, 0];
+        jobs.a = [ga, ga + (cap * row_q) as u64];
+        jobs.y = [addr(d, &oe), addr(d, &ys)];
+        jobs.rows = [dm as i32, dm as i32];
+        let blocks = (2 * dm.div_ceil(4)) as u32;
+        let (rb, nbd) = (mw.down.row_bytes as i32, nb(&mw.down));
+        launch!(
+            d,
+            kname(mw.down.ty, false),
+            cfg((blocks, cap.max(m) as u32, 1), 128, 0),
+            &jobs,
+            &rb,
+            &nbd
+        )?;
+        let (mi, ki, dmi, shared) = (m as i32, k as i32, dm as i32, 1i32);
+        launch!(
+            d,
+            "moe_combine",
+            cfg1(m * dm),
+            &oe,
+            slot,
+            wts,
+            &ys,
+            &gi,
+            y,
+            &mi,
+            &ki,
+            &dmi,
+            &shared
+        )
+    }
+
     fn moe_rows(
         &self,
         model: &Model,
@@ -1877,7 +2003,69 @@ impl Cuda {
         let cap = n + e.min(n) * (pad - 1);
         let mut logits = d.scratch::<f32>(m * e)?;
         let xin = Input::with_q8k(x, m, pre);
-        self.mm(&mw.router, &xin, None, &mut logits)?;
+        // Decode-sized calls with a shared expert of the routed experts'
+        // shape run both in the same launches (`mm_*_moe_*`: router and
+        // input gate, the GLUs, one quantization of both GLU outputs, the
+        // down projections), each row computed as the separate kernels do.
+        let joint = match &mw.shared {
+            Some(sh)
+                if self.moe_joint
+                    && self.tier.is_none()
+                    && self.row_kernels
+                    && self.glu
+                    && cap <= 16
+                    && f == fs
+                    && mw.router.ty == GgmlType::F32
+                    && sh.gate_inp.ty == GgmlType::F32
+                    && sh.gate_inp.cols == mw.router.cols
+                    && [&mw.up, &sh.gate, &sh.up].iter().all(|w| {
+                        (w.ty, w.cols, w.row_bytes) == (mw.gate.ty, mw.gate.cols, mw.gate.row_bytes)
+                    })
+                    && (sh.down.ty, sh.down.cols, sh.down.row_bytes)
+                        == (mw.down.ty, mw.down.cols, mw.down.row_bytes)
+                    && matches!(
+                        mw.gate.ty,
+                        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0
+                    )
+                    && matches!(
+                        mw.down.ty,
+                        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0
+                    ) =>
+            {
+                Some(sh)
+            }
+            _ => None,
+        };
+        let mut gi_joint = None;
+        if let Some(sh) = joint {
+            let gi = d.scratch::<f32>(m)?;
+            let mj = crate::device::MmJobs {
+                w: [self.wptr(&mw.router)?, self.wptr(&sh.gate_inp)?, 0, 0],
+                y: [
+                    crate::device::addr(d, &logits),
+                    crate::device::addr(d, &gi),
+                    0,
+                    0,
+                ],
+                rows: [e as i32, 1, 0, 0],
+                nj: 2,
+            };
+            let blocks = (e.div_ceil(4) + 1) as u32;
+            let (rb, mi, ci) = (mw.router.row_bytes as i32, m as i32, dm as i32);
+            launch!(
+                d,
+                "mm_f32_multi",
+                cfg((blocks, m.div_ceil(16) as u32, 1), 128, 0),
+                &mj,
+                &rb,
+                x,
+                &mi,
+                &ci
+            )?;
+            gi_joint = Some(gi);
+        } else {
+            self.mm(&mw.router, &xin, None, &mut logits)?;
+        }
         let mut ids = d.scratch::<i32>(n)?;
         let mut wts = d.scratch::<f32>(n)?;
         let (mi, ki) = (m as i32, k as i32);
@@ -1987,6 +2175,11 @@ impl Cuda {
             ],
         };
         let mats = remapped.as_ref().unwrap_or(&placed_mat);
+        if let (Some(sh), Some(gi)) = (joint, gi_joint) {
+            return self.moe_joint_rows(
+                mw, sh, bases, mats, &xein, &xin, cap, m, &slot, &wts, gi, y, k,
+            );
+        }
         let mut ge = d.scratch::<f32>(cap * f)?;
         let tc = self.tensor_cores;
         self.glu_on(

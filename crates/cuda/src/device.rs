@@ -102,6 +102,29 @@ pub(crate) struct MmJobs {
     pub nj: i32,
 }
 
+/// A decode MoE's routed and shared experts in one launch (`MoeJobs` in
+/// kernels/matmul.cu: per job the gate (or only) and up weight bases, the
+/// matrix stride, the per-row expert ids (0: none), the quantized input
+/// rows, the outputs, the rows per matrix and the input rows).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct MoeJobs {
+    pub wg: [u64; 2],
+    pub wu: [u64; 2],
+    pub stride: [i64; 2],
+    pub mats: [u64; 2],
+    pub a: [u64; 2],
+    pub y: [u64; 2],
+    pub rows: [i32; 2],
+    pub m: [i32; 2],
+}
+
+impl KernelArg for MoeJobs {
+    fn slot(&self, _: &CudaStream) -> ArgSlot {
+        ArgSlot::Val(self as *const MoeJobs as *const std::ffi::c_void)
+    }
+}
+
 impl KernelArg for MmJobs {
     fn slot(&self, _: &CudaStream) -> ArgSlot {
         ArgSlot::Val(self as *const MmJobs as *const std::ffi::c_void)
@@ -475,6 +498,15 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_q6_k_1",
             "mm_q8_0_1",
             "mm_q4_k_glu_1",
+            "mm_q4_k_moe_1",
+            "mm_q5_k_moe_1",
+            "mm_q6_k_moe_1",
+            "mm_q8_0_moe_1",
+            "mm_q4_k_moe_glu_1",
+            "mm_q5_k_moe_glu_1",
+            "mm_q6_k_moe_glu_1",
+            "mm_q8_0_moe_glu_1",
+            "mm_f32_multi",
             "mm_q4_k_multi_1",
             "mm_q5_k_multi_1",
             "mm_q6_k_multi_1",
@@ -580,5 +612,21 @@ mod layout_tests {
         assert_eq!(offset_of!(super::MmJobs, y), 32);
         assert_eq!(offset_of!(super::MmJobs, rows), 64);
         assert_eq!(offset_of!(super::MmJobs, nj), 80);
+    }
+
+    /// `MoeJobs` likewise: six pairs of 8-byte fields, then two pairs of
+    /// ints (112 bytes, 8-byte aligned).
+    #[test]
+    fn moe_jobs_has_the_kernels_layout() {
+        use std::mem::{align_of, offset_of, size_of};
+        assert_eq!(size_of::<super::MoeJobs>(), 112);
+        assert_eq!(align_of::<super::MoeJobs>(), 8);
+        assert_eq!(offset_of!(super::MoeJobs, wu), 16);
+        assert_eq!(offset_of!(super::MoeJobs, stride), 32);
+        assert_eq!(offset_of!(super::MoeJobs, mats), 48);
+        assert_eq!(offset_of!(super::MoeJobs, a), 64);
+        assert_eq!(offset_of!(super::MoeJobs, y), 80);
+        assert_eq!(offset_of!(super::MoeJobs, rows), 96);
+        assert_eq!(offset_of!(super::MoeJobs, m), 104);
     }
 }

@@ -947,8 +947,11 @@ fn decode_fusions_equal_the_separate_kernels() {
     if !gpu() {
         return;
     }
-    for shape in SHAPES {
-        let (_d, model) = synth(shape, GgmlType::Q4_K, 19);
+    for (shape, quant) in SHAPES
+        .iter()
+        .flat_map(|s| [(*s, GgmlType::Q4_K), (*s, GgmlType::Q8_0)])
+    {
+        let (_d, model) = synth(shape, quant, 19);
         let mut fused = Cuda::new(0, &model, false).unwrap();
         fused.set_graphs(false);
         fused.set_block_route(true);
@@ -962,6 +965,7 @@ fn decode_fusions_equal_the_separate_kernels() {
         apart.set_norm_quant(false);
         apart.set_block_route(false);
         apart.set_overlap(false);
+        apart.set_moe_joint(false);
         apart.device().set_pdl(false);
         let mut rng = Rng::new(23);
         let toks: Vec<u32> = (0..200)
@@ -984,12 +988,12 @@ fn decode_fusions_equal_the_separate_kernels() {
                 .position(|(a, b)| a.to_bits() != b.to_bits())
             {
                 panic!(
-                    "{shape} chunk {chunk}: fused kernels differ from separate ones at position {}",
+                    "{shape} {quant:?} chunk {chunk}: fused kernels differ from separate ones at position {}",
                     i / model.w.n_vocab
                 );
             }
         }
-        eprintln!("{shape}: decode fusions == separate kernels (replay and chunks of 7)");
+        eprintln!("{shape} {quant:?}: decode fusions == separate kernels (replay and chunks of 7)");
     }
 }
 
