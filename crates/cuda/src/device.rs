@@ -221,11 +221,14 @@ impl Device {
                     f.num_regs().unwrap_or(-1),
                     f.local_size_bytes().unwrap_or(-1),
                 ));
-                // Up to 227 KiB of dynamic shared memory (the delta rule keeps a
-                // head's state there); the default cap is 48 KiB.
+                // Up to 227 KiB of shared memory a block (the delta rule keeps a
+                // head's state there); the default cap on the dynamic part is
+                // 48 KiB. The cap covers static and dynamic together, so a
+                // kernel with static arrays gets 227 KiB less those.
+                let fixed = f.shared_size_bytes().unwrap_or(0).max(0);
                 let _ = f.set_attribute(
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    227 * 1024,
+                    227 * 1024 - fixed,
                 );
                 funcs.insert(k.to_string(), f);
             }
