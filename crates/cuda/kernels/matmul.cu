@@ -16,9 +16,6 @@
 
 #define MT 16
 #define WARPS 4
-// Bytes of one weight row the one-row kernels stage in shared memory per warp
-// (formats with 2-byte-aligned blocks; a 4,096-column Q6_K row is 3,360).
-#define ROW_STAGE 3584
 
 // Q8_0 activation block as laid out here: qs[32], then d widened to f32 = 36 bytes.
 #define Q8A_BYTES 36
@@ -361,38 +358,6 @@ __device__ void mm_row(const u8* W, const u8* W2, i64 mat_stride, int row_bytes,
     const u8* wr[NW];
     wr[0] = W + mat * mat_stride + (i64)j * row_bytes;
     if (NW == 2) wr[NW - 1] = W2 + mat * mat_stride + (i64)j * row_bytes;
-    // Formats whose blocks are only 2-byte aligned (Q6_K: 210 bytes, Q8_0:
-    // 34) would read their weights two bytes at a time: the warp first
-    // copies its row(s) into shared memory with 16-byte loads (all issued at
-    // once), then reads the same bytes from there. Rows that are not 16-byte
-    // aligned or longer than the buffer read global memory as before.
-    if constexpr (F::BYTES % 16 != 0) {
-        __shared__ __align__(16) u8 stage[WARPS][NW][ROW_STAGE];
-        bool ok = row_bytes <= ROW_STAGE;
-#pragma unroll
-        for (int w = 0; w < NW; w++) ok = ok && ((unsigned long long)wr[w] & 15) == 0;
-        if (ok) {
-#pragma unroll
-            for (int w = 0; w < NW; w++) {
-                u8* dst = stage[warp][w];
-                int n16 = row_bytes / 16;
-                uint4 v[ROW_STAGE / 16 / 32];
-#pragma unroll
-                for (int u = 0; u < ROW_STAGE / 16 / 32; u++) {
-                    int c = lane + 32 * u;
-                    if (c < n16) v[u] = *(const uint4*)(wr[w] + 16 * c);
-                }
-#pragma unroll
-                for (int u = 0; u < ROW_STAGE / 16 / 32; u++) {
-                    int c = lane + 32 * u;
-                    if (c < n16) *(uint4*)(dst + 16 * c) = v[u];
-                }
-                for (int c = 16 * n16 + lane; c < row_bytes; c += 32) dst[c] = wr[w][c];
-                wr[w] = dst;
-            }
-            __syncwarp();
-        }
-    }
     const u8* ar = A + (i64)r * nb * F::ABYTES;
     F f[NW], fn[NW];
     typename F::A x = typename F::A(), xn = typename F::A();
