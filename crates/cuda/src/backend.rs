@@ -48,10 +48,12 @@ pub struct Cuda {
     /// Wide Q4_K/Q5_K calls on the tensor-core kernels (default); off with
     /// `SAMESUM_CUDA_TC=0` (the dp4a kernels, same bytes) for comparisons.
     tensor_cores: bool,
-    /// Which tensor-core kernel family runs the wide calls (both compute the
-    /// same bytes): the pipelined one (default) or the plain one
-    /// (`SAMESUM_CUDA_TC_PIPE=0`). Measured on the H200, qwen35moe pp4096 at
-    /// chunk 512: plain 5,647 -> pipelined 5,996 tok/s (session 6).
+    /// Which tensor-core kernel family runs the wide calls (all compute the
+    /// same bytes): the cp.async one (default), the register-pipelined one
+    /// (`SAMESUM_CUDA_TC_ASYNC=0`) or the plain one (`SAMESUM_CUDA_TC_PIPE=0`).
+    /// Measured on the H200, qwen35moe pp4096: plain 5,647 -> pipelined 5,996
+    /// tok/s at chunk 512 (session 6); pipelined 7,958 -> async 8,350 at
+    /// chunk 2048 (session 8).
     tc_kernel: TcKernel,
     /// Wide float matmuls of one matrix (routers, gates in prefill) on the
     /// register-tiled kernels (`mm_*_tile`: each output's fmas and butterfly
@@ -264,13 +266,12 @@ fn env_switch(name: &str, default: bool) -> bool {
 pub enum TcKernel {
     /// One weight block at a time (`mm_tc_*`).
     Plain,
-    /// The next block's loads issued before this block's arithmetic
-    /// (`mm_tc_*_pipe`; the default).
+    /// The next block's loads issued before this block's arithmetic, in
+    /// registers (`mm_tc_*_pipe`; `SAMESUM_CUDA_TC_ASYNC=0`).
     Pipelined,
     /// The pipelined kernel's arithmetic with the weight and activation
     /// blocks copied into shared memory by `cp.async`, two stages, so more
-    /// blocks fit per multiprocessor (`mm_tc_*_async`; opt-in with
-    /// `SAMESUM_CUDA_TC_ASYNC=1`, not yet run on a GPU).
+    /// blocks fit per multiprocessor (`mm_tc_*_async`; the default).
     Async,
 }
 
@@ -513,7 +514,7 @@ impl Cuda {
             tensor_cores: env_switch("SAMESUM_CUDA_TC", true),
             tc_kernel: if !env_switch("SAMESUM_CUDA_TC_PIPE", true) {
                 TcKernel::Plain
-            } else if env_switch("SAMESUM_CUDA_TC_ASYNC", false) {
+            } else if env_switch("SAMESUM_CUDA_TC_ASYNC", true) {
                 TcKernel::Async
             } else {
                 TcKernel::Pipelined
