@@ -227,6 +227,10 @@ __device__ __forceinline__ float kv_at(const void* c, i64 i, int f16) {
 #define ATT_T 256  // keys per tile: tile b holds positions [256 b, 256 b + 256)
 #define AP 16      // (row, head) pairs per block
 #define ATT_HD 256 // largest head dim
+#ifndef ATT_KB
+#define ATT_KB 2   // keys a step in the score pass for head dims over 128
+#endif
+static_assert(ATT_T % (ATT_WARPS * ATT_KB) == 0, "a score step's keys lie in one tile");
 
 // The value pass of attention_tiles for one thread: output dim t % hdp of
 // pairs t / hdp, t / hdp + G, ... (AP / G of them); each (pair, dim) is the
@@ -286,10 +290,36 @@ __device__ __forceinline__ void tile_values(const void* cv, const float (*st)[AT
 // (lane ^ o) partial of the same pair, which is the one-pair butterfly's own +
 // partner add; lane l ends with pair l / 2. With NC <= 4 each lane keeps its
 // q values in registers (64 at most); with NC = 8 it reads them from shared
-// memory. The same terms in the same order either way. Returns the lane's
-// running max (pair l / 2), writes the scaled scores to st (-inf past a
-// pair's last key).
-template <int NC>
+// memory, and takes KB keys a step (warp, warp + 8, ...: each q value read
+// once for all of them, the keys' loads in flight together). The same terms
+// in the same order either way, and the running max over the warp's keys in
+// the same order. Returns the lane's running max (pair l / 2), writes the
+// scaled scores to st (-inf past a pair's last key).
+// One step of the pairs' butterfly: lanes with bit O2 keep pairs [W, 2W) of
+// their current set, the others [0, W), each adding the partner's partial.
+template <int O2, int W>
+__device__ __forceinline__ void pair_step(float (&d)[AP], int lane) {
+    bool upper = (lane & O2) != 0;
+#pragma unroll
+    for (int i = 0; i < W; i++) {
+        float lo = d[i], hi = d[W + i];
+        float got = __shfl_xor_sync(0xffffffffu, upper ? lo : hi, O2);
+        d[i] = __fadd_rn(upper ? hi : lo, got);
+    }
+}
+
+// The 16 pairs' butterfly of one key's partial dot products (see
+// tile_scores): lane l returns pair l / 2's score.
+__device__ __forceinline__ float pair_butterfly(float (&d)[AP], int lane) {
+    static_assert(AP == 16, "the butterfly's steps are written for 16 pairs");
+    pair_step<16, 8>(d, lane);
+    pair_step<8, 4>(d, lane);
+    pair_step<4, 2>(d, lane);
+    pair_step<2, 1>(d, lane);
+    return __fadd_rn(d[0], __shfl_xor_sync(0xffffffffu, d[0], 1));
+}
+
+template <int NC, int KB>
 __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*st)[ATT_T], const void* ck, int kvw,
                                              int g, int hd, int mylast, int j0, int jend, int np, float scale,
                                              int f16) {
@@ -303,45 +333,53 @@ __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*
             for (int c = 0; c < NC; c++) qr[p][c] = qs[p][lane + 32 * c];
     }
     float mx = -INFINITY;
-    for (int jj = warp; jj < ATT_T; jj += ATT_WARPS) {
-        int j = j0 + jj;
-        float v = -INFINITY;
-        if (j < jend) {  // uniform over the warp
-            float kr[NC];
+    for (int jb = warp; jb < ATT_T; jb += ATT_WARPS * KB) {
+        if (j0 + jb >= jend) {  // uniform over the warp: no key of this step is in the tile
+#pragma unroll
+            for (int u = 0; u < KB; u++)
+                if ((lane & 1) == 0) st[mine][jb + u * ATT_WARPS] = -INFINITY;
+            continue;
+        }
+        float kr[KB][NC];
+#pragma unroll
+        for (int u = 0; u < KB; u++) {
+            int j = j0 + jb + u * ATT_WARPS;
             i64 base = (i64)j * kvw + g * hd;
 #pragma unroll
-            for (int c = 0; c < NC; c++) kr[c] = lane + 32 * c < hd ? kv_at(ck, base + lane + 32 * c, f16) : 0.0f;
-            float d[AP];
+            for (int c = 0; c < NC; c++)
+                kr[u][c] = j < jend && lane + 32 * c < hd ? kv_at(ck, base + lane + 32 * c, f16) : 0.0f;
+        }
+        float d[KB][AP];
 #pragma unroll
-            for (int p = 0; p < AP; p++) {
-                d[p] = 0.0f;
+        for (int u = 0; u < KB; u++)
 #pragma unroll
-                for (int c = 0; c < NC; c++) {
-                    if (lane + 32 * c < hd) {
-                        float qv;
-                        if constexpr (REG) qv = qr[p][c];
-                        else qv = qs[p][lane + 32 * c];
-                        d[p] = __fmaf_rn(qv, kr[c], d[p]);
-                    }
+            for (int p = 0; p < AP; p++) d[u][p] = 0.0f;
+        // Each (key, pair) chain runs over the chunks c in order.
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            if (lane + 32 * c < hd) {
+#pragma unroll
+                for (int p = 0; p < AP; p++) {
+                    float qv;
+                    if constexpr (REG) qv = qr[p][c];
+                    else qv = qs[p][lane + 32 * c];
+#pragma unroll
+                    for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv, kr[u][c], d[u][p]);
                 }
             }
+        }
 #pragma unroll
-            for (int o2 = 16, w = AP / 2; o2 > 1; o2 /= 2, w /= 2) {
-                bool upper = (lane & o2) != 0;  // keeps pairs [w, 2w) of its current set
-#pragma unroll
-                for (int i = 0; i < w; i++) {
-                    float send = upper ? d[i] : d[w + i];
-                    float got = __shfl_xor_sync(0xffffffffu, send, o2);
-                    d[i] = __fadd_rn(upper ? d[w + i] : d[i], got);
-                }
-            }
-            float s = __fadd_rn(d[0], __shfl_xor_sync(0xffffffffu, d[0], 1));
-            if (mine < np && j <= mylast) {
+        for (int u = 0; u < KB; u++) {
+            int jj = jb + u * ATT_WARPS;  // < ATT_T: ATT_T is a multiple of ATT_WARPS * KB
+            int j = j0 + jj;
+            float s = pair_butterfly(d[u], lane);
+            float v = -INFINITY;
+            if (j < jend && mine < np && j <= mylast) {
                 v = __fmul_rn(s, scale);
                 mx = fmaxf(mx, v);
             }
+            if ((lane & 1) == 0) st[mine][jj] = v;
         }
-        if ((lane & 1) == 0) st[mine][jj] = v;
     }
     return mx;
 }
@@ -401,10 +439,10 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     // up to 128, read from shared memory for larger ones.
     int mine = lane >> 1;
     float mx;
-    if (hd <= 32) mx = tile_scores<1>(qs, st, ck, kvw, g, hd, pos0 + r0 + mine / gs, j0, jend, np, scale, f16);
-    else if (hd <= 64) mx = tile_scores<2>(qs, st, ck, kvw, g, hd, pos0 + r0 + mine / gs, j0, jend, np, scale, f16);
-    else if (hd <= 128) mx = tile_scores<4>(qs, st, ck, kvw, g, hd, pos0 + r0 + mine / gs, j0, jend, np, scale, f16);
-    else mx = tile_scores<8>(qs, st, ck, kvw, g, hd, pos0 + r0 + mine / gs, j0, jend, np, scale, f16);
+    if (hd <= 32) mx = tile_scores<1, 1>(qs, st, ck, kvw, g, hd, pos0 + r0 + mine / gs, j0, jend, np, scale, f16);
+    else if (hd <= 64) mx = tile_scores<2, 1>(qs, st, ck, kvw, g, hd, pos0 + r0 + mine / gs, j0, jend, np, scale, f16);
+    else if (hd <= 128) mx = tile_scores<4, 1>(qs, st, ck, kvw, g, hd, pos0 + r0 + mine / gs, j0, jend, np, scale, f16);
+    else mx = tile_scores<8, ATT_KB>(qs, st, ck, kvw, g, hd, pos0 + r0 + mine / gs, j0, jend, np, scale, f16);
     if ((lane & 1) == 0) smax[mine][warp] = mx;
     __syncthreads();
     // e in place, thread t owning slot t of every pair; each warp's sum by a
