@@ -319,11 +319,11 @@ __device__ __forceinline__ float pair_butterfly(float (&d)[AP], int lane) {
     return __fadd_rn(d[0], __shfl_xor_sync(0xffffffffu, d[0], 1));
 }
 
-template <int NC, int KB>
+template <int NC, int KB, bool REG>
 __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*st)[ATT_T], const void* ck, int kvw,
                                              int g, int hd, int mylast, int j0, int jend, int np, float scale,
                                              int f16) {
-    constexpr bool REG = NC <= 4;
+    static_assert(!REG || NC <= 4, "q in registers for head dims up to 128");
     int t = threadIdx.x, warp = t / 32, lane = t % 32, mine = lane >> 1;
     float qr[REG ? AP : 1][REG ? NC : 1];
     if constexpr (REG) {
@@ -409,10 +409,14 @@ __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*
 // heads of the group = up to 16 pairs, each key and value row read once for
 // all of them), key tile b. Writes pml[(pair, b)] = (m_b, l_b) and
 // pacc[(pair, b)] = a_b for pairs with a key in the tile; `nb` tiles per pair.
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_tiles(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
-                    int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
-    pdl_wait();
+//
+// V = 1 (attention_tiles_q4) differs only in the score pass of head dims 65
+// to 128: q read from shared memory, four keys a step, instead of q in
+// registers one key a step: the same terms in the same order.
+template <int V>
+__device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck, const void* cv, float* pml,
+                                                  float* pacc, int m, int hq, int hkv, int hd, const int* posp,
+                                                  int rbase, float scale, int f16, int nb) {
     int pos0 = *posp + rbase;  // this call's row 0 is row rbase of the step
     __shared__ float qs[AP][ATT_HD];
     __shared__ __align__(16) float st[AP][ATT_T];  // 16-byte rows: the value pass reads float4s
@@ -439,10 +443,12 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     // up to 128, read from shared memory for larger ones.
     int mine = lane >> 1;
     float mx;
-    if (hd <= 32) mx = tile_scores<1, 1>(qs, st, ck, kvw, g, hd, pos0 + r0 + mine / gs, j0, jend, np, scale, f16);
-    else if (hd <= 64) mx = tile_scores<2, 1>(qs, st, ck, kvw, g, hd, pos0 + r0 + mine / gs, j0, jend, np, scale, f16);
-    else if (hd <= 128) mx = tile_scores<4, 1>(qs, st, ck, kvw, g, hd, pos0 + r0 + mine / gs, j0, jend, np, scale, f16);
-    else mx = tile_scores<8, ATT_KB>(qs, st, ck, kvw, g, hd, pos0 + r0 + mine / gs, j0, jend, np, scale, f16);
+    int last = pos0 + r0 + mine / gs;
+    if (hd <= 32) mx = tile_scores<1, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    else if (hd <= 64) mx = tile_scores<2, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    else if (hd <= 128 && V == 0) mx = tile_scores<4, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    else if (hd <= 128) mx = tile_scores<4, 4, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    else mx = tile_scores<8, ATT_KB, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
     if ((lane & 1) == 0) smax[mine][warp] = mx;
     __syncthreads();
     // e in place, thread t owning slot t of every pair; each warp's sum by a
@@ -478,6 +484,20 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         pml[(pair * nb + b) * 2] = pmax[t];
         pml[(pair * nb + b) * 2 + 1] = l;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_tiles(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
+                    int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
+    pdl_wait();
+    attention_tiles_k<0>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_tiles_q4(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
+                       int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
+    pdl_wait();
+    attention_tiles_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
 }
 
 // The tiles of each (row, head) pair folded in tile order (see

@@ -70,6 +70,11 @@ pub struct Cuda {
     /// and weights, not yet verified on a GPU); by default a warp's argmax
     /// rounds per row.
     block_route: bool,
+    /// Attention's score pass for head dims 65-128 with q read from shared
+    /// memory four keys a step (`attention_tiles_q4`; opt-in,
+    /// `SAMESUM_CUDA_ATT_Q4=1`) instead of q in registers one key a step:
+    /// the same terms in the same order, the same bytes.
+    att_q4: bool,
     /// Prefill's shared expert on a second stream beside the routed experts
     /// (default; `SAMESUM_CUDA_OVERLAP=0` runs it after them on the main
     /// stream: the same kernels on the same inputs, the same bytes).
@@ -529,6 +534,7 @@ impl Cuda {
             multi: env_switch("SAMESUM_CUDA_MULTI", true),
             quantized_gather: env_switch("SAMESUM_CUDA_QGATHER", true),
             overlap: env_switch("SAMESUM_CUDA_OVERLAP", true),
+            att_q4: env_switch("SAMESUM_CUDA_ATT_Q4", false),
             moe_joint: env_switch("SAMESUM_CUDA_MOE_JOINT", true),
             attn_partials: ATTN_PARTIALS,
             graphs: env_switch("SAMESUM_CUDA_GRAPHS", true),
@@ -739,6 +745,14 @@ impl Cuda {
     #[doc(hidden)]
     pub fn set_block_route(&mut self, on: bool) {
         self.block_route = on;
+    }
+
+    /// Run attention's score pass for head dims 65-128 through
+    /// `attention_tiles_q4` (`true`; off unless `SAMESUM_CUDA_ATT_Q4=1`),
+    /// for comparisons.
+    #[doc(hidden)]
+    pub fn set_attention_q4(&mut self, on: bool) {
+        self.att_q4 = on;
     }
 
     /// Run prefill's shared expert on the second stream (`true`, the default
@@ -1359,9 +1373,14 @@ impl Cuda {
             let mr = group.min(m - r0);
             let (mri, r0i) = (mr as i32, r0 as i32);
             let qg = q.slice(r0 * qw..(r0 + mr) * qw);
+            let kernel = if self.att_q4 {
+                "attention_tiles_q4"
+            } else {
+                "attention_tiles"
+            };
             launch!(
                 d,
-                "attention_tiles",
+                kernel,
                 cfg((hkv as u32, mr.div_ceil(16 / gs) as u32, nb as u32), 256, 0),
                 &qg,
                 &*ck,

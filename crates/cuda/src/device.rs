@@ -544,6 +544,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "rope",
             "kv_write",
             "attention_tiles",
+            "attention_tiles_q4",
             "attention_combine",
             "conv_rows",
             "conv_shift",

@@ -701,15 +701,37 @@ fn attention_at_the_real_models_head_shapes() {
             ..shapes::by_name("tiny-qwen3moe").unwrap()
         };
         let (_dir, model) = synth_shape(shape, GgmlType::F32, 4);
-        let cuda = Cuda::new(0, &model, false).unwrap();
-        let what = format!("heads {heads}/{kv_heads} x {head_dim}");
-        if let Err(e) = block_ops_match(&cuda, &model, MS, 78) {
-            panic!("{what}: {e}");
+        // Both score passes for head dims 65-128 (q in registers; q in
+        // shared memory four keys a step).
+        for q4 in [false, true] {
+            let mut cuda = Cuda::new(0, &model, false).unwrap();
+            cuda.set_attention_q4(q4);
+            let what = format!("heads {heads}/{kv_heads} x {head_dim}, q4 {q4}");
+            if let Err(e) = block_ops_match(&cuda, &model, MS, 78) {
+                panic!("{what}: {e}");
+            }
+            for m in [1, 7, 64, 300] {
+                ops_close(&model, &cuda, &cpu, m, 1e-5, &what);
+            }
+            eprintln!("{what}: row-invariant for m in {MS:?}, within 1e-5 of the CPU");
         }
-        for m in [1, 7, 64, 300] {
-            ops_close(&model, &cuda, &cpu, m, 1e-5, &what);
-        }
-        eprintln!("{what}: row-invariant for m in {MS:?}, within 1e-5 of the CPU");
+        // And the two score passes give the same bytes: whole forward passes
+        // over 300 tokens (4 key tiles, the last one partial), chunks of 64.
+        let toks: Vec<u32> = (0..300u32)
+            .map(|i| (i * 7919 + 13) % model.w.n_vocab as u32)
+            .collect();
+        let mut a = Cuda::new(0, &model, false).unwrap();
+        a.set_attention_q4(false);
+        let mut b = Cuda::new(0, &model, false).unwrap();
+        b.set_attention_q4(true);
+        let (la, lb) = (
+            all_logits(&a, &model, &toks, 64),
+            all_logits(&b, &model, &toks, 64),
+        );
+        assert!(
+            same_bits(&la, &lb),
+            "heads {heads}/{kv_heads} x {head_dim}: the two score passes differ"
+        );
     }
 }
 
