@@ -40,9 +40,10 @@ pub(crate) struct Args {
     /// Context per request (prompt + completion tokens).
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
     ctx: usize,
-    /// Prompt rows per scheduler step (shared by the requests still prefilling).
-    #[arg(long, default_value_t = 128)]
-    chunk: usize,
+    /// Prompt rows per scheduler step (shared by the requests still
+    /// prefilling); default 128 on the CPU, 512 on CUDA.
+    #[arg(long)]
+    chunk: Option<usize>,
     /// KV cache type: f32 or f16.
     #[arg(long, default_value = "f32")]
     kv_type: String,
@@ -54,7 +55,13 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "f16" => KvType::F16,
         other => bail!("--kv-type {other:?} is not supported (f32, f16)"),
     };
-    let device = match Device::parse(&a.device, a.vram_budget.as_deref())? {
+    let parsed = Device::parse(&a.device, a.vram_budget.as_deref())?;
+    let chunk = match a.chunk {
+        Some(0) => bail!("--chunk must be at least 1"),
+        Some(c) => c,
+        None => parsed.serve_chunk(),
+    };
+    let device = match parsed {
         Device::Cpu => samesum_server::Device::Cpu(a.threads),
         Device::Cuda(n, budget) => samesum_server::Device::Cuda(n, budget),
     };
@@ -87,7 +94,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         max_queue: a.max_queue,
         max_body: a.max_body,
         ctx: a.ctx,
-        prefill_chunk: a.chunk,
+        prefill_chunk: chunk,
         kv,
         model_name: name,
     };
