@@ -24,6 +24,8 @@
 # --vram-budget 2G, then bench on qwen35moe at SAMESUM_GPU_BUDGETS ("24G
 # 12G") for SAMESUM_GPU_TIER_PP (1024,8192); tier122 the 122B shape at 40G.
 # SAMESUM_GPU_TIER_ARGS adds arguments to the tier benches (e.g. --no-warmup).
+# agree measures teacher-forced agreement (samesum agree) of
+# SAMESUM_GPU_AGREE_VARIANT against the defaults, and the same-arm control.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -185,6 +187,22 @@ run)
             ncu_one "$k" -p 0 -n 8
         done
     fi
+    if [[ $steps == *,agree,* ]]; then
+        # Teacher-forced agreement of a variant with the defaults (issue 6's
+        # bar for non-identical kernels, docs/CAPABILITIES.md), then the
+        # same-arm control: SAMESUM_GPU_AGREE_VARIANT (NAME=0|1, comma-
+        # separated), SAMESUM_GPU_AGREE_LENS (512,1024,8192), on qwen35moe
+        # and qwen3moe.
+        for shape in qwen35moe-35b-a3b qwen3moe-30b-a3b; do
+            f=$(model "$shape")
+            if [ -n "${SAMESUM_GPU_AGREE_VARIANT:-}" ]; then
+                step "agree-$shape" timeout 400 .gpu/samesum agree --device cuda -m "$f" \
+                    --lens ${SAMESUM_GPU_AGREE_LENS:-512,1024,8192} --gen 64 --variant "$SAMESUM_GPU_AGREE_VARIANT"
+            fi
+            step "agree-control-$shape" timeout 400 .gpu/samesum agree --device cuda -m "$f" \
+                --lens ${SAMESUM_GPU_AGREE_LENS:-512,1024,8192} --gen 64
+        done
+    fi
     if [[ $steps == *,serve,* ]]; then
         # The server on the GPU: one request alone, then six at once (batched
         # together), which must get the same text.
@@ -213,7 +231,7 @@ sys.exit(0 if all(same) else 1)"
         step serve-cuda serve_check
     fi
     printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
-    grep -E "^\| (q|tiny|model|---|kernel|total|[a-z_0-9]+ \|)|runs equal|error" "$out/log.txt" | grep -v "| equal |" | tail -60
+    grep -E "^\| (q|tiny|model|---|kernel|total|[a-z_0-9]+ \||[0-9]+ \|)|runs equal|positions agree|error" "$out/log.txt" | grep -v "| equal |" | tail -60
     ;;
 *)
     echo "usage: scripts/gpu.sh bundle | run OUTDIR" >&2

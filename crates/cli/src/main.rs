@@ -1,5 +1,6 @@
 //! The `samesum` binary: a thin layer of argument parsing over the library crates.
 
+mod agree;
 mod bench;
 mod bench_quant;
 mod device;
@@ -27,6 +28,9 @@ enum Command {
     Run(run::Args),
     /// The identity gate: replay vs batched prefill, byte for byte.
     Identity(identity::Args),
+    /// Teacher-forced agreement of a kernel variant with the default (or of
+    /// the default with itself), against a bar.
+    Agree(agree::Args),
     /// Write a synthetic random-weight model at a real architecture's shape.
     Synth(synth::Args),
     /// Show a GGUF file's architecture, hyperparameters and tensors (no FILE: the
@@ -52,6 +56,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(a) => run::run(a),
         Command::Identity(a) => identity::run(a),
+        Command::Agree(a) => agree::run(a),
         Command::Synth(a) => synth::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(a) => bench::run(a),

@@ -298,3 +298,43 @@ fn a_missing_or_unknown_device_is_a_plain_error() {
         "{err}"
     );
 }
+
+#[test]
+fn agree_passes_a_same_arm_control_and_fails_a_reordered_moe() {
+    // The control: arm B is arm A, so every position agrees and the logits
+    // are equal.
+    let (ok, out, err) = samesum(&["agree", "--lens", "64,300", "--gen", "16", "-t", "2"]);
+    assert!(ok, "{out}\n{err}");
+    assert!(
+        out.contains("| 300 | 16/16 | 100.00% | 16/16 | 0.000e0 | pass |"),
+        "{out}"
+    );
+    // The MoE's top-k summed in reverse is another function: its logits
+    // differ, and at 300 tokens an argmax moves, so a 100% bar fails.
+    let (ok, out, err) = samesum(&[
+        "agree",
+        "--lens",
+        "300",
+        "--gen",
+        "16",
+        "-t",
+        "2",
+        "--bar",
+        "1",
+        "--variant",
+        "reversed-topk",
+    ]);
+    assert!(!ok, "{out}");
+    assert!(out.contains("FAIL"), "{out}");
+    assert!(err.contains("below the 100.00% bar"), "{err}");
+    // Bad arguments are plain errors.
+    for args in [
+        &["agree", "--gen", "0"][..],
+        &["agree", "--lens", "0"],
+        &["agree", "--bar", "2"],
+        &["agree", "--variant", "sideways"],
+    ] {
+        let (ok, _, err) = samesum(args);
+        assert!(!ok && err.starts_with("error: "), "{args:?}: {err}");
+    }
+}

@@ -788,6 +788,89 @@ impl Cuda {
         self.tc_kernel = k;
     }
 
+    /// The kernel switches by name, as the `SAMESUM_CUDA_<NAME>` variables
+    /// spell them (`TC_ASYNC`, `OVERLAP`, ...): `samesum agree` turns one
+    /// on or off in its second arm.
+    pub const SWITCHES: &'static [&'static str] = &[
+        "TC",
+        "TC_PIPE",
+        "TC_ASYNC",
+        "F32_TILE",
+        "NORM_Q8K",
+        "BLOCK_ROUTE",
+        "SMALL_PLAN",
+        "ROW",
+        "GLU",
+        "MULTI",
+        "QGATHER",
+        "OVERLAP",
+        "ATT_Q4",
+        "MOE_JOINT",
+        "GRAPHS",
+    ];
+
+    /// Set the switch `name` (one of [`Cuda::SWITCHES`], case-insensitive)
+    /// as its `SAMESUM_CUDA_<NAME>` variable would at startup.
+    pub fn set_switch(&mut self, name: &str, on: bool) -> Result<()> {
+        match name.to_ascii_uppercase().as_str() {
+            "TC" => self.tensor_cores = on,
+            "TC_PIPE" => self.tc_kernel = if on { TcKernel::Async } else { TcKernel::Plain },
+            "TC_ASYNC" => {
+                self.tc_kernel = if on {
+                    TcKernel::Async
+                } else {
+                    TcKernel::Pipelined
+                }
+            }
+            "F32_TILE" => self.float_tiles = on,
+            "NORM_Q8K" => self.norm_quant = on,
+            "BLOCK_ROUTE" => self.block_route = on,
+            "SMALL_PLAN" => self.small_plan = on,
+            "ROW" => self.row_kernels = on,
+            "GLU" => self.glu = on,
+            "MULTI" => self.multi = on,
+            "QGATHER" => self.quantized_gather = on,
+            "OVERLAP" => self.overlap = on,
+            "ATT_Q4" => self.att_q4 = on,
+            "MOE_JOINT" => self.moe_joint = on,
+            "GRAPHS" => self.graphs = on,
+            _ => {
+                return Err(CudaError::UnknownSwitch {
+                    name: name.to_string(),
+                    known: Self::SWITCHES.join(", "),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The switch `name`'s current setting (see [`Cuda::set_switch`]).
+    pub fn switch(&self, name: &str) -> Result<bool> {
+        Ok(match name.to_ascii_uppercase().as_str() {
+            "TC" => self.tensor_cores,
+            "TC_PIPE" => self.tc_kernel != TcKernel::Plain,
+            "TC_ASYNC" => self.tc_kernel == TcKernel::Async,
+            "F32_TILE" => self.float_tiles,
+            "NORM_Q8K" => self.norm_quant,
+            "BLOCK_ROUTE" => self.block_route,
+            "SMALL_PLAN" => self.small_plan,
+            "ROW" => self.row_kernels,
+            "GLU" => self.glu,
+            "MULTI" => self.multi,
+            "QGATHER" => self.quantized_gather,
+            "OVERLAP" => self.overlap,
+            "ATT_Q4" => self.att_q4,
+            "MOE_JOINT" => self.moe_joint,
+            "GRAPHS" => self.graphs,
+            _ => {
+                return Err(CudaError::UnknownSwitch {
+                    name: name.to_string(),
+                    known: Self::SWITCHES.join(", "),
+                });
+            }
+        })
+    }
+
     /// Cap the attention partials of one call at `bytes` (rows then run in
     /// groups; 1 runs one row at a time), for the tests.
     #[doc(hidden)]

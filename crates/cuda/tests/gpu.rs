@@ -1075,3 +1075,24 @@ fn graph_replayed_steps_equal_eager_steps() {
         eprintln!("{shape}: batched prefill with PDL == without");
     }
 }
+
+/// Every kernel switch is settable and readable by name (what `samesum
+/// agree --variant NAME=0|1` uses), and an unknown name is an error naming
+/// the known ones.
+#[test]
+fn switches_are_set_and_read_by_name() {
+    if !gpu() {
+        return;
+    }
+    let (_d, model) = synth("tiny-qwen3moe", GgmlType::Q4_K, 5);
+    let mut cuda = Cuda::new(0, &model, false).unwrap();
+    for &name in Cuda::SWITCHES {
+        for on in [false, true] {
+            cuda.set_switch(name, on).unwrap();
+            assert_eq!(cuda.switch(name).unwrap(), on, "{name} = {on}");
+        }
+    }
+    let e = cuda.set_switch("SIDEWAYS", true).unwrap_err().to_string();
+    assert!(e.contains("SIDEWAYS") && e.contains("ATT_Q4"), "{e}");
+    assert!(cuda.switch("sideways").is_err());
+}
