@@ -2695,7 +2695,27 @@ impl Backend for Cuda {
 
 #[cfg(test)]
 mod tests {
-    use super::attention_shape;
+    use super::{Cuda, attention_shape};
+
+    /// Every `SAMESUM_CUDA_*` switch read at startup can be set by name
+    /// (`samesum agree --variant`), and every name is read at startup: the
+    /// two lists are kept in step by this test, which reads this file.
+    #[test]
+    fn the_switch_names_are_the_startup_variables() {
+        let src = include_str!("backend.rs");
+        let mut read: Vec<&str> = src
+            .match_indices("env_switch(\"SAMESUM_CUDA_")
+            .map(|(i, m)| {
+                let rest = &src[i + m.len()..];
+                &rest[..rest.find('"').unwrap()]
+            })
+            .collect();
+        read.sort_unstable();
+        read.dedup();
+        let mut named: Vec<&str> = Cuda::SWITCHES.to_vec();
+        named.sort_unstable();
+        assert_eq!(read, named);
+    }
 
     #[test]
     fn attention_shapes_beyond_the_kernel_are_refused_with_the_shape_named() {
