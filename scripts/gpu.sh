@@ -19,7 +19,8 @@
 # depth measures decode (tg128) at context depths SAMESUM_GPU_DEPTHS
 # (0,4096,16384) on both models.
 # ncu profiles single launches with Nsight Compute (SAMESUM_GPU_NCU_PREFILL,
-# _DECODE, _SKIP).
+# _DECODE, _SKIP; prefill kernels from a pp SAMESUM_GPU_NCU_PP run at chunk
+# SAMESUM_GPU_NCU_CHUNK, 512 and 512 unless set).
 # tier runs tier mode (issue 8): identity on the tiny models with
 # --vram-budget 2G, then bench on qwen35moe at SAMESUM_GPU_BUDGETS ("24G
 # 12G") for SAMESUM_GPU_TIER_PP (1024,8192); tier122 the 122B shape at 40G.
@@ -180,8 +181,8 @@ run)
                 --launch-skip ${SAMESUM_GPU_NCU_SKIP:-5} -c 1 $secs \
                 env SAMESUM_CUDA_GRAPHS=0 .gpu/samesum bench --device cuda -m "$q35" "$@" -r 1 --no-warmup
         }
-        for k in ${SAMESUM_GPU_NCU_PREFILL:-mm_tc_q4_k_pipe attention_tiles delta_cols_128 mm_f32_tile}; do
-            ncu_one "$k" -p 512 -n 0 --prefill batched --chunk 512
+        for k in ${SAMESUM_GPU_NCU_PREFILL:-mm_tc_q4_k_async attention_tiles delta_cols_128 mm_f32_tile}; do
+            ncu_one "$k" -p ${SAMESUM_GPU_NCU_PP:-512} -n 0 --prefill batched --chunk ${SAMESUM_GPU_NCU_CHUNK:-512}
         done
         for k in ${SAMESUM_GPU_NCU_DECODE:-mm_q4_k_1 mm_q4_k_glu_1 quantize_q8k add_rms_norm}; do
             ncu_one "$k" -p 0 -n 8
