@@ -11,6 +11,7 @@ use crate::device::Device;
 use anyhow::{Context, Result, bail};
 use samesum_engine::cpu::Cpu;
 use samesum_engine::sample::argmax;
+use samesum_engine::tokenizer::Tokenizer;
 use samesum_engine::{Backend, KvType, Logits, Model, forward};
 use samesum_quant::rng::Rng;
 use std::path::PathBuf;
@@ -25,8 +26,8 @@ pub(crate) struct Args {
     /// Synthetic shape when no -m is given.
     #[arg(long, default_value = "tiny-qwen3next")]
     shape: String,
-    /// Prompt lengths in tokens (random tokens, seeded by --seed and the
-    /// length), comma-separated.
+    /// Prompt lengths in tokens, comma-separated (random tokens seeded by
+    /// --seed and the length, or --text).
     #[arg(long, value_delimiter = ',', default_value = "512,1024,8192")]
     lens: Vec<usize>,
     /// Positions compared per prompt (the reference's greedy tokens).
@@ -38,6 +39,11 @@ pub(crate) struct Args {
     /// Seed of the random prompts.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Take the prompts from this text file instead of random tokens: its
+    /// tokens from the start, repeated when the text is shorter than a
+    /// length.
+    #[arg(long, value_name = "FILE")]
+    text: Option<PathBuf>,
     /// Arm B's switches: on CUDA NAME=0|1 for a SAMESUM_CUDA_<NAME> switch
     /// (e.g. ATT_Q4=0); on the CPU `reversed-topk` (the MoE's top-k summed in
     /// reverse). None: a same-arm control.
@@ -178,7 +184,7 @@ fn agree_one<A: Backend, B: Backend>(
     Ok(compare(&la, &lb, &reference, model.w.n_vocab))
 }
 
-fn prompt_of(len: usize, seed: u64, vocab: usize) -> Vec<u32> {
+fn random_prompt(len: usize, seed: u64, vocab: usize) -> Vec<u32> {
     let mut rng = Rng::new(seed.wrapping_mul(1_000_003).wrapping_add(len as u64));
     (0..len).map(|_| rng.below(vocab as u64) as u32).collect()
 }
@@ -205,6 +211,23 @@ pub(crate) fn run(a: Args) -> Result<()> {
     let (path, _tmp) = crate::synth::model_or_builtin(&a.model, &a.shape, "q4_k", None)?;
     let model = Model::load(&path).with_context(|| format!("loading {}", path.display()))?;
     let vocab = model.w.n_vocab;
+    let text_tokens = match &a.text {
+        Some(f) => {
+            let text =
+                std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+            let tok = Tokenizer::from_metadata(model.file.metadata())?;
+            let t = tok.encode(&text)?;
+            if t.is_empty() {
+                bail!("{} tokenizes to nothing", f.display());
+            }
+            Some(t)
+        }
+        None => None,
+    };
+    let prompt_of = |len: usize| match &text_tokens {
+        Some(t) => t.iter().copied().cycle().take(len).collect(),
+        None => random_prompt(len, a.seed, vocab),
+    };
     let control = a.variant.is_empty();
     println!(
         "teacher-forced agreement: {} ({}), arm B {}, {} positions per prompt, bar {:.2}%",
@@ -251,7 +274,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
                 }
             }
             for &len in &a.lens {
-                let p = prompt_of(len, a.seed, vocab);
+                let p: Vec<u32> = prompt_of(len);
                 report(
                     len,
                     agree_one(&arm_a, &arm_b, &model, &p, a.r#gen, chunk, kv)?,
@@ -281,7 +304,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
                 was.push(cuda.switch(name)?);
             }
             for &len in &a.lens {
-                let p = prompt_of(len, a.seed, vocab);
+                let p: Vec<u32> = prompt_of(len);
                 let reference = greedy(&cuda, &model, &p, a.r#gen, chunk, kv)?;
                 let la = teacher_forced(&cuda, &model, &p, &reference, chunk, kv)?;
                 for (name, on) in &switches {

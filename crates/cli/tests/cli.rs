@@ -327,9 +327,20 @@ fn agree_passes_a_same_arm_control_and_fails_a_reordered_moe() {
     assert!(!ok, "{out}");
     assert!(out.contains("FAIL"), "{out}");
     assert!(err.contains("below the 100.00% bar"), "{err}");
+    // Prompts from a text file (repeated to each length).
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("p.txt");
+    std::fs::write(&text, "The quick brown fox jumps over the lazy dog. ").unwrap();
+    let t = text.to_str().unwrap();
+    let (ok, out, err) = samesum(&[
+        "agree", "--lens", "40,100", "--gen", "8", "-t", "2", "--text", t,
+    ]);
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("| 100 | 8/8 | 100.00% | 8/8 |"), "{out}");
     // Bad arguments are plain errors.
     for args in [
-        &["agree", "--gen", "0"][..],
+        &["agree", "--text", "/no/such/file"][..],
+        &["agree", "--gen", "0"],
         &["agree", "--lens", "0"],
         &["agree", "--bar", "2"],
         &["agree", "--variant", "sideways"],
