@@ -819,6 +819,7 @@ impl Cuda {
         "QGATHER",
         "OVERLAP",
         "ATT_Q4",
+        "ATT_TC",
         "MOE_JOINT",
         "GRAPHS",
     ];
@@ -846,6 +847,7 @@ impl Cuda {
             "QGATHER" => self.quantized_gather = on,
             "OVERLAP" => self.overlap = on,
             "ATT_Q4" => self.att_q4 = on,
+            "ATT_TC" => self.att_tc = on,
             "MOE_JOINT" => self.moe_joint = on,
             "GRAPHS" => self.graphs = on,
             _ => {
@@ -874,6 +876,7 @@ impl Cuda {
             "QGATHER" => self.quantized_gather,
             "OVERLAP" => self.overlap,
             "ATT_Q4" => self.att_q4,
+            "ATT_TC" => self.att_tc,
             "MOE_JOINT" => self.moe_joint,
             "GRAPHS" => self.graphs,
             _ => {
