@@ -452,11 +452,16 @@ __device__ __forceinline__ void tile_scores_tc(const float (*qs)[ATT_HD], float 
         int jk = j0 + jj0 + gr;  // this lane's key for the b fragment (column gr)
         i64 kb = (i64)jk * kvw + g * hd;
         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        // The next step's key values are loaded before this step's products.
+        bool kin = jk < jend;
+        float bn[2] = {kin ? kv_at(ck, kb + c, f16) : 0.0f, kin ? kv_at(ck, kb + c + 4, f16) : 0.0f};
         for (int k0 = 0; k0 < hd; k0 += 8) {
+            float bb[2] = {bn[0], bn[1]};
+            if (k0 + 8 < hd) {
+                bn[0] = kin ? kv_at(ck, kb + k0 + 8 + c, f16) : 0.0f;
+                bn[1] = kin ? kv_at(ck, kb + k0 + 8 + c + 4, f16) : 0.0f;
+            }
             float a[4] = {qs[gr][k0 + c], qs[gr + 8][k0 + c], qs[gr][k0 + c + 4], qs[gr + 8][k0 + c + 4]};
-            float bb[2];
-            bb[0] = jk < jend ? kv_at(ck, kb + k0 + c, f16) : 0.0f;
-            bb[1] = jk < jend ? kv_at(ck, kb + k0 + c + 4, f16) : 0.0f;
             mma_3xtf32(d, a, bb);
         }
 #pragma unroll
@@ -503,12 +508,19 @@ __device__ __forceinline__ void tile_values_tc(const void* cv, const float (*st)
     for (int dg = warp; dg * 8 < hd; dg += ATT_WARPS) {
         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         int dim = dg * 8 + gr;  // this lane's column for the b fragment
-        for (int k0 = 0; k0 < n; k0 += 8) {
-            float a[4] = {prob(gr, k0 + c), prob(gr + 8, k0 + c), prob(gr, k0 + c + 4), prob(gr + 8, k0 + c + 4)};
+        // The value rows of step k0 (keys j0 + k0 + c and + 4), loaded one
+        // step ahead of their products.
+        auto vload = [&](int k0, float (&bb)[2]) {
             int ja = j0 + k0 + c, jb = ja + 4;
-            float bb[2];
             bb[0] = ja < jend ? kv_at(cv, (i64)ja * kvw + g * hd + dim, f16) : 0.0f;
             bb[1] = jb < jend ? kv_at(cv, (i64)jb * kvw + g * hd + dim, f16) : 0.0f;
+        };
+        float bn[2];
+        vload(0, bn);
+        for (int k0 = 0; k0 < n; k0 += 8) {
+            float bb[2] = {bn[0], bn[1]};
+            if (k0 + 8 < n) vload(k0 + 8, bn);
+            float a[4] = {prob(gr, k0 + c), prob(gr + 8, k0 + c), prob(gr, k0 + c + 4), prob(gr + 8, k0 + c + 4)};
             mma_3xtf32(d, a, bb);
         }
 #pragma unroll
