@@ -384,6 +384,158 @@ __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*
     return mx;
 }
 
+// ---- attention on tensor cores (opt-in: attention_tiles_tc)
+//
+// The score and value passes as tf32 mma.sync.m16n8k8 with each operand split
+// in two (x = hi + lo, hi = tf32(x), lo = tf32(x - hi)) and three products
+// accumulated per step (lo*hi, hi*lo, then hi*hi, in that order): close to
+// fp32 dots, but summed in the tensor core's own order, so a different
+// function from the CUDA-core passes above. Decode and prefill both run it
+// when it is on. The 16 pairs of a block are the mma's 16 rows: a row's
+// result depends on its own q (or probabilities) and the tile's keys (or
+// values) only. Lane l holds rows g = l / 4 and g + 8, columns / k indices
+// from c = l % 4 (the PTX fragment layout for .tf32 m16n8k8).
+
+__device__ __forceinline__ u32 tf32_of(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void tf32_split(float x, u32& hi, u32& lo) {
+    hi = tf32_of(x);
+    lo = tf32_of(__fsub_rn(x, __uint_as_float(hi)));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// d += a * b for one m16n8k8 step, a and b given as fp32 fragments.
+__device__ __forceinline__ void mma_3xtf32(float (&d)[4], const float (&a)[4], const float (&b)[2]) {
+    u32 ah[4], al[4], bh[2], bl[2];
+#pragma unroll
+    for (int i = 0; i < 4; i++) tf32_split(a[i], ah[i], al[i]);
+#pragma unroll
+    for (int i = 0; i < 2; i++) tf32_split(b[i], bh[i], bl[i]);
+    mma_tf32(d, al[0], al[1], al[2], al[3], bh[0], bh[1]);
+    mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
+    mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+}
+
+// Score pass: warp w takes the tile's key groups w, w + 8, ... (8 keys each:
+// the mma's columns); the k loop runs over the head dims in steps of 8 (hd
+// a multiple of 8). Writes the scaled scores to st (-inf where masked) and
+// each pair's max over the warp's keys to smax[pair][warp].
+__device__ __forceinline__ void tile_scores_tc(const float (*qs)[ATT_HD], float (*st)[ATT_T],
+                                               float (*smax)[ATT_WARPS], const void* ck, int kvw, int g, int hd,
+                                               int first_last, int gs, int j0, int jend, int np, float scale,
+                                               int f16) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int gr = lane >> 2, c = lane & 3;
+    float mx0 = -INFINITY, mx1 = -INFINITY;  // pairs gr and gr + 8
+    int last0 = first_last + gr / gs, last1 = first_last + (gr + 8) / gs;
+    for (int kg = warp; kg < ATT_T / 8; kg += ATT_WARPS) {
+        int jj0 = kg * 8;
+        if (j0 + jj0 >= jend) {
+            // No key of the group is in the tile.
+            st[gr][jj0 + 2 * c] = -INFINITY;
+            st[gr][jj0 + 2 * c + 1] = -INFINITY;
+            st[gr + 8][jj0 + 2 * c] = -INFINITY;
+            st[gr + 8][jj0 + 2 * c + 1] = -INFINITY;
+            continue;
+        }
+        int jk = j0 + jj0 + gr;  // this lane's key for the b fragment (column gr)
+        i64 kb = (i64)jk * kvw + g * hd;
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        // The next step's key values are loaded before this step's products.
+        bool kin = jk < jend;
+        float bn[2] = {kin ? kv_at(ck, kb + c, f16) : 0.0f, kin ? kv_at(ck, kb + c + 4, f16) : 0.0f};
+        for (int k0 = 0; k0 < hd; k0 += 8) {
+            float bb[2] = {bn[0], bn[1]};
+            if (k0 + 8 < hd) {
+                bn[0] = kin ? kv_at(ck, kb + k0 + 8 + c, f16) : 0.0f;
+                bn[1] = kin ? kv_at(ck, kb + k0 + 8 + c + 4, f16) : 0.0f;
+            }
+            float a[4] = {qs[gr][k0 + c], qs[gr + 8][k0 + c], qs[gr][k0 + c + 4], qs[gr + 8][k0 + c + 4]};
+            mma_3xtf32(d, a, bb);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int p = i < 2 ? gr : gr + 8;
+            int jj = jj0 + 2 * c + (i & 1);
+            int j = j0 + jj;
+            float v = -INFINITY;
+            if (p < np && j < jend && j <= (i < 2 ? last0 : last1)) {
+                v = __fmul_rn(d[i], scale);
+                if (i < 2) mx0 = fmaxf(mx0, v);
+                else mx1 = fmaxf(mx1, v);
+            }
+            st[p][jj] = v;
+        }
+    }
+    // Each pair's max over the warp's keys: the four lanes of a row.
+#pragma unroll
+    for (int o = 1; o < 4; o *= 2) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+    }
+    if (c == 0) {
+        smax[gr][warp] = mx0;
+        smax[gr + 8][warp] = mx1;
+    }
+}
+
+// Value pass: warp w takes the head dims' groups of 8 w, w + 8, ... (the
+// mma's columns); the k loop runs over the tile's keys in steps of 8, up to
+// the block's last key (past a pair's own keys its probabilities are 0).
+__device__ __forceinline__ void tile_values_tc(const void* cv, const float (*st)[ATT_T], float* pacc, int kvw,
+                                               int np, int gs, int g, int hq, int hd, int r0, int pos0, int j0,
+                                               int jend, int b, int nb, int f16) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int gr = lane >> 2, c = lane & 3;
+    int n = jend - j0;
+    // A pair's probabilities: st's e values; -inf (a pair with no key in the
+    // tile, or not live) reads as 0.
+    auto prob = [&](int p, int jj) -> float {
+        float v = st[p][jj];
+        return v == -INFINITY ? 0.0f : v;
+    };
+    for (int dg = warp; dg * 8 < hd; dg += ATT_WARPS) {
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int dim = dg * 8 + gr;  // this lane's column for the b fragment
+        // The value rows of step k0 (keys j0 + k0 + c and + 4), loaded one
+        // step ahead of their products.
+        auto vload = [&](int k0, float (&bb)[2]) {
+            int ja = j0 + k0 + c, jb = ja + 4;
+            bb[0] = ja < jend ? kv_at(cv, (i64)ja * kvw + g * hd + dim, f16) : 0.0f;
+            bb[1] = jb < jend ? kv_at(cv, (i64)jb * kvw + g * hd + dim, f16) : 0.0f;
+        };
+        float bn[2];
+        vload(0, bn);
+        for (int k0 = 0; k0 < n; k0 += 8) {
+            float bb[2] = {bn[0], bn[1]};
+            if (k0 + 8 < n) vload(k0 + 8, bn);
+            float a[4] = {prob(gr, k0 + c), prob(gr + 8, k0 + c), prob(gr, k0 + c + 4), prob(gr + 8, k0 + c + 4)};
+            mma_3xtf32(d, a, bb);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int p = i < 2 ? gr : gr + 8;
+            int od = dg * 8 + 2 * c + (i & 1);
+            int cnt = p < np ? min(jend, pos0 + r0 + p / gs + 1) - j0 : 0;
+            if (cnt > 0) {
+                i64 pair = (i64)(r0 + p / gs) * hq + g * gs + p % gs;
+                pacc[(pair * nb + b) * hd + od] = d[i];
+            }
+        }
+    }
+}
+
 // Attention in fixed key tiles. For the (row, head) pair at position p (keys
 // 0..=p), tile b covers keys [256 b, min(256 b + 256, p + 1)) and computes
 //   s_j  = (lane l's fma chain over dims l, l + 32, ... then a fixed xor
@@ -448,8 +600,15 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
     else if (hd <= 64) mx = tile_scores<2, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
     else if (hd <= 128 && V == 0) mx = tile_scores<4, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
     else if (hd <= 128) mx = tile_scores<4, 4, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-    else mx = tile_scores<8, ATT_KB, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-    if ((lane & 1) == 0) smax[mine][warp] = mx;
+    if (V == 2) tile_scores_tc(qs, st, smax, ck, kvw, g, hd, pos0 + r0, gs, j0, jend, np, scale, f16);
+    else {
+        if (hd <= 32) mx = tile_scores<1, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+        else if (hd <= 64) mx = tile_scores<2, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+        else if (hd <= 128 && V == 0) mx = tile_scores<4, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+        else if (hd <= 128) mx = tile_scores<4, 4, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+        else mx = tile_scores<8, ATT_KB, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+        if ((lane & 1) == 0) smax[mine][warp] = mx;
+    }
     __syncthreads();
     // e in place, thread t owning slot t of every pair; each warp's sum by a
     // butterfly.
@@ -470,7 +629,8 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
     // the pairs over G groups of threads (pair p to group p % G), so every
     // thread works; each (pair, dim) is one thread's fma chain.
     int hdp = (hd + 31) / 32 * 32;
-    switch (ATT_THREADS % hdp == 0 ? ATT_THREADS / hdp : 1) {
+    if (V == 2) tile_values_tc(cv, st, pacc, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16);
+    else switch (ATT_THREADS % hdp == 0 ? ATT_THREADS / hdp : 1) {
     case 8: tile_values<8>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
     case 4: tile_values<4>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
     case 2: tile_values<2>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
@@ -498,6 +658,15 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                        int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
     pdl_wait();
     attention_tiles_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+}
+
+// Both passes on tensor cores (3xTF32; see tile_scores_tc): head dims that
+// are multiples of 8, up to 256.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_tiles_tc(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
+                       int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
+    pdl_wait();
+    attention_tiles_k<2>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
 }
 
 // The tiles of each (row, head) pair folded in tile order (see

@@ -77,6 +77,12 @@ pub struct Cuda {
     /// terms in the same order, the same bytes. Measured on the H200,
     /// qwen3moe pp4096 4,628 -> 4,923 tok/s (session 8).
     att_q4: bool,
+    /// Attention's score and value passes on tensor cores (3xTF32 mma,
+    /// `attention_tiles_tc`; opt-in, `SAMESUM_CUDA_ATT_TC=1`, head dims that
+    /// are multiples of 8): a different summation order from the CUDA-core
+    /// passes, so a different function, run by decode and prefill alike
+    /// while it is on.
+    att_tc: bool,
     /// Prefill's shared expert on a second stream beside the routed experts
     /// (default; `SAMESUM_CUDA_OVERLAP=0` runs it after them on the main
     /// stream: the same kernels on the same inputs, the same bytes).
@@ -537,6 +543,7 @@ impl Cuda {
             quantized_gather: env_switch("SAMESUM_CUDA_QGATHER", true),
             overlap: env_switch("SAMESUM_CUDA_OVERLAP", true),
             att_q4: env_switch("SAMESUM_CUDA_ATT_Q4", true),
+            att_tc: env_switch("SAMESUM_CUDA_ATT_TC", false),
             moe_joint: env_switch("SAMESUM_CUDA_MOE_JOINT", true),
             attn_partials: ATTN_PARTIALS,
             graphs: env_switch("SAMESUM_CUDA_GRAPHS", true),
@@ -757,6 +764,13 @@ impl Cuda {
         self.att_q4 = on;
     }
 
+    /// Run attention's passes on tensor cores (`attention_tiles_tc`, for
+    /// head dims that are multiples of 8; off unless `SAMESUM_CUDA_ATT_TC=1`).
+    #[doc(hidden)]
+    pub fn set_attention_tc(&mut self, on: bool) {
+        self.att_tc = on;
+    }
+
     /// Run prefill's shared expert on the second stream (`true`, the default
     /// unless `SAMESUM_CUDA_OVERLAP=0`) or after the routed experts, for
     /// comparisons.
@@ -805,6 +819,7 @@ impl Cuda {
         "QGATHER",
         "OVERLAP",
         "ATT_Q4",
+        "ATT_TC",
         "MOE_JOINT",
         "GRAPHS",
     ];
@@ -832,6 +847,7 @@ impl Cuda {
             "QGATHER" => self.quantized_gather = on,
             "OVERLAP" => self.overlap = on,
             "ATT_Q4" => self.att_q4 = on,
+            "ATT_TC" => self.att_tc = on,
             "MOE_JOINT" => self.moe_joint = on,
             "GRAPHS" => self.graphs = on,
             _ => {
@@ -860,6 +876,7 @@ impl Cuda {
             "QGATHER" => self.quantized_gather,
             "OVERLAP" => self.overlap,
             "ATT_Q4" => self.att_q4,
+            "ATT_TC" => self.att_tc,
             "MOE_JOINT" => self.moe_joint,
             "GRAPHS" => self.graphs,
             _ => {
@@ -1458,7 +1475,9 @@ impl Cuda {
             let mr = group.min(m - r0);
             let (mri, r0i) = (mr as i32, r0 as i32);
             let qg = q.slice(r0 * qw..(r0 + mr) * qw);
-            let kernel = if self.att_q4 {
+            let kernel = if self.att_tc && hd % 8 == 0 {
+                "attention_tiles_tc"
+            } else if self.att_q4 {
                 "attention_tiles_q4"
             } else {
                 "attention_tiles"

@@ -545,6 +545,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "kv_write",
             "attention_tiles",
             "attention_tiles_q4",
+            "attention_tiles_tc",
             "attention_combine",
             "conv_rows",
             "conv_shift",

@@ -702,11 +702,12 @@ fn attention_at_the_real_models_head_shapes() {
         };
         let (_dir, model) = synth_shape(shape, GgmlType::F32, 4);
         // Both score passes for head dims 65-128 (q in registers; q in
-        // shared memory four keys a step).
-        for q4 in [false, true] {
+        // shared memory four keys a step), and the tensor-core passes.
+        for (q4, tc) in [(false, false), (true, false), (false, true)] {
             let mut cuda = Cuda::new(0, &model, false).unwrap();
             cuda.set_attention_q4(q4);
-            let what = format!("heads {heads}/{kv_heads} x {head_dim}, q4 {q4}");
+            cuda.set_attention_tc(tc);
+            let what = format!("heads {heads}/{kv_heads} x {head_dim}, q4 {q4}, tc {tc}");
             if let Err(e) = block_ops_match(&cuda, &model, MS, 78) {
                 panic!("{what}: {e}");
             }
