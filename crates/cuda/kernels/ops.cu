@@ -1076,12 +1076,38 @@ __device__ __forceinline__ void softmax_row_u(float* p, float* v, int e, int lan
 // The top k of a softmaxed row held as softmax_row_u leaves it: k rounds of
 // an exact warp argmax (largest first, lowest id among equals), weights
 // renormalized by their sum in k order clamped at 2^-14.
+// The picks' values are kept in registers for the weights (lane l keeps
+// rounds l and l + 32: every lane holds each round's value after the
+// argmax), so the weights need no read back of the ids and the row; past
+// round 64 they are read back. A pick of -1 (a row of NaNs) weighs 0. With
+// `sids` (shared memory), lane 0 also writes the ids there.
+__device__ __forceinline__ void keep_pick(float& keep0, float& keep1, int s, int lane, float bv) {
+    if (lane == (s & 31)) {
+        if (s < 32) keep0 = bv;
+        else if (s < 64) keep1 = bv;
+    }
+}
+
+__device__ __forceinline__ void write_weights(const float* p, const int* ids, float* wts, int r, int k, int lane,
+                                              float keep0, float keep1, float tot) {
+    for (int s = lane; s < k; s += 32) {
+        float v;
+        if (s < 32) v = keep0;
+        else if (s < 64) v = keep1;
+        else {
+            int id = ids[(i64)r * k + s];
+            v = id >= 0 ? p[id] : 0.0f;
+        }
+        wts[(i64)r * k + s] = v / tot;
+    }
+}
+
 template <int U>
 __device__ __forceinline__ void topk_row_u(const float* v, const float* p, int* ids, float* wts, int r, int e,
-                                           int k, int lane) {
+                                           int k, int lane, int* sids = nullptr) {
     __syncwarp();
     unsigned long long taken = 0;  // bit u: entry lane + 32u chosen (e <= 2048)
-    float tot = 0.0f;
+    float tot = 0.0f, keep0 = 0.0f, keep1 = 0.0f;
     for (int s = 0; s < k; s++) {
         int best = -1;
         float bv = 0.0f;
@@ -1096,20 +1122,25 @@ __device__ __forceinline__ void topk_row_u(const float* v, const float* p, int* 
         }
         warp_argmax(bv, best);
         if ((best & 31) == lane) taken |= 1ull << (best / 32);
-        if (lane == 0) ids[(i64)r * k + s] = best;
+        if (lane == 0) {
+            ids[(i64)r * k + s] = best;
+            if (sids) sids[r * k + s] = best;
+        }
+        keep_pick(keep0, keep1, s, lane, bv);
         tot = tot + bv;
     }
     tot = fmaxf(tot, 6.103515625e-5f);
     __syncwarp();
-    for (int s = lane; s < k; s += 32) wts[(i64)r * k + s] = p[ids[(i64)r * k + s]] / tot;
+    write_weights(p, ids, wts, r, k, lane, keep0, keep1, tot);
 }
 
 template <int U>
-__device__ __forceinline__ void route_row_u(float* logits, int* ids, float* wts, int r, int e, int k, int lane) {
+__device__ __forceinline__ void route_row_u(float* logits, int* ids, float* wts, int r, int e, int k, int lane,
+                                            int* sids) {
     float* p = logits + (i64)r * e;
     float v[U];
     softmax_row_u<U>(p, v, e, lane);
-    topk_row_u<U>(v, p, ids, wts, r, e, k, lane);
+    topk_row_u<U>(v, p, ids, wts, r, e, k, lane, sids);
 }
 
 // One row's routing by a whole 256-thread block (decode: one row, where a
@@ -1173,7 +1204,8 @@ __device__ void route_row_block_u(float* logits, int* ids, float* wts, int r, in
 }
 
 // The same through memory, for more than 1,024 experts.
-__device__ __forceinline__ void route_row_mem(float* logits, int* ids, float* wts, int r, int e, int k, int lane) {
+__device__ __forceinline__ void route_row_mem(float* logits, int* ids, float* wts, int r, int e, int k, int lane,
+                                              int* sids) {
     float* p = logits + (i64)r * e;
     float mx = -INFINITY;
     for (int i = lane; i < e; i += 32) mx = fmaxf(mx, p[i]);
@@ -1188,7 +1220,7 @@ __device__ __forceinline__ void route_row_mem(float* logits, int* ids, float* wt
     for (int i = lane; i < e; i += 32) p[i] = p[i] / sum;
     __syncwarp();
     unsigned long long taken = 0;  // bit u: entry lane + 32u chosen (e <= 2048)
-    float tot = 0.0f;
+    float tot = 0.0f, keep0 = 0.0f, keep1 = 0.0f;
     for (int s = 0; s < k; s++) {
         int best = -1;
         float bv = 0.0f;
@@ -1202,30 +1234,35 @@ __device__ __forceinline__ void route_row_mem(float* logits, int* ids, float* wt
         }
         warp_argmax(bv, best);
         if ((best & 31) == lane) taken |= 1ull << (best / 32);
-        if (lane == 0) ids[(i64)r * k + s] = best;
+        if (lane == 0) {
+            ids[(i64)r * k + s] = best;
+            if (sids) sids[r * k + s] = best;
+        }
+        keep_pick(keep0, keep1, s, lane, bv);
         tot = tot + bv;
     }
     tot = fmaxf(tot, 6.103515625e-5f);
     __syncwarp();
-    for (int s = lane; s < k; s += 32) wts[(i64)r * k + s] = p[ids[(i64)r * k + s]] / tot;
+    write_weights(p, ids, wts, r, k, lane, keep0, keep1, tot);
 }
 
 // Routing of row r: softmax (max; exp; the sum with lane l over entries l,
 // l + 32, ... then a fixed butterfly; divide), the top k (largest first,
 // lowest id among equals: k rounds of an exact warp argmax), weights
 // renormalized by their sum in k order clamped at 2^-14 (e <= 2048).
-__device__ __forceinline__ void route_row(float* logits, int* ids, float* wts, int r, int e, int k, int lane) {
+__device__ __forceinline__ void route_row(float* logits, int* ids, float* wts, int r, int e, int k, int lane,
+                                          int* sids = nullptr) {
     int n = (e + 31) / 32;
     if (n <= 4)
-        route_row_u<4>(logits, ids, wts, r, e, k, lane);
+        route_row_u<4>(logits, ids, wts, r, e, k, lane, sids);
     else if (n <= 8)
-        route_row_u<8>(logits, ids, wts, r, e, k, lane);
+        route_row_u<8>(logits, ids, wts, r, e, k, lane, sids);
     else if (n <= 16)
-        route_row_u<16>(logits, ids, wts, r, e, k, lane);
+        route_row_u<16>(logits, ids, wts, r, e, k, lane, sids);
     else if (n <= 32)
-        route_row_u<32>(logits, ids, wts, r, e, k, lane);
+        route_row_u<32>(logits, ids, wts, r, e, k, lane, sids);
     else
-        route_row_mem(logits, ids, wts, r, e, k, lane);
+        route_row_mem(logits, ids, wts, r, e, k, lane, sids);
 }
 
 extern "C" __global__ void route(float* logits, int* ids, float* wts, int m, int e, int k) {
@@ -1322,8 +1359,12 @@ extern "C" __global__ void plan_place(const int* ids, int n, int k, const int* o
 // at offsets[e] + (pairs before p with expert e). Unused places stay -1.
 #define PLAN_SMALL_PAIRS 256
 #define PLAN_SMALL_EXPERTS 2048
+//
+// With `pre` (shared memory, already holding the n ids: route_plan_small),
+// the ids are read from there instead of from global memory.
 __device__ __forceinline__ void plan_small_block(const int* ids, int n, int k, int e, int pad, int* placed_row,
-                                                 int* placed_mat, int* slot, int cap) {
+                                                 int* placed_mat, int* slot, int cap,
+                                                 const int* pre = nullptr) {
     __shared__ int sid[PLAN_SMALL_PAIRS];
     __shared__ int cnt[PLAN_SMALL_EXPERTS];  // counts, then offsets
     __shared__ int part[256];
@@ -1333,7 +1374,7 @@ __device__ __forceinline__ void plan_small_block(const int* ids, int n, int k, i
         placed_mat[i] = -1;
     }
     for (int i = t; i < e; i += 256) cnt[i] = 0;
-    if (t < n) sid[t] = ids[t];
+    if (t < n) sid[t] = pre ? pre[t] : ids[t];
     __syncthreads();
     if (t < n && sid[t] >= 0) atomicAdd(&cnt[sid[t]], 1);
     __syncthreads();
@@ -1403,11 +1444,15 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             else
                 route_row_block_u<32>(logits, ids, wts, r, e, k, sp, sid, sv, &flag);
         }
+        plan_small_block(ids, m * k, k, e, pad, placed_row, placed_mat, slot, cap);
     } else {
-        for (int r = warp; r < m; r += 8) route_row(logits, ids, wts, r, e, k, lane);
+        // The warps also leave the ids in shared memory for the plan (no
+        // read back from global memory; m * k <= PLAN_SMALL_PAIRS).
+        __shared__ int rids[PLAN_SMALL_PAIRS];
+        for (int r = warp; r < m; r += 8) route_row(logits, ids, wts, r, e, k, lane, rids);
         __syncthreads();
+        plan_small_block(ids, m * k, k, e, pad, placed_row, placed_mat, slot, cap, rids);
     }
-    plan_small_block(ids, m * k, k, e, pad, placed_row, placed_mat, slot, cap);
 }
 
 // y[r] = sum over slots s in k order of w[r][s] * out[slot[r][s]] (skipped ids
