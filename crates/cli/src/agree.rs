@@ -10,6 +10,7 @@
 use crate::device::Device;
 use anyhow::{Context, Result, bail};
 use samesum_engine::cpu::Cpu;
+use samesum_engine::identity::continue_greedy;
 use samesum_engine::sample::argmax;
 use samesum_engine::tokenizer::Tokenizer;
 use samesum_engine::{Backend, KvType, Logits, Model, forward};
@@ -87,16 +88,8 @@ fn greedy<B: Backend>(
     kv: KvType,
 ) -> Result<Vec<u32>> {
     let mut st = b.new_state(model, prompt.len() + r#gen, kv)?;
-    let mut last = prefill(b, model, &mut st, prompt, chunk)?;
-    let mut out = Vec::with_capacity(r#gen);
-    while out.len() < r#gen {
-        let t = argmax(&last);
-        out.push(t);
-        if out.len() < r#gen {
-            last = forward(model, b, &mut st, &[t], Logits::Last)?;
-        }
-    }
-    Ok(out)
+    let last = prefill(b, model, &mut st, prompt, chunk)?;
+    Ok(continue_greedy(b, model, &mut st, &last, r#gen)?)
 }
 
 /// Feed `prompt` in chunks; the last row's logits.

@@ -535,6 +535,49 @@ __device__ __forceinline__ void mma_s8(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u
 
 __device__ __forceinline__ int byte_of(u32 w, int i) { return (int)((w >> (8 * i)) & 0xffu); }
 
+// One sub-block s (half h of byte group p) of a tensor-core tile step, as
+// every tensor-core kernel runs it: the four weight rows' 4-bit values (q:
+// the group's 8 bytes per row at this thread's k positions; for Q5_K the
+// fifth bits from qh), the two 8-row activation fragments from shared memory
+// (rows `ast` bytes apart), one mma per (row pair, activation half), each
+// exact dot times its sub-block scale added into isum.
+template <int Q5>
+__device__ __forceinline__ void tc_subblock(int (&isum)[2][2][4], const uint2 (&q)[4], const uint2 (&qh)[4],
+                                            const u8* sq, int ast, int s, int h, int gq, int tq,
+                                            const u32 (&scl)[4], const u32 (&sch)[4]) {
+    u32 al[4], ah[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        al[i] = (q[i].x >> (4 * h)) & 0x0F0F0F0Fu;
+        ah[i] = (q[i].y >> (4 * h)) & 0x0F0F0F0Fu;
+        if (Q5) {
+            al[i] |= ((qh[i].x >> s) & 0x01010101u) << 4;
+            ah[i] |= ((qh[i].y >> s) & 0x01010101u) << 4;
+        }
+    }
+    u32 bq[2][2];
+#pragma unroll
+    for (int n = 0; n < 2; n++) {
+        uint2 v = *(const uint2*)(sq + (n * 8 + gq) * ast + s * 32 + 8 * tq);
+        bq[n][0] = v.x;
+        bq[n][1] = v.y;
+    }
+#pragma unroll
+    for (int a = 0; a < 2; a++) {
+        int sc0 = byte_of(s < 4 ? scl[2 * a] : sch[2 * a], s & 3);
+        int sc1 = byte_of(s < 4 ? scl[2 * a + 1] : sch[2 * a + 1], s & 3);
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+            int d[4];
+            mma_s8(d, al[2 * a], al[2 * a + 1], ah[2 * a], ah[2 * a + 1], bq[n][0], bq[n][1]);
+            isum[a][n][0] += sc0 * d[0];
+            isum[a][n][1] += sc0 * d[1];
+            isum[a][n][2] += sc1 * d[2];
+            isum[a][n][3] += sc1 * d[3];
+        }
+    }
+}
+
 template <int Q5>
 __device__ void mm_tc_k(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A,
                         float* Y, int rows, int m, int nb) {
@@ -630,58 +673,20 @@ __device__ void mm_tc_k(const u8* W, i64 mat_stride, int row_bytes, const int* m
             // "thread tq: a0/b0 = values 8tq..8tq+3, a2/b1 = 8tq+4..8tq+7"
             // (the same permutation for weights and activations, so the
             // exact dots are unchanged) and load 8 contiguous bytes each.
-            u32 hl[4], hh[4];
+            uint2 qh[4];
             if (Q5) {
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    uint2 h = *(const uint2*)(wr[i] + (i64)b * BYTES + 16 + 8 * tq);
-                    hl[i] = h.x;
-                    hh[i] = h.y;
-                }
+                for (int i = 0; i < 4; i++) qh[i] = *(const uint2*)(wr[i] + (i64)b * BYTES + 16 + 8 * tq);
             }
 #pragma unroll
             for (int p = 0; p < 4; p++) {
-                u32 lo[4], hi[4];
+                uint2 q[4];
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    uint2 w = *(const uint2*)(wr[i] + (i64)b * BYTES + QS + 32 * p + 8 * tq);
-                    lo[i] = w.x;
-                    hi[i] = w.y;
-                }
+                for (int i = 0; i < 4; i++) q[i] = *(const uint2*)(wr[i] + (i64)b * BYTES + QS + 32 * p + 8 * tq);
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     int s = 2 * p + h;
-                    u32 al[4], ah[4];
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        al[i] = (lo[i] >> (4 * h)) & 0x0F0F0F0Fu;
-                        ah[i] = (hi[i] >> (4 * h)) & 0x0F0F0F0Fu;
-                        if (Q5) {
-                            al[i] |= ((hl[i] >> s) & 0x01010101u) << 4;
-                            ah[i] |= ((hh[i] >> s) & 0x01010101u) << 4;
-                        }
-                    }
-                    u32 bq[2][2];
-#pragma unroll
-                    for (int n = 0; n < 2; n++) {
-                        uint2 v = *(const uint2*)(sq + (n * 8 + gq) * TQ_AST + s * 32 + 8 * tq);
-                        bq[n][0] = v.x;
-                        bq[n][1] = v.y;
-                    }
-#pragma unroll
-                    for (int a = 0; a < 2; a++) {
-                        int sc0 = byte_of(s < 4 ? scl[2 * a] : sch[2 * a], s & 3);
-                        int sc1 = byte_of(s < 4 ? scl[2 * a + 1] : sch[2 * a + 1], s & 3);
-#pragma unroll
-                        for (int n = 0; n < 2; n++) {
-                            int d[4];
-                            mma_s8(d, al[2 * a], al[2 * a + 1], ah[2 * a], ah[2 * a + 1], bq[n][0], bq[n][1]);
-                            isum[a][n][0] += sc0 * d[0];
-                            isum[a][n][1] += sc0 * d[1];
-                            isum[a][n][2] += sc1 * d[2];
-                            isum[a][n][3] += sc1 * d[3];
-                        }
-                    }
+                    tc_subblock<Q5>(isum, q, qh, sq, TQ_AST, s, h, gq, tq, scl, sch);
                 }
             }
             // The block's float step for each of the thread's 16 elements:
@@ -878,37 +883,7 @@ __device__ void mm_tc_pipe_k(const u8* W, i64 mat_stride, int row_bytes, const i
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     int s = 2 * p + h;
-                    u32 al[4], ah[4];
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        al[i] = (w.q[p][i].x >> (4 * h)) & 0x0F0F0F0Fu;
-                        ah[i] = (w.q[p][i].y >> (4 * h)) & 0x0F0F0F0Fu;
-                        if (Q5) {
-                            al[i] |= ((w.qh[i].x >> s) & 0x01010101u) << 4;
-                            ah[i] |= ((w.qh[i].y >> s) & 0x01010101u) << 4;
-                        }
-                    }
-                    u32 bq[2][2];
-#pragma unroll
-                    for (int n = 0; n < 2; n++) {
-                        uint2 v = *(const uint2*)(sqb + (n * 8 + gq) * TQ_AST + s * 32 + 8 * tq);
-                        bq[n][0] = v.x;
-                        bq[n][1] = v.y;
-                    }
-#pragma unroll
-                    for (int a = 0; a < 2; a++) {
-                        int sc0 = byte_of(s < 4 ? scl[2 * a] : sch[2 * a], s & 3);
-                        int sc1 = byte_of(s < 4 ? scl[2 * a + 1] : sch[2 * a + 1], s & 3);
-#pragma unroll
-                        for (int n = 0; n < 2; n++) {
-                            int d[4];
-                            mma_s8(d, al[2 * a], al[2 * a + 1], ah[2 * a], ah[2 * a + 1], bq[n][0], bq[n][1]);
-                            isum[a][n][0] += sc0 * d[0];
-                            isum[a][n][1] += sc0 * d[1];
-                            isum[a][n][2] += sc1 * d[2];
-                            isum[a][n][3] += sc1 * d[3];
-                        }
-                    }
+                    tc_subblock<Q5>(isum, w.q[p], w.qh, sqb, TQ_AST, s, h, gq, tq, scl, sch);
                 }
             }
             // The block's float step for each of the thread's 16 elements:
@@ -1103,37 +1078,7 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     int s = 2 * p + h;
-                    u32 al[4], ah[4];
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        al[i] = (wq[i].x >> (4 * h)) & 0x0F0F0F0Fu;
-                        ah[i] = (wq[i].y >> (4 * h)) & 0x0F0F0F0Fu;
-                        if (Q5) {
-                            al[i] |= ((qh[i].x >> s) & 0x01010101u) << 4;
-                            ah[i] |= ((qh[i].y >> s) & 0x01010101u) << 4;
-                        }
-                    }
-                    u32 bq[2][2];
-#pragma unroll
-                    for (int n = 0; n < 2; n++) {
-                        uint2 v = *(const uint2*)(sqb + (n * 8 + gq) * TA_AST + s * 32 + 8 * tq);
-                        bq[n][0] = v.x;
-                        bq[n][1] = v.y;
-                    }
-#pragma unroll
-                    for (int a = 0; a < 2; a++) {
-                        int sc0 = byte_of(s < 4 ? scl[2 * a] : sch[2 * a], s & 3);
-                        int sc1 = byte_of(s < 4 ? scl[2 * a + 1] : sch[2 * a + 1], s & 3);
-#pragma unroll
-                        for (int n = 0; n < 2; n++) {
-                            int d[4];
-                            mma_s8(d, al[2 * a], al[2 * a + 1], ah[2 * a], ah[2 * a + 1], bq[n][0], bq[n][1]);
-                            isum[a][n][0] += sc0 * d[0];
-                            isum[a][n][1] += sc0 * d[1];
-                            isum[a][n][2] += sc1 * d[2];
-                            isum[a][n][3] += sc1 * d[3];
-                        }
-                    }
+                    tc_subblock<Q5>(isum, wq, qh, sqb, TA_AST, s, h, gq, tq, scl, sch);
                 }
             }
             // d, dmin and the mins of the four rows, read again for the

@@ -276,6 +276,58 @@ fn env_switch(name: &str, default: bool) -> bool {
     }
 }
 
+/// A kernel switch: its name, how to read it and how to set it.
+type Switch = (&'static str, fn(&Cuda) -> bool, fn(&mut Cuda, bool));
+
+/// Every `SAMESUM_CUDA_*` switch read at startup, by name (a test keeps the
+/// two in step).
+const SWITCHES: &[Switch] = &[
+    ("TC", |c| c.tensor_cores, |c, on| c.tensor_cores = on),
+    (
+        "TC_PIPE",
+        |c| c.tc_kernel != TcKernel::Plain,
+        |c, on| c.tc_kernel = if on { TcKernel::Async } else { TcKernel::Plain },
+    ),
+    (
+        "TC_ASYNC",
+        |c| c.tc_kernel == TcKernel::Async,
+        |c, on| {
+            c.tc_kernel = if on {
+                TcKernel::Async
+            } else {
+                TcKernel::Pipelined
+            }
+        },
+    ),
+    ("F32_TILE", |c| c.float_tiles, |c, on| c.float_tiles = on),
+    ("NORM_Q8K", |c| c.norm_quant, |c, on| c.norm_quant = on),
+    ("BLOCK_ROUTE", |c| c.block_route, |c, on| c.block_route = on),
+    ("SMALL_PLAN", |c| c.small_plan, |c, on| c.small_plan = on),
+    ("ROW", |c| c.row_kernels, |c, on| c.row_kernels = on),
+    ("GLU", |c| c.glu, |c, on| c.glu = on),
+    ("MULTI", |c| c.multi, |c, on| c.multi = on),
+    (
+        "QGATHER",
+        |c| c.quantized_gather,
+        |c, on| c.quantized_gather = on,
+    ),
+    ("OVERLAP", |c| c.overlap, |c, on| c.overlap = on),
+    ("ATT_Q4", |c| c.att_q4, |c, on| c.att_q4 = on),
+    ("ATT_TC", |c| c.att_tc, |c, on| c.att_tc = on),
+    ("MOE_JOINT", |c| c.moe_joint, |c, on| c.moe_joint = on),
+    ("GRAPHS", |c| c.graphs, |c, on| c.graphs = on),
+];
+
+fn switch_named(name: &str) -> Result<&'static Switch> {
+    SWITCHES
+        .iter()
+        .find(|s| s.0.eq_ignore_ascii_case(name))
+        .ok_or_else(|| CudaError::UnknownSwitch {
+            name: name.to_string(),
+            known: Cuda::switch_names().collect::<Vec<_>>().join(", "),
+        })
+}
+
 /// The tensor-core kernel families for wide Q4_K/Q5_K calls; every one
 /// computes the same bytes as the dp4a kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -805,90 +857,24 @@ impl Cuda {
         self.tc_kernel = k;
     }
 
-    /// The kernel switches by name, as the `SAMESUM_CUDA_<NAME>` variables
+    /// The kernel switches' names, as the `SAMESUM_CUDA_<NAME>` variables
     /// spell them (`TC_ASYNC`, `OVERLAP`, ...): `samesum agree` turns one
     /// on or off in its second arm.
-    pub const SWITCHES: &'static [&'static str] = &[
-        "TC",
-        "TC_PIPE",
-        "TC_ASYNC",
-        "F32_TILE",
-        "NORM_Q8K",
-        "BLOCK_ROUTE",
-        "SMALL_PLAN",
-        "ROW",
-        "GLU",
-        "MULTI",
-        "QGATHER",
-        "OVERLAP",
-        "ATT_Q4",
-        "ATT_TC",
-        "MOE_JOINT",
-        "GRAPHS",
-    ];
+    pub fn switch_names() -> impl Iterator<Item = &'static str> {
+        SWITCHES.iter().map(|s| s.0)
+    }
 
-    /// Set the switch `name` (one of [`Cuda::SWITCHES`], case-insensitive)
-    /// as its `SAMESUM_CUDA_<NAME>` variable would at startup.
+    /// Set the switch `name` (one of [`Cuda::switch_names`],
+    /// case-insensitive) as its `SAMESUM_CUDA_<NAME>` variable would at
+    /// startup.
     pub fn set_switch(&mut self, name: &str, on: bool) -> Result<()> {
-        match name.to_ascii_uppercase().as_str() {
-            "TC" => self.tensor_cores = on,
-            "TC_PIPE" => self.tc_kernel = if on { TcKernel::Async } else { TcKernel::Plain },
-            "TC_ASYNC" => {
-                self.tc_kernel = if on {
-                    TcKernel::Async
-                } else {
-                    TcKernel::Pipelined
-                }
-            }
-            "F32_TILE" => self.float_tiles = on,
-            "NORM_Q8K" => self.norm_quant = on,
-            "BLOCK_ROUTE" => self.block_route = on,
-            "SMALL_PLAN" => self.small_plan = on,
-            "ROW" => self.row_kernels = on,
-            "GLU" => self.glu = on,
-            "MULTI" => self.multi = on,
-            "QGATHER" => self.quantized_gather = on,
-            "OVERLAP" => self.overlap = on,
-            "ATT_Q4" => self.att_q4 = on,
-            "ATT_TC" => self.att_tc = on,
-            "MOE_JOINT" => self.moe_joint = on,
-            "GRAPHS" => self.graphs = on,
-            _ => {
-                return Err(CudaError::UnknownSwitch {
-                    name: name.to_string(),
-                    known: Self::SWITCHES.join(", "),
-                });
-            }
-        }
+        (switch_named(name)?.2)(self, on);
         Ok(())
     }
 
     /// The switch `name`'s current setting (see [`Cuda::set_switch`]).
     pub fn switch(&self, name: &str) -> Result<bool> {
-        Ok(match name.to_ascii_uppercase().as_str() {
-            "TC" => self.tensor_cores,
-            "TC_PIPE" => self.tc_kernel != TcKernel::Plain,
-            "TC_ASYNC" => self.tc_kernel == TcKernel::Async,
-            "F32_TILE" => self.float_tiles,
-            "NORM_Q8K" => self.norm_quant,
-            "BLOCK_ROUTE" => self.block_route,
-            "SMALL_PLAN" => self.small_plan,
-            "ROW" => self.row_kernels,
-            "GLU" => self.glu,
-            "MULTI" => self.multi,
-            "QGATHER" => self.quantized_gather,
-            "OVERLAP" => self.overlap,
-            "ATT_Q4" => self.att_q4,
-            "ATT_TC" => self.att_tc,
-            "MOE_JOINT" => self.moe_joint,
-            "GRAPHS" => self.graphs,
-            _ => {
-                return Err(CudaError::UnknownSwitch {
-                    name: name.to_string(),
-                    known: Self::SWITCHES.join(", "),
-                });
-            }
-        })
+        Ok((switch_named(name)?.1)(self))
     }
 
     /// Cap the attention partials of one call at `bytes` (rows then run in
@@ -2774,7 +2760,7 @@ mod tests {
             .collect();
         read.sort_unstable();
         read.dedup();
-        let mut named: Vec<&str> = Cuda::SWITCHES.to_vec();
+        let mut named: Vec<&str> = Cuda::switch_names().collect();
         named.sort_unstable();
         assert_eq!(read, named);
     }

@@ -1099,7 +1099,7 @@ fn switches_are_set_and_read_by_name() {
     }
     let (_d, model) = synth("tiny-qwen3moe", GgmlType::Q4_K, 5);
     let mut cuda = Cuda::new(0, &model, false).unwrap();
-    for &name in Cuda::SWITCHES {
+    for name in Cuda::switch_names() {
         for on in [false, true] {
             cuda.set_switch(name, on).unwrap();
             assert_eq!(cuda.switch(name).unwrap(), on, "{name} = {on}");

@@ -54,7 +54,9 @@ pub struct Replay {
     max_rows: usize,
 }
 
-fn continue_greedy<B: Backend>(
+/// Greedy tokens after `last_logits` (the logits of the state's last
+/// position): `n` of them, each fed back through a one-row forward call.
+pub fn continue_greedy<B: Backend>(
     b: &B,
     model: &Model,
     st: &mut B::State,
