@@ -596,10 +596,6 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
     int mine = lane >> 1;
     float mx;
     int last = pos0 + r0 + mine / gs;
-    if (hd <= 32) mx = tile_scores<1, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-    else if (hd <= 64) mx = tile_scores<2, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-    else if (hd <= 128 && V == 0) mx = tile_scores<4, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-    else if (hd <= 128) mx = tile_scores<4, 4, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
     if (V == 2) tile_scores_tc(qs, st, smax, ck, kvw, g, hd, pos0 + r0, gs, j0, jend, np, scale, f16);
     else {
         if (hd <= 32) mx = tile_scores<1, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
