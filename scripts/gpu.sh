@@ -74,7 +74,7 @@ run)
         return $rc
     }
     if [[ $steps == *,tests,* ]]; then
-        step kernels-compile .gpu/test-kernels_compile --nocapture
+        step kernels-compile env CUDA_CACHE_DISABLE=1 .gpu/test-kernels_compile --nocapture
         step gpu-tests .gpu/test-gpu --nocapture --test-threads=1
     fi
     if [[ $steps == *,identity,* ]]; then
