@@ -384,158 +384,6 @@ __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*
     return mx;
 }
 
-// ---- attention on tensor cores (opt-in: attention_tiles_tc)
-//
-// The score and value passes as tf32 mma.sync.m16n8k8 with each operand split
-// in two (x = hi + lo, hi = tf32(x), lo = tf32(x - hi)) and three products
-// accumulated per step (lo*hi, hi*lo, then hi*hi, in that order): close to
-// fp32 dots, but summed in the tensor core's own order, so a different
-// function from the CUDA-core passes above. Decode and prefill both run it
-// when it is on. The 16 pairs of a block are the mma's 16 rows: a row's
-// result depends on its own q (or probabilities) and the tile's keys (or
-// values) only. Lane l holds rows g = l / 4 and g + 8, columns / k indices
-// from c = l % 4 (the PTX fragment layout for .tf32 m16n8k8).
-
-__device__ __forceinline__ u32 tf32_of(float x) {
-    u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
-
-__device__ __forceinline__ void tf32_split(float x, u32& hi, u32& lo) {
-    hi = tf32_of(x);
-    lo = tf32_of(__fsub_rn(x, __uint_as_float(hi)));
-}
-
-__device__ __forceinline__ void mma_tf32(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// d += a * b for one m16n8k8 step, a and b given as fp32 fragments.
-__device__ __forceinline__ void mma_3xtf32(float (&d)[4], const float (&a)[4], const float (&b)[2]) {
-    u32 ah[4], al[4], bh[2], bl[2];
-#pragma unroll
-    for (int i = 0; i < 4; i++) tf32_split(a[i], ah[i], al[i]);
-#pragma unroll
-    for (int i = 0; i < 2; i++) tf32_split(b[i], bh[i], bl[i]);
-    mma_tf32(d, al[0], al[1], al[2], al[3], bh[0], bh[1]);
-    mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
-    mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
-}
-
-// Score pass: warp w takes the tile's key groups w, w + 8, ... (8 keys each:
-// the mma's columns); the k loop runs over the head dims in steps of 8 (hd
-// a multiple of 8). Writes the scaled scores to st (-inf where masked) and
-// each pair's max over the warp's keys to smax[pair][warp].
-__device__ __forceinline__ void tile_scores_tc(const float (*qs)[ATT_HD], float (*st)[ATT_T],
-                                               float (*smax)[ATT_WARPS], const void* ck, int kvw, int g, int hd,
-                                               int first_last, int gs, int j0, int jend, int np, float scale,
-                                               int f16) {
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int gr = lane >> 2, c = lane & 3;
-    float mx0 = -INFINITY, mx1 = -INFINITY;  // pairs gr and gr + 8
-    int last0 = first_last + gr / gs, last1 = first_last + (gr + 8) / gs;
-    for (int kg = warp; kg < ATT_T / 8; kg += ATT_WARPS) {
-        int jj0 = kg * 8;
-        if (j0 + jj0 >= jend) {
-            // No key of the group is in the tile.
-            st[gr][jj0 + 2 * c] = -INFINITY;
-            st[gr][jj0 + 2 * c + 1] = -INFINITY;
-            st[gr + 8][jj0 + 2 * c] = -INFINITY;
-            st[gr + 8][jj0 + 2 * c + 1] = -INFINITY;
-            continue;
-        }
-        int jk = j0 + jj0 + gr;  // this lane's key for the b fragment (column gr)
-        i64 kb = (i64)jk * kvw + g * hd;
-        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        // The next step's key values are loaded before this step's products.
-        bool kin = jk < jend;
-        float bn[2] = {kin ? kv_at(ck, kb + c, f16) : 0.0f, kin ? kv_at(ck, kb + c + 4, f16) : 0.0f};
-        for (int k0 = 0; k0 < hd; k0 += 8) {
-            float bb[2] = {bn[0], bn[1]};
-            if (k0 + 8 < hd) {
-                bn[0] = kin ? kv_at(ck, kb + k0 + 8 + c, f16) : 0.0f;
-                bn[1] = kin ? kv_at(ck, kb + k0 + 8 + c + 4, f16) : 0.0f;
-            }
-            float a[4] = {qs[gr][k0 + c], qs[gr + 8][k0 + c], qs[gr][k0 + c + 4], qs[gr + 8][k0 + c + 4]};
-            mma_3xtf32(d, a, bb);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int p = i < 2 ? gr : gr + 8;
-            int jj = jj0 + 2 * c + (i & 1);
-            int j = j0 + jj;
-            float v = -INFINITY;
-            if (p < np && j < jend && j <= (i < 2 ? last0 : last1)) {
-                v = __fmul_rn(d[i], scale);
-                if (i < 2) mx0 = fmaxf(mx0, v);
-                else mx1 = fmaxf(mx1, v);
-            }
-            st[p][jj] = v;
-        }
-    }
-    // Each pair's max over the warp's keys: the four lanes of a row.
-#pragma unroll
-    for (int o = 1; o < 4; o *= 2) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
-    }
-    if (c == 0) {
-        smax[gr][warp] = mx0;
-        smax[gr + 8][warp] = mx1;
-    }
-}
-
-// Value pass: warp w takes the head dims' groups of 8 w, w + 8, ... (the
-// mma's columns); the k loop runs over the tile's keys in steps of 8, up to
-// the block's last key (past a pair's own keys its probabilities are 0).
-__device__ __forceinline__ void tile_values_tc(const void* cv, const float (*st)[ATT_T], float* pacc, int kvw,
-                                               int np, int gs, int g, int hq, int hd, int r0, int pos0, int j0,
-                                               int jend, int b, int nb, int f16) {
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int gr = lane >> 2, c = lane & 3;
-    int n = jend - j0;
-    // A pair's probabilities: st's e values; -inf (a pair with no key in the
-    // tile, or not live) reads as 0.
-    auto prob = [&](int p, int jj) -> float {
-        float v = st[p][jj];
-        return v == -INFINITY ? 0.0f : v;
-    };
-    for (int dg = warp; dg * 8 < hd; dg += ATT_WARPS) {
-        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        int dim = dg * 8 + gr;  // this lane's column for the b fragment
-        // The value rows of step k0 (keys j0 + k0 + c and + 4), loaded one
-        // step ahead of their products.
-        auto vload = [&](int k0, float (&bb)[2]) {
-            int ja = j0 + k0 + c, jb = ja + 4;
-            bb[0] = ja < jend ? kv_at(cv, (i64)ja * kvw + g * hd + dim, f16) : 0.0f;
-            bb[1] = jb < jend ? kv_at(cv, (i64)jb * kvw + g * hd + dim, f16) : 0.0f;
-        };
-        float bn[2];
-        vload(0, bn);
-        for (int k0 = 0; k0 < n; k0 += 8) {
-            float bb[2] = {bn[0], bn[1]};
-            if (k0 + 8 < n) vload(k0 + 8, bn);
-            float a[4] = {prob(gr, k0 + c), prob(gr + 8, k0 + c), prob(gr, k0 + c + 4), prob(gr + 8, k0 + c + 4)};
-            mma_3xtf32(d, a, bb);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int p = i < 2 ? gr : gr + 8;
-            int od = dg * 8 + 2 * c + (i & 1);
-            int cnt = p < np ? min(jend, pos0 + r0 + p / gs + 1) - j0 : 0;
-            if (cnt > 0) {
-                i64 pair = (i64)(r0 + p / gs) * hq + g * gs + p % gs;
-                pacc[(pair * nb + b) * hd + od] = d[i];
-            }
-        }
-    }
-}
-
 // Attention in fixed key tiles. For the (row, head) pair at position p (keys
 // 0..=p), tile b covers keys [256 b, min(256 b + 256, p + 1)) and computes
 //   s_j  = (lane l's fma chain over dims l, l + 32, ... then a fixed xor
@@ -596,15 +444,12 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
     int mine = lane >> 1;
     float mx;
     int last = pos0 + r0 + mine / gs;
-    if (V == 2) tile_scores_tc(qs, st, smax, ck, kvw, g, hd, pos0 + r0, gs, j0, jend, np, scale, f16);
-    else {
-        if (hd <= 32) mx = tile_scores<1, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-        else if (hd <= 64) mx = tile_scores<2, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-        else if (hd <= 128 && V == 0) mx = tile_scores<4, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-        else if (hd <= 128) mx = tile_scores<4, 4, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-        else mx = tile_scores<8, ATT_KB, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-        if ((lane & 1) == 0) smax[mine][warp] = mx;
-    }
+    if (hd <= 32) mx = tile_scores<1, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    else if (hd <= 64) mx = tile_scores<2, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    else if (hd <= 128 && V == 0) mx = tile_scores<4, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    else if (hd <= 128) mx = tile_scores<4, 4, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    else mx = tile_scores<8, ATT_KB, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    if ((lane & 1) == 0) smax[mine][warp] = mx;
     __syncthreads();
     // e in place, thread t owning slot t of every pair; each warp's sum by a
     // butterfly.
@@ -625,8 +470,7 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
     // the pairs over G groups of threads (pair p to group p % G), so every
     // thread works; each (pair, dim) is one thread's fma chain.
     int hdp = (hd + 31) / 32 * 32;
-    if (V == 2) tile_values_tc(cv, st, pacc, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16);
-    else switch (ATT_THREADS % hdp == 0 ? ATT_THREADS / hdp : 1) {
+    switch (ATT_THREADS % hdp == 0 ? ATT_THREADS / hdp : 1) {
     case 8: tile_values<8>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
     case 4: tile_values<4>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
     case 2: tile_values<2>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
@@ -656,13 +500,251 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
 }
 
-// Both passes on tensor cores (3xTF32; see tile_scores_tc): head dims that
-// are multiples of 8, up to 256.
+// ---- Attention on tensor cores (opt-in: attention_tiles_tc)
+//
+// The same tiles, partials and combine as attention_tiles, but both passes as
+// tf32 mma.sync.m16n8k8 with every operand split in two (x = hi + lo,
+// hi = tf32(x), lo = tf32(x - hi)) and three products accumulated a step
+// (lo*hi, hi*lo, then hi*hi): close to fp32 dot products, summed in the
+// tensor core's order, so a different function from the CUDA-core passes.
+// Decode and prefill both run it when it is on.
+//
+// A block takes 32 (row, head) pairs (two m16 tiles: 32 / gs rows x the gs
+// query heads of KV head g), so each key and value row read serves 32 pairs.
+// An mma row is one pair: its result depends on that pair's q (or
+// probabilities) and the tile's keys (or values) only, never on the other
+// rows, so a pair gets the same bytes whichever block it sits in. Lane l
+// holds rows gr = l / 4 and gr + 8 of a tile; its k slots c = l % 4 and
+// c + 4 take two adjacent elements (dims 8 s + 2 c and 8 s + 2 c + 1 of step
+// s in the score pass, keys 8 s + 2 c and 8 s + 2 c + 1 in the value pass),
+// read as one float2.
+//
+// The value pass runs the tile's keys up to the block's last key in steps of
+// 32; past a pair's own keys its probabilities are 0 and past the block's
+// keys the values read as 0, so those steps add zero products (the same
+// bytes, as the identity gate checks).
+#define ATC_P 32            // pairs a block
+#define ATC_SS (ATT_T + 8)  // score row stride in floats: rows 8 banks apart
+
+__device__ __forceinline__ u32 tf32_of(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void tf32_split(float x, u32& hi, u32& lo) {
+    hi = tf32_of(x);
+    lo = tf32_of(__fsub_rn(x, __uint_as_float(hi)));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// d += a * b for one m16n8k8 step, both given as fp32 fragments (a: rows gr,
+// gr + 8 at slot c, then at slot c + 4; b: slots c, c + 4 of column gr).
+__device__ __forceinline__ void mma_3xtf32(float (&d)[4], float2 ar0, float2 ar8, u32 bh0, u32 bh1, u32 bl0,
+                                           u32 bl1) {
+    u32 ah[4], al[4];
+    tf32_split(ar0.x, ah[0], al[0]);
+    tf32_split(ar8.x, ah[1], al[1]);
+    tf32_split(ar0.y, ah[2], al[2]);
+    tf32_split(ar8.y, ah[3], al[3]);
+    mma_tf32(d, al[0], al[1], al[2], al[3], bh0, bh1);
+    mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bl0, bl1);
+    mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
+}
+
+// Two adjacent cache elements (i even) as floats.
+__device__ __forceinline__ float2 kv_at2(const void* c, i64 i, int f16) {
+    if (f16) {
+        u32 w = *reinterpret_cast<const u32*>((const u16*)c + i);
+        return make_float2(f16_to_f32((u16)(w & 0xffffu)), f16_to_f32((u16)(w >> 16)));
+    }
+    return *reinterpret_cast<const float2*>((const float*)c + i);
+}
+
+// Head dims that are multiples of 32, up to ATT_HD; gs divides 32. Dynamic
+// shared memory: 32 q rows of hd + 8 floats, then 32 score rows of ATC_SS.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles_tc(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
                        int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
     pdl_wait();
-    attention_tiles_k<2>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+    extern __shared__ __align__(16) float atc_smem[];
+    __shared__ float smax[ATC_P][ATT_WARPS];
+    __shared__ float wsum[ATC_P][ATT_WARPS];
+    __shared__ float pmax[ATC_P];
+    int qst = hd + 8;  // q row stride: rows 8 banks apart
+    float* qs = atc_smem;
+    float* st = qs + ATC_P * qst;
+    int pos0 = *posp + rbase;
+    int t = threadIdx.x, warp = t / 32, lane = t % 32;
+    int gr = lane >> 2, c = lane & 3;
+    int gs = hq / hkv, rows = ATC_P / gs;
+    int g = blockIdx.x, r0 = blockIdx.y * rows, b = blockIdx.z;
+    int np = min(rows, m - r0) * gs;  // live pairs: pair p = (row r0 + p / gs, head g * gs + p % gs)
+    int j0 = b * ATT_T;
+    int nmax = pos0 + r0 + np / gs;  // keys of the block's last row
+    if (j0 >= nmax) return;
+    int jend = min(j0 + ATT_T, nmax);
+    int kvw = hkv * hd;
+    for (int i = t; i < ATC_P * hd; i += ATT_THREADS) {
+        int p = i / hd, d = i % hd;
+        qs[p * qst + d] = p < np ? q[((i64)(r0 + p / gs) * hq + g * gs + p % gs) * hd + d] : 0.0f;
+    }
+    __syncthreads();
+
+    // Scores: warp w takes the key groups w, w + 8, ... (8 keys, the mma's
+    // columns); each pair's dot product runs over the head dims in steps of 8
+    // (four steps a chunk of 32, the keys' elements loaded a chunk ahead).
+    float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};  // rows gr, gr + 8, gr + 16, gr + 24
+    for (int kg = warp; kg < ATT_T / 8; kg += ATT_WARPS) {
+        int jj0 = kg * 8;
+        if (j0 + jj0 >= jend) {  // no key of the group is in the tile
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                st[(gr + 8 * r) * ATC_SS + jj0 + 2 * c] = -INFINITY;
+                st[(gr + 8 * r) * ATC_SS + jj0 + 2 * c + 1] = -INFINITY;
+            }
+            continue;
+        }
+        int jk = j0 + jj0 + gr;  // this lane's key (column gr)
+        bool kin = jk < jend;
+        i64 kb = (i64)jk * kvw + g * hd + 2 * c;
+        float2 kn[4];
+#pragma unroll
+        for (int s = 0; s < 4; s++) kn[s] = kin ? kv_at2(ck, kb + 8 * s, f16) : make_float2(0.0f, 0.0f);
+        float d0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k0 = 0; k0 < hd; k0 += 32) {
+            float2 kc[4];
+#pragma unroll
+            for (int s = 0; s < 4; s++) kc[s] = kn[s];
+            if (k0 + 32 < hd) {
+#pragma unroll
+                for (int s = 0; s < 4; s++)
+                    kn[s] = kin ? kv_at2(ck, kb + k0 + 32 + 8 * s, f16) : make_float2(0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                u32 bh0, bl0, bh1, bl1;
+                tf32_split(kc[s].x, bh0, bl0);
+                tf32_split(kc[s].y, bh1, bl1);
+                const float* qa = qs + gr * qst + k0 + 8 * s + 2 * c;
+                float2 q0 = *reinterpret_cast<const float2*>(qa);
+                float2 q8 = *reinterpret_cast<const float2*>(qa + 8 * qst);
+                float2 q16 = *reinterpret_cast<const float2*>(qa + 16 * qst);
+                float2 q24 = *reinterpret_cast<const float2*>(qa + 24 * qst);
+                mma_3xtf32(d0, q0, q8, bh0, bh1, bl0, bl1);
+                mma_3xtf32(d1, q16, q24, bh0, bh1, bl0, bl1);
+            }
+        }
+        // d[i]: row gr (i < 2) or gr + 8, key column 2 c + (i & 1).
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int p = gr + 8 * (i / 2);  // d0 rows gr, gr + 8; d1 rows gr + 16, gr + 24
+            float dv = i < 4 ? d0[i] : d1[i - 4];
+            int jj = jj0 + 2 * c + (i & 1);
+            int j = j0 + jj;
+            float v = -INFINITY;
+            if (p < np && j < jend && j <= pos0 + r0 + p / gs) {
+                v = __fmul_rn(dv, scale);
+                mx[i / 2] = fmaxf(mx[i / 2], v);
+            }
+            st[p * ATC_SS + jj] = v;
+        }
+    }
+    // Each row's max over the warp's keys: the four lanes of a row.
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        if (c == 0) smax[gr + 8 * r][warp] = mx[r];
+    }
+    __syncthreads();
+    // e in place, thread t owning slot t of every pair; each warp's sum by a
+    // butterfly (as attention_tiles).
+    for (int p = 0; p < np; p++) {
+        float mxp = smax[p][0];
+        for (int w = 1; w < ATT_WARPS; w++) mxp = fmaxf(mxp, smax[p][w]);
+        float e = 0.0f;
+        if (mxp != -INFINITY) {
+            e = expf(__fsub_rn(st[p * ATC_SS + t], mxp));
+            st[p * ATC_SS + t] = e;
+        }
+        for (int o2 = 16; o2 > 0; o2 /= 2) e = __fadd_rn(e, __shfl_xor_sync(0xffffffffu, e, o2));
+        if (lane == 0) wsum[p][warp] = e;
+        if (t == 0) pmax[p] = mxp;
+    }
+    __syncthreads();
+
+    // Values: warp w takes the head dims' groups of 8, w, w + 8, ... (the
+    // mma's columns); the sum runs over the tile's keys in steps of 8, four
+    // a chunk, the values loaded a chunk ahead. A probability slot holding
+    // -inf (a pair with no key in the tile, or not live) reads as 0.
+    int n = jend - j0;
+    for (int dg = warp; dg * 8 < hd; dg += ATT_WARPS) {
+        i64 vb = (i64)j0 * kvw + g * hd + dg * 8 + gr;  // column gr: dim dg * 8 + gr
+        float vn[8];
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            int kk = 8 * s + 2 * c;
+            vn[2 * s] = kk < n ? kv_at(cv, vb + (i64)kk * kvw, f16) : 0.0f;
+            vn[2 * s + 1] = kk + 1 < n ? kv_at(cv, vb + (i64)(kk + 1) * kvw, f16) : 0.0f;
+        }
+        float d0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k0 = 0; k0 < n; k0 += 32) {
+            float vc[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) vc[i] = vn[i];
+            if (k0 + 32 < n) {
+#pragma unroll
+                for (int s = 0; s < 4; s++) {
+                    int kk = k0 + 32 + 8 * s + 2 * c;
+                    vn[2 * s] = kk < n ? kv_at(cv, vb + (i64)kk * kvw, f16) : 0.0f;
+                    vn[2 * s + 1] = kk + 1 < n ? kv_at(cv, vb + (i64)(kk + 1) * kvw, f16) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                u32 bh0, bl0, bh1, bl1;
+                tf32_split(vc[2 * s], bh0, bl0);
+                tf32_split(vc[2 * s + 1], bh1, bl1);
+                const float* pa = st + gr * ATC_SS + k0 + 8 * s + 2 * c;
+                float2 p0 = *reinterpret_cast<const float2*>(pa);
+                float2 p8 = *reinterpret_cast<const float2*>(pa + 8 * ATC_SS);
+                float2 p16 = *reinterpret_cast<const float2*>(pa + 16 * ATC_SS);
+                float2 p24 = *reinterpret_cast<const float2*>(pa + 24 * ATC_SS);
+                // e >= 0, so fmaxf(., 0) maps -inf to 0 and keeps every e.
+                p0 = make_float2(fmaxf(p0.x, 0.0f), fmaxf(p0.y, 0.0f));
+                p8 = make_float2(fmaxf(p8.x, 0.0f), fmaxf(p8.y, 0.0f));
+                p16 = make_float2(fmaxf(p16.x, 0.0f), fmaxf(p16.y, 0.0f));
+                p24 = make_float2(fmaxf(p24.x, 0.0f), fmaxf(p24.y, 0.0f));
+                mma_3xtf32(d0, p0, p8, bh0, bh1, bl0, bl1);
+                mma_3xtf32(d1, p16, p24, bh0, bh1, bl0, bl1);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int p = gr + 8 * (i / 2);
+            int od = dg * 8 + 2 * c + (i & 1);
+            if (p < np && j0 <= pos0 + r0 + p / gs) {
+                i64 pair = (i64)(r0 + p / gs) * hq + g * gs + p % gs;
+                pacc[(pair * nb + b) * hd + od] = i < 4 ? d0[i] : d1[i - 4];
+            }
+        }
+    }
+    if (t < np && j0 <= pos0 + r0 + t / gs) {
+        float* w = wsum[t];
+        float l = __fadd_rn(__fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3])),
+                            __fadd_rn(__fadd_rn(w[4], w[5]), __fadd_rn(w[6], w[7])));
+        i64 pair = (i64)(r0 + t / gs) * hq + g * gs + t % gs;
+        pml[(pair * nb + b) * 2] = pmax[t];
+        pml[(pair * nb + b) * 2 + 1] = l;
+    }
 }
 
 // The tiles of each (row, head) pair folded in tile order (see

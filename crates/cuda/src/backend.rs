@@ -79,7 +79,7 @@ pub struct Cuda {
     att_q4: bool,
     /// Attention's score and value passes on tensor cores (3xTF32 mma,
     /// `attention_tiles_tc`; opt-in, `SAMESUM_CUDA_ATT_TC=1`, head dims that
-    /// are multiples of 8): a different summation order from the CUDA-core
+    /// are multiples of 32 up to 256, groups of 1, 2, 4, 8, 16 or 32 query heads): a different summation order from the CUDA-core
     /// passes, so a different function, run by decode and prefill alike
     /// while it is on.
     att_tc: bool,
@@ -819,8 +819,25 @@ impl Cuda {
         self.att_q4 = on;
     }
 
+    /// The attention kernel the switches pick for a head dim and a query-head
+    /// group size: its name, the (row, head) pairs a block takes, and its
+    /// dynamic shared memory in bytes. The tensor-core kernel keeps 32 pairs'
+    /// q and score rows in dynamic shared memory; the CUDA-core ones take 16
+    /// pairs in static arrays.
+    #[doc(hidden)]
+    pub fn attention_kernel(&self, hd: usize, gs: usize) -> (&'static str, usize, usize) {
+        if self.att_tc && hd.is_multiple_of(32) && hd <= 256 && gs > 0 && 32usize.is_multiple_of(gs)
+        {
+            ("attention_tiles_tc", 32, 32 * (hd + 8 + 256 + 8) * 4)
+        } else if self.att_q4 {
+            ("attention_tiles_q4", 16, 0)
+        } else {
+            ("attention_tiles", 16, 0)
+        }
+    }
+
     /// Run attention's passes on tensor cores (`attention_tiles_tc`, for
-    /// head dims that are multiples of 8; off unless `SAMESUM_CUDA_ATT_TC=1`).
+    /// head dims that are multiples of 32 up to 256; off unless `SAMESUM_CUDA_ATT_TC=1`).
     #[doc(hidden)]
     pub fn set_attention_tc(&mut self, on: bool) {
         self.att_tc = on;
@@ -1464,17 +1481,15 @@ impl Cuda {
             let mr = group.min(m - r0);
             let (mri, r0i) = (mr as i32, r0 as i32);
             let qg = q.slice(r0 * qw..(r0 + mr) * qw);
-            let kernel = if self.att_tc && hd % 8 == 0 {
-                "attention_tiles_tc"
-            } else if self.att_q4 {
-                "attention_tiles_q4"
-            } else {
-                "attention_tiles"
-            };
+            let (kernel, pairs, smem) = self.attention_kernel(hd, gs);
             launch!(
                 d,
                 kernel,
-                cfg((hkv as u32, mr.div_ceil(16 / gs) as u32, nb as u32), 256, 0),
+                cfg(
+                    (hkv as u32, mr.div_ceil(pairs / gs) as u32, nb as u32),
+                    256,
+                    smem as u32
+                ),
                 &qg,
                 &*ck,
                 &*cv,

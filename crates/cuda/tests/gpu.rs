@@ -720,6 +720,11 @@ fn attention_at_the_real_models_head_shapes() {
             cuda.set_attention_q4(q4);
             cuda.set_attention_tc(tc);
             let what = format!("heads {heads}/{kv_heads} x {head_dim}, q4 {q4}, tc {tc}");
+            // Every shape here has a tensor-core kernel: the switch reaches it.
+            let kernel = cuda
+                .attention_kernel(head_dim as usize, (heads / kv_heads) as usize)
+                .0;
+            assert_eq!(kernel == "attention_tiles_tc", tc, "{what}: {kernel}");
             if let Err(e) = block_ops_match(&cuda, &model, MS, 78) {
                 panic!("{what}: {e}");
             }
