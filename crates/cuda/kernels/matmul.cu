@@ -342,8 +342,12 @@ __device__ void mm_blocks(const u8* W, i64 mat_stride, int row_bytes, const int*
 // once. The per-element arithmetic is mm_blocks's: exact integer terms per
 // block, then the float steps in block order.
 template <class F, int NW>
+//
+// `amap` (optional) names each row's input row: row r reads A's row amap[r]
+// (a decode MoE's placed pairs reading their token's row in place of a
+// gathered copy of it: the same bytes).
 __device__ void mm_row(const u8* W, const u8* W2, i64 mat_stride, int row_bytes, const int* mats,
-                       const u8* A, float* Y, int rows, int m, int nb, int jb) {
+                       const u8* A, float* Y, int rows, int m, int nb, int jb, const int* amap = nullptr) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int j = jb * WARPS + warp;
     int r = blockIdx.y;
@@ -358,7 +362,7 @@ __device__ void mm_row(const u8* W, const u8* W2, i64 mat_stride, int row_bytes,
     const u8* wr[NW];
     wr[0] = W + mat * mat_stride + (i64)j * row_bytes;
     if (NW == 2) wr[NW - 1] = W2 + mat * mat_stride + (i64)j * row_bytes;
-    const u8* ar = A + (i64)r * nb * F::ABYTES;
+    const u8* ar = A + (i64)(amap ? amap[r] : r) * nb * F::ABYTES;
     F f[NW], fn[NW];
     typename F::A x = typename F::A(), xn = typename F::A();
     if (g < nb) {
@@ -457,6 +461,7 @@ struct MoeJobs {
     const int* mats[2];
     const u8* a[2];
     float* y[2];
+    const int* amap[2];  // per-row input rows (see mm_row), or null
     int rows[2];
     int m[2];
 };
@@ -470,7 +475,7 @@ struct MoeJobs {
                       j ? jobs.stride[1] : jobs.stride[0], row_bytes,                         \
                       j ? jobs.mats[1] : jobs.mats[0], j ? jobs.a[1] : jobs.a[0],             \
                       j ? jobs.y[1] : jobs.y[0], j ? jobs.rows[1] : jobs.rows[0],             \
-                      j ? jobs.m[1] : jobs.m[0], nb, bx);                                     \
+                      j ? jobs.m[1] : jobs.m[0], nb, bx, j ? jobs.amap[1] : jobs.amap[0]);    \
     }
 
 MM_MOE_KERNEL(mm_q4_k_moe_1, FmtQ4K, 1)

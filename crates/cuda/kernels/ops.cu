@@ -500,6 +500,253 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
 }
 
+// ---- Attention on tensor cores (opt-in: attention_tiles_tc)
+//
+// The same tiles, partials and combine as attention_tiles, but both passes as
+// tf32 mma.sync.m16n8k8 with every operand split in two (x = hi + lo,
+// hi = tf32(x), lo = tf32(x - hi)) and three products accumulated a step
+// (lo*hi, hi*lo, then hi*hi): close to fp32 dot products, summed in the
+// tensor core's order, so a different function from the CUDA-core passes.
+// Decode and prefill both run it when it is on.
+//
+// A block takes 32 (row, head) pairs (two m16 tiles: 32 / gs rows x the gs
+// query heads of KV head g), so each key and value row read serves 32 pairs.
+// An mma row is one pair: its result depends on that pair's q (or
+// probabilities) and the tile's keys (or values) only, never on the other
+// rows, so a pair gets the same bytes whichever block it sits in. Lane l
+// holds rows gr = l / 4 and gr + 8 of a tile; its k slots c = l % 4 and
+// c + 4 take two adjacent elements (dims 8 s + 2 c and 8 s + 2 c + 1 of step
+// s in the score pass, keys 8 s + 2 c and 8 s + 2 c + 1 in the value pass),
+// read as one float2.
+//
+// The value pass runs the tile's keys up to the block's last key in steps of
+// 32; past a pair's own keys its probabilities are 0 and past the block's
+// keys the values read as 0, so those steps add zero products (the same
+// bytes, as the identity gate checks).
+#define ATC_P 32            // pairs a block
+#define ATC_SS (ATT_T + 8)  // score row stride in floats: rows 8 banks apart
+
+__device__ __forceinline__ u32 tf32_of(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void tf32_split(float x, u32& hi, u32& lo) {
+    hi = tf32_of(x);
+    lo = tf32_of(__fsub_rn(x, __uint_as_float(hi)));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// d += a * b for one m16n8k8 step, both given as fp32 fragments (a: rows gr,
+// gr + 8 at slot c, then at slot c + 4; b: slots c, c + 4 of column gr).
+__device__ __forceinline__ void mma_3xtf32(float (&d)[4], float2 ar0, float2 ar8, u32 bh0, u32 bh1, u32 bl0,
+                                           u32 bl1) {
+    u32 ah[4], al[4];
+    tf32_split(ar0.x, ah[0], al[0]);
+    tf32_split(ar8.x, ah[1], al[1]);
+    tf32_split(ar0.y, ah[2], al[2]);
+    tf32_split(ar8.y, ah[3], al[3]);
+    mma_tf32(d, al[0], al[1], al[2], al[3], bh0, bh1);
+    mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bl0, bl1);
+    mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
+}
+
+// Two adjacent cache elements (i even) as floats.
+__device__ __forceinline__ float2 kv_at2(const void* c, i64 i, int f16) {
+    if (f16) {
+        u32 w = *reinterpret_cast<const u32*>((const u16*)c + i);
+        return make_float2(f16_to_f32((u16)(w & 0xffffu)), f16_to_f32((u16)(w >> 16)));
+    }
+    return *reinterpret_cast<const float2*>((const float*)c + i);
+}
+
+// Head dims that are multiples of 32, up to ATT_HD; gs divides 32. Dynamic
+// shared memory: 32 q rows of hd + 8 floats, then 32 score rows of ATC_SS.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_tiles_tc(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
+                       int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
+    pdl_wait();
+    extern __shared__ __align__(16) float atc_smem[];
+    __shared__ float smax[ATC_P][ATT_WARPS];
+    __shared__ float wsum[ATC_P][ATT_WARPS];
+    __shared__ float pmax[ATC_P];
+    int qst = hd + 8;  // q row stride: rows 8 banks apart
+    float* qs = atc_smem;
+    float* st = qs + ATC_P * qst;
+    int pos0 = *posp + rbase;
+    int t = threadIdx.x, warp = t / 32, lane = t % 32;
+    int gr = lane >> 2, c = lane & 3;
+    int gs = hq / hkv, rows = ATC_P / gs;
+    int g = blockIdx.x, r0 = blockIdx.y * rows, b = blockIdx.z;
+    int np = min(rows, m - r0) * gs;  // live pairs: pair p = (row r0 + p / gs, head g * gs + p % gs)
+    int j0 = b * ATT_T;
+    int nmax = pos0 + r0 + np / gs;  // keys of the block's last row
+    if (j0 >= nmax) return;
+    int jend = min(j0 + ATT_T, nmax);
+    int kvw = hkv * hd;
+    for (int i = t; i < ATC_P * hd; i += ATT_THREADS) {
+        int p = i / hd, d = i % hd;
+        qs[p * qst + d] = p < np ? q[((i64)(r0 + p / gs) * hq + g * gs + p % gs) * hd + d] : 0.0f;
+    }
+    __syncthreads();
+
+    // Scores: warp w takes the key groups w, w + 8, ... (8 keys, the mma's
+    // columns); each pair's dot product runs over the head dims in steps of 8
+    // (four steps a chunk of 32, the keys' elements loaded a chunk ahead).
+    float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};  // rows gr, gr + 8, gr + 16, gr + 24
+    for (int kg = warp; kg < ATT_T / 8; kg += ATT_WARPS) {
+        int jj0 = kg * 8;
+        if (j0 + jj0 >= jend) {  // no key of the group is in the tile
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                st[(gr + 8 * r) * ATC_SS + jj0 + 2 * c] = -INFINITY;
+                st[(gr + 8 * r) * ATC_SS + jj0 + 2 * c + 1] = -INFINITY;
+            }
+            continue;
+        }
+        int jk = j0 + jj0 + gr;  // this lane's key (column gr)
+        bool kin = jk < jend;
+        i64 kb = (i64)jk * kvw + g * hd + 2 * c;
+        float2 kn[4];
+#pragma unroll
+        for (int s = 0; s < 4; s++) kn[s] = kin ? kv_at2(ck, kb + 8 * s, f16) : make_float2(0.0f, 0.0f);
+        float d0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k0 = 0; k0 < hd; k0 += 32) {
+            float2 kc[4];
+#pragma unroll
+            for (int s = 0; s < 4; s++) kc[s] = kn[s];
+            if (k0 + 32 < hd) {
+#pragma unroll
+                for (int s = 0; s < 4; s++)
+                    kn[s] = kin ? kv_at2(ck, kb + k0 + 32 + 8 * s, f16) : make_float2(0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                u32 bh0, bl0, bh1, bl1;
+                tf32_split(kc[s].x, bh0, bl0);
+                tf32_split(kc[s].y, bh1, bl1);
+                const float* qa = qs + gr * qst + k0 + 8 * s + 2 * c;
+                float2 q0 = *reinterpret_cast<const float2*>(qa);
+                float2 q8 = *reinterpret_cast<const float2*>(qa + 8 * qst);
+                float2 q16 = *reinterpret_cast<const float2*>(qa + 16 * qst);
+                float2 q24 = *reinterpret_cast<const float2*>(qa + 24 * qst);
+                mma_3xtf32(d0, q0, q8, bh0, bh1, bl0, bl1);
+                mma_3xtf32(d1, q16, q24, bh0, bh1, bl0, bl1);
+            }
+        }
+        // d[i]: row gr (i < 2) or gr + 8, key column 2 c + (i & 1).
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int p = gr + 8 * (i / 2);  // d0 rows gr, gr + 8; d1 rows gr + 16, gr + 24
+            float dv = i < 4 ? d0[i] : d1[i - 4];
+            int jj = jj0 + 2 * c + (i & 1);
+            int j = j0 + jj;
+            float v = -INFINITY;
+            if (p < np && j < jend && j <= pos0 + r0 + p / gs) {
+                v = __fmul_rn(dv, scale);
+                mx[i / 2] = fmaxf(mx[i / 2], v);
+            }
+            st[p * ATC_SS + jj] = v;
+        }
+    }
+    // Each row's max over the warp's keys: the four lanes of a row.
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        if (c == 0) smax[gr + 8 * r][warp] = mx[r];
+    }
+    __syncthreads();
+    // e in place, thread t owning slot t of every pair; each warp's sum by a
+    // butterfly (as attention_tiles).
+    for (int p = 0; p < np; p++) {
+        float mxp = smax[p][0];
+        for (int w = 1; w < ATT_WARPS; w++) mxp = fmaxf(mxp, smax[p][w]);
+        float e = 0.0f;
+        if (mxp != -INFINITY) {
+            e = expf(__fsub_rn(st[p * ATC_SS + t], mxp));
+            st[p * ATC_SS + t] = e;
+        }
+        for (int o2 = 16; o2 > 0; o2 /= 2) e = __fadd_rn(e, __shfl_xor_sync(0xffffffffu, e, o2));
+        if (lane == 0) wsum[p][warp] = e;
+        if (t == 0) pmax[p] = mxp;
+    }
+    __syncthreads();
+
+    // Values: warp w takes the head dims' groups of 8, w, w + 8, ... (the
+    // mma's columns); the sum runs over the tile's keys in steps of 8, four
+    // a chunk, the values loaded a chunk ahead. A probability slot holding
+    // -inf (a pair with no key in the tile, or not live) reads as 0.
+    int n = jend - j0;
+    for (int dg = warp; dg * 8 < hd; dg += ATT_WARPS) {
+        i64 vb = (i64)j0 * kvw + g * hd + dg * 8 + gr;  // column gr: dim dg * 8 + gr
+        float vn[8];
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            int kk = 8 * s + 2 * c;
+            vn[2 * s] = kk < n ? kv_at(cv, vb + (i64)kk * kvw, f16) : 0.0f;
+            vn[2 * s + 1] = kk + 1 < n ? kv_at(cv, vb + (i64)(kk + 1) * kvw, f16) : 0.0f;
+        }
+        float d0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k0 = 0; k0 < n; k0 += 32) {
+            float vc[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) vc[i] = vn[i];
+            if (k0 + 32 < n) {
+#pragma unroll
+                for (int s = 0; s < 4; s++) {
+                    int kk = k0 + 32 + 8 * s + 2 * c;
+                    vn[2 * s] = kk < n ? kv_at(cv, vb + (i64)kk * kvw, f16) : 0.0f;
+                    vn[2 * s + 1] = kk + 1 < n ? kv_at(cv, vb + (i64)(kk + 1) * kvw, f16) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                u32 bh0, bl0, bh1, bl1;
+                tf32_split(vc[2 * s], bh0, bl0);
+                tf32_split(vc[2 * s + 1], bh1, bl1);
+                const float* pa = st + gr * ATC_SS + k0 + 8 * s + 2 * c;
+                float2 p0 = *reinterpret_cast<const float2*>(pa);
+                float2 p8 = *reinterpret_cast<const float2*>(pa + 8 * ATC_SS);
+                float2 p16 = *reinterpret_cast<const float2*>(pa + 16 * ATC_SS);
+                float2 p24 = *reinterpret_cast<const float2*>(pa + 24 * ATC_SS);
+                // e >= 0, so fmaxf(., 0) maps -inf to 0 and keeps every e.
+                p0 = make_float2(fmaxf(p0.x, 0.0f), fmaxf(p0.y, 0.0f));
+                p8 = make_float2(fmaxf(p8.x, 0.0f), fmaxf(p8.y, 0.0f));
+                p16 = make_float2(fmaxf(p16.x, 0.0f), fmaxf(p16.y, 0.0f));
+                p24 = make_float2(fmaxf(p24.x, 0.0f), fmaxf(p24.y, 0.0f));
+                mma_3xtf32(d0, p0, p8, bh0, bh1, bl0, bl1);
+                mma_3xtf32(d1, p16, p24, bh0, bh1, bl0, bl1);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int p = gr + 8 * (i / 2);
+            int od = dg * 8 + 2 * c + (i & 1);
+            if (p < np && j0 <= pos0 + r0 + p / gs) {
+                i64 pair = (i64)(r0 + p / gs) * hq + g * gs + p % gs;
+                pacc[(pair * nb + b) * hd + od] = i < 4 ? d0[i] : d1[i - 4];
+            }
+        }
+    }
+    if (t < np && j0 <= pos0 + r0 + t / gs) {
+        float* w = wsum[t];
+        float l = __fadd_rn(__fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3])),
+                            __fadd_rn(__fadd_rn(w[4], w[5]), __fadd_rn(w[6], w[7])));
+        i64 pair = (i64)(r0 + t / gs) * hq + g * gs + t % gs;
+        pml[(pair * nb + b) * 2] = pmax[t];
+        pml[(pair * nb + b) * 2 + 1] = l;
+    }
+}
+
 // The tiles of each (row, head) pair folded in tile order (see
 // attention_tiles): a block per pair, a thread per output dim.
 extern "C" __global__ void attention_combine(const float* pml, const float* pacc, float* o, int m, int hq, int hd,
@@ -907,12 +1154,38 @@ __device__ __forceinline__ void softmax_row_u(float* p, float* v, int e, int lan
 // The top k of a softmaxed row held as softmax_row_u leaves it: k rounds of
 // an exact warp argmax (largest first, lowest id among equals), weights
 // renormalized by their sum in k order clamped at 2^-14.
+// The picks' values are kept in registers for the weights (lane l keeps
+// rounds l and l + 32: every lane holds each round's value after the
+// argmax), so the weights need no read back of the ids and the row; past
+// round 64 they are read back. A pick of -1 (a row of NaNs) weighs 0. With
+// `sids` (shared memory), lane 0 also writes the ids there.
+__device__ __forceinline__ void keep_pick(float& keep0, float& keep1, int s, int lane, float bv) {
+    if (lane == (s & 31)) {
+        if (s < 32) keep0 = bv;
+        else if (s < 64) keep1 = bv;
+    }
+}
+
+__device__ __forceinline__ void write_weights(const float* p, const int* ids, float* wts, int r, int k, int lane,
+                                              float keep0, float keep1, float tot) {
+    for (int s = lane; s < k; s += 32) {
+        float v;
+        if (s < 32) v = keep0;
+        else if (s < 64) v = keep1;
+        else {
+            int id = ids[(i64)r * k + s];
+            v = id >= 0 ? p[id] : 0.0f;
+        }
+        wts[(i64)r * k + s] = v / tot;
+    }
+}
+
 template <int U>
 __device__ __forceinline__ void topk_row_u(const float* v, const float* p, int* ids, float* wts, int r, int e,
-                                           int k, int lane) {
+                                           int k, int lane, int* sids = nullptr) {
     __syncwarp();
     unsigned long long taken = 0;  // bit u: entry lane + 32u chosen (e <= 2048)
-    float tot = 0.0f;
+    float tot = 0.0f, keep0 = 0.0f, keep1 = 0.0f;
     for (int s = 0; s < k; s++) {
         int best = -1;
         float bv = 0.0f;
@@ -927,20 +1200,25 @@ __device__ __forceinline__ void topk_row_u(const float* v, const float* p, int* 
         }
         warp_argmax(bv, best);
         if ((best & 31) == lane) taken |= 1ull << (best / 32);
-        if (lane == 0) ids[(i64)r * k + s] = best;
+        if (lane == 0) {
+            ids[(i64)r * k + s] = best;
+            if (sids) sids[r * k + s] = best;
+        }
+        keep_pick(keep0, keep1, s, lane, bv);
         tot = tot + bv;
     }
     tot = fmaxf(tot, 6.103515625e-5f);
     __syncwarp();
-    for (int s = lane; s < k; s += 32) wts[(i64)r * k + s] = p[ids[(i64)r * k + s]] / tot;
+    write_weights(p, ids, wts, r, k, lane, keep0, keep1, tot);
 }
 
 template <int U>
-__device__ __forceinline__ void route_row_u(float* logits, int* ids, float* wts, int r, int e, int k, int lane) {
+__device__ __forceinline__ void route_row_u(float* logits, int* ids, float* wts, int r, int e, int k, int lane,
+                                            int* sids) {
     float* p = logits + (i64)r * e;
     float v[U];
     softmax_row_u<U>(p, v, e, lane);
-    topk_row_u<U>(v, p, ids, wts, r, e, k, lane);
+    topk_row_u<U>(v, p, ids, wts, r, e, k, lane, sids);
 }
 
 // One row's routing by a whole 256-thread block (decode: one row, where a
@@ -1004,7 +1282,8 @@ __device__ void route_row_block_u(float* logits, int* ids, float* wts, int r, in
 }
 
 // The same through memory, for more than 1,024 experts.
-__device__ __forceinline__ void route_row_mem(float* logits, int* ids, float* wts, int r, int e, int k, int lane) {
+__device__ __forceinline__ void route_row_mem(float* logits, int* ids, float* wts, int r, int e, int k, int lane,
+                                              int* sids) {
     float* p = logits + (i64)r * e;
     float mx = -INFINITY;
     for (int i = lane; i < e; i += 32) mx = fmaxf(mx, p[i]);
@@ -1019,7 +1298,7 @@ __device__ __forceinline__ void route_row_mem(float* logits, int* ids, float* wt
     for (int i = lane; i < e; i += 32) p[i] = p[i] / sum;
     __syncwarp();
     unsigned long long taken = 0;  // bit u: entry lane + 32u chosen (e <= 2048)
-    float tot = 0.0f;
+    float tot = 0.0f, keep0 = 0.0f, keep1 = 0.0f;
     for (int s = 0; s < k; s++) {
         int best = -1;
         float bv = 0.0f;
@@ -1033,30 +1312,35 @@ __device__ __forceinline__ void route_row_mem(float* logits, int* ids, float* wt
         }
         warp_argmax(bv, best);
         if ((best & 31) == lane) taken |= 1ull << (best / 32);
-        if (lane == 0) ids[(i64)r * k + s] = best;
+        if (lane == 0) {
+            ids[(i64)r * k + s] = best;
+            if (sids) sids[r * k + s] = best;
+        }
+        keep_pick(keep0, keep1, s, lane, bv);
         tot = tot + bv;
     }
     tot = fmaxf(tot, 6.103515625e-5f);
     __syncwarp();
-    for (int s = lane; s < k; s += 32) wts[(i64)r * k + s] = p[ids[(i64)r * k + s]] / tot;
+    write_weights(p, ids, wts, r, k, lane, keep0, keep1, tot);
 }
 
 // Routing of row r: softmax (max; exp; the sum with lane l over entries l,
 // l + 32, ... then a fixed butterfly; divide), the top k (largest first,
 // lowest id among equals: k rounds of an exact warp argmax), weights
 // renormalized by their sum in k order clamped at 2^-14 (e <= 2048).
-__device__ __forceinline__ void route_row(float* logits, int* ids, float* wts, int r, int e, int k, int lane) {
+__device__ __forceinline__ void route_row(float* logits, int* ids, float* wts, int r, int e, int k, int lane,
+                                          int* sids = nullptr) {
     int n = (e + 31) / 32;
     if (n <= 4)
-        route_row_u<4>(logits, ids, wts, r, e, k, lane);
+        route_row_u<4>(logits, ids, wts, r, e, k, lane, sids);
     else if (n <= 8)
-        route_row_u<8>(logits, ids, wts, r, e, k, lane);
+        route_row_u<8>(logits, ids, wts, r, e, k, lane, sids);
     else if (n <= 16)
-        route_row_u<16>(logits, ids, wts, r, e, k, lane);
+        route_row_u<16>(logits, ids, wts, r, e, k, lane, sids);
     else if (n <= 32)
-        route_row_u<32>(logits, ids, wts, r, e, k, lane);
+        route_row_u<32>(logits, ids, wts, r, e, k, lane, sids);
     else
-        route_row_mem(logits, ids, wts, r, e, k, lane);
+        route_row_mem(logits, ids, wts, r, e, k, lane, sids);
 }
 
 extern "C" __global__ void route(float* logits, int* ids, float* wts, int m, int e, int k) {
@@ -1153,8 +1437,12 @@ extern "C" __global__ void plan_place(const int* ids, int n, int k, const int* o
 // at offsets[e] + (pairs before p with expert e). Unused places stay -1.
 #define PLAN_SMALL_PAIRS 256
 #define PLAN_SMALL_EXPERTS 2048
+//
+// With `pre` (shared memory, already holding the n ids: route_plan_small),
+// the ids are read from there instead of from global memory.
 __device__ __forceinline__ void plan_small_block(const int* ids, int n, int k, int e, int pad, int* placed_row,
-                                                 int* placed_mat, int* slot, int cap) {
+                                                 int* placed_mat, int* slot, int cap,
+                                                 const int* pre = nullptr) {
     __shared__ int sid[PLAN_SMALL_PAIRS];
     __shared__ int cnt[PLAN_SMALL_EXPERTS];  // counts, then offsets
     __shared__ int part[256];
@@ -1164,7 +1452,7 @@ __device__ __forceinline__ void plan_small_block(const int* ids, int n, int k, i
         placed_mat[i] = -1;
     }
     for (int i = t; i < e; i += 256) cnt[i] = 0;
-    if (t < n) sid[t] = ids[t];
+    if (t < n) sid[t] = pre ? pre[t] : ids[t];
     __syncthreads();
     if (t < n && sid[t] >= 0) atomicAdd(&cnt[sid[t]], 1);
     __syncthreads();
@@ -1234,11 +1522,15 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             else
                 route_row_block_u<32>(logits, ids, wts, r, e, k, sp, sid, sv, &flag);
         }
+        plan_small_block(ids, m * k, k, e, pad, placed_row, placed_mat, slot, cap);
     } else {
-        for (int r = warp; r < m; r += 8) route_row(logits, ids, wts, r, e, k, lane);
+        // The warps also leave the ids in shared memory for the plan (no
+        // read back from global memory; m * k <= PLAN_SMALL_PAIRS).
+        __shared__ int rids[PLAN_SMALL_PAIRS];
+        for (int r = warp; r < m; r += 8) route_row(logits, ids, wts, r, e, k, lane, rids);
         __syncthreads();
+        plan_small_block(ids, m * k, k, e, pad, placed_row, placed_mat, slot, cap, rids);
     }
-    plan_small_block(ids, m * k, k, e, pad, placed_row, placed_mat, slot, cap);
 }
 
 // y[r] = sum over slots s in k order of w[r][s] * out[slot[r][s]] (skipped ids

@@ -77,13 +77,22 @@ pub struct Cuda {
     /// terms in the same order, the same bytes. Measured on the H200,
     /// qwen3moe pp4096 4,628 -> 4,923 tok/s (session 8).
     att_q4: bool,
+    /// Attention's score and value passes on tensor cores (3xTF32 mma,
+    /// `attention_tiles_tc`; opt-in, `SAMESUM_CUDA_ATT_TC=1`, head dims that
+    /// are multiples of 32 up to 256, groups of 1, 2, 4, 8, 16 or 32 query heads): a different summation order from the CUDA-core
+    /// passes, so a different function, run by decode and prefill alike
+    /// while it is on.
+    att_tc: bool,
     /// Prefill's shared expert on a second stream beside the routed experts
     /// (default; `SAMESUM_CUDA_OVERLAP=0` runs it after them on the main
     /// stream: the same kernels on the same inputs, the same bytes).
     overlap: bool,
     /// Decode-sized MoE calls run the routed and shared experts in the same
-    /// launches (`mm_*_moe_*`, `mm_f32_multi`; default, off with
-    /// `SAMESUM_CUDA_MOE_JOINT=0`: separate launches, the same bytes).
+    /// launches (`mm_*_moe_*`, `mm_f32_multi`; the routed experts alone
+    /// where there is no shared expert), the routed pairs reading their
+    /// token's quantized row in place instead of a gathered copy (default,
+    /// off with `SAMESUM_CUDA_MOE_JOINT=0`: separate launches and the
+    /// gather, the same bytes).
     moe_joint: bool,
     /// The last norm's Q8_K rows, valid while no kernel has run since.
     norm_q8k: Mutex<Option<NormQ8k>>,
@@ -304,6 +313,7 @@ const SWITCHES: &[Switch] = &[
     ),
     ("OVERLAP", |c| c.overlap, |c, on| c.overlap = on),
     ("ATT_Q4", |c| c.att_q4, |c, on| c.att_q4 = on),
+    ("ATT_TC", |c| c.att_tc, |c, on| c.att_tc = on),
     ("MOE_JOINT", |c| c.moe_joint, |c, on| c.moe_joint = on),
     ("GRAPHS", |c| c.graphs, |c, on| c.graphs = on),
 ];
@@ -588,6 +598,7 @@ impl Cuda {
             quantized_gather: env_switch("SAMESUM_CUDA_QGATHER", true),
             overlap: env_switch("SAMESUM_CUDA_OVERLAP", true),
             att_q4: env_switch("SAMESUM_CUDA_ATT_Q4", true),
+            att_tc: env_switch("SAMESUM_CUDA_ATT_TC", false),
             moe_joint: env_switch("SAMESUM_CUDA_MOE_JOINT", true),
             attn_partials: ATTN_PARTIALS,
             graphs: env_switch("SAMESUM_CUDA_GRAPHS", true),
@@ -806,6 +817,30 @@ impl Cuda {
     #[doc(hidden)]
     pub fn set_attention_q4(&mut self, on: bool) {
         self.att_q4 = on;
+    }
+
+    /// The attention kernel the switches pick for a head dim and a query-head
+    /// group size: its name, the (row, head) pairs a block takes, and its
+    /// dynamic shared memory in bytes. The tensor-core kernel keeps 32 pairs'
+    /// q and score rows in dynamic shared memory; the CUDA-core ones take 16
+    /// pairs in static arrays.
+    #[doc(hidden)]
+    pub fn attention_kernel(&self, hd: usize, gs: usize) -> (&'static str, usize, usize) {
+        if self.att_tc && hd.is_multiple_of(32) && hd <= 256 && gs > 0 && 32usize.is_multiple_of(gs)
+        {
+            ("attention_tiles_tc", 32, 32 * (hd + 8 + 256 + 8) * 4)
+        } else if self.att_q4 {
+            ("attention_tiles_q4", 16, 0)
+        } else {
+            ("attention_tiles", 16, 0)
+        }
+    }
+
+    /// Run attention's passes on tensor cores (`attention_tiles_tc`, for
+    /// head dims that are multiples of 32 up to 256; off unless `SAMESUM_CUDA_ATT_TC=1`).
+    #[doc(hidden)]
+    pub fn set_attention_tc(&mut self, on: bool) {
+        self.att_tc = on;
     }
 
     /// Run prefill's shared expert on the second stream (`true`, the default
@@ -1446,15 +1481,15 @@ impl Cuda {
             let mr = group.min(m - r0);
             let (mri, r0i) = (mr as i32, r0 as i32);
             let qg = q.slice(r0 * qw..(r0 + mr) * qw);
-            let kernel = if self.att_q4 {
-                "attention_tiles_q4"
-            } else {
-                "attention_tiles"
-            };
+            let (kernel, pairs, smem) = self.attention_kernel(hd, gs);
             launch!(
                 d,
                 kernel,
-                cfg((hkv as u32, mr.div_ceil(16 / gs) as u32, nb as u32), 256, 0),
+                cfg(
+                    (hkv as u32, mr.div_ceil(pairs / gs) as u32, nb as u32),
+                    256,
+                    smem as u32
+                ),
                 &qg,
                 &*ck,
                 &*cv,
@@ -1956,21 +1991,23 @@ impl Cuda {
     /// The rest of a decode-sized MoE call with a shared expert (see
     /// `moe_rows`): both GLUs in one launch into one buffer (the routed
     /// rows, then the token rows), one quantization of it, both down
-    /// projections in one launch, then the combine.
+    /// projections in one launch, then the combine. The routed pairs read
+    /// their token's quantized row through `placed_row` (the bytes a gather
+    /// would have copied), so no gather runs.
     #[allow(clippy::too_many_arguments)]
     fn moe_joint_rows(
         &self,
         mw: &MoeW,
-        sh: &samesum_engine::model::weights::SharedW,
+        sh: Option<&samesum_engine::model::weights::SharedW>,
         bases: [u64; 3],
         mats: &CudaSlice<i32>,
-        xein: &Input,
+        placed_row: &CudaSlice<i32>,
         xin: &Input,
         cap: usize,
         m: usize,
         slot: &CudaSlice<i32>,
         wts: &CudaSlice<f32>,
-        gi: CudaSlice<f32>,
+        gi: Option<CudaSlice<f32>>,
         y: &mut CudaSlice<f32>,
         k: usize,
     ) -> Result<()> {
@@ -1999,31 +2036,42 @@ impl Cuda {
             (_, false) => "mm_q8_0_moe_1",
         };
         let nb = |w: &Matrix| (w.cols / if q8_0(w.ty) { 32 } else { 256 }) as i32;
-        // Both GLUs: rows 0..cap the routed pairs, cap..cap+m the tokens.
-        let g = d.scratch::<f32>((cap + m) * f)?;
+        // Both GLUs: rows 0..cap the routed pairs, cap..cap+m the tokens
+        // (a second job only with a shared expert).
+        let ms = if sh.is_some() { m } else { 0 };
+        let jobs_n = 1 + sh.is_some() as usize;
+        let g = d.scratch::<f32>((cap + ms) * f)?;
         let gp = addr(d, &g);
+        let xq = quant(xin, mw.gate.ty)?;
         let mut jobs = MoeJobs {
-            wg: [bases[0], self.wptr(&sh.gate)?],
-            wu: [bases[1], self.wptr(&sh.up)?],
+            wg: [
+                bases[0],
+                sh.map(|s| self.wptr(&s.gate)).transpose()?.unwrap_or(0),
+            ],
+            wu: [
+                bases[1],
+                sh.map(|s| self.wptr(&s.up)).transpose()?.unwrap_or(0),
+            ],
             stride: [(mw.gate.rows * mw.gate.row_bytes) as i64, 0],
             mats: [addr(d, mats), 0],
-            a: [quant(xein, mw.gate.ty)?, quant(xin, mw.gate.ty)?],
+            a: [xq, xq],
             y: [gp, gp + (cap * f * 4) as u64],
+            amap: [addr(d, placed_row), 0],
             rows: [f as i32, f as i32],
-            m: [cap as i32, m as i32],
+            m: [cap as i32, ms as i32],
         };
-        let blocks = (2 * f.div_ceil(4)) as u32;
+        let blocks = (jobs_n * f.div_ceil(4)) as u32;
         let (rb, nbg) = (mw.gate.row_bytes as i32, nb(&mw.gate));
         launch!(
             d,
             kname(mw.gate.ty, true),
-            cfg((blocks, cap.max(m) as u32, 1), 128, 0),
+            cfg((blocks, cap.max(ms) as u32, 1), 128, 0),
             &jobs,
             &rb,
             &nbg
         )?;
         // One quantization of both, then both down projections.
-        let gin = Input::new(&g, cap + m);
+        let gin = Input::new(&g, cap + ms);
         let ga = quant(&gin, mw.down.ty)?;
         let row_q = if q8_0(mw.down.ty) {
             f / 32 * 36
@@ -2031,24 +2079,32 @@ impl Cuda {
             f / 256 * 304
         };
         let oe = d.scratch::<f32>(cap * dm)?;
-        let ys = d.scratch::<f32>(m * dm)?;
-        jobs.wg = [bases[2], self.wptr(&sh.down)?];
+        let ys = d.scratch::<f32>((ms * dm).max(1))?;
+        jobs.wg = [
+            bases[2],
+            sh.map(|s| self.wptr(&s.down)).transpose()?.unwrap_or(0),
+        ];
         jobs.wu = [0, 0];
         jobs.stride = [(mw.down.rows * mw.down.row_bytes) as i64, 0];
         jobs.a = [ga, ga + (cap * row_q) as u64];
         jobs.y = [addr(d, &oe), addr(d, &ys)];
+        jobs.amap = [0, 0];
         jobs.rows = [dm as i32, dm as i32];
-        let blocks = (2 * dm.div_ceil(4)) as u32;
+        let blocks = (jobs_n * dm.div_ceil(4)) as u32;
         let (rb, nbd) = (mw.down.row_bytes as i32, nb(&mw.down));
         launch!(
             d,
             kname(mw.down.ty, false),
-            cfg((blocks, cap.max(m) as u32, 1), 128, 0),
+            cfg((blocks, cap.max(ms) as u32, 1), 128, 0),
             &jobs,
             &rb,
             &nbd
         )?;
-        let (mi, ki, dmi, shared) = (m as i32, k as i32, dm as i32, 1i32);
+        let gi = match gi {
+            Some(gi) => gi,
+            None => d.scratch::<f32>(1)?,
+        };
+        let (mi, ki, dmi, shared) = (m as i32, k as i32, dm as i32, sh.is_some() as i32);
         launch!(
             d,
             "moe_combine",
@@ -2100,35 +2156,42 @@ impl Cuda {
         // shape run both in the same launches (`mm_*_moe_*`: router and
         // input gate, the GLUs, one quantization of both GLU outputs, the
         // down projections), each row computed as the separate kernels do.
+        // Without a shared expert the routed experts alone take those
+        // launches (`routed_only`). Either way the routed pairs read their
+        // token's quantized row in place, with no gather.
+        let joint_ok = self.moe_joint
+            && self.tier.is_none()
+            && self.row_kernels
+            && self.glu
+            && cap <= 16
+            && (mw.up.ty, mw.up.cols, mw.up.row_bytes)
+                == (mw.gate.ty, mw.gate.cols, mw.gate.row_bytes)
+            && matches!(
+                mw.gate.ty,
+                GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0
+            )
+            && matches!(
+                mw.down.ty,
+                GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0
+            );
         let joint = match &mw.shared {
             Some(sh)
-                if self.moe_joint
-                    && self.tier.is_none()
-                    && self.row_kernels
-                    && self.glu
-                    && cap <= 16
+                if joint_ok
                     && f == fs
                     && mw.router.ty == GgmlType::F32
                     && sh.gate_inp.ty == GgmlType::F32
                     && sh.gate_inp.cols == mw.router.cols
-                    && [&mw.up, &sh.gate, &sh.up].iter().all(|w| {
+                    && [&sh.gate, &sh.up].iter().all(|w| {
                         (w.ty, w.cols, w.row_bytes) == (mw.gate.ty, mw.gate.cols, mw.gate.row_bytes)
                     })
                     && (sh.down.ty, sh.down.cols, sh.down.row_bytes)
-                        == (mw.down.ty, mw.down.cols, mw.down.row_bytes)
-                    && matches!(
-                        mw.gate.ty,
-                        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0
-                    )
-                    && matches!(
-                        mw.down.ty,
-                        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0
-                    ) =>
+                        == (mw.down.ty, mw.down.cols, mw.down.row_bytes) =>
             {
                 Some(sh)
             }
             _ => None,
         };
+        let routed_only = mw.shared.is_none() && joint_ok;
         let mut gi_joint = None;
         if let Some(sh) = joint {
             let gi = d.scratch::<f32>(m)?;
@@ -2189,6 +2252,61 @@ impl Cuda {
             }
             _ => None,
         };
+        // Where the experts' weights are read: the resident file, or in tier
+        // mode the decode cache's slot pools (rows remapped from expert ids
+        // to slots) or a staged copy of the layer (expert ids as they are).
+        // Either way every row reads the same bytes.
+        let mut remapped = None;
+        let mut staged = None;
+        let layer = model.w.layers.iter().position(|l| std::ptr::eq(&l.moe, mw));
+        let bases = match (&self.tier, layer) {
+            (Some(t), Some(l)) if t.uses_cache(m, k) => {
+                // The one read-back per layer: the step's expert ids.
+                let ids_h = d.download(&ids, n)?;
+                let (table, bases) = t.fetch(d, model, l, &ids_h)?;
+                let table = d.upload(&table)?;
+                let mut mats = d.scratch::<i32>(cap)?;
+                launch!(
+                    d,
+                    "remap_ids",
+                    cfg1(cap),
+                    &placed_mat,
+                    &table,
+                    &mut mats,
+                    &capi
+                )?;
+                remapped = Some(mats);
+                bases
+            }
+            (Some(t), Some(l)) => {
+                let (b, bases) = t.stage(d, model, l)?;
+                staged = Some((t, b, l));
+                bases
+            }
+            _ => [
+                self.wptr(&mw.gate)?,
+                self.wptr(&mw.up)?,
+                self.wptr(&mw.down)?,
+            ],
+        };
+        let mats = remapped.as_ref().unwrap_or(&placed_mat);
+        if joint.is_some() || routed_only {
+            return self.moe_joint_rows(
+                mw,
+                joint,
+                bases,
+                mats,
+                &placed_row,
+                &xin,
+                cap,
+                m,
+                &slot,
+                &wts,
+                gi_joint,
+                y,
+                k,
+            );
+        }
         // Gather, the experts' rows (each tile reads its experts' weights once), down.
         // Where gate and up read Q8_K activations, the token rows are
         // quantized once and their blocks gathered (a quantized row is a
@@ -2230,49 +2348,6 @@ impl Cuda {
             xe = rows;
             Input::new(&xe, cap)
         };
-        // Where the experts' weights are read: the resident file, or in tier
-        // mode the decode cache's slot pools (rows remapped from expert ids
-        // to slots) or a staged copy of the layer (expert ids as they are).
-        // Either way every row reads the same bytes.
-        let mut remapped = None;
-        let mut staged = None;
-        let layer = model.w.layers.iter().position(|l| std::ptr::eq(&l.moe, mw));
-        let bases = match (&self.tier, layer) {
-            (Some(t), Some(l)) if t.uses_cache(m, k) => {
-                // The one read-back per layer: the step's expert ids.
-                let ids_h = d.download(&ids, n)?;
-                let (table, bases) = t.fetch(d, model, l, &ids_h)?;
-                let table = d.upload(&table)?;
-                let mut mats = d.scratch::<i32>(cap)?;
-                launch!(
-                    d,
-                    "remap_ids",
-                    cfg1(cap),
-                    &placed_mat,
-                    &table,
-                    &mut mats,
-                    &capi
-                )?;
-                remapped = Some(mats);
-                bases
-            }
-            (Some(t), Some(l)) => {
-                let (b, bases) = t.stage(d, model, l)?;
-                staged = Some((t, b, l));
-                bases
-            }
-            _ => [
-                self.wptr(&mw.gate)?,
-                self.wptr(&mw.up)?,
-                self.wptr(&mw.down)?,
-            ],
-        };
-        let mats = remapped.as_ref().unwrap_or(&placed_mat);
-        if let (Some(sh), Some(gi)) = (joint, gi_joint) {
-            return self.moe_joint_rows(
-                mw, sh, bases, mats, &xein, &xin, cap, m, &slot, &wts, gi, y, k,
-            );
-        }
         let mut ge = d.scratch::<f32>(cap * f)?;
         let tc = self.tensor_cores;
         self.glu_on(

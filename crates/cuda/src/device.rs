@@ -105,7 +105,8 @@ pub(crate) struct MmJobs {
 /// A decode MoE's routed and shared experts in one launch (`MoeJobs` in
 /// kernels/matmul.cu: per job the gate (or only) and up weight bases, the
 /// matrix stride, the per-row expert ids (0: none), the quantized input
-/// rows, the outputs, the rows per matrix and the input rows).
+/// rows, the outputs, each output row's input row (0: row r reads row r),
+/// the rows per matrix and the input rows).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct MoeJobs {
@@ -115,6 +116,7 @@ pub(crate) struct MoeJobs {
     pub mats: [u64; 2],
     pub a: [u64; 2],
     pub y: [u64; 2],
+    pub amap: [u64; 2],
     pub rows: [i32; 2],
     pub m: [i32; 2],
 }
@@ -545,6 +547,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "kv_write",
             "attention_tiles",
             "attention_tiles_q4",
+            "attention_tiles_tc",
             "attention_combine",
             "conv_rows",
             "conv_shift",
@@ -618,19 +621,20 @@ mod layout_tests {
         assert_eq!(offset_of!(super::MmJobs, nj), 80);
     }
 
-    /// `MoeJobs` likewise: six pairs of 8-byte fields, then two pairs of
-    /// ints (112 bytes, 8-byte aligned).
+    /// `MoeJobs` likewise: seven pairs of 8-byte fields, then two pairs of
+    /// ints (128 bytes, 8-byte aligned).
     #[test]
     fn moe_jobs_has_the_kernels_layout() {
         use std::mem::{align_of, offset_of, size_of};
-        assert_eq!(size_of::<super::MoeJobs>(), 112);
+        assert_eq!(size_of::<super::MoeJobs>(), 128);
         assert_eq!(align_of::<super::MoeJobs>(), 8);
         assert_eq!(offset_of!(super::MoeJobs, wu), 16);
         assert_eq!(offset_of!(super::MoeJobs, stride), 32);
         assert_eq!(offset_of!(super::MoeJobs, mats), 48);
         assert_eq!(offset_of!(super::MoeJobs, a), 64);
         assert_eq!(offset_of!(super::MoeJobs, y), 80);
-        assert_eq!(offset_of!(super::MoeJobs, rows), 96);
-        assert_eq!(offset_of!(super::MoeJobs, m), 104);
+        assert_eq!(offset_of!(super::MoeJobs, amap), 96);
+        assert_eq!(offset_of!(super::MoeJobs, rows), 112);
+        assert_eq!(offset_of!(super::MoeJobs, m), 120);
     }
 }

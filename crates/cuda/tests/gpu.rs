@@ -447,13 +447,18 @@ fn the_one_launch_route_and_plan_equal_the_separate_kernels() {
     }
     let (_d, model) = synth("tiny-qwen3moe", GgmlType::Q8_0, 1);
     let mut cuda = Cuda::new(0, &model, false).unwrap();
-    cuda.set_block_route(true);
     let mut rng = Rng::new(4);
     let mut cases = 0;
-    // m <= 4 (e <= 1024) routes each row with the whole block (ranks),
-    // larger m a row per warp (argmax rounds); both against `route`.
+    // With block routing, m <= 4 (e <= 1024) routes each row with the whole
+    // block (ranks); otherwise (the default, and larger m) a row per warp
+    // (argmax rounds, the ids handed to the plan in shared memory); all
+    // against `route` and the three-kernel plan.
     let mut nans = 0;
-    for e in [8usize, 128, 256, 512, 1024] {
+    for (block, e) in [false, true]
+        .into_iter()
+        .flat_map(|b| [8usize, 128, 256, 512, 1024].map(|e| (b, e)))
+    {
+        cuda.set_block_route(block);
         for k in [1usize, 2, 8] {
             for m in [1usize, 2, 3, 4, 16, 32] {
                 if m * k > 256 || k > e {
@@ -487,6 +492,13 @@ fn the_one_launch_route_and_plan_equal_the_separate_kernels() {
                         );
                     }
                     assert_eq!(fb(&one.2), fb(&sep.2), "e={e} k={k} m={m}: weights");
+                    // A skipped pick weighs nothing.
+                    for (i, w) in one.1.iter().zip(&one.2) {
+                        assert!(
+                            *i >= 0 || *w == 0.0,
+                            "e={e} k={k} m={m}: pick -1 weighs {w}"
+                        );
+                    }
                     assert_eq!(one.3, sep.3, "e={e} k={k} m={m} pad={pad}: placed rows");
                     assert_eq!(one.4, sep.4, "e={e} k={k} m={m} pad={pad}: placed experts");
                     assert_eq!(one.5, sep.5, "e={e} k={k} m={m} pad={pad}: slots");
@@ -496,7 +508,7 @@ fn the_one_launch_route_and_plan_equal_the_separate_kernels() {
         }
     }
     assert!(
-        cases > 50 && nans > 5,
+        cases > 100 && nans > 10,
         "too few cases: {cases} ({nans} with a NaN)"
     );
     eprintln!("{cases} routings equal (one launch, route + plan), {nans} with a NaN logit");
@@ -702,11 +714,17 @@ fn attention_at_the_real_models_head_shapes() {
         };
         let (_dir, model) = synth_shape(shape, GgmlType::F32, 4);
         // Both score passes for head dims 65-128 (q in registers; q in
-        // shared memory four keys a step).
-        for q4 in [false, true] {
+        // shared memory four keys a step), and the tensor-core passes.
+        for (q4, tc) in [(false, false), (true, false), (false, true)] {
             let mut cuda = Cuda::new(0, &model, false).unwrap();
             cuda.set_attention_q4(q4);
-            let what = format!("heads {heads}/{kv_heads} x {head_dim}, q4 {q4}");
+            cuda.set_attention_tc(tc);
+            let what = format!("heads {heads}/{kv_heads} x {head_dim}, q4 {q4}, tc {tc}");
+            // Every shape here has a tensor-core kernel: the switch reaches it.
+            let kernel = cuda
+                .attention_kernel(head_dim as usize, (heads / kv_heads) as usize)
+                .0;
+            assert_eq!(kernel == "attention_tiles_tc", tc, "{what}: {kernel}");
             if let Err(e) = block_ops_match(&cuda, &model, MS, 78) {
                 panic!("{what}: {e}");
             }
