@@ -547,6 +547,10 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], u32 a0, u32 a1, u32 a2, 
 
 // d += a * b for one m16n8k8 step, both given as fp32 fragments (a: rows gr,
 // gr + 8 at slot c, then at slot c + 4; b: slots c, c + 4 of column gr).
+// ACC = 1 (attention_tiles_tc_acc): the step's three products go into a
+// zeroed accumulator, which is then added to d with fp32 adds, so the running
+// sums are not carried through the tensor core's own additions.
+template <int ACC>
 __device__ __forceinline__ void mma_3xtf32(float (&d)[4], float2 ar0, float2 ar8, u32 bh0, u32 bh1, u32 bl0,
                                            u32 bl1) {
     u32 ah[4], al[4];
@@ -554,9 +558,18 @@ __device__ __forceinline__ void mma_3xtf32(float (&d)[4], float2 ar0, float2 ar8
     tf32_split(ar8.x, ah[1], al[1]);
     tf32_split(ar0.y, ah[2], al[2]);
     tf32_split(ar8.y, ah[3], al[3]);
-    mma_tf32(d, al[0], al[1], al[2], al[3], bh0, bh1);
-    mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bl0, bl1);
-    mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
+    if (ACC) {
+        float e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_tf32(e, al[0], al[1], al[2], al[3], bh0, bh1);
+        mma_tf32(e, ah[0], ah[1], ah[2], ah[3], bl0, bl1);
+        mma_tf32(e, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
+#pragma unroll
+        for (int i = 0; i < 4; i++) d[i] = __fadd_rn(d[i], e[i]);
+    } else {
+        mma_tf32(d, al[0], al[1], al[2], al[3], bh0, bh1);
+        mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bl0, bl1);
+        mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
+    }
 }
 
 // Two adjacent cache elements (i even) as floats.
@@ -570,10 +583,10 @@ __device__ __forceinline__ float2 kv_at2(const void* c, i64 i, int f16) {
 
 // Head dims that are multiples of 32, up to ATT_HD; gs divides 32. Dynamic
 // shared memory: 32 q rows of hd + 8 floats, then 32 score rows of ATC_SS.
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_tiles_tc(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
-                       int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
-    pdl_wait();
+template <int ACC>
+__device__ __forceinline__ void attention_tiles_tc_k(const float* q, const void* ck, const void* cv, float* pml,
+                                                     float* pacc, int m, int hq, int hkv, int hd, const int* posp,
+                                                     int rbase, float scale, int f16, int nb) {
     extern __shared__ __align__(16) float atc_smem[];
     __shared__ float smax[ATC_P][ATT_WARPS];
     __shared__ float wsum[ATC_P][ATT_WARPS];
@@ -638,8 +651,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                 float2 q8 = *reinterpret_cast<const float2*>(qa + 8 * qst);
                 float2 q16 = *reinterpret_cast<const float2*>(qa + 16 * qst);
                 float2 q24 = *reinterpret_cast<const float2*>(qa + 24 * qst);
-                mma_3xtf32(d0, q0, q8, bh0, bh1, bl0, bl1);
-                mma_3xtf32(d1, q16, q24, bh0, bh1, bl0, bl1);
+                mma_3xtf32<ACC>(d0, q0, q8, bh0, bh1, bl0, bl1);
+                mma_3xtf32<ACC>(d1, q16, q24, bh0, bh1, bl0, bl1);
             }
         }
         // d[i]: row gr (i < 2) or gr + 8, key column 2 c + (i & 1).
@@ -723,8 +736,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                 p8 = make_float2(fmaxf(p8.x, 0.0f), fmaxf(p8.y, 0.0f));
                 p16 = make_float2(fmaxf(p16.x, 0.0f), fmaxf(p16.y, 0.0f));
                 p24 = make_float2(fmaxf(p24.x, 0.0f), fmaxf(p24.y, 0.0f));
-                mma_3xtf32(d0, p0, p8, bh0, bh1, bl0, bl1);
-                mma_3xtf32(d1, p16, p24, bh0, bh1, bl0, bl1);
+                mma_3xtf32<ACC>(d0, p0, p8, bh0, bh1, bl0, bl1);
+                mma_3xtf32<ACC>(d1, p16, p24, bh0, bh1, bl0, bl1);
             }
         }
 #pragma unroll
@@ -747,11 +760,28 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     }
 }
 
-// The tiles of each (row, head) pair folded in tile order (see
-// attention_tiles): a block per pair, a thread per output dim.
-extern "C" __global__ void attention_combine(const float* pml, const float* pacc, float* o, int m, int hq, int hd,
-                                             const int* posp, int rbase, int nb) {
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_tiles_tc(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
+                       int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
     pdl_wait();
+    attention_tiles_tc_k<0>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_tiles_tc_acc(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
+                           int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
+    pdl_wait();
+    attention_tiles_tc_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+}
+
+// The tiles of each (row, head) pair folded in tile order (see
+// attention_tiles): a block per pair, a thread per output dim. ULP = 1
+// (attention_combine_ulp) is a sensitivity probe, not a user path: every
+// output one ulp up (its bits + 1), so `samesum agree` can show how far the
+// smallest change to attention moves a model's greedy tokens.
+template <int ULP>
+__device__ __forceinline__ void attention_combine_k(const float* pml, const float* pacc, float* o, int m, int hq,
+                                                    int hd, const int* posp, int rbase, int nb) {
     int pos0 = *posp + rbase;
     int pair = blockIdx.x, t = threadIdx.x;
     int r = pair / hq;
@@ -765,7 +795,23 @@ extern "C" __global__ void attention_combine(const float* pml, const float* pacc
         l = __fadd_rn(l, __fmul_rn(ml[2 * b + 1], w));
         if (t < hd) acc = __fmaf_rn(pacc[((i64)pair * nb + b) * hd + t], w, acc);
     }
-    if (t < hd) o[(i64)pair * hd + t] = __fdiv_rn(acc, l);
+    if (t < hd) {
+        float v = __fdiv_rn(acc, l);
+        if (ULP) v = __uint_as_float(__float_as_uint(v) + 1u);
+        o[(i64)pair * hd + t] = v;
+    }
+}
+
+extern "C" __global__ void attention_combine(const float* pml, const float* pacc, float* o, int m, int hq, int hd,
+                                             const int* posp, int rbase, int nb) {
+    pdl_wait();
+    attention_combine_k<0>(pml, pacc, o, m, hq, hd, posp, rbase, nb);
+}
+
+extern "C" __global__ void attention_combine_ulp(const float* pml, const float* pacc, float* o, int m, int hq,
+                                                 int hd, const int* posp, int rbase, int nb) {
+    pdl_wait();
+    attention_combine_k<1>(pml, pacc, o, m, hq, hd, posp, rbase, nb);
 }
 
 // Causal conv + SiLU with state, one thread per (row, channel): the conv

@@ -83,6 +83,15 @@ pub struct Cuda {
     /// passes, so a different function, run by decode and prefill alike
     /// while it is on.
     att_tc: bool,
+    /// With `att_tc`: each step's three products summed apart and added to
+    /// the running sums in fp32 (`attention_tiles_tc_acc`,
+    /// `SAMESUM_CUDA_ATT_TC_ACC=1`): another function again, measured for
+    /// accuracy against the plain tensor-core passes.
+    att_tc_acc: bool,
+    /// A sensitivity probe for `samesum agree`, not a user path: every
+    /// attention output one ulp up (`attention_combine_ulp`,
+    /// `SAMESUM_CUDA_ATT_ULP=1`).
+    att_ulp: bool,
     /// Prefill's shared expert on a second stream beside the routed experts
     /// (default; `SAMESUM_CUDA_OVERLAP=0` runs it after them on the main
     /// stream: the same kernels on the same inputs, the same bytes).
@@ -314,6 +323,8 @@ const SWITCHES: &[Switch] = &[
     ("OVERLAP", |c| c.overlap, |c, on| c.overlap = on),
     ("ATT_Q4", |c| c.att_q4, |c, on| c.att_q4 = on),
     ("ATT_TC", |c| c.att_tc, |c, on| c.att_tc = on),
+    ("ATT_TC_ACC", |c| c.att_tc_acc, |c, on| c.att_tc_acc = on),
+    ("ATT_ULP", |c| c.att_ulp, |c, on| c.att_ulp = on),
     ("MOE_JOINT", |c| c.moe_joint, |c, on| c.moe_joint = on),
     ("GRAPHS", |c| c.graphs, |c, on| c.graphs = on),
 ];
@@ -599,6 +610,8 @@ impl Cuda {
             overlap: env_switch("SAMESUM_CUDA_OVERLAP", true),
             att_q4: env_switch("SAMESUM_CUDA_ATT_Q4", true),
             att_tc: env_switch("SAMESUM_CUDA_ATT_TC", false),
+            att_tc_acc: env_switch("SAMESUM_CUDA_ATT_TC_ACC", false),
+            att_ulp: env_switch("SAMESUM_CUDA_ATT_ULP", false),
             moe_joint: env_switch("SAMESUM_CUDA_MOE_JOINT", true),
             attn_partials: ATTN_PARTIALS,
             graphs: env_switch("SAMESUM_CUDA_GRAPHS", true),
@@ -828,7 +841,12 @@ impl Cuda {
     pub fn attention_kernel(&self, hd: usize, gs: usize) -> (&'static str, usize, usize) {
         if self.att_tc && hd.is_multiple_of(32) && hd <= 256 && gs > 0 && 32usize.is_multiple_of(gs)
         {
-            ("attention_tiles_tc", 32, 32 * (hd + 8 + 256 + 8) * 4)
+            let name = if self.att_tc_acc {
+                "attention_tiles_tc_acc"
+            } else {
+                "attention_tiles_tc"
+            };
+            (name, 32, 32 * (hd + 8 + 256 + 8) * 4)
         } else if self.att_q4 {
             ("attention_tiles_q4", 16, 0)
         } else {
@@ -1508,7 +1526,11 @@ impl Cuda {
             let mut og = o.slice_mut(r0 * qw..(r0 + mr) * qw);
             launch!(
                 d,
-                "attention_combine",
+                if self.att_ulp {
+                    "attention_combine_ulp"
+                } else {
+                    "attention_combine"
+                },
                 cfg(((mr * hq) as u32, 1, 1), hd.div_ceil(32) as u32 * 32, 0),
                 &pml,
                 &pacc,

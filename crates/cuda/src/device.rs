@@ -548,7 +548,9 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "attention_tiles",
             "attention_tiles_q4",
             "attention_tiles_tc",
+            "attention_tiles_tc_acc",
             "attention_combine",
+            "attention_combine_ulp",
             "conv_rows",
             "conv_shift",
             "conv_small",
@@ -603,6 +605,89 @@ pub(crate) fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> cudarc::drive
         grid_dim: grid,
         block_dim: (block, 1, 1),
         shared_mem_bytes: smem,
+    }
+}
+
+#[cfg(test)]
+mod kernel_list_tests {
+    use super::kernel_names;
+    use crate::compile::MODULES;
+
+    /// The kernels a source defines: `extern "C" __global__` functions (past
+    /// an optional `__launch_bounds__(..)`), and the instances of the
+    /// macros that define one from their `name` parameter.
+    fn defined(src: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        for (i, _) in src.match_indices("extern \"C\" __global__") {
+            let mut rest = src[i..].split_once("__global__").unwrap().1.trim_start();
+            rest = rest.strip_prefix("void").unwrap_or(rest).trim_start();
+            if let Some(r) = rest.strip_prefix("__launch_bounds__(") {
+                rest = r.split_once(')').unwrap().1;
+            }
+            let rest = rest.trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            if name != "name" {
+                out.push(name); // `name` is a macro's parameter
+            }
+        }
+        // Macros whose first parameter is `name` and whose body (the
+        // backslash-continued lines) defines a kernel, then their uses.
+        let lines: Vec<&str> = src.lines().collect();
+        let mut macros = Vec::new();
+        for (i, line) in lines.iter().enumerate() {
+            let Some((mac, params)) = line
+                .strip_prefix("#define ")
+                .and_then(|r| r.split_once('('))
+            else {
+                continue;
+            };
+            let mut end = i;
+            while lines[end].trim_end().ends_with('\\') && end + 1 < lines.len() {
+                end += 1;
+            }
+            if params.trim_start().starts_with("name")
+                && lines[i..=end].iter().any(|l| l.contains("__global__"))
+            {
+                macros.push(mac);
+            }
+        }
+        for line in &lines {
+            if let Some((mac, args)) = line.split_once('(') {
+                if macros.contains(&mac) {
+                    out.push(args.split(',').next().unwrap().trim().to_string());
+                }
+            }
+        }
+        out
+    }
+
+    /// What `Device::open` loads is what the sources define: a kernel left
+    /// off the list fails at its first launch ("kernel not loaded"), on the
+    /// GPU only; this catches it on any machine.
+    #[test]
+    fn the_kernel_list_is_what_the_sources_define() {
+        for (module, src) in MODULES {
+            let mut want = defined(src);
+            let mut have: Vec<String> =
+                kernel_names(module).iter().map(|s| s.to_string()).collect();
+            want.sort();
+            have.sort();
+            assert!(want.len() > 10, "{module}: found only {want:?}");
+            assert_eq!(have, want, "{module}: kernel_names against the source");
+        }
+    }
+
+    /// The scan finds both forms, so a kernel missing from the list is seen.
+    #[test]
+    fn the_scan_sees_both_kernel_forms() {
+        let src = "extern \"C\" __global__ void __launch_bounds__(256)\n    a_k(int x) {}\n\
+                   extern \"C\" __global__ void b_k(int x) {}\n\
+                   #define X_KERNEL(name, Q) \\\n    extern \"C\" __global__ void name(int x) {}\n\
+                   X_KERNEL(c_k, 0)\n";
+        assert_eq!(defined(src), ["a_k", "b_k", "c_k"]);
     }
 }
 

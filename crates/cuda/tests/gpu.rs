@@ -715,16 +715,29 @@ fn attention_at_the_real_models_head_shapes() {
         let (_dir, model) = synth_shape(shape, GgmlType::F32, 4);
         // Both score passes for head dims 65-128 (q in registers; q in
         // shared memory four keys a step), and the tensor-core passes.
-        for (q4, tc) in [(false, false), (true, false), (false, true)] {
+        // And the tensor-core passes with each step's products added in fp32.
+        for (q4, tc, acc) in [
+            (false, false, false),
+            (true, false, false),
+            (false, true, false),
+            (false, true, true),
+        ] {
             let mut cuda = Cuda::new(0, &model, false).unwrap();
             cuda.set_attention_q4(q4);
             cuda.set_attention_tc(tc);
-            let what = format!("heads {heads}/{kv_heads} x {head_dim}, q4 {q4}, tc {tc}");
+            cuda.set_switch("ATT_TC_ACC", acc).unwrap();
+            let what =
+                format!("heads {heads}/{kv_heads} x {head_dim}, q4 {q4}, tc {tc}, acc {acc}");
             // Every shape here has a tensor-core kernel: the switch reaches it.
             let kernel = cuda
                 .attention_kernel(head_dim as usize, (heads / kv_heads) as usize)
                 .0;
-            assert_eq!(kernel == "attention_tiles_tc", tc, "{what}: {kernel}");
+            assert_eq!(
+                kernel.starts_with("attention_tiles_tc"),
+                tc,
+                "{what}: {kernel}"
+            );
+            assert_eq!(kernel.ends_with("_acc"), acc, "{what}: {kernel}");
             if let Err(e) = block_ops_match(&cuda, &model, MS, 78) {
                 panic!("{what}: {e}");
             }
