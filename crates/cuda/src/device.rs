@@ -655,10 +655,10 @@ mod kernel_list_tests {
             }
         }
         for line in &lines {
-            if let Some((mac, args)) = line.split_once('(') {
-                if macros.contains(&mac) {
-                    out.push(args.split(',').next().unwrap().trim().to_string());
-                }
+            if let Some((mac, args)) = line.split_once('(')
+                && macros.contains(&mac)
+            {
+                out.push(args.split(',').next().unwrap().trim().to_string());
             }
         }
         out
