@@ -26,7 +26,9 @@
 # 12G") for SAMESUM_GPU_TIER_PP (1024,8192); tier122 the 122B shape at 40G.
 # SAMESUM_GPU_TIER_ARGS adds arguments to the tier benches (e.g. --no-warmup).
 # agree measures teacher-forced agreement (samesum agree) of
-# SAMESUM_GPU_AGREE_VARIANT against the defaults, and the same-arm control.
+# SAMESUM_GPU_AGREE_VARIANT against the defaults, and the same-arm control;
+# SAMESUM_GPU_AGREE_SEEDS prompts per length, SAMESUM_GPU_AGREE_PROBE a probe
+# arm (e.g. ATT_ULP=1: the probe bar of docs/CAPABILITIES.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -198,7 +200,8 @@ run)
             f=$(model "$shape")
             if [ -n "${SAMESUM_GPU_AGREE_VARIANT:-}" ]; then
                 step "agree-$shape" timeout 400 .gpu/samesum agree --device cuda -m "$f" \
-                    --lens ${SAMESUM_GPU_AGREE_LENS:-512,1024,8192} --gen 64 --variant "$SAMESUM_GPU_AGREE_VARIANT"
+                    --lens ${SAMESUM_GPU_AGREE_LENS:-512,1024,8192} --gen 64 --variant "$SAMESUM_GPU_AGREE_VARIANT" \
+                    --seeds ${SAMESUM_GPU_AGREE_SEEDS:-1} ${SAMESUM_GPU_AGREE_PROBE:+--probe $SAMESUM_GPU_AGREE_PROBE}
             fi
             step "agree-control-$shape" timeout 400 .gpu/samesum agree --device cuda -m "$f" \
                 --lens ${SAMESUM_GPU_AGREE_LENS:-512,1024,8192} --gen 64

@@ -5,7 +5,11 @@
 //! must agree everywhere). Per prompt, A's greedy continuation is the
 //! reference; both arms then read the prompt and the reference and predict
 //! each next token, and the share of positions where their argmax tokens
-//! agree is compared with `--bar`.
+//! agree is compared with `--bar`. With `--probe`, a third arm (the
+//! smallest change there is, e.g. one ulp on attention's output) runs on the
+//! same prompts, and arm B must agree about as often as it does: on models
+//! whose greedy tokens any change moves (random weights), that is the bar
+//! that can tell a careful reordering from a poor one.
 
 use crate::device::Device;
 use anyhow::{Context, Result, bail};
@@ -40,6 +44,18 @@ pub(crate) struct Args {
     /// Seed of the random prompts.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Random prompts per length (seeds --seed, --seed + 1, ...).
+    #[arg(long, default_value_t = 1)]
+    seeds: usize,
+    /// A probe arm: switches that make the smallest change to a result
+    /// (on CUDA e.g. ATT_ULP=1), run on the same prompts; with it the verdict
+    /// is the probe bar: arm B's share of agreeing positions over all prompts
+    /// at least the probe's share less --probe-margin points.
+    #[arg(long, value_delimiter = ',')]
+    probe: Vec<String>,
+    /// Points of agreement arm B may fall below the probe (the probe bar).
+    #[arg(long, default_value_t = 5.0, allow_negative_numbers = true)]
+    probe_margin: f64,
     /// Take the prompts from this text file instead of random tokens: its
     /// tokens from the start, repeated when the text is shorter than a
     /// length.
@@ -161,20 +177,62 @@ pub(crate) fn compare(a: &[f32], b: &[f32], reference: &[u32], n_vocab: usize) -
     }
 }
 
-/// Reference, then both arms teacher-forced, for one prompt.
-fn agree_one<A: Backend, B: Backend>(
-    arm_a: &A,
-    arm_b: &B,
+/// A's reference, then A and each other arm teacher-forced, for one prompt:
+/// each arm's agreement with A.
+fn agree_arms<B: Backend>(
+    arm_a: &B,
+    others: &[&B],
     model: &Model,
     prompt: &[u32],
     r#gen: usize,
     chunk: usize,
     kv: KvType,
-) -> Result<Agreement> {
+) -> Result<Vec<Agreement>> {
     let reference = greedy(arm_a, model, prompt, r#gen, chunk, kv)?;
     let la = teacher_forced(arm_a, model, prompt, &reference, chunk, kv)?;
-    let lb = teacher_forced(arm_b, model, prompt, &reference, chunk, kv)?;
-    Ok(compare(&la, &lb, &reference, model.w.n_vocab))
+    let mut out = Vec::new();
+    for b in others {
+        let lb = teacher_forced(*b, model, prompt, &reference, chunk, kv)?;
+        out.push(compare(&la, &lb, &reference, model.w.n_vocab));
+    }
+    Ok(out)
+}
+
+/// `NAME=0|1` switch settings of a CUDA arm.
+fn parse_switches(list: &[String], what: &str) -> Result<Vec<(String, bool)>> {
+    let mut out = Vec::new();
+    for v in list {
+        let (name, val) = v
+            .split_once('=')
+            .with_context(|| format!("{what} {v:?}: expected NAME=0 or NAME=1"))?;
+        let on = match val {
+            "1" => true,
+            "0" => false,
+            _ => bail!("{what} {v:?}: the value must be 0 or 1"),
+        };
+        out.push((name.to_string(), on));
+    }
+    Ok(out)
+}
+
+/// A CPU arm with the named variants.
+fn cpu_arm(threads: usize, list: &[String]) -> Result<Cpu> {
+    let mut arm = Cpu::new(threads);
+    for v in list {
+        match v.as_str() {
+            "reversed-topk" => arm = arm.with_reversed_topk(),
+            other => bail!(
+                "no CPU variant {other:?} (have: reversed-topk; CUDA switches need --device cuda)"
+            ),
+        }
+    }
+    Ok(arm)
+}
+
+/// Share of agreeing positions over several prompts.
+fn share(rs: &[&Agreement]) -> f64 {
+    let (n, same) = rs.iter().fold((0, 0), |(n, s), r| (n + r.n, s + r.same));
+    same as f64 / n.max(1) as f64
 }
 
 fn random_prompt(len: usize, seed: u64, vocab: usize) -> Vec<u32> {
@@ -200,6 +258,15 @@ pub(crate) fn run(a: Args) -> Result<()> {
     if a.chunk == Some(0) {
         bail!("--chunk must be at least 1");
     }
+    if a.seeds == 0 {
+        bail!("--seeds must be at least 1");
+    }
+    if a.seeds > 1 && a.text.is_some() {
+        bail!("--seeds takes random prompts; with --text there is one prompt per length");
+    }
+    if !a.probe_margin.is_finite() {
+        bail!("--probe-margin must be a number of points");
+    }
     let dev = Device::parse(&a.device, None)?;
     let (path, _tmp) = crate::synth::model_or_builtin(&a.model, &a.shape, "q4_k", None)?;
     let model = Model::load(&path).with_context(|| format!("loading {}", path.display()))?;
@@ -217,10 +284,18 @@ pub(crate) fn run(a: Args) -> Result<()> {
         }
         None => None,
     };
-    let prompt_of = |len: usize| match &text_tokens {
+    let prompt_of = |len: usize, seed: u64| match &text_tokens {
         Some(t) => t.iter().copied().cycle().take(len).collect(),
-        None => random_prompt(len, a.seed, vocab),
+        None => random_prompt(len, seed, vocab),
     };
+    // (length, seed) of each prompt, lengths first.
+    let prompts: Vec<(usize, u64)> = a
+        .lens
+        .iter()
+        .flat_map(|&len| (0..a.seeds as u64).map(move |s| (len, s)))
+        .map(|(len, s)| (len, a.seed + s))
+        .collect();
+    let probing = !a.probe.is_empty();
     let control = a.variant.is_empty();
     println!(
         "teacher-forced agreement: {} ({}), arm B {}, {} positions per prompt, bar {:.2}%",
@@ -234,93 +309,130 @@ pub(crate) fn run(a: Args) -> Result<()> {
         a.r#gen,
         a.bar * 100.0
     );
-    println!("| prompt tokens | agree | share | A's own greedy | max abs logit diff | verdict |");
-    println!("|---:|---:|---:|---:|---:|---|");
+    if probing {
+        println!(
+            "probe arm = arm A with {}; probe bar: B's share at least the probe's less {} points",
+            a.probe.join(", "),
+            a.probe_margin
+        );
+    }
+    println!(
+        "| prompt tokens | agree | share | A's own greedy | max abs logit diff | verdict | seed | probe agree |"
+    );
+    println!("|---:|---:|---:|---:|---:|---|---:|---:|");
     let t0 = Instant::now();
-    let mut results = Vec::new();
-    let mut report = |len: usize, r: Agreement| {
+    let mut results: Vec<(Agreement, Option<Agreement>, bool)> = Vec::new();
+    let mut report = |len: usize, seed: u64, r: Agreement, p: Option<Agreement>| {
         let share = r.same as f64 / r.n as f64;
         let ok = share >= a.bar && r.a_self == r.n;
         println!(
-            "| {len} | {}/{} | {:.2}% | {}/{} | {:.3e} | {} |",
+            "| {len} | {}/{} | {:.2}% | {}/{} | {:.3e} | {} | {seed} | {} |",
             r.same,
             r.n,
             share * 100.0,
             r.a_self,
             r.n,
             r.max_diff,
-            if ok { "pass" } else { "FAIL" }
+            if ok { "pass" } else { "FAIL" },
+            match &p {
+                Some(p) => format!("{}/{}", p.same, p.n),
+                None => "-".to_string(),
+            }
         );
-        results.push((len, r, ok));
+        results.push((r, p, ok));
     };
     match dev {
         Device::Cpu => {
             let chunk = a.chunk.unwrap_or_else(|| dev.default_chunk(false));
             let arm_a = Cpu::new(a.threads);
-            let mut arm_b = Cpu::new(a.threads);
-            for v in &a.variant {
-                match v.as_str() {
-                    "reversed-topk" => arm_b = arm_b.with_reversed_topk(),
-                    other => bail!(
-                        "no CPU variant {other:?} (have: reversed-topk; CUDA switches need --device cuda)"
-                    ),
-                }
-            }
-            for &len in &a.lens {
-                let p: Vec<u32> = prompt_of(len);
-                report(
-                    len,
-                    agree_one(&arm_a, &arm_b, &model, &p, a.r#gen, chunk, kv)?,
-                );
+            let arm_b = cpu_arm(a.threads, &a.variant)?;
+            let arm_p = cpu_arm(a.threads, &a.probe)?;
+            let others: Vec<&Cpu> = if probing {
+                vec![&arm_b, &arm_p]
+            } else {
+                vec![&arm_b]
+            };
+            for &(len, seed) in &prompts {
+                let p: Vec<u32> = prompt_of(len, seed);
+                let mut r = agree_arms(&arm_a, &others, &model, &p, a.r#gen, chunk, kv)?;
+                let probe = if probing { r.pop() } else { None };
+                report(len, seed, r.remove(0), probe);
             }
         }
         Device::Cuda(n, budget) => {
-            let mut switches = Vec::new();
-            for v in &a.variant {
-                let (name, val) = v
-                    .split_once('=')
-                    .with_context(|| format!("--variant {v:?}: expected NAME=0 or NAME=1"))?;
-                let on = match val {
-                    "1" => true,
-                    "0" => false,
-                    _ => bail!("--variant {v:?}: the value must be 0 or 1"),
-                };
-                switches.push((name.to_string(), on));
-            }
+            let switches = parse_switches(&a.variant, "--variant")?;
+            let probe = parse_switches(&a.probe, "--probe")?;
             let mut cuda = crate::device::cuda(n, budget, &model)?;
             let chunk = a
                 .chunk
                 .unwrap_or_else(|| dev.default_chunk(cuda.offload_counters().is_some()));
             // Every name checked (and its setting kept) before the long runs.
             let mut was = Vec::new();
-            for (name, _) in &switches {
-                was.push(cuda.switch(name)?);
+            for (name, _) in switches.iter().chain(&probe) {
+                was.push((name.clone(), cuda.switch(name)?));
             }
-            for &len in &a.lens {
-                let p: Vec<u32> = prompt_of(len);
-                let reference = greedy(&cuda, &model, &p, a.r#gen, chunk, kv)?;
-                let la = teacher_forced(&cuda, &model, &p, &reference, chunk, kv)?;
-                for (name, on) in &switches {
+            // An arm's teacher-forced rows with its switches set, then the
+            // settings put back (also when the run fails).
+            let arm = |cuda: &mut samesum_cuda::Cuda,
+                       set: &[(String, bool)],
+                       p: &[u32],
+                       reference: &[u32]|
+             -> Result<Vec<f32>> {
+                for (name, on) in set {
                     cuda.set_switch(name, *on)?;
                 }
-                let lb = teacher_forced(&cuda, &model, &p, &reference, chunk, kv);
-                for ((name, _), &w) in switches.iter().zip(&was) {
-                    cuda.set_switch(name, w)?;
+                let rows = teacher_forced(&*cuda, &model, p, reference, chunk, kv);
+                for (name, w) in &was {
+                    cuda.set_switch(name, *w)?;
                 }
-                report(len, compare(&la, &lb?, &reference, vocab));
+                rows
+            };
+            for &(len, seed) in &prompts {
+                let p: Vec<u32> = prompt_of(len, seed);
+                let reference = greedy(&cuda, &model, &p, a.r#gen, chunk, kv)?;
+                let la = teacher_forced(&cuda, &model, &p, &reference, chunk, kv)?;
+                let lb = arm(&mut cuda, &switches, &p, &reference)?;
+                let lp = if probing {
+                    Some(arm(&mut cuda, &probe, &p, &reference)?)
+                } else {
+                    None
+                };
+                let rp = lp.map(|lp| compare(&la, &lp, &reference, vocab));
+                report(len, seed, compare(&la, &lb, &reference, vocab), rp);
             }
         }
     }
-    let (n, same): (usize, usize) = results
-        .iter()
-        .fold((0, 0), |(n, s), (_, r, _)| (n + r.n, s + r.same));
+    let all: Vec<&Agreement> = results.iter().map(|(r, _, _)| r).collect();
+    let n: usize = all.iter().map(|r| r.n).sum();
+    let same: usize = all.iter().map(|r| r.same).sum();
     let failed = results.iter().filter(|(_, _, ok)| !ok).count();
     println!(
         "\n{same} of {n} positions agree ({:.2}%), {failed} of {} prompts below the bar, in {:.1}s",
-        same as f64 / n as f64 * 100.0,
+        share(&all) * 100.0,
         results.len(),
         t0.elapsed().as_secs_f64()
     );
+    if probing {
+        let probes: Vec<&Agreement> = results.iter().filter_map(|(_, p, _)| p.as_ref()).collect();
+        let (b, p) = (share(&all) * 100.0, share(&probes) * 100.0);
+        let a_self = all.iter().all(|r| r.a_self == r.n);
+        let ok = b >= p - a.probe_margin && a_self;
+        println!(
+            "probe bar: arm B {b:.2}% against the probe's {p:.2}% less {} points: {}",
+            a.probe_margin,
+            if ok { "pass" } else { "FAIL" }
+        );
+        if !a_self {
+            bail!("arm A's teacher-forced argmax differs from its own greedy tokens");
+        }
+        if !ok {
+            bail!(
+                "arm B's {b:.2}% is below the probe's {p:.2}% less {} points",
+                a.probe_margin
+            );
+        }
+        return Ok(());
+    }
     if failed > 0 {
         bail!("{failed} prompt(s) below the {:.2}% bar", a.bar * 100.0);
     }

@@ -344,8 +344,74 @@ fn agree_passes_a_same_arm_control_and_fails_a_reordered_moe() {
         &["agree", "--lens", "0"],
         &["agree", "--bar", "2"],
         &["agree", "--variant", "sideways"],
+        &["agree", "--probe", "sideways"],
+        &["agree", "--seeds", "0"],
+        &["agree", "--seeds", "2", "--text", t],
     ] {
         let (ok, _, err) = samesum(args);
         assert!(!ok && err.starts_with("error: "), "{args:?}: {err}");
     }
+}
+
+#[test]
+fn agree_holds_arm_b_to_a_probe_arm() {
+    // The control against the reordered MoE as the probe: 16/16 against
+    // 15/16 passes the probe bar (B may fall 5 points below the probe).
+    let (ok, out, err) = samesum(&[
+        "agree",
+        "--lens",
+        "300",
+        "--gen",
+        "16",
+        "-t",
+        "2",
+        "--probe",
+        "reversed-topk",
+    ]);
+    assert!(ok, "{out}\n{err}");
+    assert!(
+        out.contains("| 300 | 16/16 | 100.00% | 16/16 | 0.000e0 | pass | 1 | 15/16 |"),
+        "{out}"
+    );
+    assert!(
+        out.contains("probe bar: arm B 100.00% against the probe's 93.75% less 5 points: pass"),
+        "{out}"
+    );
+    // The probe against itself with a margin of -1 point (B must beat the
+    // probe by a point) fails: the bar can fail.
+    let (ok, out, err) = samesum(&[
+        "agree",
+        "--lens",
+        "300",
+        "--gen",
+        "16",
+        "-t",
+        "2",
+        "--variant",
+        "reversed-topk",
+        "--probe",
+        "reversed-topk",
+        "--probe-margin",
+        "-1",
+    ]);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("probe bar: arm B 93.75% against the probe's 93.75% less -1 points: FAIL"),
+        "{out}"
+    );
+    assert!(err.contains("below the probe's"), "{err}");
+    // Several random prompts per length, one row each.
+    let (ok, out, err) = samesum(&[
+        "agree", "--lens", "40", "--gen", "4", "-t", "2", "--seeds", "3", "--seed", "7",
+    ]);
+    assert!(ok, "{out}\n{err}");
+    for seed in 7..10 {
+        assert!(
+            out.contains(&format!(
+                "| 40 | 4/4 | 100.00% | 4/4 | 0.000e0 | pass | {seed} | - |"
+            )),
+            "{out}"
+        );
+    }
+    assert!(out.contains("12 of 12 positions agree"), "{out}");
 }
