@@ -839,18 +839,22 @@ impl Cuda {
     /// pairs in static arrays.
     #[doc(hidden)]
     pub fn attention_kernel(&self, hd: usize, gs: usize) -> (&'static str, usize, usize) {
-        if self.att_tc && hd.is_multiple_of(32) && hd <= 256 && gs > 0 && 32usize.is_multiple_of(gs)
-        {
+        // As in ops.cu: ATC_P pairs a block, q rows hd + 8 floats apart, score
+        // rows ATC_SS = 256 + 8 floats apart; AP pairs for the CUDA-core ones.
+        const ATC_P: usize = 32;
+        const ATC_SS: usize = 256 + 8;
+        const AP: usize = 16;
+        if self.att_tc && hd.is_multiple_of(32) && hd <= 256 && gs > 0 && ATC_P.is_multiple_of(gs) {
             let name = if self.att_tc_acc {
                 "attention_tiles_tc_acc"
             } else {
                 "attention_tiles_tc"
             };
-            (name, 32, 32 * (hd + 8 + 256 + 8) * 4)
+            (name, ATC_P, ATC_P * (hd + 8 + ATC_SS) * 4)
         } else if self.att_q4 {
-            ("attention_tiles_q4", 16, 0)
+            ("attention_tiles_q4", AP, 0)
         } else {
-            ("attention_tiles", 16, 0)
+            ("attention_tiles", AP, 0)
         }
     }
 
