@@ -601,6 +601,11 @@ fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
 
 /// Each block op on the GPU against the CPU backend on the same inputs.
 fn ops_close(model: &Model, cuda: &Cuda, cpu: &Cpu, m: usize, tol: f64, what: &str) {
+    ops_close_kv(model, cuda, cpu, m, tol, what, KvType::F32)
+}
+
+/// `ops_close` with a KV cache of `kv` on both backends.
+fn ops_close_kv(model: &Model, cuda: &Cuda, cpu: &Cpu, m: usize, tol: f64, what: &str, kv: KvType) {
     let d = model.hp.n_embd;
     let mut rng = Rng::new(5 + m as u64);
     let x: Vec<f32> = (0..m * d).map(|_| rng.range(-2.0, 2.0)).collect();
@@ -627,8 +632,8 @@ fn ops_close(model: &Model, cuda: &Cuda, cpu: &Cpu, m: usize, tol: f64, what: &s
         cpu.rms_norm(model, Norm::Attn(l), &x, &mut c).unwrap();
         report(format!("layer {l} norm"), cuda.download(&g).unwrap(), c);
         // The mixer twice in a row (the second call reads the state the first wrote).
-        let mut sg = cuda.new_state(model, 2 * m, KvType::F32).unwrap();
-        let mut sc = cpu.new_state(model, 2 * m, KvType::F32).unwrap();
+        let mut sg = cuda.new_state(model, 2 * m, kv).unwrap();
+        let mut sc = cpu.new_state(model, 2 * m, kv).unwrap();
         for call in 0..2 {
             let mut g = nan(m * d);
             let mut c = vec![0f32; m * d];
@@ -771,6 +776,53 @@ fn attention_at_the_real_models_head_shapes() {
     }
 }
 
+/// The f16 KV cache (`--kv-type f16`): attention layers within 1e-5 of the
+/// CPU reading the same halves (the CUDA-core and the tensor-core passes, at
+/// the real models' head shapes), and whole forward passes over 300 tokens
+/// (two key tiles) byte-equal batched (chunks of 64) and replayed, on every
+/// tiny shape.
+#[test]
+fn f16_kv_cache_on_the_gpu() {
+    if !gpu() {
+        return;
+    }
+    let cpu = Cpu::new(2);
+    for (heads, kv_heads, head_dim) in [(32, 4, 128), (16, 2, 256)] {
+        let shape = shapes::Shape {
+            heads,
+            kv_heads,
+            head_dim,
+            layers: 1,
+            ..shapes::by_name("tiny-qwen3moe").unwrap()
+        };
+        let (_dir, model) = synth_shape(shape, GgmlType::F32, 4);
+        for tc in [false, true] {
+            let mut cuda = Cuda::new(0, &model, false).unwrap();
+            cuda.set_attention_tc(tc);
+            let what = format!("f16 KV, heads {heads}/{kv_heads} x {head_dim}, tc {tc}");
+            for m in [1, 64, 300] {
+                ops_close_kv(&model, &cuda, &cpu, m, 1e-5, &what, KvType::F16);
+            }
+            eprintln!("{what}: within 1e-5 of the CPU");
+        }
+    }
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 12);
+        let cuda = Cuda::new(0, &model, false).unwrap();
+        let toks: Vec<u32> = (0..300u32)
+            .map(|i| (i * 7919 + 5) % model.w.n_vocab as u32)
+            .collect();
+        let batched = all_logits_kv(&cuda, &model, &toks, 64, KvType::F16);
+        let replay = all_logits_kv(&cuda, &model, &toks, 1, KvType::F16);
+        assert!(batched.iter().all(|v| v.is_finite()), "{shape}: non-finite");
+        assert!(
+            same_bits(&batched, &replay),
+            "{shape}: f16 KV batched != replay"
+        );
+        eprintln!("{shape}: f16 KV, 300 tokens, chunks of 64 byte-equal to replay");
+    }
+}
+
 /// Attention rows run in groups when their partials would pass the cap:
 /// logits at every position byte-equal with the default cap, with one row
 /// per group, and with groups of a few rows, over 300 tokens (two key tiles).
@@ -860,7 +912,18 @@ fn hugging_face_fixtures_on_the_gpu() {
 
 /// Every position's logits of `tokens` fed in chunks of `chunk`.
 fn all_logits<B: Backend>(b: &B, model: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
-    let mut st = b.new_state(model, tokens.len(), KvType::F32).unwrap();
+    all_logits_kv(b, model, tokens, chunk, KvType::F32)
+}
+
+/// `all_logits` with a KV cache of `kv`.
+fn all_logits_kv<B: Backend>(
+    b: &B,
+    model: &Model,
+    tokens: &[u32],
+    chunk: usize,
+    kv: KvType,
+) -> Vec<f32> {
+    let mut st = b.new_state(model, tokens.len(), kv).unwrap();
     let mut out = Vec::new();
     for c in tokens.chunks(chunk) {
         out.extend(forward(model, b, &mut st, c, Logits::All).unwrap());
