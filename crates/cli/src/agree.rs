@@ -346,12 +346,12 @@ pub(crate) fn run(a: Args) -> Result<()> {
             let chunk = a.chunk.unwrap_or_else(|| dev.default_chunk(false));
             let arm_a = Cpu::new(a.threads);
             let arm_b = cpu_arm(a.threads, &a.variant)?;
-            let arm_p = cpu_arm(a.threads, &a.probe)?;
-            let others: Vec<&Cpu> = if probing {
-                vec![&arm_b, &arm_p]
+            let arm_p = if probing {
+                Some(cpu_arm(a.threads, &a.probe)?)
             } else {
-                vec![&arm_b]
+                None
             };
+            let others: Vec<&Cpu> = std::iter::once(&arm_b).chain(arm_p.as_ref()).collect();
             for &(len, seed) in &prompts {
                 let p: Vec<u32> = prompt_of(len, seed);
                 let mut r = agree_arms(&arm_a, &others, &model, &p, a.r#gen, chunk, kv)?;

@@ -384,6 +384,44 @@ __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*
     return mx;
 }
 
+// The softmax pieces of a tile for pairs 0..np-1, shared by every
+// attention kernel: a pair's max over the warps' maxes, e = exp(s - max) in
+// place (thread t owning slot t of every pair; exp(-inf) = 0 in the slots past
+// the pair's keys), and each warp's sum of its slots by a butterfly. `st`
+// holds a pair's slots `sst` floats apart.
+__device__ __forceinline__ void tile_softmax(float* st, int sst, const float (*smax)[ATT_WARPS],
+                                             float (*wsum)[ATT_WARPS], float* pmax, int np) {
+    int t = threadIdx.x, warp = t / 32, lane = t % 32;
+    for (int p = 0; p < np; p++) {
+        float mxp = smax[p][0];
+        for (int w = 1; w < ATT_WARPS; w++) mxp = fmaxf(mxp, smax[p][w]);
+        float e = 0.0f;
+        if (mxp != -INFINITY) {
+            e = expf(__fsub_rn(st[p * sst + t], mxp));
+            st[p * sst + t] = e;
+        }
+        for (int o2 = 16; o2 > 0; o2 /= 2) e = __fadd_rn(e, __shfl_xor_sync(0xffffffffu, e, o2));
+        if (lane == 0) wsum[p][warp] = e;
+        if (t == 0) pmax[p] = mxp;
+    }
+}
+
+// Pair t's (m_b, l_b) of tile b, l_b the fixed tree over the 8 warps' sums,
+// for a live pair with a key in the tile (every attention kernel).
+__device__ __forceinline__ void tile_write_pml(const float (*wsum)[ATT_WARPS], const float* pmax, float* pml,
+                                               int np, int gs, int hq, int g, int r0, int pos0, int j0, int b,
+                                               int nb) {
+    int t = threadIdx.x;
+    if (t < np && j0 <= pos0 + r0 + t / gs) {
+        const float* w = wsum[t];
+        float l = __fadd_rn(__fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3])),
+                            __fadd_rn(__fadd_rn(w[4], w[5]), __fadd_rn(w[6], w[7])));
+        i64 pair = (i64)(r0 + t / gs) * hq + g * gs + t % gs;
+        pml[(pair * nb + b) * 2] = pmax[t];
+        pml[(pair * nb + b) * 2 + 1] = l;
+    }
+}
+
 // Attention in fixed key tiles. For the (row, head) pair at position p (keys
 // 0..=p), tile b covers keys [256 b, min(256 b + 256, p + 1)) and computes
 //   s_j  = (lane l's fma chain over dims l, l + 32, ... then a fixed xor
@@ -451,20 +489,7 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
     else mx = tile_scores<8, ATT_KB, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
     if ((lane & 1) == 0) smax[mine][warp] = mx;
     __syncthreads();
-    // e in place, thread t owning slot t of every pair; each warp's sum by a
-    // butterfly.
-    for (int p = 0; p < np; p++) {
-        float mxp = smax[p][0];
-        for (int w = 1; w < ATT_WARPS; w++) mxp = fmaxf(mxp, smax[p][w]);
-        float e = 0.0f;
-        if (mxp != -INFINITY) {
-            e = expf(__fsub_rn(st[p][t], mxp));  // exp(-inf) = 0 in the slots past the pair's keys
-            st[p][t] = e;
-        }
-        for (int o2 = 16; o2 > 0; o2 /= 2) e = __fadd_rn(e, __shfl_xor_sync(0xffffffffu, e, o2));
-        if (lane == 0) wsum[p][warp] = e;
-        if (t == 0) pmax[p] = mxp;
-    }
+    tile_softmax(&st[0][0], ATT_T, smax, wsum, pmax, np);
     __syncthreads();
     // Values: keys in order for each (pair, dim). Head dims below 256 split
     // the pairs over G groups of threads (pair p to group p % G), so every
@@ -476,14 +501,7 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
     case 2: tile_values<2>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
     default: tile_values<1>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
     }
-    if (t < np && j0 <= pos0 + r0 + t / gs) {
-        float* w = wsum[t];
-        float l = __fadd_rn(__fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3])),
-                            __fadd_rn(__fadd_rn(w[4], w[5]), __fadd_rn(w[6], w[7])));
-        i64 pair = (i64)(r0 + t / gs) * hq + g * gs + t % gs;
-        pml[(pair * nb + b) * 2] = pmax[t];
-        pml[(pair * nb + b) * 2 + 1] = l;
-    }
+    tile_write_pml(wsum, pmax, pml, np, gs, hq, g, r0, pos0, j0, b, nb);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
@@ -678,20 +696,7 @@ __device__ __forceinline__ void attention_tiles_tc_k(const float* q, const void*
         if (c == 0) smax[gr + 8 * r][warp] = mx[r];
     }
     __syncthreads();
-    // e in place, thread t owning slot t of every pair; each warp's sum by a
-    // butterfly (as attention_tiles).
-    for (int p = 0; p < np; p++) {
-        float mxp = smax[p][0];
-        for (int w = 1; w < ATT_WARPS; w++) mxp = fmaxf(mxp, smax[p][w]);
-        float e = 0.0f;
-        if (mxp != -INFINITY) {
-            e = expf(__fsub_rn(st[p * ATC_SS + t], mxp));
-            st[p * ATC_SS + t] = e;
-        }
-        for (int o2 = 16; o2 > 0; o2 /= 2) e = __fadd_rn(e, __shfl_xor_sync(0xffffffffu, e, o2));
-        if (lane == 0) wsum[p][warp] = e;
-        if (t == 0) pmax[p] = mxp;
-    }
+    tile_softmax(st, ATC_SS, smax, wsum, pmax, np);
     __syncthreads();
 
     // Values: warp w takes the head dims' groups of 8, w, w + 8, ... (the
@@ -750,14 +755,7 @@ __device__ __forceinline__ void attention_tiles_tc_k(const float* q, const void*
             }
         }
     }
-    if (t < np && j0 <= pos0 + r0 + t / gs) {
-        float* w = wsum[t];
-        float l = __fadd_rn(__fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3])),
-                            __fadd_rn(__fadd_rn(w[4], w[5]), __fadd_rn(w[6], w[7])));
-        i64 pair = (i64)(r0 + t / gs) * hq + g * gs + t % gs;
-        pml[(pair * nb + b) * 2] = pmax[t];
-        pml[(pair * nb + b) * 2 + 1] = l;
-    }
+    tile_write_pml(wsum, pmax, pml, np, gs, hq, g, r0, pos0, j0, b, nb);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)

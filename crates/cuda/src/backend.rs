@@ -885,13 +885,6 @@ impl Cuda {
         }
     }
 
-    /// Run attention's passes on tensor cores (`attention_tiles_tc`, for
-    /// head dims that are multiples of 32 up to 256; off unless `SAMESUM_CUDA_ATT_TC=1`).
-    #[doc(hidden)]
-    pub fn set_attention_tc(&mut self, on: bool) {
-        self.att_tc = on;
-    }
-
     /// Run prefill's shared expert on the second stream (`true`, the default
     /// unless `SAMESUM_CUDA_OVERLAP=0`) or after the routed experts, for
     /// comparisons.

@@ -734,7 +734,7 @@ fn attention_at_the_real_models_head_shapes() {
         ] {
             let mut cuda = Cuda::new(0, &model, false).unwrap();
             cuda.set_attention_q4(q4);
-            cuda.set_attention_tc(tc);
+            cuda.set_switch("ATT_TC", tc).unwrap();
             cuda.set_switch("ATT_TC_ACC", acc).unwrap();
             let what =
                 format!("heads {heads}/{kv_heads} x {head_dim}, q4 {q4}, tc {tc}, acc {acc}");
@@ -798,7 +798,7 @@ fn f16_kv_cache_on_the_gpu() {
         let (_dir, model) = synth_shape(shape, GgmlType::F32, 4);
         for tc in [false, true] {
             let mut cuda = Cuda::new(0, &model, false).unwrap();
-            cuda.set_attention_tc(tc);
+            cuda.set_switch("ATT_TC", tc).unwrap();
             let what = format!("f16 KV, heads {heads}/{kv_heads} x {head_dim}, tc {tc}");
             for m in [1, 64, 300] {
                 ops_close_kv(&model, &cuda, &cpu, m, 1e-5, &what, KvType::F16);
@@ -1029,15 +1029,10 @@ fn shared_expert_beside_the_routed_experts_equals_serial() {
             .map(|_| rng.below(model.w.n_vocab as u64) as u32)
             .collect();
         for chunk in [64usize, 100, 7] {
-            let run = |b: &Cuda| {
-                let mut st = b.new_state(&model, 320, KvType::F32).unwrap();
-                let mut out = Vec::new();
-                for c in toks.chunks(chunk) {
-                    out.extend(forward(&model, b, &mut st, c, Logits::All).unwrap());
-                }
-                out
-            };
-            let (p, q) = (run(&side), run(&serial));
+            let (p, q) = (
+                all_logits(&side, &model, &toks, chunk),
+                all_logits(&serial, &model, &toks, chunk),
+            );
             assert_eq!(p.len(), q.len());
             assert!(
                 p.iter().all(|v| v.is_finite()),
@@ -1093,15 +1088,10 @@ fn decode_fusions_equal_the_separate_kernels() {
             .map(|_| rng.below(model.w.n_vocab as u64) as u32)
             .collect();
         for chunk in [1usize, 7] {
-            let run = |b: &Cuda| {
-                let mut st = b.new_state(&model, 256, KvType::F32).unwrap();
-                let mut out = Vec::new();
-                for c in toks.chunks(chunk) {
-                    out.extend(forward(&model, b, &mut st, c, Logits::All).unwrap());
-                }
-                out
-            };
-            let (p, q) = (run(&fused), run(&apart));
+            let (p, q) = (
+                all_logits(&fused, &model, &toks, chunk),
+                all_logits(&apart, &model, &toks, chunk),
+            );
             assert_eq!(p.len(), q.len());
             if let Some(i) = p
                 .iter()
