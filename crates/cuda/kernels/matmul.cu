@@ -541,8 +541,8 @@ __device__ __forceinline__ int byte_of(u32 w, int i) { return (int)((w >> (8 * i
 // fifth bits from qh), the two 8-row activation fragments from shared memory
 // (rows `ast` bytes apart), one mma per (row pair, activation half), each
 // exact dot times its sub-block scale added into isum.
-template <int Q5>
-__device__ __forceinline__ void tc_subblock(int (&isum)[2][2][4], const uint2 (&q)[4], const uint2 (&qh)[4],
+template <int Q5, int N>
+__device__ __forceinline__ void tc_subblock(int (&isum)[2][N][4], const uint2 (&q)[4], const uint2 (&qh)[4],
                                             const u8* sq, int ast, int s, int h, int gq, int tq,
                                             const u32 (&scl)[4], const u32 (&sch)[4]) {
     u32 al[4], ah[4];
@@ -555,9 +555,9 @@ __device__ __forceinline__ void tc_subblock(int (&isum)[2][2][4], const uint2 (&
             ah[i] |= ((qh[i].y >> s) & 0x01010101u) << 4;
         }
     }
-    u32 bq[2][2];
+    u32 bq[N][2];
 #pragma unroll
-    for (int n = 0; n < 2; n++) {
+    for (int n = 0; n < N; n++) {
         uint2 v = *(const uint2*)(sq + (n * 8 + gq) * ast + s * 32 + 8 * tq);
         bq[n][0] = v.x;
         bq[n][1] = v.y;
@@ -567,7 +567,7 @@ __device__ __forceinline__ void tc_subblock(int (&isum)[2][2][4], const uint2 (&
         int sc0 = byte_of(s < 4 ? scl[2 * a] : sch[2 * a], s & 3);
         int sc1 = byte_of(s < 4 ? scl[2 * a + 1] : sch[2 * a + 1], s & 3);
 #pragma unroll
-        for (int n = 0; n < 2; n++) {
+        for (int n = 0; n < N; n++) {
             int d[4];
             mma_s8(d, al[2 * a], al[2 * a + 1], ah[2 * a], ah[2 * a + 1], bq[n][0], bq[n][1]);
             isum[a][n][0] += sc0 * d[0];
@@ -954,24 +954,24 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 #define TA_AST 352
-template <int Q5>
+template <int Q5, int R = TQ_ROWS>
 struct TaLayout {
     static constexpr int BYTES = Q5 ? 176 : 144;
     static constexpr int QS = Q5 ? 48 : 16;
     static constexpr int WST = Q5 ? 224 : 160;
     static constexpr int W_OFF = 0;
     static constexpr int A_OFF = TQ_WROWS * WST;
-    static constexpr int BS_OFF = A_OFF + TQ_ROWS * TA_AST;
-    static constexpr int DA_OFF = BS_OFF + TQ_ROWS * 4 * 4;
-    static constexpr int STAGE = DA_OFF + TQ_ROWS * 4;
+    static constexpr int BS_OFF = A_OFF + R * TA_AST;
+    static constexpr int DA_OFF = BS_OFF + R * 4 * 4;
+    static constexpr int STAGE = DA_OFF + R * 4;
 };
 
 // Issue the copies of weight block b (the tile's 128 rows of matrix `cur`)
-// and activation block b (its 16 rows) into `stage`.
-template <int Q5>
+// and activation block b (its R rows) into `stage`.
+template <int Q5, int R>
 __device__ __forceinline__ void ta_issue(u8* stage, const u8* W, i64 mat_stride, int row_bytes, int cur, int wrow0,
                                          int rows, const u8* A, i64 arow, int r0, int nr, int b, int tid) {
-    typedef TaLayout<Q5> L;
+    typedef TaLayout<Q5, R> L;
     const int PIECES = L::BYTES / 16;
     for (int c = tid; c < TQ_WROWS * PIECES; c += 128) {
         int r = c / PIECES, q = c % PIECES;
@@ -979,7 +979,7 @@ __device__ __forceinline__ void ta_issue(u8* stage, const u8* W, i64 mat_stride,
         const u8* src = W + (i64)cur * mat_stride + (i64)j * row_bytes + (i64)b * L::BYTES + q * 16;
         cp_async16(stage + L::W_OFF + r * L::WST + q * 16, src, true);
     }
-    for (int c = tid; c < TQ_ROWS * (Q8K_BYTES / 16); c += 128) {
+    for (int c = tid; c < R * (Q8K_BYTES / 16); c += 128) {
         int t = c / (Q8K_BYTES / 16), q = c % (Q8K_BYTES / 16);
         bool ok = t < nr;
         const u8* src = A + (ok ? (r0 + t) * arow + (i64)b * Q8K_BYTES + q * 16 : 0);
@@ -987,47 +987,48 @@ __device__ __forceinline__ void ta_issue(u8* stage, const u8* W, i64 mat_stride,
     }
 }
 
-template <int Q5>
+template <int Q5, int R>
 __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,
                               int rows, int m, int nb) {
-    typedef TaLayout<Q5> L;
+    typedef TaLayout<Q5, R> L;
+    constexpr int N = R / 8;  // activation groups of 8 rows (the mma's n)
     extern __shared__ __align__(16) u8 dsm[];
-    __shared__ int smat[TQ_ROWS];
+    __shared__ int smat[R];
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    int r0 = blockIdx.y * TQ_ROWS;
+    int r0 = blockIdx.y * R;
     if (r0 >= m) return;
-    int nr = min(TQ_ROWS, m - r0);
-    if (tid < TQ_ROWS) smat[tid] = tid < nr ? (mats ? mats[r0 + tid] : 0) : -1;
+    int nr = min(R, m - r0);
+    for (int t = tid; t < R; t += blockDim.x) smat[t] = t < nr ? (mats ? mats[r0 + t] : 0) : -1;
     __syncthreads();
     int gq = lane >> 2, tq = lane & 3;
     int wrow0 = blockIdx.x * TQ_WROWS;
     i64 arow = (i64)nb * Q8K_BYTES;
-    for (int c = tid; c < TQ_ROWS * TQ_WROWS; c += blockDim.x) {
+    for (int c = tid; c < R * TQ_WROWS; c += blockDim.x) {
         int t = c / TQ_WROWS, j = wrow0 + c % TQ_WROWS;
         if (t < nr && smat[t] < 0 && j < rows) Y[(i64)(r0 + t) * rows + j] = 0.0f;
     }
     int prev = -1;
     for (;;) {
         int cur = 0x7fffffff;
-        for (int t = 0; t < TQ_ROWS; t++) {
+        for (int t = 0; t < R; t++) {
             int v = smat[t];
             if (v > prev && v < cur) cur = v;
         }
         if (cur == 0x7fffffff) break;
         prev = cur;
-        float acc[2][2][4];
+        float acc[2][N][4];
 #pragma unroll
         for (int a = 0; a < 2; a++)
 #pragma unroll
-            for (int n = 0; n < 2; n++)
+            for (int n = 0; n < N; n++)
 #pragma unroll
                 for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
-        ta_issue<Q5>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, A, arow, r0, nr, 0, tid);
+        ta_issue<Q5, R>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, A, arow, r0, nr, 0, tid);
         cp_async_commit();
         for (int b = 0; b < nb; b++) {
             u8* st = dsm + (b & 1) * L::STAGE;
             if (b + 1 < nb) {
-                ta_issue<Q5>(dsm + ((b + 1) & 1) * L::STAGE, W, mat_stride, row_bytes, cur, wrow0, rows, A, arow,
+                ta_issue<Q5, R>(dsm + ((b + 1) & 1) * L::STAGE, W, mat_stride, row_bytes, cur, wrow0, rows, A, arow,
                              r0, nr, b + 1, tid);
                 cp_async_commit();
                 cp_async_wait<1>();
@@ -1037,8 +1038,8 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
             __syncthreads();
             int* sbs = (int*)(st + L::BS_OFF);  // [t][4]: sub-block bsums as i16 pairs
             float* sda = (float*)(st + L::DA_OFF);
-            if (tid < TQ_ROWS * 4) {
-                int t = tid / 4, w = tid % 4;
+            for (int i = tid; i < R * 4; i += blockDim.x) {
+                int t = i / 4, w = i % 4;
                 const i16* bs = (const i16*)(st + L::A_OFF + t * TA_AST + Q8K_BSUMS);
                 int s0 = (int)bs[4 * w] + (int)bs[4 * w + 1];  // |sum of 32 int8| < 2^15
                 int s1 = (int)bs[4 * w + 2] + (int)bs[4 * w + 3];
@@ -1062,11 +1063,11 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
 #pragma unroll
                 for (int i = 0; i < 4; i++) qh[i] = *(const uint2*)(wrow + 8 * i * L::WST + 16 + 8 * tq);
             }
-            int isum[2][2][4];
+            int isum[2][N][4];
 #pragma unroll
             for (int a = 0; a < 2; a++)
 #pragma unroll
-                for (int n = 0; n < 2; n++)
+                for (int n = 0; n < N; n++)
 #pragma unroll
                     for (int c = 0; c < 4; c++) isum[a][n][c] = 0;
             const u8* sqb = st + L::A_OFF;
@@ -1096,7 +1097,7 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
 #pragma unroll
             for (int a = 0; a < 2; a++)
 #pragma unroll
-                for (int n = 0; n < 2; n++)
+                for (int n = 0; n < N; n++)
 #pragma unroll
                     for (int c = 0; c < 4; c++) {
                         int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
@@ -1114,7 +1115,7 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
 #pragma unroll
         for (int a = 0; a < 2; a++)
 #pragma unroll
-            for (int n = 0; n < 2; n++)
+            for (int n = 0; n < N; n++)
 #pragma unroll
                 for (int c = 0; c < 4; c++) {
                     int j = wbase + 8 * (2 * a + c / 2) + gq, t = 8 * n + 2 * tq + c % 2;
@@ -1150,11 +1151,26 @@ TC_PIPE_KERNEL(mm_tc_q5_k_pipe, 1)
     extern "C" __global__ void __launch_bounds__(128, 3)                                       \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
              int rows, int m, int nb) { pdl_wait();                                            \
-        mm_tc_async_k<Q5>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);                  \
+        mm_tc_async_k<Q5, TQ_ROWS>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);         \
     }
 
 TC_ASYNC_KERNEL(mm_tc_q4_k_async, 0)
 TC_ASYNC_KERNEL(mm_tc_q5_k_async, 1)
+
+// The async kernel with 32 activation rows a tile (opt-in while it is
+// measured): each weight block staged serves twice the rows; every output is
+// the same sequence of integer sums and float steps, so the same bytes.
+// Dynamic shared memory: 2 * TaLayout<Q5, 32>::STAGE (64,768 for Q4_K,
+// 81,152 for Q5_K).
+#define TC_ASYNC32_KERNEL(name, Q5)                                                            \
+    extern "C" __global__ void __launch_bounds__(128, 2)                                       \
+        name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
+             int rows, int m, int nb) { pdl_wait();                                            \
+        mm_tc_async_k<Q5, 32>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);              \
+    }
+
+TC_ASYNC32_KERNEL(mm_tc_q4_k_async32, 0)
+TC_ASYNC32_KERNEL(mm_tc_q5_k_async32, 1)
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
 // then a fixed butterfly.

@@ -263,16 +263,13 @@ impl<'a> Input<'a> {
     }
 }
 
-/// Rows per tile of the tensor-core matmuls: the expert plan pads each
-/// expert's rows to a multiple of this in wide calls.
-const TC_ROWS: usize = 16;
-
-/// Dynamic shared memory of the async tensor-core kernel: two stages of
-/// (128 weight rows at 160 bytes for Q4_K or 224 for Q5_K, 16 activation
-/// rows at 352, 16 x 4 packed bsums, 16 scales), as `TaLayout` in matmul.cu.
-const fn tc_async_smem(q5: bool) -> u32 {
+/// Dynamic shared memory of the async tensor-core kernels: two stages of
+/// (128 weight rows at 160 bytes for Q4_K or 224 for Q5_K, `rows` activation
+/// rows at 352, rows x 4 packed bsums, rows scales), as `TaLayout` in
+/// matmul.cu.
+const fn tc_async_smem(q5: bool, rows: usize) -> u32 {
     let wst = if q5 { 224 } else { 160 };
-    2 * (128 * wst + 16 * 352 + 16 * 4 * 4 + 16 * 4)
+    (2 * (128 * wst + rows * 352 + rows * 4 * 4 + rows * 4)) as u32
 }
 
 /// A `SAMESUM_CUDA_*` switch: `default` unless the variable says otherwise
@@ -299,12 +296,23 @@ const SWITCHES: &[Switch] = &[
     ),
     (
         "TC_ASYNC",
-        |c| c.tc_kernel == TcKernel::Async,
+        |c| matches!(c.tc_kernel, TcKernel::Async | TcKernel::Async32),
         |c, on| {
             c.tc_kernel = if on {
                 TcKernel::Async
             } else {
                 TcKernel::Pipelined
+            }
+        },
+    ),
+    (
+        "TC_ROWS32",
+        |c| c.tc_kernel == TcKernel::Async32,
+        |c, on| {
+            c.tc_kernel = if on {
+                TcKernel::Async32
+            } else {
+                TcKernel::Async
             }
         },
     ),
@@ -352,6 +360,21 @@ pub enum TcKernel {
     /// blocks copied into shared memory by `cp.async`, two stages, so more
     /// blocks fit per multiprocessor (`mm_tc_*_async`; the default).
     Async,
+    /// The async kernel with 32 activation rows a tile instead of 16, and
+    /// the expert plan padding to 32 in wide calls: each staged weight block
+    /// serves twice the rows (`mm_tc_*_async32`; opt-in,
+    /// `SAMESUM_CUDA_TC_ROWS32=1`). The same bytes.
+    Async32,
+}
+
+impl TcKernel {
+    /// Activation rows per tile (the expert plan's padding in wide calls).
+    pub fn tile_rows(self) -> usize {
+        match self {
+            TcKernel::Async32 => 32,
+            _ => 16,
+        }
+    }
 }
 
 /// The one-launch plan's limits (`plan_small` in ops.cu).
@@ -594,7 +617,11 @@ impl Cuda {
             tc_kernel: if !env_switch("SAMESUM_CUDA_TC_PIPE", true) {
                 TcKernel::Plain
             } else if env_switch("SAMESUM_CUDA_TC_ASYNC", true) {
-                TcKernel::Async
+                if env_switch("SAMESUM_CUDA_TC_ROWS32", false) {
+                    TcKernel::Async32
+                } else {
+                    TcKernel::Async
+                }
             } else {
                 TcKernel::Pipelined
             },
@@ -1197,15 +1224,20 @@ impl Cuda {
                         (false, TcKernel::Pipelined) => "mm_tc_q5_k_pipe",
                         (true, TcKernel::Async) => "mm_tc_q4_k_async",
                         (false, TcKernel::Async) => "mm_tc_q5_k_async",
+                        (true, TcKernel::Async32) => "mm_tc_q4_k_async32",
+                        (false, TcKernel::Async32) => "mm_tc_q5_k_async32",
                     };
-                    // The async kernel's two stages of shared memory (see
+                    // The async kernels' two stages of shared memory (see
                     // TaLayout in matmul.cu).
+                    let tile = self.tc_kernel.tile_rows();
                     let smem = match self.tc_kernel {
-                        TcKernel::Async => tc_async_smem(w.ty == GgmlType::Q5_K),
+                        TcKernel::Async | TcKernel::Async32 => {
+                            tc_async_smem(w.ty == GgmlType::Q5_K, tile)
+                        }
                         _ => 0,
                     };
                     let ct = cfg(
-                        (w.rows.div_ceil(128) as u32, m.div_ceil(TC_ROWS) as u32, 1),
+                        (w.rows.div_ceil(128) as u32, m.div_ceil(tile) as u32, 1),
                         128,
                         smem,
                     );
@@ -2164,7 +2196,7 @@ impl Cuda {
         // holds one expert; `cap` bounds the padded total (at most min(e, n)
         // experts have rows). Rows past the real ones stay unused (-1).
         let pad = if n > 16 && self.tensor_cores {
-            TC_ROWS
+            self.tc_kernel.tile_rows()
         } else {
             1
         };

@@ -384,7 +384,12 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
             .unwrap();
             let model = Model::load(&p).unwrap();
             let mut cuda = Cuda::new(0, &model, false).unwrap();
-            for tk in [TcKernel::Plain, TcKernel::Pipelined, TcKernel::Async] {
+            for tk in [
+                TcKernel::Plain,
+                TcKernel::Pipelined,
+                TcKernel::Async,
+                TcKernel::Async32,
+            ] {
                 cuda.set_tc_kernel(tk);
                 let kind = format!("{tk:?} ");
                 let moe = &model.w.layers[0].moe;
