@@ -55,6 +55,11 @@ pub struct Cuda {
     /// tok/s at chunk 512 (session 6); pipelined 7,958 -> async 8,350 at
     /// chunk 2048 (session 8).
     tc_kernel: TcKernel,
+    /// With the async kernel: 32-row tiles for calls of at least
+    /// `TC_ROWS32_MIN` rows per matrix (default; off with
+    /// `SAMESUM_CUDA_TC_ROWS32_AUTO=0`, 16-row tiles everywhere). The same
+    /// bytes either way.
+    tc_rows32_auto: bool,
     /// Wide float matmuls of one matrix (routers, gates in prefill) on the
     /// register-tiled kernels (`mm_*_tile`: each output's fmas and butterfly
     /// as the per-row kernel's; default, off with `SAMESUM_CUDA_F32_TILE=0`).
@@ -160,6 +165,10 @@ struct Input<'a> {
     cols: usize,
     q8k: std::cell::OnceCell<CudaSlice<u8>>,
     q80: std::cell::OnceCell<CudaSlice<u8>>,
+    /// For rows placed by the expert plan: the plan's padding (each
+    /// expert's rows start at a multiple of it, so a tensor-core tile of up
+    /// to this many rows holds one expert); 16 otherwise.
+    tile: usize,
 }
 
 /// A norm's output rows as Q8_K blocks, written by the norm kernel itself.
@@ -190,7 +199,14 @@ impl<'a> Input<'a> {
             cols: x.len() / m.max(1),
             q8k: std::cell::OnceCell::new(),
             q80: std::cell::OnceCell::new(),
+            tile: TC_ROWS,
         }
+    }
+
+    /// The same rows, placed by an expert plan that padded to `pad`.
+    fn padded(mut self, pad: usize) -> Self {
+        self.tile = pad;
+        self
     }
 
     /// `m` rows of `cols` given only as Q8_K blocks (a quantized row is a
@@ -204,6 +220,7 @@ impl<'a> Input<'a> {
             cols,
             q8k: cell,
             q80: std::cell::OnceCell::new(),
+            tile: TC_ROWS,
         }
     }
 
@@ -263,6 +280,19 @@ impl<'a> Input<'a> {
     }
 }
 
+/// Activation rows per tile of the tensor-core matmuls (the async kernel's
+/// 32-row variant aside): the expert plan pads each expert's rows to a
+/// multiple of this in wide calls.
+const TC_ROWS: usize = 16;
+
+/// Calls of at least this many rows per weight matrix (for expert calls, on
+/// average per expert) take the async kernel's 32-row tiles by default: each
+/// staged weight block then serves twice the rows. Below it the plan's
+/// padding to 32 would cost more rows than the tiles save (session 10,
+/// qwen35moe at 16 rows per expert: pp512 10,128 -> 9,399 with 32-row tiles
+/// everywhere; at 64, pp4096 9,381 -> 9,540).
+const TC_ROWS32_MIN: usize = 64;
+
 /// Dynamic shared memory of the async tensor-core kernels: two stages of
 /// (128 weight rows at 160 bytes for Q4_K or 224 for Q5_K, `rows` activation
 /// rows at 352, rows x 4 packed bsums, rows scales), as `TaLayout` in
@@ -304,6 +334,11 @@ const SWITCHES: &[Switch] = &[
                 TcKernel::Pipelined
             }
         },
+    ),
+    (
+        "TC_ROWS32_AUTO",
+        |c| c.tc_rows32_auto,
+        |c, on| c.tc_rows32_auto = on,
     ),
     (
         "TC_ROWS32",
@@ -360,21 +395,11 @@ pub enum TcKernel {
     /// blocks copied into shared memory by `cp.async`, two stages, so more
     /// blocks fit per multiprocessor (`mm_tc_*_async`; the default).
     Async,
-    /// The async kernel with 32 activation rows a tile instead of 16, and
-    /// the expert plan padding to 32 in wide calls: each staged weight block
-    /// serves twice the rows (`mm_tc_*_async32`; opt-in,
-    /// `SAMESUM_CUDA_TC_ROWS32=1`). The same bytes.
+    /// The async kernel with 32 activation rows a tile (`mm_tc_*_async32`)
+    /// in every wide call, and the expert plan padding to 32
+    /// (`SAMESUM_CUDA_TC_ROWS32=1`; `Async` takes it where there are enough
+    /// rows, see `TC_ROWS32_MIN`). The same bytes.
     Async32,
-}
-
-impl TcKernel {
-    /// Activation rows per tile (the expert plan's padding in wide calls).
-    pub fn tile_rows(self) -> usize {
-        match self {
-            TcKernel::Async32 => 32,
-            _ => 16,
-        }
-    }
 }
 
 /// The one-launch plan's limits (`plan_small` in ops.cu).
@@ -625,6 +650,7 @@ impl Cuda {
             } else {
                 TcKernel::Pipelined
             },
+            tc_rows32_auto: env_switch("SAMESUM_CUDA_TC_ROWS32_AUTO", true),
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
             norm_quant: env_switch("SAMESUM_CUDA_NORM_Q8K", true),
             norm_q8k: Mutex::new(None),
@@ -1125,6 +1151,33 @@ impl Cuda {
             .collect()
     }
 
+    /// Rows per tile of a wide tensor-core call of `m` rows: 32 on the async
+    /// kernel where `Async32` forces it or (by default) where a plain call
+    /// has at least `TC_ROWS32_MIN` rows or an expert call's plan padded to
+    /// 32 (`plan_tile`); 16 otherwise.
+    fn tc_tile(&self, m: usize, plan_tile: usize, experts: bool) -> usize {
+        let auto32 = if experts {
+            plan_tile == 32
+        } else {
+            m >= TC_ROWS32_MIN
+        };
+        match self.tc_kernel {
+            TcKernel::Async32 => 32,
+            TcKernel::Async if self.tc_rows32_auto && auto32 => 32,
+            _ => TC_ROWS,
+        }
+    }
+
+    /// The expert plan's padding for `n` (token, expert) pairs over `e`
+    /// experts in a wide call: the tensor-core tile its calls will take.
+    fn tc_pad(&self, n: usize, e: usize) -> usize {
+        match self.tc_kernel {
+            TcKernel::Async32 => 32,
+            TcKernel::Async if self.tc_rows32_auto && n >= TC_ROWS32_MIN * e => 32,
+            _ => TC_ROWS,
+        }
+    }
+
     /// A matmul reading `w`'s stacked matrices at device address `base`.
     fn matmul_on(
         &self,
@@ -1217,19 +1270,20 @@ impl Cuda {
                 let nbi = (w.cols / 256) as i32;
                 let a = input.q8k(d)?;
                 if wide && tensor_cores && matches!(w.ty, GgmlType::Q4_K | GgmlType::Q5_K) {
-                    let k = match (w.ty == GgmlType::Q4_K, self.tc_kernel) {
-                        (true, TcKernel::Plain) => "mm_tc_q4_k",
-                        (true, TcKernel::Pipelined) => "mm_tc_q4_k_pipe",
-                        (false, TcKernel::Plain) => "mm_tc_q5_k",
-                        (false, TcKernel::Pipelined) => "mm_tc_q5_k_pipe",
-                        (true, TcKernel::Async) => "mm_tc_q4_k_async",
-                        (false, TcKernel::Async) => "mm_tc_q5_k_async",
-                        (true, TcKernel::Async32) => "mm_tc_q4_k_async32",
-                        (false, TcKernel::Async32) => "mm_tc_q5_k_async32",
+                    let tile = self.tc_tile(m, input.tile, mats.is_some());
+                    let q4 = w.ty == GgmlType::Q4_K;
+                    let k = match (self.tc_kernel, tile) {
+                        (TcKernel::Plain, _) if q4 => "mm_tc_q4_k",
+                        (TcKernel::Plain, _) => "mm_tc_q5_k",
+                        (TcKernel::Pipelined, _) if q4 => "mm_tc_q4_k_pipe",
+                        (TcKernel::Pipelined, _) => "mm_tc_q5_k_pipe",
+                        (_, 32) if q4 => "mm_tc_q4_k_async32",
+                        (_, 32) => "mm_tc_q5_k_async32",
+                        _ if q4 => "mm_tc_q4_k_async",
+                        _ => "mm_tc_q5_k_async",
                     };
                     // The async kernels' two stages of shared memory (see
                     // TaLayout in matmul.cu).
-                    let tile = self.tc_kernel.tile_rows();
                     let smem = match self.tc_kernel {
                         TcKernel::Async | TcKernel::Async32 => {
                             tc_async_smem(w.ty == GgmlType::Q5_K, tile)
@@ -2196,7 +2250,7 @@ impl Cuda {
         // holds one expert; `cap` bounds the padded total (at most min(e, n)
         // experts have rows). Rows past the real ones stay unused (-1).
         let pad = if n > 16 && self.tensor_cores {
-            self.tc_kernel.tile_rows()
+            self.tc_pad(n, e)
         } else {
             1
         };
@@ -2383,7 +2437,7 @@ impl Cuda {
                 &wi,
                 &capi
             )?;
-            Input::quantized(xeq, cap, dm)
+            Input::quantized(xeq, cap, dm).padded(pad)
         } else {
             let mut rows = d.scratch::<f32>(cap * dm)?;
             launch!(
@@ -2397,7 +2451,7 @@ impl Cuda {
                 &capi
             )?;
             xe = rows;
-            Input::new(&xe, cap)
+            Input::new(&xe, cap).padded(pad)
         };
         let mut ge = d.scratch::<f32>(cap * f)?;
         let tc = self.tensor_cores;
@@ -2410,7 +2464,7 @@ impl Cuda {
             &mut ge,
         )?;
         let mut oe = d.scratch::<f32>(cap * dm)?;
-        let gin = Input::new(&ge, cap);
+        let gin = Input::new(&ge, cap).padded(pad);
         self.matmul_on(&mw.down, bases[2], &gin, Some(mats), &mut oe, tc)?;
         if let Some((t, b, l)) = staged {
             t.staged_read(d, model, b, l)?;
