@@ -934,25 +934,6 @@ __device__ void mm_tc_pipe_k(const u8* W, i64 mat_stride, int row_bytes, const i
 // banks (weights: 160 bytes a row for Q4_K, 224 for Q5_K; activations: 352).
 // Every element's integer sums and float steps are the other kernels'.
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// 16 bytes global -> shared, zero-filled when !valid (src must still be a
-// mapped address).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 #define TA_AST 352
 template <int Q5, int R = TQ_ROWS>
 struct TaLayout {

@@ -1112,6 +1112,151 @@ DELTA_COLS(delta_cols_64, 64)
 DELTA_COLS(delta_cols_128, 128)
 DELTA_COLS(delta_cols_256, 256)
 
+// The same rule in the same order (delta_cols: each value, product and sum
+// as there), with the staging moved off the rows' path. Nsight Compute had
+// delta_cols_128 at 1.9 warps a scheduler (its 256 blocks are the whole
+// parallelism the order allows) with 41% of its stall cycles waiting on the
+// staging's global loads. Here the next group of rows comes into shared
+// memory by cp.async (and its beta and decay inputs into registers) while
+// this group's rows run, two buffers in turn. k and q are staged transposed:
+// lane p's slots q = 0..SP-1 (elements p + 8q) sit together, PS = SP + 4
+// floats apart (conflict-free float4 reads), so a row reads its k and q with
+// SP/2 vector loads instead of 2 SP scalar ones. q is scaled in shared memory
+// by the thread that copied it, with the same multiply. RG rows a group.
+template <int DK, int RG>
+__device__ void delta_cols_async(const float* qk, const float* conv, const float* b, const float* a,
+                                 const float* dt_bias, const float* ssm_a, float* state, float* o,
+                                 int m, int hk, int hv, int dv, int tiled) {
+    constexpr int SP = DK / DC_PARTS, PS = SP + 4, SEC = DC_PARTS * PS;
+    constexpr int SRC = 2 * DK + DC_COLS, ROWF = 2 * SEC + DC_COLS, NT = DC_COLS * DC_PARTS;
+    __shared__ __align__(16) float st[2][RG * ROWF];
+    __shared__ float sb[2][2 * RG];
+    int n = blockIdx.x, tid = threadIdx.x;
+    int c = tid / DC_PARTS, p = tid % DC_PARTS;
+    int j = blockIdx.y * DC_COLS + c;
+    bool live = j < dv;
+    int kd = hk * DK, vd = hv * dv, cd = 2 * kd + vd;
+    int kh = tiled ? n % hk : n / (hv / hk);
+    float q_scale = 1.0f / sqrtf((float)DK);
+    float* G = state + (i64)n * DK * dv;
+    float S[SP];
+#pragma unroll
+    for (int q = 0; q < SP; q++) S[q] = live ? G[(i64)(p + DC_PARTS * q) * dv + j] : 0.0f;
+    // Group r0's k, q and v into buffer bi (one commit group), and its rows'
+    // b and a (thread t < rows: row r0 + t) into *pb, *pa.
+    auto stage = [&](int r0, int bi, float* pb, float* pa) {
+        int cnt = min(RG, m - r0);
+        for (int rr = 0; rr < cnt; rr++) {
+            const float* row = qk + (i64)(r0 + rr) * 2 * kd;
+            float* dst = st[bi] + rr * ROWF;
+            for (int e = tid; e < SRC; e += NT) {
+                if (e < DK) {
+                    cp_async4(dst + (e % DC_PARTS) * PS + e / DC_PARTS, row + kd + kh * DK + e);
+                } else if (e < 2 * DK) {
+                    int f = e - DK;
+                    cp_async4(dst + SEC + (f % DC_PARTS) * PS + f / DC_PARTS, row + kh * DK + f);
+                } else {
+                    int jj = blockIdx.y * DC_COLS + e - 2 * DK;
+                    if (jj < dv)
+                        cp_async4(dst + 2 * SEC + e - 2 * DK, conv + (i64)(r0 + rr) * cd + 2 * kd + n * dv + jj);
+                    else
+                        dst[2 * SEC + e - 2 * DK] = 0.0f;
+                }
+            }
+        }
+        cp_async_commit();
+        if (tid < cnt) {
+            *pb = b[(i64)(r0 + tid) * hv + n];
+            *pa = a[(i64)(r0 + tid) * hv + n];
+        }
+    };
+    // beta and decay of group row t from its b and a, into sb[bi].
+    auto gates = [&](int bi, int t, float bv, float av) {
+        sb[bi][t] = sigmoid(bv);
+        float gl = softplus(av + dt_bias[n]) * ssm_a[n];
+        sb[bi][RG + t] = expf(gl);
+    };
+    int groups = (m + RG - 1) / RG;
+    float nb = 0.0f, na = 0.0f;
+    if (groups > 0) {
+        stage(0, 0, &nb, &na);
+        if (tid < min(RG, m)) gates(0, tid, nb, na);
+    }
+    for (int g = 0; g < groups; g++) {
+        int r0 = g * RG, cnt = min(RG, m - r0), bi = g & 1;
+        bool more = g + 1 < groups;
+        if (g > 0) __syncthreads();  // group g - 1 is done with buffer bi ^ 1
+        if (more) {
+            stage(r0 + RG, bi ^ 1, &nb, &na);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        // This thread's copies of group g have landed: scale its q's.
+        for (int rr = 0; rr < cnt; rr++)
+            for (int e = tid; e < SRC; e += NT)
+                if (e >= DK && e < 2 * DK) {
+                    int f = e - DK;
+                    float* x = st[bi] + rr * ROWF + SEC + (f % DC_PARTS) * PS + f / DC_PARTS;
+                    *x = __fmul_rn(*x, q_scale);
+                }
+        __syncthreads();
+        for (int rr = 0; rr < cnt; rr++) {
+            const float* kr = st[bi] + rr * ROWF;
+            const float4* k4 = reinterpret_cast<const float4*>(kr + p * PS);
+            const float4* q4 = reinterpret_cast<const float4*>(kr + SEC + p * PS);
+            float beta = sb[bi][rr], decay = sb[bi][RG + rr];
+            float kk[SP];
+#pragma unroll
+            for (int u = 0; u < SP / 4; u++) {
+                float4 t = k4[u];
+                kk[4 * u] = t.x, kk[4 * u + 1] = t.y, kk[4 * u + 2] = t.z, kk[4 * u + 3] = t.w;
+            }
+            float kv = 0.0f;
+#pragma unroll
+            for (int q = 0; q < SP; q++) {
+                S[q] = __fmul_rn(S[q], decay);
+                kv = __fmaf_rn(S[q], kk[q], kv);
+            }
+            kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 4));
+            kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 2));
+            kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 1));
+            float delta = __fmul_rn(__fsub_rn(kr[2 * SEC + c], kv), beta);
+            float qq[SP];
+#pragma unroll
+            for (int u = 0; u < SP / 4; u++) {
+                float4 t = q4[u];
+                qq[4 * u] = t.x, qq[4 * u + 1] = t.y, qq[4 * u + 2] = t.z, qq[4 * u + 3] = t.w;
+            }
+            float acc = 0.0f;
+#pragma unroll
+            for (int q = 0; q < SP; q++) {
+                S[q] = __fmaf_rn(kk[q], delta, S[q]);
+                acc = __fmaf_rn(S[q], qq[q], acc);
+            }
+            acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
+            acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
+            acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
+            if (live && p == 0) o[(i64)(r0 + rr) * vd + n * dv + j] = acc;
+        }
+        if (more && tid < min(RG, m - r0 - RG)) gates(bi ^ 1, tid, nb, na);
+    }
+    if (live)
+#pragma unroll
+        for (int q = 0; q < SP; q++) G[(i64)(p + DC_PARTS * q) * dv + j] = S[q];
+}
+
+#define DELTA_COLS_ASYNC(name, DK, RG)                                                               \
+    extern "C" __global__ void __launch_bounds__(DC_COLS * DC_PARTS, 4)                               \
+        name(const float* qk, const float* conv, const float* b, const float* a, const float* dt_bias, \
+             const float* ssm_a, float* state, float* o, int m, int hk, int hv, int dv, int tiled) { pdl_wait(); \
+        delta_cols_async<DK, RG>(qk, conv, b, a, dt_bias, ssm_a, state, o, m, hk, hv, dv, tiled);    \
+    }
+
+DELTA_COLS_ASYNC(delta_cols_async_64, 64, 16)
+DELTA_COLS_ASYNC(delta_cols_async_128, 128, 16)
+DELTA_COLS_ASYNC(delta_cols_async_256, 256, 8)
+
 // The delta net's gated RMSNorm, one warp per (row, value head): the head is
 // read once, coalesced, into shared memory (head dims up to 256; larger ones
 // read global memory), the sum of squares in f64 in index order (lane 0, as

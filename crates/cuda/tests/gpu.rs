@@ -798,6 +798,55 @@ fn attention_at_the_real_models_head_shapes() {
     }
 }
 
+/// The delta rule's cp.async-staged kernels (`delta_cols_async_*`, the
+/// default) against the plain ones (`SAMESUM_CUDA_DELTA_ASYNC=0`): every
+/// position's logits byte-equal over 300 tokens in chunks of 64 and of 7
+/// (full and partial row groups, one group and several in a call), and
+/// byte-equal to their own replay, at key head dims 64 (the tiny shapes),
+/// 128 (qwen35moe-35b-a3b) and 256 (eight-row groups).
+#[test]
+fn staged_delta_rule_equals_the_plain_one() {
+    if !gpu() {
+        return;
+    }
+    let tiny = shapes::by_name("tiny-qwen35moe").unwrap();
+    let mut cases = vec![shapes::by_name("tiny-qwen3next").unwrap(), tiny.clone()];
+    for dk in [128, 256] {
+        cases.push(shapes::Shape {
+            delta: Some(shapes::DeltaNet {
+                key_head_dim: dk,
+                value_head_dim: dk,
+                ..tiny.delta.unwrap()
+            }),
+            ..tiny.clone()
+        });
+    }
+    for shape in cases {
+        let dk = shape.delta.unwrap().key_head_dim;
+        let what = format!("{} dk {dk}", shape.name);
+        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 13);
+        let mut plain = Cuda::new(0, &model, false).unwrap();
+        plain.set_switch("DELTA_ASYNC", false).unwrap();
+        let mut staged = Cuda::new(0, &model, false).unwrap();
+        staged.set_switch("DELTA_ASYNC", true).unwrap();
+        let toks: Vec<u32> = (0..300u32)
+            .map(|i| (i * 7919 + 11) % model.w.n_vocab as u32)
+            .collect();
+        let replay = all_logits(&staged, &model, &toks, 1);
+        assert!(replay.iter().all(|v| v.is_finite()), "{what}: non-finite");
+        for chunk in [64, 7] {
+            let a = all_logits(&plain, &model, &toks, chunk);
+            let b = all_logits(&staged, &model, &toks, chunk);
+            assert!(same_bits(&a, &b), "{what} chunk {chunk}: staged != plain");
+            assert!(
+                same_bits(&b, &replay),
+                "{what} chunk {chunk}: staged batched != its replay"
+            );
+        }
+        eprintln!("{what}: staged delta rule == plain == replay, chunks 64 and 7");
+    }
+}
+
 /// The largest relative L2 distance, over two calls in a row, between layer
 /// 0's attention on the GPU with a `gpu_kv` cache and on the CPU with a
 /// `cpu_kv` cache, on the same random rows.
