@@ -1117,18 +1117,42 @@ DELTA_COLS(delta_cols_256, 256)
 // delta_cols_128 at 1.9 warps a scheduler (its 256 blocks are the whole
 // parallelism the order allows) with 41% of its stall cycles waiting on the
 // staging's global loads. Here the next group of rows comes into shared
-// memory by cp.async (and its beta and decay inputs into registers) while
-// this group's rows run, two buffers in turn. k and q are staged transposed:
-// lane p's slots q = 0..SP-1 (elements p + 8q) sit together, PS = SP + 4
-// floats apart (conflict-free float4 reads), so a row reads its k and q with
-// SP/2 vector loads instead of 2 SP scalar ones. q is scaled in shared memory
-// by the thread that copied it, with the same multiply. RG rows a group.
-template <int DK, int RG>
+// memory by cp.async (and its b and a into registers) while this group's
+// rows run, two buffers in turn. k and q are staged transposed: lane p's
+// slots q = 0..SP-1 (elements p + 8q) sit together, PS = SP + 4 floats apart
+// (conflict-free float4 reads), so a row reads its k and q with SP/2 vector
+// loads instead of 2 SP scalar ones. Thread t copies elements t, t + 128,
+// ... of each row's k and of its q, and scales its own q's in shared memory
+// once they land (the same multiply as delta_cols). RG rows a group.
+//
+// PIPE = 1: after row r's state update, one loop over the state values runs
+// row r's output dot beside row r + 1's decay and k dot (two independent
+// chains a thread), then both butterflies. Every value goes through the
+// same operations in the same order as PIPE = 0: the same bytes. (Not at
+// head dim 256: a thread's four 32-value arrays would spill.)
+template <int DK>
+__device__ __forceinline__ void dc_load4(const float* src, float* dst) {
+    const float4* v = reinterpret_cast<const float4*>(src);
+#pragma unroll
+    for (int u = 0; u < DK / DC_PARTS / 4; u++) {
+        float4 t = v[u];
+        dst[4 * u] = t.x, dst[4 * u + 1] = t.y, dst[4 * u + 2] = t.z, dst[4 * u + 3] = t.w;
+    }
+}
+
+__device__ __forceinline__ float dc_lanes_sum(float v) {
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 4));
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return v;
+}
+
+template <int DK, int RG, int PIPE>
 __device__ void delta_cols_async(const float* qk, const float* conv, const float* b, const float* a,
                                  const float* dt_bias, const float* ssm_a, float* state, float* o,
                                  int m, int hk, int hv, int dv, int tiled) {
     constexpr int SP = DK / DC_PARTS, PS = SP + 4, SEC = DC_PARTS * PS;
-    constexpr int SRC = 2 * DK + DC_COLS, ROWF = 2 * SEC + DC_COLS, NT = DC_COLS * DC_PARTS;
+    constexpr int ROWF = 2 * SEC + DC_COLS, NT = DC_COLS * DC_PARTS;
     __shared__ __align__(16) float st[2][RG * ROWF];
     __shared__ float sb[2][2 * RG];
     int n = blockIdx.x, tid = threadIdx.x;
@@ -1146,22 +1170,21 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
     // b and a (thread t < rows: row r0 + t) into *pb, *pa.
     auto stage = [&](int r0, int bi, float* pb, float* pa) {
         int cnt = min(RG, m - r0);
+        int jj = blockIdx.y * DC_COLS + tid;
         for (int rr = 0; rr < cnt; rr++) {
-            const float* row = qk + (i64)(r0 + rr) * 2 * kd;
+            const float* row = qk + (i64)(r0 + rr) * 2 * kd + kh * DK;
             float* dst = st[bi] + rr * ROWF;
-            for (int e = tid; e < SRC; e += NT) {
-                if (e < DK) {
-                    cp_async4(dst + (e % DC_PARTS) * PS + e / DC_PARTS, row + kd + kh * DK + e);
-                } else if (e < 2 * DK) {
-                    int f = e - DK;
-                    cp_async4(dst + SEC + (f % DC_PARTS) * PS + f / DC_PARTS, row + kh * DK + f);
-                } else {
-                    int jj = blockIdx.y * DC_COLS + e - 2 * DK;
-                    if (jj < dv)
-                        cp_async4(dst + 2 * SEC + e - 2 * DK, conv + (i64)(r0 + rr) * cd + 2 * kd + n * dv + jj);
-                    else
-                        dst[2 * SEC + e - 2 * DK] = 0.0f;
-                }
+#pragma unroll
+            for (int f = tid; f < DK; f += NT) {
+                int at = (f % DC_PARTS) * PS + f / DC_PARTS;
+                cp_async4(dst + at, row + kd + f);
+                cp_async4(dst + SEC + at, row + f);
+            }
+            if (tid < DC_COLS) {
+                if (jj < dv)
+                    cp_async4(dst + 2 * SEC + tid, conv + (i64)(r0 + rr) * cd + 2 * kd + n * dv + jj);
+                else
+                    dst[2 * SEC + tid] = 0.0f;
             }
         }
         cp_async_commit();
@@ -1193,51 +1216,86 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
             cp_async_wait<0>();
         }
         // This thread's copies of group g have landed: scale its q's.
-        for (int rr = 0; rr < cnt; rr++)
-            for (int e = tid; e < SRC; e += NT)
-                if (e >= DK && e < 2 * DK) {
-                    int f = e - DK;
-                    float* x = st[bi] + rr * ROWF + SEC + (f % DC_PARTS) * PS + f / DC_PARTS;
-                    *x = __fmul_rn(*x, q_scale);
-                }
-        __syncthreads();
         for (int rr = 0; rr < cnt; rr++) {
-            const float* kr = st[bi] + rr * ROWF;
-            const float4* k4 = reinterpret_cast<const float4*>(kr + p * PS);
-            const float4* q4 = reinterpret_cast<const float4*>(kr + SEC + p * PS);
-            float beta = sb[bi][rr], decay = sb[bi][RG + rr];
-            float kk[SP];
+            float* dst = st[bi] + rr * ROWF + SEC;
 #pragma unroll
-            for (int u = 0; u < SP / 4; u++) {
-                float4 t = k4[u];
-                kk[4 * u] = t.x, kk[4 * u + 1] = t.y, kk[4 * u + 2] = t.z, kk[4 * u + 3] = t.w;
+            for (int f = tid; f < DK; f += NT) {
+                float* x = dst + (f % DC_PARTS) * PS + f / DC_PARTS;
+                *x = __fmul_rn(*x, q_scale);
             }
-            float kv = 0.0f;
+        }
+        __syncthreads();
+        const float* sg = st[bi];
+        float kk[SP], qq[SP];
+        if (PIPE) {
+            // Row 0's decay and k dot, then per row: its update and output
+            // dot beside the next row's decay and k dot.
+            dc_load4<DK>(sg + p * PS, kk);
+            float decay = sb[bi][RG], kv = 0.0f;
 #pragma unroll
             for (int q = 0; q < SP; q++) {
                 S[q] = __fmul_rn(S[q], decay);
                 kv = __fmaf_rn(S[q], kk[q], kv);
             }
-            kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 4));
-            kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 2));
-            kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 1));
-            float delta = __fmul_rn(__fsub_rn(kr[2 * SEC + c], kv), beta);
-            float qq[SP];
+            kv = dc_lanes_sum(kv);
+            for (int rr = 0; rr < cnt; rr++) {
+                const float* kr = sg + rr * ROWF;
+                bool next = rr + 1 < cnt;
+                float delta = __fmul_rn(__fsub_rn(kr[2 * SEC + c], kv), sb[bi][rr]);
+                dc_load4<DK>(kr + SEC + p * PS, qq);
+                float acc = 0.0f, kv2 = 0.0f;
+                if (next) {
+                    float kn[SP];
+                    dc_load4<DK>(kr + ROWF + p * PS, kn);
+                    float dn = sb[bi][RG + rr + 1];
 #pragma unroll
-            for (int u = 0; u < SP / 4; u++) {
-                float4 t = q4[u];
-                qq[4 * u] = t.x, qq[4 * u + 1] = t.y, qq[4 * u + 2] = t.z, qq[4 * u + 3] = t.w;
-            }
-            float acc = 0.0f;
+                    for (int q = 0; q < SP; q++) {
+                        S[q] = __fmaf_rn(kk[q], delta, S[q]);
+                        acc = __fmaf_rn(S[q], qq[q], acc);
+                        S[q] = __fmul_rn(S[q], dn);
+                        kv2 = __fmaf_rn(S[q], kn[q], kv2);
+                        kk[q] = kn[q];
+                    }
+                    acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
+                    kv2 = __fadd_rn(kv2, __shfl_xor_sync(0xffffffffu, kv2, 4));
+                    acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
+                    kv2 = __fadd_rn(kv2, __shfl_xor_sync(0xffffffffu, kv2, 2));
+                    acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
+                    kv2 = __fadd_rn(kv2, __shfl_xor_sync(0xffffffffu, kv2, 1));
+                } else {
 #pragma unroll
-            for (int q = 0; q < SP; q++) {
-                S[q] = __fmaf_rn(kk[q], delta, S[q]);
-                acc = __fmaf_rn(S[q], qq[q], acc);
+                    for (int q = 0; q < SP; q++) {
+                        S[q] = __fmaf_rn(kk[q], delta, S[q]);
+                        acc = __fmaf_rn(S[q], qq[q], acc);
+                    }
+                    acc = dc_lanes_sum(acc);
+                }
+                if (live && p == 0) o[(i64)(r0 + rr) * vd + n * dv + j] = acc;
+                kv = kv2;
             }
-            acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
-            acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
-            acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
-            if (live && p == 0) o[(i64)(r0 + rr) * vd + n * dv + j] = acc;
+        } else {
+            for (int rr = 0; rr < cnt; rr++) {
+                const float* kr = sg + rr * ROWF;
+                float beta = sb[bi][rr], decay = sb[bi][RG + rr];
+                dc_load4<DK>(kr + p * PS, kk);
+                float kv = 0.0f;
+#pragma unroll
+                for (int q = 0; q < SP; q++) {
+                    S[q] = __fmul_rn(S[q], decay);
+                    kv = __fmaf_rn(S[q], kk[q], kv);
+                }
+                kv = dc_lanes_sum(kv);
+                float delta = __fmul_rn(__fsub_rn(kr[2 * SEC + c], kv), beta);
+                dc_load4<DK>(kr + SEC + p * PS, qq);
+                float acc = 0.0f;
+#pragma unroll
+                for (int q = 0; q < SP; q++) {
+                    S[q] = __fmaf_rn(kk[q], delta, S[q]);
+                    acc = __fmaf_rn(S[q], qq[q], acc);
+                }
+                acc = dc_lanes_sum(acc);
+                if (live && p == 0) o[(i64)(r0 + rr) * vd + n * dv + j] = acc;
+            }
         }
         if (more && tid < min(RG, m - r0 - RG)) gates(bi ^ 1, tid, nb, na);
     }
@@ -1246,16 +1304,18 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
         for (int q = 0; q < SP; q++) G[(i64)(p + DC_PARTS * q) * dv + j] = S[q];
 }
 
-#define DELTA_COLS_ASYNC(name, DK, RG)                                                               \
+#define DELTA_COLS_ASYNC(name, DK, RG, PIPE)                                                         \
     extern "C" __global__ void __launch_bounds__(DC_COLS * DC_PARTS, 4)                               \
         name(const float* qk, const float* conv, const float* b, const float* a, const float* dt_bias, \
              const float* ssm_a, float* state, float* o, int m, int hk, int hv, int dv, int tiled) { pdl_wait(); \
-        delta_cols_async<DK, RG>(qk, conv, b, a, dt_bias, ssm_a, state, o, m, hk, hv, dv, tiled);    \
+        delta_cols_async<DK, RG, PIPE>(qk, conv, b, a, dt_bias, ssm_a, state, o, m, hk, hv, dv, tiled); \
     }
 
-DELTA_COLS_ASYNC(delta_cols_async_64, 64, 16)
-DELTA_COLS_ASYNC(delta_cols_async_128, 128, 16)
-DELTA_COLS_ASYNC(delta_cols_async_256, 256, 8)
+DELTA_COLS_ASYNC(delta_cols_async_64, 64, 16, 0)
+DELTA_COLS_ASYNC(delta_cols_async_128, 128, 16, 0)
+DELTA_COLS_ASYNC(delta_cols_async_256, 256, 8, 0)
+DELTA_COLS_ASYNC(delta_cols_async_pipe_64, 64, 16, 1)
+DELTA_COLS_ASYNC(delta_cols_async_pipe_128, 128, 16, 1)
 
 // The delta net's gated RMSNorm, one warp per (row, value head): the head is
 // read once, coalesced, into shared memory (head dims up to 256; larger ones

@@ -65,6 +65,10 @@ pub struct Cuda {
     /// (`delta_cols_async_*`; default, off with `SAMESUM_CUDA_DELTA_ASYNC=0`
     /// for `delta_cols_*`). The same bytes.
     delta_async: bool,
+    /// With `delta_async`: each row's output dot beside the next row's k dot
+    /// (`delta_cols_async_pipe_*`; opt-in, `SAMESUM_CUDA_DELTA_PIPE=1`). The
+    /// same bytes.
+    delta_pipe: bool,
     /// Wide float matmuls of one matrix (routers, gates in prefill) on the
     /// register-tiled kernels (`mm_*_tile`: each output's fmas and butterfly
     /// as the per-row kernel's; default, off with `SAMESUM_CUDA_F32_TILE=0`).
@@ -358,6 +362,7 @@ const SWITCHES: &[Switch] = &[
     ),
     ("F32_TILE", |c| c.float_tiles, |c, on| c.float_tiles = on),
     ("DELTA_ASYNC", |c| c.delta_async, |c, on| c.delta_async = on),
+    ("DELTA_PIPE", |c| c.delta_pipe, |c, on| c.delta_pipe = on),
     ("NORM_Q8K", |c| c.norm_quant, |c, on| c.norm_quant = on),
     ("BLOCK_ROUTE", |c| c.block_route, |c, on| c.block_route = on),
     ("SMALL_PLAN", |c| c.small_plan, |c, on| c.small_plan = on),
@@ -658,6 +663,7 @@ impl Cuda {
             },
             tc_rows32_auto: env_switch("SAMESUM_CUDA_TC_ROWS32_AUTO", true),
             delta_async: env_switch("SAMESUM_CUDA_DELTA_ASYNC", true),
+            delta_pipe: env_switch("SAMESUM_CUDA_DELTA_PIPE", false),
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
             norm_quant: env_switch("SAMESUM_CUDA_NORM_Q8K", true),
             norm_q8k: Mutex::new(None),
@@ -1816,15 +1822,17 @@ impl Cuda {
             self.vec(&dn.a)?,
             self.vec(&dn.norm)?,
         );
-        let cols_kernel = match (dk, self.delta_async) {
-            (16, _) => Some("delta_cols_16"),
-            (32, _) => Some("delta_cols_32"),
-            (64, true) => Some("delta_cols_async_64"),
-            (128, true) => Some("delta_cols_async_128"),
-            (256, true) => Some("delta_cols_async_256"),
-            (64, false) => Some("delta_cols_64"),
-            (128, false) => Some("delta_cols_128"),
-            (256, false) => Some("delta_cols_256"),
+        let cols_kernel = match (dk, self.delta_async, self.delta_pipe) {
+            (16, _, _) => Some("delta_cols_16"),
+            (32, _, _) => Some("delta_cols_32"),
+            (64, true, false) => Some("delta_cols_async_64"),
+            (128, true, false) => Some("delta_cols_async_128"),
+            (256, true, _) => Some("delta_cols_async_256"),
+            (64, true, true) => Some("delta_cols_async_pipe_64"),
+            (128, true, true) => Some("delta_cols_async_pipe_128"),
+            (64, false, _) => Some("delta_cols_64"),
+            (128, false, _) => Some("delta_cols_128"),
+            (256, false, _) => Some("delta_cols_256"),
             _ => None,
         };
         if let Some(kname) = cols_kernel {

@@ -566,6 +566,8 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "delta_cols_async_64",
             "delta_cols_async_128",
             "delta_cols_async_256",
+            "delta_cols_async_pipe_64",
+            "delta_cols_async_pipe_128",
             "gated_norm",
             "route",
             "plan_count",

@@ -799,7 +799,8 @@ fn attention_at_the_real_models_head_shapes() {
 }
 
 /// The delta rule's cp.async-staged kernels (`delta_cols_async_*`, the
-/// default) against the plain ones (`SAMESUM_CUDA_DELTA_ASYNC=0`): every
+/// default, and with `SAMESUM_CUDA_DELTA_PIPE=1`) against the plain ones
+/// (`SAMESUM_CUDA_DELTA_ASYNC=0`): every
 /// position's logits byte-equal over 300 tokens in chunks of 64 and of 7
 /// (full and partial row groups, one group and several in a call), and
 /// byte-equal to their own replay, at key head dims 64 (the tiny shapes),
@@ -827,23 +828,34 @@ fn staged_delta_rule_equals_the_plain_one() {
         let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 13);
         let mut plain = Cuda::new(0, &model, false).unwrap();
         plain.set_switch("DELTA_ASYNC", false).unwrap();
-        let mut staged = Cuda::new(0, &model, false).unwrap();
-        staged.set_switch("DELTA_ASYNC", true).unwrap();
         let toks: Vec<u32> = (0..300u32)
             .map(|i| (i * 7919 + 11) % model.w.n_vocab as u32)
             .collect();
-        let replay = all_logits(&staged, &model, &toks, 1);
-        assert!(replay.iter().all(|v| v.is_finite()), "{what}: non-finite");
-        for chunk in [64, 7] {
-            let a = all_logits(&plain, &model, &toks, chunk);
-            let b = all_logits(&staged, &model, &toks, chunk);
-            assert!(same_bits(&a, &b), "{what} chunk {chunk}: staged != plain");
-            assert!(
-                same_bits(&b, &replay),
-                "{what} chunk {chunk}: staged batched != its replay"
-            );
+        let want: Vec<Vec<f32>> = [64, 7]
+            .iter()
+            .map(|&chunk| all_logits(&plain, &model, &toks, chunk))
+            .collect();
+        for pipe in [false, true] {
+            let mut staged = Cuda::new(0, &model, false).unwrap();
+            staged.set_switch("DELTA_ASYNC", true).unwrap();
+            staged.set_switch("DELTA_PIPE", pipe).unwrap();
+            let replay = all_logits(&staged, &model, &toks, 1);
+            assert!(replay.iter().all(|v| v.is_finite()), "{what}: non-finite");
+            for (chunk, a) in [64, 7].into_iter().zip(&want) {
+                let b = all_logits(&staged, &model, &toks, chunk);
+                assert!(
+                    same_bits(a, &b),
+                    "{what} pipe {pipe} chunk {chunk}: staged != plain"
+                );
+                assert!(
+                    same_bits(&b, &replay),
+                    "{what} pipe {pipe} chunk {chunk}: staged batched != its replay"
+                );
+            }
         }
-        eprintln!("{what}: staged delta rule == plain == replay, chunks 64 and 7");
+        eprintln!(
+            "{what}: staged delta rule (pipelined or not) == plain == replay, chunks 64 and 7"
+        );
     }
 }
 
