@@ -1168,21 +1168,33 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
     for (int q = 0; q < SP; q++) S[q] = live ? G[(i64)(p + DC_PARTS * q) * dv + j] : 0.0f;
     // Group r0's k, q and v into buffer bi (one commit group), and its rows'
     // b and a (thread t < rows: row r0 + t) into *pb, *pa.
+    // Thread t's elements of a row's k and q: f = t + u NT (u < FU, a
+    // compile-time count, so no loop is left when NT divides DK), at their
+    // transposed places.
+    constexpr int FU = (DK + NT - 1) / NT;
+    int at[FU];
+#pragma unroll
+    for (int u = 0; u < FU; u++) {
+        int f = tid + u * NT;
+        at[u] = (f % DC_PARTS) * PS + f / DC_PARTS;
+    }
+    int jj = blockIdx.y * DC_COLS + tid;
     auto stage = [&](int r0, int bi, float* pb, float* pa) {
         int cnt = min(RG, m - r0);
-        int jj = blockIdx.y * DC_COLS + tid;
-        for (int rr = 0; rr < cnt; rr++) {
-            const float* row = qk + (i64)(r0 + rr) * 2 * kd + kh * DK;
-            float* dst = st[bi] + rr * ROWF;
+        const float* row = qk + (i64)r0 * 2 * kd + kh * DK + tid;
+        const float* vrow = conv + (i64)r0 * cd + 2 * kd + n * dv + jj;
+        float* dst = st[bi];
+        for (int rr = 0; rr < cnt; rr++, row += 2 * kd, vrow += cd, dst += ROWF) {
 #pragma unroll
-            for (int f = tid; f < DK; f += NT) {
-                int at = (f % DC_PARTS) * PS + f / DC_PARTS;
-                cp_async4(dst + at, row + kd + f);
-                cp_async4(dst + SEC + at, row + f);
+            for (int u = 0; u < FU; u++) {
+                if (DK % NT == 0 || tid + u * NT < DK) {
+                    cp_async4(dst + at[u], row + kd + u * NT);
+                    cp_async4(dst + SEC + at[u], row + u * NT);
+                }
             }
             if (tid < DC_COLS) {
                 if (jj < dv)
-                    cp_async4(dst + 2 * SEC + tid, conv + (i64)(r0 + rr) * cd + 2 * kd + n * dv + jj);
+                    cp_async4(dst + 2 * SEC + tid, vrow);
                 else
                     dst[2 * SEC + tid] = 0.0f;
             }
@@ -1216,12 +1228,12 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
             cp_async_wait<0>();
         }
         // This thread's copies of group g have landed: scale its q's.
-        for (int rr = 0; rr < cnt; rr++) {
-            float* dst = st[bi] + rr * ROWF + SEC;
+        {
+            float* dst = st[bi] + SEC;
+            for (int rr = 0; rr < cnt; rr++, dst += ROWF) {
 #pragma unroll
-            for (int f = tid; f < DK; f += NT) {
-                float* x = dst + (f % DC_PARTS) * PS + f / DC_PARTS;
-                *x = __fmul_rn(*x, q_scale);
+                for (int u = 0; u < FU; u++)
+                    if (DK % NT == 0 || tid + u * NT < DK) dst[at[u]] = __fmul_rn(dst[at[u]], q_scale);
             }
         }
         __syncthreads();

@@ -65,9 +65,9 @@ pub struct Cuda {
     /// (`delta_cols_async_*`; default, off with `SAMESUM_CUDA_DELTA_ASYNC=0`
     /// for `delta_cols_*`). The same bytes.
     delta_async: bool,
-    /// With `delta_async`: each row's output dot beside the next row's k dot
-    /// (`delta_cols_async_pipe_*`; opt-in, `SAMESUM_CUDA_DELTA_PIPE=1`). The
-    /// same bytes.
+    /// With `delta_async`, at key head dims 64 and 128: each row's output
+    /// dot beside the next row's k dot (`delta_cols_async_pipe_*`; default,
+    /// off with `SAMESUM_CUDA_DELTA_PIPE=0`). The same bytes.
     delta_pipe: bool,
     /// Wide float matmuls of one matrix (routers, gates in prefill) on the
     /// register-tiled kernels (`mm_*_tile`: each output's fmas and butterfly
@@ -663,7 +663,7 @@ impl Cuda {
             },
             tc_rows32_auto: env_switch("SAMESUM_CUDA_TC_ROWS32_AUTO", true),
             delta_async: env_switch("SAMESUM_CUDA_DELTA_ASYNC", true),
-            delta_pipe: env_switch("SAMESUM_CUDA_DELTA_PIPE", false),
+            delta_pipe: env_switch("SAMESUM_CUDA_DELTA_PIPE", true),
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
             norm_quant: env_switch("SAMESUM_CUDA_NORM_Q8K", true),
             norm_q8k: Mutex::new(None),
