@@ -62,6 +62,11 @@ pub(crate) struct Args {
     /// Without it, tier mode starts by itself when the model does not fit.
     #[arg(long, value_name = "BYTES")]
     vram_budget: Option<String>,
+    /// Attention passes on CUDA: `exact` (default) or `fast`, opt-in: tensor
+    /// cores, not the same bytes as `exact`, batched still equal to replay
+    /// (docs/CAPABILITIES.md: its agreement with `exact`).
+    #[arg(long, value_enum, default_value_t = crate::device::Attention::Exact)]
+    attention: crate::device::Attention,
     /// Per-kernel time breakdown (CUDA events around every launch; slows the run).
     #[arg(long)]
     profile: bool,
@@ -89,7 +94,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         other => bail!("--kv-type {other:?} is not supported (f32, f16)"),
     };
     let (path, _tmp) = crate::synth::model_or_builtin(&a.model, "tiny-qwen3next", "q8_0", None)?;
-    let dev = Device::parse(&a.device, a.vram_budget.as_deref())?;
+    let dev = Device::parse(&a.device, a.vram_budget.as_deref())?.with_attention(a.attention)?;
     if a.repetitions == 0 || a.chunk == Some(0) {
         bail!("--repetitions and --chunk must be at least 1");
     }

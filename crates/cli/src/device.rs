@@ -7,8 +7,22 @@ use anyhow::{Result, bail};
 pub(crate) enum Device {
     /// The CPU backend.
     Cpu,
-    /// CUDA device N, with a VRAM budget for tier mode.
-    Cuda(usize, Option<u64>),
+    /// CUDA device N, with a VRAM budget for tier mode and the attention
+    /// choice.
+    Cuda(usize, samesum_cuda::CudaOptions),
+}
+
+/// `--attention`: which attention passes a CUDA backend runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Attention {
+    /// The default passes: CUDA cores, samesum's exact order.
+    #[default]
+    Exact,
+    /// Opt-in: the score and value passes on tensor cores (3xTF32 with fp32
+    /// accumulation). Not the same bytes as `exact` (another summation
+    /// order), one function for decode and prefill (batched still equals
+    /// replay); docs/CAPABILITIES.md has its agreement with `exact`.
+    Fast,
 }
 
 impl Device {
@@ -37,7 +51,30 @@ impl Device {
         } else {
             bail!("--device {s:?} is not supported (cpu, cuda, cuda:N)")
         };
-        Ok(Device::Cuda(ordinal, budget))
+        Ok(Device::Cuda(
+            ordinal,
+            samesum_cuda::CudaOptions {
+                vram_budget: budget,
+                fast_attention: false,
+            },
+        ))
+    }
+
+    /// The device with `--attention` applied (`fast` is CUDA only).
+    pub(crate) fn with_attention(self, attention: Attention) -> Result<Device> {
+        match (self, attention) {
+            (d, Attention::Exact) => Ok(d),
+            (Device::Cpu, Attention::Fast) => {
+                bail!("--attention fast applies to --device cuda, not the CPU")
+            }
+            (Device::Cuda(n, opts), Attention::Fast) => Ok(Device::Cuda(
+                n,
+                samesum_cuda::CudaOptions {
+                    fast_attention: true,
+                    ..opts
+                },
+            )),
+        }
     }
 
     /// Prompt rows per batched forward call when `--chunk` is not given:
@@ -81,13 +118,10 @@ pub(crate) const CUDA_TIER_CHUNK: usize = 512;
 /// progress bar; errors say what is missing (driver, NVRTC, device, memory).
 pub(crate) fn cuda(
     n: usize,
-    budget: Option<u64>,
+    opts: samesum_cuda::CudaOptions,
     model: &samesum_engine::Model,
 ) -> Result<samesum_cuda::Cuda> {
     let t = std::time::Instant::now();
-    let opts = samesum_cuda::CudaOptions {
-        vram_budget: budget,
-    };
     let c = samesum_cuda::Cuda::with_options(n, model, true, opts)?;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     match c.tier_stats() {
@@ -124,8 +158,8 @@ macro_rules! with_backend {
                 let $b = &samesum_engine::cpu::Cpu::new($threads);
                 $body
             }
-            $crate::device::Device::Cuda(n, budget) => {
-                let $b = &$crate::device::cuda(n, budget, $model)?;
+            $crate::device::Device::Cuda(n, opts) => {
+                let $b = &$crate::device::cuda(n, opts, $model)?;
                 $body
             }
         }
@@ -135,7 +169,17 @@ pub(crate) use with_backend;
 
 #[cfg(test)]
 mod tests {
-    use super::Device;
+    use super::{Attention, Device};
+
+    fn cuda(n: usize, budget: Option<u64>) -> Device {
+        Device::Cuda(
+            n,
+            samesum_cuda::CudaOptions {
+                vram_budget: budget,
+                fast_attention: false,
+            },
+        )
+    }
 
     #[test]
     fn default_chunks_follow_the_device() {
@@ -143,28 +187,44 @@ mod tests {
             Device::Cpu.default_chunk(false),
             samesum_engine::DEFAULT_CHUNK
         );
-        assert_eq!(Device::Cuda(0, None).default_chunk(false), 2048);
-        assert_eq!(Device::Cuda(0, Some(24 << 30)).default_chunk(true), 512);
+        assert_eq!(cuda(0, None).default_chunk(false), 2048);
+        assert_eq!(cuda(0, Some(24 << 30)).default_chunk(true), 512);
         assert_eq!(Device::Cpu.serve_chunk(), 128);
-        assert_eq!(Device::Cuda(0, None).serve_chunk(), 512);
+        assert_eq!(cuda(0, None).serve_chunk(), 512);
     }
 
     #[test]
     fn parses_devices() {
         assert_eq!(Device::parse("cpu", None).unwrap(), Device::Cpu);
-        assert_eq!(Device::parse("cuda", None).unwrap(), Device::Cuda(0, None));
-        assert_eq!(
-            Device::parse("CUDA:3", None).unwrap(),
-            Device::Cuda(3, None)
-        );
+        assert_eq!(Device::parse("cuda", None).unwrap(), cuda(0, None));
+        assert_eq!(Device::parse("CUDA:3", None).unwrap(), cuda(3, None));
         assert_eq!(
             Device::parse("cuda", Some("24G")).unwrap(),
-            Device::Cuda(0, Some(24 << 30))
+            cuda(0, Some(24 << 30))
         );
         assert!(Device::parse("cuda:x", None).is_err());
         assert!(Device::parse("tpu", None).is_err());
         assert!(Device::parse("cuda", Some("lots")).is_err());
         let e = Device::parse("cpu", Some("24G")).unwrap_err().to_string();
         assert!(e.contains("--vram-budget"), "{e}");
+    }
+
+    #[test]
+    fn fast_attention_is_cuda_only() {
+        let d = Device::parse("cuda", None).unwrap();
+        assert_eq!(d.with_attention(Attention::Exact).unwrap(), d);
+        match d.with_attention(Attention::Fast).unwrap() {
+            Device::Cuda(0, o) => assert!(o.fast_attention && o.vram_budget.is_none()),
+            other => panic!("{other:?}"),
+        }
+        let e = Device::Cpu
+            .with_attention(Attention::Fast)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--attention fast"), "{e}");
+        assert_eq!(
+            Device::Cpu.with_attention(Attention::Exact).unwrap(),
+            Device::Cpu
+        );
     }
 }

@@ -50,6 +50,11 @@ pub(crate) struct Args {
     /// Without it, tier mode starts by itself when the model does not fit.
     #[arg(long, value_name = "BYTES")]
     vram_budget: Option<String>,
+    /// Attention passes on CUDA: `exact` (default) or `fast`, opt-in: tensor
+    /// cores, not the same bytes as `exact`, batched still equal to replay
+    /// (docs/CAPABILITIES.md: its agreement with `exact`).
+    #[arg(long, value_enum, default_value_t = crate::device::Attention::Exact)]
+    attention: crate::device::Attention,
     /// Run a deliberately reordered batched MoE (top-k summed in reverse) to show
     /// that the gate catches it; the command must then fail.
     #[arg(long, hide = true)]
@@ -93,7 +98,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     if a.chunk.contains(&0) {
         bail!("--chunk sizes must be at least 1");
     }
-    let dev = Device::parse(&a.device, a.vram_budget.as_deref())?;
+    let dev = Device::parse(&a.device, a.vram_budget.as_deref())?.with_attention(a.attention)?;
     if a.negative_control && dev != Device::Cpu {
         bail!("--negative-control runs on the CPU backend only");
     }

@@ -25,6 +25,11 @@ pub(crate) struct Args {
     /// Without it, tier mode starts by itself when the model does not fit.
     #[arg(long, value_name = "BYTES")]
     vram_budget: Option<String>,
+    /// Attention passes on CUDA: `exact` (default) or `fast`, opt-in: tensor
+    /// cores, not the same bytes as `exact`, batched still equal to replay
+    /// (docs/CAPABILITIES.md: its agreement with `exact`).
+    #[arg(long, value_enum, default_value_t = crate::device::Attention::Exact)]
+    attention: crate::device::Attention,
     /// CPU worker threads (0: all cores).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
@@ -55,7 +60,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "f16" => KvType::F16,
         other => bail!("--kv-type {other:?} is not supported (f32, f16)"),
     };
-    let parsed = Device::parse(&a.device, a.vram_budget.as_deref())?;
+    let parsed = Device::parse(&a.device, a.vram_budget.as_deref())?.with_attention(a.attention)?;
     let chunk = match a.chunk {
         Some(0) => bail!("--chunk must be at least 1"),
         Some(c) => c,

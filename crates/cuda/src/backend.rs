@@ -155,6 +155,15 @@ pub struct Cuda {
     graphs: bool,
 }
 
+/// `name` with `note` inside its closing parenthesis ("GPU (cuda:0, sm_90a)"
+/// -> "GPU (cuda:0, sm_90a, note)"), or after it.
+fn with_note(name: &str, note: &str) -> String {
+    match name.strip_suffix(')') {
+        Some(head) => format!("{head}, {note})"),
+        None => format!("{name} ({note})"),
+    }
+}
+
 /// How to place a model on the device.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CudaOptions {
@@ -162,6 +171,15 @@ pub struct CudaOptions {
     /// it, resident mode when the model fits and tier mode with the free
     /// memory as the budget when it does not.
     pub vram_budget: Option<u64>,
+    /// Attention's score and value passes on tensor cores, with each step's
+    /// products added to the running sums in fp32 (`--attention fast`; the
+    /// switches `SAMESUM_CUDA_ATT_TC=1 SAMESUM_CUDA_ATT_TC_ACC=1`). Opt-in: a
+    /// different summation order from the default passes, so not the same
+    /// bytes as the default, but one function for decode and prefill, so
+    /// batched prefill still equals replay with it on. Measured against the
+    /// bar in docs/CAPABILITIES.md. Head dims that are multiples of 32 up to
+    /// 256 and query groups dividing 32; other shapes keep the default.
+    pub fast_attention: bool,
 }
 
 /// The input rows of one or more matmuls and their quantized forms, made on
@@ -526,6 +544,17 @@ impl Cuda {
         progress: bool,
         opts: CudaOptions,
     ) -> Result<Cuda> {
+        let mut c = Cuda::place(ordinal, model, progress, opts)?;
+        if opts.fast_attention {
+            c.att_tc = true;
+            c.att_tc_acc = true;
+        }
+        Ok(c)
+    }
+
+    /// The backend with the model's weights placed (resident or tiered) and
+    /// every switch at its default.
+    fn place(ordinal: usize, model: &Model, progress: bool, opts: CudaOptions) -> Result<Cuda> {
         for m in matrices(model) {
             if !FORMATS.contains(&m.ty) && !std::ptr::eq(m, &model.w.token_embd) {
                 return Err(CudaError::Unsupported {
@@ -2522,7 +2551,14 @@ impl Backend for Cuda {
     type State = CudaState;
 
     fn name(&self) -> String {
-        self.dev.name.clone()
+        // The opt-in attention (a different function) shows in the name, so
+        // that benchmark tables and logs say which arm ran.
+        match (self.att_tc, self.att_tc_acc) {
+            (true, true) => with_note(&self.dev.name, "fast attention"),
+            (true, false) => with_note(&self.dev.name, "ATT_TC"),
+            _ if self.att_ulp => with_note(&self.dev.name, "ATT_ULP probe"),
+            _ => self.dev.name.clone(),
+        }
     }
 
     fn alloc(&self, n: usize) -> R<CudaSlice<f32>> {

@@ -859,6 +859,43 @@ fn staged_delta_rule_equals_the_plain_one() {
     }
 }
 
+/// `CudaOptions::fast_attention` (`--attention fast`): the backend takes the
+/// tensor-core passes with fp32 accumulation where the shape allows, says so
+/// in its name, and batched prefill still equals replay byte for byte (300
+/// tokens, chunks of 64 and of 7, on every tiny shape).
+#[test]
+fn fast_attention_option_takes_the_tensor_core_passes() {
+    if !gpu() {
+        return;
+    }
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 17);
+        let fast = CudaOptions {
+            fast_attention: true,
+            ..Default::default()
+        };
+        let cuda = Cuda::with_options(0, &model, false, fast).unwrap();
+        assert_eq!(cuda.attention_kernel(128, 8).0, "attention_tiles_tc_acc");
+        assert!(cuda.name().contains("fast attention"), "{}", cuda.name());
+        let exact = Cuda::new(0, &model, false).unwrap();
+        assert_eq!(exact.attention_kernel(128, 8).0, "attention_tiles_q4");
+        assert!(!exact.name().contains("fast attention"));
+        let toks: Vec<u32> = (0..300u32)
+            .map(|i| (i * 7919 + 3) % model.w.n_vocab as u32)
+            .collect();
+        let replay = all_logits(&cuda, &model, &toks, 1);
+        assert!(replay.iter().all(|v| v.is_finite()), "{shape}: non-finite");
+        for chunk in [64, 7] {
+            let batched = all_logits(&cuda, &model, &toks, chunk);
+            assert!(
+                same_bits(&batched, &replay),
+                "{shape} chunk {chunk}: fast attention batched != replay"
+            );
+        }
+        eprintln!("{shape}: fast attention, batched == replay over 300 tokens (chunks 64 and 7)");
+    }
+}
+
 /// The largest relative L2 distance, over two calls in a row, between layer
 /// 0's attention on the GPU with a `gpu_kv` cache and on the CPU with a
 /// `cpu_kv` cache, on the same random rows.
@@ -1075,6 +1112,7 @@ fn tier_mode_equals_resident_mode() {
         let budget = sizes.trunk + RESERVE + 2 * sizes.layer_experts() + per_slot * slots as u64;
         let opts = CudaOptions {
             vram_budget: Some(budget),
+            ..Default::default()
         };
         let tier = Cuda::with_options(0, &model, false, opts).unwrap();
         let (plan, _, _) = tier.tier_stats().unwrap();
@@ -1112,6 +1150,7 @@ fn tier_mode_equals_resident_mode() {
         );
         let small = CudaOptions {
             vram_budget: Some(sizes.trunk / 2),
+            ..Default::default()
         };
         match Cuda::with_options(0, &model, false, small) {
             Err(e @ CudaError::Budget { .. }) => {

@@ -22,9 +22,10 @@ use std::sync::atomic::AtomicU64;
 pub enum Device {
     /// The CPU backend with this many threads (0: all cores).
     Cpu(usize),
-    /// CUDA device N, with a VRAM budget for tier mode (`None`: resident
-    /// when the model fits, tier mode by itself when it does not).
-    Cuda(usize, Option<u64>),
+    /// CUDA device N, with its placement and attention options (a VRAM
+    /// budget for tier mode, `None`: resident when the model fits, tier mode
+    /// by itself when it does not).
+    Cuda(usize, samesum_cuda::CudaOptions),
 }
 
 /// Server settings.
@@ -107,22 +108,17 @@ pub async fn serve(
                     let _ = ready_tx.send(Ok(b.name()));
                     scheduler::run(&model, &tok2, &b, rx, &cfg, &m2);
                 }
-                Device::Cuda(n, budget) => match samesum_cuda::Cuda::with_options(
-                    n,
-                    &model,
-                    true,
-                    samesum_cuda::CudaOptions {
-                        vram_budget: budget,
-                    },
-                ) {
-                    Ok(b) => {
-                        let _ = ready_tx.send(Ok(b.name()));
-                        scheduler::run(&model, &tok2, &b, rx, &cfg, &m2);
+                Device::Cuda(n, opts) => {
+                    match samesum_cuda::Cuda::with_options(n, &model, true, opts) {
+                        Ok(b) => {
+                            let _ = ready_tx.send(Ok(b.name()));
+                            scheduler::run(&model, &tok2, &b, rx, &cfg, &m2);
+                        }
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e.to_string()));
+                        }
                     }
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e.to_string()));
-                    }
-                },
+                }
             }
         })?;
     let backend = ready_rx
