@@ -235,7 +235,7 @@ static_assert(ATT_T % (ATT_WARPS * ATT_KB) == 0, "a score step's keys lie in one
 // The value pass of attention_tiles for one thread: output dim t % hdp of
 // pairs t / hdp, t / hdp + G, ... (AP / G of them); each (pair, dim) is the
 // fma chain over the tile's keys in order, up to the pair's own position.
-template <int G>
+template <int G, int FULL = 1>
 __device__ __forceinline__ void tile_values(const void* cv, const float (*st)[ATT_T], float* pacc, int hdp, int kvw,
                                             int np, int gs, int g, int hq, int hd, int r0, int pos0, int j0,
                                             int jend, int b, int nb, int f16) {
@@ -252,8 +252,27 @@ __device__ __forceinline__ void tile_values(const void* cv, const float (*st)[AT
     }
     // Four keys per step: their values loaded first, each pair's four scores
     // read as one float4 (st rows are 16-byte aligned), then the same fma
-    // chain, key by key, as one key per step.
-    int n = jend - j0, jj = 0;
+    // chain, key by key, as one key per step. Up to `full`, the keys every
+    // pair of this thread with a key in the tile sees, no key needs its
+    // pair's bound checked (pairs with none compute what is never written):
+    // the same fmas in the same order without a compare each.
+    int n = jend - j0, jj = 0, full = FULL ? n : 0;
+#pragma unroll
+    for (int i = 0; i < P; i++)
+        if (cnt[i] > 0) full = min(full, cnt[i]);
+    for (; jj + 4 <= full; jj += 4) {
+        i64 at = (i64)(j0 + jj) * kvw + g * hd + dim;
+        float v0 = kv_at(cv, at, f16), v1 = kv_at(cv, at + kvw, f16);
+        float v2 = kv_at(cv, at + 2 * kvw, f16), v3 = kv_at(cv, at + 3 * kvw, f16);
+#pragma unroll
+        for (int i = 0; i < P; i++) {
+            float4 s4 = *reinterpret_cast<const float4*>(&st[grp + G * i][jj]);
+            acc[i] = __fmaf_rn(s4.x, v0, acc[i]);
+            acc[i] = __fmaf_rn(s4.y, v1, acc[i]);
+            acc[i] = __fmaf_rn(s4.z, v2, acc[i]);
+            acc[i] = __fmaf_rn(s4.w, v3, acc[i]);
+        }
+    }
     for (; jj + 4 <= n; jj += 4) {
         i64 at = (i64)(j0 + jj) * kvw + g * hd + dim;
         float v0 = kv_at(cv, at, f16), v1 = kv_at(cv, at + kvw, f16);
@@ -451,7 +470,7 @@ __device__ __forceinline__ void tile_write_pml(const float (*wsum)[ATT_WARPS], c
 // V = 1 (attention_tiles_q4) differs only in the score pass of head dims 65
 // to 128: q read from shared memory, four keys a step, instead of q in
 // registers one key a step: the same terms in the same order.
-template <int V>
+template <int V, int FULL = 1>
 __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck, const void* cv, float* pml,
                                                   float* pacc, int m, int hq, int hkv, int hd, const int* posp,
                                                   int rbase, float scale, int f16, int nb) {
@@ -496,10 +515,10 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
     // thread works; each (pair, dim) is one thread's fma chain.
     int hdp = (hd + 31) / 32 * 32;
     switch (ATT_THREADS % hdp == 0 ? ATT_THREADS / hdp : 1) {
-    case 8: tile_values<8>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
-    case 4: tile_values<4>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
-    case 2: tile_values<2>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
-    default: tile_values<1>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
+    case 8: tile_values<8, FULL>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
+    case 4: tile_values<4, FULL>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
+    case 2: tile_values<2, FULL>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
+    default: tile_values<1, FULL>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
     }
     tile_write_pml(wsum, pmax, pml, np, gs, hq, g, r0, pos0, j0, b, nb);
 }
@@ -516,6 +535,16 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                        int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
     pdl_wait();
     attention_tiles_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+}
+
+// attention_tiles_q4 with every key of the value pass bound-checked (FULL =
+// 0, as before session 10), kept to show the unchecked run computes the same
+// bytes (`SAMESUM_CUDA_ATT_VFULL=0`).
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_tiles_q4_checked(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m,
+                               int hq, int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
+    pdl_wait();
+    attention_tiles_k<1, 0>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
 }
 
 // ---- Attention on tensor cores (opt-in: attention_tiles_tc)

@@ -97,6 +97,11 @@ pub struct Cuda {
     /// passes, so a different function, run by decode and prefill alike
     /// while it is on.
     att_tc: bool,
+    /// The CUDA-core value pass without a bound check per key up to the keys
+    /// every pair of a thread sees (default; `SAMESUM_CUDA_ATT_VFULL=0` for
+    /// `attention_tiles_q4_checked`, every key checked as before session
+    /// 10). The same bytes.
+    att_vfull: bool,
     /// With `att_tc`: each step's three products summed apart and added to
     /// the running sums in fp32 (`attention_tiles_tc_acc`,
     /// `SAMESUM_CUDA_ATT_TC_ACC=1`): another function again, measured for
@@ -395,6 +400,7 @@ const SWITCHES: &[Switch] = &[
     ("OVERLAP", |c| c.overlap, |c, on| c.overlap = on),
     ("ATT_Q4", |c| c.att_q4, |c, on| c.att_q4 = on),
     ("ATT_TC", |c| c.att_tc, |c, on| c.att_tc = on),
+    ("ATT_VFULL", |c| c.att_vfull, |c, on| c.att_vfull = on),
     ("ATT_TC_ACC", |c| c.att_tc_acc, |c, on| c.att_tc_acc = on),
     ("ATT_ULP", |c| c.att_ulp, |c, on| c.att_ulp = on),
     ("MOE_JOINT", |c| c.moe_joint, |c, on| c.moe_joint = on),
@@ -705,6 +711,7 @@ impl Cuda {
             overlap: env_switch("SAMESUM_CUDA_OVERLAP", true),
             att_q4: env_switch("SAMESUM_CUDA_ATT_Q4", true),
             att_tc: env_switch("SAMESUM_CUDA_ATT_TC", false),
+            att_vfull: env_switch("SAMESUM_CUDA_ATT_VFULL", true),
             att_tc_acc: env_switch("SAMESUM_CUDA_ATT_TC_ACC", false),
             att_ulp: env_switch("SAMESUM_CUDA_ATT_ULP", false),
             moe_joint: env_switch("SAMESUM_CUDA_MOE_JOINT", true),
@@ -947,7 +954,12 @@ impl Cuda {
             };
             (name, ATC_P, ATC_P * (hd + 8 + ATC_SS) * 4)
         } else if self.att_q4 {
-            ("attention_tiles_q4", AP, 0)
+            let name = if self.att_vfull {
+                "attention_tiles_q4"
+            } else {
+                "attention_tiles_q4_checked"
+            };
+            (name, AP, 0)
         } else {
             ("attention_tiles", AP, 0)
         }

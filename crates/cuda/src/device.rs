@@ -549,6 +549,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "kv_write",
             "attention_tiles",
             "attention_tiles_q4",
+            "attention_tiles_q4_checked",
             "attention_tiles_tc",
             "attention_tiles_tc_acc",
             "attention_combine",

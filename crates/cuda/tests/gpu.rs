@@ -726,7 +726,8 @@ fn every_block_op_matches_the_cpu_backend() {
 /// The attention kernel's paths by head dim (q in registers up to 128, in
 /// shared memory above; the value pass's thread groups depend on it too) at
 /// the real models' shapes, which the tiny models (head dim 64) do not reach:
-/// the row contract byte for byte and the CPU backend within the f32 bar.
+/// the row contract byte for byte and the CPU backend within the f32 bar;
+/// the score passes and the value passes' two forms byte-equal to each other.
 #[test]
 fn attention_at_the_real_models_head_shapes() {
     if !gpu() {
@@ -795,6 +796,25 @@ fn attention_at_the_real_models_head_shapes() {
             same_bits(&la, &lb),
             "heads {heads}/{kv_heads} x {head_dim}: the two score passes differ"
         );
+        // And the value pass without per-key checks up to the keys every pair
+        // sees (the default) gives the bytes of the one checking every key,
+        // in chunks of 64 and of 7.
+        let mut c = Cuda::new(0, &model, false).unwrap();
+        c.set_attention_q4(true);
+        c.set_switch("ATT_VFULL", false).unwrap();
+        assert_eq!(
+            c.attention_kernel(head_dim as usize, (heads / kv_heads) as usize)
+                .0,
+            "attention_tiles_q4_checked"
+        );
+        for chunk in [64, 7] {
+            let lb = all_logits(&b, &model, &toks, chunk);
+            let lc = all_logits(&c, &model, &toks, chunk);
+            assert!(
+                same_bits(&lb, &lc),
+                "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}: the unchecked value pass differs"
+            );
+        }
     }
 }
 
