@@ -559,7 +559,7 @@ impl Cuda {
     }
 
     /// The backend with the model's weights placed (resident or tiered) and
-    /// every switch at its default.
+    /// every switch as the environment sets it (`SAMESUM_CUDA_*`).
     fn place(ordinal: usize, model: &Model, progress: bool, opts: CudaOptions) -> Result<Cuda> {
         for m in matrices(model) {
             if !FORMATS.contains(&m.ty) && !std::ptr::eq(m, &model.w.token_embd) {
