@@ -29,6 +29,9 @@
 # SAMESUM_GPU_AGREE_VARIANT against the defaults, and the same-arm control;
 # SAMESUM_GPU_AGREE_SEEDS prompts per length, SAMESUM_GPU_AGREE_PROBE a probe
 # arm (e.g. ATT_ULP=1: the probe bar of docs/CAPABILITIES.md).
+# profiles runs `bench --profile` on both models per arm of
+# SAMESUM_GPU_PROFILE_ARMS ("-;SAMESUM_CUDA_ATT_VFULL=0": defaults, then the
+# switch), at SAMESUM_GPU_PROFILE_PP (4096): kernel-time A/Bs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -188,6 +191,24 @@ run)
         done
         for k in ${SAMESUM_GPU_NCU_DECODE:-mm_q4_k_1 mm_q4_k_glu_1 quantize_q8k add_rms_norm}; do
             ncu_one "$k" -p 0 -n 8
+        done
+    fi
+    if [[ $steps == *,profiles,* ]]; then
+        # A/B of kernel times: `bench --profile` at SAMESUM_GPU_PROFILE_PP
+        # (4096) on both models for each arm of SAMESUM_GPU_PROFILE_ARMS,
+        # arms separated by ';', each a space-separated list of VAR=value
+        # settings or '-' for the defaults (e.g. "-;SAMESUM_CUDA_ATT_VFULL=0").
+        # Kernel totals moved less between arms than end-to-end figures did
+        # (docs/gpu-notes.md, session 10).
+        IFS=';' read -ra arms <<< "${SAMESUM_GPU_PROFILE_ARMS:--}"
+        for shape in qwen35moe-35b-a3b qwen3moe-30b-a3b; do
+            f=$(model "$shape")
+            for arm in "${arms[@]}"; do
+                settings=()
+                [ "$arm" != "-" ] && read -ra settings <<< "$arm"
+                step "profile-$shape-${arm// /+}" timeout 200 env "${settings[@]}" .gpu/samesum bench --device cuda \
+                    -m "$f" -p ${SAMESUM_GPU_PROFILE_PP:-4096} -n 0 -r 1 --prefill batched --profile
+            done
         done
     fi
     if [[ $steps == *,agree,* ]]; then
