@@ -1042,6 +1042,16 @@ extern "C" __global__ void __launch_bounds__(DCOLS)
 #define DC_PARTS 8
 #define DC_ROWS 16
 #define DC_BATCH 12
+
+// A state column's dot product from its 8 lanes' partials: the fixed xor 4,
+// 2, 1 butterfly (every delta-rule kernel).
+__device__ __forceinline__ float dc_lanes_sum(float v) {
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 4));
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return v;
+}
+
 template <int DK>
 __device__ void delta_cols(const float* qk, const float* conv, const float* b, const float* a,
                            const float* dt_bias, const float* ssm_a, float* state, float* o, int m,
@@ -1107,9 +1117,7 @@ __device__ void delta_cols(const float* qk, const float* conv, const float* b, c
                 S[q] = __fmul_rn(S[q], decay);
                 kv = __fmaf_rn(S[q], kr[p + DC_PARTS * q], kv);
             }
-            kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 4));
-            kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 2));
-            kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 1));
+            kv = dc_lanes_sum(kv);
             float delta = __fmul_rn(__fsub_rn(kr[2 * DK + c], kv), beta);
             float acc = 0.0f;
 #pragma unroll
@@ -1117,9 +1125,7 @@ __device__ void delta_cols(const float* qk, const float* conv, const float* b, c
                 S[q] = __fmaf_rn(kr[p + DC_PARTS * q], delta, S[q]);
                 acc = __fmaf_rn(S[q], kr[DK + p + DC_PARTS * q], acc);
             }
-            acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
-            acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
-            acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
+            acc = dc_lanes_sum(acc);
             if (live && p == 0) o[(i64)(r0 + rr) * vd + n * dv + j] = acc;
         }
     }
@@ -1169,13 +1175,6 @@ __device__ __forceinline__ void dc_load4(const float* src, float* dst) {
     }
 }
 
-__device__ __forceinline__ float dc_lanes_sum(float v) {
-    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 4));
-    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
-    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return v;
-}
-
 template <int DK, int RG, int PIPE>
 __device__ void delta_cols_async(const float* qk, const float* conv, const float* b, const float* a,
                                  const float* dt_bias, const float* ssm_a, float* state, float* o,
@@ -1195,8 +1194,6 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
     float S[SP];
 #pragma unroll
     for (int q = 0; q < SP; q++) S[q] = live ? G[(i64)(p + DC_PARTS * q) * dv + j] : 0.0f;
-    // Group r0's k, q and v into buffer bi (one commit group), and its rows'
-    // b and a (thread t < rows: row r0 + t) into *pb, *pa.
     // Thread t's elements of a row's k and q: f = t + u NT (u < FU, a
     // compile-time count, so no loop is left when NT divides DK), at their
     // transposed places.
@@ -1208,6 +1205,8 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
         at[u] = (f % DC_PARTS) * PS + f / DC_PARTS;
     }
     int jj = blockIdx.y * DC_COLS + tid;
+    // Group r0's k, q and v into buffer bi (one commit group), and its rows'
+    // b and a (thread t < rows: row r0 + t) into *pb, *pa.
     auto stage = [&](int r0, int bi, float* pb, float* pa) {
         int cnt = min(RG, m - r0);
         const float* row = qk + (i64)r0 * 2 * kd + kh * DK + tid;

@@ -1205,31 +1205,31 @@ impl Cuda {
             .collect()
     }
 
-    /// Rows per tile of a wide tensor-core call of `m` rows: 32 on the async
-    /// kernel where `Async32` forces it or (by default) where a plain call
-    /// has at least `TC_ROWS32_MIN` rows or an expert call's plan padded to
-    /// 32 (`plan_tile`); 16 otherwise.
+    /// Tensor-core tile rows for a call with (`enough`) or without
+    /// `TC_ROWS32_MIN` rows per matrix: 32 on the async kernel where `Async32`
+    /// forces it or, by default, where there are enough; 16 otherwise.
+    fn tc_rows(&self, enough: bool) -> usize {
+        match self.tc_kernel {
+            TcKernel::Async32 => 32,
+            TcKernel::Async if self.tc_rows32_auto && enough => 32,
+            _ => TC_ROWS,
+        }
+    }
+
+    /// Rows per tile of a wide tensor-core call of `m` rows: for an expert
+    /// call, what its plan padded to (`plan_tile`, from `tc_pad`).
     fn tc_tile(&self, m: usize, plan_tile: usize, experts: bool) -> usize {
-        let auto32 = if experts {
+        self.tc_rows(if experts {
             plan_tile == 32
         } else {
             m >= TC_ROWS32_MIN
-        };
-        match self.tc_kernel {
-            TcKernel::Async32 => 32,
-            TcKernel::Async if self.tc_rows32_auto && auto32 => 32,
-            _ => TC_ROWS,
-        }
+        })
     }
 
     /// The expert plan's padding for `n` (token, expert) pairs over `e`
     /// experts in a wide call: the tensor-core tile its calls will take.
     fn tc_pad(&self, n: usize, e: usize) -> usize {
-        match self.tc_kernel {
-            TcKernel::Async32 => 32,
-            TcKernel::Async if self.tc_rows32_auto && n >= TC_ROWS32_MIN * e => 32,
-            _ => TC_ROWS,
-        }
+        self.tc_rows(n >= TC_ROWS32_MIN * e)
     }
 
     /// A matmul reading `w`'s stacked matrices at device address `base`.
