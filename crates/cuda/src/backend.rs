@@ -97,10 +97,11 @@ pub struct Cuda {
     /// passes, so a different function, run by decode and prefill alike
     /// while it is on.
     att_tc: bool,
-    /// The CUDA-core value pass without a bound check per key up to the keys
-    /// every pair of a thread sees (default; `SAMESUM_CUDA_ATT_VFULL=0` for
-    /// `attention_tiles_q4_checked`, every key checked as before session
-    /// 10). The same bytes.
+    /// The CUDA-core passes in their session-10 forms: the value pass
+    /// without a bound check per key up to the keys every pair of a thread
+    /// sees, the score pass's butterfly without selects (default;
+    /// `SAMESUM_CUDA_ATT_VFULL=0` for `attention_tiles_q4_checked`, the
+    /// session-9 kernel). The same bytes.
     att_vfull: bool,
     /// With `att_tc`: each step's three products summed apart and added to
     /// the running sums in fp32 (`attention_tiles_tc_acc`,
