@@ -2972,3 +2972,83 @@ mod tests {
         }
     }
 }
+
+/// The score pass's 16-pair butterfly (ops.cu, `pair_butterfly`) simulated
+/// on the host in f32: lanes holding pair `r ^ ((lane >> 1) & 15)` in
+/// register `r` and exchanging with no select end with the same bits as
+/// lanes holding pair `r` in register `r` and selecting what to send and
+/// keep (`pair_butterfly_sel`, the session-9 form). The device test compares
+/// the two kernels themselves; this one shows the layout is right on any
+/// machine, and that a wrong layout is caught.
+#[cfg(test)]
+mod butterfly_tests {
+    use samesum_quant::rng::Rng;
+
+    const STEPS: [(usize, usize); 4] = [(16, 8), (8, 4), (4, 2), (2, 1)];
+
+    /// Lane l's final value (pair l / 2) with the select form.
+    fn with_selects(part: &[[f32; 16]; 32]) -> [f32; 32] {
+        let mut d = *part;
+        for (o2, w) in STEPS {
+            let sent: Vec<Vec<f32>> = (0..32)
+                .map(|l| {
+                    let up = l & o2 != 0;
+                    (0..w)
+                        .map(|i| if up { d[l][i] } else { d[l][w + i] })
+                        .collect()
+                })
+                .collect();
+            for l in 0..32 {
+                let up = l & o2 != 0;
+                for i in 0..w {
+                    let own = if up { d[l][w + i] } else { d[l][i] };
+                    d[l][i] = own + sent[l ^ o2][i];
+                }
+            }
+        }
+        std::array::from_fn(|l| d[l][0] + d[l ^ 1][0])
+    }
+
+    /// The same with lane l holding pair `r ^ mask(l)` in register r.
+    fn permuted(part: &[[f32; 16]; 32], mask: fn(usize) -> usize) -> [f32; 32] {
+        let mut d: [[f32; 16]; 32] =
+            std::array::from_fn(|l| std::array::from_fn(|r| part[l][r ^ mask(l)]));
+        for (o2, w) in STEPS {
+            let sent: Vec<Vec<f32>> = (0..32).map(|l| d[l][w..2 * w].to_vec()).collect();
+            for l in 0..32 {
+                for i in 0..w {
+                    d[l][i] += sent[l ^ o2][i];
+                }
+            }
+        }
+        std::array::from_fn(|l| d[l][0] + d[l ^ 1][0])
+    }
+
+    fn random_parts(rng: &mut Rng) -> [[f32; 16]; 32] {
+        let scale = [1e-3f32, 1.0, 1e3][rng.below(3) as usize];
+        std::array::from_fn(|_| std::array::from_fn(|_| rng.range(-1.0, 1.0) * scale))
+    }
+
+    #[test]
+    fn the_select_free_butterfly_gives_the_same_bits() {
+        let mut rng = Rng::new(3);
+        for _ in 0..300 {
+            let part = random_parts(&mut rng);
+            let (a, b) = (with_selects(&part), permuted(&part, |l| (l >> 1) & 15));
+            for l in 0..32 {
+                assert_eq!(a[l].to_bits(), b[l].to_bits(), "lane {l}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_wrong_register_layout_is_caught() {
+        let mut rng = Rng::new(4);
+        let caught = (0..50).any(|_| {
+            let part = random_parts(&mut rng);
+            let (a, b) = (with_selects(&part), permuted(&part, |l| (l >> 1) & 7));
+            (0..32).any(|l| a[l].to_bits() != b[l].to_bits())
+        });
+        assert!(caught, "a mask missing lane bit 16 went unnoticed");
+    }
+}
