@@ -336,6 +336,13 @@ __device__ __forceinline__ int qs_mask(int lane) { return (lane >> 1) & 15; }
 // 32): p ^ qs_mask(d % 32).
 __device__ __forceinline__ int qs_row(int p, int d) { return p ^ qs_mask(d & 31); }
 
+// Its column above head dim 128 (dim d otherwise): lane l's dims l + 32 c sit
+// together two at a time (c = 2 k + i at 64 k + 2 l + i), so a lane reads
+// two chunks' q with one float2 and a warp's float2s cover 256 contiguous
+// bytes (no bank conflict). (Four at a time, the float4s' registers made the
+// kernel spill.)
+__device__ __forceinline__ int qs_col(int d) { return (d >> 6) * 64 + (d & 31) * 2 + ((d >> 5) & 1); }
+
 // The butterfly as before session 10, for lanes holding pair r in register
 // r (attention_tiles_q4_checked): a select per value sent and kept.
 template <int O2, int W>
@@ -404,16 +411,37 @@ __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*
 #pragma unroll
             for (int p = 0; p < AP; p++) d[u][p] = 0.0f;
         // Each (key, pair) chain runs over the chunks c in order.
+        if constexpr (REG || SEL || NC < 8) {
 #pragma unroll
-        for (int c = 0; c < NC; c++) {
-            if (lane + 32 * c < hd) {
+            for (int c = 0; c < NC; c++) {
+                if (lane + 32 * c < hd) {
+#pragma unroll
+                    for (int p = 0; p < AP; p++) {
+                        float qv;
+                        if constexpr (REG) qv = qr[p][c];
+                        else qv = qs[p][lane + 32 * c];
+#pragma unroll
+                        for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv, kr[u][c], d[u][p]);
+                    }
+                }
+            }
+        } else {
+            // Head dims over 128: q from shared memory two chunks a load
+            // (qs_col); each chain still takes the chunks in order.
+            static_assert(NC % 2 == 0, "two chunks a load");
+#pragma unroll
+            for (int k = 0; k < NC / 2; k++) {
 #pragma unroll
                 for (int p = 0; p < AP; p++) {
-                    float qv;
-                    if constexpr (REG) qv = qr[p][c];
-                    else qv = qs[p][lane + 32 * c];
+                    float2 q2 = *reinterpret_cast<const float2*>(&qs[p][64 * k + 2 * lane]);
+                    float qv[2] = {q2.x, q2.y};
 #pragma unroll
-                    for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv, kr[u][c], d[u][p]);
+                    for (int i = 0; i < 2; i++) {
+                        int c = 2 * k + i;
+                        if (lane + 32 * c < hd)
+#pragma unroll
+                            for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv[i], kr[u][c], d[u][p]);
+                    }
                 }
             }
         }
@@ -508,7 +536,7 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
                                                   float* pacc, int m, int hq, int hkv, int hd, const int* posp,
                                                   int rbase, float scale, int f16, int nb) {
     int pos0 = *posp + rbase;  // this call's row 0 is row rbase of the step
-    __shared__ float qs[AP][ATT_HD];
+    __shared__ __align__(16) float qs[AP][ATT_HD];  // float4 reads in the score pass
     __shared__ __align__(16) float st[AP][ATT_T];  // 16-byte rows: the value pass reads float4s
     __shared__ float smax[AP][ATT_WARPS];
     __shared__ float wsum[AP][ATT_WARPS];
@@ -526,7 +554,9 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
         int p = i / ATT_HD, d = i % ATT_HD;
         float v = 0.0f;
         if (p < np && d < hd) v = q[((i64)(r0 + p / gs) * hq + g * gs + p % gs) * hd + d];
-        qs[NEW ? qs_row(p, d) : p][d] = v;  // row p ^ qs_mask(d % 32): see pair_step
+        // Row p ^ qs_mask(d % 32) (see pair_step); above head dim 128, column
+        // qs_col(d) (the score pass reads four chunks a load there).
+        qs[NEW ? qs_row(p, d) : p][NEW && hd > 128 ? qs_col(d) : d] = v;
     }
     __syncthreads();
     // Scores, one warp per key (tile_scores); q in registers for head dims

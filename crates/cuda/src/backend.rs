@@ -3041,6 +3041,31 @@ mod butterfly_tests {
         }
     }
 
+    /// ops.cu's `qs_col`: where dim d of a pair's q sits in its row (head
+    /// dims over 128).
+    fn qs_col(d: usize) -> usize {
+        (d >> 6) * 64 + (d & 31) * 2 + ((d >> 5) & 1)
+    }
+
+    /// The q layout the score pass reads above head dim 128: every dim of a
+    /// 256-wide row has its own column, and lane l finds chunks 2k and
+    /// 2k + 1 (dims l + 32 c) in the two floats at 64 k + 2 l, the float2 it
+    /// loads.
+    #[test]
+    fn the_q_columns_are_a_permutation_read_two_at_a_time() {
+        let mut seen = [false; 256];
+        for d in 0..256 {
+            let c = qs_col(d);
+            assert!(c < 256 && !seen[c], "dim {d} -> column {c}");
+            seen[c] = true;
+        }
+        for lane in 0..32 {
+            for c in 0..8 {
+                assert_eq!(qs_col(lane + 32 * c), 64 * (c / 2) + 2 * lane + c % 2);
+            }
+        }
+    }
+
     #[test]
     fn a_wrong_register_layout_is_caught() {
         let mut rng = Rng::new(4);
