@@ -304,7 +304,8 @@ __device__ __forceinline__ void tile_values(const void* cv, const float (*st)[AT
 
 // The score pass of attention_tiles for one warp: keys warp, warp + 8, ...
 // of the tile. Lane l holds dims l, l + 32, ... (NC chunks of 32) and runs the
-// 16 pairs' fma chains over them; the butterfly then runs for all 16 pairs at
+// 16 pairs' fma chains over them (register r of lane l for pair r ^
+// qs_mask(l), q stored to match); the butterfly then runs for all 16 pairs at
 // once: at step o every lane keeps half of its pairs and adds the partner's
 // (lane ^ o) partial of the same pair, which is the one-pair butterfly's own +
 // partner add; lane l ends with pair l / 2. With NC <= 4 each lane keeps its
@@ -316,8 +317,36 @@ __device__ __forceinline__ void tile_values(const void* cv, const float (*st)[AT
 // scaled scores to st (-inf past a pair's last key).
 // One step of the pairs' butterfly: lanes with bit O2 keep pairs [W, 2W) of
 // their current set, the others [0, W), each adding the partner's partial.
+// Lane l's register r holds pair r ^ qs_mask(l) (q is stored so, see
+// qs_row), which puts the pairs a lane keeps in d[0, W) and the ones it sends
+// in d[W, 2W) on every lane: no select, and the same add (own partial plus
+// the partner's, of the same pair) as a lane holding pair r in register r.
 template <int O2, int W>
-__device__ __forceinline__ void pair_step(float (&d)[AP], int lane) {
+__device__ __forceinline__ void pair_step(float (&d)[AP]) {
+#pragma unroll
+    for (int i = 0; i < W; i++) d[i] = __fadd_rn(d[i], __shfl_xor_sync(0xffffffffu, d[W + i], O2));
+}
+
+// Which pair sits in register r of lane l in the score pass: r ^ qs_mask(l),
+// the mask's bits 3, 2, 1, 0 being the lane's bits 16, 8, 4, 2 (the
+// butterfly's steps), so that lane l ends with pair l / 2.
+__device__ __forceinline__ int qs_mask(int lane) { return (lane >> 1) & 15; }
+
+// The shared-memory row of pair p's q value at dim d (read only by lane d %
+// 32): p ^ qs_mask(d % 32).
+__device__ __forceinline__ int qs_row(int p, int d) { return p ^ qs_mask(d & 31); }
+
+// Its column above head dim 128 (dim d otherwise): lane l's dims l + 32 c sit
+// together two at a time (c = 2 k + i at 64 k + 2 l + i), so a lane reads
+// two chunks' q with one float2 and a warp's float2s cover 256 contiguous
+// bytes (no bank conflict). (Four at a time, the float4s' registers made the
+// kernel spill.)
+__device__ __forceinline__ int qs_col(int d) { return (d >> 6) * 64 + (d & 31) * 2 + ((d >> 5) & 1); }
+
+// The butterfly as before session 10, for lanes holding pair r in register
+// r (attention_tiles_q4_checked): a select per value sent and kept.
+template <int O2, int W>
+__device__ __forceinline__ void pair_step_sel(float (&d)[AP], int lane) {
     bool upper = (lane & O2) != 0;
 #pragma unroll
     for (int i = 0; i < W; i++) {
@@ -327,18 +356,26 @@ __device__ __forceinline__ void pair_step(float (&d)[AP], int lane) {
     }
 }
 
-// The 16 pairs' butterfly of one key's partial dot products (see
-// tile_scores): lane l returns pair l / 2's score.
-__device__ __forceinline__ float pair_butterfly(float (&d)[AP], int lane) {
-    static_assert(AP == 16, "the butterfly's steps are written for 16 pairs");
-    pair_step<16, 8>(d, lane);
-    pair_step<8, 4>(d, lane);
-    pair_step<4, 2>(d, lane);
-    pair_step<2, 1>(d, lane);
+__device__ __forceinline__ float pair_butterfly_sel(float (&d)[AP], int lane) {
+    pair_step_sel<16, 8>(d, lane);
+    pair_step_sel<8, 4>(d, lane);
+    pair_step_sel<4, 2>(d, lane);
+    pair_step_sel<2, 1>(d, lane);
     return __fadd_rn(d[0], __shfl_xor_sync(0xffffffffu, d[0], 1));
 }
 
-template <int NC, int KB, bool REG>
+// The 16 pairs' butterfly of one key's partial dot products (see
+// tile_scores): lane l returns pair l / 2's score.
+__device__ __forceinline__ float pair_butterfly(float (&d)[AP]) {
+    static_assert(AP == 16, "the butterfly's steps are written for 16 pairs");
+    pair_step<16, 8>(d);
+    pair_step<8, 4>(d);
+    pair_step<4, 2>(d);
+    pair_step<2, 1>(d);
+    return __fadd_rn(d[0], __shfl_xor_sync(0xffffffffu, d[0], 1));
+}
+
+template <int NC, int KB, bool REG, bool SEL = false>
 __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*st)[ATT_T], const void* ck, int kvw,
                                              int g, int hd, int mylast, int j0, int jend, int np, float scale,
                                              int f16) {
@@ -374,16 +411,37 @@ __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*
 #pragma unroll
             for (int p = 0; p < AP; p++) d[u][p] = 0.0f;
         // Each (key, pair) chain runs over the chunks c in order.
+        if constexpr (REG || SEL || NC < 8) {
 #pragma unroll
-        for (int c = 0; c < NC; c++) {
-            if (lane + 32 * c < hd) {
+            for (int c = 0; c < NC; c++) {
+                if (lane + 32 * c < hd) {
+#pragma unroll
+                    for (int p = 0; p < AP; p++) {
+                        float qv;
+                        if constexpr (REG) qv = qr[p][c];
+                        else qv = qs[p][lane + 32 * c];
+#pragma unroll
+                        for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv, kr[u][c], d[u][p]);
+                    }
+                }
+            }
+        } else {
+            // Head dims over 128: q from shared memory two chunks a load
+            // (qs_col); each chain still takes the chunks in order.
+            static_assert(NC % 2 == 0, "two chunks a load");
+#pragma unroll
+            for (int k = 0; k < NC / 2; k++) {
 #pragma unroll
                 for (int p = 0; p < AP; p++) {
-                    float qv;
-                    if constexpr (REG) qv = qr[p][c];
-                    else qv = qs[p][lane + 32 * c];
+                    float2 q2 = *reinterpret_cast<const float2*>(&qs[p][64 * k + 2 * lane]);
+                    float qv[2] = {q2.x, q2.y};
 #pragma unroll
-                    for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv, kr[u][c], d[u][p]);
+                    for (int i = 0; i < 2; i++) {
+                        int c = 2 * k + i;
+                        if (lane + 32 * c < hd)
+#pragma unroll
+                            for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv[i], kr[u][c], d[u][p]);
+                    }
                 }
             }
         }
@@ -391,7 +449,7 @@ __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*
         for (int u = 0; u < KB; u++) {
             int jj = jb + u * ATT_WARPS;  // < ATT_T: ATT_T is a multiple of ATT_WARPS * KB
             int j = j0 + jj;
-            float s = pair_butterfly(d[u], lane);
+            float s = SEL ? pair_butterfly_sel(d[u], lane) : pair_butterfly(d[u]);
             float v = -INFINITY;
             if (j < jend && mine < np && j <= mylast) {
                 v = __fmul_rn(s, scale);
@@ -470,12 +528,15 @@ __device__ __forceinline__ void tile_write_pml(const float (*wsum)[ATT_WARPS], c
 // V = 1 (attention_tiles_q4) differs only in the score pass of head dims 65
 // to 128: q read from shared memory, four keys a step, instead of q in
 // registers one key a step: the same terms in the same order.
-template <int V, int FULL = 1>
+// NEW = 0 (attention_tiles_q4_checked): the value pass checking every key
+// and the score pass's butterfly with selects over q stored unpermuted, as
+// before session 10, to show the session-10 forms compute the same bytes.
+template <int V, int NEW = 1>
 __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck, const void* cv, float* pml,
                                                   float* pacc, int m, int hq, int hkv, int hd, const int* posp,
                                                   int rbase, float scale, int f16, int nb) {
     int pos0 = *posp + rbase;  // this call's row 0 is row rbase of the step
-    __shared__ float qs[AP][ATT_HD];
+    __shared__ __align__(16) float qs[AP][ATT_HD];  // float4 reads in the score pass
     __shared__ __align__(16) float st[AP][ATT_T];  // 16-byte rows: the value pass reads float4s
     __shared__ float smax[AP][ATT_WARPS];
     __shared__ float wsum[AP][ATT_WARPS];
@@ -493,7 +554,9 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
         int p = i / ATT_HD, d = i % ATT_HD;
         float v = 0.0f;
         if (p < np && d < hd) v = q[((i64)(r0 + p / gs) * hq + g * gs + p % gs) * hd + d];
-        qs[p][d] = v;
+        // Row p ^ qs_mask(d % 32) (see pair_step); above head dim 128, column
+        // qs_col(d) (the score pass reads four chunks a load there).
+        qs[NEW ? qs_row(p, d) : p][NEW && hd > 128 ? qs_col(d) : d] = v;
     }
     __syncthreads();
     // Scores, one warp per key (tile_scores); q in registers for head dims
@@ -501,11 +564,11 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
     int mine = lane >> 1;
     float mx;
     int last = pos0 + r0 + mine / gs;
-    if (hd <= 32) mx = tile_scores<1, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-    else if (hd <= 64) mx = tile_scores<2, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-    else if (hd <= 128 && V == 0) mx = tile_scores<4, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-    else if (hd <= 128) mx = tile_scores<4, 4, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-    else mx = tile_scores<8, ATT_KB, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    if (hd <= 32) mx = tile_scores<1, 1, true, !NEW>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    else if (hd <= 64) mx = tile_scores<2, 1, true, !NEW>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    else if (hd <= 128 && V == 0) mx = tile_scores<4, 1, true, !NEW>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    else if (hd <= 128) mx = tile_scores<4, 4, false, !NEW>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    else mx = tile_scores<8, ATT_KB, false, !NEW>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
     if ((lane & 1) == 0) smax[mine][warp] = mx;
     __syncthreads();
     tile_softmax(&st[0][0], ATT_T, smax, wsum, pmax, np);
@@ -515,10 +578,10 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
     // thread works; each (pair, dim) is one thread's fma chain.
     int hdp = (hd + 31) / 32 * 32;
     switch (ATT_THREADS % hdp == 0 ? ATT_THREADS / hdp : 1) {
-    case 8: tile_values<8, FULL>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
-    case 4: tile_values<4, FULL>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
-    case 2: tile_values<2, FULL>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
-    default: tile_values<1, FULL>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
+    case 8: tile_values<8, NEW>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
+    case 4: tile_values<4, NEW>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
+    case 2: tile_values<2, NEW>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
+    default: tile_values<1, NEW>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
     }
     tile_write_pml(wsum, pmax, pml, np, gs, hq, g, r0, pos0, j0, b, nb);
 }
@@ -537,9 +600,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
 }
 
-// attention_tiles_q4 with every key of the value pass bound-checked (FULL =
-// 0, as before session 10), kept to show the unchecked run computes the same
-// bytes (`SAMESUM_CUDA_ATT_VFULL=0`).
+// attention_tiles_q4 as before session 10 (NEW = 0: every key of the value
+// pass bound-checked, the score butterfly with selects), kept to show the
+// session-10 forms compute the same bytes (`SAMESUM_CUDA_ATT_VFULL=0`).
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles_q4_checked(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m,
                                int hq, int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {

@@ -97,10 +97,11 @@ pub struct Cuda {
     /// passes, so a different function, run by decode and prefill alike
     /// while it is on.
     att_tc: bool,
-    /// The CUDA-core value pass without a bound check per key up to the keys
-    /// every pair of a thread sees (default; `SAMESUM_CUDA_ATT_VFULL=0` for
-    /// `attention_tiles_q4_checked`, every key checked as before session
-    /// 10). The same bytes.
+    /// The CUDA-core passes in their session-10 forms: the value pass
+    /// without a bound check per key up to the keys every pair of a thread
+    /// sees, the score pass's butterfly without selects (default;
+    /// `SAMESUM_CUDA_ATT_VFULL=0` for `attention_tiles_q4_checked`, the
+    /// session-9 kernel). The same bytes.
     att_vfull: bool,
     /// With `att_tc`: each step's three products summed apart and added to
     /// the running sums in fp32 (`attention_tiles_tc_acc`,
@@ -2969,5 +2970,110 @@ mod tests {
                 "{e}"
             );
         }
+    }
+}
+
+/// The score pass's 16-pair butterfly (ops.cu, `pair_butterfly`) simulated
+/// on the host in f32: lanes holding pair `r ^ ((lane >> 1) & 15)` in
+/// register `r` and exchanging with no select end with the same bits as
+/// lanes holding pair `r` in register `r` and selecting what to send and
+/// keep (`pair_butterfly_sel`, the session-9 form). The device test compares
+/// the two kernels themselves; this one shows the layout is right on any
+/// machine, and that a wrong layout is caught.
+#[cfg(test)]
+mod butterfly_tests {
+    use samesum_quant::rng::Rng;
+
+    const STEPS: [(usize, usize); 4] = [(16, 8), (8, 4), (4, 2), (2, 1)];
+
+    /// Lane l's final value (pair l / 2) with the select form.
+    fn with_selects(part: &[[f32; 16]; 32]) -> [f32; 32] {
+        let mut d = *part;
+        for (o2, w) in STEPS {
+            let sent: Vec<Vec<f32>> = (0..32)
+                .map(|l| {
+                    let up = l & o2 != 0;
+                    (0..w)
+                        .map(|i| if up { d[l][i] } else { d[l][w + i] })
+                        .collect()
+                })
+                .collect();
+            for l in 0..32 {
+                let up = l & o2 != 0;
+                for i in 0..w {
+                    let own = if up { d[l][w + i] } else { d[l][i] };
+                    d[l][i] = own + sent[l ^ o2][i];
+                }
+            }
+        }
+        std::array::from_fn(|l| d[l][0] + d[l ^ 1][0])
+    }
+
+    /// The same with lane l holding pair `r ^ mask(l)` in register r.
+    fn permuted(part: &[[f32; 16]; 32], mask: fn(usize) -> usize) -> [f32; 32] {
+        let mut d: [[f32; 16]; 32] =
+            std::array::from_fn(|l| std::array::from_fn(|r| part[l][r ^ mask(l)]));
+        for (o2, w) in STEPS {
+            let sent: Vec<Vec<f32>> = (0..32).map(|l| d[l][w..2 * w].to_vec()).collect();
+            for l in 0..32 {
+                for i in 0..w {
+                    d[l][i] += sent[l ^ o2][i];
+                }
+            }
+        }
+        std::array::from_fn(|l| d[l][0] + d[l ^ 1][0])
+    }
+
+    fn random_parts(rng: &mut Rng) -> [[f32; 16]; 32] {
+        let scale = [1e-3f32, 1.0, 1e3][rng.below(3) as usize];
+        std::array::from_fn(|_| std::array::from_fn(|_| rng.range(-1.0, 1.0) * scale))
+    }
+
+    #[test]
+    fn the_select_free_butterfly_gives_the_same_bits() {
+        let mut rng = Rng::new(3);
+        for _ in 0..300 {
+            let part = random_parts(&mut rng);
+            let (a, b) = (with_selects(&part), permuted(&part, |l| (l >> 1) & 15));
+            for l in 0..32 {
+                assert_eq!(a[l].to_bits(), b[l].to_bits(), "lane {l}");
+            }
+        }
+    }
+
+    /// ops.cu's `qs_col`: where dim d of a pair's q sits in its row (head
+    /// dims over 128).
+    fn qs_col(d: usize) -> usize {
+        (d >> 6) * 64 + (d & 31) * 2 + ((d >> 5) & 1)
+    }
+
+    /// The q layout the score pass reads above head dim 128: every dim of a
+    /// 256-wide row has its own column, and lane l finds chunks 2k and
+    /// 2k + 1 (dims l + 32 c) in the two floats at 64 k + 2 l, the float2 it
+    /// loads.
+    #[test]
+    fn the_q_columns_are_a_permutation_read_two_at_a_time() {
+        let mut seen = [false; 256];
+        for d in 0..256 {
+            let c = qs_col(d);
+            assert!(c < 256 && !seen[c], "dim {d} -> column {c}");
+            seen[c] = true;
+        }
+        for lane in 0..32 {
+            for c in 0..8 {
+                assert_eq!(qs_col(lane + 32 * c), 64 * (c / 2) + 2 * lane + c % 2);
+            }
+        }
+    }
+
+    #[test]
+    fn a_wrong_register_layout_is_caught() {
+        let mut rng = Rng::new(4);
+        let caught = (0..50).any(|_| {
+            let part = random_parts(&mut rng);
+            let (a, b) = (with_selects(&part), permuted(&part, |l| (l >> 1) & 7));
+            (0..32).any(|l| a[l].to_bits() != b[l].to_bits())
+        });
+        assert!(caught, "a mask missing lane bit 16 went unnoticed");
     }
 }

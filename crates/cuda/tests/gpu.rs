@@ -807,9 +807,10 @@ fn attention_at_the_real_models_head_shapes() {
             same_bits(&la, &lb),
             "heads {heads}/{kv_heads} x {head_dim}: the two score passes differ"
         );
-        // And the value pass without per-key checks up to the keys every pair
-        // sees (the default) gives the bytes of the one checking every key,
-        // in chunks of 64 and of 7.
+        // And the session-10 forms (the value pass without per-key checks up
+        // to the keys every pair sees, the score butterfly without selects
+        // over permuted q rows; the default) give the bytes of the session-9
+        // kernel (every key checked, selects), in chunks of 64 and of 7.
         let mut c = Cuda::new(0, &model, false).unwrap();
         c.set_attention_q4(true);
         c.set_switch("ATT_VFULL", false).unwrap();
@@ -823,7 +824,7 @@ fn attention_at_the_real_models_head_shapes() {
             let lc = all_logits(&c, &model, &toks, chunk);
             assert!(
                 same_bits(&lb, &lc),
-                "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}: the unchecked value pass differs"
+                "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}: the session-10 passes differ from the session-9 kernel"
             );
         }
     }
