@@ -948,7 +948,8 @@ struct TaLayout {
 };
 
 // Issue the copies of weight block b (the tile's 128 rows of matrix `cur`)
-// and activation block b (its R rows) into `stage`.
+// and activation block b (its R rows) into `stage`: the 16-row kernels' copies
+// (3 blocks an SM at 168 registers leave none to keep offsets in).
 template <int Q5, int R>
 __device__ __forceinline__ void ta_issue(u8* stage, const u8* W, i64 mat_stride, int row_bytes, int cur, int wrow0,
                                          int rows, const u8* A, i64 arow, int r0, int nr, int b, int tid) {
@@ -965,6 +966,57 @@ __device__ __forceinline__ void ta_issue(u8* stage, const u8* W, i64 mat_stride,
         bool ok = t < nr;
         const u8* src = A + (ok ? (r0 + t) * arow + (i64)b * Q8K_BYTES + q * 16 : 0);
         cp_async16(stage + L::A_OFF + t * TA_AST + q * 16, src, ok);
+    }
+}
+
+// The 32-row kernels' copies, with no division, remainder or 64-bit multiply
+// per 16 bytes (those were ~500 of ~1,900 instructions a block of K), and a
+// warp still reading consecutive bytes. Weight pieces c = tid + 128 i (row
+// c / PIECES of the tile, piece c % PIECES; rows past the matrix's read its
+// last row) come from byte offsets worked out once per block of threads
+// (`TaSrc`, kept in registers) from the tile's first row at block 0.
+template <int Q5, int R>
+struct TaSrc {
+    static constexpr int WPC = TaLayout<Q5, R>::BYTES / 16;
+    static constexpr int WP = TQ_WROWS * WPC / 128;
+    static_assert(TQ_WROWS * WPC % 128 == 0, "whole weight pieces a thread");
+    u32 w[WP];
+    __device__ __forceinline__ TaSrc(int row_bytes, int wrow0, int rows, int tid) {
+#pragma unroll
+        for (int i = 0; i < WP; i++) {
+            int c = tid + 128 * i, r = c / WPC, q = c - r * WPC;
+            w[i] = (u32)((min(wrow0 + r, rows - 1) - wrow0) * row_bytes + 16 * q);
+        }
+    }
+};
+
+// Weight block b of the tile whose first row is at `wt`, and activation
+// block b of its R rows from `at` (`arow` bytes apart; rows from `nr` on are
+// zero-filled): warp w copies activation rows w, w + 4, ..., lane l < 19
+// piece l of each, one row's 304 consecutive bytes an instruction at offsets
+// that step by a constant. The same bytes in the same places as ta_issue.
+template <int Q5, int R>
+__device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8* at, const TaSrc<Q5, R>& src,
+                                              u32 arow, int nr, int b, int tid) {
+    typedef TaLayout<Q5, R> L;
+    typedef TaSrc<Q5, R> S;
+    static_assert(R % 4 == 0, "activation rows a warp");
+    const u8* wb = wt + (i64)b * L::BYTES;
+#pragma unroll
+    for (int i = 0; i < S::WP; i++) {
+        int c = tid + 128 * i, r = c / S::WPC, q = c - r * S::WPC;
+        cp_async16(stage + L::W_OFF + r * L::WST + q * 16, wb + src.w[i], true);
+    }
+    int warp = tid / 32, lane = tid % 32;
+    if (lane < Q8K_BYTES / 16) {
+        const u8* ab = at + (i64)b * Q8K_BYTES + 16 * lane;
+        u8* ad = stage + L::A_OFF + warp * TA_AST + 16 * lane;
+#pragma unroll
+        for (int k = 0; k < R / 4; k++) {
+            int t = warp + 4 * k;
+            bool ok = t < nr;
+            cp_async16(ad + 4 * k * TA_AST, ab + (ok ? (u32)t * arow : 0u), ok);
+        }
     }
 }
 
@@ -988,6 +1040,10 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
         int t = c / TQ_WROWS, j = wrow0 + c % TQ_WROWS;
         if (t < nr && smat[t] < 0 && j < rows) Y[(i64)(r0 + t) * rows + j] = 0.0f;
     }
+    // The 32-row kernels' copy offsets (unused, so not computed, in the others).
+    constexpr bool KEPT = R >= 32;
+    const TaSrc<Q5, R> src(row_bytes, wrow0, rows, tid);
+    const u8* at = A + r0 * arow;
     int prev = -1;
     for (;;) {
         int cur = 0x7fffffff;
@@ -1004,13 +1060,19 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
             for (int n = 0; n < N; n++)
 #pragma unroll
                 for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
-        ta_issue<Q5, R>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, A, arow, r0, nr, 0, tid);
+        const u8* wt = W + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
+        auto issue = [&](u8* stage, int b) {
+            if constexpr (KEPT)
+                ta_issue_kept<Q5, R>(stage, wt, at, src, (u32)arow, nr, b, tid);
+            else
+                ta_issue<Q5, R>(stage, W, mat_stride, row_bytes, cur, wrow0, rows, A, arow, r0, nr, b, tid);
+        };
+        issue(dsm, 0);
         cp_async_commit();
         for (int b = 0; b < nb; b++) {
             u8* st = dsm + (b & 1) * L::STAGE;
             if (b + 1 < nb) {
-                ta_issue<Q5, R>(dsm + ((b + 1) & 1) * L::STAGE, W, mat_stride, row_bytes, cur, wrow0, rows, A, arow,
-                             r0, nr, b + 1, tid);
+                issue(dsm + ((b + 1) & 1) * L::STAGE, b + 1);
                 cp_async_commit();
                 cp_async_wait<1>();
             } else {
