@@ -1850,15 +1850,16 @@ extern "C" __global__ void __launch_bounds__(256)
     plan_small_block(ids, n, k, e, pad, placed_row, placed_mat, slot, cap);
 }
 
-// Decode-sized routing and plan for one 256-thread block: up to
+// Decode-sized routing and plan in one launch of one 256-thread block: up to
 // `block_rows` rows are routed one at a time by the whole block
 // (route_row_block_u), more by warp w taking rows w, w + 8, ..., both exactly
-// as `route` does; then (after a block barrier, which makes the ids visible
-// to the block) the block plans them exactly as `plan_small` does. Not
-// inlined: route_plan_small runs this one copy of the code twice.
-__device__ __noinline__ void route_plan_block(float* logits, int* ids, float* wts, int m, int e, int k, int pad,
-                                              int* placed_row, int* placed_mat, int* slot, int cap,
-                                              int block_rows) {
+// as `route` does; then (after a block
+// barrier, which makes the ids visible to the block) the block plans them
+// exactly as `plan_small` does.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    route_plan_small(float* logits, int* ids, float* wts, int m, int e, int k, int pad, int* placed_row,
+                     int* placed_mat, int* slot, int cap, int block_rows) {
+    pdl_wait();
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (m <= block_rows && e <= RB_MAX_E && k <= 64) {
         // A row at a time by the whole block (same results as route_row).
@@ -1882,29 +1883,6 @@ __device__ __noinline__ void route_plan_block(float* logits, int* ids, float* wt
         __syncthreads();
         plan_small_block(ids, m * k, k, e, pad, placed_row, placed_mat, slot, cap, rids);
     }
-    __syncthreads();
-}
-
-// Decode-sized routing and plan in one launch (route_plan_block). With
-// `warm`, the block first runs the same code on a row of zeros in shared
-// memory, before waiting for the kernel before it (pdl_wait): in decode this
-// kernel's ~1,000 instructions run once each, and ncu had it waiting on
-// instruction fetches (16.5 us for 4,423 warp instructions, session 11), so
-// the rehearsal fetches them while the router still runs. It reads and
-// writes nothing outside shared memory; the real pass is unchanged.
-#define RPS_WARM_E 1024
-extern "C" __global__ void __launch_bounds__(256, 1)
-    route_plan_small(float* logits, int* ids, float* wts, int m, int e, int k, int pad, int* placed_row,
-                     int* placed_mat, int* slot, int cap, int block_rows, int warm) {
-    if (warm && e <= RPS_WARM_E && k * pad <= 64) {
-        __shared__ float wl[RPS_WARM_E], ww[64];
-        __shared__ int wi[64], wr[64], wm[64], wsl[64];
-        for (int i = threadIdx.x; i < e; i += blockDim.x) wl[i] = 0.0f;
-        __syncthreads();
-        route_plan_block(wl, wi, ww, 1, e, k, pad, wr, wm, wsl, k * pad, block_rows);
-    }
-    pdl_wait();
-    route_plan_block(logits, ids, wts, m, e, k, pad, placed_row, placed_mat, slot, cap, block_rows);
 }
 
 // y[r] = sum over slots s in k order of w[r][s] * out[slot[r][s]] (skipped ids

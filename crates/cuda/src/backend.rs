@@ -85,12 +85,6 @@ pub struct Cuda {
     /// kernel's time is not in the argmax rounds); by default a warp's argmax
     /// rounds per row.
     block_route: bool,
-    /// The decode routing kernel rehearses its code on a row of zeros in
-    /// shared memory before waiting for the router (`route_plan_small`'s
-    /// `warm`), so its instructions are fetched while the router runs
-    /// (`SAMESUM_CUDA_ROUTE_WARM=0` to skip it; the ids and weights are the
-    /// real pass's either way).
-    route_warm: bool,
     /// Attention's score pass for head dims 65-128 with q read from shared
     /// memory four keys a step (`attention_tiles_q4`; the default,
     /// `SAMESUM_CUDA_ATT_Q4=0` for q in registers one key a step): the same
@@ -395,7 +389,6 @@ const SWITCHES: &[Switch] = &[
     ("DELTA_PIPE", |c| c.delta_pipe, |c, on| c.delta_pipe = on),
     ("NORM_Q8K", |c| c.norm_quant, |c, on| c.norm_quant = on),
     ("BLOCK_ROUTE", |c| c.block_route, |c, on| c.block_route = on),
-    ("ROUTE_WARM", |c| c.route_warm, |c, on| c.route_warm = on),
     ("SMALL_PLAN", |c| c.small_plan, |c, on| c.small_plan = on),
     ("ROW", |c| c.row_kernels, |c, on| c.row_kernels = on),
     ("GLU", |c| c.glu, |c, on| c.glu = on),
@@ -711,7 +704,6 @@ impl Cuda {
             norm_quant: env_switch("SAMESUM_CUDA_NORM_Q8K", true),
             norm_q8k: Mutex::new(None),
             block_route: env_switch("SAMESUM_CUDA_BLOCK_ROUTE", false),
-            route_warm: env_switch("SAMESUM_CUDA_ROUTE_WARM", true),
             small_plan: env_switch("SAMESUM_CUDA_SMALL_PLAN", true),
             row_kernels: env_switch("SAMESUM_CUDA_ROW", true),
             glu: env_switch("SAMESUM_CUDA_GLU", true),
@@ -2050,7 +2042,6 @@ impl Cuda {
             // With block routing on, up to 4 rows are routed one at a time by
             // the whole block.
             let block_rows: i32 = if self.block_route { 4 } else { 0 };
-            let warm = self.route_warm as i32;
             let mut placed_row = d.scratch::<i32>(cap)?;
             let mut placed_mat = d.scratch::<i32>(cap)?;
             let mut slot = d.scratch::<i32>(n)?;
@@ -2069,8 +2060,7 @@ impl Cuda {
                 &mut placed_mat,
                 &mut slot,
                 &capi,
-                &block_rows,
-                &warm
+                &block_rows
             )?;
             return Ok((placed_row, placed_mat, slot));
         }
