@@ -89,6 +89,47 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     norm_row((float*)(x + (i64)r * width), nullptr, w, y + (i64)r * width, width, eps);
 }
 
+// RMSNorm of rows up to 256 wide (the per-head q and k norms), a warp per
+// row instead of a block: lane l holds elements l + 32 j (j < 8) and their
+// squares in f64 (+0.0 past the row, as rms_norm's threads past it hold),
+// then rms_norm's tree on them: its levels o = 128, 64, 32 (part[t] +
+// part[t + o], t = l + 32 j) are a_j + a_{j+4}, then b_j + b_{j+2}, then
+// c_0 + c_1 within the lane, and its last five levels the same shuffles.
+// The same sum, scale and products as rms_norm, so the same bytes.
+#define NORM_SMALL_MAX 256
+extern "C" __global__ void __launch_bounds__(256)
+    rms_norm_small(const float* x, const float* w, float* y, int rows, int width, float eps) {
+    pdl_wait();
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    i64 r = (i64)blockIdx.x * 8 + warp;
+    if (r >= rows) return;
+    const float* xr = x + r * width;
+    float* yr = y + r * width;
+    float v[8], wv[8];
+    double a[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        int i = lane + 32 * j;
+        v[j] = i < width ? xr[i] : 0.0f;
+        wv[j] = i < width ? w[i] : 0.0f;
+        a[j] = i < width ? (double)v[j] * (double)v[j] : 0.0;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) a[j] = a[j] + a[j + 4];
+#pragma unroll
+    for (int j = 0; j < 2; j++) a[j] = a[j] + a[j + 2];
+    double s = a[0] + a[1];
+    for (int o = 16; o > 0; o /= 2) s = s + __shfl_down_sync(0xffffffffu, s, o);
+    s = __shfl_sync(0xffffffffu, s, 0);
+    float mean = (float)(s / (double)width);
+    float scale = 1.0f / sqrtf(mean + eps);
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        int i = lane + 32 * j;
+        if (i < width) yr[i] = (v[j] * scale) * wv[j];
+    }
+}
+
 // rms_norm and add_rms_norm that also write each output row as Q8_K blocks
 // (width a multiple of 256): after the row is stored, warp w quantizes blocks
 // w, w + 8, ... of it exactly as quantize_q8k does (q8k_block), so the
@@ -145,12 +186,26 @@ extern "C" __global__ void silu_mul(float* a, const float* b, i64 n) {
     if (i < n) a[i] = silu(a[i]) * b[i];
 }
 
+// silu_mul on rows of `width` (a multiple of 256), a block per row, then the
+// row's Q8_K blocks as quantize_q8k makes them (quantize_own_row): the GLU
+// output's quantization for the down projection without a launch of its own.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    silu_mul_q8k(float* a, const float* b, u8* q, int width) {
+    pdl_wait();
+    i64 r = blockIdx.x;
+    float* ar = a + r * width;
+    const float* br = b + r * width;
+    for (int i = threadIdx.x; i < width; i += NORM_THREADS) ar[i] = silu(ar[i]) * br[i];
+    quantize_own_row(ar, q + r * (width / 256) * Q8K_BYTES, width);
+}
+
 // dst[r][c] = src[r][map[c]] for `m` rows.
 extern "C" __global__ void copy_cols(const float* src, int src_w, float* dst, int dst_w, const int* map, int m) {
     pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)m * dst_w) return;
-    int r = (int)(i / dst_w), c = (int)(i % dst_w);
+    int2 rc = row_col(i, dst_w);
+    int r = rc.x, c = rc.y;
     dst[i] = src[(i64)r * src_w + map[c]];
 }
 
@@ -159,7 +214,8 @@ extern "C" __global__ void gather_rows(const float* src, const int* rows, float*
     pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)n * width) return;
-    int r = (int)(i / width), c = (int)(i % width);
+    int2 rc = row_col(i, width);
+    int r = rc.x, c = rc.y;
     int s = rows[r];
     dst[i] = s < 0 ? 0.0f : src[(i64)s * width + c];
 }
@@ -170,7 +226,8 @@ extern "C" __global__ void gather_words(const int4* src, const int* rows, int4* 
     pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)n * words) return;
-    int r = (int)(i / words), c = (int)(i % words);
+    int2 rc = row_col(i, words);
+    int r = rc.x, c = rc.y;
     int s = rows[r];
     int4 v;
     v.x = v.y = v.z = v.w = 0;
@@ -188,9 +245,9 @@ extern "C" __global__ void rope(float* x, int m, int heads, int hd, int n_rot, f
     int half = n_rot / 2;
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (i64)m * heads * half) return;
-    int i = (int)(t % half);
-    int h = (int)((t / half) % heads);
-    int r = (int)(t / ((i64)half * heads));
+    int2 ti = row_col(t, half);  // (t / half, t % half)
+    int2 rh = row_col(ti.x, heads);
+    int i = ti.y, h = rh.y, r = rh.x;
     float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)n_rot);
     float ang = (float)(pos0 + r) * inv_freq;
     float sn, cs;
@@ -915,7 +972,8 @@ extern "C" __global__ void conv_rows(const float* x, const float* taps, const fl
     pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)m * cd) return;
-    int r = (int)(i / cd), c = (int)(i % cd);
+    int2 rc = row_col(i, cd);
+    int r = rc.x, c = rc.y;
     float acc = 0.0f;
     for (int j = 0; j < kc; j++) {
         int q = r - (kc - 1) + j;
@@ -1892,7 +1950,8 @@ extern "C" __global__ void moe_combine(const float* out, const int* slot, const 
     pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)m * d) return;
-    int r = (int)(i / d), c = (int)(i % d);
+    int2 rc = row_col(i, d);
+    int r = rc.x, c = rc.y;
     float acc = 0.0f;
     for (int s = 0; s < k; s++) {
         int at = slot[(i64)r * k + s];

@@ -78,6 +78,14 @@ pub struct Cuda {
     /// for the next op's input projections instead of a quantize launch
     /// (default; off with `SAMESUM_CUDA_NORM_Q8K=0`).
     norm_quant: bool,
+    /// Norms of rows up to 256 wide (the per-head q and k norms) a warp per
+    /// row (`rms_norm_small`: rms_norm's tree within the lane, the same
+    /// bytes; default, off with `SAMESUM_CUDA_SMALL_NORM=0`).
+    small_norm: bool,
+    /// Prefill GLUs write their output's Q8_K blocks with the product
+    /// (`silu_mul_q8k`: quantize_q8k's bytes) for the down projection instead
+    /// of a quantize launch (default; off with `SAMESUM_CUDA_SILU_Q8K=0`).
+    silu_q8k: bool,
     /// Decode-sized routing (up to 4 rows) by the whole block, each entry's
     /// rank counted by its own thread (opt-in with
     /// `SAMESUM_CUDA_BLOCK_ROUTE=1`; the argmax rounds' ids and weights, as
@@ -388,6 +396,8 @@ const SWITCHES: &[Switch] = &[
     ("DELTA_ASYNC", |c| c.delta_async, |c, on| c.delta_async = on),
     ("DELTA_PIPE", |c| c.delta_pipe, |c, on| c.delta_pipe = on),
     ("NORM_Q8K", |c| c.norm_quant, |c, on| c.norm_quant = on),
+    ("SMALL_NORM", |c| c.small_norm, |c, on| c.small_norm = on),
+    ("SILU_Q8K", |c| c.silu_q8k, |c, on| c.silu_q8k = on),
     ("BLOCK_ROUTE", |c| c.block_route, |c, on| c.block_route = on),
     ("SMALL_PLAN", |c| c.small_plan, |c, on| c.small_plan = on),
     ("ROW", |c| c.row_kernels, |c, on| c.row_kernels = on),
@@ -702,6 +712,8 @@ impl Cuda {
             delta_pipe: env_switch("SAMESUM_CUDA_DELTA_PIPE", true),
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
             norm_quant: env_switch("SAMESUM_CUDA_NORM_Q8K", true),
+            small_norm: env_switch("SAMESUM_CUDA_SMALL_NORM", true),
+            silu_q8k: env_switch("SAMESUM_CUDA_SILU_Q8K", true),
             norm_q8k: Mutex::new(None),
             block_route: env_switch("SAMESUM_CUDA_BLOCK_ROUTE", false),
             small_plan: env_switch("SAMESUM_CUDA_SMALL_PLAN", true),
@@ -827,7 +839,15 @@ impl Cuda {
         };
         let mut y = self.dev.upload(&vec![f32::NAN; m * gate.rows])?;
         let (bg, bu) = (self.wptr(gate)?, self.wptr(up)?);
-        self.glu_on(gate, up, [bg, bu], &Input::new(&xd, m), md.as_ref(), &mut y)?;
+        self.glu_on(
+            gate,
+            up,
+            [bg, bu],
+            &Input::new(&xd, m),
+            md.as_ref(),
+            &mut y,
+            false,
+        )?;
         self.dev.download(&y, m * gate.rows)
     }
 
@@ -835,7 +855,10 @@ impl Cuda {
     /// id give 0): in one launch for decode-sized calls where gate and up
     /// share a format and shape, else two matmuls and `silu_mul`. The same
     /// bytes either way: each product is the matmul's, then silu_mul's
-    /// expression.
+    /// expression. With `quant`, where the two matmuls ran, `y`'s Q8_K
+    /// blocks too (`silu_mul_q8k`, with the `SILU_Q8K` switch on and rows a
+    /// multiple of 256 wide), for the next matmul's input.
+    #[allow(clippy::too_many_arguments)]
     fn glu_on(
         &self,
         gate: &Matrix,
@@ -844,7 +867,8 @@ impl Cuda {
         input: &Input,
         mats: Option<&CudaSlice<i32>>,
         y: &mut CudaSlice<f32>,
-    ) -> Result<()> {
+        quant: bool,
+    ) -> Result<Option<CudaSlice<u8>>> {
         let m = input.m;
         let fused = self.glu
             && self.row_kernels
@@ -866,8 +890,23 @@ impl Cuda {
             let mut u = self.dev.scratch::<f32>(m * up.rows)?;
             self.matmul_on(gate, bases[0], input, mats, y, self.tensor_cores)?;
             self.matmul_on(up, bases[1], input, mats, &mut u, self.tensor_cores)?;
+            if quant && self.silu_q8k && gate.rows.is_multiple_of(256) {
+                let mut q = self.dev.scratch::<u8>(m * gate.rows / 256 * 304)?;
+                let width = gate.rows as i32;
+                launch!(
+                    self.dev,
+                    "silu_mul_q8k",
+                    cfg((m as u32, 1, 1), 256, 0),
+                    y,
+                    &u,
+                    &mut q,
+                    &width
+                )?;
+                return Ok(Some(q));
+            }
             let n = (m * gate.rows) as i64;
-            return launch!(self.dev, "silu_mul", cfg1(m * gate.rows), y, &u, &n);
+            launch!(self.dev, "silu_mul", cfg1(m * gate.rows), y, &u, &n)?;
+            return Ok(None);
         }
         let d = &self.dev;
         let a = if gate.ty == GgmlType::Q8_0 {
@@ -884,7 +923,8 @@ impl Cuda {
         launch!(
             d, kernel, c, &bases[0], &bases[1], &stride, &row_bytes, &mats_ptr, a, y, &rows, &mi,
             &nb
-        )
+        )?;
+        Ok(None)
     }
 
     /// Keep a norm's Q8_K rows for the next op (see `take_norm_q8k`).
@@ -1367,6 +1407,17 @@ impl Cuda {
         }
     }
 
+    /// RMSNorm of host rows (`x.len() / w.len()` of them) through
+    /// [`Cuda::rms_norm_rows`]'s choice of kernel (for tests).
+    #[doc(hidden)]
+    pub fn rms_norm_host(&self, x: &[f32], w: &[f32], eps: f32) -> Result<Vec<f32>> {
+        let rows = x.len() / w.len().max(1);
+        let xd = self.dev.upload(x)?;
+        let mut y = self.dev.upload(&vec![f32::NAN; x.len()])?;
+        self.rms_norm_rows(&xd, w, rows, eps, &mut y)?;
+        self.dev.download(&y, x.len())
+    }
+
     fn rms_norm_rows(
         &self,
         x: &CudaSlice<f32>,
@@ -1377,6 +1428,20 @@ impl Cuda {
     ) -> Result<()> {
         let wd = self.vec(w)?;
         let width = w.len() as i32;
+        if self.small_norm && w.len() <= 256 {
+            let ri = rows as i32;
+            return launch!(
+                self.dev,
+                "rms_norm_small",
+                cfg((rows.div_ceil(8) as u32, 1, 1), 256, 0),
+                x,
+                wd,
+                y,
+                &ri,
+                &width,
+                &eps
+            );
+        }
         launch!(
             self.dev,
             "rms_norm",
@@ -2148,9 +2213,17 @@ impl Cuda {
     ) -> Result<()> {
         let mut sg = self.dev.scratch::<f32>(m * fs)?;
         let bases = [self.wptr(&sh.gate)?, self.wptr(&sh.up)?];
-        self.glu_on(&sh.gate, &sh.up, bases, xin, None, &mut sg)?;
+        let q = self.glu_on(
+            &sh.gate,
+            &sh.up,
+            bases,
+            xin,
+            None,
+            &mut sg,
+            k_quant(sh.down.ty),
+        )?;
         self.mm(&sh.gate_inp, xin, None, gi)?;
-        self.matmul(&sh.down, &sg, m, None, ys)
+        self.mm(&sh.down, &Input::with_q8k(&sg, m, q), None, ys)
     }
 
     /// The rest of a decode-sized MoE call with a shared expert (see
@@ -2477,7 +2550,6 @@ impl Cuda {
         // quantized once and their blocks gathered (a quantized row is a
         // function of the row alone; the shared expert reuses them), else
         // the f32 rows are gathered.
-        let k_quant = |t: GgmlType| matches!(t, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K);
         let dmi = dm as i32;
         let gather_quantized =
             self.quantized_gather && k_quant(mw.gate.ty) && k_quant(mw.up.ty) && dm % 256 == 0;
@@ -2515,16 +2587,17 @@ impl Cuda {
         };
         let mut ge = d.scratch::<f32>(cap * f)?;
         let tc = self.tensor_cores;
-        self.glu_on(
+        let gq = self.glu_on(
             &mw.gate,
             &mw.up,
             [bases[0], bases[1]],
             &xein,
             Some(mats),
             &mut ge,
+            k_quant(mw.down.ty),
         )?;
         let mut oe = d.scratch::<f32>(cap * dm)?;
-        let gin = Input::new(&ge, cap).padded(pad);
+        let gin = Input::with_q8k(&ge, cap, gq).padded(pad);
         self.matmul_on(&mw.down, bases[2], &gin, Some(mats), &mut oe, tc)?;
         if let Some((t, b, l)) = staged {
             t.staged_read(d, model, b, l)?;
@@ -2553,6 +2626,11 @@ impl Cuda {
             &shared
         )
     }
+}
+
+/// Formats whose matmuls read Q8_K activation rows.
+fn k_quant(t: GgmlType) -> bool {
+    matches!(t, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K)
 }
 
 fn e(err: CudaError) -> EngineError {

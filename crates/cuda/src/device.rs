@@ -537,11 +537,13 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
         "ops" => &[
             "rms_norm",
             "rms_norm_q8k",
+            "rms_norm_small",
             "add_rms_norm_q8k",
             "add_inplace",
             "add_rms_norm",
             "sigmoid_mul",
             "silu_mul",
+            "silu_mul_q8k",
             "copy_cols",
             "gather_rows",
             "gather_words",
