@@ -79,23 +79,6 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Row and column of flat index i over rows of w (i >= 0, w > 0): a 32-bit
-// division where i fits, else the 64-bit one; the same quotient and remainder
-// either way (the 64-bit division is a ~70-instruction routine, and the
-// element-wise kernels below were spending most of their issue on it).
-__device__ __forceinline__ int2 row_col(i64 i, int w) {
-    int r, c;
-    if (i <= 0x7fffffffLL) {
-        int k = (int)i;
-        r = k / w;
-        c = k - r * w;
-    } else {
-        r = (int)(i / w);
-        c = (int)(i % w);
-    }
-    return make_int2(r, c);
-}
-
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }

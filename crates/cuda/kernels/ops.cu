@@ -96,7 +96,6 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 // part[t + o], t = l + 32 j) are a_j + a_{j+4}, then b_j + b_{j+2}, then
 // c_0 + c_1 within the lane, and its last five levels the same shuffles.
 // The same sum, scale and products as rms_norm, so the same bytes.
-#define NORM_SMALL_MAX 256
 extern "C" __global__ void __launch_bounds__(256)
     rms_norm_small(const float* x, const float* w, float* y, int rows, int width, float eps) {
     pdl_wait();
@@ -204,8 +203,7 @@ extern "C" __global__ void copy_cols(const float* src, int src_w, float* dst, in
     pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)m * dst_w) return;
-    int2 rc = row_col(i, dst_w);
-    int r = rc.x, c = rc.y;
+    int r = (int)(i / dst_w), c = (int)(i % dst_w);
     dst[i] = src[(i64)r * src_w + map[c]];
 }
 
@@ -214,8 +212,7 @@ extern "C" __global__ void gather_rows(const float* src, const int* rows, float*
     pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)n * width) return;
-    int2 rc = row_col(i, width);
-    int r = rc.x, c = rc.y;
+    int r = (int)(i / width), c = (int)(i % width);
     int s = rows[r];
     dst[i] = s < 0 ? 0.0f : src[(i64)s * width + c];
 }
@@ -226,8 +223,7 @@ extern "C" __global__ void gather_words(const int4* src, const int* rows, int4* 
     pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)n * words) return;
-    int2 rc = row_col(i, words);
-    int r = rc.x, c = rc.y;
+    int r = (int)(i / words), c = (int)(i % words);
     int s = rows[r];
     int4 v;
     v.x = v.y = v.z = v.w = 0;
@@ -245,9 +241,9 @@ extern "C" __global__ void rope(float* x, int m, int heads, int hd, int n_rot, f
     int half = n_rot / 2;
     i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (i64)m * heads * half) return;
-    int2 ti = row_col(t, half);  // (t / half, t % half)
-    int2 rh = row_col(ti.x, heads);
-    int i = ti.y, h = rh.y, r = rh.x;
+    int i = (int)(t % half);
+    int h = (int)((t / half) % heads);
+    int r = (int)(t / ((i64)half * heads));
     float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)n_rot);
     float ang = (float)(pos0 + r) * inv_freq;
     float sn, cs;
@@ -972,8 +968,7 @@ extern "C" __global__ void conv_rows(const float* x, const float* taps, const fl
     pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)m * cd) return;
-    int2 rc = row_col(i, cd);
-    int r = rc.x, c = rc.y;
+    int r = (int)(i / cd), c = (int)(i % cd);
     float acc = 0.0f;
     for (int j = 0; j < kc; j++) {
         int q = r - (kc - 1) + j;
@@ -1950,8 +1945,7 @@ extern "C" __global__ void moe_combine(const float* out, const int* slot, const 
     pdl_wait();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)m * d) return;
-    int2 rc = row_col(i, d);
-    int r = rc.x, c = rc.y;
+    int r = (int)(i / d), c = (int)(i % d);
     float acc = 0.0f;
     for (int s = 0; s < k; s++) {
         int at = slot[(i64)r * k + s];

@@ -1408,13 +1408,14 @@ impl Cuda {
     }
 
     /// RMSNorm of host rows (`x.len() / w.len()` of them) through
-    /// [`Cuda::rms_norm_rows`]'s choice of kernel (for tests).
+    /// `rms_norm_on`'s choice of kernel (for tests).
     #[doc(hidden)]
     pub fn rms_norm_host(&self, x: &[f32], w: &[f32], eps: f32) -> Result<Vec<f32>> {
         let rows = x.len() / w.len().max(1);
         let xd = self.dev.upload(x)?;
+        let wd = self.dev.upload(w)?;
         let mut y = self.dev.upload(&vec![f32::NAN; x.len()])?;
-        self.rms_norm_rows(&xd, w, rows, eps, &mut y)?;
+        self.rms_norm_on(&xd, &wd, w.len(), rows, eps, &mut y)?;
         self.dev.download(&y, x.len())
     }
 
@@ -1426,9 +1427,23 @@ impl Cuda {
         eps: f32,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        let wd = self.vec(w)?;
-        let width = w.len() as i32;
-        if self.small_norm && w.len() <= 256 {
+        self.rms_norm_on(x, self.vec(w)?, w.len(), rows, eps, y)
+    }
+
+    /// RMSNorm of `rows` rows of `width` with the weights at `wd`: a warp a
+    /// row up to 256 wide (with the `SMALL_NORM` switch on), else a block.
+    fn rms_norm_on(
+        &self,
+        x: &CudaSlice<f32>,
+        wd: &CudaSlice<f32>,
+        width: usize,
+        rows: usize,
+        eps: f32,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let small = self.small_norm && width <= 256;
+        let width = width as i32;
+        if small {
             let ri = rows as i32;
             return launch!(
                 self.dev,
