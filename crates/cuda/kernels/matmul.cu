@@ -1200,20 +1200,24 @@ TC_PIPE_KERNEL(mm_tc_q5_k_pipe, 1)
 TC_ASYNC_KERNEL(mm_tc_q4_k_async, 0)
 TC_ASYNC_KERNEL(mm_tc_q5_k_async, 1)
 
-// The async kernel with 32 activation rows a tile (opt-in while it is
-// measured): each weight block staged serves twice the rows; every output is
-// the same sequence of integer sums and float steps, so the same bytes.
-// Dynamic shared memory: 2 * TaLayout<Q5, 32>::STAGE (64,768 for Q4_K,
-// 81,152 for Q5_K).
-#define TC_ASYNC32_KERNEL(name, Q5)                                                            \
-    extern "C" __global__ void __launch_bounds__(128, 2)                                       \
+// The async kernel with 32 activation rows a tile: each weight block staged
+// serves twice the rows; every output is the same sequence of integer sums
+// and float steps, so the same bytes. Dynamic shared memory:
+// 2 * TaLayout<Q5, 32>::STAGE (64,768 for Q4_K, 81,152 for Q5_K). BLOCKS
+// blocks an SM: Q4_K takes 3 (168 registers: ptxas keeps 11 values a thread
+// in local memory, stored once and read back once per 256-wide block of K,
+// ~1% of the block's instructions, for 12 warps an SM instead of 8; ncu had
+// the 2-block kernel at 0.77 eligible warps of 1.96 a scheduler, waiting on
+// its own dependent steps); Q5_K, whose spills at 168 would be larger, 2.
+#define TC_ASYNC32_KERNEL(name, Q5, BLOCKS)                                                    \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS)                                  \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
              int rows, int m, int nb) { pdl_wait();                                            \
         mm_tc_async_k<Q5, 32>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);              \
     }
 
-TC_ASYNC32_KERNEL(mm_tc_q4_k_async32, 0)
-TC_ASYNC32_KERNEL(mm_tc_q5_k_async32, 1)
+TC_ASYNC32_KERNEL(mm_tc_q4_k_async32, 0, 3)
+TC_ASYNC32_KERNEL(mm_tc_q5_k_async32, 1, 2)
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
 // then a fixed butterfly.

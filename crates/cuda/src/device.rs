@@ -232,6 +232,15 @@ impl Device {
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     227 * 1024 - fixed,
                 );
+                // The 32-row tensor-core kernels run 3 blocks of ~66 KB an
+                // SM: ask for the largest shared-memory split so the driver
+                // does not pick one that fits only 2.
+                if k.ends_with("_async32") {
+                    let _ = f.set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                        100,
+                    );
+                }
                 funcs.insert(k.to_string(), f);
             }
         }
