@@ -1344,9 +1344,10 @@ impl Cuda {
                 };
                 let x = input.f32_rows()?;
                 if wide && mats.is_none() && self.float_tiles {
-                    // Tiles of 4 weight rows x 8 activation rows per warp.
+                    // Tiles of 4 weight rows x 16 activation rows per warp
+                    // (MFT_W, MFT_R in matmul.cu), 4 warps a block.
                     let ct = cfg(
-                        (w.rows.div_ceil(16) as u32, m.div_ceil(8) as u32, 1),
+                        (w.rows.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
                         128,
                         0,
                     );
