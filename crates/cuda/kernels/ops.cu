@@ -1503,6 +1503,35 @@ extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
     for (int i = lane; i < dv; i += 32) on[i] = ((on[i] * scale) * norm[i]) * silu(zn[i]);
 }
 
+// gated_norm, then the Q8_K blocks of what the block wrote (the out
+// projection's input, quantized as quantize_q8k does it): the block's four
+// heads are dv * 4 consecutive values of one row (the launch checks that
+// 256 divides dv * 4 and a row's heads come in fours), so they are whole
+// blocks of 256; warp w quantizes blocks w, w + 4, ... of them.
+extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
+    gated_norm_q8k(float* o, const float* z, const float* norm, u8* q, int rows_heads, int dv, float eps) {
+    pdl_wait();
+    int w0 = blockIdx.x * GN_WARPS, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int w = w0 + warp;
+    if (w < rows_heads) {
+        float* on = o + (i64)w * dv;
+        const float* zn = z + (i64)w * dv;
+        __shared__ __align__(16) float stage[GN_WARPS][256];
+        float* sv = stage[warp];
+        for (int i = lane; i < dv; i += 32) sv[i] = on[i];
+        __syncwarp();
+        double s = sumsq_in_order(sv, dv, lane);
+        float mean = (float)(s / (double)dv);
+        float scale = 1.0f / sqrtf(mean + eps);
+        for (int i = lane; i < dv; i += 32) on[i] = ((on[i] * scale) * norm[i]) * silu(zn[i]);
+    }
+    __syncthreads();  // the block's stores of o are visible to the block
+    int heads = min(GN_WARPS, rows_heads - w0);
+    i64 first = (i64)w0 * dv;  // a multiple of 256
+    for (int b = warp; b < heads * dv / 256; b += GN_WARPS)
+        q8k_block(o + first + b * 256, q + (first / 256 + b) * Q8K_BYTES, lane);
+}
+
 // Router rows, one warp per row: softmax (max; exp; the sum with lane l over
 // entries l, l + 32, ... then a fixed butterfly; divide), the top k (largest
 // first, lowest id among equals: k rounds of an exact warp argmax), weights

@@ -572,6 +572,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "delta_cols_async_pipe_64",
             "delta_cols_async_pipe_128",
             "gated_norm",
+            "gated_norm_q8k",
             "route",
             "plan_count",
             "plan_scan",
