@@ -198,6 +198,19 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     quantize_own_row(ar, q + r * (width / 256) * Q8K_BYTES, width);
 }
 
+// sigmoid_mul on rows of `width` (a multiple of 256), a block per row, then
+// the row's Q8_K blocks as quantize_q8k makes them: the gated attention's
+// output, quantized for the out projection without a launch of its own.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    sigmoid_mul_q8k(float* o, const float* g, u8* q, int width) {
+    pdl_wait();
+    i64 r = blockIdx.x;
+    float* orow = o + r * width;
+    const float* grow = g + r * width;
+    for (int i = threadIdx.x; i < width; i += NORM_THREADS) orow[i] = orow[i] * sigmoid(grow[i]);
+    quantize_own_row(orow, q + r * (width / 256) * Q8K_BYTES, width);
+}
+
 // dst[r][c] = src[r][map[c]] for `m` rows.
 extern "C" __global__ void copy_cols(const float* src, int src_w, float* dst, int dst_w, const int* map, int m) {
     pdl_wait();

@@ -86,9 +86,10 @@ pub struct Cuda {
     /// (`silu_mul_q8k`: quantize_q8k's bytes) for the down projection instead
     /// of a quantize launch (default; off with `SAMESUM_CUDA_SILU_Q8K=0`).
     silu_q8k: bool,
-    /// The delta net's gated norm writes its output's Q8_K blocks for the
-    /// out projection (`gated_norm_q8k`: quantize_q8k's bytes; default, off
-    /// with `SAMESUM_CUDA_GN_Q8K=0`): one launch fewer per delta layer.
+    /// The delta net's gated norm and the gated attention's output gate
+    /// write their output's Q8_K blocks for the out projection
+    /// (`gated_norm_q8k`, `sigmoid_mul_q8k`: quantize_q8k's bytes; default,
+    /// off with `SAMESUM_CUDA_GN_Q8K=0`): one launch fewer per such layer.
     gn_q8k: bool,
     /// Decode-sized routing (up to 4 rows) by the whole block, each entry's
     /// rank counted by its own thread (opt-in with
@@ -1768,6 +1769,22 @@ impl Cuda {
             )?;
         }
         if let Some(g) = gate {
+            // With the out projection reading Q8_K rows, the gate writes
+            // them too (a block per row).
+            if self.gn_q8k && k_quant(a.o.ty) && qw.is_multiple_of(256) {
+                let mut q = d.scratch::<u8>(m * qw / 256 * 304)?;
+                let qwi = qw as i32;
+                launch!(
+                    d,
+                    "sigmoid_mul_q8k",
+                    cfg((m as u32, 1, 1), 256, 0),
+                    &mut o,
+                    &g,
+                    &mut q,
+                    &qwi
+                )?;
+                return self.mm(&a.o, &Input::with_q8k(&o, m, Some(q)), None, y);
+            }
             let n = (m * qw) as i64;
             launch!(d, "sigmoid_mul", cfg1(m * qw), &mut o, &g, &n)?;
         }

@@ -542,6 +542,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "add_inplace",
             "add_rms_norm",
             "sigmoid_mul",
+            "sigmoid_mul_q8k",
             "silu_mul",
             "silu_mul_q8k",
             "copy_cols",

@@ -1383,10 +1383,12 @@ fn glu_quantization_in_the_glu_equals_a_quantize_launch() {
     }
 }
 
-/// The delta net's gated norm writing the out projection's Q8_K blocks
-/// (`gated_norm_q8k`) against gated_norm and a quantize launch: the same
-/// logits bytes at every position, replayed and in chunks of 64 and 7, on the
-/// tiny shapes with a delta net (their value heads of 64 and of 128).
+/// The delta net's gated norm and the gated attention's output gate writing
+/// the out projection's Q8_K blocks (`gated_norm_q8k`, `sigmoid_mul_q8k`)
+/// against gated_norm or sigmoid_mul and a quantize launch: the same logits
+/// bytes at every position, replayed and in chunks of 64 and 7, on the tiny
+/// shapes with a delta net (their value heads of 64 and of 128; their
+/// attention layers are gated).
 #[test]
 fn gated_norm_quantization_equals_a_quantize_launch() {
     if !gpu() {
