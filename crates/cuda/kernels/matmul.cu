@@ -1311,9 +1311,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 // outputs, so a loaded weight serves MFT_R rows and an activation MFT_W
 // rows. Each output's arithmetic is mm_float's: lane l's fmas over elements
 // l, l + 32, ... in order (none past the row's end), then the same
-// butterfly; only the loads are shared.
+// butterfly; only the loads are shared. 16 activation rows a warp (8 before
+// session 11): each launch reads the weights from L2 once per 16 rows of
+// activations instead of per 8 (a 2,048-row prefill chunk against a 256-row
+// router read ~768 MB from L2 at 4 x 8, ~512 MB at 4 x 16); 168 registers.
 #define MFT_W 4
-#define MFT_R 8
+#define MFT_R 16
 
 template <int KIND>
 __device__ void mm_float_tile(const u8* W, int row_bytes, const float* X, float* Y, int rows, int m,

@@ -198,6 +198,19 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     quantize_own_row(ar, q + r * (width / 256) * Q8K_BYTES, width);
 }
 
+// sigmoid_mul on rows of `width` (a multiple of 256), a block per row, then
+// the row's Q8_K blocks as quantize_q8k makes them: the gated attention's
+// output, quantized for the out projection without a launch of its own.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    sigmoid_mul_q8k(float* o, const float* g, u8* q, int width) {
+    pdl_wait();
+    i64 r = blockIdx.x;
+    float* orow = o + r * width;
+    const float* grow = g + r * width;
+    for (int i = threadIdx.x; i < width; i += NORM_THREADS) orow[i] = orow[i] * sigmoid(grow[i]);
+    quantize_own_row(orow, q + r * (width / 256) * Q8K_BYTES, width);
+}
+
 // dst[r][c] = src[r][map[c]] for `m` rows.
 extern "C" __global__ void copy_cols(const float* src, int src_w, float* dst, int dst_w, const int* map, int m) {
     pdl_wait();
@@ -1501,6 +1514,35 @@ extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
     float mean = (float)(s / (double)dv);
     float scale = 1.0f / sqrtf(mean + eps);
     for (int i = lane; i < dv; i += 32) on[i] = ((on[i] * scale) * norm[i]) * silu(zn[i]);
+}
+
+// gated_norm, then the Q8_K blocks of what the block wrote (the out
+// projection's input, quantized as quantize_q8k does it): the block's four
+// heads are dv * 4 consecutive values of one row (the launch checks that
+// 256 divides dv * 4 and a row's heads come in fours), so they are whole
+// blocks of 256; warp w quantizes blocks w, w + 4, ... of them.
+extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
+    gated_norm_q8k(float* o, const float* z, const float* norm, u8* q, int rows_heads, int dv, float eps) {
+    pdl_wait();
+    int w0 = blockIdx.x * GN_WARPS, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int w = w0 + warp;
+    if (w < rows_heads) {
+        float* on = o + (i64)w * dv;
+        const float* zn = z + (i64)w * dv;
+        __shared__ __align__(16) float stage[GN_WARPS][256];
+        float* sv = stage[warp];
+        for (int i = lane; i < dv; i += 32) sv[i] = on[i];
+        __syncwarp();
+        double s = sumsq_in_order(sv, dv, lane);
+        float mean = (float)(s / (double)dv);
+        float scale = 1.0f / sqrtf(mean + eps);
+        for (int i = lane; i < dv; i += 32) on[i] = ((on[i] * scale) * norm[i]) * silu(zn[i]);
+    }
+    __syncthreads();  // the block's stores of o are visible to the block
+    int heads = min(GN_WARPS, rows_heads - w0);
+    i64 first = (i64)w0 * dv;  // a multiple of 256
+    for (int b = warp; b < heads * dv / 256; b += GN_WARPS)
+        q8k_block(o + first + b * 256, q + (first / 256 + b) * Q8K_BYTES, lane);
 }
 
 // Router rows, one warp per row: softmax (max; exp; the sum with lane l over

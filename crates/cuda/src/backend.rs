@@ -86,6 +86,11 @@ pub struct Cuda {
     /// (`silu_mul_q8k`: quantize_q8k's bytes) for the down projection instead
     /// of a quantize launch (default; off with `SAMESUM_CUDA_SILU_Q8K=0`).
     silu_q8k: bool,
+    /// The delta net's gated norm and the gated attention's output gate
+    /// write their output's Q8_K blocks for the out projection
+    /// (`gated_norm_q8k`, `sigmoid_mul_q8k`: quantize_q8k's bytes; default,
+    /// off with `SAMESUM_CUDA_GN_Q8K=0`): one launch fewer per such layer.
+    gn_q8k: bool,
     /// Decode-sized routing (up to 4 rows) by the whole block, each entry's
     /// rank counted by its own thread (opt-in with
     /// `SAMESUM_CUDA_BLOCK_ROUTE=1`; the argmax rounds' ids and weights, as
@@ -398,6 +403,7 @@ const SWITCHES: &[Switch] = &[
     ("NORM_Q8K", |c| c.norm_quant, |c, on| c.norm_quant = on),
     ("SMALL_NORM", |c| c.small_norm, |c, on| c.small_norm = on),
     ("SILU_Q8K", |c| c.silu_q8k, |c, on| c.silu_q8k = on),
+    ("GN_Q8K", |c| c.gn_q8k, |c, on| c.gn_q8k = on),
     ("BLOCK_ROUTE", |c| c.block_route, |c, on| c.block_route = on),
     ("SMALL_PLAN", |c| c.small_plan, |c, on| c.small_plan = on),
     ("ROW", |c| c.row_kernels, |c, on| c.row_kernels = on),
@@ -714,6 +720,7 @@ impl Cuda {
             norm_quant: env_switch("SAMESUM_CUDA_NORM_Q8K", true),
             small_norm: env_switch("SAMESUM_CUDA_SMALL_NORM", true),
             silu_q8k: env_switch("SAMESUM_CUDA_SILU_Q8K", true),
+            gn_q8k: env_switch("SAMESUM_CUDA_GN_Q8K", true),
             norm_q8k: Mutex::new(None),
             block_route: env_switch("SAMESUM_CUDA_BLOCK_ROUTE", false),
             small_plan: env_switch("SAMESUM_CUDA_SMALL_PLAN", true),
@@ -1344,9 +1351,10 @@ impl Cuda {
                 };
                 let x = input.f32_rows()?;
                 if wide && mats.is_none() && self.float_tiles {
-                    // Tiles of 4 weight rows x 8 activation rows per warp.
+                    // Tiles of 4 weight rows x 16 activation rows per warp
+                    // (MFT_W, MFT_R in matmul.cu), 4 warps a block.
                     let ct = cfg(
-                        (w.rows.div_ceil(16) as u32, m.div_ceil(8) as u32, 1),
+                        (w.rows.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
                         128,
                         0,
                     );
@@ -1762,6 +1770,22 @@ impl Cuda {
             )?;
         }
         if let Some(g) = gate {
+            // With the out projection reading Q8_K rows, the gate writes
+            // them too (a block per row).
+            if self.gn_q8k && k_quant(a.o.ty) && qw.is_multiple_of(256) {
+                let mut q = d.scratch::<u8>(m * qw / 256 * 304)?;
+                let qwi = qw as i32;
+                launch!(
+                    d,
+                    "sigmoid_mul_q8k",
+                    cfg((m as u32, 1, 1), 256, 0),
+                    &mut o,
+                    &g,
+                    &mut q,
+                    &qwi
+                )?;
+                return self.mm(&a.o, &Input::with_q8k(&o, m, Some(q)), None, y);
+            }
             let n = (m * qw) as i64;
             launch!(d, "sigmoid_mul", cfg1(m * qw), &mut o, &g, &n)?;
         }
@@ -2003,6 +2027,24 @@ impl Cuda {
             )?;
         }
         let rh = (m * hv) as i32;
+        // With the out projection reading Q8_K rows, the norm writes them
+        // too (four heads a block: whole 256-blocks of one row).
+        if self.gn_q8k && k_quant(dn.out.ty) && dv <= 256 && dv % 64 == 0 && hv % 4 == 0 {
+            let mut q = d.scratch::<u8>(m * hv * dv / 256 * 304)?;
+            launch!(
+                d,
+                "gated_norm_q8k",
+                cfg(((m * hv).div_ceil(4) as u32, 1, 1), 128, 0),
+                &mut o,
+                &z,
+                nw,
+                &mut q,
+                &rh,
+                &dvi,
+                &eps
+            )?;
+            return self.mm(&dn.out, &Input::with_q8k(&o, m, Some(q)), None, y);
+        }
         launch!(
             d,
             "gated_norm",

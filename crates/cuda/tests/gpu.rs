@@ -1383,6 +1383,66 @@ fn glu_quantization_in_the_glu_equals_a_quantize_launch() {
     }
 }
 
+/// The delta net's gated norm and the gated attention's output gate writing
+/// the out projection's Q8_K blocks (`gated_norm_q8k`, `sigmoid_mul_q8k`)
+/// against gated_norm or sigmoid_mul and a quantize launch: the same logits
+/// bytes at every position, replayed and in chunks of 64 and 7, on the tiny
+/// shapes with a delta net (their value heads of 64 and of 128; their
+/// attention layers are gated).
+#[test]
+fn gated_norm_quantization_equals_a_quantize_launch() {
+    if !gpu() {
+        return;
+    }
+    let tiny = shapes::by_name("tiny-qwen35moe").unwrap();
+    let wide = shapes::Shape {
+        delta: Some(shapes::DeltaNet {
+            key_head_dim: 128,
+            value_head_dim: 128,
+            ..tiny.delta.unwrap()
+        }),
+        ..tiny.clone()
+    };
+    for shape in [shapes::by_name("tiny-qwen3next").unwrap(), tiny, wide] {
+        let what = format!("{} dv {}", shape.name, shape.delta.unwrap().value_head_dim);
+        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 31);
+        // The out projections read Q8_K rows, so the fused path is the one taken.
+        let outs: Vec<GgmlType> = model
+            .w
+            .layers
+            .iter()
+            .filter_map(|l| match &l.mixer {
+                Mixer::Linear(dn) => Some(dn.out.ty),
+                _ => None,
+            })
+            .collect();
+        assert!(
+            !outs.is_empty()
+                && outs
+                    .iter()
+                    .all(|t| matches!(t, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K)),
+            "{what}: out projections {outs:?}"
+        );
+        let mut fused = Cuda::new(0, &model, false).unwrap();
+        fused.set_switch("GN_Q8K", true).unwrap();
+        let mut apart = Cuda::new(0, &model, false).unwrap();
+        apart.set_switch("GN_Q8K", false).unwrap();
+        let toks = test_tokens(&model, 17);
+        for chunk in [1, 64, 7] {
+            let (p, q) = (
+                all_logits(&fused, &model, &toks, chunk),
+                all_logits(&apart, &model, &toks, chunk),
+            );
+            assert!(p.iter().all(|v| v.is_finite()), "{what}: non-finite");
+            assert!(
+                same_bits(&p, &q),
+                "{what} chunk {chunk}: gated_norm_q8k != gated_norm + quantize"
+            );
+        }
+        eprintln!("{what}: gated_norm_q8k == gated_norm + quantize_q8k (replay, chunks 64 and 7)");
+    }
+}
+
 #[test]
 fn graph_replayed_steps_equal_eager_steps() {
     if !gpu() {
