@@ -3212,3 +3212,290 @@ mod butterfly_tests {
         assert!(caught, "a mask missing lane bit 16 went unnoticed");
     }
 }
+
+/// Host checks of the decode routing kernel's shortcuts (ops.cu): the
+/// sorting networks of `sort_picks`, read from the kernel source, sort every
+/// 0/1 input (so every input); the top k from each lane's sorted entries
+/// picks what the argmax rounds pick, in the same order, ties included; and
+/// the one-warp plan places every pair where the block plan does. The GPU
+/// test compares the kernels themselves.
+#[cfg(test)]
+mod topk_tests {
+    use samesum_quant::rng::Rng;
+
+    /// The comparator pairs of `sort_picks`'s branch for `u` entries.
+    fn network(u: usize) -> Vec<(usize, usize)> {
+        let src = include_str!("../kernels/ops.cu");
+        let body = &src[src.find("void sort_picks(").expect("sort_picks")..];
+        let body = &body[..body.find("\n}\n").expect("end of sort_picks")];
+        let part = if u == 4 {
+            &body[body.find("if (U == 4)").unwrap()..body.find("} else {").unwrap()]
+        } else {
+            &body[body.find("} else {").unwrap()..]
+        };
+        part.match_indices("pick_cas(v, id, ")
+            .map(|(i, m)| {
+                let rest = &part[i + m.len()..];
+                let nums: Vec<usize> = rest[..rest.find(')').unwrap()]
+                    .split(", ")
+                    .map(|x| x.trim().parse().unwrap())
+                    .collect();
+                (nums[0], nums[1])
+            })
+            .collect()
+    }
+
+    /// pick_before: larger value first, lower id among equals, absent last.
+    fn before(a: (f32, i32), b: (f32, i32)) -> bool {
+        if b.1 < 0 {
+            return a.1 >= 0;
+        }
+        if a.1 < 0 {
+            return false;
+        }
+        a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)
+    }
+
+    fn sort(net: &[(usize, usize)], e: &mut [(f32, i32)]) {
+        for &(a, b) in net {
+            if before(e[b], e[a]) {
+                e.swap(a, b);
+            }
+        }
+    }
+
+    #[test]
+    fn the_sorting_networks_sort_every_input() {
+        for u in [4usize, 8] {
+            let net = network(u);
+            assert_eq!(net.len(), if u == 4 { 5 } else { 19 });
+            for bits in 0u32..1 << u {
+                let mut e: Vec<(f32, i32)> =
+                    (0..u).map(|i| ((bits >> i & 1) as f32, i as i32)).collect();
+                sort(&net, &mut e);
+                assert!(
+                    e.windows(2).all(|w| before(w[0], w[1])),
+                    "u {u}: {bits:#b} -> {e:?}"
+                );
+            }
+            // A network with one comparator left out fails some input.
+            for skip in 0..net.len() {
+                let short: Vec<_> = (0..net.len())
+                    .filter(|&i| i != skip)
+                    .map(|i| net[i])
+                    .collect();
+                let fails = (0u32..1 << u).any(|bits| {
+                    let mut e: Vec<(f32, i32)> =
+                        (0..u).map(|i| ((bits >> i & 1) as f32, i as i32)).collect();
+                    sort(&short, &mut e);
+                    !e.windows(2).all(|w| before(w[0], w[1]))
+                });
+                assert!(fails, "u {u}: comparator {skip} is not needed");
+            }
+        }
+    }
+
+    /// The argmax rounds (topk_row_u's general path): each lane's best entry
+    /// not taken, then the warp's best of those.
+    fn rounds(v: &[f32], k: usize) -> Vec<(i32, f32)> {
+        let mut taken = vec![false; v.len()];
+        (0..k)
+            .map(|_| {
+                let mut cand: Vec<(f32, i32)> = vec![(0.0, -1); 32];
+                for (i, &x) in v.iter().enumerate() {
+                    let c = &mut cand[i % 32];
+                    if !taken[i] && (c.1 < 0 || x > c.0) {
+                        *c = (x, i as i32);
+                    }
+                }
+                let best = warp_best(&cand);
+                if best.1 >= 0 {
+                    taken[best.1 as usize] = true;
+                }
+                (best.1, best.0)
+            })
+            .collect()
+    }
+
+    /// warp_argmax's butterfly on (value, id) candidates.
+    fn warp_best(cand: &[(f32, i32)]) -> (f32, i32) {
+        let mut c = cand.to_vec();
+        for o in [16, 8, 4, 2, 1] {
+            let prev = c.clone();
+            for l in 0..32 {
+                let (ov, oi) = prev[l ^ o];
+                let (bv, best) = c[l];
+                if oi >= 0 && (best < 0 || ov > bv || (ov == bv && oi < best)) {
+                    c[l] = (ov, oi);
+                }
+            }
+        }
+        c[0]
+    }
+
+    /// The sorted-lane path: each lane's entries sorted once, then per round
+    /// the lanes' first entries not taken.
+    fn sorted_lanes(v: &[f32], k: usize, u: usize) -> Vec<(i32, f32)> {
+        let net = network(u);
+        let lanes: Vec<Vec<(f32, i32)>> = (0..32)
+            .map(|l| {
+                let mut e: Vec<(f32, i32)> = (0..u)
+                    .map(|j| {
+                        let i = l + 32 * j;
+                        if i < v.len() {
+                            (v[i], i as i32)
+                        } else {
+                            (0.0, -1)
+                        }
+                    })
+                    .collect();
+                sort(&net, &mut e);
+                e
+            })
+            .collect();
+        let mut head = [0usize; 32];
+        (0..k)
+            .map(|_| {
+                let cand: Vec<(f32, i32)> = (0..32)
+                    .map(|l| match lanes[l].get(head[l]) {
+                        Some(&(x, i)) if i >= 0 => (x, i),
+                        _ => (0.0, -1),
+                    })
+                    .collect();
+                let best = warp_best(&cand);
+                if best.1 >= 0 {
+                    head[(best.1 % 32) as usize] += 1;
+                }
+                (best.1, best.0)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn sorted_lanes_pick_what_the_rounds_pick() {
+        let mut rng = Rng::new(8);
+        let mut cases = 0;
+        for e in [5usize, 8, 33, 100, 128, 200, 256] {
+            let u = e.div_ceil(32).next_power_of_two().max(4);
+            for k in [1usize, 2, 8, 9] {
+                for _ in 0..40 {
+                    // Values on a coarse grid (ties) or spread; softmax rows
+                    // hold values >= 0.
+                    let coarse = rng.below(2) == 0;
+                    let v: Vec<f32> = (0..e)
+                        .map(|_| {
+                            if coarse {
+                                rng.below(6) as f32 * 0.125
+                            } else {
+                                rng.range(0.0, 1.0)
+                            }
+                        })
+                        .collect();
+                    let (a, b) = (rounds(&v, k.min(e + 1)), sorted_lanes(&v, k.min(e + 1), u));
+                    assert_eq!(a.len(), b.len());
+                    for (s, (x, y)) in a.iter().zip(&b).enumerate() {
+                        assert_eq!(x.0, y.0, "e {e} k {k} pick {s}: ids");
+                        assert_eq!(x.1.to_bits(), y.1.to_bits(), "e {e} k {k} pick {s}");
+                    }
+                    cases += 1;
+                }
+            }
+        }
+        assert!(cases > 1000);
+    }
+
+    /// plan_small_block: padded counts per expert, their exclusive scan in
+    /// expert order, pair t at its expert's offset plus the earlier pairs of
+    /// that expert. Returns (placed rows, placed experts, slots).
+    fn block_plan(
+        ids: &[i32],
+        k: usize,
+        e: usize,
+        pad: usize,
+        cap: usize,
+    ) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+        let mut cnt = vec![0usize; e];
+        for &i in ids {
+            if i >= 0 {
+                cnt[i as usize] += 1;
+            }
+        }
+        let mut off = vec![0usize; e];
+        let mut run = 0;
+        for x in 0..e {
+            off[x] = run;
+            run += cnt[x].div_ceil(pad) * pad;
+        }
+        let (mut row, mut mat, mut slot) = (vec![-1; cap], vec![-1; cap], vec![-1; ids.len()]);
+        for (t, &i) in ids.iter().enumerate() {
+            if i >= 0 {
+                let before = ids[..t].iter().filter(|&&q| q == i).count();
+                let dst = off[i as usize] + before;
+                row[dst] = (t / k) as i32;
+                mat[dst] = i;
+                slot[t] = dst as i32;
+            }
+        }
+        (row, mat, slot)
+    }
+
+    /// plan_warp: a match per expert, places counted below the lane, offsets
+    /// summed from the first lanes of the experts with lower ids.
+    fn warp_plan(ids: &[i32], k: usize, pad: usize, cap: usize) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+        let n = ids.len();
+        let id = |l: usize| if l < n { ids[l] } else { -1 };
+        let valid = |l: usize| l < n && id(l) >= 0;
+        let key = |l: usize| if valid(l) { id(l) } else { -1 };
+        let same = |l: usize| (0..32).filter(|&j| key(j) == key(l)).collect::<Vec<_>>();
+        let before = |l: usize| same(l).iter().filter(|&&j| j < l).count();
+        let padded = |l: usize| {
+            if valid(l) && before(l) == 0 {
+                same(l).len().div_ceil(pad) * pad
+            } else {
+                0
+            }
+        };
+        let (mut row, mut mat, mut slot) = (vec![-1; cap], vec![-1; cap], vec![-1; n]);
+        for l in 0..n {
+            if valid(l) {
+                let off: usize = (0..32)
+                    .filter(|&j| padded(j) > 0 && id(j) < id(l))
+                    .map(padded)
+                    .sum();
+                let dst = off + before(l);
+                row[dst] = (l / k) as i32;
+                mat[dst] = id(l);
+                slot[l] = dst as i32;
+            }
+        }
+        (row, mat, slot)
+    }
+
+    #[test]
+    fn the_one_warp_plan_places_pairs_as_the_block_plan() {
+        let mut rng = Rng::new(12);
+        for _ in 0..500 {
+            let k = [1usize, 2, 4, 8][rng.below(4) as usize];
+            let e = [8usize, 128, 256][rng.below(3) as usize];
+            let n = k * (1 + rng.below((32 / k) as u64) as usize);
+            let pad = [1usize, 16][rng.below(2) as usize];
+            // Few distinct experts (shared ones) and some skipped picks.
+            let pool = 1 + rng.below(e as u64) as i32;
+            let ids: Vec<i32> = (0..n)
+                .map(|_| {
+                    if rng.below(10) == 0 {
+                        -1
+                    } else {
+                        rng.below(pool as u64) as i32
+                    }
+                })
+                .collect();
+            let cap = n + e.min(n) * (pad - 1);
+            assert_eq!(
+                warp_plan(&ids, k, pad, cap),
+                block_plan(&ids, k, e, pad, cap),
+                "ids {ids:?} k {k} pad {pad}"
+            );
+        }
+    }
+}

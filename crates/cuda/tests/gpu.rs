@@ -517,6 +517,36 @@ fn the_one_launch_route_and_plan_equal_the_separate_kernels() {
                         );
                     }
                     assert_eq!(fb(&one.2), fb(&sep.2), "e={e} k={k} m={m}: weights");
+                    // Rows without a NaN against the host: the k largest of
+                    // the GPU's softmax, larger first and lower id among
+                    // equals, weighed by their sum in that order (so a
+                    // shortcut shared by both kernels is checked too).
+                    for r in 0..m {
+                        if lg[r * e..(r + 1) * e].iter().any(|v| v.is_nan()) {
+                            continue;
+                        }
+                        let row = &one.0[r * e..(r + 1) * e];
+                        let mut order: Vec<usize> = (0..e).collect();
+                        order
+                            .sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap().then(a.cmp(&b)));
+                        let want: Vec<i32> = order[..k].iter().map(|&i| i as i32).collect();
+                        assert_eq!(
+                            &one.1[r * k..(r + 1) * k],
+                            &want[..],
+                            "e={e} k={k} m={m} row {r}: host top k"
+                        );
+                        let tot = order[..k]
+                            .iter()
+                            .fold(0.0f32, |t, &i| t + row[i])
+                            .max(2f32.powi(-14));
+                        for (s, &i) in order[..k].iter().enumerate() {
+                            assert_eq!(
+                                one.2[r * k + s].to_bits(),
+                                (row[i] / tot).to_bits(),
+                                "e={e} k={k} m={m} row {r} pick {s}: host weight"
+                            );
+                        }
+                    }
                     // A skipped pick weighs nothing.
                     for (i, w) in one.1.iter().zip(&one.2) {
                         assert!(
