@@ -198,6 +198,21 @@ __device__ __forceinline__ u32 q6_word(const u8* b, int e) {
     return __vsub4(lo | (hi << 4), 0x20202020u);
 }
 
+// 16 bytes at p (2-byte aligned) as four little-endian words: five aligned
+// 4-byte loads around them, funnel-shifted into place (the same bytes as
+// eight ld_u32_a2, with 5 loads instead of 16 two-byte ones). The fifth word
+// lies inside the block wherever Q6_K's ql and qh runs end (they are followed
+// by qh and by the scales).
+__device__ __forceinline__ void ld16_a2(const u8* p, u32 (&w)[4]) {
+    const u32* a = (const u32*)((size_t)p & ~(size_t)3);
+    u32 sh = ((u32)(size_t)p & 3u) * 8u;  // 0 or 16
+    u32 x0 = a[0], x1 = a[1], x2 = a[2], x3 = a[3], x4 = a[4];
+    w[0] = __funnelshift_r(x0, x1, sh);
+    w[1] = __funnelshift_r(x1, x2, sh);
+    w[2] = __funnelshift_r(x2, x3, sh);
+    w[3] = __funnelshift_r(x3, x4, sh);
+}
+
 struct FmtQ6K {
     enum { ELEMS = 256, BYTES = 210, LANES = 16, ABYTES = Q8K_BYTES };
     typedef ActK16 A;
@@ -210,8 +225,18 @@ struct FmtQ6K {
         r.da = *(const float*)(a + Q8K_D);
         return r;
     }
+    // q6_word(b, 16 g + 4 i) for i < 4: elements 16 g .. 16 g + 15 take 16
+    // consecutive ql bytes and 16 consecutive qh bytes, each word shifted by
+    // the same amount, so both runs are read whole (ld16_a2).
     __device__ void load(const u8* b, int g) {
-        for (int i = 0; i < 4; i++) q[i] = q6_word(b, g * 16 + i * 4);
+        int n = g / 8, h = g % 8;
+        u32 ql[4], qh[4];
+        ld16_a2(b + n * 64 + 16 * (h % 4), ql);
+        ld16_a2(b + 128 + n * 32 + 16 * (h % 2), qh);
+        int sl = 4 * (h / 4), shh = 2 * (h / 2);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            q[i] = __vsub4(((ql[i] >> sl) & 0x0F0F0F0Fu) | (((qh[i] >> shh) & 0x03030303u) << 4), 0x20202020u);
         sc = (int)(i8)b[192 + g];
         d = f16_to_f32(ld_u16(b + 208));
         dmin = 0.0f;

@@ -3499,3 +3499,72 @@ mod topk_tests {
         }
     }
 }
+
+/// `FmtQ6K::load` (matmul.cu) reads a group's 16 ql and 16 qh bytes with
+/// five aligned words each (`ld16_a2`) where it read two bytes at a time
+/// (`q6_word`): the same four words for every group, on blocks at both
+/// 2-byte alignments. A host model of both; the GPU tests compare the
+/// kernels' outputs.
+#[cfg(test)]
+mod q6_load_tests {
+    use samesum_quant::rng::Rng;
+
+    fn le32(m: &[u8], at: usize) -> u32 {
+        u32::from_le_bytes([m[at], m[at + 1], m[at + 2], m[at + 3]])
+    }
+
+    fn vsub4(a: u32, b: u32) -> u32 {
+        u32::from_le_bytes(std::array::from_fn(|i| {
+            (a.to_le_bytes()[i]).wrapping_sub(b.to_le_bytes()[i])
+        }))
+    }
+
+    /// q6_word(b, e) with the block at byte `b` of memory `m`.
+    fn q6_word(m: &[u8], b: usize, e: usize) -> u32 {
+        let (n, r) = (e / 128, e % 128);
+        let lo = (le32(m, b + n * 64 + r % 64) >> (4 * (r / 64))) & 0x0F0F0F0F;
+        let hi = (le32(m, b + 128 + n * 32 + r % 32) >> (2 * (r / 32))) & 0x03030303;
+        vsub4(lo | (hi << 4), 0x20202020)
+    }
+
+    /// ld16_a2: aligned words around p, funnel-shifted.
+    fn ld16_a2(m: &[u8], p: usize) -> [u32; 4] {
+        let a = p & !3;
+        let sh = ((p & 3) * 8) as u32;
+        let x: Vec<u32> = (0..5).map(|i| le32(m, a + 4 * i)).collect();
+        std::array::from_fn(|i| (((x[i + 1] as u64) << 32 | x[i] as u64) >> sh) as u32)
+    }
+
+    fn load(m: &[u8], b: usize, g: usize) -> [u32; 4] {
+        let (n, h) = (g / 8, g % 8);
+        let ql = ld16_a2(m, b + n * 64 + 16 * (h % 4));
+        let qh = ld16_a2(m, b + 128 + n * 32 + 16 * (h % 2));
+        let (sl, shh) = (4 * (h / 4), 2 * (h / 2));
+        std::array::from_fn(|i| {
+            vsub4(
+                ((ql[i] >> sl) & 0x0F0F0F0F) | (((qh[i] >> shh) & 0x03030303) << 4),
+                0x20202020,
+            )
+        })
+    }
+
+    #[test]
+    fn whole_runs_give_the_words_of_two_byte_reads() {
+        let mut rng = Rng::new(6);
+        for _ in 0..200 {
+            let m: Vec<u8> = (0..1024).map(|_| rng.below(256) as u8).collect();
+            // Blocks at 4-byte and at 2-byte (odd blocks of a row) alignment.
+            for b in [0usize, 210, 420, 630, 4 + 2] {
+                for g in 0..16 {
+                    let want: [u32; 4] = std::array::from_fn(|i| q6_word(&m, b, 16 * g + 4 * i));
+                    assert_eq!(load(&m, b, g), want, "block at {b}, group {g}");
+                }
+            }
+        }
+        // A run read from the wrong place would differ: shift the ql run.
+        let m: Vec<u8> = (0..1024).map(|i| (i * 7 + 3) as u8).collect();
+        let wrong = ld16_a2(&m, 210 + 2);
+        let right = ld16_a2(&m, 210);
+        assert_ne!(wrong, right);
+    }
+}
