@@ -32,6 +32,10 @@
 # profiles runs `bench --profile` on both models per arm of
 # SAMESUM_GPU_PROFILE_ARMS ("-;SAMESUM_CUDA_ATT_VFULL=0": defaults, then the
 # switch), at SAMESUM_GPU_PROFILE_PP (4096): kernel-time A/Bs.
+# decode runs tg128 (-r 3) on both models per arm of SAMESUM_GPU_DECODE_ARMS
+# (arms as for profiles, e.g. "-;SAMESUM_CUDA_PDL=0"), the arms alternated
+# SAMESUM_GPU_DECODE_ROUNDS (2) times: decode A/Bs, which single runs do
+# not resolve (session 11: +-2 tok/s between runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -208,6 +212,20 @@ run)
                 [ "$arm" != "-" ] && read -ra settings <<< "$arm"
                 step "profile-$shape-${arm// /+}" timeout 200 env "${settings[@]}" .gpu/samesum bench --device cuda \
                     -m "$f" -p ${SAMESUM_GPU_PROFILE_PP:-4096} -n 0 -r 1 --prefill batched --profile
+            done
+        done
+    fi
+    if [[ $steps == *,decode,* ]]; then
+        IFS=';' read -ra arms <<< "${SAMESUM_GPU_DECODE_ARMS:--}"
+        for shape in qwen35moe-35b-a3b qwen3moe-30b-a3b; do
+            f=$(model "$shape")
+            for round in $(seq "${SAMESUM_GPU_DECODE_ROUNDS:-2}"); do
+                for arm in "${arms[@]}"; do
+                    settings=()
+                    [ "$arm" != "-" ] && read -ra settings <<< "$arm"
+                    step "decode-$shape-${arm// /+}-$round" timeout 200 env "${settings[@]}" .gpu/samesum bench \
+                        --device cuda -m "$f" -p 0 -n 128 -r 3
+                done
             done
         done
     fi
