@@ -1253,6 +1253,9 @@ TC_ASYNC_KERNEL(mm_tc_q5_k_async, 1)
 
 TC_ASYNC32_KERNEL(mm_tc_q4_k_async32, 0, 3)
 TC_ASYNC32_KERNEL(mm_tc_q5_k_async32, 1, 2)
+// The Q4_K kernel at 2 blocks an SM (as before session 11), for comparisons
+// (SAMESUM_CUDA_TC_OCC3=0): the same code, so the same bytes.
+TC_ASYNC32_KERNEL(mm_tc_q4_k_async32_b2, 0, 2)
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
 // then a fixed butterfly.

@@ -60,6 +60,11 @@ pub struct Cuda {
     /// `SAMESUM_CUDA_TC_ROWS32_AUTO=0`, 16-row tiles everywhere). The same
     /// bytes either way.
     tc_rows32_auto: bool,
+    /// The 32-row Q4_K tensor-core kernel at 3 blocks an SM
+    /// (`mm_tc_q4_k_async32`, 168 registers; default) or at 2
+    /// (`mm_tc_q4_k_async32_b2`, `SAMESUM_CUDA_TC_OCC3=0`): the same code,
+    /// so the same bytes.
+    tc_occ3: bool,
     /// The delta rule at key head dims 64, 128 and 256 on the kernels that
     /// stage the next rows by cp.async while the current ones run
     /// (`delta_cols_async_*`; default, off with `SAMESUM_CUDA_DELTA_ASYNC=0`
@@ -397,6 +402,7 @@ const SWITCHES: &[Switch] = &[
             }
         },
     ),
+    ("TC_OCC3", |c| c.tc_occ3, |c, on| c.tc_occ3 = on),
     ("F32_TILE", |c| c.float_tiles, |c, on| c.float_tiles = on),
     ("DELTA_ASYNC", |c| c.delta_async, |c, on| c.delta_async = on),
     ("DELTA_PIPE", |c| c.delta_pipe, |c, on| c.delta_pipe = on),
@@ -714,6 +720,7 @@ impl Cuda {
                 TcKernel::Pipelined
             },
             tc_rows32_auto: env_switch("SAMESUM_CUDA_TC_ROWS32_AUTO", true),
+            tc_occ3: env_switch("SAMESUM_CUDA_TC_OCC3", true),
             delta_async: env_switch("SAMESUM_CUDA_DELTA_ASYNC", true),
             delta_pipe: env_switch("SAMESUM_CUDA_DELTA_PIPE", true),
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
@@ -1380,7 +1387,8 @@ impl Cuda {
                         (TcKernel::Plain, _) => "mm_tc_q5_k",
                         (TcKernel::Pipelined, _) if q4 => "mm_tc_q4_k_pipe",
                         (TcKernel::Pipelined, _) => "mm_tc_q5_k_pipe",
-                        (_, 32) if q4 => "mm_tc_q4_k_async32",
+                        (_, 32) if q4 && self.tc_occ3 => "mm_tc_q4_k_async32",
+                        (_, 32) if q4 => "mm_tc_q4_k_async32_b2",
                         (_, 32) => "mm_tc_q5_k_async32",
                         _ if q4 => "mm_tc_q4_k_async",
                         _ => "mm_tc_q5_k_async",

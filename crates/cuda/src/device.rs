@@ -535,6 +535,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_tc_q4_k_async",
             "mm_tc_q5_k_async",
             "mm_tc_q4_k_async32",
+            "mm_tc_q4_k_async32_b2",
             "mm_tc_q5_k_async32",
             "mm_f32",
             "mm_f16",
