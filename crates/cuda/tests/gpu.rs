@@ -92,6 +92,37 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
 }
 
+/// Two backends on `model`: switch `name` on in the first, off in the second.
+fn switch_arms(model: &Model, name: &str) -> (Cuda, Cuda) {
+    let mut on = Cuda::new(0, model, false).unwrap();
+    on.set_switch(name, true).unwrap();
+    let mut off = Cuda::new(0, model, false).unwrap();
+    off.set_switch(name, false).unwrap();
+    (on, off)
+}
+
+/// The arms' logits at every position, the prompt fed in chunks of each of
+/// `chunks`, hold the same bits (`what` names the comparison); returns the
+/// first arm's logits per chunk size.
+fn assert_same_logits(
+    on: &Cuda,
+    off: &Cuda,
+    model: &Model,
+    toks: &[u32],
+    chunks: &[usize],
+    what: &str,
+) -> Vec<Vec<f32>> {
+    chunks
+        .iter()
+        .map(|&chunk| {
+            let p = all_logits(on, model, toks, chunk);
+            let q = all_logits(off, model, toks, chunk);
+            assert!(same_bits(&p, &q), "chunk {chunk}: {what}");
+            p
+        })
+        .collect()
+}
+
 fn repo() -> PathBuf {
     std::env::var_os("SAMESUM_REPO")
         .map(PathBuf::from)
@@ -1332,10 +1363,7 @@ fn small_norms_equal_the_block_norm() {
         return;
     }
     let (_d, model) = synth("tiny-qwen3moe", GgmlType::Q4_K, 5);
-    let mut small = Cuda::new(0, &model, false).unwrap();
-    small.set_switch("SMALL_NORM", true).unwrap();
-    let mut block = Cuda::new(0, &model, false).unwrap();
-    block.set_switch("SMALL_NORM", false).unwrap();
+    let (small, block) = switch_arms(&model, "SMALL_NORM");
     let mut rng = Rng::new(41);
     let mut differing_rows = 0;
     for width in [1usize, 17, 32, 64, 96, 100, 128, 200, 255, 256] {
@@ -1363,16 +1391,14 @@ fn small_norms_equal_the_block_norm() {
     }
     assert!(differing_rows > 0);
     let toks = test_tokens(&model, 3);
-    for chunk in [64, 7] {
-        let (p, q) = (
-            all_logits(&small, &model, &toks, chunk),
-            all_logits(&block, &model, &toks, chunk),
-        );
-        assert!(
-            same_bits(&p, &q),
-            "chunk {chunk}: forward differs with the small norm"
-        );
-    }
+    assert_same_logits(
+        &small,
+        &block,
+        &model,
+        &toks,
+        &[64, 7],
+        "forward differs with the small norm",
+    );
     eprintln!(
         "rms_norm_small == rms_norm on 10 widths x 3 scales x 613 rows, and in forward passes"
     );
@@ -1389,23 +1415,14 @@ fn glu_quantization_in_the_glu_equals_a_quantize_launch() {
     }
     for shape in SHAPES {
         let (_d, model) = synth(shape, GgmlType::Q4_K, 29);
-        let mut fused = Cuda::new(0, &model, false).unwrap();
-        fused.set_switch("SILU_Q8K", true).unwrap();
-        let mut apart = Cuda::new(0, &model, false).unwrap();
-        apart.set_switch("SILU_Q8K", false).unwrap();
+        let (fused, apart) = switch_arms(&model, "SILU_Q8K");
         let toks = test_tokens(&model, 9);
+        let what = format!("{shape}: silu_mul_q8k != silu_mul + quantize");
+        let batched = assert_same_logits(&fused, &apart, &model, &toks, &[64, 7], &what);
         let replay = all_logits(&fused, &model, &toks, 1);
-        for chunk in [64, 7] {
-            let (p, q) = (
-                all_logits(&fused, &model, &toks, chunk),
-                all_logits(&apart, &model, &toks, chunk),
-            );
+        for (chunk, b) in [64, 7].into_iter().zip(&batched) {
             assert!(
-                same_bits(&p, &q),
-                "{shape} chunk {chunk}: silu_mul_q8k != silu_mul + quantize"
-            );
-            assert!(
-                same_bits(&p, &replay),
+                same_bits(b, &replay),
                 "{shape} chunk {chunk}: batched != replay"
             );
         }
