@@ -565,13 +565,11 @@ __device__ __forceinline__ int byte_of(u32 w, int i) { return (int)((w >> (8 * i
 // the group's 8 bytes per row at this thread's k positions; for Q5_K the
 // fifth bits from qh), the two 8-row activation fragments from shared memory
 // (rows `ast` bytes apart), one mma per (row pair, activation half), each
-// exact dot times its sub-block scale added into isum. Activation groups n
-// with bit n of `live` clear are skipped (no row of theirs takes this
-// matrix: their outputs are never stored).
+// exact dot times its sub-block scale added into isum.
 template <int Q5, int N>
 __device__ __forceinline__ void tc_subblock(int (&isum)[2][N][4], const uint2 (&q)[4], const uint2 (&qh)[4],
                                             const u8* sq, int ast, int s, int h, int gq, int tq,
-                                            const u32 (&scl)[4], const u32 (&sch)[4], unsigned live = ~0u) {
+                                            const u32 (&scl)[4], const u32 (&sch)[4]) {
     u32 al[4], ah[4];
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -585,7 +583,6 @@ __device__ __forceinline__ void tc_subblock(int (&isum)[2][N][4], const uint2 (&
     u32 bq[N][2];
 #pragma unroll
     for (int n = 0; n < N; n++) {
-        if (!(live >> n & 1u)) continue;
         uint2 v = *(const uint2*)(sq + (n * 8 + gq) * ast + s * 32 + 8 * tq);
         bq[n][0] = v.x;
         bq[n][1] = v.y;
@@ -596,7 +593,6 @@ __device__ __forceinline__ void tc_subblock(int (&isum)[2][N][4], const uint2 (&
         int sc1 = byte_of(s < 4 ? scl[2 * a + 1] : sch[2 * a + 1], s & 3);
 #pragma unroll
         for (int n = 0; n < N; n++) {
-            if (!(live >> n & 1u)) continue;
             int d[4];
             mma_s8(d, al[2 * a], al[2 * a + 1], ah[2 * a], ah[2 * a + 1], bq[n][0], bq[n][1]);
             isum[a][n][0] += sc0 * d[0];
@@ -1082,11 +1078,6 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
         }
         if (cur == 0x7fffffff) break;
         prev = cur;
-        // Activation groups of 8 rows with a row of this matrix (in the
-        // padded expert layout, the rows past an expert's last are padding,
-        // -1: a tile's last groups can hold none); the others are skipped.
-        unsigned live = 0;
-        for (int t = 0; t < R; t++) live |= (unsigned)(smat[t] == cur) << (t / 8);
         float acc[2][N][4];
 #pragma unroll
         for (int a = 0; a < 2; a++)
@@ -1156,7 +1147,7 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     int s = 2 * p + h;
-                    tc_subblock<Q5>(isum, wq, qh, sqb, TA_AST, s, h, gq, tq, scl, sch, live);
+                    tc_subblock<Q5>(isum, wq, qh, sqb, TA_AST, s, h, gq, tq, scl, sch);
                 }
             }
             // d, dmin and the mins of the four rows, read again for the
@@ -1177,7 +1168,6 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
                 for (int n = 0; n < N; n++)
 #pragma unroll
                     for (int c = 0; c < 4; c++) {
-                        if (!(live >> n & 1u)) continue;
                         int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
                         int ms = __dp2a_lo(sbs[t * 4 + 0], (int)mnl[i], 0);
                         ms = __dp2a_hi(sbs[t * 4 + 1], (int)mnl[i], ms);
