@@ -198,6 +198,21 @@ __device__ __forceinline__ u32 q6_word(const u8* b, int e) {
     return __vsub4(lo | (hi << 4), 0x20202020u);
 }
 
+// 16 bytes at p (2-byte aligned) as four little-endian words: five aligned
+// 4-byte loads around them, funnel-shifted into place (the same bytes as
+// eight ld_u32_a2, with 5 loads instead of 16 two-byte ones). The fifth word
+// lies inside the block wherever Q6_K's ql and qh runs end (they are followed
+// by qh and by the scales).
+__device__ __forceinline__ void ld16_a2(const u8* p, u32 (&w)[4]) {
+    const u32* a = (const u32*)((size_t)p & ~(size_t)3);
+    u32 sh = ((u32)(size_t)p & 3u) * 8u;  // 0 or 16
+    u32 x0 = a[0], x1 = a[1], x2 = a[2], x3 = a[3], x4 = a[4];
+    w[0] = __funnelshift_r(x0, x1, sh);
+    w[1] = __funnelshift_r(x1, x2, sh);
+    w[2] = __funnelshift_r(x2, x3, sh);
+    w[3] = __funnelshift_r(x3, x4, sh);
+}
+
 struct FmtQ6K {
     enum { ELEMS = 256, BYTES = 210, LANES = 16, ABYTES = Q8K_BYTES };
     typedef ActK16 A;
@@ -210,8 +225,18 @@ struct FmtQ6K {
         r.da = *(const float*)(a + Q8K_D);
         return r;
     }
+    // q6_word(b, 16 g + 4 i) for i < 4: elements 16 g .. 16 g + 15 take 16
+    // consecutive ql bytes and 16 consecutive qh bytes, each word shifted by
+    // the same amount, so both runs are read whole (ld16_a2).
     __device__ void load(const u8* b, int g) {
-        for (int i = 0; i < 4; i++) q[i] = q6_word(b, g * 16 + i * 4);
+        int n = g / 8, h = g % 8;
+        u32 ql[4], qh[4];
+        ld16_a2(b + n * 64 + 16 * (h % 4), ql);
+        ld16_a2(b + 128 + n * 32 + 16 * (h % 2), qh);
+        int sl = 4 * (h / 4), shh = 2 * (h / 2);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            q[i] = __vsub4(((ql[i] >> sl) & 0x0F0F0F0Fu) | (((qh[i] >> shh) & 0x03030303u) << 4), 0x20202020u);
         sc = (int)(i8)b[192 + g];
         d = f16_to_f32(ld_u16(b + 208));
         dmin = 0.0f;
@@ -1200,20 +1225,27 @@ TC_PIPE_KERNEL(mm_tc_q5_k_pipe, 1)
 TC_ASYNC_KERNEL(mm_tc_q4_k_async, 0)
 TC_ASYNC_KERNEL(mm_tc_q5_k_async, 1)
 
-// The async kernel with 32 activation rows a tile (opt-in while it is
-// measured): each weight block staged serves twice the rows; every output is
-// the same sequence of integer sums and float steps, so the same bytes.
-// Dynamic shared memory: 2 * TaLayout<Q5, 32>::STAGE (64,768 for Q4_K,
-// 81,152 for Q5_K).
-#define TC_ASYNC32_KERNEL(name, Q5)                                                            \
-    extern "C" __global__ void __launch_bounds__(128, 2)                                       \
+// The async kernel with 32 activation rows a tile: each weight block staged
+// serves twice the rows; every output is the same sequence of integer sums
+// and float steps, so the same bytes. Dynamic shared memory:
+// 2 * TaLayout<Q5, 32>::STAGE (64,768 for Q4_K, 81,152 for Q5_K). BLOCKS
+// blocks an SM: Q4_K takes 3 (168 registers: ptxas keeps 11 values a thread
+// in local memory, stored once and read back once per 256-wide block of K,
+// ~1% of the block's instructions, for 12 warps an SM instead of 8; ncu had
+// the 2-block kernel at 0.77 eligible warps of 1.96 a scheduler, waiting on
+// its own dependent steps); Q5_K, whose spills at 168 would be larger, 2.
+#define TC_ASYNC32_KERNEL(name, Q5, BLOCKS)                                                    \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS)                                  \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
              int rows, int m, int nb) { pdl_wait();                                            \
         mm_tc_async_k<Q5, 32>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);              \
     }
 
-TC_ASYNC32_KERNEL(mm_tc_q4_k_async32, 0)
-TC_ASYNC32_KERNEL(mm_tc_q5_k_async32, 1)
+TC_ASYNC32_KERNEL(mm_tc_q4_k_async32, 0, 3)
+TC_ASYNC32_KERNEL(mm_tc_q5_k_async32, 1, 2)
+// The Q4_K kernel at 2 blocks an SM (as before session 11), for comparisons
+// (SAMESUM_CUDA_TC_OCC3=0): the same code, so the same bytes.
+TC_ASYNC32_KERNEL(mm_tc_q4_k_async32_b2, 0, 2)
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
 // then a fixed butterfly.
@@ -1307,9 +1339,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 // outputs, so a loaded weight serves MFT_R rows and an activation MFT_W
 // rows. Each output's arithmetic is mm_float's: lane l's fmas over elements
 // l, l + 32, ... in order (none past the row's end), then the same
-// butterfly; only the loads are shared.
+// butterfly; only the loads are shared. 16 activation rows a warp (8 before
+// session 11): each launch reads the weights from L2 once per 16 rows of
+// activations instead of per 8 (a 2,048-row prefill chunk against a 256-row
+// router read ~768 MB from L2 at 4 x 8, ~512 MB at 4 x 16); 168 registers.
 #define MFT_W 4
-#define MFT_R 8
+#define MFT_R 16
 
 template <int KIND>
 __device__ void mm_float_tile(const u8* W, int row_bytes, const float* X, float* Y, int rows, int m,

@@ -198,6 +198,19 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     quantize_own_row(ar, q + r * (width / 256) * Q8K_BYTES, width);
 }
 
+// sigmoid_mul on rows of `width` (a multiple of 256), a block per row, then
+// the row's Q8_K blocks as quantize_q8k makes them: the gated attention's
+// output, quantized for the out projection without a launch of its own.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    sigmoid_mul_q8k(float* o, const float* g, u8* q, int width) {
+    pdl_wait();
+    i64 r = blockIdx.x;
+    float* orow = o + r * width;
+    const float* grow = g + r * width;
+    for (int i = threadIdx.x; i < width; i += NORM_THREADS) orow[i] = orow[i] * sigmoid(grow[i]);
+    quantize_own_row(orow, q + r * (width / 256) * Q8K_BYTES, width);
+}
+
 // dst[r][c] = src[r][map[c]] for `m` rows.
 extern "C" __global__ void copy_cols(const float* src, int src_w, float* dst, int dst_w, const int* map, int m) {
     pdl_wait();
@@ -1503,6 +1516,35 @@ extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
     for (int i = lane; i < dv; i += 32) on[i] = ((on[i] * scale) * norm[i]) * silu(zn[i]);
 }
 
+// gated_norm, then the Q8_K blocks of what the block wrote (the out
+// projection's input, quantized as quantize_q8k does it): the block's four
+// heads are dv * 4 consecutive values of one row (the launch checks that
+// 256 divides dv * 4 and a row's heads come in fours), so they are whole
+// blocks of 256; warp w quantizes blocks w, w + 4, ... of them.
+extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
+    gated_norm_q8k(float* o, const float* z, const float* norm, u8* q, int rows_heads, int dv, float eps) {
+    pdl_wait();
+    int w0 = blockIdx.x * GN_WARPS, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int w = w0 + warp;
+    if (w < rows_heads) {
+        float* on = o + (i64)w * dv;
+        const float* zn = z + (i64)w * dv;
+        __shared__ __align__(16) float stage[GN_WARPS][256];
+        float* sv = stage[warp];
+        for (int i = lane; i < dv; i += 32) sv[i] = on[i];
+        __syncwarp();
+        double s = sumsq_in_order(sv, dv, lane);
+        float mean = (float)(s / (double)dv);
+        float scale = 1.0f / sqrtf(mean + eps);
+        for (int i = lane; i < dv; i += 32) on[i] = ((on[i] * scale) * norm[i]) * silu(zn[i]);
+    }
+    __syncthreads();  // the block's stores of o are visible to the block
+    int heads = min(GN_WARPS, rows_heads - w0);
+    i64 first = (i64)w0 * dv;  // a multiple of 256
+    for (int b = warp; b < heads * dv / 256; b += GN_WARPS)
+        q8k_block(o + first + b * 256, q + (first / 256 + b) * Q8K_BYTES, lane);
+}
+
 // Router rows, one warp per row: softmax (max; exp; the sum with lane l over
 // entries l, l + 32, ... then a fixed butterfly; divide), the top k (largest
 // first, lowest id among equals: k rounds of an exact warp argmax), weights
@@ -1585,12 +1627,115 @@ __device__ __forceinline__ void write_weights(const float* p, const int* ids, fl
     }
 }
 
+// "a before b" in the argmax rounds' order: larger value first, lower id
+// among equals; an absent entry (id -1) after every present one.
+__device__ __forceinline__ bool pick_before(float av, int ai, float bv, int bi) {
+    if (bi < 0) return ai >= 0;
+    if (ai < 0) return false;
+    return av > bv || (av == bv && ai < bi);
+}
+
+__device__ __forceinline__ void pick_cas(float* v, int* id, int a, int b) {
+    if (pick_before(v[b], id[b], v[a], id[a])) {
+        float tv = v[a];
+        v[a] = v[b];
+        v[b] = tv;
+        int ti = id[a];
+        id[a] = id[b];
+        id[b] = ti;
+    }
+}
+
+// Batcher's odd-even merge sort of a lane's U entries (U = 4 or 8) into
+// pick_before order, written out so every index is a constant and the
+// entries stay in registers (its loop form was left rolled, with the entries
+// in local memory, where route_plan_small inlines it); the networks are
+// checked on every 0/1 input by a host test (backend.rs, topk_tests).
+template <int U>
+__device__ __forceinline__ void sort_picks(float* v, int* id) {
+    static_assert(U == 4 || U == 8, "networks for 4 and 8 entries");
+    if (U == 4) {
+        pick_cas(v, id, 0, 1);
+        pick_cas(v, id, 2, 3);
+        pick_cas(v, id, 0, 2);
+        pick_cas(v, id, 1, 3);
+        pick_cas(v, id, 1, 2);
+    } else {
+        pick_cas(v, id, 0, 1);
+        pick_cas(v, id, 2, 3);
+        pick_cas(v, id, 4, 5);
+        pick_cas(v, id, 6, 7);
+        pick_cas(v, id, 0, 2);
+        pick_cas(v, id, 1, 3);
+        pick_cas(v, id, 4, 6);
+        pick_cas(v, id, 5, 7);
+        pick_cas(v, id, 1, 2);
+        pick_cas(v, id, 5, 6);
+        pick_cas(v, id, 0, 4);
+        pick_cas(v, id, 1, 5);
+        pick_cas(v, id, 2, 6);
+        pick_cas(v, id, 3, 7);
+        pick_cas(v, id, 2, 4);
+        pick_cas(v, id, 3, 5);
+        pick_cas(v, id, 1, 2);
+        pick_cas(v, id, 3, 4);
+        pick_cas(v, id, 5, 6);
+    }
+}
+
 template <int U>
 __device__ __forceinline__ void topk_row_u(const float* v, const float* p, int* ids, float* wts, int r, int e,
                                            int k, int lane, int* sids = nullptr) {
     __syncwarp();
-    unsigned long long taken = 0;  // bit u: entry lane + 32u chosen (e <= 2048)
     float tot = 0.0f, keep0 = 0.0f, keep1 = 0.0f;
+    bool nan = false;
+#pragma unroll
+    for (int u = 0; u < U; u++)
+        if (lane + 32 * u < e) nan |= v[u] != v[u];
+    if ((U == 4 || U == 8) && !__any_sync(0xffffffffu, nan)) {
+        // Each lane's entries sorted once in the rounds' order: a lane's best
+        // entry not yet taken is always its first left (a lane loses only
+        // the entry that won a round), so each round is one warp argmax over
+        // the lanes' first entries, then the winner drops its first. The
+        // same picks in the same order as the rounds below, which a row
+        // holding a NaN (where comparisons do not order) still takes.
+        float sv[U];
+        int si[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int i = lane + 32 * u;
+            sv[u] = i < e ? v[u] : 0.0f;
+            si[u] = i < e ? i : -1;
+        }
+        sort_picks<(U == 4 || U == 8) ? U : 8>(sv, si);
+        int h = 0;  // the lane's entries before h are taken
+#pragma unroll 1
+        for (int s = 0; s < k; s++) {
+            // Entry h, picked by compares with constants (an index into the
+            // arrays would put them in local memory).
+            int best = -1;
+            float bv = 0.0f;
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (h == u) {
+                    best = si[u];
+                    bv = best >= 0 ? sv[u] : 0.0f;
+                }
+            warp_argmax(bv, best);
+            if (best >= 0 && (best & 31) == lane) h++;
+            if (lane == 0) {
+                ids[(i64)r * k + s] = best;
+                if (sids) sids[r * k + s] = best;
+            }
+            keep_pick(keep0, keep1, s, lane, bv);
+            tot = tot + bv;
+        }
+        tot = fmaxf(tot, 6.103515625e-5f);
+        __syncwarp();
+        write_weights(p, ids, wts, r, k, lane, keep0, keep1, tot);
+        return;
+    }
+    unsigned long long taken = 0;  // bit u: entry lane + 32u chosen (e <= 2048)
     for (int s = 0; s < k; s++) {
         int best = -1;
         float bv = 0.0f;
@@ -1897,6 +2042,41 @@ __device__ __forceinline__ void plan_small_block(const int* ids, int n, int k, i
     }
 }
 
+// plan_small_block's plan by one warp, for up to 32 pairs (lane t holds pair
+// t's id): the lanes naming one expert found with a match, each pair's place
+// among them counted below its lane, and each expert's offset summed over
+// the experts of lower id from their first lanes' padded counts (integer
+// sums: the same whatever the order). The same places, experts and slots as
+// plan_small_block, with no shared memory and no block barrier.
+__device__ __forceinline__ void plan_warp(int id, int n, int k, int pad, int* placed_row, int* placed_mat,
+                                          int* slot, int cap, int lane) {
+    for (int i = lane; i < cap; i += 32) {
+        placed_row[i] = -1;
+        placed_mat[i] = -1;
+    }
+    bool valid = lane < n && id >= 0;
+    unsigned same = __match_any_sync(0xffffffffu, valid ? id : -1);
+    int before = __popc(same & ((1u << lane) - 1u));
+    int padded = valid && before == 0 ? (__popc(same) + pad - 1) / pad * pad : 0;
+    int off = 0;
+#pragma unroll 1
+    for (int j = 0; j < 32; j++) {
+        int idj = __shfl_sync(0xffffffffu, id, j), pj = __shfl_sync(0xffffffffu, padded, j);
+        if (pj > 0 && idj < id) off += pj;
+    }
+    __syncwarp();  // the -1 fills above come before the places below
+    if (lane < n) {
+        if (!valid) {
+            slot[lane] = -1;
+        } else {
+            int dst = off + before;
+            placed_row[dst] = lane / k;
+            placed_mat[dst] = id;
+            slot[lane] = dst;
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256)
     plan_small(const int* ids, int n, int k, int e, int pad, int* placed_row, int* placed_mat, int* slot, int cap) {
     pdl_wait();
@@ -1905,10 +2085,10 @@ extern "C" __global__ void __launch_bounds__(256)
 
 // Decode-sized routing and plan in one launch of one 256-thread block: up to
 // `block_rows` rows are routed one at a time by the whole block
-// (route_row_block_u), more by warp w taking rows w, w + 8, ..., both exactly
-// as `route` does; then (after a block
-// barrier, which makes the ids visible to the block) the block plans them
-// exactly as `plan_small` does.
+// (route_row_block_u); one row (with k <= 32) by warp 0 alone, which also
+// plans it (plan_warp); more by warp w taking rows w, w + 8, ...; every way
+// exactly as `route` does; then (after a block barrier, which makes the ids
+// visible to the block) the block plans them exactly as `plan_small` does.
 extern "C" __global__ void __launch_bounds__(256, 1)
     route_plan_small(float* logits, int* ids, float* wts, int m, int e, int k, int pad, int* placed_row,
                      int* placed_mat, int* slot, int cap, int block_rows) {
@@ -1928,6 +2108,15 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                 route_row_block_u<32>(logits, ids, wts, r, e, k, sp, sid, sv, &flag);
         }
         plan_small_block(ids, m * k, k, e, pad, placed_row, placed_mat, slot, cap);
+    } else if (m == 1 && k <= 32) {
+        // One row (decode of one sequence): warp 0 routes it and plans its k
+        // pairs (plan_warp) with no block barrier; the other warps have
+        // nothing to do.
+        if (warp != 0) return;
+        __shared__ int rids1[32];
+        route_row(logits, ids, wts, 0, e, k, lane, rids1);
+        __syncwarp();
+        plan_warp(lane < k ? rids1[lane] : -1, k, k, pad, placed_row, placed_mat, slot, cap, lane);
     } else {
         // The warps also leave the ids in shared memory for the plan (no
         // read back from global memory; m * k <= PLAN_SMALL_PAIRS).

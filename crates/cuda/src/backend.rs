@@ -60,6 +60,11 @@ pub struct Cuda {
     /// `SAMESUM_CUDA_TC_ROWS32_AUTO=0`, 16-row tiles everywhere). The same
     /// bytes either way.
     tc_rows32_auto: bool,
+    /// The 32-row Q4_K tensor-core kernel at 3 blocks an SM
+    /// (`mm_tc_q4_k_async32`, 168 registers; default) or at 2
+    /// (`mm_tc_q4_k_async32_b2`, `SAMESUM_CUDA_TC_OCC3=0`): the same code,
+    /// so the same bytes.
+    tc_occ3: bool,
     /// The delta rule at key head dims 64, 128 and 256 on the kernels that
     /// stage the next rows by cp.async while the current ones run
     /// (`delta_cols_async_*`; default, off with `SAMESUM_CUDA_DELTA_ASYNC=0`
@@ -86,6 +91,11 @@ pub struct Cuda {
     /// (`silu_mul_q8k`: quantize_q8k's bytes) for the down projection instead
     /// of a quantize launch (default; off with `SAMESUM_CUDA_SILU_Q8K=0`).
     silu_q8k: bool,
+    /// The delta net's gated norm and the gated attention's output gate
+    /// write their output's Q8_K blocks for the out projection
+    /// (`gated_norm_q8k`, `sigmoid_mul_q8k`: quantize_q8k's bytes; default,
+    /// off with `SAMESUM_CUDA_GN_Q8K=0`): one launch fewer per such layer.
+    gn_q8k: bool,
     /// Decode-sized routing (up to 4 rows) by the whole block, each entry's
     /// rank counted by its own thread (opt-in with
     /// `SAMESUM_CUDA_BLOCK_ROUTE=1`; the argmax rounds' ids and weights, as
@@ -392,12 +402,14 @@ const SWITCHES: &[Switch] = &[
             }
         },
     ),
+    ("TC_OCC3", |c| c.tc_occ3, |c, on| c.tc_occ3 = on),
     ("F32_TILE", |c| c.float_tiles, |c, on| c.float_tiles = on),
     ("DELTA_ASYNC", |c| c.delta_async, |c, on| c.delta_async = on),
     ("DELTA_PIPE", |c| c.delta_pipe, |c, on| c.delta_pipe = on),
     ("NORM_Q8K", |c| c.norm_quant, |c, on| c.norm_quant = on),
     ("SMALL_NORM", |c| c.small_norm, |c, on| c.small_norm = on),
     ("SILU_Q8K", |c| c.silu_q8k, |c, on| c.silu_q8k = on),
+    ("GN_Q8K", |c| c.gn_q8k, |c, on| c.gn_q8k = on),
     ("BLOCK_ROUTE", |c| c.block_route, |c, on| c.block_route = on),
     ("SMALL_PLAN", |c| c.small_plan, |c, on| c.small_plan = on),
     ("ROW", |c| c.row_kernels, |c, on| c.row_kernels = on),
@@ -708,12 +720,14 @@ impl Cuda {
                 TcKernel::Pipelined
             },
             tc_rows32_auto: env_switch("SAMESUM_CUDA_TC_ROWS32_AUTO", true),
+            tc_occ3: env_switch("SAMESUM_CUDA_TC_OCC3", true),
             delta_async: env_switch("SAMESUM_CUDA_DELTA_ASYNC", true),
             delta_pipe: env_switch("SAMESUM_CUDA_DELTA_PIPE", true),
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
             norm_quant: env_switch("SAMESUM_CUDA_NORM_Q8K", true),
             small_norm: env_switch("SAMESUM_CUDA_SMALL_NORM", true),
             silu_q8k: env_switch("SAMESUM_CUDA_SILU_Q8K", true),
+            gn_q8k: env_switch("SAMESUM_CUDA_GN_Q8K", true),
             norm_q8k: Mutex::new(None),
             block_route: env_switch("SAMESUM_CUDA_BLOCK_ROUTE", false),
             small_plan: env_switch("SAMESUM_CUDA_SMALL_PLAN", true),
@@ -1344,9 +1358,10 @@ impl Cuda {
                 };
                 let x = input.f32_rows()?;
                 if wide && mats.is_none() && self.float_tiles {
-                    // Tiles of 4 weight rows x 8 activation rows per warp.
+                    // Tiles of 4 weight rows x 16 activation rows per warp
+                    // (MFT_W, MFT_R in matmul.cu), 4 warps a block.
                     let ct = cfg(
-                        (w.rows.div_ceil(16) as u32, m.div_ceil(8) as u32, 1),
+                        (w.rows.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
                         128,
                         0,
                     );
@@ -1372,7 +1387,8 @@ impl Cuda {
                         (TcKernel::Plain, _) => "mm_tc_q5_k",
                         (TcKernel::Pipelined, _) if q4 => "mm_tc_q4_k_pipe",
                         (TcKernel::Pipelined, _) => "mm_tc_q5_k_pipe",
-                        (_, 32) if q4 => "mm_tc_q4_k_async32",
+                        (_, 32) if q4 && self.tc_occ3 => "mm_tc_q4_k_async32",
+                        (_, 32) if q4 => "mm_tc_q4_k_async32_b2",
                         (_, 32) => "mm_tc_q5_k_async32",
                         _ if q4 => "mm_tc_q4_k_async",
                         _ => "mm_tc_q5_k_async",
@@ -1762,6 +1778,22 @@ impl Cuda {
             )?;
         }
         if let Some(g) = gate {
+            // With the out projection reading Q8_K rows, the gate writes
+            // them too (a block per row).
+            if self.gn_q8k && k_quant(a.o.ty) && qw.is_multiple_of(256) {
+                let mut q = d.scratch::<u8>(m * qw / 256 * 304)?;
+                let qwi = qw as i32;
+                launch!(
+                    d,
+                    "sigmoid_mul_q8k",
+                    cfg((m as u32, 1, 1), 256, 0),
+                    &mut o,
+                    &g,
+                    &mut q,
+                    &qwi
+                )?;
+                return self.mm(&a.o, &Input::with_q8k(&o, m, Some(q)), None, y);
+            }
             let n = (m * qw) as i64;
             launch!(d, "sigmoid_mul", cfg1(m * qw), &mut o, &g, &n)?;
         }
@@ -2003,6 +2035,24 @@ impl Cuda {
             )?;
         }
         let rh = (m * hv) as i32;
+        // With the out projection reading Q8_K rows, the norm writes them
+        // too (four heads a block: whole 256-blocks of one row).
+        if self.gn_q8k && k_quant(dn.out.ty) && dv <= 256 && dv % 64 == 0 && hv % 4 == 0 {
+            let mut q = d.scratch::<u8>(m * hv * dv / 256 * 304)?;
+            launch!(
+                d,
+                "gated_norm_q8k",
+                cfg(((m * hv).div_ceil(4) as u32, 1, 1), 128, 0),
+                &mut o,
+                &z,
+                nw,
+                &mut q,
+                &rh,
+                &dvi,
+                &eps
+            )?;
+            return self.mm(&dn.out, &Input::with_q8k(&o, m, Some(q)), None, y);
+        }
         launch!(
             d,
             "gated_norm",
@@ -3168,5 +3218,361 @@ mod butterfly_tests {
             (0..32).any(|l| a[l].to_bits() != b[l].to_bits())
         });
         assert!(caught, "a mask missing lane bit 16 went unnoticed");
+    }
+}
+
+/// Host checks of the decode routing kernel's shortcuts (ops.cu): the
+/// sorting networks of `sort_picks`, read from the kernel source, sort every
+/// 0/1 input (so every input); the top k from each lane's sorted entries
+/// picks what the argmax rounds pick, in the same order, ties included; and
+/// the one-warp plan places every pair where the block plan does. The GPU
+/// test compares the kernels themselves.
+#[cfg(test)]
+mod topk_tests {
+    use samesum_quant::rng::Rng;
+
+    /// The comparator pairs of `sort_picks`'s branch for `u` entries.
+    fn network(u: usize) -> Vec<(usize, usize)> {
+        let src = include_str!("../kernels/ops.cu");
+        let body = &src[src.find("void sort_picks(").expect("sort_picks")..];
+        let body = &body[..body.find("\n}\n").expect("end of sort_picks")];
+        let part = if u == 4 {
+            &body[body.find("if (U == 4)").unwrap()..body.find("} else {").unwrap()]
+        } else {
+            &body[body.find("} else {").unwrap()..]
+        };
+        part.match_indices("pick_cas(v, id, ")
+            .map(|(i, m)| {
+                let rest = &part[i + m.len()..];
+                let nums: Vec<usize> = rest[..rest.find(')').unwrap()]
+                    .split(", ")
+                    .map(|x| x.trim().parse().unwrap())
+                    .collect();
+                (nums[0], nums[1])
+            })
+            .collect()
+    }
+
+    /// pick_before: larger value first, lower id among equals, absent last.
+    fn before(a: (f32, i32), b: (f32, i32)) -> bool {
+        if b.1 < 0 {
+            return a.1 >= 0;
+        }
+        if a.1 < 0 {
+            return false;
+        }
+        a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)
+    }
+
+    fn sort(net: &[(usize, usize)], e: &mut [(f32, i32)]) {
+        for &(a, b) in net {
+            if before(e[b], e[a]) {
+                e.swap(a, b);
+            }
+        }
+    }
+
+    #[test]
+    fn the_sorting_networks_sort_every_input() {
+        for u in [4usize, 8] {
+            let net = network(u);
+            assert_eq!(net.len(), if u == 4 { 5 } else { 19 });
+            for bits in 0u32..1 << u {
+                let mut e: Vec<(f32, i32)> =
+                    (0..u).map(|i| ((bits >> i & 1) as f32, i as i32)).collect();
+                sort(&net, &mut e);
+                assert!(
+                    e.windows(2).all(|w| before(w[0], w[1])),
+                    "u {u}: {bits:#b} -> {e:?}"
+                );
+            }
+            // A network with one comparator left out fails some input.
+            for skip in 0..net.len() {
+                let short: Vec<_> = (0..net.len())
+                    .filter(|&i| i != skip)
+                    .map(|i| net[i])
+                    .collect();
+                let fails = (0u32..1 << u).any(|bits| {
+                    let mut e: Vec<(f32, i32)> =
+                        (0..u).map(|i| ((bits >> i & 1) as f32, i as i32)).collect();
+                    sort(&short, &mut e);
+                    !e.windows(2).all(|w| before(w[0], w[1]))
+                });
+                assert!(fails, "u {u}: comparator {skip} is not needed");
+            }
+        }
+    }
+
+    /// The argmax rounds (topk_row_u's general path): each lane's best entry
+    /// not taken, then the warp's best of those.
+    fn rounds(v: &[f32], k: usize) -> Vec<(i32, f32)> {
+        let mut taken = vec![false; v.len()];
+        (0..k)
+            .map(|_| {
+                let mut cand: Vec<(f32, i32)> = vec![(0.0, -1); 32];
+                for (i, &x) in v.iter().enumerate() {
+                    let c = &mut cand[i % 32];
+                    if !taken[i] && (c.1 < 0 || x > c.0) {
+                        *c = (x, i as i32);
+                    }
+                }
+                let best = warp_best(&cand);
+                if best.1 >= 0 {
+                    taken[best.1 as usize] = true;
+                }
+                (best.1, best.0)
+            })
+            .collect()
+    }
+
+    /// warp_argmax's butterfly on (value, id) candidates.
+    fn warp_best(cand: &[(f32, i32)]) -> (f32, i32) {
+        let mut c = cand.to_vec();
+        for o in [16, 8, 4, 2, 1] {
+            let prev = c.clone();
+            for l in 0..32 {
+                let (ov, oi) = prev[l ^ o];
+                let (bv, best) = c[l];
+                if oi >= 0 && (best < 0 || ov > bv || (ov == bv && oi < best)) {
+                    c[l] = (ov, oi);
+                }
+            }
+        }
+        c[0]
+    }
+
+    /// The sorted-lane path: each lane's entries sorted once, then per round
+    /// the lanes' first entries not taken.
+    fn sorted_lanes(v: &[f32], k: usize, u: usize) -> Vec<(i32, f32)> {
+        let net = network(u);
+        let lanes: Vec<Vec<(f32, i32)>> = (0..32)
+            .map(|l| {
+                let mut e: Vec<(f32, i32)> = (0..u)
+                    .map(|j| {
+                        let i = l + 32 * j;
+                        if i < v.len() {
+                            (v[i], i as i32)
+                        } else {
+                            (0.0, -1)
+                        }
+                    })
+                    .collect();
+                sort(&net, &mut e);
+                e
+            })
+            .collect();
+        let mut head = [0usize; 32];
+        (0..k)
+            .map(|_| {
+                let cand: Vec<(f32, i32)> = (0..32)
+                    .map(|l| match lanes[l].get(head[l]) {
+                        Some(&(x, i)) if i >= 0 => (x, i),
+                        _ => (0.0, -1),
+                    })
+                    .collect();
+                let best = warp_best(&cand);
+                if best.1 >= 0 {
+                    head[(best.1 % 32) as usize] += 1;
+                }
+                (best.1, best.0)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn sorted_lanes_pick_what_the_rounds_pick() {
+        let mut rng = Rng::new(8);
+        let mut cases = 0;
+        for e in [5usize, 8, 33, 100, 128, 200, 256] {
+            let u = e.div_ceil(32).next_power_of_two().max(4);
+            for k in [1usize, 2, 8, 9] {
+                for _ in 0..40 {
+                    // Values on a coarse grid (ties) or spread; softmax rows
+                    // hold values >= 0.
+                    let coarse = rng.below(2) == 0;
+                    let v: Vec<f32> = (0..e)
+                        .map(|_| {
+                            if coarse {
+                                rng.below(6) as f32 * 0.125
+                            } else {
+                                rng.range(0.0, 1.0)
+                            }
+                        })
+                        .collect();
+                    let (a, b) = (rounds(&v, k.min(e + 1)), sorted_lanes(&v, k.min(e + 1), u));
+                    assert_eq!(a.len(), b.len());
+                    for (s, (x, y)) in a.iter().zip(&b).enumerate() {
+                        assert_eq!(x.0, y.0, "e {e} k {k} pick {s}: ids");
+                        assert_eq!(x.1.to_bits(), y.1.to_bits(), "e {e} k {k} pick {s}");
+                    }
+                    cases += 1;
+                }
+            }
+        }
+        assert!(cases > 1000);
+    }
+
+    /// plan_small_block: padded counts per expert, their exclusive scan in
+    /// expert order, pair t at its expert's offset plus the earlier pairs of
+    /// that expert. Returns (placed rows, placed experts, slots).
+    fn block_plan(
+        ids: &[i32],
+        k: usize,
+        e: usize,
+        pad: usize,
+        cap: usize,
+    ) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+        let mut cnt = vec![0usize; e];
+        for &i in ids {
+            if i >= 0 {
+                cnt[i as usize] += 1;
+            }
+        }
+        let mut off = vec![0usize; e];
+        let mut run = 0;
+        for x in 0..e {
+            off[x] = run;
+            run += cnt[x].div_ceil(pad) * pad;
+        }
+        let (mut row, mut mat, mut slot) = (vec![-1; cap], vec![-1; cap], vec![-1; ids.len()]);
+        for (t, &i) in ids.iter().enumerate() {
+            if i >= 0 {
+                let before = ids[..t].iter().filter(|&&q| q == i).count();
+                let dst = off[i as usize] + before;
+                row[dst] = (t / k) as i32;
+                mat[dst] = i;
+                slot[t] = dst as i32;
+            }
+        }
+        (row, mat, slot)
+    }
+
+    /// plan_warp: a match per expert, places counted below the lane, offsets
+    /// summed from the first lanes of the experts with lower ids.
+    fn warp_plan(ids: &[i32], k: usize, pad: usize, cap: usize) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+        let n = ids.len();
+        let id = |l: usize| if l < n { ids[l] } else { -1 };
+        let valid = |l: usize| l < n && id(l) >= 0;
+        let key = |l: usize| if valid(l) { id(l) } else { -1 };
+        let same = |l: usize| (0..32).filter(|&j| key(j) == key(l)).collect::<Vec<_>>();
+        let before = |l: usize| same(l).iter().filter(|&&j| j < l).count();
+        let padded = |l: usize| {
+            if valid(l) && before(l) == 0 {
+                same(l).len().div_ceil(pad) * pad
+            } else {
+                0
+            }
+        };
+        let (mut row, mut mat, mut slot) = (vec![-1; cap], vec![-1; cap], vec![-1; n]);
+        for l in 0..n {
+            if valid(l) {
+                let off: usize = (0..32)
+                    .filter(|&j| padded(j) > 0 && id(j) < id(l))
+                    .map(padded)
+                    .sum();
+                let dst = off + before(l);
+                row[dst] = (l / k) as i32;
+                mat[dst] = id(l);
+                slot[l] = dst as i32;
+            }
+        }
+        (row, mat, slot)
+    }
+
+    #[test]
+    fn the_one_warp_plan_places_pairs_as_the_block_plan() {
+        let mut rng = Rng::new(12);
+        for _ in 0..500 {
+            let k = [1usize, 2, 4, 8][rng.below(4) as usize];
+            let e = [8usize, 128, 256][rng.below(3) as usize];
+            let n = k * (1 + rng.below((32 / k) as u64) as usize);
+            let pad = [1usize, 16][rng.below(2) as usize];
+            // Few distinct experts (shared ones) and some skipped picks.
+            let pool = 1 + rng.below(e as u64) as i32;
+            let ids: Vec<i32> = (0..n)
+                .map(|_| {
+                    if rng.below(10) == 0 {
+                        -1
+                    } else {
+                        rng.below(pool as u64) as i32
+                    }
+                })
+                .collect();
+            let cap = n + e.min(n) * (pad - 1);
+            assert_eq!(
+                warp_plan(&ids, k, pad, cap),
+                block_plan(&ids, k, e, pad, cap),
+                "ids {ids:?} k {k} pad {pad}"
+            );
+        }
+    }
+}
+
+/// `FmtQ6K::load` (matmul.cu) reads a group's 16 ql and 16 qh bytes with
+/// five aligned words each (`ld16_a2`) where it read two bytes at a time
+/// (`q6_word`): the same four words for every group, on blocks at both
+/// 2-byte alignments. A host model of both; the GPU tests compare the
+/// kernels' outputs.
+#[cfg(test)]
+mod q6_load_tests {
+    use samesum_quant::rng::Rng;
+
+    fn le32(m: &[u8], at: usize) -> u32 {
+        u32::from_le_bytes([m[at], m[at + 1], m[at + 2], m[at + 3]])
+    }
+
+    fn vsub4(a: u32, b: u32) -> u32 {
+        u32::from_le_bytes(std::array::from_fn(|i| {
+            (a.to_le_bytes()[i]).wrapping_sub(b.to_le_bytes()[i])
+        }))
+    }
+
+    /// q6_word(b, e) with the block at byte `b` of memory `m`.
+    fn q6_word(m: &[u8], b: usize, e: usize) -> u32 {
+        let (n, r) = (e / 128, e % 128);
+        let lo = (le32(m, b + n * 64 + r % 64) >> (4 * (r / 64))) & 0x0F0F0F0F;
+        let hi = (le32(m, b + 128 + n * 32 + r % 32) >> (2 * (r / 32))) & 0x03030303;
+        vsub4(lo | (hi << 4), 0x20202020)
+    }
+
+    /// ld16_a2: aligned words around p, funnel-shifted.
+    fn ld16_a2(m: &[u8], p: usize) -> [u32; 4] {
+        let a = p & !3;
+        let sh = ((p & 3) * 8) as u32;
+        let x: Vec<u32> = (0..5).map(|i| le32(m, a + 4 * i)).collect();
+        std::array::from_fn(|i| (((x[i + 1] as u64) << 32 | x[i] as u64) >> sh) as u32)
+    }
+
+    fn load(m: &[u8], b: usize, g: usize) -> [u32; 4] {
+        let (n, h) = (g / 8, g % 8);
+        let ql = ld16_a2(m, b + n * 64 + 16 * (h % 4));
+        let qh = ld16_a2(m, b + 128 + n * 32 + 16 * (h % 2));
+        let (sl, shh) = (4 * (h / 4), 2 * (h / 2));
+        std::array::from_fn(|i| {
+            vsub4(
+                ((ql[i] >> sl) & 0x0F0F0F0F) | (((qh[i] >> shh) & 0x03030303) << 4),
+                0x20202020,
+            )
+        })
+    }
+
+    #[test]
+    fn whole_runs_give_the_words_of_two_byte_reads() {
+        let mut rng = Rng::new(6);
+        for _ in 0..200 {
+            let m: Vec<u8> = (0..1024).map(|_| rng.below(256) as u8).collect();
+            // Blocks at 4-byte and at 2-byte (odd blocks of a row) alignment.
+            for b in [0usize, 210, 420, 630, 4 + 2] {
+                for g in 0..16 {
+                    let want: [u32; 4] = std::array::from_fn(|i| q6_word(&m, b, 16 * g + 4 * i));
+                    assert_eq!(load(&m, b, g), want, "block at {b}, group {g}");
+                }
+            }
+        }
+        // A run read from the wrong place would differ: shift the ql run.
+        let m: Vec<u8> = (0..1024).map(|i| (i * 7 + 3) as u8).collect();
+        let wrong = ld16_a2(&m, 210 + 2);
+        let right = ld16_a2(&m, 210);
+        assert_ne!(wrong, right);
     }
 }

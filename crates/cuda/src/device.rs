@@ -232,6 +232,15 @@ impl Device {
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     227 * 1024 - fixed,
                 );
+                // The 32-row tensor-core kernels run 3 blocks of ~66 KB an
+                // SM: ask for the largest shared-memory split so the driver
+                // does not pick one that fits only 2.
+                if k.ends_with("_async32") {
+                    let _ = f.set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                        100,
+                    );
+                }
                 funcs.insert(k.to_string(), f);
             }
         }
@@ -526,6 +535,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_tc_q4_k_async",
             "mm_tc_q5_k_async",
             "mm_tc_q4_k_async32",
+            "mm_tc_q4_k_async32_b2",
             "mm_tc_q5_k_async32",
             "mm_f32",
             "mm_f16",
@@ -542,6 +552,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "add_inplace",
             "add_rms_norm",
             "sigmoid_mul",
+            "sigmoid_mul_q8k",
             "silu_mul",
             "silu_mul_q8k",
             "copy_cols",
@@ -572,6 +583,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "delta_cols_async_pipe_64",
             "delta_cols_async_pipe_128",
             "gated_norm",
+            "gated_norm_q8k",
             "route",
             "plan_count",
             "plan_scan",

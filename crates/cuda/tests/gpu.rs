@@ -548,6 +548,36 @@ fn the_one_launch_route_and_plan_equal_the_separate_kernels() {
                         );
                     }
                     assert_eq!(fb(&one.2), fb(&sep.2), "e={e} k={k} m={m}: weights");
+                    // Rows without a NaN against the host: the k largest of
+                    // the GPU's softmax, larger first and lower id among
+                    // equals, weighed by their sum in that order (so a
+                    // shortcut shared by both kernels is checked too).
+                    for r in 0..m {
+                        if lg[r * e..(r + 1) * e].iter().any(|v| v.is_nan()) {
+                            continue;
+                        }
+                        let row = &one.0[r * e..(r + 1) * e];
+                        let mut order: Vec<usize> = (0..e).collect();
+                        order
+                            .sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap().then(a.cmp(&b)));
+                        let want: Vec<i32> = order[..k].iter().map(|&i| i as i32).collect();
+                        assert_eq!(
+                            &one.1[r * k..(r + 1) * k],
+                            &want[..],
+                            "e={e} k={k} m={m} row {r}: host top k"
+                        );
+                        let tot = order[..k]
+                            .iter()
+                            .fold(0.0f32, |t, &i| t + row[i])
+                            .max(2f32.powi(-14));
+                        for (s, &i) in order[..k].iter().enumerate() {
+                            assert_eq!(
+                                one.2[r * k + s].to_bits(),
+                                (row[i] / tot).to_bits(),
+                                "e={e} k={k} m={m} row {r} pick {s}: host weight"
+                            );
+                        }
+                    }
                     // A skipped pick weighs nothing.
                     for (i, w) in one.1.iter().zip(&one.2) {
                         assert!(
@@ -1397,6 +1427,66 @@ fn glu_quantization_in_the_glu_equals_a_quantize_launch() {
             );
         }
         eprintln!("{shape}: silu_mul_q8k == silu_mul + quantize_q8k == replay (chunks 64 and 7)");
+    }
+}
+
+/// The delta net's gated norm and the gated attention's output gate writing
+/// the out projection's Q8_K blocks (`gated_norm_q8k`, `sigmoid_mul_q8k`)
+/// against gated_norm or sigmoid_mul and a quantize launch: the same logits
+/// bytes at every position, replayed and in chunks of 64 and 7, on the tiny
+/// shapes with a delta net (their value heads of 64 and of 128; their
+/// attention layers are gated).
+#[test]
+fn gated_norm_quantization_equals_a_quantize_launch() {
+    if !gpu() {
+        return;
+    }
+    let tiny = shapes::by_name("tiny-qwen35moe").unwrap();
+    let wide = shapes::Shape {
+        delta: Some(shapes::DeltaNet {
+            key_head_dim: 128,
+            value_head_dim: 128,
+            ..tiny.delta.unwrap()
+        }),
+        ..tiny.clone()
+    };
+    for shape in [shapes::by_name("tiny-qwen3next").unwrap(), tiny, wide] {
+        let what = format!("{} dv {}", shape.name, shape.delta.unwrap().value_head_dim);
+        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 31);
+        // The out projections read Q8_K rows, so the fused path is the one taken.
+        let outs: Vec<GgmlType> = model
+            .w
+            .layers
+            .iter()
+            .filter_map(|l| match &l.mixer {
+                Mixer::Linear(dn) => Some(dn.out.ty),
+                _ => None,
+            })
+            .collect();
+        assert!(
+            !outs.is_empty()
+                && outs
+                    .iter()
+                    .all(|t| matches!(t, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K)),
+            "{what}: out projections {outs:?}"
+        );
+        let mut fused = Cuda::new(0, &model, false).unwrap();
+        fused.set_switch("GN_Q8K", true).unwrap();
+        let mut apart = Cuda::new(0, &model, false).unwrap();
+        apart.set_switch("GN_Q8K", false).unwrap();
+        let toks = test_tokens(&model, 17);
+        for chunk in [1, 64, 7] {
+            let (p, q) = (
+                all_logits(&fused, &model, &toks, chunk),
+                all_logits(&apart, &model, &toks, chunk),
+            );
+            assert!(p.iter().all(|v| v.is_finite()), "{what}: non-finite");
+            assert!(
+                same_bits(&p, &q),
+                "{what} chunk {chunk}: gated_norm_q8k != gated_norm + quantize"
+            );
+        }
+        eprintln!("{what}: gated_norm_q8k == gated_norm + quantize_q8k (replay, chunks 64 and 7)");
     }
 }
 

@@ -1,9 +1,17 @@
-//! Every kernel module compiles with NVRTC for sm_90a, with no spills; runs
+//! Every kernel module compiles with NVRTC for sm_90a, with no spills (but
+//! for the kernels in `SPILLS_ALLOWED`, within their bounds); runs
 //! wherever libnvrtc loads (CI installs it from PyPI), with no GPU needed.
 //! Without NVRTC the test skips, unless `SAMESUM_REQUIRE_NVRTC=1`.
 
 use samesum_cuda::compile::{self, MODULES};
 use std::sync::Mutex;
+
+/// Kernels allowed to spill, with the most bytes (stores and loads together
+/// as ptxas reports them): `mm_tc_q4_k_async32` runs 3 blocks an SM at 168
+/// registers, keeping ~11 values a thread in local memory (stored once per
+/// matrix, read at most once per 256-wide block of K: ~1% of the block's
+/// instructions; 132 bytes alone, 200 with `wip/tclive`'s group mask).
+const SPILLS_ALLOWED: &[(&str, u32)] = &[("mm_tc_q4_k_async32", 256)];
 
 /// NVRTC's log of one compile can pick up ptxas lines of another running at the
 /// same time, so these tests compile one at a time.
@@ -51,7 +59,16 @@ fn every_module_compiles_for_sm_90a_without_spills() {
                 "| {name} | {} | {} | {} | {} |",
                 r.kernel, r.registers, r.stack, r.spills
             );
-            assert_eq!(r.spills, 0, "{name}: {} spills", r.kernel);
+            let allowed = SPILLS_ALLOWED
+                .iter()
+                .find(|(k, _)| *k == r.kernel)
+                .map_or(0, |a| a.1);
+            assert!(
+                r.spills <= allowed,
+                "{name}: {} spills {} bytes (allowed {allowed})",
+                r.kernel,
+                r.spills
+            );
         }
         // The second compile comes from the disk cache, byte for byte.
         let again = compile::compile_module(name, compile::DEFAULT_ARCH).unwrap();
