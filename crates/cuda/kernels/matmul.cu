@@ -530,7 +530,8 @@ MM_GLU_KERNEL(mm_q8_0_glu_1, FmtQ8_0)
 //
 // Decode-sized Q4_K calls with a lane per weight row (mm_q4_k_lane_*): a
 // block takes 32 consecutive rows of one matrix against one activation row.
-// Each of its kw warps (blockDim.x / 32, one to four) computes, for its
+// Each of its kw warps (blockDim.x / 32, one to sixteen: a warp per block of
+// the row up to 16) computes, for its
 // lane's row, the exact integer terms of blocks w, w + kw, ... (a whole
 // 256-block per lane, so no shuffles), and leaves them in shared memory with
 // the block's d and dmin; warp 0 then takes the float steps in block order
@@ -538,6 +539,7 @@ MM_GLU_KERNEL(mm_q8_0_glu_1, FmtQ8_0)
 // kernels, with about a twentieth of mm_row's instructions per row and block
 // (mm_row spends ~150 a row and block on lane sums and broadcasts).
 #define LANE_CH 16
+#define LANE_THREADS (32 * LANE_CH)
 
 // Byte i (constant) of a Q4_K block's scales[12], held in three words.
 __device__ __forceinline__ int sbyte(const u32 (&S)[3], int i) { return (int)((S[i / 4] >> (8 * (i % 4))) & 0xffu); }
@@ -643,22 +645,22 @@ __device__ void mm_lane(const u8* W, const u8* W2, i64 mat_stride, int row_bytes
 
 // The lane-row forms of mm_q4_k_1, _glu_1, _multi_1, _moe_1 and _moe_glu_1:
 // the same arguments, a block per 32 rows (grid x), blockIdx.y the input row,
-// 32 x min(4, nb) threads.
-extern "C" __global__ void __launch_bounds__(128)
+// 32 x min(16, nb) threads.
+extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1)
     mm_q4_k_lane_1(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, int rows,
                    int m, int nb) {
     pdl_wait();
     mm_lane<1>(W, nullptr, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x, nullptr);
 }
 
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1)
     mm_q4_k_lane_glu_1(const u8* Wg, const u8* Wu, i64 mat_stride, int row_bytes, const int* mats, const u8* A,
                        float* Y, int rows, int m, int nb) {
     pdl_wait();
     mm_lane<2>(Wg, Wu, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x, nullptr);
 }
 
-extern "C" __global__ void __launch_bounds__(128) mm_q4_k_lane_multi_1(MmJobs jobs, int row_bytes, const u8* A, int m,
+extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1) mm_q4_k_lane_multi_1(MmJobs jobs, int row_bytes, const u8* A, int m,
                                                                        int nb) {
     pdl_wait();
     int bx = blockIdx.x, j = 0;
@@ -686,12 +688,12 @@ __device__ __forceinline__ void mm_lane_moe(const MoeJobs& jobs, int row_bytes, 
                 j ? jobs.amap[1] : jobs.amap[0]);
 }
 
-extern "C" __global__ void __launch_bounds__(128) mm_q4_k_lane_moe_1(MoeJobs jobs, int row_bytes, int nb) {
+extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1) mm_q4_k_lane_moe_1(MoeJobs jobs, int row_bytes, int nb) {
     pdl_wait();
     mm_lane_moe<1>(jobs, row_bytes, nb);
 }
 
-extern "C" __global__ void __launch_bounds__(128) mm_q4_k_lane_moe_glu_1(MoeJobs jobs, int row_bytes, int nb) {
+extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1) mm_q4_k_lane_moe_glu_1(MoeJobs jobs, int row_bytes, int nb) {
     pdl_wait();
     mm_lane_moe<2>(jobs, row_bytes, nb);
 }

@@ -2064,8 +2064,9 @@ __device__ __forceinline__ void plan_warp(int id, int n, int k, int pad, int* pl
     int before = __popc(same & ((1u << lane) - 1u));
     int padded = valid && before == 0 ? (__popc(same) + pad - 1) / pad * pad : 0;
     int off = 0;
+    // Lanes from n on hold no pair (padded 0): the sum stops at n.
 #pragma unroll 1
-    for (int j = 0; j < 32; j++) {
+    for (int j = 0; j < n; j++) {
         int idj = __shfl_sync(0xffffffffu, id, j), pj = __shfl_sync(0xffffffffu, padded, j);
         if (pj > 0 && idj < id) off += pj;
     }
@@ -2150,7 +2151,8 @@ extern "C" __global__ void __launch_bounds__(32)
     int lane = threadIdx.x;
     int n = (e + 31) / 32;
     float mx = -INFINITY;
-#pragma unroll 1
+    // Loads four at a time (one wait on memory per four, not per entry).
+#pragma unroll 4
     for (int u = 0; u < n; u++) {
         int i = lane + 32 * u;
         if (i < e) {
@@ -2186,7 +2188,7 @@ extern "C" __global__ void __launch_bounds__(32)
     for (int s = 0; s < k; s++) {
         int best = -1;
         float bv = 0.0f;
-#pragma unroll 1
+#pragma unroll 4
         for (int u = 0; u < n; u++) {
             int i = lane + 32 * u;
             if (i >= e || ((taken >> u) & 1u)) continue;

@@ -637,10 +637,12 @@ pub(crate) fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> cudarc::drive
 }
 
 /// Threads of a lane-row matmul block (`mm_q4_k_lane_*`): a warp per
-/// 256-block of the row up to four, so short rows (the MoE down projections,
-/// two or three blocks) leave no warp idle.
+/// 256-block of the row up to 16 (LANE_CH in matmul.cu), so a warp computes
+/// one block (two for a GLU) per 16 and short rows leave no warp idle
+/// (session 12: at four warps, the out projections' 64 blocks of 16-block
+/// rows took 11.6 us against the warp-row kernel's 6.6).
 pub(crate) fn lane_threads(nb: i32) -> u32 {
-    32 * nb.clamp(1, 4) as u32
+    32 * nb.clamp(1, 16) as u32
 }
 
 /// A lane-row launch: a block per 32 weight rows (grid x) per input row
