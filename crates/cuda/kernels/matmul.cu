@@ -526,6 +526,178 @@ MM_GLU_KERNEL(mm_q5_k_glu_1, FmtQ5K)
 MM_GLU_KERNEL(mm_q6_k_glu_1, FmtQ6K)
 MM_GLU_KERNEL(mm_q8_0_glu_1, FmtQ8_0)
 
+// ---------------------------------------------------------------- lane rows
+//
+// Decode-sized Q4_K calls with a lane per weight row (mm_q4_k_lane_*): a
+// block takes 32 consecutive rows of one matrix against one activation row.
+// Each of its kw warps (blockDim.x / 32, one to sixteen: a warp per block of
+// the row up to 16) computes, for its
+// lane's row, the exact integer terms of blocks w, w + kw, ... (a whole
+// 256-block per lane, so no shuffles), and leaves them in shared memory with
+// the block's d and dmin; warp 0 then takes the float steps in block order
+// (step_min, as every kernel here). The same bytes as mm_row and the tile
+// kernels, with about a twentieth of mm_row's instructions per row and block
+// (mm_row spends ~150 a row and block on lane sums and broadcasts).
+#define LANE_CH 16
+#define LANE_THREADS (32 * LANE_CH)
+
+// Byte i (constant) of a Q4_K block's scales[12], held in three words.
+__device__ __forceinline__ int sbyte(const u32 (&S)[3], int i) { return (int)((S[i / 4] >> (8 * (i % 4))) & 0xffu); }
+
+// The isum and msum of one Q4_K block (k4_scale_min's scales and mins per
+// sub-block, dot32's products) against a Q8_K block; dd = the block's d and
+// dmin (f16 pair).
+__device__ __forceinline__ void q4k_lane_block(const u8* blk, const u8* ab, int& isum, int& msum, u32& dd) {
+    uint4 h = *(const uint4*)blk;
+    dd = h.x;
+    const u32 S[3] = {h.y, h.z, h.w};
+    int4 bw0 = ld_i4(ab + Q8K_BSUMS), bw1 = ld_i4(ab + Q8K_BSUMS + 16);
+    const int bw[8] = {bw0.x, bw0.y, bw0.z, bw0.w, bw1.x, bw1.y, bw1.z, bw1.w};
+    int is = 0, ms = 0;
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        uint4 q0 = *(const uint4*)(blk + 16 + 32 * p);
+        uint4 q1 = *(const uint4*)(blk + 32 + 32 * p);
+        const u32 q[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+        int4 a0 = ld_i4(ab + 64 * p), a1 = ld_i4(ab + 64 * p + 16);
+        int4 a2 = ld_i4(ab + 64 * p + 32), a3 = ld_i4(ab + 64 * p + 48);
+        const int alo[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+        const int ahi[8] = {a2.x, a2.y, a2.z, a2.w, a3.x, a3.y, a3.z, a3.w};
+        int dlo = 0, dhi = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            dlo = __dp4a((int)(q[i] & 0x0F0F0F0Fu), alo[i], dlo);
+            dhi = __dp4a((int)((q[i] >> 4) & 0x0F0F0F0Fu), ahi[i], dhi);
+        }
+        // Sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles).
+#pragma unroll
+        for (int h2 = 0; h2 < 2; h2++) {
+            int s = 2 * p + h2, sc, mn;
+            if (s < 4) {
+                sc = sbyte(S, s) & 63;
+                mn = sbyte(S, s + 4) & 63;
+            } else {
+                sc = (sbyte(S, s + 4) & 0x0F) | ((sbyte(S, s - 4) >> 6) << 4);
+                mn = (sbyte(S, s + 4) >> 4) | ((sbyte(S, s) >> 6) << 4);
+            }
+            int pair = (int)(short)(bw[s] & 0xffff) + (bw[s] >> 16);
+            is += sc * (h2 ? dhi : dlo);
+            ms += mn * pair;
+        }
+    }
+    isum = is;
+    msum = ms;
+}
+
+template <int NW>
+__device__ void mm_lane(const u8* W, const u8* W2, i64 mat_stride, int row_bytes, const int* mats,
+                        const u8* A, float* Y, int rows, int m, int nb, int jb, const int* amap) {
+    __shared__ int4 part[NW][LANE_CH][32];
+    int kw = blockDim.x / 32, w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int r = blockIdx.y;
+    if (r >= m) return;  // the whole block
+    int j = jb * 32 + lane;
+    bool live = j < rows;
+    int mat = mats ? mats[r] : 0;
+    if (mat < 0) {  // the whole block: an unused row
+        if (w == 0 && live) Y[(i64)r * rows + j] = 0.0f;
+        return;
+    }
+    const u8* wr[NW];
+    wr[0] = W + mat * mat_stride + (i64)j * row_bytes;
+    if (NW == 2) wr[NW - 1] = W2 + mat * mat_stride + (i64)j * row_bytes;
+    const u8* ar = A + (i64)(amap ? amap[r] : r) * nb * Q8K_BYTES;
+    float acc[NW];
+#pragma unroll
+    for (int v = 0; v < NW; v++) acc[v] = 0.0f;
+    for (int b0 = 0; b0 < nb; b0 += LANE_CH) {
+        int be = min(nb, b0 + LANE_CH);
+        if (live)
+            for (int b = b0 + w; b < be; b += kw) {
+                // One matrix at a time (the GLU's two in turn: fewer live
+                // registers).
+#pragma unroll 1
+                for (int v = 0; v < NW; v++) {
+                    int is, ms;
+                    u32 dd;
+                    const u8* wv = v == 0 ? wr[0] : wr[NW - 1];
+                    q4k_lane_block(wv + (i64)b * FmtQ4K::BYTES, ar + (i64)b * Q8K_BYTES, is, ms, dd);
+                    part[v][b - b0][lane] = make_int4(is, ms, (int)dd, 0);
+                }
+            }
+        __syncthreads();
+        if (w == 0 && live)
+            for (int b = b0; b < be; b++) {
+                float da = *(const float*)(ar + (i64)b * Q8K_BYTES + Q8K_D);
+#pragma unroll
+                for (int v = 0; v < NW; v++) {
+                    int4 t = part[v][b - b0][lane];
+                    u32 dd = (u32)t.z;
+                    acc[v] = step_min(acc[v], f16_to_f32((u16)(dd & 0xffff)), f16_to_f32((u16)(dd >> 16)), da,
+                                      t.x, t.y);
+                }
+            }
+        __syncthreads();
+    }
+    // NW = 2: the gate and up rows of a GLU, combined as mm_row does.
+    if (w == 0 && live) Y[(i64)r * rows + j] = NW == 2 ? silu(acc[0]) * acc[NW - 1] : acc[0];
+}
+
+// The lane-row forms of mm_q4_k_1, _glu_1, _multi_1, _moe_1 and _moe_glu_1:
+// the same arguments, a block per 32 rows (grid x), blockIdx.y the input row,
+// 32 x min(16, nb) threads.
+extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1)
+    mm_q4_k_lane_1(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, int rows,
+                   int m, int nb) {
+    pdl_wait();
+    mm_lane<1>(W, nullptr, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1)
+    mm_q4_k_lane_glu_1(const u8* Wg, const u8* Wu, i64 mat_stride, int row_bytes, const int* mats, const u8* A,
+                       float* Y, int rows, int m, int nb) {
+    pdl_wait();
+    mm_lane<2>(Wg, Wu, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1) mm_q4_k_lane_multi_1(MmJobs jobs, int row_bytes, const u8* A, int m,
+                                                                       int nb) {
+    pdl_wait();
+    int bx = blockIdx.x, j = 0;
+    int c0 = (jobs.rows[0] + 31) / 32, c1 = (jobs.rows[1] + 31) / 32, c2 = (jobs.rows[2] + 31) / 32;
+    if (jobs.nj > 1 && bx >= c0) {
+        bx -= c0, j = 1;
+        if (jobs.nj > 2 && bx >= c1) {
+            bx -= c1, j = 2;
+            if (jobs.nj > 3 && bx >= c2) bx -= c2, j = 3;
+        }
+    }
+    const u8* w = j == 0 ? jobs.w[0] : j == 1 ? jobs.w[1] : j == 2 ? jobs.w[2] : jobs.w[3];
+    float* y = j == 0 ? jobs.y[0] : j == 1 ? jobs.y[1] : j == 2 ? jobs.y[2] : jobs.y[3];
+    int rows = j == 0 ? jobs.rows[0] : j == 1 ? jobs.rows[1] : j == 2 ? jobs.rows[2] : jobs.rows[3];
+    mm_lane<1>(w, nullptr, 0, row_bytes, nullptr, A, y, rows, m, nb, bx, nullptr);
+}
+
+template <int NW>
+__device__ __forceinline__ void mm_lane_moe(const MoeJobs& jobs, int row_bytes, int nb) {
+    int c0 = (jobs.rows[0] + 31) / 32, bx = blockIdx.x, j = 0;
+    if (bx >= c0) bx -= c0, j = 1;
+    mm_lane<NW>(j ? jobs.wg[1] : jobs.wg[0], j ? jobs.wu[1] : jobs.wu[0], j ? jobs.stride[1] : jobs.stride[0],
+                row_bytes, j ? jobs.mats[1] : jobs.mats[0], j ? jobs.a[1] : jobs.a[0], j ? jobs.y[1] : jobs.y[0],
+                j ? jobs.rows[1] : jobs.rows[0], j ? jobs.m[1] : jobs.m[0], nb, bx,
+                j ? jobs.amap[1] : jobs.amap[0]);
+}
+
+extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1) mm_q4_k_lane_moe_1(MoeJobs jobs, int row_bytes, int nb) {
+    pdl_wait();
+    mm_lane_moe<1>(jobs, row_bytes, nb);
+}
+
+extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1) mm_q4_k_lane_moe_glu_1(MoeJobs jobs, int row_bytes, int nb) {
+    pdl_wait();
+    mm_lane_moe<2>(jobs, row_bytes, nb);
+}
+
 MM_KERNEL(mm_q4_k, FmtQ4K, 1)
 MM_KERNEL(mm_q5_k, FmtQ5K, 1)
 MM_KERNEL(mm_q6_k, FmtQ6K, 1)

@@ -198,17 +198,22 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     quantize_own_row(ar, q + r * (width / 256) * Q8K_BYTES, width);
 }
 
-// sigmoid_mul on rows of `width` (a multiple of 256), a block per row, then
-// the row's Q8_K blocks as quantize_q8k makes them: the gated attention's
-// output, quantized for the out projection without a launch of its own.
-extern "C" __global__ void __launch_bounds__(NORM_THREADS)
-    sigmoid_mul_q8k(float* o, const float* g, u8* q, int width) {
+// sigmoid_mul on rows of `width` (a multiple of 256), then the rows' Q8_K
+// blocks as quantize_q8k makes them: the gated attention's output, quantized
+// for the out projection without a launch of its own. A warp per 256-block
+// (four a block, blockIdx.y the row): its products, then its quantization
+// (a decode row of 16 blocks is 16 warps at once, not 8 warps twice over).
+extern "C" __global__ void __launch_bounds__(128) sigmoid_mul_q8k(float* o, const float* g, u8* q, int width) {
     pdl_wait();
-    i64 r = blockIdx.x;
-    float* orow = o + r * width;
-    const float* grow = g + r * width;
-    for (int i = threadIdx.x; i < width; i += NORM_THREADS) orow[i] = orow[i] * sigmoid(grow[i]);
-    quantize_own_row(orow, q + r * (width / 256) * Q8K_BYTES, width);
+    int nb = width / 256, c = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (c >= nb) return;
+    i64 r = blockIdx.y;
+    float* ob = o + r * width + c * 256;
+    const float* gb = g + r * width + c * 256;
+#pragma unroll
+    for (int t = 0; t < 8; t++) ob[lane + 32 * t] = ob[lane + 32 * t] * sigmoid(gb[lane + 32 * t]);
+    __syncwarp();  // the warp's stores are visible to the warp
+    q8k_block(ob, q + (r * nb + c) * Q8K_BYTES, lane);
 }
 
 // dst[r][c] = src[r][map[c]] for `m` rows.
@@ -2059,8 +2064,9 @@ __device__ __forceinline__ void plan_warp(int id, int n, int k, int pad, int* pl
     int before = __popc(same & ((1u << lane) - 1u));
     int padded = valid && before == 0 ? (__popc(same) + pad - 1) / pad * pad : 0;
     int off = 0;
+    // Lanes from n on hold no pair (padded 0): the sum stops at n.
 #pragma unroll 1
-    for (int j = 0; j < 32; j++) {
+    for (int j = 0; j < n; j++) {
         int idj = __shfl_sync(0xffffffffu, id, j), pj = __shfl_sync(0xffffffffu, padded, j);
         if (pj > 0 && idj < id) off += pj;
     }
@@ -2125,6 +2131,86 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         __syncthreads();
         plan_small_block(ids, m * k, k, e, pad, placed_row, placed_mat, slot, cap, rids);
     }
+}
+
+// One row's routing and plan (decode of one sequence; e <= 1024, k <= 32) by
+// one warp, in compact code: the softmax and the k argmax rounds of
+// route_row's rolled-loop path, over the row held in shared memory, then
+// plan_warp. The same results as `route` and route_plan_small (the argmax
+// rounds are route_row's definition; its sorted-lane shortcut picks the
+// same). Kept small on purpose: ncu (session 12) had route_plan_small, a
+// ~20,000-instruction kernel whose one-row path ran 1,074 distinct
+// instructions on 150 code lines, at ~215 cycles a line, waiting on
+// instruction fetch, not on its arithmetic.
+extern "C" __global__ void __launch_bounds__(32)
+    route_plan_one(float* logits, int* ids, float* wts, int e, int k, int pad, int* placed_row, int* placed_mat,
+                   int* slot, int cap) {
+    pdl_wait();
+    __shared__ float sv[1024];
+    __shared__ int rids[32];
+    int lane = threadIdx.x;
+    int n = (e + 31) / 32;
+    float mx = -INFINITY;
+    // Loads four at a time (one wait on memory per four, not per entry).
+#pragma unroll 4
+    for (int u = 0; u < n; u++) {
+        int i = lane + 32 * u;
+        if (i < e) {
+            float x = logits[i];
+            sv[i] = x;
+            mx = fmaxf(mx, x);
+        }
+    }
+    for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.0f;
+#pragma unroll 1
+    for (int u = 0; u < n; u++) {
+        int i = lane + 32 * u;
+        if (i < e) {
+            float x = expf(sv[i] - mx);
+            sv[i] = x;
+            sum = sum + x;
+        }
+    }
+    for (int o = 16; o > 0; o /= 2) sum = sum + __shfl_xor_sync(0xffffffffu, sum, o);
+#pragma unroll 1
+    for (int u = 0; u < n; u++) {
+        int i = lane + 32 * u;
+        if (i < e) {
+            float x = sv[i] / sum;
+            sv[i] = x;
+            logits[i] = x;
+        }
+    }
+    float tot = 0.0f, keep0 = 0.0f, keep1 = 0.0f;
+    unsigned taken = 0;  // bit u: entry lane + 32u chosen
+#pragma unroll 1
+    for (int s = 0; s < k; s++) {
+        int best = -1;
+        float bv = 0.0f;
+#pragma unroll 4
+        for (int u = 0; u < n; u++) {
+            int i = lane + 32 * u;
+            if (i >= e || ((taken >> u) & 1u)) continue;
+            float x = sv[i];
+            if (best < 0 || x > bv) {
+                best = i;
+                bv = x;
+            }
+        }
+        warp_argmax(bv, best);
+        if ((best & 31) == lane) taken |= 1u << (best / 32);
+        if (lane == 0) {
+            ids[s] = best;
+            rids[s] = best;
+        }
+        keep_pick(keep0, keep1, s, lane, bv);
+        tot = tot + bv;
+    }
+    tot = fmaxf(tot, 6.103515625e-5f);
+    __syncwarp();
+    write_weights(logits, ids, wts, 0, k, lane, keep0, keep1, tot);
+    plan_warp(lane < k ? rids[lane] : -1, k, k, pad, placed_row, placed_mat, slot, cap, lane);
 }
 
 // y[r] = sum over slots s in k order of w[r][s] * out[slot[r][s]] (skipped ids

@@ -6,7 +6,7 @@
 //! Decode and prefill run the same launches with a different row count; every
 //! kernel's per-row arithmetic is independent of it (see `kernels/*.cu`).
 
-use crate::device::{Device, addr, cfg, cfg1, drv, launch, upload_bar};
+use crate::device::{Device, addr, cfg, cfg1, drv, lane_cfg, lane_threads, launch, upload_bar};
 use crate::error::{CudaError, Result};
 use crate::tier::{RESERVE, TierSizes, plan as tier_plan};
 use crate::tiered::{Tier, TierStats};
@@ -96,6 +96,15 @@ pub struct Cuda {
     /// (`gated_norm_q8k`, `sigmoid_mul_q8k`: quantize_q8k's bytes; default,
     /// off with `SAMESUM_CUDA_GN_Q8K=0`): one launch fewer per such layer.
     gn_q8k: bool,
+    /// Decode-sized Q4_K matmuls (one row, GLU, grouped, MoE) with a lane
+    /// per weight row (`mm_q4_k_lane_*`: each lane a whole block's integer
+    /// terms, warp 0 the float steps in block order; the row kernels' bytes;
+    /// default, off with `SAMESUM_CUDA_LANE_ROWS=0`).
+    lane_rows: bool,
+    /// One decode row's routing and plan by one warp in compact code
+    /// (`route_plan_one`; default, off with `SAMESUM_CUDA_ROUTE_ONE=0` for
+    /// route_plan_small's one-row path): the same ids, weights and plan.
+    route_one: bool,
     /// Decode-sized routing (up to 4 rows) by the whole block, each entry's
     /// rank counted by its own thread (opt-in with
     /// `SAMESUM_CUDA_BLOCK_ROUTE=1`; the argmax rounds' ids and weights, as
@@ -410,6 +419,8 @@ const SWITCHES: &[Switch] = &[
     ("SMALL_NORM", |c| c.small_norm, |c, on| c.small_norm = on),
     ("SILU_Q8K", |c| c.silu_q8k, |c, on| c.silu_q8k = on),
     ("GN_Q8K", |c| c.gn_q8k, |c, on| c.gn_q8k = on),
+    ("LANE_ROWS", |c| c.lane_rows, |c, on| c.lane_rows = on),
+    ("ROUTE_ONE", |c| c.route_one, |c, on| c.route_one = on),
     ("BLOCK_ROUTE", |c| c.block_route, |c, on| c.block_route = on),
     ("SMALL_PLAN", |c| c.small_plan, |c, on| c.small_plan = on),
     ("ROW", |c| c.row_kernels, |c, on| c.row_kernels = on),
@@ -728,6 +739,8 @@ impl Cuda {
             small_norm: env_switch("SAMESUM_CUDA_SMALL_NORM", true),
             silu_q8k: env_switch("SAMESUM_CUDA_SILU_Q8K", true),
             gn_q8k: env_switch("SAMESUM_CUDA_GN_Q8K", true),
+            lane_rows: env_switch("SAMESUM_CUDA_LANE_ROWS", true),
+            route_one: env_switch("SAMESUM_CUDA_ROUTE_ONE", true),
             norm_q8k: Mutex::new(None),
             block_route: env_switch("SAMESUM_CUDA_BLOCK_ROUTE", false),
             small_plan: env_switch("SAMESUM_CUDA_SMALL_PLAN", true),
@@ -812,6 +825,22 @@ impl Cuda {
     #[doc(hidden)]
     pub fn set_row_kernels(&mut self, on: bool) {
         self.row_kernels = on;
+    }
+
+    /// Decode-sized Q4_K matmuls with a lane per weight row (`true`, the
+    /// default unless `SAMESUM_CUDA_LANE_ROWS=0`) or a warp per row, for
+    /// comparisons.
+    #[doc(hidden)]
+    pub fn set_lane_rows(&mut self, on: bool) {
+        self.lane_rows = on;
+    }
+
+    /// Route and plan one decode row by one warp in compact code (`true`,
+    /// the default unless `SAMESUM_CUDA_ROUTE_ONE=0`) or by
+    /// route_plan_small, for comparisons.
+    #[doc(hidden)]
+    pub fn set_route_one(&mut self, on: bool) {
+        self.route_one = on;
     }
 
     /// Run a layer's one-row input projections in one launch (`true`, the
@@ -933,7 +962,14 @@ impl Cuda {
         let row_bytes = gate.row_bytes as i32;
         let mats_ptr: u64 = mats.map_or(0, |s| crate::device::addr(d, s));
         let (rows, mi) = (gate.rows as i32, m as i32);
-        let c = cfg((gate.rows.div_ceil(4) as u32, m as u32, 1), 128, 0);
+        let (kernel, c) = if self.lane_rows && gate.ty == GgmlType::Q4_K {
+            ("mm_q4_k_lane_glu_1", lane_cfg(gate.rows, m, nb))
+        } else {
+            (
+                kernel,
+                cfg((gate.rows.div_ceil(4) as u32, m as u32, 1), 128, 0),
+            )
+        };
         launch!(
             d, kernel, c, &bases[0], &bases[1], &stride, &row_bytes, &mats_ptr, a, y, &rows, &mi,
             &nb
@@ -1209,21 +1245,28 @@ impl Cuda {
         } else {
             input.q8k(d)?
         };
+        let lane = self.lane_rows && ty == GgmlType::Q4_K;
+        let per = if lane { 32 } else { 4 };
         let mut mj = crate::device::MmJobs::default();
         let mut blocks = 0u32;
         for (i, (w, y)) in jobs.iter().enumerate() {
             mj.w[i] = self.wptr(w)?;
             mj.y[i] = crate::device::addr(d, y);
             mj.rows[i] = w.rows as i32;
-            blocks += w.rows.div_ceil(4) as u32;
+            blocks += w.rows.div_ceil(per) as u32;
         }
         mj.nj = jobs.len() as i32;
         let nb = (cols / if ty == GgmlType::Q8_0 { 32 } else { 256 }) as i32;
         let (rb, mi) = (row_bytes as i32, 1i32);
+        let (kernel, threads) = if lane {
+            ("mm_q4_k_lane_multi_1", lane_threads(nb))
+        } else {
+            (kernel, 128)
+        };
         launch!(
             d,
             kernel,
-            cfg((blocks, 1, 1), 128, 0),
+            cfg((blocks, 1, 1), threads, 0),
             &mj,
             &rb,
             a,
@@ -1334,7 +1377,23 @@ impl Cuda {
         );
         macro_rules! mm {
             ($k:literal, $k4:literal, $k1:literal, $a:expr, $n:expr) => {
-                if one_row {
+                if one_row && self.lane_rows && w.ty == GgmlType::Q4_K {
+                    let cl = lane_cfg(w.rows, m, *$n);
+                    launch!(
+                        d,
+                        "mm_q4_k_lane_1",
+                        cl,
+                        &wptr,
+                        &stride,
+                        &row_bytes,
+                        &mats_ptr,
+                        $a,
+                        y,
+                        &rows,
+                        &mi,
+                        $n
+                    )
+                } else if one_row {
                     launch!(
                         d, $k1, c1, &wptr, &stride, &row_bytes, &mats_ptr, $a, y, &rows, &mi, $n
                     )
@@ -1779,14 +1838,14 @@ impl Cuda {
         }
         if let Some(g) = gate {
             // With the out projection reading Q8_K rows, the gate writes
-            // them too (a block per row).
+            // them too (a warp per 256-block).
             if self.gn_q8k && k_quant(a.o.ty) && qw.is_multiple_of(256) {
                 let mut q = d.scratch::<u8>(m * qw / 256 * 304)?;
                 let qwi = qw as i32;
                 launch!(
                     d,
                     "sigmoid_mul_q8k",
-                    cfg((m as u32, 1, 1), 256, 0),
+                    cfg(((qw / 256).div_ceil(4) as u32, m as u32, 1), 128, 0),
                     &mut o,
                     &g,
                     &mut q,
@@ -2175,6 +2234,24 @@ impl Cuda {
             let mut placed_row = d.scratch::<i32>(cap)?;
             let mut placed_mat = d.scratch::<i32>(cap)?;
             let mut slot = d.scratch::<i32>(n)?;
+            if self.route_one && m == 1 && k <= 32 && e <= 1024 && block_rows == 0 {
+                launch!(
+                    d,
+                    "route_plan_one",
+                    cfg((1, 1, 1), 32, 0),
+                    logits,
+                    ids,
+                    wts,
+                    &ei,
+                    &ki,
+                    &padi,
+                    &mut placed_row,
+                    &mut placed_mat,
+                    &mut slot,
+                    &capi
+                )?;
+                return Ok((placed_row, placed_mat, slot));
+            }
             launch!(
                 d,
                 "route_plan_small",
@@ -2363,12 +2440,31 @@ impl Cuda {
             rows: [f as i32, f as i32],
             m: [cap as i32, ms as i32],
         };
-        let blocks = (jobs_n * f.div_ceil(4)) as u32;
+        let lane = |t: GgmlType| self.lane_rows && t == GgmlType::Q4_K;
+        let moe_cfg = |t: GgmlType, rows: usize, nb: i32| {
+            if lane(t) {
+                cfg(
+                    ((jobs_n * rows.div_ceil(32)) as u32, cap.max(ms) as u32, 1),
+                    lane_threads(nb),
+                    0,
+                )
+            } else {
+                cfg(
+                    ((jobs_n * rows.div_ceil(4)) as u32, cap.max(ms) as u32, 1),
+                    128,
+                    0,
+                )
+            }
+        };
         let (rb, nbg) = (mw.gate.row_bytes as i32, nb(&mw.gate));
         launch!(
             d,
-            kname(mw.gate.ty, true),
-            cfg((blocks, cap.max(ms) as u32, 1), 128, 0),
+            if lane(mw.gate.ty) {
+                "mm_q4_k_lane_moe_glu_1"
+            } else {
+                kname(mw.gate.ty, true)
+            },
+            moe_cfg(mw.gate.ty, f, nbg),
             &jobs,
             &rb,
             &nbg
@@ -2393,12 +2489,15 @@ impl Cuda {
         jobs.y = [addr(d, &oe), addr(d, &ys)];
         jobs.amap = [0, 0];
         jobs.rows = [dm as i32, dm as i32];
-        let blocks = (jobs_n * dm.div_ceil(4)) as u32;
         let (rb, nbd) = (mw.down.row_bytes as i32, nb(&mw.down));
         launch!(
             d,
-            kname(mw.down.ty, false),
-            cfg((blocks, cap.max(ms) as u32, 1), 128, 0),
+            if lane(mw.down.ty) {
+                "mm_q4_k_lane_moe_1"
+            } else {
+                kname(mw.down.ty, false)
+            },
+            moe_cfg(mw.down.ty, dm, nbd),
             &jobs,
             &rb,
             &nbd

@@ -513,6 +513,11 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_q8_0_1",
             "mm_q4_k_glu_1",
             "mm_q4_k_moe_1",
+            "mm_q4_k_lane_1",
+            "mm_q4_k_lane_glu_1",
+            "mm_q4_k_lane_multi_1",
+            "mm_q4_k_lane_moe_1",
+            "mm_q4_k_lane_moe_glu_1",
             "mm_q5_k_moe_1",
             "mm_q6_k_moe_1",
             "mm_q8_0_moe_1",
@@ -590,6 +595,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "plan_place",
             "plan_small",
             "route_plan_small",
+            "route_plan_one",
             "moe_combine",
             "remap_ids",
         ],
@@ -628,6 +634,21 @@ pub(crate) fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> cudarc::drive
         block_dim: (block, 1, 1),
         shared_mem_bytes: smem,
     }
+}
+
+/// Threads of a lane-row matmul block (`mm_q4_k_lane_*`): a warp per
+/// 256-block of the row up to 16 (LANE_CH in matmul.cu), so a warp computes
+/// one block (two for a GLU) per 16 and short rows leave no warp idle
+/// (session 12: at four warps, the out projections' 64 blocks of 16-block
+/// rows took 11.6 us against the warp-row kernel's 6.6).
+pub(crate) fn lane_threads(nb: i32) -> u32 {
+    32 * nb.clamp(1, 16) as u32
+}
+
+/// A lane-row launch: a block per 32 weight rows (grid x) per input row
+/// (grid y).
+pub(crate) fn lane_cfg(rows: usize, m: usize, nb: i32) -> cudarc::driver::LaunchConfig {
+    cfg((rows.div_ceil(32) as u32, m as u32, 1), lane_threads(nb), 0)
 }
 
 #[cfg(test)]

@@ -244,6 +244,81 @@ fn one_row_kernels_equal_the_tile_kernels() {
     );
 }
 
+/// The lane-row Q4_K kernels (a lane per weight row, `mm_q4_k_lane_*`)
+/// against the warp-row kernels they replace, byte for byte: plain rows with
+/// and without expert ids (unused rows among them), the fused GLU, and rows of
+/// 18 blocks (4,608 columns: two of the kernel's 16-block chunks) and of 2
+/// (the MoE down projection, where the block has two warps), on poisoned
+/// outputs. The forward passes (decode against prefill) cover the grouped
+/// projections and the MoE jobs.
+#[test]
+fn lane_row_matmuls_equal_the_warp_row_kernels() {
+    if !gpu() {
+        return;
+    }
+    let sh = shapes::Shape {
+        hidden: 4608,
+        expert_ff: 512,
+        layers: 1,
+        ..shapes::by_name("tiny-qwen3moe").unwrap()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("m.gguf");
+    write_model(
+        &SynthOptions::new(sh, GgmlType::Q4_K, 19),
+        &p,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let model = Model::load(&p).unwrap();
+    let mut cuda = Cuda::new(0, &model, false).unwrap();
+    let l0 = &model.w.layers[0];
+    let mut mats = vec![&l0.moe.gate, &l0.moe.up, &l0.moe.down];
+    if let Mixer::Attention(a) = &l0.mixer {
+        mats.extend([&a.q, &a.k, &a.v, &a.o]);
+    }
+    let mut rng = Rng::new(41);
+    let (mut checked, mut glus, mut blocks) = (0, 0, std::collections::BTreeSet::new());
+    for w in mats {
+        assert_eq!(w.ty, GgmlType::Q4_K, "{}", w.name);
+        blocks.insert(w.cols / 256);
+        for m in [1, 2, 3, 5, 8, 16] {
+            let (x, ids) = random_rows(&mut rng, w, m, (3, 1));
+            cuda.set_lane_rows(true);
+            let lane = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
+            cuda.set_lane_rows(false);
+            let warp = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
+            assert!(lane.iter().all(|v| v.is_finite()), "{}: non-finite", w.name);
+            assert!(
+                same_bits(&lane, &warp),
+                "{} m={m}: lane rows != warp rows",
+                w.name
+            );
+            checked += 1;
+        }
+    }
+    for m in [1, 2, 7, 16] {
+        let (x, ids) = random_rows(&mut rng, &l0.moe.gate, m, (4, 2));
+        cuda.set_lane_rows(true);
+        let lane = cuda
+            .glu_host(&l0.moe.gate, &l0.moe.up, &x, m, ids.as_deref())
+            .unwrap();
+        cuda.set_lane_rows(false);
+        let warp = cuda
+            .glu_host(&l0.moe.gate, &l0.moe.up, &x, m, ids.as_deref())
+            .unwrap();
+        assert!(lane.iter().all(|v| v.is_finite()), "non-finite GLU");
+        assert!(same_bits(&lane, &warp), "m={m}: lane GLU != warp GLU");
+        glus += 1;
+    }
+    assert!(
+        blocks.contains(&18) && blocks.contains(&2),
+        "block counts covered: {blocks:?}"
+    );
+    cuda.set_lane_rows(true);
+    eprintln!("lane-row cases equal to the warp-row kernels: {checked} matmuls, {glus} GLUs");
+}
+
 /// A layer's input projections in one launch (`mm_*_multi_1`: attention q, k,
 /// v; delta-net qkv, z, beta, alpha) against one matmul each, byte for byte,
 /// every format, one row and a few rows.
@@ -510,11 +585,14 @@ fn the_one_launch_route_and_plan_equal_the_separate_kernels() {
     // (argmax rounds, the ids handed to the plan in shared memory); all
     // against `route` and the three-kernel plan.
     let mut nans = 0;
-    for (block, e) in [false, true]
+    // Modes: one row by route_plan_one (the default), by route_plan_small's
+    // warp path, by the whole block.
+    for (mode, e) in [0, 1, 2]
         .into_iter()
         .flat_map(|b| [8usize, 128, 256, 512, 1024].map(|e| (b, e)))
     {
-        cuda.set_block_route(block);
+        cuda.set_route_one(mode == 0);
+        cuda.set_block_route(mode == 2);
         for k in [1usize, 2, 8] {
             for m in [1usize, 2, 3, 4, 16, 32] {
                 if m * k > 256 || k > e {
