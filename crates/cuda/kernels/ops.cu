@@ -1632,6 +1632,27 @@ __device__ __forceinline__ void write_weights(const float* p, const int* ids, fl
     }
 }
 
+// A round's pick as every argmax path records it: lane 0 stores the id (and
+// in sids, when given), the value is kept for the weights, and added to the
+// running sum in round order.
+__device__ __forceinline__ void record_pick(int* ids, int* sids, int r, int k, int s, int lane, int best, float bv,
+                                            float& keep0, float& keep1, float& tot) {
+    if (lane == 0) {
+        ids[(i64)r * k + s] = best;
+        if (sids) sids[r * k + s] = best;
+    }
+    keep_pick(keep0, keep1, s, lane, bv);
+    tot = tot + bv;
+}
+
+// The picks' weights: each value over their sum clamped at 2^-14.
+__device__ __forceinline__ void finish_weights(const float* p, const int* ids, float* wts, int r, int k, int lane,
+                                               float keep0, float keep1, float tot) {
+    tot = fmaxf(tot, 6.103515625e-5f);
+    __syncwarp();
+    write_weights(p, ids, wts, r, k, lane, keep0, keep1, tot);
+}
+
 // "a before b" in the argmax rounds' order: larger value first, lower id
 // among equals; an absent entry (id -1) after every present one.
 __device__ __forceinline__ bool pick_before(float av, int ai, float bv, int bi) {
@@ -1728,16 +1749,9 @@ __device__ __forceinline__ void topk_row_u(const float* v, const float* p, int* 
                 }
             warp_argmax(bv, best);
             if (best >= 0 && (best & 31) == lane) h++;
-            if (lane == 0) {
-                ids[(i64)r * k + s] = best;
-                if (sids) sids[r * k + s] = best;
-            }
-            keep_pick(keep0, keep1, s, lane, bv);
-            tot = tot + bv;
+            record_pick(ids, sids, r, k, s, lane, best, bv, keep0, keep1, tot);
         }
-        tot = fmaxf(tot, 6.103515625e-5f);
-        __syncwarp();
-        write_weights(p, ids, wts, r, k, lane, keep0, keep1, tot);
+        finish_weights(p, ids, wts, r, k, lane, keep0, keep1, tot);
         return;
     }
     unsigned long long taken = 0;  // bit u: entry lane + 32u chosen (e <= 2048)
@@ -1755,16 +1769,9 @@ __device__ __forceinline__ void topk_row_u(const float* v, const float* p, int* 
         }
         warp_argmax(bv, best);
         if ((best & 31) == lane) taken |= 1ull << (best / 32);
-        if (lane == 0) {
-            ids[(i64)r * k + s] = best;
-            if (sids) sids[r * k + s] = best;
-        }
-        keep_pick(keep0, keep1, s, lane, bv);
-        tot = tot + bv;
+        record_pick(ids, sids, r, k, s, lane, best, bv, keep0, keep1, tot);
     }
-    tot = fmaxf(tot, 6.103515625e-5f);
-    __syncwarp();
-    write_weights(p, ids, wts, r, k, lane, keep0, keep1, tot);
+    finish_weights(p, ids, wts, r, k, lane, keep0, keep1, tot);
 }
 
 template <int U>
@@ -1867,16 +1874,9 @@ __device__ __forceinline__ void route_row_mem(float* logits, int* ids, float* wt
         }
         warp_argmax(bv, best);
         if ((best & 31) == lane) taken |= 1ull << (best / 32);
-        if (lane == 0) {
-            ids[(i64)r * k + s] = best;
-            if (sids) sids[r * k + s] = best;
-        }
-        keep_pick(keep0, keep1, s, lane, bv);
-        tot = tot + bv;
+        record_pick(ids, sids, r, k, s, lane, best, bv, keep0, keep1, tot);
     }
-    tot = fmaxf(tot, 6.103515625e-5f);
-    __syncwarp();
-    write_weights(p, ids, wts, r, k, lane, keep0, keep1, tot);
+    finish_weights(p, ids, wts, r, k, lane, keep0, keep1, tot);
 }
 
 // Routing of row r: softmax (max; exp; the sum with lane l over entries l,
@@ -2201,6 +2201,7 @@ extern "C" __global__ void __launch_bounds__(32)
         }
         warp_argmax(bv, best);
         if ((best & 31) == lane) taken |= 1u << (best / 32);
+        // record_pick's steps, with the shared-memory copy unconditional.
         if (lane == 0) {
             ids[s] = best;
             rids[s] = best;
@@ -2208,9 +2209,7 @@ extern "C" __global__ void __launch_bounds__(32)
         keep_pick(keep0, keep1, s, lane, bv);
         tot = tot + bv;
     }
-    tot = fmaxf(tot, 6.103515625e-5f);
-    __syncwarp();
-    write_weights(logits, ids, wts, 0, k, lane, keep0, keep1, tot);
+    finish_weights(logits, ids, wts, 0, k, lane, keep0, keep1, tot);
     plan_warp(lane < k ? rids[lane] : -1, k, k, pad, placed_row, placed_mat, slot, cap, lane);
 }
 

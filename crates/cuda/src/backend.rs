@@ -35,6 +35,43 @@ pub const FORMATS: &[GgmlType] = &[
     GgmlType::Q6_K,
 ];
 
+/// The expert plan computed on the host, the reference the plan kernels are
+/// tested against (`plan_count`/`plan_scan`/`plan_place`, `plan_small`,
+/// `plan_warp`): each expert's pair count rounded up to `pad`, their
+/// exclusive scan in expert order, pair t (token t / k) placed at its
+/// expert's offset plus the earlier pairs of that expert; ids of -1 are
+/// skipped. Returns (placed rows, placed experts, slots), unused places -1.
+#[doc(hidden)]
+pub fn plan_reference(
+    ids: &[i32],
+    k: usize,
+    e: usize,
+    pad: usize,
+    cap: usize,
+) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+    let mut off = vec![0usize; e];
+    for &i in ids.iter().filter(|&&i| i >= 0) {
+        off[i as usize] += 1;
+    }
+    let mut run = 0;
+    for o in off.iter_mut() {
+        let count = *o;
+        *o = run;
+        run += count.div_ceil(pad) * pad;
+    }
+    let (mut row, mut mat, mut slot) = (vec![-1; cap], vec![-1; cap], vec![-1; ids.len()]);
+    for (t, &i) in ids.iter().enumerate() {
+        if i >= 0 {
+            let dst = off[i as usize];
+            off[i as usize] += 1;
+            row[dst] = (t / k) as i32;
+            mat[dst] = i;
+            slot[t] = dst as i32;
+        }
+    }
+    (row, mat, slot)
+}
+
 /// The CUDA backend for one model.
 pub struct Cuda {
     dev: Device,
@@ -3511,41 +3548,6 @@ mod topk_tests {
         assert!(cases > 1000);
     }
 
-    /// plan_small_block: padded counts per expert, their exclusive scan in
-    /// expert order, pair t at its expert's offset plus the earlier pairs of
-    /// that expert. Returns (placed rows, placed experts, slots).
-    fn block_plan(
-        ids: &[i32],
-        k: usize,
-        e: usize,
-        pad: usize,
-        cap: usize,
-    ) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
-        let mut cnt = vec![0usize; e];
-        for &i in ids {
-            if i >= 0 {
-                cnt[i as usize] += 1;
-            }
-        }
-        let mut off = vec![0usize; e];
-        let mut run = 0;
-        for x in 0..e {
-            off[x] = run;
-            run += cnt[x].div_ceil(pad) * pad;
-        }
-        let (mut row, mut mat, mut slot) = (vec![-1; cap], vec![-1; cap], vec![-1; ids.len()]);
-        for (t, &i) in ids.iter().enumerate() {
-            if i >= 0 {
-                let before = ids[..t].iter().filter(|&&q| q == i).count();
-                let dst = off[i as usize] + before;
-                row[dst] = (t / k) as i32;
-                mat[dst] = i;
-                slot[t] = dst as i32;
-            }
-        }
-        (row, mat, slot)
-    }
-
     /// plan_warp: a match per expert, places counted below the lane, offsets
     /// summed from the first lanes of the experts with lower ids.
     fn warp_plan(ids: &[i32], k: usize, pad: usize, cap: usize) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
@@ -3600,7 +3602,7 @@ mod topk_tests {
             let cap = n + e.min(n) * (pad - 1);
             assert_eq!(
                 warp_plan(&ids, k, pad, cap),
-                block_plan(&ids, k, e, pad, cap),
+                super::plan_reference(&ids, k, e, pad, cap),
                 "ids {ids:?} k {k} pad {pad}"
             );
         }

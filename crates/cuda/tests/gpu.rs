@@ -262,15 +262,7 @@ fn lane_row_matmuls_equal_the_warp_row_kernels() {
         layers: 1,
         ..shapes::by_name("tiny-qwen3moe").unwrap()
     };
-    let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("m.gguf");
-    write_model(
-        &SynthOptions::new(sh, GgmlType::Q4_K, 19),
-        &p,
-        &mut |_, _| {},
-    )
-    .unwrap();
-    let model = Model::load(&p).unwrap();
+    let (_dir, model) = synth_shape(sh, GgmlType::Q4_K, 19);
     let mut cuda = Cuda::new(0, &model, false).unwrap();
     let l0 = &model.w.layers[0];
     let mut mats = vec![&l0.moe.gate, &l0.moe.up, &l0.moe.down];
@@ -707,30 +699,7 @@ fn the_one_launch_plan_equals_the_three_kernel_plan() {
                         .collect();
                     // Host reference.
                     let cap = n + e.min(n) * (pad - 1);
-                    let mut counts = vec![0usize; e];
-                    for &i in &ids {
-                        if i >= 0 {
-                            counts[i as usize] += 1;
-                        }
-                    }
-                    let mut off = vec![0usize; e];
-                    let mut run = 0;
-                    for x in 0..e {
-                        off[x] = run;
-                        run += counts[x].div_ceil(pad) * pad;
-                    }
-                    let (mut rows, mut mats, mut slot) =
-                        (vec![-1i32; cap], vec![-1i32; cap], vec![-1i32; n]);
-                    for (p, &i) in ids.iter().enumerate() {
-                        if i >= 0 {
-                            let dst = off[i as usize];
-                            off[i as usize] += 1;
-                            rows[dst] = (p / k) as i32;
-                            mats[dst] = i;
-                            slot[p] = dst as i32;
-                        }
-                    }
-                    let want = (rows, mats, slot);
+                    let want = samesum_cuda::backend::plan_reference(&ids, k, e, pad, cap);
                     let small = cuda.plan_host(&ids, k, e, pad, true).unwrap();
                     let three = cuda.plan_host(&ids, k, e, pad, false).unwrap();
                     assert_eq!(
