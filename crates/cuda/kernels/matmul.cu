@@ -544,20 +544,26 @@ MM_GLU_KERNEL(mm_q8_0_glu_1, FmtQ8_0)
 // Byte i (constant) of a Q4_K block's scales[12], held in three words.
 __device__ __forceinline__ int sbyte(const u32 (&S)[3], int i) { return (int)((S[i / 4] >> (8 * (i % 4))) & 0xffu); }
 
-// The isum and msum of one Q4_K block (k4_scale_min's scales and mins per
-// sub-block, dot32's products) against a Q8_K block; dd = the block's d and
-// dmin (f16 pair).
-__device__ __forceinline__ void q4k_lane_block(const u8* blk, const u8* ab, int& isum, int& msum, u32& dd) {
-    uint4 h = *(const uint4*)blk;
-    dd = h.x;
-    const u32 S[3] = {h.y, h.z, h.w};
+// A Q4_K block (144 bytes) in nine 16-byte words: d, dmin and scales[12],
+// then qs[128].
+#define Q4K_WORDS 9
+__device__ __forceinline__ void q4k_lane_load(const u8* blk, uint4 (&q)[Q4K_WORDS]) {
+#pragma unroll
+    for (int i = 0; i < Q4K_WORDS; i++) q[i] = ((const uint4*)blk)[i];
+}
+
+// The isum and msum of one Q4_K block held in registers (k4_scale_min's
+// scales and mins per sub-block, dot32's products) against a Q8_K block `ab`
+// (global or shared memory); the block's d and dmin (f16 pair) are q[0].x.
+__device__ __forceinline__ void q4k_lane_dot(const uint4 (&blk)[Q4K_WORDS], const u8* ab, int& isum, int& msum) {
+    const u32 S[3] = {blk[0].y, blk[0].z, blk[0].w};
     int4 bw0 = ld_i4(ab + Q8K_BSUMS), bw1 = ld_i4(ab + Q8K_BSUMS + 16);
     const int bw[8] = {bw0.x, bw0.y, bw0.z, bw0.w, bw1.x, bw1.y, bw1.z, bw1.w};
     int is = 0, ms = 0;
 #pragma unroll
     for (int p = 0; p < 4; p++) {
-        uint4 q0 = *(const uint4*)(blk + 16 + 32 * p);
-        uint4 q1 = *(const uint4*)(blk + 32 + 32 * p);
+        uint4 q0 = blk[1 + 2 * p];
+        uint4 q1 = blk[2 + 2 * p];
         const u32 q[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
         int4 a0 = ld_i4(ab + 64 * p), a1 = ld_i4(ab + 64 * p + 16);
         int4 a2 = ld_i4(ab + 64 * p + 32), a3 = ld_i4(ab + 64 * p + 48);
@@ -589,49 +595,83 @@ __device__ __forceinline__ void q4k_lane_block(const u8* blk, const u8* ab, int&
     msum = ms;
 }
 
+// One block of 32 rows against one activation row. Per chunk of up to
+// LANE_CH blocks of K: each lane loads its rows' block first (both matrices
+// of a GLU; with `early`, the first chunk's before pdl_wait, as the weights
+// never change and their addresses need nothing a previous kernel writes),
+// the block's threads copy the chunk's activation blocks into shared memory
+// beside those loads, and only then does any arithmetic wait on memory.
+// Integer terms per (row, block) are exact, so where they are computed does
+// not change them; warp 0's float steps run in block order as before.
 template <int NW>
 __device__ void mm_lane(const u8* W, const u8* W2, i64 mat_stride, int row_bytes, const int* mats,
-                        const u8* A, float* Y, int rows, int m, int nb, int jb, const int* amap) {
+                        const u8* A, float* Y, int rows, int m, int nb, int jb, const int* amap, bool early) {
     __shared__ int4 part[NW][LANE_CH][32];
+    __shared__ __align__(16) u8 act[LANE_CH * Q8K_BYTES];
     int kw = blockDim.x / 32, w = threadIdx.x / 32, lane = threadIdx.x % 32;
     int r = blockIdx.y;
-    if (r >= m) return;  // the whole block
     int j = jb * 32 + lane;
-    bool live = j < rows;
+    bool live = j < rows && r < m;
+    uint4 q[NW][Q4K_WORDS];
+    const u8* wr[NW];
+    if (early) {  // no expert ids: the rows are known before the wait
+        wr[0] = W + (i64)j * row_bytes;
+        if (NW == 2) wr[NW - 1] = W2 + (i64)j * row_bytes;
+        if (live && w < nb) {
+#pragma unroll
+            for (int v = 0; v < NW; v++) q4k_lane_load(wr[v] + (i64)w * FmtQ4K::BYTES, q[v]);
+        }
+    }
+    pdl_wait();
+    if (r >= m) return;  // the whole block
     int mat = mats ? mats[r] : 0;
     if (mat < 0) {  // the whole block: an unused row
         if (w == 0 && live) Y[(i64)r * rows + j] = 0.0f;
         return;
     }
-    const u8* wr[NW];
-    wr[0] = W + mat * mat_stride + (i64)j * row_bytes;
-    if (NW == 2) wr[NW - 1] = W2 + mat * mat_stride + (i64)j * row_bytes;
+    if (!early) {
+        wr[0] = W + mat * mat_stride + (i64)j * row_bytes;
+        if (NW == 2) wr[NW - 1] = W2 + mat * mat_stride + (i64)j * row_bytes;
+    }
     const u8* ar = A + (i64)(amap ? amap[r] : r) * nb * Q8K_BYTES;
     float acc[NW];
 #pragma unroll
     for (int v = 0; v < NW; v++) acc[v] = 0.0f;
     for (int b0 = 0; b0 < nb; b0 += LANE_CH) {
         int be = min(nb, b0 + LANE_CH);
-        if (live)
-            for (int b = b0 + w; b < be; b += kw) {
-                // One matrix at a time (the GLU's two in turn: fewer live
-                // registers).
-#pragma unroll 1
-                for (int v = 0; v < NW; v++) {
-                    int is, ms;
-                    u32 dd;
-                    const u8* wv = v == 0 ? wr[0] : wr[NW - 1];
-                    q4k_lane_block(wv + (i64)b * FmtQ4K::BYTES, ar + (i64)b * Q8K_BYTES, is, ms, dd);
-                    part[v][b - b0][lane] = make_int4(is, ms, (int)dd, 0);
-                }
-            }
+        int b = b0 + w;
+        if (live && b < be && !(early && b0 == 0)) {
+#pragma unroll
+            for (int v = 0; v < NW; v++) q4k_lane_load(wr[v] + (i64)b * FmtQ4K::BYTES, q[v]);
+        }
+        int pieces = (be - b0) * (Q8K_BYTES / 16);
+        for (int t = threadIdx.x; t < pieces; t += blockDim.x) cp_async16(act + 16 * t, ar + (i64)b0 * Q8K_BYTES + 16 * t, true);
+        cp_async_commit();
+        cp_async_wait<0>();
         __syncthreads();
-        if (w == 0 && live)
-            for (int b = b0; b < be; b++) {
-                float da = *(const float*)(ar + (i64)b * Q8K_BYTES + Q8K_D);
+        // kw = min(16, nb) warps: one block a warp per chunk; the loop only
+        // runs further under a narrower launch.
+        for (; b < be; b += kw) {
+            if (b != b0 + w && live) {
+#pragma unroll
+                for (int v = 0; v < NW; v++) q4k_lane_load(wr[v] + (i64)b * FmtQ4K::BYTES, q[v]);
+            }
+            if (live) {
 #pragma unroll
                 for (int v = 0; v < NW; v++) {
-                    int4 t = part[v][b - b0][lane];
+                    int is, ms;
+                    q4k_lane_dot(q[v], act + (b - b0) * Q8K_BYTES, is, ms);
+                    part[v][b - b0][lane] = make_int4(is, ms, (int)q[v][0].x, 0);
+                }
+            }
+        }
+        __syncthreads();
+        if (w == 0 && live)
+            for (int bb = b0; bb < be; bb++) {
+                float da = *(const float*)(act + (bb - b0) * Q8K_BYTES + Q8K_D);
+#pragma unroll
+                for (int v = 0; v < NW; v++) {
+                    int4 t = part[v][bb - b0][lane];
                     u32 dd = (u32)t.z;
                     acc[v] = step_min(acc[v], f16_to_f32((u16)(dd & 0xffff)), f16_to_f32((u16)(dd >> 16)), da,
                                       t.x, t.y);
@@ -645,24 +685,21 @@ __device__ void mm_lane(const u8* W, const u8* W2, i64 mat_stride, int row_bytes
 
 // The lane-row forms of mm_q4_k_1, _glu_1, _multi_1, _moe_1 and _moe_glu_1:
 // the same arguments, a block per 32 rows (grid x), blockIdx.y the input row,
-// 32 x min(16, nb) threads.
-extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1)
+// 32 x min(16, nb) threads. The one-matrix kernels are held to 80 registers
+// (three blocks of eight warps an SM); pdl_wait is in mm_lane.
+extern "C" __global__ void __maxnreg__(80)
     mm_q4_k_lane_1(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, int rows,
                    int m, int nb) {
-    pdl_wait();
-    mm_lane<1>(W, nullptr, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x, nullptr);
+    mm_lane<1>(W, nullptr, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x, nullptr, mats == nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1)
     mm_q4_k_lane_glu_1(const u8* Wg, const u8* Wu, i64 mat_stride, int row_bytes, const int* mats, const u8* A,
                        float* Y, int rows, int m, int nb) {
-    pdl_wait();
-    mm_lane<2>(Wg, Wu, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x, nullptr);
+    mm_lane<2>(Wg, Wu, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x, nullptr, mats == nullptr);
 }
 
-extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1) mm_q4_k_lane_multi_1(MmJobs jobs, int row_bytes, const u8* A, int m,
-                                                                       int nb) {
-    pdl_wait();
+extern "C" __global__ void __maxnreg__(80) mm_q4_k_lane_multi_1(MmJobs jobs, int row_bytes, const u8* A, int m, int nb) {
     int bx = blockIdx.x, j = 0;
     int c0 = (jobs.rows[0] + 31) / 32, c1 = (jobs.rows[1] + 31) / 32, c2 = (jobs.rows[2] + 31) / 32;
     if (jobs.nj > 1 && bx >= c0) {
@@ -675,9 +712,11 @@ extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1) mm_q4_k_lane_multi
     const u8* w = j == 0 ? jobs.w[0] : j == 1 ? jobs.w[1] : j == 2 ? jobs.w[2] : jobs.w[3];
     float* y = j == 0 ? jobs.y[0] : j == 1 ? jobs.y[1] : j == 2 ? jobs.y[2] : jobs.y[3];
     int rows = j == 0 ? jobs.rows[0] : j == 1 ? jobs.rows[1] : j == 2 ? jobs.rows[2] : jobs.rows[3];
-    mm_lane<1>(w, nullptr, 0, row_bytes, nullptr, A, y, rows, m, nb, bx, nullptr);
+    mm_lane<1>(w, nullptr, 0, row_bytes, nullptr, A, y, rows, m, nb, bx, nullptr, true);
 }
 
+// Expert ids and input rows come from the routing kernel: no loads before
+// the wait.
 template <int NW>
 __device__ __forceinline__ void mm_lane_moe(const MoeJobs& jobs, int row_bytes, int nb) {
     int c0 = (jobs.rows[0] + 31) / 32, bx = blockIdx.x, j = 0;
@@ -685,16 +724,14 @@ __device__ __forceinline__ void mm_lane_moe(const MoeJobs& jobs, int row_bytes, 
     mm_lane<NW>(j ? jobs.wg[1] : jobs.wg[0], j ? jobs.wu[1] : jobs.wu[0], j ? jobs.stride[1] : jobs.stride[0],
                 row_bytes, j ? jobs.mats[1] : jobs.mats[0], j ? jobs.a[1] : jobs.a[0], j ? jobs.y[1] : jobs.y[0],
                 j ? jobs.rows[1] : jobs.rows[0], j ? jobs.m[1] : jobs.m[0], nb, bx,
-                j ? jobs.amap[1] : jobs.amap[0]);
+                j ? jobs.amap[1] : jobs.amap[0], false);
 }
 
-extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1) mm_q4_k_lane_moe_1(MoeJobs jobs, int row_bytes, int nb) {
-    pdl_wait();
+extern "C" __global__ void __maxnreg__(80) mm_q4_k_lane_moe_1(MoeJobs jobs, int row_bytes, int nb) {
     mm_lane_moe<1>(jobs, row_bytes, nb);
 }
 
 extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1) mm_q4_k_lane_moe_glu_1(MoeJobs jobs, int row_bytes, int nb) {
-    pdl_wait();
     mm_lane_moe<2>(jobs, row_bytes, nb);
 }
 
