@@ -96,14 +96,10 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 // part[t + o], t = l + 32 j) are a_j + a_{j+4}, then b_j + b_{j+2}, then
 // c_0 + c_1 within the lane, and its last five levels the same shuffles.
 // The same sum, scale and products as rms_norm, so the same bytes.
-extern "C" __global__ void __launch_bounds__(256)
-    rms_norm_small(const float* x, const float* w, float* y, int rows, int width, float eps) {
-    pdl_wait();
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    i64 r = (i64)blockIdx.x * 8 + warp;
-    if (r >= rows) return;
-    const float* xr = x + r * width;
-    float* yr = y + r * width;
+// One row of up to 256 by one warp (rms_norm_small's arithmetic); xr and
+// yr may be global or shared memory.
+__device__ __forceinline__ void norm_small_row(const float* xr, const float* w, float* yr, int width, float eps,
+                                               int lane) {
     float v[8], wv[8];
     double a[8];
 #pragma unroll
@@ -127,6 +123,15 @@ extern "C" __global__ void __launch_bounds__(256)
         int i = lane + 32 * j;
         if (i < width) yr[i] = (v[j] * scale) * wv[j];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    rms_norm_small(const float* x, const float* w, float* y, int rows, int width, float eps) {
+    pdl_wait();
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    i64 r = (i64)blockIdx.x * 8 + warp;
+    if (r >= rows) return;
+    norm_small_row(x + r * width, w, y + r * width, width, eps, lane);
 }
 
 // rms_norm and add_rms_norm that also write each output row as Q8_K blocks
@@ -252,6 +257,18 @@ extern "C" __global__ void gather_words(const int4* src, const int* rows, int4* 
 // The sequence position (`pos0` of the kernels below) is read from device
 // memory, so a recorded decode step (a CUDA graph) replays at any position.
 
+// NeoX RoPE of pair (i, i + n_rot / 2) of one head at position `pos`.
+__device__ __forceinline__ void rope_pair(float* head, int i, int n_rot, float theta, int pos) {
+    int half = n_rot / 2;
+    float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)n_rot);
+    float ang = (float)pos * inv_freq;
+    float sn, cs;
+    sincosf(ang, &sn, &cs);
+    float a = head[i], b = head[i + half];
+    head[i] = a * cs - b * sn;
+    head[i + half] = b * cs + a * sn;
+}
+
 // NeoX RoPE on the first n_rot dims of each head of `m` rows at pos0 + r.
 extern "C" __global__ void rope(float* x, int m, int heads, int hd, int n_rot, float theta, const int* posp) {
     pdl_wait();
@@ -262,14 +279,7 @@ extern "C" __global__ void rope(float* x, int m, int heads, int hd, int n_rot, f
     int i = (int)(t % half);
     int h = (int)((t / half) % heads);
     int r = (int)(t / ((i64)half * heads));
-    float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)n_rot);
-    float ang = (float)(pos0 + r) * inv_freq;
-    float sn, cs;
-    sincosf(ang, &sn, &cs);
-    float* head = x + ((i64)r * heads + h) * hd;
-    float a = head[i], b = head[i + half];
-    head[i] = a * cs - b * sn;
-    head[i + half] = b * cs + a * sn;
+    rope_pair(x + ((i64)r * heads + h) * hd, i, n_rot, theta, pos0 + r);
 }
 
 // Write m rows of k and v (kvw wide) to the cache at positions pos0.. (f32 or f16).
@@ -286,6 +296,57 @@ extern "C" __global__ void kv_write(const float* k, const float* v, void* ck, vo
     } else {
         ((float*)ck)[at] = k[i];
         ((float*)cv)[at] = v[i];
+    }
+}
+
+// An attention layer's head norms, RoPE and KV write in one launch, for
+// every m: a warp per (row, head), the q heads of all rows, then the k heads.
+// Each head is normed as rms_norm_small does (norm_small_row) into the warp's
+// shared row, roped there pair by pair as `rope` does (rope_pair), then
+// stored: q heads to `q` (m x hq x hd), k heads to the cache as kv_write
+// stores them, with the same head of v. q is read in place from the
+// projection's rows (`q_row` floats a row, `q_head` floats between heads:
+// the gated projection interleaves q and gate heads).
+extern "C" __global__ void __launch_bounds__(256)
+    qk_norm_rope_kv(const float* qsrc, int q_row, int q_head, const float* k, const float* v, const float* qnw,
+                    const float* knw, float* q, void* ck, void* cv, const int* posp, int m, int hq, int hkv, int hd,
+                    int n_rot, float theta, float eps, int f16) {
+    pdl_wait();
+    __shared__ float rowbuf[8][256];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    i64 g = (i64)blockIdx.x * 8 + warp;
+    if (g >= (i64)m * (hq + hkv)) return;
+    int pos0 = *posp;
+    float* sr = rowbuf[warp];
+    bool isq = g < (i64)m * hq;
+    int r, h;
+    if (isq) {
+        r = (int)(g / hq), h = (int)(g % hq);
+        norm_small_row(qsrc + (i64)r * q_row + (i64)h * q_head, qnw, sr, hd, eps, lane);
+    } else {
+        i64 gk = g - (i64)m * hq;
+        r = (int)(gk / hkv), h = (int)(gk % hkv);
+        norm_small_row(k + ((i64)r * hkv + h) * hd, knw, sr, hd, eps, lane);
+    }
+    __syncwarp();
+    for (int i = lane; i < n_rot / 2; i += 32) rope_pair(sr, i, n_rot, theta, pos0 + r);
+    __syncwarp();
+    if (isq) {
+        float* qo = q + ((i64)r * hq + h) * hd;
+        for (int i = lane; i < hd; i += 32) qo[i] = sr[i];
+        return;
+    }
+    int kvw = hkv * hd;
+    i64 at = (i64)(pos0 + r) * kvw + (i64)h * hd;
+    const float* vr = v + (i64)r * kvw + (i64)h * hd;
+    for (int i = lane; i < hd; i += 32) {
+        if (f16) {
+            ((u16*)ck)[at + i] = f32_to_f16(sr[i]);
+            ((u16*)cv)[at + i] = f32_to_f16(vr[i]);
+        } else {
+            ((float*)ck)[at + i] = sr[i];
+            ((float*)cv)[at + i] = vr[i];
+        }
     }
 }
 

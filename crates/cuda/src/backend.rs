@@ -142,6 +142,11 @@ pub struct Cuda {
     /// (`route_plan_one`; default, off with `SAMESUM_CUDA_ROUTE_ONE=0` for
     /// route_plan_small's one-row path): the same ids, weights and plan.
     route_one: bool,
+    /// An attention layer's q and k head norms, RoPE and KV write in one
+    /// launch for every m (`qk_norm_rope_kv`: rms_norm_small's, rope's and
+    /// kv_write's arithmetic, q read in place from the projection; default,
+    /// off with `SAMESUM_CUDA_QK_FUSE=0`).
+    qk_fuse: bool,
     /// Decode-sized routing (up to 4 rows) by the whole block, each entry's
     /// rank counted by its own thread (opt-in with
     /// `SAMESUM_CUDA_BLOCK_ROUTE=1`; the argmax rounds' ids and weights, as
@@ -458,6 +463,7 @@ const SWITCHES: &[Switch] = &[
     ("GN_Q8K", |c| c.gn_q8k, |c, on| c.gn_q8k = on),
     ("LANE_ROWS", |c| c.lane_rows, |c, on| c.lane_rows = on),
     ("ROUTE_ONE", |c| c.route_one, |c, on| c.route_one = on),
+    ("QK_FUSE", |c| c.qk_fuse, |c, on| c.qk_fuse = on),
     ("BLOCK_ROUTE", |c| c.block_route, |c, on| c.block_route = on),
     ("SMALL_PLAN", |c| c.small_plan, |c, on| c.small_plan = on),
     ("ROW", |c| c.row_kernels, |c, on| c.row_kernels = on),
@@ -778,6 +784,7 @@ impl Cuda {
             gn_q8k: env_switch("SAMESUM_CUDA_GN_Q8K", true),
             lane_rows: env_switch("SAMESUM_CUDA_LANE_ROWS", true),
             route_one: env_switch("SAMESUM_CUDA_ROUTE_ONE", true),
+            qk_fuse: env_switch("SAMESUM_CUDA_QK_FUSE", true),
             norm_q8k: Mutex::new(None),
             block_route: env_switch("SAMESUM_CUDA_BLOCK_ROUTE", false),
             small_plan: env_switch("SAMESUM_CUDA_SMALL_PLAN", true),
@@ -1732,76 +1739,117 @@ impl Cuda {
         let mut v = d.scratch::<f32>(m * kvw)?;
         let xin = Input::with_q8k(x, m, pre);
         self.mm_group(&xin, &mut [(&a.q, &mut qg), (&a.k, &mut k), (&a.v, &mut v)])?;
-        let (q_raw, gate) = if a.gated {
-            let mut q = d.scratch::<f32>(m * qw)?;
+        self.sync_pos(st)?;
+        let (ck, cv) = st.kv[l].as_mut().ok_or_else(|| CudaError::Driver {
+            op: "attention".into(),
+            msg: format!("layer {l} has no KV cache"),
+        })?;
+        let (mi, hqi, hkvi, hdi, nrot) =
+            (m as i32, hq as i32, hkv as i32, hd as i32, hp.n_rot as i32);
+        let (kvwi, f16) = (kvw as i32, st.f16 as i32);
+        let pos0 = &st.pos_dev;
+        let theta = hp.rope_theta;
+        // The gate's columns of a gated projection (head h's q at 2 h hd,
+        // its gate at 2 h hd + hd).
+        let gate = if a.gated {
             let mut g = d.scratch::<f32>(m * qw)?;
-            let mq = self.map((0, hq, hd, 0), || {
-                (0..qw)
-                    .map(|c| ((c / hd) * 2 * hd + c % hd) as i32)
-                    .collect()
-            })?;
             let mg = self.map((1, hq, hd, 0), || {
                 (0..qw)
                     .map(|c| ((c / hd) * 2 * hd + hd + c % hd) as i32)
                     .collect()
             })?;
-            self.copy_cols(&qg, 2 * qw, &mut q, qw, mq, m)?;
             self.copy_cols(&qg, 2 * qw, &mut g, qw, mg, m)?;
-            (q, Some(g))
+            Some(g)
         } else {
-            (qg, None)
+            None
         };
         let mut q = d.scratch::<f32>(m * qw)?;
-        self.rms_norm_rows(&q_raw, &a.q_norm, m * hq, hp.eps, &mut q)?;
-        let mut kn = d.scratch::<f32>(m * kvw)?;
-        self.rms_norm_rows(&k, &a.k_norm, m * hkv, hp.eps, &mut kn)?;
-        self.sync_pos(st)?;
-        let (mi, hqi, hkvi, hdi, nrot) =
-            (m as i32, hq as i32, hkv as i32, hd as i32, hp.n_rot as i32);
-        let pos0 = &st.pos_dev;
-        let theta = hp.rope_theta;
-        launch!(
-            d,
-            "rope",
-            cfg1(m * hq * hp.n_rot / 2),
-            &mut q,
-            &mi,
-            &hqi,
-            &hdi,
-            &nrot,
-            &theta,
-            pos0
-        )?;
-        launch!(
-            d,
-            "rope",
-            cfg1(m * hkv * hp.n_rot / 2),
-            &mut kn,
-            &mi,
-            &hkvi,
-            &hdi,
-            &nrot,
-            &theta,
-            pos0
-        )?;
-        let (ck, cv) = st.kv[l].as_mut().ok_or_else(|| CudaError::Driver {
-            op: "attention".into(),
-            msg: format!("layer {l} has no KV cache"),
-        })?;
-        let (kvwi, f16) = (kvw as i32, st.f16 as i32);
-        launch!(
-            d,
-            "kv_write",
-            cfg1(m * kvw),
-            &kn,
-            &v,
-            &mut *ck,
-            &mut *cv,
-            pos0,
-            &mi,
-            &kvwi,
-            &f16
-        )?;
+        if self.qk_fuse && self.small_norm && hd <= 256 {
+            let (q_row, q_head) = if a.gated {
+                (2 * qw as i32, 2 * hdi)
+            } else {
+                (qw as i32, hdi)
+            };
+            let (qn, kn) = (self.vec(&a.q_norm)?, self.vec(&a.k_norm)?);
+            let eps = hp.eps;
+            launch!(
+                d,
+                "qk_norm_rope_kv",
+                cfg(((m * (hq + hkv)).div_ceil(8) as u32, 1, 1), 256, 0),
+                &qg,
+                &q_row,
+                &q_head,
+                &k,
+                &v,
+                qn,
+                kn,
+                &mut q,
+                &mut *ck,
+                &mut *cv,
+                pos0,
+                &mi,
+                &hqi,
+                &hkvi,
+                &hdi,
+                &nrot,
+                &theta,
+                &eps,
+                &f16
+            )?;
+        } else {
+            let q_raw = if a.gated {
+                let mut q = d.scratch::<f32>(m * qw)?;
+                let mq = self.map((0, hq, hd, 0), || {
+                    (0..qw)
+                        .map(|c| ((c / hd) * 2 * hd + c % hd) as i32)
+                        .collect()
+                })?;
+                self.copy_cols(&qg, 2 * qw, &mut q, qw, mq, m)?;
+                q
+            } else {
+                qg
+            };
+            self.rms_norm_rows(&q_raw, &a.q_norm, m * hq, hp.eps, &mut q)?;
+            let mut kn = d.scratch::<f32>(m * kvw)?;
+            self.rms_norm_rows(&k, &a.k_norm, m * hkv, hp.eps, &mut kn)?;
+            launch!(
+                d,
+                "rope",
+                cfg1(m * hq * hp.n_rot / 2),
+                &mut q,
+                &mi,
+                &hqi,
+                &hdi,
+                &nrot,
+                &theta,
+                pos0
+            )?;
+            launch!(
+                d,
+                "rope",
+                cfg1(m * hkv * hp.n_rot / 2),
+                &mut kn,
+                &mi,
+                &hkvi,
+                &hdi,
+                &nrot,
+                &theta,
+                pos0
+            )?;
+            launch!(
+                d,
+                "kv_write",
+                cfg1(m * kvw),
+                &kn,
+                &v,
+                &mut *ck,
+                &mut *cv,
+                pos0,
+                &mi,
+                &kvwi,
+                &f16
+            )?;
+        }
         let mut o = d.scratch::<f32>(m * qw)?;
         let scale = 1.0f32 / (hd as f32).sqrt();
         let gs = hq / hkv;

@@ -340,7 +340,7 @@ impl Device {
     }
 
     /// How many kernels have been launched on this device so far.
-    pub(crate) fn launch_count(&self) -> u64 {
+    pub fn launch_count(&self) -> u64 {
         self.launches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
@@ -565,6 +565,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "gather_words",
             "rope",
             "kv_write",
+            "qk_norm_rope_kv",
             "attention_tiles",
             "attention_tiles_q4",
             "attention_tiles_q4_checked",

@@ -1614,3 +1614,69 @@ fn switches_are_set_and_read_by_name() {
     assert!(e.contains("SIDEWAYS") && e.contains("ATT_Q4"), "{e}");
     assert!(cuda.switch("sideways").is_err());
 }
+
+/// Kernels launched by `cuda` (graphs off) for every position's logits of
+/// `toks` in chunks of `chunk`.
+fn launches_for(cuda: &mut Cuda, model: &Model, toks: &[u32], chunk: usize) -> u64 {
+    cuda.set_graphs(false);
+    let before = cuda.device().launch_count();
+    all_logits(cuda, model, toks, chunk);
+    cuda.device().launch_count() - before
+}
+
+/// Switch `name` on against off on `model`: the same logits bytes at every
+/// position with a KV cache of `kv`, replayed and in chunks of 64 and 7, and
+/// batched equal to replay; returns the launches a replay of `toks[..n]`
+/// takes on and off (graphs off).
+fn fusion_arms(model: &Model, name: &str, salt: u32, kv: KvType, what: &str) -> (u64, u64) {
+    let (mut on, mut off) = switch_arms(model, name);
+    let toks = test_tokens(model, salt);
+    let mut first: Option<Vec<f32>> = None;
+    for chunk in [1, 64, 7] {
+        let p = all_logits_kv(&on, model, &toks, chunk, kv);
+        let q = all_logits_kv(&off, model, &toks, chunk, kv);
+        assert!(p.iter().all(|v| v.is_finite()), "{what}: non-finite");
+        assert!(same_bits(&p, &q), "{what} chunk {chunk}: {name} on != off");
+        match &first {
+            None => first = Some(p),
+            Some(r) => assert!(same_bits(r, &p), "{what} chunk {chunk}: batched != replay"),
+        }
+    }
+    let short = &toks[..8];
+    (
+        launches_for(&mut on, model, short, 1),
+        launches_for(&mut off, model, short, 1),
+    )
+}
+
+/// An attention layer's head norms, RoPE and KV write in one launch
+/// (`qk_norm_rope_kv`) against rms_norm_small, rope (twice) and kv_write:
+/// the same logits bytes at every position (f32 and f16 caches; gated and
+/// ungated attention; the real models' head shapes), and fewer launches.
+#[test]
+fn fused_head_norms_rope_and_kv_write_equal_the_separate_kernels() {
+    if !gpu() {
+        return;
+    }
+    let mut models: Vec<(String, tempfile::TempDir, Model)> = SHAPES
+        .iter()
+        .map(|s| {
+            let (d, m) = synth(s, GgmlType::Q4_K, 37);
+            (s.to_string(), d, m)
+        })
+        .collect();
+    for (h, kv, hd) in [(32u32, 4u32, 128u32), (16, 2, 256)] {
+        let (d, m) = attention_model(h, kv, hd);
+        models.push((format!("attention {h}/{kv} x {hd}"), d, m));
+    }
+    for (what, _d, model) in &models {
+        for kv in [KvType::F32, KvType::F16] {
+            let what = format!("{what} {kv:?}");
+            let (on, off) = fusion_arms(model, "QK_FUSE", 5, kv, &what);
+            assert!(on < off, "{what}: {on} launches fused, {off} apart");
+            eprintln!(
+                "{what}: qk_norm_rope_kv == norms + rope + kv_write; launches {on} against {off}"
+            );
+        }
+    }
+}
