@@ -137,3 +137,167 @@ __device__ __forceinline__ void q8k_block(const float* xb, u8* ob, int lane) {
     }
     if (lane == 0) *(float*)(ob + Q8K_D) = 1.0f / iscale;
 }
+
+// ---------------------------------------------------------------- routing
+// Shared by ops.cu (route, route_plan_*) and matmul.cu (the router launch
+// that routes its own row, mm_f32_multi_route).
+
+// The warp's largest (bv, best) pair, lowest id among equal values (a lane
+// with no candidate holds best = -1): a fixed xor butterfly; every lane ends
+// with the same pair unless values do not order (NaN).
+__device__ __forceinline__ void warp_argmax(float& bv, int& best) {
+    for (int o = 16; o > 0; o /= 2) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, best, o);
+        bool better = oi >= 0 && (best < 0 || ov > bv || (ov == bv && oi < best));
+        if (better) {
+            bv = ov;
+            best = oi;
+        }
+    }
+}
+
+// The top k of a softmaxed row held as softmax_row_u leaves it: k rounds of
+// an exact warp argmax (largest first, lowest id among equals), weights
+// renormalized by their sum in k order clamped at 2^-14.
+// The picks' values are kept in registers for the weights (lane l keeps
+// rounds l and l + 32: every lane holds each round's value after the
+// argmax), so the weights need no read back of the ids and the row; past
+// round 64 they are read back. A pick of -1 (a row of NaNs) weighs 0. With
+// `sids` (shared memory), lane 0 also writes the ids there.
+__device__ __forceinline__ void keep_pick(float& keep0, float& keep1, int s, int lane, float bv) {
+    if (lane == (s & 31)) {
+        if (s < 32) keep0 = bv;
+        else if (s < 64) keep1 = bv;
+    }
+}
+
+__device__ __forceinline__ void write_weights(const float* p, const int* ids, float* wts, int r, int k, int lane,
+                                              float keep0, float keep1, float tot) {
+    for (int s = lane; s < k; s += 32) {
+        float v;
+        if (s < 32) v = keep0;
+        else if (s < 64) v = keep1;
+        else {
+            int id = ids[(i64)r * k + s];
+            v = id >= 0 ? p[id] : 0.0f;
+        }
+        wts[(i64)r * k + s] = v / tot;
+    }
+}
+
+// The picks' weights: each value over their sum clamped at 2^-14.
+__device__ __forceinline__ void finish_weights(const float* p, const int* ids, float* wts, int r, int k, int lane,
+                                               float keep0, float keep1, float tot) {
+    tot = fmaxf(tot, 6.103515625e-5f);
+    __syncwarp();
+    write_weights(p, ids, wts, r, k, lane, keep0, keep1, tot);
+}
+
+// plan_small_block's plan by one warp, for up to 32 pairs (lane t holds pair
+// t's id): the lanes naming one expert found with a match, each pair's place
+// among them counted below its lane, and each expert's offset summed over
+// the experts of lower id from their first lanes' padded counts (integer
+// sums: the same whatever the order). The same places, experts and slots as
+// plan_small_block, with no shared memory and no block barrier.
+__device__ __forceinline__ void plan_warp(int id, int n, int k, int pad, int* placed_row, int* placed_mat,
+                                          int* slot, int cap, int lane) {
+    for (int i = lane; i < cap; i += 32) {
+        placed_row[i] = -1;
+        placed_mat[i] = -1;
+    }
+    bool valid = lane < n && id >= 0;
+    unsigned same = __match_any_sync(0xffffffffu, valid ? id : -1);
+    int before = __popc(same & ((1u << lane) - 1u));
+    int padded = valid && before == 0 ? (__popc(same) + pad - 1) / pad * pad : 0;
+    int off = 0;
+    // Lanes from n on hold no pair (padded 0): the sum stops at n.
+#pragma unroll 1
+    for (int j = 0; j < n; j++) {
+        int idj = __shfl_sync(0xffffffffu, id, j), pj = __shfl_sync(0xffffffffu, padded, j);
+        if (pj > 0 && idj < id) off += pj;
+    }
+    __syncwarp();  // the -1 fills above come before the places below
+    if (lane < n) {
+        if (!valid) {
+            slot[lane] = -1;
+        } else {
+            int dst = off + before;
+            placed_row[dst] = lane / k;
+            placed_mat[dst] = id;
+            slot[lane] = dst;
+        }
+    }
+}
+
+// One row's routing and plan (decode of one sequence; e <= 1024, k <= 32) by
+// one warp (lanes 0..31 of the caller), in compact code: the softmax and the
+// k argmax rounds of route_row's rolled-loop path over the row held in
+// shared memory, then plan_warp. The logits are read through L2 (another
+// block of the same launch may have written them: mm_f32_multi_route).
+__device__ __forceinline__ void route_one_warp(float* logits, int* ids, float* wts, int e, int k, int pad,
+                                               int* placed_row, int* placed_mat, int* slot, int cap, int lane) {
+    __shared__ float sv[1024];
+    __shared__ int rids[32];
+    int n = (e + 31) / 32;
+    float mx = -INFINITY;
+    // Loads four at a time (one wait on memory per four, not per entry).
+#pragma unroll 4
+    for (int u = 0; u < n; u++) {
+        int i = lane + 32 * u;
+        if (i < e) {
+            float x = __ldcg(logits + i);  // written by other blocks of a fused launch
+            sv[i] = x;
+            mx = fmaxf(mx, x);
+        }
+    }
+    for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.0f;
+#pragma unroll 1
+    for (int u = 0; u < n; u++) {
+        int i = lane + 32 * u;
+        if (i < e) {
+            float x = expf(sv[i] - mx);
+            sv[i] = x;
+            sum = sum + x;
+        }
+    }
+    for (int o = 16; o > 0; o /= 2) sum = sum + __shfl_xor_sync(0xffffffffu, sum, o);
+#pragma unroll 1
+    for (int u = 0; u < n; u++) {
+        int i = lane + 32 * u;
+        if (i < e) {
+            float x = sv[i] / sum;
+            sv[i] = x;
+            logits[i] = x;
+        }
+    }
+    float tot = 0.0f, keep0 = 0.0f, keep1 = 0.0f;
+    unsigned taken = 0;  // bit u: entry lane + 32u chosen
+#pragma unroll 1
+    for (int s = 0; s < k; s++) {
+        int best = -1;
+        float bv = 0.0f;
+#pragma unroll 4
+        for (int u = 0; u < n; u++) {
+            int i = lane + 32 * u;
+            if (i >= e || ((taken >> u) & 1u)) continue;
+            float x = sv[i];
+            if (best < 0 || x > bv) {
+                best = i;
+                bv = x;
+            }
+        }
+        warp_argmax(bv, best);
+        if ((best & 31) == lane) taken |= 1u << (best / 32);
+        // record_pick's steps, with the shared-memory copy unconditional.
+        if (lane == 0) {
+            ids[s] = best;
+            rids[s] = best;
+        }
+        keep_pick(keep0, keep1, s, lane, bv);
+        tot = tot + bv;
+    }
+    finish_weights(logits, ids, wts, 0, k, lane, keep0, keep1, tot);
+    plan_warp(lane < k ? rids[lane] : -1, k, k, pad, placed_row, placed_mat, slot, cap, lane);
+}

@@ -603,9 +603,10 @@ __device__ __forceinline__ void q4k_lane_dot(const uint4 (&blk)[Q4K_WORDS], cons
 // beside those loads, and only then does any arithmetic wait on memory.
 // Integer terms per (row, block) are exact, so where they are computed does
 // not change them; warp 0's float steps run in block order as before.
-template <int NW>
+template <int NW, bool QOUT = false>
 __device__ void mm_lane(const u8* W, const u8* W2, i64 mat_stride, int row_bytes, const int* mats,
-                        const u8* A, float* Y, int rows, int m, int nb, int jb, const int* amap, bool early) {
+                        const u8* A, float* Y, int rows, int m, int nb, int jb, const int* amap, bool early,
+                        u8* Q = nullptr, int* cnt = nullptr) {
     __shared__ int4 part[NW][LANE_CH][32];
     __shared__ __align__(16) u8 act[LANE_CH * Q8K_BYTES];
     int kw = blockDim.x / 32, w = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -681,6 +682,27 @@ __device__ void mm_lane(const u8* W, const u8* W2, i64 mat_stride, int row_bytes
     }
     // NW = 2: the gate and up rows of a GLU, combined as mm_row does.
     if (w == 0 && live) Y[(i64)r * rows + j] = NW == 2 ? silu(acc[0]) * acc[NW - 1] : acc[0];
+    if (QOUT) {
+        // The row's Q8_K blocks (rows a multiple of 256): each block counts
+        // itself into its 256 columns' counter once its outputs are fenced;
+        // the eighth reads the 256 from L2 and quantizes them as
+        // quantize_q8k does (q8k_block), then resets the counter.
+        __shared__ int lastq;
+        __shared__ float xb[256];
+        __threadfence();
+        __syncthreads();
+        int* c = cnt + (i64)r * 16 + jb / 8;
+        if (threadIdx.x == 0) lastq = atomicAdd(c, 1) == 7;
+        __syncthreads();
+        if (!lastq || w != 0) return;
+        __threadfence();
+        if (lane == 0) *c = 0;
+        const float* yb = Y + (i64)r * rows + (jb / 8) * 256;
+#pragma unroll
+        for (int i = 0; i < 8; i++) xb[i * 32 + lane] = __ldcg(yb + i * 32 + lane);
+        __syncwarp();
+        q8k_block(xb, Q + ((i64)r * (rows / 256) + jb / 8) * Q8K_BYTES, lane);
+    }
 }
 
 // The lane-row forms of mm_q4_k_1, _glu_1, _multi_1, _moe_1 and _moe_glu_1:
@@ -733,6 +755,19 @@ extern "C" __global__ void __maxnreg__(80) mm_q4_k_lane_moe_1(MoeJobs jobs, int 
 
 extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1) mm_q4_k_lane_moe_glu_1(MoeJobs jobs, int row_bytes, int nb) {
     mm_lane_moe<2>(jobs, row_bytes, nb);
+}
+
+// mm_q4_k_lane_moe_glu_1 that also writes its outputs' Q8_K rows for the
+// down projections (GLU_Q8K): job j's rows to q[j], its counters from
+// cnt + 512 j (16 a row, rows < 32, outputs a multiple of 256, at most 4096).
+extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1)
+    mm_q4_k_lane_moe_glu_q8k_1(MoeJobs jobs, int row_bytes, int nb, u8* q0, u8* q1, int* cnt) {
+    int c0 = (jobs.rows[0] + 31) / 32, bx = blockIdx.x, j = 0;
+    if (bx >= c0) bx -= c0, j = 1;
+    mm_lane<2, true>(j ? jobs.wg[1] : jobs.wg[0], j ? jobs.wu[1] : jobs.wu[0], j ? jobs.stride[1] : jobs.stride[0],
+                     row_bytes, j ? jobs.mats[1] : jobs.mats[0], j ? jobs.a[1] : jobs.a[0], j ? jobs.y[1] : jobs.y[0],
+                     j ? jobs.rows[1] : jobs.rows[0], j ? jobs.m[1] : jobs.m[0], nb, bx,
+                     j ? jobs.amap[1] : jobs.amap[0], false, j ? q1 : q0, cnt + 512 * j);
 }
 
 MM_KERNEL(mm_q4_k, FmtQ4K, 1)
@@ -1540,6 +1575,35 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
     float* y = j == 0 ? jobs.y[0] : jobs.y[1];
     int rows = j == 0 ? jobs.rows[0] : jobs.rows[1];
     mm_float<0>(w, 0, row_bytes, nullptr, X, y, rows, m, cols, bx);
+}
+
+// mm_f32_multi for one row whose launch also routes and plans it
+// (ROUTE_FOLD): each block, once its outputs are stored, fences them and
+// counts itself in `counter`; the last block's first warp resets the counter
+// (for the next launch, graph replays included) and routes job 0's outputs
+// (the router logits) with route_plan_one's code (route_one_warp), so a
+// decode MoE layer needs no routing launch. The same logits, ids, weights
+// and plan as mm_f32_multi then route_plan_one.
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+    mm_f32_multi_route(MmJobs jobs, int row_bytes, const float* X, int cols, int* ids, float* wts, int e, int k,
+                       int pad, int* placed_row, int* placed_mat, int* slot, int cap, int* counter) {
+    pdl_wait();
+    int c0 = (jobs.rows[0] + WARPS - 1) / WARPS;
+    int bx = blockIdx.x, j = 0;
+    if (jobs.nj > 1 && bx >= c0) bx -= c0, j = 1;
+    const u8* w = j == 0 ? jobs.w[0] : jobs.w[1];
+    float* y = j == 0 ? jobs.y[0] : jobs.y[1];
+    int rows = j == 0 ? jobs.rows[0] : jobs.rows[1];
+    mm_float<0>(w, 0, row_bytes, nullptr, X, y, rows, 1, cols, bx);
+    __shared__ int last;
+    __threadfence();  // this thread's stores reach L2 before the count
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)(gridDim.x * gridDim.y) - 1;
+    __syncthreads();
+    if (!last || threadIdx.x >= 32) return;
+    __threadfence();
+    if (threadIdx.x == 0) *counter = 0;
+    route_one_warp(jobs.y[0], ids, wts, e, k, pad, placed_row, placed_mat, slot, cap, threadIdx.x);
 }
 
 // Float weights against many f32 rows of one matrix (the routers and gates

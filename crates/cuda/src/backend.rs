@@ -80,6 +80,11 @@ pub struct Cuda {
     file_ptr: u64,
     /// f32 vectors of the model keyed by (host address, length).
     vecs: HashMap<(usize, usize), CudaSlice<f32>>,
+    /// Zeroed device counters for launches whose last block finishes the
+    /// work (each such block resets its counter): [0] the router launch
+    /// that routes (`mm_f32_multi_route`), from [`GLU_COUNTERS`] the decode
+    /// GLU's per-output-block counts (`mm_q4_k_lane_moe_glu_q8k_1`).
+    counters: CudaSlice<i32>,
     /// Column maps for layout shuffles, keyed by a description.
     maps: Mutex<HashMap<MapKey, CudaSlice<i32>>>,
     /// Wide Q4_K/Q5_K calls on the tensor-core kernels (default); off with
@@ -147,6 +152,15 @@ pub struct Cuda {
     /// kv_write's arithmetic, q read in place from the projection; default,
     /// off with `SAMESUM_CUDA_QK_FUSE=0`).
     qk_fuse: bool,
+    /// A decode MoE layer's router launch also routes and plans its row
+    /// (`mm_f32_multi_route`: its last block runs route_plan_one's code;
+    /// default, off with `SAMESUM_CUDA_ROUTE_FOLD=0`).
+    route_fold: bool,
+    /// The decode MoE's lane GLU writes its outputs' Q8_K rows for the down
+    /// projections (`mm_q4_k_lane_moe_glu_q8k_1`: quantize_q8k's bytes by
+    /// the last block per 256 columns; default, off with
+    /// `SAMESUM_CUDA_GLU_Q8K=0`).
+    glu_q8k: bool,
     /// Decode-sized routing (up to 4 rows) by the whole block, each entry's
     /// rank counted by its own thread (opt-in with
     /// `SAMESUM_CUDA_BLOCK_ROUTE=1`; the argmax rounds' ids and weights, as
@@ -464,6 +478,8 @@ const SWITCHES: &[Switch] = &[
     ("LANE_ROWS", |c| c.lane_rows, |c, on| c.lane_rows = on),
     ("ROUTE_ONE", |c| c.route_one, |c, on| c.route_one = on),
     ("QK_FUSE", |c| c.qk_fuse, |c, on| c.qk_fuse = on),
+    ("ROUTE_FOLD", |c| c.route_fold, |c, on| c.route_fold = on),
+    ("GLU_Q8K", |c| c.glu_q8k, |c, on| c.glu_q8k = on),
     ("BLOCK_ROUTE", |c| c.block_route, |c, on| c.block_route = on),
     ("SMALL_PLAN", |c| c.small_plan, |c, on| c.small_plan = on),
     ("ROW", |c| c.row_kernels, |c, on| c.row_kernels = on),
@@ -516,6 +532,10 @@ pub enum TcKernel {
 
 /// The one-launch plan's limits (`plan_small` in ops.cu).
 const PLAN_SMALL_PAIRS: usize = 256;
+/// Device counters kept zeroed between launches (`Cuda::counters`).
+const COUNTERS: usize = 4096;
+/// The first of the decode GLU's output-block counters.
+const GLU_COUNTERS: usize = 64;
 const PLAN_SMALL_EXPERTS: usize = 2048;
 
 /// Most bytes of attention partials (per pair and key tile: max, sum and a
@@ -755,11 +775,13 @@ impl Cuda {
         for v in vectors(model) {
             vecs.insert((v.as_ptr() as usize, v.len()), dev.upload(v)?);
         }
+        let counters = dev.zeros::<i32>(COUNTERS)?;
         Ok(Cuda {
             file_ptr: addr(&dev, &file),
             dev,
             file,
             vecs,
+            counters,
             maps: Mutex::new(HashMap::new()),
             tensor_cores: env_switch("SAMESUM_CUDA_TC", true),
             tc_kernel: if !env_switch("SAMESUM_CUDA_TC_PIPE", true) {
@@ -785,6 +807,8 @@ impl Cuda {
             lane_rows: env_switch("SAMESUM_CUDA_LANE_ROWS", true),
             route_one: env_switch("SAMESUM_CUDA_ROUTE_ONE", true),
             qk_fuse: env_switch("SAMESUM_CUDA_QK_FUSE", true),
+            route_fold: env_switch("SAMESUM_CUDA_ROUTE_FOLD", true),
+            glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", true),
             norm_q8k: Mutex::new(None),
             block_route: env_switch("SAMESUM_CUDA_BLOCK_ROUTE", false),
             small_plan: env_switch("SAMESUM_CUDA_SMALL_PLAN", true),
@@ -2542,25 +2566,52 @@ impl Cuda {
             }
         };
         let (rb, nbg) = (mw.gate.row_bytes as i32, nb(&mw.gate));
-        launch!(
-            d,
-            if lane(mw.gate.ty) {
-                "mm_q4_k_lane_moe_glu_1"
-            } else {
-                kname(mw.gate.ty, true)
-            },
-            moe_cfg(mw.gate.ty, f, nbg),
-            &jobs,
-            &rb,
-            &nbg
-        )?;
-        // One quantization of both, then both down projections.
-        let gin = Input::new(&g, cap + ms);
-        let ga = quant(&gin, mw.down.ty)?;
         let row_q = if q8_0(mw.down.ty) {
             f / 32 * 36
         } else {
             f / 256 * 304
+        };
+        let gin = Input::new(&g, cap + ms);
+        // The lane GLU can write its outputs' Q8_K rows itself (its last
+        // block per 256 columns quantizes them): no quantize launch.
+        let glu_q = self.glu_q8k
+            && lane(mw.gate.ty)
+            && k_quant(mw.down.ty)
+            && f.is_multiple_of(256)
+            && f <= 4096
+            && cap.max(ms) <= 32;
+        let ga = if glu_q {
+            let gq = d.scratch::<u8>((cap + ms) * row_q)?;
+            let (q0, q1) = (addr(d, &gq), addr(d, &gq) + (cap * row_q) as u64);
+            let cnt = self.counters.slice(GLU_COUNTERS..GLU_COUNTERS + 1024);
+            launch!(
+                d,
+                "mm_q4_k_lane_moe_glu_q8k_1",
+                moe_cfg(mw.gate.ty, f, nbg),
+                &jobs,
+                &rb,
+                &nbg,
+                &q0,
+                &q1,
+                &cnt
+            )?;
+            let _ = gin.q8k.set(gq);
+            q0
+        } else {
+            launch!(
+                d,
+                if lane(mw.gate.ty) {
+                    "mm_q4_k_lane_moe_glu_1"
+                } else {
+                    kname(mw.gate.ty, true)
+                },
+                moe_cfg(mw.gate.ty, f, nbg),
+                &jobs,
+                &rb,
+                &nbg
+            )?;
+            // One quantization of both, then both down projections.
+            quant(&gin, mw.down.ty)?
         };
         let oe = d.scratch::<f32>(cap * dm)?;
         let ys = d.scratch::<f32>((ms * dm).max(1))?;
@@ -2680,40 +2731,84 @@ impl Cuda {
         };
         let routed_only = mw.shared.is_none() && joint_ok;
         let mut gi_joint = None;
-        if let Some(sh) = joint {
-            let gi = d.scratch::<f32>(m)?;
-            let mj = crate::device::MmJobs {
-                w: [self.wptr(&mw.router)?, self.wptr(&sh.gate_inp)?, 0, 0],
-                y: [
-                    crate::device::addr(d, &logits),
-                    crate::device::addr(d, &gi),
-                    0,
-                    0,
-                ],
-                rows: [e as i32, 1, 0, 0],
-                nj: 2,
-            };
-            let blocks = (e.div_ceil(4) + 1) as u32;
-            let (rb, mi, ci) = (mw.router.row_bytes as i32, m as i32, dm as i32);
-            launch!(
-                d,
-                "mm_f32_multi",
-                cfg((blocks, m.div_ceil(16) as u32, 1), 128, 0),
-                &mj,
-                &rb,
-                x,
-                &mi,
-                &ci
-            )?;
-            gi_joint = Some(gi);
-        } else {
-            self.mm(&mw.router, &xin, None, &mut logits)?;
-        }
         let mut ids = d.scratch::<i32>(n)?;
         let mut wts = d.scratch::<f32>(n)?;
         let (mi, ki) = (m as i32, k as i32);
-        let (placed_row, placed_mat, slot) =
-            self.route_plan(&mut logits, &mut ids, &mut wts, m, e, k, pad, cap)?;
+        // One decode row: the router's launch routes it too, as
+        // route_plan_one would (see route_plan's conditions).
+        let fold = self.route_fold
+            && m == 1
+            && self.route_one
+            && self.small_plan
+            && !self.block_route
+            && k <= 32
+            && e <= 1024
+            && n <= PLAN_SMALL_PAIRS
+            && mw.router.ty == GgmlType::F32;
+        let mut folded = None;
+        if joint.is_some() || fold {
+            let gi = d.scratch::<f32>(m)?;
+            let (w1, y1, r1) = match joint {
+                Some(sh) => (self.wptr(&sh.gate_inp)?, crate::device::addr(d, &gi), 1),
+                None => (0, 0, 0),
+            };
+            let nj = if joint.is_some() { 2 } else { 1 };
+            let mj = crate::device::MmJobs {
+                w: [self.wptr(&mw.router)?, w1, 0, 0],
+                y: [crate::device::addr(d, &logits), y1, 0, 0],
+                rows: [e as i32, r1, 0, 0],
+                nj,
+            };
+            let blocks = (e.div_ceil(4) + r1 as usize) as u32;
+            let (rb, ci) = (mw.router.row_bytes as i32, dm as i32);
+            if fold {
+                let mut placed_row = d.scratch::<i32>(cap)?;
+                let mut placed_mat = d.scratch::<i32>(cap)?;
+                let mut slot = d.scratch::<i32>(n)?;
+                let (ei, padi, capi) = (e as i32, pad as i32, cap as i32);
+                let counter = self.counters.slice(0..1);
+                launch!(
+                    d,
+                    "mm_f32_multi_route",
+                    cfg((blocks, 1, 1), 128, 0),
+                    &mj,
+                    &rb,
+                    x,
+                    &ci,
+                    &mut ids,
+                    &mut wts,
+                    &ei,
+                    &ki,
+                    &padi,
+                    &mut placed_row,
+                    &mut placed_mat,
+                    &mut slot,
+                    &capi,
+                    &counter
+                )?;
+                folded = Some((placed_row, placed_mat, slot));
+            } else {
+                launch!(
+                    d,
+                    "mm_f32_multi",
+                    cfg((blocks, m.div_ceil(16) as u32, 1), 128, 0),
+                    &mj,
+                    &rb,
+                    x,
+                    &mi,
+                    &ci
+                )?;
+            }
+            if joint.is_some() {
+                gi_joint = Some(gi);
+            }
+        } else {
+            self.mm(&mw.router, &xin, None, &mut logits)?;
+        }
+        let (placed_row, placed_mat, slot) = match folded {
+            Some(p) => p,
+            None => self.route_plan(&mut logits, &mut ids, &mut wts, m, e, k, pad, cap)?,
+        };
         let capi = cap as i32;
         // The shared expert's outputs (written on the second stream when it
         // runs beside the routed experts: prefill-sized calls, resident

@@ -1680,3 +1680,54 @@ fn fused_head_norms_rope_and_kv_write_equal_the_separate_kernels() {
         }
     }
 }
+
+/// A decode MoE layer's router launch routing and planning its own row
+/// (`mm_f32_multi_route`) against mm_f32_multi (or the router's matmul)
+/// then route_plan_one: the same logits bytes at every position, replayed
+/// (graph replays reuse the launch's counter) and in chunks, on every tiny
+/// shape (routers with and without a shared expert's gate beside them), and
+/// one launch fewer a MoE layer and token.
+#[test]
+fn routing_in_the_router_launch_equals_route_plan_one() {
+    if !gpu() {
+        return;
+    }
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 41);
+        let (on, off) = fusion_arms(&model, "ROUTE_FOLD", 11, KvType::F32, shape);
+        assert!(on < off, "{shape}: {on} launches folded, {off} apart");
+        eprintln!(
+            "{shape}: mm_f32_multi_route == router + route_plan_one; launches {on} against {off}"
+        );
+    }
+}
+
+/// The decode MoE's lane GLU writing its outputs' Q8_K rows
+/// (`mm_q4_k_lane_moe_glu_q8k_1`: the last block per 256 columns quantizes
+/// them) against the GLU and a quantize launch: the same logits bytes at
+/// every position, replayed (graph replays reuse the counters) and in
+/// chunks, on every tiny shape and on expert widths of 768 (three counters
+/// a row, as qwen3moe's), and fewer launches.
+#[test]
+fn glu_output_quantization_in_the_glu_equals_a_quantize_launch() {
+    if !gpu() {
+        return;
+    }
+    let mut shapes: Vec<shapes::Shape> =
+        SHAPES.iter().map(|s| shapes::by_name(s).unwrap()).collect();
+    for s in ["tiny-qwen3moe", "tiny-qwen3next"] {
+        let base = shapes::by_name(s).unwrap();
+        shapes.push(shapes::Shape {
+            expert_ff: 768,
+            shared_ff: if base.shared_ff > 0 { 768 } else { 0 },
+            ..base
+        });
+    }
+    for shape in shapes {
+        let what = format!("{} expert_ff {}", shape.name, shape.expert_ff);
+        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 43);
+        let (on, off) = fusion_arms(&model, "GLU_Q8K", 13, KvType::F32, &what);
+        assert!(on < off, "{what}: {on} launches fused, {off} apart");
+        eprintln!("{what}: GLU with Q8_K rows == GLU + quantize_q8k; launches {on} against {off}");
+    }
+}
