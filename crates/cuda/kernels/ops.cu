@@ -1059,12 +1059,11 @@ extern "C" __global__ void conv_rows(const float* x, const float* taps, const fl
 
 // Decode-sized calls: conv_rows then conv_shift for one channel per thread
 // (every row's output from the old state first, then the shift), one launch;
-// each output and state value as the two kernels compute it.
-extern "C" __global__ void conv_small(const float* x, const float* taps, float* state, float* out, int m, int cd,
-                                      int kc) {
-    pdl_wait();
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= cd) return;
+// each output and state value as the two kernels compute it. Returns row
+// m - 1's output.
+__device__ __forceinline__ float conv_channel(const float* x, const float* taps, float* state, float* out, int m,
+                                              int cd, int kc, int c) {
+    float last = 0.0f;
     for (int r = 0; r < m; r++) {
         float acc = 0.0f;
         for (int j = 0; j < kc; j++) {
@@ -1072,12 +1071,22 @@ extern "C" __global__ void conv_small(const float* x, const float* taps, float* 
             float xv = q >= 0 ? x[(i64)q * cd + c] : state[(i64)(r + j) * cd + c];
             acc = __fmaf_rn(taps[(i64)c * kc + j], xv, acc);
         }
-        out[(i64)r * cd + c] = silu(acc);
+        last = silu(acc);
+        out[(i64)r * cd + c] = last;
     }
     for (int j = 0; j < kc - 1; j++) {
         int q = m - (kc - 1) + j;
         state[(i64)j * cd + c] = q >= 0 ? x[(i64)q * cd + c] : state[(i64)(j + m) * cd + c];
     }
+    return last;
+}
+
+extern "C" __global__ void conv_small(const float* x, const float* taps, float* state, float* out, int m, int cd,
+                                      int kc) {
+    pdl_wait();
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cd) return;
+    conv_channel(x, taps, state, out, m, cd, kc, c);
 }
 
 extern "C" __global__ void conv_shift(const float* x, float* state, int m, int cd, int kc) {
@@ -1144,6 +1153,31 @@ extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
     }
     float scale = 1.0f / sqrtf((float)s + eps);
     for (int i = lane; i < dk; i += 32) dst[i] = v[i] * scale;
+}
+
+// One decode row's conv, state shift and q/k head norms in one launch
+// (CONV_L2; key head dims up to 256): warp w < 2 hk takes q/k head w, a lane
+// a channel (conv_channel, as conv_small), the head's outputs staged in
+// shared memory and normed as l2norm_qk does (sumsq_in_order, then the
+// scale); the other warps take the value channels, a thread each.
+extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
+    conv_l2_one(const float* x, const float* taps, float* state, float* out, float* qk, int cd, int kc, int hk,
+                int dk, float eps) {
+    pdl_wait();
+    __shared__ __align__(16) float stage[L2_WARPS][256];
+    int gw = blockIdx.x * L2_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (gw < 2 * hk) {
+        float* sv = stage[threadIdx.x / 32];
+        for (int i = lane; i < dk; i += 32) sv[i] = conv_channel(x, taps, state, out, 1, cd, kc, gw * dk + i);
+        __syncwarp();
+        double s = sumsq_in_order(sv, dk, lane);
+        float scale = 1.0f / sqrtf((float)s + eps);
+        float* dst = qk + gw * dk;
+        for (int i = lane; i < dk; i += 32) dst[i] = sv[i] * scale;
+        return;
+    }
+    int c = 2 * hk * dk + (gw - 2 * hk) * 32 + lane;
+    if (c < cd) conv_channel(x, taps, state, out, 1, cd, kc, c);
 }
 
 // Gated delta rule: block (n, c) holds columns 32c..32c+31 of value head n's

@@ -161,6 +161,10 @@ pub struct Cuda {
     /// the last block per 256 columns; default, off with
     /// `SAMESUM_CUDA_GLU_Q8K=0`).
     glu_q8k: bool,
+    /// One decode row's conv, state shift and q/k head norms in one launch
+    /// (`conv_l2_one`: conv_small's and l2norm_qk's arithmetic; default, off
+    /// with `SAMESUM_CUDA_CONV_L2=0`).
+    conv_l2: bool,
     /// Decode-sized routing (up to 4 rows) by the whole block, each entry's
     /// rank counted by its own thread (opt-in with
     /// `SAMESUM_CUDA_BLOCK_ROUTE=1`; the argmax rounds' ids and weights, as
@@ -480,6 +484,7 @@ const SWITCHES: &[Switch] = &[
     ("QK_FUSE", |c| c.qk_fuse, |c, on| c.qk_fuse = on),
     ("ROUTE_FOLD", |c| c.route_fold, |c, on| c.route_fold = on),
     ("GLU_Q8K", |c| c.glu_q8k, |c, on| c.glu_q8k = on),
+    ("CONV_L2", |c| c.conv_l2, |c, on| c.conv_l2 = on),
     ("BLOCK_ROUTE", |c| c.block_route, |c, on| c.block_route = on),
     ("SMALL_PLAN", |c| c.small_plan, |c, on| c.small_plan = on),
     ("ROW", |c| c.row_kernels, |c, on| c.row_kernels = on),
@@ -809,6 +814,7 @@ impl Cuda {
             qk_fuse: env_switch("SAMESUM_CUDA_QK_FUSE", true),
             route_fold: env_switch("SAMESUM_CUDA_ROUTE_FOLD", true),
             glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", true),
+            conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
             norm_q8k: Mutex::new(None),
             block_route: env_switch("SAMESUM_CUDA_BLOCK_ROUTE", false),
             small_plan: env_switch("SAMESUM_CUDA_SMALL_PLAN", true),
@@ -2088,49 +2094,70 @@ impl Cuda {
         let mut conv = d.scratch::<f32>(m * cd)?;
         let taps = self.vec(&dn.conv)?;
         let (mi, cdi, kci) = (m as i32, cd as i32, kc as i32);
-        if m <= 16 && self.small_plan {
-            // Decode sizes: the conv and the state shift in one launch.
+        let mut qk = d.scratch::<f32>(m * 2 * kd)?;
+        let (hki, dki, eps) = (hk as i32, dk as i32, hp.eps);
+        if self.conv_l2 && m == 1 && self.small_plan && dk <= 256 {
+            // One decode row: the conv, the shift and the head norms in one
+            // launch (a warp a q/k head, then a thread a value channel).
+            let warps = 2 * hk + (cd - 2 * hk * dk).div_ceil(32);
             launch!(
                 d,
-                "conv_small",
-                cfg1(cd),
+                "conv_l2_one",
+                cfg((warps.div_ceil(4) as u32, 1, 1), 128, 0),
                 &qkv,
                 taps,
                 conv_state,
                 &mut conv,
-                &mi,
+                &mut qk,
                 &cdi,
-                &kci
+                &kci,
+                &hki,
+                &dki,
+                &eps
             )?;
         } else {
+            if m <= 16 && self.small_plan {
+                // Decode sizes: the conv and the state shift in one launch.
+                launch!(
+                    d,
+                    "conv_small",
+                    cfg1(cd),
+                    &qkv,
+                    taps,
+                    conv_state,
+                    &mut conv,
+                    &mi,
+                    &cdi,
+                    &kci
+                )?;
+            } else {
+                launch!(
+                    d,
+                    "conv_rows",
+                    cfg1(m * cd),
+                    &qkv,
+                    taps,
+                    &*conv_state,
+                    &mut conv,
+                    &mi,
+                    &cdi,
+                    &kci
+                )?;
+                launch!(d, "conv_shift", cfg1(cd), &qkv, conv_state, &mi, &cdi, &kci)?;
+            }
             launch!(
                 d,
-                "conv_rows",
-                cfg1(m * cd),
-                &qkv,
-                taps,
-                &*conv_state,
-                &mut conv,
+                "l2norm_qk",
+                cfg(((m * 2 * hk).div_ceil(4) as u32, 1, 1), 128, 0),
+                &conv,
+                &mut qk,
                 &mi,
                 &cdi,
-                &kci
+                &hki,
+                &dki,
+                &eps
             )?;
-            launch!(d, "conv_shift", cfg1(cd), &qkv, conv_state, &mi, &cdi, &kci)?;
         }
-        let mut qk = d.scratch::<f32>(m * 2 * kd)?;
-        let (hki, dki, eps) = (hk as i32, dk as i32, hp.eps);
-        launch!(
-            d,
-            "l2norm_qk",
-            cfg(((m * 2 * hk).div_ceil(4) as u32, 1, 1), 128, 0),
-            &conv,
-            &mut qk,
-            &mi,
-            &cdi,
-            &hki,
-            &dki,
-            &eps
-        )?;
         let mut o = d.scratch::<f32>(m * vd)?;
         let (hvi, dvi, tiled) = (hv as i32, dv as i32, (hp.arch == Arch::Qwen35Moe) as i32);
         if dk > 512 {

@@ -579,6 +579,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "conv_shift",
             "conv_small",
             "l2norm_qk",
+            "conv_l2_one",
             "delta_rows",
             "delta_cols_16",
             "delta_cols_32",

@@ -1731,3 +1731,31 @@ fn glu_output_quantization_in_the_glu_equals_a_quantize_launch() {
         eprintln!("{what}: GLU with Q8_K rows == GLU + quantize_q8k; launches {on} against {off}");
     }
 }
+
+/// One decode row's conv, state shift and q/k head norms in one launch
+/// (`conv_l2_one`) against conv_small and l2norm_qk: the same logits bytes
+/// at every position, replayed and in chunks, on the delta-net shapes (key
+/// and value heads of 64, and of 128 as the real models'), and fewer
+/// launches.
+#[test]
+fn conv_and_head_norms_in_one_launch_equal_the_separate_kernels() {
+    if !gpu() {
+        return;
+    }
+    let tiny = shapes::by_name("tiny-qwen35moe").unwrap();
+    let wide = shapes::Shape {
+        delta: Some(shapes::DeltaNet {
+            key_head_dim: 128,
+            value_head_dim: 128,
+            ..tiny.delta.unwrap()
+        }),
+        ..tiny.clone()
+    };
+    for shape in [shapes::by_name("tiny-qwen3next").unwrap(), tiny, wide] {
+        let what = format!("{} dk {}", shape.name, shape.delta.unwrap().key_head_dim);
+        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 47);
+        let (on, off) = fusion_arms(&model, "CONV_L2", 19, KvType::F32, &what);
+        assert!(on < off, "{what}: {on} launches fused, {off} apart");
+        eprintln!("{what}: conv_l2_one == conv_small + l2norm_qk; launches {on} against {off}");
+    }
+}
