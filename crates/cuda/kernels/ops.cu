@@ -1001,13 +1001,10 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // (attention_combine_ulp) is a sensitivity probe, not a user path: every
 // output one ulp up (its bits + 1), so `samesum agree` can show how far the
 // smallest change to attention moves a model's greedy tokens.
-template <int ULP>
-__device__ __forceinline__ void attention_combine_k(const float* pml, const float* pacc, float* o, int m, int hq,
-                                                    int hd, const int* posp, int rbase, int nb) {
-    int pos0 = *posp + rbase;
-    int pair = blockIdx.x, t = threadIdx.x;
-    int r = pair / hq;
-    int tiles = (pos0 + r + 1 + ATT_T - 1) / ATT_T;
+// Output dim t of pair `pair` (of `tiles` key tiles): the tiles folded in
+// order, as attention_combine does.
+__device__ __forceinline__ float combine_dim(const float* pml, const float* pacc, int pair, int t, int hd,
+                                             int tiles, int nb) {
     const float* ml = pml + (i64)pair * nb * 2;
     float mx = -INFINITY;
     for (int b = 0; b < tiles; b++) mx = fmaxf(mx, ml[2 * b]);
@@ -1015,13 +1012,43 @@ __device__ __forceinline__ void attention_combine_k(const float* pml, const floa
     for (int b = 0; b < tiles; b++) {
         float w = expf(__fsub_rn(ml[2 * b], mx));
         l = __fadd_rn(l, __fmul_rn(ml[2 * b + 1], w));
-        if (t < hd) acc = __fmaf_rn(pacc[((i64)pair * nb + b) * hd + t], w, acc);
+        acc = __fmaf_rn(pacc[((i64)pair * nb + b) * hd + t], w, acc);
     }
+    return __fdiv_rn(acc, l);
+}
+
+template <int ULP>
+__device__ __forceinline__ void attention_combine_k(const float* pml, const float* pacc, float* o, int m, int hq,
+                                                    int hd, const int* posp, int rbase, int nb) {
+    int pos0 = *posp + rbase;
+    int pair = blockIdx.x, t = threadIdx.x;
+    int r = pair / hq;
+    int tiles = (pos0 + r + 1 + ATT_T - 1) / ATT_T;
     if (t < hd) {
-        float v = __fdiv_rn(acc, l);
+        float v = combine_dim(pml, pacc, pair, t, hd, tiles, nb);
         if (ULP) v = __uint_as_float(__float_as_uint(v) + 1u);
         o[(i64)pair * hd + t] = v;
     }
+}
+
+// attention_combine that also writes the rows' Q8_K blocks for the out
+// projection (COMBINE_Q8K; hq * hd a multiple of 256): block (x, r) makes
+// columns 256 x .. 256 x + 255 of row r, a thread a column (combine_dim),
+// then warp 0 quantizes them from shared memory as quantize_q8k does.
+extern "C" __global__ void __launch_bounds__(256)
+    attention_combine_q8k(const float* pml, const float* pacc, float* o, u8* q, int m, int hq, int hd,
+                          const int* posp, int rbase, int nb) {
+    pdl_wait();
+    __shared__ float xb[256];
+    int r = blockIdx.y, c = blockIdx.x * 256 + threadIdx.x;
+    int pos0 = *posp + rbase;
+    int tiles = (pos0 + r + 1 + ATT_T - 1) / ATT_T;
+    int pair = r * hq + c / hd;
+    float v = combine_dim(pml, pacc, pair, c % hd, hd, tiles, nb);
+    o[(i64)r * hq * hd + c] = v;
+    xb[threadIdx.x] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) q8k_block(xb, q + ((i64)r * (hq * hd / 256) + blockIdx.x) * Q8K_BYTES, threadIdx.x);
 }
 
 extern "C" __global__ void attention_combine(const float* pml, const float* pacc, float* o, int m, int hq, int hd,

@@ -165,6 +165,10 @@ pub struct Cuda {
     /// (`conv_l2_one`: conv_small's and l2norm_qk's arithmetic; default, off
     /// with `SAMESUM_CUDA_CONV_L2=0`).
     conv_l2: bool,
+    /// Ungated attention's combine writes the out projection's Q8_K rows
+    /// (`attention_combine_q8k`: attention_combine's and quantize_q8k's
+    /// bytes; default, off with `SAMESUM_CUDA_COMBINE_Q8K=0`).
+    combine_q8k: bool,
     /// Decode-sized routing (up to 4 rows) by the whole block, each entry's
     /// rank counted by its own thread (opt-in with
     /// `SAMESUM_CUDA_BLOCK_ROUTE=1`; the argmax rounds' ids and weights, as
@@ -485,6 +489,7 @@ const SWITCHES: &[Switch] = &[
     ("ROUTE_FOLD", |c| c.route_fold, |c, on| c.route_fold = on),
     ("GLU_Q8K", |c| c.glu_q8k, |c, on| c.glu_q8k = on),
     ("CONV_L2", |c| c.conv_l2, |c, on| c.conv_l2 = on),
+    ("COMBINE_Q8K", |c| c.combine_q8k, |c, on| c.combine_q8k = on),
     ("BLOCK_ROUTE", |c| c.block_route, |c, on| c.block_route = on),
     ("SMALL_PLAN", |c| c.small_plan, |c, on| c.small_plan = on),
     ("ROW", |c| c.row_kernels, |c, on| c.row_kernels = on),
@@ -815,6 +820,7 @@ impl Cuda {
             route_fold: env_switch("SAMESUM_CUDA_ROUTE_FOLD", true),
             glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", true),
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
+            combine_q8k: env_switch("SAMESUM_CUDA_COMBINE_Q8K", true),
             norm_q8k: Mutex::new(None),
             block_route: env_switch("SAMESUM_CUDA_BLOCK_ROUTE", false),
             small_plan: env_switch("SAMESUM_CUDA_SMALL_PLAN", true),
@@ -1900,6 +1906,18 @@ impl Cuda {
         let per_row = hq * nb * (hd + 2) * 4;
         let group = (self.attn_partials / per_row).clamp(1, m);
         let group = m.div_ceil(m.div_ceil(group)); // groups of even size
+        // Ungated attention into a K-quant out projection: the combine also
+        // writes the rows' Q8_K blocks (no quantize launch).
+        let mut oq = if self.combine_q8k
+            && !self.att_ulp
+            && gate.is_none()
+            && k_quant(a.o.ty)
+            && qw.is_multiple_of(256)
+        {
+            Some(d.scratch::<u8>(m * qw / 256 * 304)?)
+        } else {
+            None
+        };
         let mut pml = d.scratch::<f32>(group * hq * nb * 2)?;
         let mut pacc = d.scratch::<f32>(group * hq * nb * hd)?;
         let nbi = nb as i32;
@@ -1932,6 +1950,26 @@ impl Cuda {
                 &nbi
             )?;
             let mut og = o.slice_mut(r0 * qw..(r0 + mr) * qw);
+            if let Some(oq) = oq.as_mut() {
+                let row_q = qw / 256 * 304;
+                let mut qg = oq.slice_mut(r0 * row_q..(r0 + mr) * row_q);
+                launch!(
+                    d,
+                    "attention_combine_q8k",
+                    cfg(((qw / 256) as u32, mr as u32, 1), 256, 0),
+                    &pml,
+                    &pacc,
+                    &mut og,
+                    &mut qg,
+                    &mri,
+                    &hqi,
+                    &hdi,
+                    pos0,
+                    &r0i,
+                    &nbi
+                )?;
+                continue;
+            }
             launch!(
                 d,
                 if self.att_ulp {
@@ -1970,6 +2008,9 @@ impl Cuda {
             }
             let n = (m * qw) as i64;
             launch!(d, "sigmoid_mul", cfg1(m * qw), &mut o, &g, &n)?;
+        }
+        if let Some(oq) = oq {
+            return self.mm(&a.o, &Input::with_q8k(&o, m, Some(oq)), None, y);
         }
         self.matmul(&a.o, &o, m, None, y)
     }

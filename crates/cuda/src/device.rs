@@ -575,6 +575,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "attention_tiles_tc_acc",
             "attention_combine",
             "attention_combine_ulp",
+            "attention_combine_q8k",
             "conv_rows",
             "conv_shift",
             "conv_small",

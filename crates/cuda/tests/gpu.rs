@@ -1759,3 +1759,40 @@ fn conv_and_head_norms_in_one_launch_equal_the_separate_kernels() {
         eprintln!("{what}: conv_l2_one == conv_small + l2norm_qk; launches {on} against {off}");
     }
 }
+
+/// Ungated attention's combine writing the out projection's Q8_K rows
+/// (`attention_combine_q8k`) against attention_combine and a quantize
+/// launch: the same logits bytes at every position (300 tokens: two key
+/// tiles), replayed and in chunks, on tiny-qwen3moe and on Q4_K models of
+/// the real models' ungated head shapes, and fewer launches.
+#[test]
+fn combine_quantization_equals_a_quantize_launch() {
+    if !gpu() {
+        return;
+    }
+    let base = shapes::by_name("tiny-qwen3moe").unwrap();
+    let mut models = vec![(
+        "tiny-qwen3moe".to_string(),
+        synth("tiny-qwen3moe", GgmlType::Q4_K, 53),
+    )];
+    for (heads, kv_heads, head_dim) in [(32u32, 4u32, 128u32), (16, 4, 128)] {
+        let shape = shapes::Shape {
+            heads,
+            kv_heads,
+            head_dim,
+            layers: 1,
+            ..base.clone()
+        };
+        models.push((
+            format!("attention {heads}/{kv_heads} x {head_dim}"),
+            synth_shape(shape, GgmlType::Q4_K, 53),
+        ));
+    }
+    for (what, (_d, model)) in &models {
+        let (on, off) = fusion_arms(model, "COMBINE_Q8K", 23, KvType::F32, what);
+        assert!(on < off, "{what}: {on} launches fused, {off} apart");
+        eprintln!(
+            "{what}: attention_combine_q8k == combine + quantize_q8k; launches {on} against {off}"
+        );
+    }
+}
