@@ -1183,27 +1183,32 @@ extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
 }
 
 // One decode row's conv, state shift and q/k head norms in one launch
-// (CONV_L2; key head dims up to 256): warp w < 2 hk takes q/k head w, a lane
-// a channel (conv_channel, as conv_small), the head's outputs staged in
-// shared memory and normed as l2norm_qk does (sumsq_in_order, then the
-// scale); the other warps take the value channels, a thread each.
-extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
+// (CONV_L2; key head dims up to 256), blocks of 128 threads: block h < 2 hk
+// takes q/k head h, a thread a channel (conv_channel, as conv_small), the
+// head's outputs staged in shared memory and normed as l2norm_qk does
+// (sumsq_in_order by warp 0, then the scale); the other blocks take the
+// value channels, a thread each.
+extern "C" __global__ void __launch_bounds__(128)
     conv_l2_one(const float* x, const float* taps, float* state, float* out, float* qk, int cd, int kc, int hk,
                 int dk, float eps) {
     pdl_wait();
-    __shared__ __align__(16) float stage[L2_WARPS][256];
-    int gw = blockIdx.x * L2_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (gw < 2 * hk) {
-        float* sv = stage[threadIdx.x / 32];
-        for (int i = lane; i < dk; i += 32) sv[i] = conv_channel(x, taps, state, out, 1, cd, kc, gw * dk + i);
-        __syncwarp();
-        double s = sumsq_in_order(sv, dk, lane);
-        float scale = 1.0f / sqrtf((float)s + eps);
-        float* dst = qk + gw * dk;
-        for (int i = lane; i < dk; i += 32) dst[i] = sv[i] * scale;
+    __shared__ __align__(16) float sv[256];
+    __shared__ float scale_s;
+    int h = blockIdx.x, t = threadIdx.x;
+    if (h < 2 * hk) {
+        for (int i = t; i < dk; i += 128) sv[i] = conv_channel(x, taps, state, out, 1, cd, kc, h * dk + i);
+        __syncthreads();
+        if (t < 32) {
+            double s = sumsq_in_order(sv, dk, t);
+            if (t == 0) scale_s = 1.0f / sqrtf((float)s + eps);
+        }
+        __syncthreads();
+        float scale = scale_s;
+        float* dst = qk + h * dk;
+        for (int i = t; i < dk; i += 128) dst[i] = sv[i] * scale;
         return;
     }
-    int c = 2 * hk * dk + (gw - 2 * hk) * 32 + lane;
+    int c = 2 * hk * dk + (h - 2 * hk) * 128 + t;
     if (c < cd) conv_channel(x, taps, state, out, 1, cd, kc, c);
 }
 
@@ -2186,20 +2191,42 @@ extern "C" __global__ void __launch_bounds__(32)
 
 // y[r] = sum over slots s in k order of w[r][s] * out[slot[r][s]] (skipped ids
 // left out), plus sigmoid(gi[r]) * ys[r] when there is a shared expert.
-extern "C" __global__ void moe_combine(const float* out, const int* slot, const float* wts, const float* ys,
-                                       const float* gi, float* y, int m, int k, int d, int shared) {
-    pdl_wait();
-    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (i64)m * d) return;
-    int r = (int)(i / d), c = (int)(i % d);
+__device__ __forceinline__ float moe_combine_elem(const float* out, const int* slot, const float* wts,
+                                                  const float* ys, const float* gi, int r, int c, int k, int d,
+                                                  int shared) {
     float acc = 0.0f;
     for (int s = 0; s < k; s++) {
         int at = slot[(i64)r * k + s];
         if (at < 0) continue;
         acc = acc + wts[(i64)r * k + s] * out[(i64)at * d + c];
     }
-    if (shared) acc = acc + sigmoid(gi[r]) * ys[i];
-    y[i] = acc;
+    if (shared) acc = acc + sigmoid(gi[r]) * ys[(i64)r * d + c];
+    return acc;
+}
+
+extern "C" __global__ void moe_combine(const float* out, const int* slot, const float* wts, const float* ys,
+                                       const float* gi, float* y, int m, int k, int d, int shared) {
+    pdl_wait();
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (i64)m * d) return;
+    int r = (int)(i / d), c = (int)(i % d);
+    y[i] = moe_combine_elem(out, slot, wts, ys, gi, r, c, k, d, shared);
+}
+
+// moe_combine of row r (a block a row), then add_rms_norm_q8k's work on it:
+// acc += y, xn = RMSNorm(acc) and its Q8_K blocks (MOE_NORM: a decode MoE
+// layer's last step and the next layer's input norm in one launch).
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    moe_combine_add_rms_norm_q8k(const float* out, const int* slot, const float* wts, const float* ys,
+                                 const float* gi, float* y, int k, int shared, float* acc, const float* w,
+                                 float* xn, u8* q, int width, float eps) {
+    pdl_wait();
+    int r = blockIdx.x;
+    for (int c = threadIdx.x; c < width; c += NORM_THREADS)
+        y[(i64)r * width + c] = moe_combine_elem(out, slot, wts, ys, gi, r, c, k, width, shared);
+    __syncthreads();
+    norm_row(acc + (i64)r * width, y + (i64)r * width, w, xn + (i64)r * width, width, eps);
+    quantize_own_row(xn + (i64)r * width, q + (i64)r * (width / 256) * Q8K_BYTES, width);
 }
 
 // Tier mode's decode cache: each placed row's expert id through the layer's

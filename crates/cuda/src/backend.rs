@@ -169,6 +169,11 @@ pub struct Cuda {
     /// (`attention_combine_q8k`: attention_combine's and quantize_q8k's
     /// bytes; default, off with `SAMESUM_CUDA_COMBINE_Q8K=0`).
     combine_q8k: bool,
+    /// A decode MoE's combine also adds into the residual and runs the next
+    /// layer's input norm and its quantization (`moe_combine_add_rms_norm_q8k`:
+    /// moe_combine's and add_rms_norm_q8k's arithmetic; default, off with
+    /// `SAMESUM_CUDA_MOE_NORM=0`).
+    moe_norm: bool,
     /// Decode-sized routing (up to 4 rows) by the whole block, each entry's
     /// rank counted by its own thread (opt-in with
     /// `SAMESUM_CUDA_BLOCK_ROUTE=1`; the argmax rounds' ids and weights, as
@@ -277,6 +282,17 @@ pub struct CudaOptions {
     /// bar in docs/CAPABILITIES.md. Head dims that are multiples of 32 up to
     /// 256 and query groups dividing 32; other shapes keep the default.
     pub fast_attention: bool,
+}
+
+/// The next layer's input norm run by a decode MoE's last launch
+/// (`moe_combine_add_rms_norm_q8k`): `acc` += the MoE's output, `out` =
+/// RMSNorm(acc) with weights `w`, and its Q8_K rows (device addresses: `out`
+/// is also the MoE's input, read by earlier launches).
+struct AfterNorm<'a> {
+    acc: u64,
+    w: &'a CudaSlice<f32>,
+    out: u64,
+    eps: f32,
 }
 
 /// The input rows of one or more matmuls and their quantized forms, made on
@@ -490,6 +506,7 @@ const SWITCHES: &[Switch] = &[
     ("GLU_Q8K", |c| c.glu_q8k, |c, on| c.glu_q8k = on),
     ("CONV_L2", |c| c.conv_l2, |c, on| c.conv_l2 = on),
     ("COMBINE_Q8K", |c| c.combine_q8k, |c, on| c.combine_q8k = on),
+    ("MOE_NORM", |c| c.moe_norm, |c, on| c.moe_norm = on),
     ("BLOCK_ROUTE", |c| c.block_route, |c, on| c.block_route = on),
     ("SMALL_PLAN", |c| c.small_plan, |c, on| c.small_plan = on),
     ("ROW", |c| c.row_kernels, |c, on| c.row_kernels = on),
@@ -821,6 +838,7 @@ impl Cuda {
             glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", true),
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
             combine_q8k: env_switch("SAMESUM_CUDA_COMBINE_Q8K", true),
+            moe_norm: env_switch("SAMESUM_CUDA_MOE_NORM", true),
             norm_q8k: Mutex::new(None),
             block_route: env_switch("SAMESUM_CUDA_BLOCK_ROUTE", false),
             small_plan: env_switch("SAMESUM_CUDA_SMALL_PLAN", true),
@@ -2139,12 +2157,12 @@ impl Cuda {
         let (hki, dki, eps) = (hk as i32, dk as i32, hp.eps);
         if self.conv_l2 && m == 1 && self.small_plan && dk <= 256 {
             // One decode row: the conv, the shift and the head norms in one
-            // launch (a warp a q/k head, then a thread a value channel).
-            let warps = 2 * hk + (cd - 2 * hk * dk).div_ceil(32);
+            // launch (a block a q/k head, then a thread a value channel).
+            let blocks = 2 * hk + (cd - 2 * hk * dk).div_ceil(128);
             launch!(
                 d,
                 "conv_l2_one",
-                cfg((warps.div_ceil(4) as u32, 1, 1), 128, 0),
+                cfg((blocks as u32, 1, 1), 128, 0),
                 &qkv,
                 taps,
                 conv_state,
@@ -2567,7 +2585,8 @@ impl Cuda {
         gi: Option<CudaSlice<f32>>,
         y: &mut CudaSlice<f32>,
         k: usize,
-    ) -> Result<()> {
+        after: Option<&AfterNorm>,
+    ) -> Result<Option<CudaSlice<u8>>> {
         use crate::device::{MoeJobs, addr};
         let d = &self.dev;
         let (f, dm) = (mw.gate.rows, mw.down.rows);
@@ -2711,6 +2730,29 @@ impl Cuda {
             None => d.scratch::<f32>(1)?,
         };
         let (mi, ki, dmi, shared) = (m as i32, k as i32, dm as i32, sh.is_some() as i32);
+        if let Some(an) = after {
+            let mut q = d.scratch::<u8>(m * dm / 256 * 304)?;
+            launch!(
+                d,
+                "moe_combine_add_rms_norm_q8k",
+                cfg((m as u32, 1, 1), 256, 0),
+                &oe,
+                slot,
+                wts,
+                &ys,
+                &gi,
+                y,
+                &ki,
+                &shared,
+                &an.acc,
+                an.w,
+                &an.out,
+                &mut q,
+                &dmi,
+                &an.eps
+            )?;
+            return Ok(Some(q));
+        }
         launch!(
             d,
             "moe_combine",
@@ -2725,7 +2767,8 @@ impl Cuda {
             &ki,
             &dmi,
             &shared
-        )
+        )?;
+        Ok(None)
     }
 
     fn moe_rows(
@@ -2735,6 +2778,21 @@ impl Cuda {
         x: &CudaSlice<f32>,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        self.moe_rows_then(model, mw, x, y, None).map(|_| ())
+    }
+
+    /// `moe_rows`, and where `after` is given and the call takes the
+    /// decode launches (`moe_joint_rows`), the next norm in the combine's
+    /// launch: then the norm's Q8_K rows are returned (else `None`, and the
+    /// caller runs the norm).
+    fn moe_rows_then(
+        &self,
+        model: &Model,
+        mw: &MoeW,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        after: Option<&AfterNorm>,
+    ) -> Result<Option<CudaSlice<u8>>> {
         let pre = self.take_norm_q8k(x);
         let hp = &model.hp;
         let d = &self.dev;
@@ -2955,6 +3013,7 @@ impl Cuda {
                 gi_joint,
                 y,
                 k,
+                after,
             );
         }
         // Gather, the experts' rows (each tile reads its experts' weights once), down.
@@ -3036,7 +3095,8 @@ impl Cuda {
             &ki,
             &dmi,
             &shared
-        )
+        )?;
+        Ok(None)
     }
 }
 
@@ -3343,6 +3403,46 @@ impl Backend for Cuda {
 
     fn moe(&self, model: &Model, mw: &MoeW, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>) -> R<()> {
         self.moe_rows(model, mw, x, y).map_err(e)
+    }
+
+    fn moe_add_rms_norm(
+        &self,
+        model: &Model,
+        mw: &MoeW,
+        which: Norm,
+        h: &mut CudaSlice<f32>,
+        x: &mut CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+    ) -> R<()> {
+        let w = match which {
+            Norm::Attn(l) => &model.w.layers[l].attn_norm,
+            Norm::Ffn(l) => &model.w.layers[l].ffn_norm,
+            Norm::Output => &model.w.output_norm,
+        };
+        // The fused norm is add_rms_norm_q8k's (a layer norm of Q8_K width).
+        let fits = self.moe_norm
+            && self.norm_quant
+            && !matches!(which, Norm::Output)
+            && w.len() == model.hp.n_embd
+            && w.len().is_multiple_of(256)
+            && h.len() == x.len()
+            && y.len() == x.len();
+        if fits {
+            let d = &self.dev;
+            let an = AfterNorm {
+                acc: crate::device::addr(d, h),
+                w: self.vec(w).map_err(e)?,
+                out: crate::device::addr(d, x),
+                eps: model.hp.eps,
+            };
+            if let Some(q) = self.moe_rows_then(model, mw, x, y, Some(&an)).map_err(e)? {
+                self.keep_norm_q8k(x, q);
+                return Ok(());
+            }
+        } else {
+            self.moe_rows(model, mw, x, y).map_err(e)?;
+        }
+        self.add_rms_norm(model, which, h, y, x)
     }
 
     fn offload_counters(&self) -> Option<samesum_engine::backend::OffloadCounters> {

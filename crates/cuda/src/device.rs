@@ -602,6 +602,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "route_plan_small",
             "route_plan_one",
             "moe_combine",
+            "moe_combine_add_rms_norm_q8k",
             "remap_ids",
         ],
         _ => &[],

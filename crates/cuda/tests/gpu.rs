@@ -1796,3 +1796,23 @@ fn combine_quantization_equals_a_quantize_launch() {
         );
     }
 }
+
+/// A decode MoE's combine adding into the residual and running the next
+/// layer's input norm (`moe_combine_add_rms_norm_q8k`) against moe_combine
+/// and add_rms_norm_q8k: the same logits bytes at every position, replayed
+/// and in chunks, on every tiny shape (with and without a shared expert),
+/// and fewer launches.
+#[test]
+fn moe_combine_with_the_next_norm_equals_the_separate_kernels() {
+    if !gpu() {
+        return;
+    }
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 59);
+        let (on, off) = fusion_arms(&model, "MOE_NORM", 29, KvType::F32, shape);
+        assert!(on < off, "{shape}: {on} launches fused, {off} apart");
+        eprintln!(
+            "{shape}: moe_combine_add_rms_norm_q8k == combine + add_rms_norm_q8k; launches {on} against {off}"
+        );
+    }
+}

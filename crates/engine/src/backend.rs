@@ -150,6 +150,22 @@ pub trait Backend: Sync {
     /// MoE rows: router softmax/top-k (lowest id wins ties), each chosen expert's
     /// FFN, the combination in k order, plus the sigmoid-gated shared expert.
     fn moe(&self, model: &Model, mw: &MoeW, x: &Self::Buf, y: &mut Self::Buf) -> Result<()>;
+    /// The MoE block of normed rows `x` into `y`, then the residual add and
+    /// the next norm: `h += y`, `x` = RMSNorm(h) with weight `which`; exactly
+    /// [`Backend::moe`] then [`Backend::add_rms_norm`] (a backend may fuse
+    /// the MoE's last step with the add and norm, with the same arithmetic).
+    fn moe_add_rms_norm(
+        &self,
+        model: &Model,
+        mw: &MoeW,
+        which: Norm,
+        h: &mut Self::Buf,
+        x: &mut Self::Buf,
+        y: &mut Self::Buf,
+    ) -> Result<()> {
+        self.moe(model, mw, x, y)?;
+        self.add_rms_norm(model, which, h, y, x)
+    }
     /// Backend-specific measurements since the last call (a per-kernel time
     /// table on the GPU when profiling is on), as Markdown; `None` if it has none.
     fn take_report(&self) -> Result<Option<String>> {

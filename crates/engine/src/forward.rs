@@ -113,11 +113,11 @@ pub fn forward_batch<B: Backend>(
                 r0 += n;
             }
             b.add_rms_norm(model, Norm::Ffn(l), &mut h, &y, &mut x)?;
-            b.moe(model, &lw.moe, &x, &mut y)?;
             // The residual add, fused with the next layer's input norm.
             if l + 1 < n_layers {
-                b.add_rms_norm(model, Norm::Attn(l + 1), &mut h, &y, &mut x)?;
+                b.moe_add_rms_norm(model, &lw.moe, Norm::Attn(l + 1), &mut h, &mut x, &mut y)?;
             } else {
+                b.moe(model, &lw.moe, &x, &mut y)?;
                 b.add(&mut h, &y)?;
             }
         }
@@ -173,11 +173,11 @@ pub fn layers_one<B: Backend>(
         }
         mixer(model, b, l, &lw.mixer, x, st, y)?;
         b.add_rms_norm(model, Norm::Ffn(l), h, y, x)?;
-        b.moe(model, &lw.moe, x, y)?;
         // The residual add, fused with the next layer's input norm.
         if l + 1 < n_layers {
-            b.add_rms_norm(model, Norm::Attn(l + 1), h, y, x)?;
+            b.moe_add_rms_norm(model, &lw.moe, Norm::Attn(l + 1), h, x, y)?;
         } else {
+            b.moe(model, &lw.moe, x, y)?;
             b.add(h, y)?;
         }
     }
