@@ -742,6 +742,112 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles_k<1, 0>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
 }
 
+// ---- Decode attention in compact code (ATT_ONE)
+//
+// attention_tiles_q4's tile for one row (m = 1: the gs pairs of KV head g at
+// position pos0), with its loops rolled: each block still takes one KV head
+// and one key tile, and each score, max, exp, sum and value chain is the
+// tile kernel's. Scores: a warp per key (keys warp, warp + 8, ...), lane l
+// over dims l, l + 32, ... in order (the chunk loop rolled), the 16 packed
+// pairs' butterfly (pair_butterfly, q stored permuted as the tile kernel
+// stores it); the running max is the same max whatever the keys' order.
+// Values: a thread per (dim, pair group), the chain over the keys in order
+// (the key loop rolled). ncu (session 12) had attention_tiles_q4 at 21.5 us
+// a decode launch with a context of one key, bound by fetching ~2,170
+// distinct instructions once each.
+template <int G>
+__device__ __forceinline__ void one_values(const void* cv, const float (*st)[ATT_T], float* pacc, int hdp, int kvw,
+                                           int np, int g, int gs, int hd, int n, int j0, int b, int nb, int f16) {
+    constexpr int P = AP / G;
+    int t = threadIdx.x, dim = t % hdp, grp = t / hdp;
+    if (dim >= hd || grp >= G) return;
+    float acc[P];
+#pragma unroll
+    for (int i = 0; i < P; i++) acc[i] = 0.0f;
+    const i64 at0 = (i64)j0 * kvw + g * hd + dim;
+#pragma unroll 1
+    for (int jj = 0; jj < n; jj++) {
+        float v = kv_at(cv, at0 + (i64)jj * kvw, f16);
+#pragma unroll
+        for (int i = 0; i < P; i++) acc[i] = __fmaf_rn(st[grp + G * i][jj], v, acc[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < P; i++) {
+        int p = grp + G * i;
+        if (p < np) pacc[(((i64)g * gs + p) * nb + b) * hd + dim] = acc[i];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_one(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq, int hkv,
+                  int hd, const int* posp, int rbase, float scale, int f16, int nb) {
+    pdl_wait();
+    __shared__ __align__(16) float qs[AP][ATT_HD];
+    __shared__ __align__(16) float st[AP][ATT_T];
+    __shared__ float smax[AP][ATT_WARPS];
+    __shared__ float wsum[AP][ATT_WARPS];
+    __shared__ float pmax[AP];
+    int pos0 = *posp + rbase;
+    int t = threadIdx.x, warp = t / 32, lane = t % 32, mine = lane >> 1;
+    int gs = hq / hkv, np = gs;  // one row: pairs (row 0, head g * gs + p)
+    int g = blockIdx.x, b = blockIdx.z;
+    int j0 = b * ATT_T;
+    if (j0 > pos0) return;  // the whole block: the row's keys end before this tile
+    int jend = min(j0 + ATT_T, pos0 + 1);
+    int kvw = hkv * hd;
+    bool wide = hd > 128;
+#pragma unroll 1
+    for (int i = t; i < AP * ATT_HD; i += ATT_THREADS) {
+        int p = i / ATT_HD, d = i % ATT_HD;
+        float v = p < np && d < hd ? q[((i64)g * gs + p) * hd + d] : 0.0f;
+        qs[qs_row(p, d)][wide ? qs_col(d) : d] = v;
+    }
+    __syncthreads();
+    float mx = -INFINITY;
+    int nc = (hd + 31) / 32;
+#pragma unroll 1
+    for (int jj = warp; jj < ATT_T; jj += ATT_WARPS) {
+        int j = j0 + jj;
+        if (j >= jend) {  // uniform over the warp
+            if ((lane & 1) == 0) st[mine][jj] = -INFINITY;
+            continue;
+        }
+        const i64 base = (i64)j * kvw + g * hd;
+        float d[AP];
+#pragma unroll
+        for (int p = 0; p < AP; p++) d[p] = 0.0f;
+#pragma unroll 1
+        for (int c = 0; c < nc; c++) {
+            int dd = lane + 32 * c;
+            if (dd < hd) {
+                float kv = kv_at(ck, base + dd, f16);
+                int col = wide ? qs_col(dd) : dd;
+#pragma unroll
+                for (int p = 0; p < AP; p++) d[p] = __fmaf_rn(qs[p][col], kv, d[p]);
+            }
+        }
+        float sc = pair_butterfly(d);
+        float v = -INFINITY;
+        if (mine < np) {  // j < jend <= pos0 + 1: the row sees every key here
+            v = __fmul_rn(sc, scale);
+            mx = fmaxf(mx, v);
+        }
+        if ((lane & 1) == 0) st[mine][jj] = v;
+    }
+    if ((lane & 1) == 0) smax[mine][warp] = mx;
+    __syncthreads();
+    tile_softmax(&st[0][0], ATT_T, smax, wsum, pmax, np);
+    __syncthreads();
+    int hdp = (hd + 31) / 32 * 32, n = jend - j0;
+    switch (ATT_THREADS % hdp == 0 ? ATT_THREADS / hdp : 1) {
+    case 8: one_values<8>(cv, st, pacc, hdp, kvw, np, g, gs, hd, n, j0, b, nb, f16); break;
+    case 4: one_values<4>(cv, st, pacc, hdp, kvw, np, g, gs, hd, n, j0, b, nb, f16); break;
+    case 2: one_values<2>(cv, st, pacc, hdp, kvw, np, g, gs, hd, n, j0, b, nb, f16); break;
+    default: one_values<1>(cv, st, pacc, hdp, kvw, np, g, gs, hd, n, j0, b, nb, f16); break;
+    }
+    tile_write_pml(wsum, pmax, pml, np, gs, hq, g, 0, pos0, j0, b, nb);
+}
+
 // ---- Attention on tensor cores (opt-in: attention_tiles_tc)
 //
 // The same tiles, partials and combine as attention_tiles, but both passes as
@@ -2191,8 +2297,9 @@ extern "C" __global__ void __launch_bounds__(32)
 
 // y[r] = sum over slots s in k order of w[r][s] * out[slot[r][s]] (skipped ids
 // left out), plus sigmoid(gi[r]) * ys[r] when there is a shared expert.
+// (sg = sigmoid(gi[r]), computed once a row by the caller.)
 __device__ __forceinline__ float moe_combine_elem(const float* out, const int* slot, const float* wts,
-                                                  const float* ys, const float* gi, int r, int c, int k, int d,
+                                                  const float* ys, float sg, int r, int c, int k, int d,
                                                   int shared) {
     float acc = 0.0f;
     for (int s = 0; s < k; s++) {
@@ -2200,7 +2307,7 @@ __device__ __forceinline__ float moe_combine_elem(const float* out, const int* s
         if (at < 0) continue;
         acc = acc + wts[(i64)r * k + s] * out[(i64)at * d + c];
     }
-    if (shared) acc = acc + sigmoid(gi[r]) * ys[(i64)r * d + c];
+    if (shared) acc = acc + sg * ys[(i64)r * d + c];
     return acc;
 }
 
@@ -2210,7 +2317,8 @@ extern "C" __global__ void moe_combine(const float* out, const int* slot, const 
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)m * d) return;
     int r = (int)(i / d), c = (int)(i % d);
-    y[i] = moe_combine_elem(out, slot, wts, ys, gi, r, c, k, d, shared);
+    float sg = shared ? sigmoid(gi[r]) : 0.0f;
+    y[i] = moe_combine_elem(out, slot, wts, ys, sg, r, c, k, d, shared);
 }
 
 // moe_combine of row r (a block a row), then add_rms_norm_q8k's work on it:
@@ -2222,8 +2330,9 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
                                  float* xn, u8* q, int width, float eps) {
     pdl_wait();
     int r = blockIdx.x;
+    float sg = shared ? sigmoid(gi[r]) : 0.0f;
     for (int c = threadIdx.x; c < width; c += NORM_THREADS)
-        y[(i64)r * width + c] = moe_combine_elem(out, slot, wts, ys, gi, r, c, k, width, shared);
+        y[(i64)r * width + c] = moe_combine_elem(out, slot, wts, ys, sg, r, c, k, width, shared);
     __syncthreads();
     norm_row(acc + (i64)r * width, y + (i64)r * width, w, xn + (i64)r * width, width, eps);
     quantize_own_row(xn + (i64)r * width, q + (i64)r * (width / 256) * Q8K_BYTES, width);

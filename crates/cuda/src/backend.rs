@@ -174,6 +174,12 @@ pub struct Cuda {
     /// moe_combine's and add_rms_norm_q8k's arithmetic; default, off with
     /// `SAMESUM_CUDA_MOE_NORM=0`).
     moe_norm: bool,
+    /// One decode row's attention tile in compact code (`attention_one`:
+    /// attention_tiles_q4's arithmetic with its loops rolled; default, off
+    /// with `SAMESUM_CUDA_ATT_ONE=0`).
+    att_one: bool,
+    /// The attention kernel the last attention call launched (for tests).
+    att_last: Mutex<&'static str>,
     /// Decode-sized routing (up to 4 rows) by the whole block, each entry's
     /// rank counted by its own thread (opt-in with
     /// `SAMESUM_CUDA_BLOCK_ROUTE=1`; the argmax rounds' ids and weights, as
@@ -507,6 +513,7 @@ const SWITCHES: &[Switch] = &[
     ("CONV_L2", |c| c.conv_l2, |c, on| c.conv_l2 = on),
     ("COMBINE_Q8K", |c| c.combine_q8k, |c, on| c.combine_q8k = on),
     ("MOE_NORM", |c| c.moe_norm, |c, on| c.moe_norm = on),
+    ("ATT_ONE", |c| c.att_one, |c, on| c.att_one = on),
     ("BLOCK_ROUTE", |c| c.block_route, |c, on| c.block_route = on),
     ("SMALL_PLAN", |c| c.small_plan, |c, on| c.small_plan = on),
     ("ROW", |c| c.row_kernels, |c, on| c.row_kernels = on),
@@ -839,6 +846,8 @@ impl Cuda {
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
             combine_q8k: env_switch("SAMESUM_CUDA_COMBINE_Q8K", true),
             moe_norm: env_switch("SAMESUM_CUDA_MOE_NORM", true),
+            att_one: env_switch("SAMESUM_CUDA_ATT_ONE", true),
+            att_last: Mutex::new(""),
             norm_q8k: Mutex::new(None),
             block_route: env_switch("SAMESUM_CUDA_BLOCK_ROUTE", false),
             small_plan: env_switch("SAMESUM_CUDA_SMALL_PLAN", true),
@@ -1152,6 +1161,12 @@ impl Cuda {
         } else {
             ("attention_tiles", AP, 0)
         }
+    }
+
+    /// The attention kernel the last attention call launched ("" before any).
+    #[doc(hidden)]
+    pub fn last_attention_kernel(&self) -> &'static str {
+        *self.att_last.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Run prefill's shared expert on the second stream (`true`, the default
@@ -1943,7 +1958,12 @@ impl Cuda {
             let mr = group.min(m - r0);
             let (mri, r0i) = (mr as i32, r0 as i32);
             let qg = q.slice(r0 * qw..(r0 + mr) * qw);
-            let (kernel, pairs, smem) = self.attention_kernel(hd, gs);
+            let (mut kernel, pairs, smem) = self.attention_kernel(hd, gs);
+            // One row on the CUDA-core kernels: the same tile in compact code.
+            if self.att_one && mr == 1 && smem == 0 && hd <= 256 {
+                kernel = "attention_one";
+            }
+            *self.att_last.lock().unwrap_or_else(|p| p.into_inner()) = kernel;
             launch!(
                 d,
                 kernel,

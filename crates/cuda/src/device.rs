@@ -573,6 +573,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "attention_tiles_q4_checked",
             "attention_tiles_tc",
             "attention_tiles_tc_acc",
+            "attention_one",
             "attention_combine",
             "attention_combine_ulp",
             "attention_combine_q8k",

@@ -1816,3 +1816,52 @@ fn moe_combine_with_the_next_norm_equals_the_separate_kernels() {
         );
     }
 }
+
+/// One decode row's attention tile in compact code (`attention_one`)
+/// against attention_tiles_q4: the same logits bytes at every position (300
+/// tokens: two key tiles), replayed and in chunks, f32 and f16 caches, on
+/// every tiny shape and the real models' head shapes; the compact kernel is
+/// the one a replayed step launched, and prefill chunks keep the tile kernel.
+#[test]
+fn compact_decode_attention_equals_the_tile_kernel() {
+    if !gpu() {
+        return;
+    }
+    let mut models: Vec<(String, tempfile::TempDir, Model)> = SHAPES
+        .iter()
+        .map(|s| {
+            let (d, m) = synth(s, GgmlType::Q4_K, 61);
+            (s.to_string(), d, m)
+        })
+        .collect();
+    for (h, kv, hd) in [
+        (32u32, 4u32, 128u32),
+        (16, 2, 256),
+        (16, 1, 128),
+        (4, 1, 256),
+    ] {
+        let (d, m) = attention_model(h, kv, hd);
+        models.push((format!("attention {h}/{kv} x {hd}"), d, m));
+    }
+    for (what, _d, model) in &models {
+        for kv in [KvType::F32, KvType::F16] {
+            let what = format!("{what} {kv:?}");
+            fusion_arms(model, "ATT_ONE", 31, kv, &what);
+            let (on, _off) = switch_arms(model, "ATT_ONE");
+            let toks = test_tokens(model, 31);
+            all_logits_kv(&on, model, &toks[..3], 3, kv);
+            assert_ne!(
+                on.last_attention_kernel(),
+                "attention_one",
+                "{what}: a 3-row chunk"
+            );
+            all_logits_kv(&on, model, &toks[..3], 1, kv);
+            assert_eq!(
+                on.last_attention_kernel(),
+                "attention_one",
+                "{what}: one row"
+            );
+            eprintln!("{what}: attention_one == attention_tiles_q4 (replay, chunks 64 and 7)");
+        }
+    }
+}
