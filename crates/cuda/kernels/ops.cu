@@ -765,11 +765,17 @@ __device__ __forceinline__ void one_values(const void* cv, const float (*st)[ATT
 #pragma unroll
     for (int i = 0; i < P; i++) acc[i] = 0.0f;
     const i64 at0 = (i64)j0 * kvw + g * hd + dim;
+    // Eight keys' values loaded together, then the chains key by key.
 #pragma unroll 1
-    for (int jj = 0; jj < n; jj++) {
-        float v = kv_at(cv, at0 + (i64)jj * kvw, f16);
+    for (int j8 = 0; j8 < n; j8 += 8) {
+        float v[8];
 #pragma unroll
-        for (int i = 0; i < P; i++) acc[i] = __fmaf_rn(st[grp + G * i][jj], v, acc[i]);
+        for (int u = 0; u < 8; u++) v[u] = j8 + u < n ? kv_at(cv, at0 + (i64)(j8 + u) * kvw, f16) : 0.0f;
+#pragma unroll
+        for (int u = 0; u < 8; u++)
+            if (j8 + u < n)
+#pragma unroll
+                for (int i = 0; i < P; i++) acc[i] = __fmaf_rn(st[grp + G * i][j8 + u], v[u], acc[i]);
     }
 #pragma unroll
     for (int i = 0; i < P; i++) {
@@ -813,17 +819,21 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
             continue;
         }
         const i64 base = (i64)j * kvw + g * hd;
+        // The key's chunks loaded together (one wait on memory a key), then
+        // each pair's chain over the chunks in order.
+        float kr[ATT_HD / 32];
+#pragma unroll
+        for (int c = 0; c < ATT_HD / 32; c++) kr[c] = c < nc && lane + 32 * c < hd ? kv_at(ck, base + lane + 32 * c, f16) : 0.0f;
         float d[AP];
 #pragma unroll
         for (int p = 0; p < AP; p++) d[p] = 0.0f;
-#pragma unroll 1
-        for (int c = 0; c < nc; c++) {
+#pragma unroll
+        for (int c = 0; c < ATT_HD / 32; c++) {
             int dd = lane + 32 * c;
-            if (dd < hd) {
-                float kv = kv_at(ck, base + dd, f16);
+            if (c < nc && dd < hd) {
                 int col = wide ? qs_col(dd) : dd;
 #pragma unroll
-                for (int p = 0; p < AP; p++) d[p] = __fmaf_rn(qs[p][col], kv, d[p]);
+                for (int p = 0; p < AP; p++) d[p] = __fmaf_rn(qs[p][col], kr[c], d[p]);
             }
         }
         float sc = pair_butterfly(d);
@@ -2329,10 +2339,47 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
                                  const float* gi, float* y, int k, int shared, float* acc, const float* w,
                                  float* xn, u8* q, int width, float eps) {
     pdl_wait();
-    int r = blockIdx.x;
+    __shared__ int ss[64];
+    __shared__ float sw[64];
+    int r = blockIdx.x, t = threadIdx.x;
     float sg = shared ? sigmoid(gi[r]) : 0.0f;
-    for (int c = threadIdx.x; c < width; c += NORM_THREADS)
-        y[(i64)r * width + c] = moe_combine_elem(out, slot, wts, ys, sg, r, c, k, width, shared);
+    if (k <= 64) {
+        // The row's slots and weights once, then eight columns a thread at a
+        // time, slot by slot (each column's sum still in slot order: the
+        // loads of a slot's eight columns are issued together).
+        if (t < k) {
+            ss[t] = slot[(i64)r * k + t];
+            sw[t] = wts[(i64)r * k + t];
+        }
+        __syncthreads();
+        for (int c0 = 0; c0 < width; c0 += 8 * NORM_THREADS) {
+            float a[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) a[i] = 0.0f;
+            for (int s = 0; s < k; s++) {
+                int at = ss[s];
+                if (at < 0) continue;
+                float w = sw[s];
+                const float* o = out + (i64)at * width;
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    int c = c0 + t + i * NORM_THREADS;
+                    if (c < width) a[i] = a[i] + w * o[c];
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                int c = c0 + t + i * NORM_THREADS;
+                if (c < width) {
+                    if (shared) a[i] = a[i] + sg * ys[(i64)r * width + c];
+                    y[(i64)r * width + c] = a[i];
+                }
+            }
+        }
+    } else {
+        for (int c = t; c < width; c += NORM_THREADS)
+            y[(i64)r * width + c] = moe_combine_elem(out, slot, wts, ys, sg, r, c, k, width, shared);
+    }
     __syncthreads();
     norm_row(acc + (i64)r * width, y + (i64)r * width, w, xn + (i64)r * width, width, eps);
     quantize_own_row(xn + (i64)r * width, q + (i64)r * (width / 256) * Q8K_BYTES, width);
