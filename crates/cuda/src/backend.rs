@@ -158,8 +158,9 @@ pub struct Cuda {
     route_fold: bool,
     /// The decode MoE's lane GLU writes its outputs' Q8_K rows for the down
     /// projections (`mm_q4_k_lane_moe_glu_q8k_1`: quantize_q8k's bytes by
-    /// the last block per 256 columns; default, off with
-    /// `SAMESUM_CUDA_GLU_Q8K=0`).
+    /// the last block per 256 columns; opt-in with `SAMESUM_CUDA_GLU_Q8K=1`:
+    /// no faster on the H200, session 13: the last block's quantization
+    /// costs what the launch it saves did).
     glu_q8k: bool,
     /// One decode row's conv, state shift and q/k head norms in one launch
     /// (`conv_l2_one`: conv_small's and l2norm_qk's arithmetic; default, off
@@ -171,12 +172,15 @@ pub struct Cuda {
     combine_q8k: bool,
     /// A decode MoE's combine also adds into the residual and runs the next
     /// layer's input norm and its quantization (`moe_combine_add_rms_norm_q8k`:
-    /// moe_combine's and add_rms_norm_q8k's arithmetic; default, off with
-    /// `SAMESUM_CUDA_MOE_NORM=0`).
+    /// moe_combine's and add_rms_norm_q8k's arithmetic; opt-in with
+    /// `SAMESUM_CUDA_MOE_NORM=1`: slower on the H200, session 13, as one
+    /// block a row does the combine moe_combine spreads over eight).
     moe_norm: bool,
     /// One decode row's attention tile in compact code (`attention_one`:
-    /// attention_tiles_q4's arithmetic with its loops rolled; default, off
-    /// with `SAMESUM_CUDA_ATT_ONE=0`).
+    /// attention_tiles_q4's arithmetic with its loops rolled; opt-in with
+    /// `SAMESUM_CUDA_ATT_ONE=1`: faster at a context of one key, slower over
+    /// a 128-token decode on the H200, session 13, with one key a warp step
+    /// where the tile kernel takes four).
     att_one: bool,
     /// The attention kernel the last attention call launched (for tests).
     att_last: Mutex<&'static str>,
@@ -842,11 +846,11 @@ impl Cuda {
             route_one: env_switch("SAMESUM_CUDA_ROUTE_ONE", true),
             qk_fuse: env_switch("SAMESUM_CUDA_QK_FUSE", true),
             route_fold: env_switch("SAMESUM_CUDA_ROUTE_FOLD", true),
-            glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", true),
+            glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", false),
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
             combine_q8k: env_switch("SAMESUM_CUDA_COMBINE_Q8K", true),
-            moe_norm: env_switch("SAMESUM_CUDA_MOE_NORM", true),
-            att_one: env_switch("SAMESUM_CUDA_ATT_ONE", true),
+            moe_norm: env_switch("SAMESUM_CUDA_MOE_NORM", false),
+            att_one: env_switch("SAMESUM_CUDA_ATT_ONE", false),
             att_last: Mutex::new(""),
             norm_q8k: Mutex::new(None),
             block_route: env_switch("SAMESUM_CUDA_BLOCK_ROUTE", false),
