@@ -32,6 +32,10 @@
 # profiles runs `bench --profile` on both models per arm of
 # SAMESUM_GPU_PROFILE_ARMS ("-;SAMESUM_CUDA_ATT_VFULL=0": defaults, then the
 # switch), at SAMESUM_GPU_PROFILE_PP (4096): kernel-time A/Bs.
+# token sums one decode token's kernel times (ncu, graphs off, caches warm)
+# on both models per kernel (scripts/ncu_token.py), for each arm of
+# SAMESUM_GPU_TOKEN_ARMS (arms as for profiles) at a context of
+# SAMESUM_GPU_TOKEN_CTX (0) keys.
 # decode runs tg128 (-r 3) on both models per arm of SAMESUM_GPU_DECODE_ARMS
 # (arms as for profiles, e.g. "-;SAMESUM_CUDA_PDL=0"), the arms alternated
 # SAMESUM_GPU_DECODE_ROUNDS (2) times: decode A/Bs, which single runs do
@@ -212,6 +216,25 @@ run)
                 [ "$arm" != "-" ] && read -ra settings <<< "$arm"
                 step "profile-$shape-${arm// /+}" timeout 200 env "${settings[@]}" .gpu/samesum bench --device cuda \
                     -m "$f" -p ${SAMESUM_GPU_PROFILE_PP:-4096} -n 0 -r 1 --prefill batched --profile
+            done
+        done
+    fi
+    if [[ $steps == *,token,* ]]; then
+        ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+        IFS=';' read -ra arms <<< "${SAMESUM_GPU_TOKEN_ARMS:--}"
+        for shape in qwen35moe-35b-a3b qwen3moe-30b-a3b; do
+            f=$(model "$shape")
+            for arm in "${arms[@]}"; do
+                settings=()
+                [ "$arm" != "-" ] && read -ra settings <<< "$arm"
+                csv=$(mktemp /tmp/token-XXXX.csv)
+                # The CSV goes to a temporary file (few files under OUT);
+                # the per-kernel table goes to the log.
+                step "token-$shape-${arm// /+}" bash -c '"$@" > "'"$csv"'" && python3 scripts/ncu_token.py "'"$csv"'"' _ \
+                    timeout 300 env SAMESUM_CUDA_GRAPHS=0 "${settings[@]}" "$ncu" --clock-control none \
+                    --cache-control none --metrics gpu__time_duration.sum --csv .gpu/samesum bench --device cuda \
+                    -m "$f" -p "${SAMESUM_GPU_TOKEN_CTX:-0}" -n 2 -r 1 --no-warmup
+                rm -f "$csv"
             done
         done
     fi
