@@ -664,15 +664,17 @@ mod kernel_list_tests {
     use crate::compile::MODULES;
 
     /// The kernels a source defines: `extern "C" __global__` functions (past
-    /// an optional `__launch_bounds__(..)`), and the instances of the
+    /// an optional `__launch_bounds__(..)` or `__maxnreg__(..)`), and the instances of the
     /// macros that define one from their `name` parameter.
     fn defined(src: &str) -> Vec<String> {
         let mut out = Vec::new();
         for (i, _) in src.match_indices("extern \"C\" __global__") {
             let mut rest = src[i..].split_once("__global__").unwrap().1.trim_start();
             rest = rest.strip_prefix("void").unwrap_or(rest).trim_start();
-            if let Some(r) = rest.strip_prefix("__launch_bounds__(") {
-                rest = r.split_once(')').unwrap().1;
+            for attr in ["__launch_bounds__(", "__maxnreg__("] {
+                if let Some(r) = rest.strip_prefix(attr) {
+                    rest = r.split_once(')').unwrap().1.trim_start();
+                }
             }
             let rest = rest.trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
             let name: String = rest
