@@ -732,6 +732,282 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
 }
 
+// ---- attention_tiles_q4p: attention_tiles_q4's arithmetic in lean code
+//
+// The same scores, softmax, value sums and partials as attention_tiles_q4,
+// term for term and in the same order (GPU test
+// `attention_at_the_real_models_head_shapes` compares the bytes), with less
+// work around the fmas (ncu, session 14: the q4 kernel issued ~3 instructions
+// per fma):
+// * the cache's element type fixed per instantiation (f32 or f16), not
+//   tested per load;
+// * K and V rows addressed from the tile's base with 32-bit offsets and no
+//   bound check on score steps whose keys all lie in the tile;
+// * each pair's row, key count and output index computed once a block
+//   (shared memory) instead of divided out per element;
+// * the softmax's per-pair max taken once (thread p), its score rows 4
+//   floats longer (the score stores of a key fall on 8 banks, not one), and
+//   warps past the tile's keys skipped;
+// * the value pass's loads 8 keys ahead for head dims up to 128.
+// Head dims of 128 and 256 take these passes; others run attention_tiles_q4's.
+#define ATT_S (ATT_T + 4)  // score row stride of the lean kernel
+
+__device__ __forceinline__ float kv_ld(const float* p) { return *p; }
+__device__ __forceinline__ float kv_ld(const u16* p) { return f16_to_f32(*p); }
+
+// The score pass of attention_tiles_q4 for head dims 128 (NC = 4, KB = 4,
+// q one chunk a load) and 256 (NC = 8, KB = ATT_KB, q two chunks a load):
+// tile_scores<NC, KB, false> with kt the tile's first key row of KV head g,
+// n its keys and mylast the lane's pair's last key, both relative to the
+// tile.
+template <int NC, int KB, typename T>
+__device__ __forceinline__ float lean_scores(const float (*qs)[ATT_HD], float (*st)[ATT_S], const T* kt, int kvw,
+                                             int mylast, int n, int np, float scale) {
+    int t = threadIdx.x, warp = t / 32, lane = t % 32, mine = lane >> 1;
+    float mx = -INFINITY;
+    for (int jb = warp; jb < ATT_T; jb += ATT_WARPS * KB) {
+        if (jb >= n) {  // uniform over the warp: no key of this step is in the tile
+#pragma unroll
+            for (int u = 0; u < KB; u++)
+                if ((lane & 1) == 0) st[mine][jb + u * ATT_WARPS] = -INFINITY;
+            continue;
+        }
+        float kr[KB][NC];
+        if (jb + (KB - 1) * ATT_WARPS < n) {  // every key of the step in the tile
+#pragma unroll
+            for (int u = 0; u < KB; u++) {
+                const T* row = kt + (jb + u * ATT_WARPS) * kvw + lane;
+#pragma unroll
+                for (int c = 0; c < NC; c++) kr[u][c] = kv_ld(row + 32 * c);
+            }
+        } else {
+#pragma unroll
+            for (int u = 0; u < KB; u++) {
+                int jj = jb + u * ATT_WARPS;
+                const T* row = kt + jj * kvw + lane;
+#pragma unroll
+                for (int c = 0; c < NC; c++) kr[u][c] = jj < n ? kv_ld(row + 32 * c) : 0.0f;
+            }
+        }
+        float d[KB][AP];
+#pragma unroll
+        for (int u = 0; u < KB; u++)
+#pragma unroll
+            for (int p = 0; p < AP; p++) d[u][p] = 0.0f;
+        if constexpr (NC <= 4) {
+#pragma unroll
+            for (int c = 0; c < NC; c++)
+#pragma unroll
+                for (int p = 0; p < AP; p++) {
+                    float qv = qs[p][lane + 32 * c];
+#pragma unroll
+                    for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv, kr[u][c], d[u][p]);
+                }
+        } else {
+#pragma unroll
+            for (int k = 0; k < NC / 2; k++)
+#pragma unroll
+                for (int p = 0; p < AP; p++) {
+                    float2 q2 = *reinterpret_cast<const float2*>(&qs[p][64 * k + 2 * lane]);
+                    float qv[2] = {q2.x, q2.y};
+#pragma unroll
+                    for (int i = 0; i < 2; i++)
+#pragma unroll
+                        for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv[i], kr[u][2 * k + i], d[u][p]);
+                }
+        }
+#pragma unroll
+        for (int u = 0; u < KB; u++) {
+            int jj = jb + u * ATT_WARPS;
+            float s = pair_butterfly(d[u]);
+            float v = -INFINITY;
+            if (jj < n && mine < np && jj <= mylast) {
+                v = __fmul_rn(s, scale);
+                mx = fmaxf(mx, v);
+            }
+            if ((lane & 1) == 0) st[mine][jj] = v;
+        }
+    }
+    return mx;
+}
+
+// The value pass of attention_tiles_q4 (tile_values<G>): thread t's dim
+// t % hd for pairs t / hd, t / hd + G, ...; vt the tile's first value row
+// of KV head g; cnt0[p] pair p's keys in the tile (0 for none).
+template <int G, typename T>
+__device__ __forceinline__ void lean_values(const T* vt, const float (*st)[ATT_S], float* pacc, int kvw, int hd,
+                                            const int* cnt0, const int* pout, int n, int b, int nb) {
+    constexpr int P = AP / G;
+    int t = threadIdx.x, dim = t % hd, grp = t / hd;
+    if (grp >= G) return;
+    int cnt[P];
+    float acc[P];
+#pragma unroll
+    for (int i = 0; i < P; i++) {
+        cnt[i] = cnt0[grp + G * i];
+        acc[i] = 0.0f;
+    }
+    int jj = 0, full = n;
+#pragma unroll
+    for (int i = 0; i < P; i++)
+        if (cnt[i] > 0) full = min(full, cnt[i]);
+    const T* col = vt + dim;
+    if constexpr (G >= 2) {  // eight keys a step, the next eight loaded first
+        float nv[8];
+        if (full >= 8) {
+#pragma unroll
+            for (int u = 0; u < 8; u++) nv[u] = kv_ld(col + u * kvw);
+        }
+        for (; jj + 8 <= full; jj += 8) {
+            float v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) v[u] = nv[u];
+            if (jj + 16 <= full) {
+                const T* r = col + (jj + 8) * kvw;
+#pragma unroll
+                for (int u = 0; u < 8; u++) nv[u] = kv_ld(r + u * kvw);
+            }
+#pragma unroll
+            for (int i = 0; i < P; i++) {
+                float4 s0 = *reinterpret_cast<const float4*>(&st[grp + G * i][jj]);
+                float4 s1 = *reinterpret_cast<const float4*>(&st[grp + G * i][jj + 4]);
+                acc[i] = __fmaf_rn(s0.x, v[0], acc[i]);
+                acc[i] = __fmaf_rn(s0.y, v[1], acc[i]);
+                acc[i] = __fmaf_rn(s0.z, v[2], acc[i]);
+                acc[i] = __fmaf_rn(s0.w, v[3], acc[i]);
+                acc[i] = __fmaf_rn(s1.x, v[4], acc[i]);
+                acc[i] = __fmaf_rn(s1.y, v[5], acc[i]);
+                acc[i] = __fmaf_rn(s1.z, v[6], acc[i]);
+                acc[i] = __fmaf_rn(s1.w, v[7], acc[i]);
+            }
+        }
+    }
+    for (; jj + 4 <= full; jj += 4) {
+        const T* r = col + jj * kvw;
+        float v0 = kv_ld(r), v1 = kv_ld(r + kvw), v2 = kv_ld(r + 2 * kvw), v3 = kv_ld(r + 3 * kvw);
+#pragma unroll
+        for (int i = 0; i < P; i++) {
+            float4 s4 = *reinterpret_cast<const float4*>(&st[grp + G * i][jj]);
+            acc[i] = __fmaf_rn(s4.x, v0, acc[i]);
+            acc[i] = __fmaf_rn(s4.y, v1, acc[i]);
+            acc[i] = __fmaf_rn(s4.z, v2, acc[i]);
+            acc[i] = __fmaf_rn(s4.w, v3, acc[i]);
+        }
+    }
+    for (; jj + 4 <= n; jj += 4) {
+        const T* r = col + jj * kvw;
+        float v0 = kv_ld(r), v1 = kv_ld(r + kvw), v2 = kv_ld(r + 2 * kvw), v3 = kv_ld(r + 3 * kvw);
+#pragma unroll
+        for (int i = 0; i < P; i++) {
+            float4 s4 = *reinterpret_cast<const float4*>(&st[grp + G * i][jj]);
+            if (jj < cnt[i]) acc[i] = __fmaf_rn(s4.x, v0, acc[i]);
+            if (jj + 1 < cnt[i]) acc[i] = __fmaf_rn(s4.y, v1, acc[i]);
+            if (jj + 2 < cnt[i]) acc[i] = __fmaf_rn(s4.z, v2, acc[i]);
+            if (jj + 3 < cnt[i]) acc[i] = __fmaf_rn(s4.w, v3, acc[i]);
+        }
+    }
+    for (; jj < n; jj++) {
+        float v = kv_ld(col + jj * kvw);
+#pragma unroll
+        for (int i = 0; i < P; i++)
+            if (jj < cnt[i]) acc[i] = __fmaf_rn(st[grp + G * i][jj], v, acc[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < P; i++)
+        if (cnt[i] > 0) pacc[((i64)pout[grp + G * i] * nb + b) * hd + dim] = acc[i];
+}
+
+template <typename T>
+__device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, const T* cv, float* pml, float* pacc,
+                                                 int m, int hq, int hkv, int hd, const int* posp, int rbase,
+                                                 float scale, int nb) {
+    int pos0 = *posp + rbase;
+    __shared__ __align__(16) float qs[AP][ATT_HD];
+    __shared__ __align__(16) float st[AP][ATT_S];
+    __shared__ float smax[AP][ATT_WARPS];
+    __shared__ float wsum[AP][ATT_WARPS];
+    __shared__ float pmax[AP];
+    __shared__ int prow[AP];  // pair p's row in the block (p / gs)
+    __shared__ int pout[AP];  // its (row, head) index in q and the partials
+    __shared__ int pcnt[AP];  // its keys in this tile (0: none, or not live)
+    int t = threadIdx.x, warp = t / 32, lane = t % 32;
+    int gs = hq / hkv, rows = AP / gs;
+    int g = blockIdx.x, r0 = blockIdx.y * rows, b = blockIdx.z;
+    int np = min(rows, m - r0) * gs;
+    int j0 = b * ATT_T;
+    int nmax = pos0 + r0 + np / gs;
+    if (j0 >= nmax) return;
+    int n = min(j0 + ATT_T, nmax) - j0;  // the tile's keys
+    int kvw = hkv * hd;
+    if (t < AP) {
+        int r = t / gs;
+        prow[t] = r;
+        pout[t] = (r0 + r) * hq + g * gs + t % gs;
+        pcnt[t] = t < np ? min(n, pos0 + r0 + r + 1 - j0) : 0;
+    }
+    __syncthreads();
+    // q rows as attention_tiles_k stores them (qs_row, qs_col): pair p at
+    // row p ^ qs_mask(d % 32), above head dim 128 column qs_col(d).
+    for (int p = 0; p < AP; p++) {
+        float v = 0.0f;
+        if (p < np && t < hd) v = q[(i64)pout[p] * hd + t];
+        if (t < ATT_HD) qs[qs_row(p, t)][hd > 128 ? qs_col(t) : t] = v;
+    }
+    __syncthreads();
+    const i64 tile0 = (i64)j0 * kvw + g * hd;
+    int mine = lane >> 1;
+    int mylast = pos0 + r0 + prow[mine] - j0;
+    float mx = hd == 128 ? lean_scores<4, 4>(qs, st, ck + tile0, kvw, mylast, n, np, scale)
+                         : lean_scores<8, ATT_KB>(qs, st, ck + tile0, kvw, mylast, n, np, scale);
+    if ((lane & 1) == 0) smax[mine][warp] = mx;
+    __syncthreads();
+    if (t < np) {  // a pair's max over the warps' maxes, in warp order
+        float mxp = smax[t][0];
+        for (int w = 1; w < ATT_WARPS; w++) mxp = fmaxf(mxp, smax[t][w]);
+        pmax[t] = mxp;
+    }
+    __syncthreads();
+    if (warp * 32 < n) {
+        for (int p = 0; p < np; p++) {
+            float mxp = pmax[p], e = 0.0f;
+            if (mxp != -INFINITY) {
+                e = expf(__fsub_rn(st[p][t], mxp));
+                st[p][t] = e;
+            }
+            for (int o2 = 16; o2 > 0; o2 /= 2) e = __fadd_rn(e, __shfl_xor_sync(0xffffffffu, e, o2));
+            if (lane == 0) wsum[p][warp] = e;
+        }
+    } else if (lane == 0) {  // no key in this warp's slots: e = 0 in each
+        for (int p = 0; p < np; p++) wsum[p][warp] = 0.0f;
+    }
+    __syncthreads();
+    if (hd == 128) lean_values<2>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
+    else lean_values<1>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
+    if (t < np && pcnt[t] > 0) {
+        const float* w = wsum[t];
+        float l = __fadd_rn(__fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3])),
+                            __fadd_rn(__fadd_rn(w[4], w[5]), __fadd_rn(w[6], w[7])));
+        pml[((i64)pout[t] * nb + b) * 2] = pmax[t];
+        pml[((i64)pout[t] * nb + b) * 2 + 1] = l;
+    }
+}
+
+// attention_tiles_q4's bytes in lean code for head dims 128 and 256 (the
+// real models'); other head dims run attention_tiles_q4's code
+// (`SAMESUM_CUDA_ATT_Q4P`).
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_tiles_q4p(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
+                        int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
+    pdl_wait();
+    if (hd != 128 && hd != 256)
+        attention_tiles_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+    else if (f16)
+        attention_lean_k<u16>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, nb);
+    else
+        attention_lean_k<float>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale,
+                                nb);
+}
+
 // attention_tiles_q4 as before session 10 (NEW = 0: every key of the value
 // pass bound-checked, the score butterfly with selects), kept to show the
 // session-10 forms compute the same bytes (`SAMESUM_CUDA_ATT_VFULL=0`).

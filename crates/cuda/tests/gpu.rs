@@ -907,6 +907,12 @@ fn attention_at_the_real_models_head_shapes() {
         a.set_attention_q4(false);
         let mut b = Cuda::new(0, &model, false).unwrap();
         b.set_attention_q4(true);
+        b.set_switch("ATT_Q4P", false).unwrap();
+        assert_eq!(
+            b.attention_kernel(head_dim as usize, (heads / kv_heads) as usize)
+                .0,
+            "attention_tiles_q4"
+        );
         let (la, lb) = (
             all_logits(&a, &model, &toks, 64),
             all_logits(&b, &model, &toks, 64),
@@ -933,6 +939,38 @@ fn attention_at_the_real_models_head_shapes() {
             assert!(
                 same_bits(&lb, &lc),
                 "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}: the session-10 passes differ from the session-9 kernel"
+            );
+        }
+        // And the lean form (attention_tiles_q4p: typed cache loads, tile
+        // offsets, per-pair indices once a block, padded score rows, the
+        // value loads eight keys ahead) gives the bytes of the session-10
+        // one, batched in chunks of 64 and 7 and replayed; with an f16
+        // cache too (its own instantiation).
+        let mut p = Cuda::new(0, &model, false).unwrap();
+        p.set_attention_q4(true);
+        p.set_switch("ATT_Q4P", true).unwrap();
+        assert_eq!(
+            p.attention_kernel(head_dim as usize, (heads / kv_heads) as usize)
+                .0,
+            "attention_tiles_q4p"
+        );
+        if let Err(e) = block_ops_match(&p, &model, MS, 79) {
+            panic!("heads {heads}/{kv_heads} x {head_dim}, q4p: {e}");
+        }
+        for chunk in [64, 7, 1] {
+            let lb = all_logits(&b, &model, &toks, chunk);
+            let lp = all_logits(&p, &model, &toks, chunk);
+            assert!(
+                same_bits(&lb, &lp),
+                "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}: attention_tiles_q4p differs from attention_tiles_q4"
+            );
+        }
+        for chunk in [64, 1] {
+            let lb = all_logits_kv(&b, &model, &toks, chunk, KvType::F16);
+            let lp = all_logits_kv(&p, &model, &toks, chunk, KvType::F16);
+            assert!(
+                same_bits(&lb, &lp),
+                "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}, f16 cache: attention_tiles_q4p differs from attention_tiles_q4"
             );
         }
     }
@@ -1016,7 +1054,7 @@ fn fast_attention_option_takes_the_tensor_core_passes() {
         assert_eq!(cuda.attention_kernel(128, 8).0, "attention_tiles_tc_acc");
         assert!(cuda.name().contains("fast attention"), "{}", cuda.name());
         let exact = Cuda::new(0, &model, false).unwrap();
-        assert_eq!(exact.attention_kernel(128, 8).0, "attention_tiles_q4");
+        assert_eq!(exact.attention_kernel(128, 8).0, "attention_tiles_q4p");
         assert!(!exact.name().contains("fast attention"));
         let toks = test_tokens(&model, 3);
         let replay = all_logits(&cuda, &model, &toks, 1);

@@ -48,6 +48,16 @@ fn every_module_compiles_for_sm_90a_without_spills() {
             "{name}: cubin of {} bytes",
             c.cubin.len()
         );
+        // SAMESUM_KEEP_CUBINS=DIR keeps each module's cubin for reading its
+        // SASS (`cuobjdump -sass DIR/ops.cubin`).
+        if let Some(keep) = std::env::var_os("SAMESUM_KEEP_CUBINS") {
+            std::fs::create_dir_all(&keep).unwrap();
+            std::fs::write(
+                std::path::Path::new(&keep).join(format!("{name}.cubin")),
+                &c.cubin,
+            )
+            .unwrap();
+        }
         let res = c.resources();
         assert!(
             !res.is_empty(),
