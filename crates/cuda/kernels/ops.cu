@@ -598,18 +598,38 @@ __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*
 // place (thread t owning slot t of every pair; exp(-inf) = 0 in the slots past
 // the pair's keys), and each warp's sum of its slots by a butterfly. `st`
 // holds a pair's slots `sst` floats apart.
+// One pair's softmax step for this thread's slot: e = exp(s - mxp) in
+// place (0 where the pair has no key), then the warp's sum of its slots by
+// the fixed xor butterfly.
+__device__ __forceinline__ float softmax_slot(float* slot, float mxp) {
+    float e = 0.0f;
+    if (mxp != -INFINITY) {
+        e = expf(__fsub_rn(*slot, mxp));
+        *slot = e;
+    }
+    for (int o2 = 16; o2 > 0; o2 /= 2) e = __fadd_rn(e, __shfl_xor_sync(0xffffffffu, e, o2));
+    return e;
+}
+
+// A pair's max over the warps' maxes, in warp order.
+__device__ __forceinline__ float pair_max(const float* wmax) {
+    float mxp = wmax[0];
+    for (int w = 1; w < ATT_WARPS; w++) mxp = fmaxf(mxp, wmax[w]);
+    return mxp;
+}
+
+// l_b: the fixed tree over the 8 warps' sums.
+__device__ __forceinline__ float warp_sum_tree(const float* w) {
+    return __fadd_rn(__fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3])),
+                     __fadd_rn(__fadd_rn(w[4], w[5]), __fadd_rn(w[6], w[7])));
+}
+
 __device__ __forceinline__ void tile_softmax(float* st, int sst, const float (*smax)[ATT_WARPS],
                                              float (*wsum)[ATT_WARPS], float* pmax, int np) {
     int t = threadIdx.x, warp = t / 32, lane = t % 32;
     for (int p = 0; p < np; p++) {
-        float mxp = smax[p][0];
-        for (int w = 1; w < ATT_WARPS; w++) mxp = fmaxf(mxp, smax[p][w]);
-        float e = 0.0f;
-        if (mxp != -INFINITY) {
-            e = expf(__fsub_rn(st[p * sst + t], mxp));
-            st[p * sst + t] = e;
-        }
-        for (int o2 = 16; o2 > 0; o2 /= 2) e = __fadd_rn(e, __shfl_xor_sync(0xffffffffu, e, o2));
+        float mxp = pair_max(smax[p]);
+        float e = softmax_slot(&st[p * sst + t], mxp);
         if (lane == 0) wsum[p][warp] = e;
         if (t == 0) pmax[p] = mxp;
     }
@@ -622,9 +642,7 @@ __device__ __forceinline__ void tile_write_pml(const float (*wsum)[ATT_WARPS], c
                                                int nb) {
     int t = threadIdx.x;
     if (t < np && j0 <= pos0 + r0 + t / gs) {
-        const float* w = wsum[t];
-        float l = __fadd_rn(__fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3])),
-                            __fadd_rn(__fadd_rn(w[4], w[5]), __fadd_rn(w[6], w[7])));
+        float l = warp_sum_tree(wsum[t]);
         i64 pair = (i64)(r0 + t / gs) * hq + g * gs + t % gs;
         pml[(pair * nb + b) * 2] = pmax[t];
         pml[(pair * nb + b) * 2 + 1] = l;
@@ -961,20 +979,11 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
                          : lean_scores<8, ATT_KB>(qs, st, ck + tile0, kvw, mylast, n, np, scale);
     if ((lane & 1) == 0) smax[mine][warp] = mx;
     __syncthreads();
-    if (t < np) {  // a pair's max over the warps' maxes, in warp order
-        float mxp = smax[t][0];
-        for (int w = 1; w < ATT_WARPS; w++) mxp = fmaxf(mxp, smax[t][w]);
-        pmax[t] = mxp;
-    }
+    if (t < np) pmax[t] = pair_max(smax[t]);  // once per pair
     __syncthreads();
     if (warp * 32 < n) {
         for (int p = 0; p < np; p++) {
-            float mxp = pmax[p], e = 0.0f;
-            if (mxp != -INFINITY) {
-                e = expf(__fsub_rn(st[p][t], mxp));
-                st[p][t] = e;
-            }
-            for (int o2 = 16; o2 > 0; o2 /= 2) e = __fadd_rn(e, __shfl_xor_sync(0xffffffffu, e, o2));
+            float e = softmax_slot(&st[p][t], pmax[p]);
             if (lane == 0) wsum[p][warp] = e;
         }
     } else if (lane == 0) {  // no key in this warp's slots: e = 0 in each
@@ -984,9 +993,7 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
     if (hd == 128) lean_values<2>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
     else lean_values<1>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
     if (t < np && pcnt[t] > 0) {
-        const float* w = wsum[t];
-        float l = __fadd_rn(__fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3])),
-                            __fadd_rn(__fadd_rn(w[4], w[5]), __fadd_rn(w[6], w[7])));
+        float l = warp_sum_tree(wsum[t]);
         pml[((i64)pout[t] * nb + b) * 2] = pmax[t];
         pml[((i64)pout[t] * nb + b) * 2 + 1] = l;
     }

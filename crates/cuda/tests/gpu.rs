@@ -905,39 +905,39 @@ fn attention_at_the_real_models_head_shapes() {
         let toks = test_tokens(&model, 13);
         let mut a = Cuda::new(0, &model, false).unwrap();
         a.set_attention_q4(false);
-        let mut b = Cuda::new(0, &model, false).unwrap();
-        b.set_attention_q4(true);
-        b.set_switch("ATT_Q4P", false).unwrap();
-        assert_eq!(
-            b.attention_kernel(head_dim as usize, (heads / kv_heads) as usize)
-                .0,
-            "attention_tiles_q4"
-        );
-        let (la, lb) = (
-            all_logits(&a, &model, &toks, 64),
-            all_logits(&b, &model, &toks, 64),
-        );
+        // The q4 score pass with the switches given, checked to reach `want`.
+        let q4_arm = |switches: &[(&str, bool)], want: &str| {
+            let mut c = Cuda::new(0, &model, false).unwrap();
+            c.set_attention_q4(true);
+            for &(name, on) in switches {
+                c.set_switch(name, on).unwrap();
+            }
+            let got = c
+                .attention_kernel(head_dim as usize, (heads / kv_heads) as usize)
+                .0;
+            assert_eq!(got, want, "heads {heads}/{kv_heads} x {head_dim}");
+            c
+        };
+        let b = q4_arm(&[("ATT_Q4P", false)], "attention_tiles_q4");
+        // attention_tiles_q4's logits in chunks of 64, 7 and 1 (replay).
+        let want: Vec<(usize, Vec<f32>)> = [64, 7, 1]
+            .into_iter()
+            .map(|chunk| (chunk, all_logits(&b, &model, &toks, chunk)))
+            .collect();
+        let la = all_logits(&a, &model, &toks, 64);
         assert!(
-            same_bits(&la, &lb),
+            same_bits(&la, &want[0].1),
             "heads {heads}/{kv_heads} x {head_dim}: the two score passes differ"
         );
         // And the session-10 forms (the value pass without per-key checks up
         // to the keys every pair sees, the score butterfly without selects
         // over permuted q rows; the default) give the bytes of the session-9
         // kernel (every key checked, selects), in chunks of 64 and of 7.
-        let mut c = Cuda::new(0, &model, false).unwrap();
-        c.set_attention_q4(true);
-        c.set_switch("ATT_VFULL", false).unwrap();
-        assert_eq!(
-            c.attention_kernel(head_dim as usize, (heads / kv_heads) as usize)
-                .0,
-            "attention_tiles_q4_checked"
-        );
-        for chunk in [64, 7] {
-            let lb = all_logits(&b, &model, &toks, chunk);
-            let lc = all_logits(&c, &model, &toks, chunk);
+        let c = q4_arm(&[("ATT_VFULL", false)], "attention_tiles_q4_checked");
+        for (chunk, lb) in &want[..2] {
+            let lc = all_logits(&c, &model, &toks, *chunk);
             assert!(
-                same_bits(&lb, &lc),
+                same_bits(lb, &lc),
                 "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}: the session-10 passes differ from the session-9 kernel"
             );
         }
@@ -946,22 +946,14 @@ fn attention_at_the_real_models_head_shapes() {
         // value loads eight keys ahead) gives the bytes of the session-10
         // one, batched in chunks of 64 and 7 and replayed; with an f16
         // cache too (its own instantiation).
-        let mut p = Cuda::new(0, &model, false).unwrap();
-        p.set_attention_q4(true);
-        p.set_switch("ATT_Q4P", true).unwrap();
-        assert_eq!(
-            p.attention_kernel(head_dim as usize, (heads / kv_heads) as usize)
-                .0,
-            "attention_tiles_q4p"
-        );
+        let p = q4_arm(&[("ATT_Q4P", true)], "attention_tiles_q4p");
         if let Err(e) = block_ops_match(&p, &model, MS, 79) {
             panic!("heads {heads}/{kv_heads} x {head_dim}, q4p: {e}");
         }
-        for chunk in [64, 7, 1] {
-            let lb = all_logits(&b, &model, &toks, chunk);
-            let lp = all_logits(&p, &model, &toks, chunk);
+        for (chunk, lb) in &want {
+            let lp = all_logits(&p, &model, &toks, *chunk);
             assert!(
-                same_bits(&lb, &lp),
+                same_bits(lb, &lp),
                 "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}: attention_tiles_q4p differs from attention_tiles_q4"
             );
         }
