@@ -778,7 +778,7 @@ __device__ __forceinline__ float kv_ld(const u16* p) { return f16_to_f32(*p); }
 // tile_scores<NC, KB, false> with kt the tile's first key row of KV head g,
 // n its keys and mylast the lane's pair's last key, both relative to the
 // tile.
-template <int NC, int KB, typename T>
+template <int NC, int KB, typename T, bool W = false>
 __device__ __forceinline__ float lean_scores(const float (*qs)[ATT_HD], float (*st)[ATT_S], const T* kt, int kvw,
                                              int mylast, int n, int np, float scale) {
     int t = threadIdx.x, warp = t / 32, lane = t % 32, mine = lane >> 1;
@@ -812,7 +812,20 @@ __device__ __forceinline__ float lean_scores(const float (*qs)[ATT_HD], float (*
         for (int u = 0; u < KB; u++)
 #pragma unroll
             for (int p = 0; p < AP; p++) d[u][p] = 0.0f;
-        if constexpr (NC <= 4) {
+        if constexpr (W && NC == 4) {
+            // q4w: a lane's four chunks of a pair's q one float4 (stored at
+            // column 4 (d % 32) + d / 32),
+            // each (key, pair) chain still over the chunks in order.
+#pragma unroll
+            for (int p = 0; p < AP; p++) {
+                float4 q4 = *reinterpret_cast<const float4*>(&qs[p][4 * lane]);
+                float qv[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+                for (int c = 0; c < 4; c++)
+#pragma unroll
+                    for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv[c], kr[u][c], d[u][p]);
+            }
+        } else if constexpr (NC <= 4) {
 #pragma unroll
             for (int c = 0; c < NC; c++)
 #pragma unroll
@@ -935,7 +948,96 @@ __device__ __forceinline__ void lean_values(const T* vt, const float (*st)[ATT_S
         if (cnt[i] > 0) pacc[((i64)pout[grp + G * i] * nb + b) * hd + dim] = acc[i];
 }
 
-template <typename T>
+// Four consecutive values of a cache row as floats (16-byte aligned for f32,
+// 8-byte for f16).
+__device__ __forceinline__ float4 kv_ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 kv_ld4(const u16* p) {
+    uint2 h = *reinterpret_cast<const uint2*>(p);
+    return make_float4(f16_to_f32((u16)(h.x & 0xffff)), f16_to_f32((u16)(h.x >> 16)), f16_to_f32((u16)(h.y & 0xffff)),
+                       f16_to_f32((u16)(h.y >> 16)));
+}
+
+// One key's fma into a thread's P pairs x 4 dims (q4w's value pass).
+template <int P>
+__device__ __forceinline__ void wide_key(float (&acc)[P][4], const float (&s)[P], float4 v) {
+#pragma unroll
+    for (int i = 0; i < P; i++) {
+        acc[i][0] = __fmaf_rn(s[i], v.x, acc[i][0]);
+        acc[i][1] = __fmaf_rn(s[i], v.y, acc[i][1]);
+        acc[i][2] = __fmaf_rn(s[i], v.z, acc[i][2]);
+        acc[i][3] = __fmaf_rn(s[i], v.w, acc[i][3]);
+    }
+}
+
+// The value pass of attention_tiles_q4 with a thread per four consecutive
+// dims and P consecutive pairs (q4w): thread t takes dims 4 (t % (hd / 4))
+// .. + 3 of pairs P (t / (hd / 4)) .. + P - 1, P = AP / (ATT_THREADS /
+// (hd / 4)) (2 at head dim 128, 4 at 256), so one float4 of a value row
+// serves 4 P fmas and one float4 of a pair's scores 16. Each (pair, dim) is
+// the same fma chain over the tile's keys in order as lean_values.
+template <int P, typename T>
+__device__ __forceinline__ void wide_values(const T* vt, const float (*st)[ATT_S], float* pacc, int kvw, int hd,
+                                            const int* cnt0, const int* pout, int n, int b, int nb) {
+    int t = threadIdx.x, nq = hd / 4, dq = t % nq, p0 = (t / nq) * P;
+    int cnt[P];
+    float acc[P][4];
+#pragma unroll
+    for (int i = 0; i < P; i++) {
+        cnt[i] = cnt0[p0 + i];
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[i][e] = 0.0f;
+    }
+    int jj = 0, full = n;
+#pragma unroll
+    for (int i = 0; i < P; i++)
+        if (cnt[i] > 0) full = min(full, cnt[i]);
+    const T* col = vt + 4 * dq;
+    // Four keys a step, the next four's values loaded first.
+    float4 nv[4];
+    if (full >= 4) {
+#pragma unroll
+        for (int u = 0; u < 4; u++) nv[u] = kv_ld4(col + u * kvw);
+    }
+    for (; jj + 4 <= full; jj += 4) {
+        float4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) v[u] = nv[u];
+        if (jj + 8 <= full) {
+            const T* r = col + (jj + 4) * kvw;
+#pragma unroll
+            for (int u = 0; u < 4; u++) nv[u] = kv_ld4(r + u * kvw);
+        }
+        float s[4][P];
+#pragma unroll
+        for (int i = 0; i < P; i++) {
+            float4 s4 = *reinterpret_cast<const float4*>(&st[p0 + i][jj]);
+            s[0][i] = s4.x, s[1][i] = s4.y, s[2][i] = s4.z, s[3][i] = s4.w;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) wide_key<P>(acc, s[u], v[u]);
+    }
+    for (; jj < n; jj++) {
+        float4 v = kv_ld4(col + jj * kvw);
+        float s[P];
+#pragma unroll
+        for (int i = 0; i < P; i++) s[i] = st[p0 + i][jj];
+#pragma unroll
+        for (int i = 0; i < P; i++)
+            if (jj < cnt[i]) {
+                acc[i][0] = __fmaf_rn(s[i], v.x, acc[i][0]);
+                acc[i][1] = __fmaf_rn(s[i], v.y, acc[i][1]);
+                acc[i][2] = __fmaf_rn(s[i], v.z, acc[i][2]);
+                acc[i][3] = __fmaf_rn(s[i], v.w, acc[i][3]);
+            }
+    }
+#pragma unroll
+    for (int i = 0; i < P; i++)
+        if (cnt[i] > 0)
+            *reinterpret_cast<float4*>(&pacc[((i64)pout[p0 + i] * nb + b) * hd + 4 * dq]) =
+                make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+}
+
+template <typename T, bool W = false>
 __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, const T* cv, float* pml, float* pacc,
                                                  int m, int hq, int hkv, int hd, const int* posp, int rbase,
                                                  float scale, int nb) {
@@ -969,14 +1071,19 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
     for (int p = 0; p < AP; p++) {
         float v = 0.0f;
         if (p < np && t < hd) v = q[(i64)pout[p] * hd + t];
-        if (t < ATT_HD) qs[qs_row(p, t)][hd > 128 ? qs_col(t) : t] = v;
+        // q4w at head dim 128: column 4 (d % 32) + d / 32, lane l's four
+        // chunks together (threads past the head dim would land inside the
+        // row there: they skip).
+        if (hd > 128) qs[qs_row(p, t)][qs_col(t)] = v;
+        else if (!W) qs[qs_row(p, t)][t] = v;
+        else if (t < 128) qs[qs_row(p, t)][(t & 31) * 4 + (t >> 5)] = v;
     }
     __syncthreads();
     const i64 tile0 = (i64)j0 * kvw + g * hd;
     int mine = lane >> 1;
     int mylast = pos0 + r0 + prow[mine] - j0;
-    float mx = hd == 128 ? lean_scores<4, 4>(qs, st, ck + tile0, kvw, mylast, n, np, scale)
-                         : lean_scores<8, ATT_KB>(qs, st, ck + tile0, kvw, mylast, n, np, scale);
+    float mx = hd == 128 ? lean_scores<4, 4, T, W>(qs, st, ck + tile0, kvw, mylast, n, np, scale)
+                         : lean_scores<8, ATT_KB, T, W>(qs, st, ck + tile0, kvw, mylast, n, np, scale);
     if ((lane & 1) == 0) smax[mine][warp] = mx;
     __syncthreads();
     if (t < np) pmax[t] = pair_max(smax[t]);  // once per pair
@@ -990,7 +1097,9 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
         for (int p = 0; p < np; p++) wsum[p][warp] = 0.0f;
     }
     __syncthreads();
-    if (hd == 128) lean_values<2>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
+    if (W && hd == 128) wide_values<2>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
+    else if (W) wide_values<4>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
+    else if (hd == 128) lean_values<2>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
     else lean_values<1>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
     if (t < np && pcnt[t] > 0) {
         float l = warp_sum_tree(wsum[t]);
@@ -1013,6 +1122,25 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     else
         attention_lean_k<float>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale,
                                 nb);
+}
+
+// attention_tiles_q4p with wider threads (`SAMESUM_CUDA_ATT_Q4W`): at head
+// dim 128 the score pass reads a pair's q as one float4 (four chunks), and
+// the value pass gives each thread four consecutive dims of 2 (head dim 128)
+// or 4 (256) pairs (wide_values). The same terms in the same order: the
+// same bytes as attention_tiles_q4.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_tiles_q4w(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
+                        int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
+    pdl_wait();
+    if (hd != 128 && hd != 256)
+        attention_tiles_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+    else if (f16)
+        attention_lean_k<u16, true>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase,
+                                    scale, nb);
+    else
+        attention_lean_k<float, true>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp,
+                                      rbase, scale, nb);
 }
 
 // attention_tiles_q4 as before session 10 (NEW = 0: every key of the value

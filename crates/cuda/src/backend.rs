@@ -217,6 +217,11 @@ pub struct Cuda {
     /// Measured on the H200 (session 14): attention at pp4096 490 -> 419 ms
     /// (qwen3moe), 82.4 -> 70.4 ms (qwen35moe).
     att_q4p: bool,
+    /// With `att_q4p`: `attention_tiles_q4w`, the lean kernel with wider
+    /// threads (a pair's q one float4 at head dim 128; the value pass four
+    /// dims of 2 or 4 pairs a thread); `SAMESUM_CUDA_ATT_Q4W`. The same
+    /// bytes.
+    att_q4w: bool,
     /// With `att_tc`: each step's three products summed apart and added to
     /// the running sums in fp32 (`attention_tiles_tc_acc`,
     /// `SAMESUM_CUDA_ATT_TC_ACC=1`): another function again, measured for
@@ -541,6 +546,7 @@ const SWITCHES: &[Switch] = &[
     ("ATT_TC", |c| c.att_tc, |c, on| c.att_tc = on),
     ("ATT_VFULL", |c| c.att_vfull, |c, on| c.att_vfull = on),
     ("ATT_Q4P", |c| c.att_q4p, |c, on| c.att_q4p = on),
+    ("ATT_Q4W", |c| c.att_q4w, |c, on| c.att_q4w = on),
     ("ATT_TC_ACC", |c| c.att_tc_acc, |c, on| c.att_tc_acc = on),
     ("ATT_ULP", |c| c.att_ulp, |c, on| c.att_ulp = on),
     ("MOE_JOINT", |c| c.moe_joint, |c, on| c.moe_joint = on),
@@ -873,6 +879,7 @@ impl Cuda {
             att_tc: env_switch("SAMESUM_CUDA_ATT_TC", false),
             att_vfull: env_switch("SAMESUM_CUDA_ATT_VFULL", true),
             att_q4p: env_switch("SAMESUM_CUDA_ATT_Q4P", true),
+            att_q4w: env_switch("SAMESUM_CUDA_ATT_Q4W", false),
             att_tc_acc: env_switch("SAMESUM_CUDA_ATT_TC_ACC", false),
             att_ulp: env_switch("SAMESUM_CUDA_ATT_ULP", false),
             moe_joint: env_switch("SAMESUM_CUDA_MOE_JOINT", true),
@@ -1166,7 +1173,9 @@ impl Cuda {
             };
             (name, ATC_P, ATC_P * (hd + 8 + ATC_SS) * 4)
         } else if self.att_q4 {
-            let name = if self.att_vfull && self.att_q4p {
+            let name = if self.att_vfull && self.att_q4p && self.att_q4w {
+                "attention_tiles_q4w"
+            } else if self.att_vfull && self.att_q4p {
                 "attention_tiles_q4p"
             } else if self.att_vfull {
                 "attention_tiles_q4"

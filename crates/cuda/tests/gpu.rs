@@ -946,7 +946,10 @@ fn attention_at_the_real_models_head_shapes() {
         // value loads eight keys ahead) gives the bytes of the session-10
         // one, batched in chunks of 64 and 7 and replayed; with an f16
         // cache too (its own instantiation).
-        let p = q4_arm(&[("ATT_Q4P", true)], "attention_tiles_q4p");
+        let p = q4_arm(
+            &[("ATT_Q4P", true), ("ATT_Q4W", false)],
+            "attention_tiles_q4p",
+        );
         if let Err(e) = block_ops_match(&p, &model, MS, 79) {
             panic!("heads {heads}/{kv_heads} x {head_dim}, q4p: {e}");
         }
@@ -963,6 +966,31 @@ fn attention_at_the_real_models_head_shapes() {
             assert!(
                 same_bits(&lb, &lp),
                 "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}, f16 cache: attention_tiles_q4p differs from attention_tiles_q4"
+            );
+        }
+        // And the wide form (attention_tiles_q4w: q one float4 a pair at
+        // head dim 128, four dims of several pairs a thread in the value
+        // pass), the same way.
+        let w = q4_arm(
+            &[("ATT_Q4P", true), ("ATT_Q4W", true)],
+            "attention_tiles_q4w",
+        );
+        if let Err(e) = block_ops_match(&w, &model, MS, 83) {
+            panic!("heads {heads}/{kv_heads} x {head_dim}, q4w: {e}");
+        }
+        for (chunk, lb) in &want {
+            let lw = all_logits(&w, &model, &toks, *chunk);
+            assert!(
+                same_bits(lb, &lw),
+                "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}: attention_tiles_q4w differs from attention_tiles_q4"
+            );
+        }
+        for chunk in [64, 1] {
+            let lb = all_logits_kv(&b, &model, &toks, chunk, KvType::F16);
+            let lw = all_logits_kv(&w, &model, &toks, chunk, KvType::F16);
+            assert!(
+                same_bits(&lb, &lw),
+                "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}, f16 cache: attention_tiles_q4w differs from attention_tiles_q4"
             );
         }
     }
