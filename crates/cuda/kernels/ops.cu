@@ -778,7 +778,7 @@ __device__ __forceinline__ float kv_ld(const u16* p) { return f16_to_f32(*p); }
 // tile_scores<NC, KB, false> with kt the tile's first key row of KV head g,
 // n its keys and mylast the lane's pair's last key, both relative to the
 // tile.
-template <int NC, int KB, typename T, bool W = false>
+template <int NC, int KB, typename T, bool W = false, bool WS = W>
 __device__ __forceinline__ float lean_scores(const float (*qs)[ATT_HD], float (*st)[ATT_S], const T* kt, int kvw,
                                              int mylast, int n, int np, float scale) {
     int t = threadIdx.x, warp = t / 32, lane = t % 32, mine = lane >> 1;
@@ -812,7 +812,7 @@ __device__ __forceinline__ float lean_scores(const float (*qs)[ATT_HD], float (*
         for (int u = 0; u < KB; u++)
 #pragma unroll
             for (int p = 0; p < AP; p++) d[u][p] = 0.0f;
-        if constexpr (W && NC == 4) {
+        if constexpr (WS && NC == 4) {
             // q4w: a lane's four chunks of a pair's q one float4 (stored at
             // column 4 (d % 32) + d / 32),
             // each (key, pair) chain still over the chunks in order.
@@ -975,9 +975,10 @@ __device__ __forceinline__ void wide_key(float (&acc)[P][4], const float (&s)[P]
 // (hd / 4)) (2 at head dim 128, 4 at 256), so one float4 of a value row
 // serves 4 P fmas and one float4 of a pair's scores 16. Each (pair, dim) is
 // the same fma chain over the tile's keys in order as lean_values.
-template <int P, typename T>
+template <int P, int K, typename T>
 __device__ __forceinline__ void wide_values(const T* vt, const float (*st)[ATT_S], float* pacc, int kvw, int hd,
                                             const int* cnt0, const int* pout, int n, int b, int nb) {
+    static_assert(K == 4 || K == 8, "keys a step");
     int t = threadIdx.x, nq = hd / 4, dq = t % nq, p0 = (t / nq) * P;
     int cnt[P];
     float acc[P][4];
@@ -992,29 +993,32 @@ __device__ __forceinline__ void wide_values(const T* vt, const float (*st)[ATT_S
     for (int i = 0; i < P; i++)
         if (cnt[i] > 0) full = min(full, cnt[i]);
     const T* col = vt + 4 * dq;
-    // Four keys a step, the next four's values loaded first.
-    float4 nv[4];
-    if (full >= 4) {
+    // K keys a step, the next K's values loaded first.
+    float4 nv[K];
+    if (full >= K) {
 #pragma unroll
-        for (int u = 0; u < 4; u++) nv[u] = kv_ld4(col + u * kvw);
+        for (int u = 0; u < K; u++) nv[u] = kv_ld4(col + u * kvw);
     }
-    for (; jj + 4 <= full; jj += 4) {
-        float4 v[4];
+    for (; jj + K <= full; jj += K) {
+        float4 v[K];
 #pragma unroll
-        for (int u = 0; u < 4; u++) v[u] = nv[u];
-        if (jj + 8 <= full) {
-            const T* r = col + (jj + 4) * kvw;
+        for (int u = 0; u < K; u++) v[u] = nv[u];
+        if (jj + 2 * K <= full) {
+            const T* r = col + (jj + K) * kvw;
 #pragma unroll
-            for (int u = 0; u < 4; u++) nv[u] = kv_ld4(r + u * kvw);
-        }
-        float s[4][P];
-#pragma unroll
-        for (int i = 0; i < P; i++) {
-            float4 s4 = *reinterpret_cast<const float4*>(&st[p0 + i][jj]);
-            s[0][i] = s4.x, s[1][i] = s4.y, s[2][i] = s4.z, s[3][i] = s4.w;
+            for (int u = 0; u < K; u++) nv[u] = kv_ld4(r + u * kvw);
         }
 #pragma unroll
-        for (int u = 0; u < 4; u++) wide_key<P>(acc, s[u], v[u]);
+        for (int h = 0; h < K / 4; h++) {
+            float s[4][P];
+#pragma unroll
+            for (int i = 0; i < P; i++) {
+                float4 s4 = *reinterpret_cast<const float4*>(&st[p0 + i][jj + 4 * h]);
+                s[0][i] = s4.x, s[1][i] = s4.y, s[2][i] = s4.z, s[3][i] = s4.w;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) wide_key<P>(acc, s[u], v[4 * h + u]);
+        }
     }
     for (; jj < n; jj++) {
         float4 v = kv_ld4(col + jj * kvw);
@@ -1037,7 +1041,7 @@ __device__ __forceinline__ void wide_values(const T* vt, const float (*st)[ATT_S
                 make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
 }
 
-template <typename T, bool W = false>
+template <typename T, bool W = false, bool WS = W>
 __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, const T* cv, float* pml, float* pacc,
                                                  int m, int hq, int hkv, int hd, const int* posp, int rbase,
                                                  float scale, int nb) {
@@ -1075,15 +1079,15 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
         // chunks together (threads past the head dim would land inside the
         // row there: they skip).
         if (hd > 128) qs[qs_row(p, t)][qs_col(t)] = v;
-        else if (!W) qs[qs_row(p, t)][t] = v;
+        else if (!WS) qs[qs_row(p, t)][t] = v;
         else if (t < 128) qs[qs_row(p, t)][(t & 31) * 4 + (t >> 5)] = v;
     }
     __syncthreads();
     const i64 tile0 = (i64)j0 * kvw + g * hd;
     int mine = lane >> 1;
     int mylast = pos0 + r0 + prow[mine] - j0;
-    float mx = hd == 128 ? lean_scores<4, 4, T, W>(qs, st, ck + tile0, kvw, mylast, n, np, scale)
-                         : lean_scores<8, ATT_KB, T, W>(qs, st, ck + tile0, kvw, mylast, n, np, scale);
+    float mx = hd == 128 ? lean_scores<4, 4, T, W, WS>(qs, st, ck + tile0, kvw, mylast, n, np, scale)
+                         : lean_scores<8, ATT_KB, T, W, WS>(qs, st, ck + tile0, kvw, mylast, n, np, scale);
     if ((lane & 1) == 0) smax[mine][warp] = mx;
     __syncthreads();
     if (t < np) pmax[t] = pair_max(smax[t]);  // once per pair
@@ -1097,8 +1101,8 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
         for (int p = 0; p < np; p++) wsum[p][warp] = 0.0f;
     }
     __syncthreads();
-    if (W && hd == 128) wide_values<2>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
-    else if (W) wide_values<4>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
+    if (W && hd == 128) wide_values<2, 8>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
+    else if (W) wide_values<4, 4>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
     else if (hd == 128) lean_values<2>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
     else lean_values<1>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
     if (t < np && pcnt[t] > 0) {
@@ -1141,6 +1145,21 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     else
         attention_lean_k<float, true>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp,
                                       rbase, scale, nb);
+}
+
+// Session 15 experiment: q4w's value pass with q4p's score pass.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_tiles_q4x(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
+                        int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
+    pdl_wait();
+    if (hd != 128 && hd != 256)
+        attention_tiles_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+    else if (f16)
+        attention_lean_k<u16, true, false>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp,
+                                           rbase, scale, nb);
+    else
+        attention_lean_k<float, true, false>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd,
+                                             posp, rbase, scale, nb);
 }
 
 // attention_tiles_q4 as before session 10 (NEW = 0: every key of the value

@@ -1174,7 +1174,11 @@ impl Cuda {
             (name, ATC_P, ATC_P * (hd + 8 + ATC_SS) * 4)
         } else if self.att_q4 {
             let name = if self.att_vfull && self.att_q4p && self.att_q4w {
-                "attention_tiles_q4w"
+                if std::env::var("SAMESUM_CUDA_ATT_Q4X").is_ok_and(|v| v == "1") {
+                    "attention_tiles_q4x"
+                } else {
+                    "attention_tiles_q4w"
+                }
             } else if self.att_vfull && self.att_q4p {
                 "attention_tiles_q4p"
             } else if self.att_vfull {
