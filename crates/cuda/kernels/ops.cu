@@ -778,7 +778,7 @@ __device__ __forceinline__ float kv_ld(const u16* p) { return f16_to_f32(*p); }
 // tile_scores<NC, KB, false> with kt the tile's first key row of KV head g,
 // n its keys and mylast the lane's pair's last key, both relative to the
 // tile.
-template <int NC, int KB, typename T, bool W = false, bool WS = W>
+template <int NC, int KB, typename T>
 __device__ __forceinline__ float lean_scores(const float (*qs)[ATT_HD], float (*st)[ATT_S], const T* kt, int kvw,
                                              int mylast, int n, int np, float scale) {
     int t = threadIdx.x, warp = t / 32, lane = t % 32, mine = lane >> 1;
@@ -812,20 +812,7 @@ __device__ __forceinline__ float lean_scores(const float (*qs)[ATT_HD], float (*
         for (int u = 0; u < KB; u++)
 #pragma unroll
             for (int p = 0; p < AP; p++) d[u][p] = 0.0f;
-        if constexpr (WS && NC == 4) {
-            // q4w: a lane's four chunks of a pair's q one float4 (stored at
-            // column 4 (d % 32) + d / 32),
-            // each (key, pair) chain still over the chunks in order.
-#pragma unroll
-            for (int p = 0; p < AP; p++) {
-                float4 q4 = *reinterpret_cast<const float4*>(&qs[p][4 * lane]);
-                float qv[4] = {q4.x, q4.y, q4.z, q4.w};
-#pragma unroll
-                for (int c = 0; c < 4; c++)
-#pragma unroll
-                    for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv[c], kr[u][c], d[u][p]);
-            }
-        } else if constexpr (NC <= 4) {
+        if constexpr (NC <= 4) {
 #pragma unroll
             for (int c = 0; c < NC; c++)
 #pragma unroll
@@ -1041,7 +1028,7 @@ __device__ __forceinline__ void wide_values(const T* vt, const float (*st)[ATT_S
                 make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
 }
 
-template <typename T, bool W = false, bool WS = W>
+template <typename T, bool W = false>
 __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, const T* cv, float* pml, float* pacc,
                                                  int m, int hq, int hkv, int hd, const int* posp, int rbase,
                                                  float scale, int nb) {
@@ -1075,19 +1062,14 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
     for (int p = 0; p < AP; p++) {
         float v = 0.0f;
         if (p < np && t < hd) v = q[(i64)pout[p] * hd + t];
-        // q4w at head dim 128: column 4 (d % 32) + d / 32, lane l's four
-        // chunks together (threads past the head dim would land inside the
-        // row there: they skip).
-        if (hd > 128) qs[qs_row(p, t)][qs_col(t)] = v;
-        else if (!WS) qs[qs_row(p, t)][t] = v;
-        else if (t < 128) qs[qs_row(p, t)][(t & 31) * 4 + (t >> 5)] = v;
+        if (t < ATT_HD) qs[qs_row(p, t)][hd > 128 ? qs_col(t) : t] = v;
     }
     __syncthreads();
     const i64 tile0 = (i64)j0 * kvw + g * hd;
     int mine = lane >> 1;
     int mylast = pos0 + r0 + prow[mine] - j0;
-    float mx = hd == 128 ? lean_scores<4, 4, T, W, WS>(qs, st, ck + tile0, kvw, mylast, n, np, scale)
-                         : lean_scores<8, ATT_KB, T, W, WS>(qs, st, ck + tile0, kvw, mylast, n, np, scale);
+    float mx = hd == 128 ? lean_scores<4, 4>(qs, st, ck + tile0, kvw, mylast, n, np, scale)
+                         : lean_scores<8, ATT_KB>(qs, st, ck + tile0, kvw, mylast, n, np, scale);
     if ((lane & 1) == 0) smax[mine][warp] = mx;
     __syncthreads();
     if (t < np) pmax[t] = pair_max(smax[t]);  // once per pair
@@ -1128,11 +1110,12 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                                 nb);
 }
 
-// attention_tiles_q4p with wider threads (`SAMESUM_CUDA_ATT_Q4W`): at head
-// dim 128 the score pass reads a pair's q as one float4 (four chunks), and
-// the value pass gives each thread four consecutive dims of 2 (head dim 128)
-// or 4 (256) pairs (wide_values). The same terms in the same order: the
-// same bytes as attention_tiles_q4.
+// attention_tiles_q4p with a wider value pass (`SAMESUM_CUDA_ATT_Q4W`, the
+// default): each thread takes four consecutive dims of 2 (head dim 128, 8
+// keys a step) or 4 (256, 4 keys a step) pairs (wide_values). The same terms
+// in the same order: the same bytes as attention_tiles_q4. Measured on the
+// H200 (session 15, pp4096): qwen35moe (head dim 256) 70.5 -> 63.8 ms;
+// qwen3moe (128) 407 -> 409 ms, no change.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles_q4w(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
                         int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
@@ -1145,21 +1128,6 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     else
         attention_lean_k<float, true>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp,
                                       rbase, scale, nb);
-}
-
-// Session 15 experiment: q4w's value pass with q4p's score pass.
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_tiles_q4x(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
-                        int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
-    pdl_wait();
-    if (hd != 128 && hd != 256)
-        attention_tiles_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
-    else if (f16)
-        attention_lean_k<u16, true, false>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp,
-                                           rbase, scale, nb);
-    else
-        attention_lean_k<float, true, false>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd,
-                                             posp, rbase, scale, nb);
 }
 
 // attention_tiles_q4 as before session 10 (NEW = 0: every key of the value

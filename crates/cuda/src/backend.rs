@@ -217,10 +217,11 @@ pub struct Cuda {
     /// Measured on the H200 (session 14): attention at pp4096 490 -> 419 ms
     /// (qwen3moe), 82.4 -> 70.4 ms (qwen35moe).
     att_q4p: bool,
-    /// With `att_q4p`: `attention_tiles_q4w`, the lean kernel with wider
-    /// threads (a pair's q one float4 at head dim 128; the value pass four
-    /// dims of 2 or 4 pairs a thread); `SAMESUM_CUDA_ATT_Q4W`. The same
-    /// bytes.
+    /// With `att_q4p`: `attention_tiles_q4w`, the lean kernel with a wider
+    /// value pass (four dims of 2 or 4 pairs a thread); the default,
+    /// `SAMESUM_CUDA_ATT_Q4W=0` for `attention_tiles_q4p`. The same bytes.
+    /// Measured on the H200 (session 15): attention at pp4096 70.5 -> 63.8
+    /// ms (qwen35moe, head dim 256), no change on qwen3moe (head dim 128).
     att_q4w: bool,
     /// With `att_tc`: each step's three products summed apart and added to
     /// the running sums in fp32 (`attention_tiles_tc_acc`,
@@ -879,7 +880,7 @@ impl Cuda {
             att_tc: env_switch("SAMESUM_CUDA_ATT_TC", false),
             att_vfull: env_switch("SAMESUM_CUDA_ATT_VFULL", true),
             att_q4p: env_switch("SAMESUM_CUDA_ATT_Q4P", true),
-            att_q4w: env_switch("SAMESUM_CUDA_ATT_Q4W", false),
+            att_q4w: env_switch("SAMESUM_CUDA_ATT_Q4W", true),
             att_tc_acc: env_switch("SAMESUM_CUDA_ATT_TC_ACC", false),
             att_ulp: env_switch("SAMESUM_CUDA_ATT_ULP", false),
             moe_joint: env_switch("SAMESUM_CUDA_MOE_JOINT", true),
@@ -1174,11 +1175,7 @@ impl Cuda {
             (name, ATC_P, ATC_P * (hd + 8 + ATC_SS) * 4)
         } else if self.att_q4 {
             let name = if self.att_vfull && self.att_q4p && self.att_q4w {
-                if std::env::var("SAMESUM_CUDA_ATT_Q4X").is_ok_and(|v| v == "1") {
-                    "attention_tiles_q4x"
-                } else {
-                    "attention_tiles_q4w"
-                }
+                "attention_tiles_q4w"
             } else if self.att_vfull && self.att_q4p {
                 "attention_tiles_q4p"
             } else if self.att_vfull {

@@ -573,7 +573,6 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "attention_tiles_q4_checked",
             "attention_tiles_q4p",
             "attention_tiles_q4w",
-            "attention_tiles_q4x",
             "attention_tiles_tc",
             "attention_tiles_tc_acc",
             "attention_one",

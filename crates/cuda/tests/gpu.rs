@@ -968,9 +968,8 @@ fn attention_at_the_real_models_head_shapes() {
                 "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}, f16 cache: attention_tiles_q4p differs from attention_tiles_q4"
             );
         }
-        // And the wide form (attention_tiles_q4w: q one float4 a pair at
-        // head dim 128, four dims of several pairs a thread in the value
-        // pass), the same way.
+        // And the wide form (attention_tiles_q4w: four dims of several pairs
+        // a thread in the value pass; the default), the same way.
         let w = q4_arm(
             &[("ATT_Q4P", true), ("ATT_Q4W", true)],
             "attention_tiles_q4w",
@@ -1074,7 +1073,7 @@ fn fast_attention_option_takes_the_tensor_core_passes() {
         assert_eq!(cuda.attention_kernel(128, 8).0, "attention_tiles_tc_acc");
         assert!(cuda.name().contains("fast attention"), "{}", cuda.name());
         let exact = Cuda::new(0, &model, false).unwrap();
-        assert_eq!(exact.attention_kernel(128, 8).0, "attention_tiles_q4p");
+        assert_eq!(exact.attention_kernel(128, 8).0, "attention_tiles_q4w");
         assert!(!exact.name().contains("fast attention"));
         let toks = test_tokens(&model, 3);
         let replay = all_logits(&cuda, &model, &toks, 1);
