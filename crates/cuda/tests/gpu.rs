@@ -311,6 +311,71 @@ fn lane_row_matmuls_equal_the_warp_row_kernels() {
     eprintln!("lane-row cases equal to the warp-row kernels: {checked} matmuls, {glus} GLUs");
 }
 
+/// The staged Q6_K row kernel (`mm_q6_k_stage_1`: each warp's weight row
+/// copied into shared memory, then the row kernel's arithmetic) against
+/// `mm_q6_k_1`, byte for byte: every matrix of a 2,048-wide layer whose rows
+/// it takes (8 blocks a row: the head, q, k, v, the experts' gate and up),
+/// with and without expert ids (unused rows among them), poisoned outputs;
+/// and against the tile kernels.
+#[test]
+fn staged_q6k_rows_equal_the_row_kernel() {
+    if !gpu() {
+        return;
+    }
+    let sh = shapes::Shape {
+        hidden: 2048,
+        expert_ff: 512,
+        layers: 1,
+        ..shapes::by_name("tiny-qwen3moe").unwrap()
+    };
+    let (_dir, model) = synth_shape(sh, GgmlType::Q6_K, 23);
+    let mut cuda = Cuda::new(0, &model, false).unwrap();
+    let l0 = &model.w.layers[0];
+    let mut mats = vec![&l0.moe.gate, &l0.moe.up, &l0.moe.down, &model.w.output];
+    if let Mixer::Attention(a) = &l0.mixer {
+        mats.extend([&a.q, &a.k, &a.v, &a.o]);
+    }
+    let mut rng = Rng::new(43);
+    let (mut staged, mut blocks) = (0, std::collections::BTreeSet::new());
+    for w in mats {
+        assert_eq!(w.ty, GgmlType::Q6_K, "{}", w.name);
+        if !w.row_bytes.is_multiple_of(16) {
+            continue;
+        }
+        blocks.insert(w.cols / 256);
+        for m in [1, 2, 5, 16] {
+            let (x, ids) = random_rows(&mut rng, w, m, (3, 1));
+            cuda.set_switch("Q6_STAGE", true).unwrap();
+            let st = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
+            cuda.set_switch("Q6_STAGE", false).unwrap();
+            let row = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
+            cuda.set_row_kernels(false);
+            let tile = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
+            cuda.set_row_kernels(true);
+            assert!(st.iter().all(|v| v.is_finite()), "{}: non-finite", w.name);
+            assert!(
+                same_bits(&st, &row),
+                "{} m={m}: staged Q6_K rows != mm_q6_k_1",
+                w.name
+            );
+            assert!(
+                same_bits(&st, &tile),
+                "{} m={m}: staged Q6_K rows != the tile kernel",
+                w.name
+            );
+            staged += 1;
+        }
+    }
+    cuda.set_switch("Q6_STAGE", true).unwrap();
+    assert!(
+        blocks.contains(&8) && staged >= 8,
+        "staged cases: {staged}, block counts {blocks:?}"
+    );
+    eprintln!(
+        "staged Q6_K cases equal to mm_q6_k_1 and the tiles: {staged} (blocks a row {blocks:?})"
+    );
+}
+
 /// A layer's input projections in one launch (`mm_*_multi_1`: attention q, k,
 /// v; delta-net qkv, z, beta, alpha) against one matmul each, byte for byte,
 /// every format, one row and a few rows.
