@@ -357,12 +357,37 @@ __device__ void mm_blocks(const u8* W, i64 mat_stride, int row_bytes, const int*
         mm_blocks<F, RW>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);                  \
     }
 
-// mm_row's arithmetic for one warp: weight rows wr (global or shared
-// memory) against the activation row ar; every lane ends with the sums.
+// ---------------------------------------------------------------- one row
+//
+// Decode-sized calls (one activation row, or a few rows that each name their
+// own expert): one warp per (weight row, activation row), so a warp never
+// waits on one expert's loads before the next expert's. Group b0 + G's
+// weights and activations are loaded before group b0's arithmetic (double
+// buffering), so a row of two groups (2,048 Q4_K columns) waits on memory
+// once. The per-element arithmetic is mm_blocks's: exact integer terms per
+// block, then the float steps in block order.
 template <class F, int NW>
-__device__ __forceinline__ void row_core(const u8* const (&wr)[NW], const u8* ar, float (&acc)[NW], int nb, int g,
-                                         int s) {
+//
+// `amap` (optional) names each row's input row: row r reads A's row amap[r]
+// (a decode MoE's placed pairs reading their token's row in place of a
+// gathered copy of it: the same bytes).
+__device__ void mm_row(const u8* W, const u8* W2, i64 mat_stride, int row_bytes, const int* mats,
+                       const u8* A, float* Y, int rows, int m, int nb, int jb, const int* amap = nullptr) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int j = jb * WARPS + warp;
+    int r = blockIdx.y;
+    if (j >= rows || r >= m) return;
     const int L = F::LANES, G = 32 / F::LANES;
+    int g = lane / L, s = lane % L;
+    int mat = mats ? mats[r] : 0;
+    if (mat < 0) {
+        if (lane == 0) Y[(i64)r * rows + j] = 0.0f;
+        return;
+    }
+    const u8* wr[NW];
+    wr[0] = W + mat * mat_stride + (i64)j * row_bytes;
+    if (NW == 2) wr[NW - 1] = W2 + mat * mat_stride + (i64)j * row_bytes;
+    const u8* ar = A + (i64)(amap ? amap[r] : r) * nb * F::ABYTES;
     F f[NW], fn[NW];
     typename F::A x = typename F::A(), xn = typename F::A();
     if (g < nb) {
@@ -370,6 +395,7 @@ __device__ __forceinline__ void row_core(const u8* const (&wr)[NW], const u8* ar
         for (int w = 0; w < NW; w++) f[w].load(wr[w] + (i64)g * F::BYTES, s);
         x = F::act(ar + (i64)g * F::ABYTES, s);
     }
+    float acc[NW];
 #pragma unroll
     for (int w = 0; w < NW; w++) acc[w] = 0.0f;
     for (int b0 = 0; b0 < nb; b0 += G) {
@@ -397,45 +423,9 @@ __device__ __forceinline__ void row_core(const u8* const (&wr)[NW], const u8* ar
         }
         x = xn;
     }
-}
-
-// ---------------------------------------------------------------- one row
-//
-// Decode-sized calls (one activation row, or a few rows that each name their
-// own expert): one warp per (weight row, activation row), so a warp never
-// waits on one expert's loads before the next expert's. Group b0 + G's
-// weights and activations are loaded before group b0's arithmetic (double
-// buffering), so a row of two groups (2,048 Q4_K columns) waits on memory
-// once. The per-element arithmetic is mm_blocks's: exact integer terms per
-// block, then the float steps in block order.
-template <class F, int NW>
-//
-// `amap` (optional) names each row's input row: row r reads A's row amap[r]
-// (a decode MoE's placed pairs reading their token's row in place of a
-// gathered copy of it: the same bytes).
-__device__ void mm_row(const u8* W, const u8* W2, i64 mat_stride, int row_bytes, const int* mats,
-                       const u8* A, float* Y, int rows, int m, int nb, int jb, const int* amap = nullptr) {
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int j = jb * WARPS + warp;
-    int r = blockIdx.y;
-    if (j >= rows || r >= m) return;
-    const int L = F::LANES;
-    int g = lane / L, s = lane % L;
-    int mat = mats ? mats[r] : 0;
-    if (mat < 0) {
-        if (lane == 0) Y[(i64)r * rows + j] = 0.0f;
-        return;
-    }
-    const u8* wr[NW];
-    wr[0] = W + mat * mat_stride + (i64)j * row_bytes;
-    if (NW == 2) wr[NW - 1] = W2 + mat * mat_stride + (i64)j * row_bytes;
-    const u8* ar = A + (i64)(amap ? amap[r] : r) * nb * F::ABYTES;
-    float acc[NW];
-    row_core<F, NW>(wr, ar, acc, nb, g, s);
     // NW = 2: the gate and up rows of a GLU, combined as silu_mul does.
     if (lane == 0) Y[(i64)r * rows + j] = NW == 2 ? silu(acc[0]) * acc[NW - 1] : acc[0];
 }
-
 
 #define MM_ROW_KERNEL(name, F)                                                                \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                  \
@@ -531,59 +521,6 @@ MM_ROW_KERNEL(mm_q4_k_1, FmtQ4K)
 MM_ROW_KERNEL(mm_q5_k_1, FmtQ5K)
 MM_ROW_KERNEL(mm_q6_k_1, FmtQ6K)
 MM_ROW_KERNEL(mm_q8_0_1, FmtQ8_0)
-// Decode-sized Q6_K products whose rows are whole 16-byte runs (row_bytes a
-// multiple of 16: 2,048 columns and up by 2,048; the output head): each warp
-// first copies its weight row into shared memory with coalesced 16-byte loads
-// (before pdl_wait when there are no expert ids: weights never change), then
-// runs mm_row's arithmetic on it (row_core). mm_q6_k_1's per-lane loads are
-// 2-byte-aligned words, five for each 16 bytes, scattered over the block.
-// Dynamic shared memory: WARPS * row_bytes.
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-    mm_q6_k_stage_1(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, int rows,
-                    int m, int nb) {
-    extern __shared__ __align__(16) u8 q6s[];
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int j = blockIdx.x * WARPS + warp, r = blockIdx.y;
-    bool live = j < rows && r < m;
-    u8* srow = q6s + warp * row_bytes;
-    int n16 = row_bytes / 16;
-    auto stage = [&](const u8* wrow) {
-        for (int base = 0; base < n16; base += 128) {
-            uint4 buf[4];
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                int i = base + lane + 32 * k;
-                if (i < n16) buf[k] = ((const uint4*)wrow)[i];
-            }
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                int i = base + lane + 32 * k;
-                if (i < n16) ((uint4*)srow)[i] = buf[k];
-            }
-        }
-    };
-    int mat = 0;
-    if (!mats) {
-        if (live) stage(W + (i64)j * row_bytes);
-        pdl_wait();
-    } else {
-        pdl_wait();
-        mat = live ? mats[r] : -1;
-        if (live && mat >= 0) stage(W + mat * mat_stride + (i64)j * row_bytes);
-    }
-    __syncwarp();
-    if (!live) return;
-    if (mat < 0) {
-        if (lane == 0) Y[(i64)r * rows + j] = 0.0f;
-        return;
-    }
-    const int L = FmtQ6K::LANES;
-    const u8* const wr[1] = {srow};
-    float acc[1];
-    row_core<FmtQ6K, 1>(wr, A + (i64)r * nb * FmtQ6K::ABYTES, acc, nb, lane / L, lane % L);
-    if (lane == 0) Y[(i64)r * rows + j] = acc[0];
-}
-
 MM_GLU_KERNEL(mm_q4_k_glu_1, FmtQ4K)
 MM_GLU_KERNEL(mm_q5_k_glu_1, FmtQ5K)
 MM_GLU_KERNEL(mm_q6_k_glu_1, FmtQ6K)

@@ -143,12 +143,6 @@ pub struct Cuda {
     /// terms, warp 0 the float steps in block order; the row kernels' bytes;
     /// default, off with `SAMESUM_CUDA_LANE_ROWS=0`).
     lane_rows: bool,
-    /// Decode-sized Q6_K matmuls whose rows are whole 16-byte runs (the
-    /// output head) stage each weight row in shared memory with coalesced
-    /// 16-byte loads, then run the row kernel's arithmetic on it
-    /// (`mm_q6_k_stage_1`; default, off with `SAMESUM_CUDA_Q6_STAGE=0` for
-    /// `mm_q6_k_1`). The same bytes.
-    q6_stage: bool,
     /// One decode row's routing and plan by one warp in compact code
     /// (`route_plan_one`; default, off with `SAMESUM_CUDA_ROUTE_ONE=0` for
     /// route_plan_small's one-row path): the same ids, weights and plan.
@@ -530,7 +524,6 @@ const SWITCHES: &[Switch] = &[
     ("SILU_Q8K", |c| c.silu_q8k, |c, on| c.silu_q8k = on),
     ("GN_Q8K", |c| c.gn_q8k, |c, on| c.gn_q8k = on),
     ("LANE_ROWS", |c| c.lane_rows, |c, on| c.lane_rows = on),
-    ("Q6_STAGE", |c| c.q6_stage, |c, on| c.q6_stage = on),
     ("ROUTE_ONE", |c| c.route_one, |c, on| c.route_one = on),
     ("QK_FUSE", |c| c.qk_fuse, |c, on| c.qk_fuse = on),
     ("ROUTE_FOLD", |c| c.route_fold, |c, on| c.route_fold = on),
@@ -866,7 +859,6 @@ impl Cuda {
             silu_q8k: env_switch("SAMESUM_CUDA_SILU_Q8K", true),
             gn_q8k: env_switch("SAMESUM_CUDA_GN_Q8K", true),
             lane_rows: env_switch("SAMESUM_CUDA_LANE_ROWS", true),
-            q6_stage: env_switch("SAMESUM_CUDA_Q6_STAGE", true),
             route_one: env_switch("SAMESUM_CUDA_ROUTE_ONE", true),
             qk_fuse: env_switch("SAMESUM_CUDA_QK_FUSE", true),
             route_fold: env_switch("SAMESUM_CUDA_ROUTE_FOLD", true),
@@ -1530,31 +1522,6 @@ impl Cuda {
                         d,
                         "mm_q4_k_lane_1",
                         cl,
-                        &wptr,
-                        &stride,
-                        &row_bytes,
-                        &mats_ptr,
-                        $a,
-                        y,
-                        &rows,
-                        &mi,
-                        $n
-                    )
-                } else if one_row
-                    && self.q6_stage
-                    && w.ty == GgmlType::Q6_K
-                    && w.row_bytes.is_multiple_of(16)
-                    && 4 * w.row_bytes <= 48 << 10
-                {
-                    let cs = cfg(
-                        (w.rows.div_ceil(4) as u32, m as u32, 1),
-                        128,
-                        4 * w.row_bytes as u32,
-                    );
-                    launch!(
-                        d,
-                        "mm_q6_k_stage_1",
-                        cs,
                         &wptr,
                         &stride,
                         &row_bytes,

@@ -510,7 +510,6 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_q4_k_1",
             "mm_q5_k_1",
             "mm_q6_k_1",
-            "mm_q6_k_stage_1",
             "mm_q8_0_1",
             "mm_q4_k_glu_1",
             "mm_q4_k_moe_1",
