@@ -944,16 +944,19 @@ __device__ __forceinline__ float4 kv_ld4(const u16* p) {
                        f16_to_f32((u16)(h.y >> 16)));
 }
 
-// One key's fma into a thread's P pairs x 4 dims (q4w's value pass).
+// One key's fma into one pair's 4 dims (q4w's value pass).
+__device__ __forceinline__ void pair_fma4(float (&a)[4], float s, float4 v) {
+    a[0] = __fmaf_rn(s, v.x, a[0]);
+    a[1] = __fmaf_rn(s, v.y, a[1]);
+    a[2] = __fmaf_rn(s, v.z, a[2]);
+    a[3] = __fmaf_rn(s, v.w, a[3]);
+}
+
+// One key's fma into a thread's P pairs x 4 dims.
 template <int P>
 __device__ __forceinline__ void wide_key(float (&acc)[P][4], const float (&s)[P], float4 v) {
 #pragma unroll
-    for (int i = 0; i < P; i++) {
-        acc[i][0] = __fmaf_rn(s[i], v.x, acc[i][0]);
-        acc[i][1] = __fmaf_rn(s[i], v.y, acc[i][1]);
-        acc[i][2] = __fmaf_rn(s[i], v.z, acc[i][2]);
-        acc[i][3] = __fmaf_rn(s[i], v.w, acc[i][3]);
-    }
+    for (int i = 0; i < P; i++) pair_fma4(acc[i], s[i], v);
 }
 
 // The value pass of attention_tiles_q4 with a thread per four consecutive
@@ -1014,12 +1017,7 @@ __device__ __forceinline__ void wide_values(const T* vt, const float (*st)[ATT_S
         for (int i = 0; i < P; i++) s[i] = st[p0 + i][jj];
 #pragma unroll
         for (int i = 0; i < P; i++)
-            if (jj < cnt[i]) {
-                acc[i][0] = __fmaf_rn(s[i], v.x, acc[i][0]);
-                acc[i][1] = __fmaf_rn(s[i], v.y, acc[i][1]);
-                acc[i][2] = __fmaf_rn(s[i], v.z, acc[i][2]);
-                acc[i][3] = __fmaf_rn(s[i], v.w, acc[i][3]);
-            }
+            if (jj < cnt[i]) pair_fma4(acc[i], s[i], v);
     }
 #pragma unroll
     for (int i = 0; i < P; i++)
@@ -1028,6 +1026,7 @@ __device__ __forceinline__ void wide_values(const T* vt, const float (*st)[ATT_S
                 make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
 }
 
+// W: the value pass in wide_values (q4w) instead of lean_values (q4p).
 template <typename T, bool W = false>
 __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, const T* cv, float* pml, float* pacc,
                                                  int m, int hq, int hkv, int hd, const int* posp, int rbase,
@@ -1094,6 +1093,22 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
     }
 }
 
+// The lean kernels' entry: head dims 128 and 256 (the real models') in lean
+// code, others in attention_tiles_q4's code.
+template <bool W>
+__device__ __forceinline__ void attention_lean_entry(const float* q, const void* ck, const void* cv, float* pml,
+                                                     float* pacc, int m, int hq, int hkv, int hd, const int* posp,
+                                                     int rbase, float scale, int f16, int nb) {
+    if (hd != 128 && hd != 256)
+        attention_tiles_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+    else if (f16)
+        attention_lean_k<u16, W>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale,
+                                 nb);
+    else
+        attention_lean_k<float, W>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase,
+                                   scale, nb);
+}
+
 // attention_tiles_q4's bytes in lean code for head dims 128 and 256 (the
 // real models'); other head dims run attention_tiles_q4's code
 // (`SAMESUM_CUDA_ATT_Q4P`).
@@ -1101,13 +1116,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles_q4p(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
                         int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
     pdl_wait();
-    if (hd != 128 && hd != 256)
-        attention_tiles_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
-    else if (f16)
-        attention_lean_k<u16>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, nb);
-    else
-        attention_lean_k<float>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale,
-                                nb);
+    attention_lean_entry<false>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
 }
 
 // attention_tiles_q4p with a wider value pass (`SAMESUM_CUDA_ATT_Q4W`, the
@@ -1120,14 +1129,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles_q4w(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
                         int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
     pdl_wait();
-    if (hd != 128 && hd != 256)
-        attention_tiles_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
-    else if (f16)
-        attention_lean_k<u16, true>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase,
-                                    scale, nb);
-    else
-        attention_lean_k<float, true>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp,
-                                      rbase, scale, nb);
+    attention_lean_entry<true>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
 }
 
 // attention_tiles_q4 as before session 10 (NEW = 0: every key of the value

@@ -941,7 +941,33 @@ fn attention_at_the_real_models_head_shapes() {
                 "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}: the session-10 passes differ from the session-9 kernel"
             );
         }
-        // And the lean form (attention_tiles_q4p: typed cache loads, tile
+        // attention_tiles_q4's f16-cache logits, for both lean arms below.
+        let want_f16: Vec<(usize, Vec<f32>)> = [64, 1]
+            .into_iter()
+            .map(|chunk| (chunk, all_logits_kv(&b, &model, &toks, chunk, KvType::F16)))
+            .collect();
+        // Each lean arm against q4: the row contract, then every chunk's
+        // logits with an f32 cache and with an f16 one.
+        let lean_arm = |arm: &Cuda, name: &str, seed: u64| {
+            if let Err(e) = block_ops_match(arm, &model, MS, seed) {
+                panic!("heads {heads}/{kv_heads} x {head_dim}, {name}: {e}");
+            }
+            for (chunk, lb) in &want {
+                let lp = all_logits(arm, &model, &toks, *chunk);
+                assert!(
+                    same_bits(lb, &lp),
+                    "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}: {name} differs from attention_tiles_q4"
+                );
+            }
+            for (chunk, lb) in &want_f16 {
+                let lp = all_logits_kv(arm, &model, &toks, *chunk, KvType::F16);
+                assert!(
+                    same_bits(lb, &lp),
+                    "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}, f16 cache: {name} differs from attention_tiles_q4"
+                );
+            }
+        };
+        // The lean form (attention_tiles_q4p: typed cache loads, tile
         // offsets, per-pair indices once a block, padded score rows, the
         // value loads eight keys ahead) gives the bytes of the session-10
         // one, batched in chunks of 64 and 7 and replayed; with an f16
@@ -950,48 +976,14 @@ fn attention_at_the_real_models_head_shapes() {
             &[("ATT_Q4P", true), ("ATT_Q4W", false)],
             "attention_tiles_q4p",
         );
-        if let Err(e) = block_ops_match(&p, &model, MS, 79) {
-            panic!("heads {heads}/{kv_heads} x {head_dim}, q4p: {e}");
-        }
-        for (chunk, lb) in &want {
-            let lp = all_logits(&p, &model, &toks, *chunk);
-            assert!(
-                same_bits(lb, &lp),
-                "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}: attention_tiles_q4p differs from attention_tiles_q4"
-            );
-        }
-        for chunk in [64, 1] {
-            let lb = all_logits_kv(&b, &model, &toks, chunk, KvType::F16);
-            let lp = all_logits_kv(&p, &model, &toks, chunk, KvType::F16);
-            assert!(
-                same_bits(&lb, &lp),
-                "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}, f16 cache: attention_tiles_q4p differs from attention_tiles_q4"
-            );
-        }
+        lean_arm(&p, "attention_tiles_q4p", 79);
         // And the wide form (attention_tiles_q4w: four dims of several pairs
         // a thread in the value pass; the default), the same way.
         let w = q4_arm(
             &[("ATT_Q4P", true), ("ATT_Q4W", true)],
             "attention_tiles_q4w",
         );
-        if let Err(e) = block_ops_match(&w, &model, MS, 83) {
-            panic!("heads {heads}/{kv_heads} x {head_dim}, q4w: {e}");
-        }
-        for (chunk, lb) in &want {
-            let lw = all_logits(&w, &model, &toks, *chunk);
-            assert!(
-                same_bits(lb, &lw),
-                "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}: attention_tiles_q4w differs from attention_tiles_q4"
-            );
-        }
-        for chunk in [64, 1] {
-            let lb = all_logits_kv(&b, &model, &toks, chunk, KvType::F16);
-            let lw = all_logits_kv(&w, &model, &toks, chunk, KvType::F16);
-            assert!(
-                same_bits(&lb, &lw),
-                "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}, f16 cache: attention_tiles_q4w differs from attention_tiles_q4"
-            );
-        }
+        lean_arm(&w, "attention_tiles_q4w", 83);
     }
 }
 
