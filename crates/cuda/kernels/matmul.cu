@@ -802,6 +802,16 @@ __device__ __forceinline__ void mma_s8(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
 }
 
+// The same product with unsigned activation bytes (B .u8): the low bytes of
+// the i16 bsums in the mins' tensor-core sums below.
+__device__ __forceinline__ void mma_s8u8(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+}
+
 __device__ __forceinline__ int byte_of(u32 w, int i) { return (int)((w >> (8 * i)) & 0xffu); }
 
 // One sub-block s (half h of byte group p) of a tensor-core tile step, as
@@ -1257,6 +1267,28 @@ struct TaSrc {
             w[i] = (u32)((min(wrow0 + r, rows - 1) - wrow0) * row_bytes + 16 * q);
         }
     }
+    __device__ __forceinline__ u32 off(int i) const { return w[i]; }
+};
+
+// The same offsets worked out again at every block from four values kept
+// (at 168 registers TaSrc's nine are what ptxas puts in local memory):
+// piece c = tid + 128 i is row r0 + (128 / WPC) i + carry, piece
+// q0 + (128 % WPC) i - WPC carry, with tid = WPC r0 + q0.
+template <int Q5, int R>
+struct TaCalc {
+    static constexpr int WPC = TaLayout<Q5, R>::BYTES / 16;
+    int r0, q0, lim, row_bytes;
+    __device__ __forceinline__ TaCalc(int row_bytes_, int wrow0, int rows, int tid)
+        : r0(tid / WPC), q0(tid % WPC), lim(rows - 1 - wrow0), row_bytes(row_bytes_) {}
+    __device__ __forceinline__ u32 off(int i) const {
+        // Opaque copies, so the compiler works the offsets out here rather
+        // than hoisting them out of the block loop into registers again.
+        int q = q0, r = r0;
+        asm volatile("" : "+r"(q), "+r"(r));
+        int t = q + (128 % WPC) * i, carry = t / WPC;
+        r = min(r + (128 / WPC) * i + carry, lim);
+        return (u32)(r * row_bytes + 16 * (t - WPC * carry));
+    }
 };
 
 // Weight block b of the tile whose first row is at `wt`, and activation
@@ -1264,8 +1296,8 @@ struct TaSrc {
 // zero-filled): warp w copies activation rows w, w + 4, ..., lane l < 19
 // piece l of each, one row's 304 consecutive bytes an instruction at offsets
 // that step by a constant. The same bytes in the same places as ta_issue.
-template <int Q5, int R>
-__device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8* at, const TaSrc<Q5, R>& src,
+template <int Q5, int R, class Src>
+__device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8* at, const Src& src,
                                               u32 arow, int nr, int b, int tid) {
     typedef TaLayout<Q5, R> L;
     typedef TaSrc<Q5, R> S;
@@ -1274,7 +1306,7 @@ __device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8*
 #pragma unroll
     for (int i = 0; i < S::WP; i++) {
         int c = tid + 128 * i, r = c / S::WPC, q = c - r * S::WPC;
-        cp_async16(stage + L::W_OFF + r * L::WST + q * 16, wb + src.w[i], true);
+        cp_async16(stage + L::W_OFF + r * L::WST + q * 16, wb + src.off(i), true);
     }
     int warp = tid / 32, lane = tid % 32;
     if (lane < Q8K_BYTES / 16) {
@@ -1289,7 +1321,20 @@ __device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8*
     }
 }
 
-template <int Q5, int R>
+// MS: each element's mins sum (the integer sum of sub-block min times the
+// activations' 32-value sum, which the other kernels take by dp2a from
+// bsums pairs staged per block) by two tensor-core products per 16 x 8
+// group instead: k slots 4tq..4tq+3 of thread tq hold the 16 raw i16 bsums
+// (slot j: bsum j, weight: the min of sub-block j / 2), once with their low
+// bytes (unsigned) and once with their high bytes (signed), and the sum is
+// high * 256 + low: the same integer, so the same float steps and bytes.
+// It needs no staged pairs, so no pass over them and no barrier for them.
+// V (the 32-row kernels' variants, the same arithmetic): bit 0, one
+// barrier a block (wait for block b, barrier, then issue block b + 1's
+// copies into the stage block b - 1 used; instead of issuing first and a
+// second barrier after the arithmetic); bit 1, the copy offsets worked out
+// at each block (TaCalc) rather than kept (TaSrc).
+template <int Q5, int R, bool MS = false, int V = 0>
 __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,
                               int rows, int m, int nb) {
     typedef TaLayout<Q5, R> L;
@@ -1311,7 +1356,9 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
     }
     // The 32-row kernels' copy offsets (unused, so not computed, in the others).
     constexpr bool KEPT = R >= 32;
-    const TaSrc<Q5, R> src(row_bytes, wrow0, rows, tid);
+    constexpr bool ONEBAR = (V & 1) != 0;
+    const TaSrc<Q5, R> kept(row_bytes, wrow0, rows, tid);
+    const TaCalc<Q5, R> calc(row_bytes, wrow0, rows, tid);
     const u8* at = A + r0 * arow;
     int prev = -1;
     for (;;) {
@@ -1331,34 +1378,53 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
                 for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
         const u8* wt = W + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
         auto issue = [&](u8* stage, int b) {
-            if constexpr (KEPT)
-                ta_issue_kept<Q5, R>(stage, wt, at, src, (u32)arow, nr, b, tid);
+            if constexpr (KEPT && (V & 2))
+                ta_issue_kept<Q5, R>(stage, wt, at, calc, (u32)arow, nr, b, tid);
+            else if constexpr (KEPT)
+                ta_issue_kept<Q5, R>(stage, wt, at, kept, (u32)arow, nr, b, tid);
             else
                 ta_issue<Q5, R>(stage, W, mat_stride, row_bytes, cur, wrow0, rows, A, arow, r0, nr, b, tid);
         };
+        // One barrier a block: the previous matrix's last block may still be
+        // read from stage 0.
+        if constexpr (ONEBAR) __syncthreads();
         issue(dsm, 0);
         cp_async_commit();
         for (int b = 0; b < nb; b++) {
             u8* st = dsm + (b & 1) * L::STAGE;
-            if (b + 1 < nb) {
-                issue(dsm + ((b + 1) & 1) * L::STAGE, b + 1);
-                cp_async_commit();
-                cp_async_wait<1>();
-            } else {
+            if constexpr (ONEBAR) {
+                // Block b is the only group in flight; after the barrier every
+                // thread is done with block b - 1's stage, which block b + 1
+                // now fills while block b computes.
                 cp_async_wait<0>();
+                __syncthreads();
+                if (b + 1 < nb) {
+                    issue(dsm + ((b + 1) & 1) * L::STAGE, b + 1);
+                    cp_async_commit();
+                }
+            } else {
+                if (b + 1 < nb) {
+                    issue(dsm + ((b + 1) & 1) * L::STAGE, b + 1);
+                    cp_async_commit();
+                    cp_async_wait<1>();
+                } else {
+                    cp_async_wait<0>();
+                }
+                __syncthreads();
             }
-            __syncthreads();
             int* sbs = (int*)(st + L::BS_OFF);  // [t][4]: sub-block bsums as i16 pairs
             float* sda = (float*)(st + L::DA_OFF);
-            for (int i = tid; i < R * 4; i += blockDim.x) {
-                int t = i / 4, w = i % 4;
-                const i16* bs = (const i16*)(st + L::A_OFF + t * TA_AST + Q8K_BSUMS);
-                int s0 = (int)bs[4 * w] + (int)bs[4 * w + 1];  // |sum of 32 int8| < 2^15
-                int s1 = (int)bs[4 * w + 2] + (int)bs[4 * w + 3];
-                sbs[t * 4 + w] = (int)(((u32)s0 & 0xffffu) | ((u32)s1 << 16));
-                if (w == 0) sda[t] = *(const float*)(st + L::A_OFF + t * TA_AST + Q8K_D);
+            if constexpr (!MS) {
+                for (int i = tid; i < R * 4; i += blockDim.x) {
+                    int t = i / 4, w = i % 4;
+                    const i16* bs = (const i16*)(st + L::A_OFF + t * TA_AST + Q8K_BSUMS);
+                    int s0 = (int)bs[4 * w] + (int)bs[4 * w + 1];  // |sum of 32 int8| < 2^15
+                    int s1 = (int)bs[4 * w + 2] + (int)bs[4 * w + 3];
+                    sbs[t * 4 + w] = (int)(((u32)s0 & 0xffffu) | ((u32)s1 << 16));
+                    if (w == 0) sda[t] = *(const float*)(st + L::A_OFF + t * TA_AST + Q8K_D);
+                }
+                __syncthreads();
             }
-            __syncthreads();
             // This thread's rows: wrow + 8 i WST (one base, constant offsets).
             const u8* wrow = st + L::W_OFF + (warp * 32 + gq) * L::WST;
             u32 scl[4], sch[4];
@@ -1406,22 +1472,50 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
                 mnl[i] = h.z & 0x3f3f3f3fu;
                 mnh[i] = ((h.w >> 4) & 0x0f0f0f0fu) | (((h.z >> 6) & 0x03030303u) << 4);
             }
+            if constexpr (MS) {
+                // Row i's mins for this thread's slots: bytes (m, m, m', m')
+                // of sub-blocks 2tq and 2tq + 1.
+                const u32 sel = (tq & 1) ? 0x3322u : 0x1100u;
+                u32 pm[4];
 #pragma unroll
-            for (int a = 0; a < 2; a++)
+                for (int i = 0; i < 4; i++) pm[i] = __byte_perm(tq < 2 ? mnl[i] : mnh[i], 0, sel);
 #pragma unroll
-                for (int n = 0; n < N; n++)
+                for (int n = 0; n < N; n++) {
+                    // Activation row 8n + gq's bsums 4tq..4tq+3.
+                    uint2 v = *(const uint2*)(sqb + (n * 8 + gq) * TA_AST + Q8K_BSUMS + 8 * tq);
+                    u32 blo = __byte_perm(v.x, v.y, 0x6420u), bhi = __byte_perm(v.x, v.y, 0x7531u);
 #pragma unroll
-                    for (int c = 0; c < 4; c++) {
-                        int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
-                        int ms = __dp2a_lo(sbs[t * 4 + 0], (int)mnl[i], 0);
-                        ms = __dp2a_hi(sbs[t * 4 + 1], (int)mnl[i], ms);
-                        ms = __dp2a_lo(sbs[t * 4 + 2], (int)mnh[i], ms);
-                        ms = __dp2a_hi(sbs[t * 4 + 3], (int)mnh[i], ms);
-                        acc[a][n][c] = step_min(acc[a][n][c], dw[i], dmw[i], sda[t], isum[a][n][c], ms);
+                    for (int a = 0; a < 2; a++) {
+                        int lo[4], hi[4];
+                        mma_s8u8(lo, pm[2 * a], pm[2 * a + 1], 0u, 0u, blo, 0u);
+                        mma_s8(hi, pm[2 * a], pm[2 * a + 1], 0u, 0u, bhi, 0u);
+#pragma unroll
+                        for (int c = 0; c < 4; c++) {
+                            int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                            float da = *(const float*)(sqb + t * TA_AST + Q8K_D);
+                            acc[a][n][c] =
+                                step_min(acc[a][n][c], dw[i], dmw[i], da, isum[a][n][c], hi[c] * 256 + lo[c]);
+                        }
                     }
+                }
+            } else {
+#pragma unroll
+                for (int a = 0; a < 2; a++)
+#pragma unroll
+                    for (int n = 0; n < N; n++)
+#pragma unroll
+                        for (int c = 0; c < 4; c++) {
+                            int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                            int ms = __dp2a_lo(sbs[t * 4 + 0], (int)mnl[i], 0);
+                            ms = __dp2a_hi(sbs[t * 4 + 1], (int)mnl[i], ms);
+                            ms = __dp2a_lo(sbs[t * 4 + 2], (int)mnh[i], ms);
+                            ms = __dp2a_hi(sbs[t * 4 + 3], (int)mnh[i], ms);
+                            acc[a][n][c] = step_min(acc[a][n][c], dw[i], dmw[i], sda[t], isum[a][n][c], ms);
+                        }
+            }
             // Stage b & 1 is refilled by the next iteration's copies (block
             // b + 2): every read of it ends here.
-            __syncthreads();
+            if constexpr (!ONEBAR) __syncthreads();
         }
         int wbase = wrow0 + warp * 32;
 #pragma unroll
@@ -1490,6 +1584,20 @@ TC_ASYNC32_KERNEL(mm_tc_q5_k_async32, 1, 2)
 // The Q4_K kernel at 2 blocks an SM (as before session 11), for comparisons
 // (SAMESUM_CUDA_TC_OCC3=0): the same code, so the same bytes.
 TC_ASYNC32_KERNEL(mm_tc_q4_k_async32_b2, 0, 2)
+// The 32-row kernels with the mins sums on tensor cores (MS above;
+// `SAMESUM_CUDA_TC_MINS`): the same integers, so the same bytes.
+#define TC_ASYNC32M_KERNEL(name, Q5, BLOCKS, V)                                                \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS)                                  \
+        name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
+             int rows, int m, int nb) { pdl_wait();                                            \
+        mm_tc_async_k<Q5, 32, true, V>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);     \
+    }
+TC_ASYNC32M_KERNEL(mm_tc_q4_k_async32m, 0, 3, 0)
+TC_ASYNC32M_KERNEL(mm_tc_q5_k_async32m, 1, 2, 0)
+// Variants V (see mm_tc_async_k; `SAMESUM_CUDA_TC_ONEBAR`, `_TC_CALC`).
+TC_ASYNC32M_KERNEL(mm_tc_q4_k_async32m_v1, 0, 3, 1)
+TC_ASYNC32M_KERNEL(mm_tc_q4_k_async32m_v2, 0, 3, 2)
+TC_ASYNC32M_KERNEL(mm_tc_q4_k_async32m_v3, 0, 3, 3)
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
 // then a fixed butterfly.
