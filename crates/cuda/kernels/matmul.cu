@@ -1267,28 +1267,6 @@ struct TaSrc {
             w[i] = (u32)((min(wrow0 + r, rows - 1) - wrow0) * row_bytes + 16 * q);
         }
     }
-    __device__ __forceinline__ u32 off(int i) const { return w[i]; }
-};
-
-// The same offsets worked out again at every block from four values kept
-// (at 168 registers TaSrc's nine are what ptxas puts in local memory):
-// piece c = tid + 128 i is row r0 + (128 / WPC) i + carry, piece
-// q0 + (128 % WPC) i - WPC carry, with tid = WPC r0 + q0.
-template <int Q5, int R>
-struct TaCalc {
-    static constexpr int WPC = TaLayout<Q5, R>::BYTES / 16;
-    int r0, q0, lim, row_bytes;
-    __device__ __forceinline__ TaCalc(int row_bytes_, int wrow0, int rows, int tid)
-        : r0(tid / WPC), q0(tid % WPC), lim(rows - 1 - wrow0), row_bytes(row_bytes_) {}
-    __device__ __forceinline__ u32 off(int i) const {
-        // Opaque copies, so the compiler works the offsets out here rather
-        // than hoisting them out of the block loop into registers again.
-        int q = q0, r = r0;
-        asm volatile("" : "+r"(q), "+r"(r));
-        int t = q + (128 % WPC) * i, carry = t / WPC;
-        r = min(r + (128 / WPC) * i + carry, lim);
-        return (u32)(r * row_bytes + 16 * (t - WPC * carry));
-    }
 };
 
 // Weight block b of the tile whose first row is at `wt`, and activation
@@ -1296,8 +1274,8 @@ struct TaCalc {
 // zero-filled): warp w copies activation rows w, w + 4, ..., lane l < 19
 // piece l of each, one row's 304 consecutive bytes an instruction at offsets
 // that step by a constant. The same bytes in the same places as ta_issue.
-template <int Q5, int R, class Src>
-__device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8* at, const Src& src,
+template <int Q5, int R>
+__device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8* at, const TaSrc<Q5, R>& src,
                                               u32 arow, int nr, int b, int tid) {
     typedef TaLayout<Q5, R> L;
     typedef TaSrc<Q5, R> S;
@@ -1306,12 +1284,15 @@ __device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8*
 #pragma unroll
     for (int i = 0; i < S::WP; i++) {
         int c = tid + 128 * i, r = c / S::WPC, q = c - r * S::WPC;
-        cp_async16(stage + L::W_OFF + r * L::WST + q * 16, wb + src.off(i), true);
+        cp_async16(stage + L::W_OFF + r * L::WST + q * 16, wb + src.w[i], true);
     }
     int warp = tid / 32, lane = tid % 32;
     if (lane < Q8K_BYTES / 16) {
         const u8* ab = at + (i64)b * Q8K_BYTES + 16 * lane;
         u8* ad = stage + L::A_OFF + warp * TA_AST + 16 * lane;
+        // Opaque, so the rows' addresses are worked out here (a multiply-add
+        // each) rather than hoisted out of the K loop into local memory.
+        asm volatile("" : "+l"(ab));
 #pragma unroll
         for (int k = 0; k < R / 4; k++) {
             int t = warp + 4 * k;
@@ -1329,12 +1310,7 @@ __device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8*
 // bytes (unsigned) and once with their high bytes (signed), and the sum is
 // high * 256 + low: the same integer, so the same float steps and bytes.
 // It needs no staged pairs, so no pass over them and no barrier for them.
-// V (the 32-row kernels' variants, the same arithmetic): bit 0, one
-// barrier a block (wait for block b, barrier, then issue block b + 1's
-// copies into the stage block b - 1 used; instead of issuing first and a
-// second barrier after the arithmetic); bit 1, the copy offsets worked out
-// at each block (TaCalc) rather than kept (TaSrc).
-template <int Q5, int R, bool MS = false, int V = 0>
+template <int Q5, int R, bool MS = false>
 __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,
                               int rows, int m, int nb) {
     typedef TaLayout<Q5, R> L;
@@ -1350,25 +1326,30 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
     int gq = lane >> 2, tq = lane & 3;
     int wrow0 = blockIdx.x * TQ_WROWS;
     i64 arow = (i64)nb * Q8K_BYTES;
-    for (int c = tid; c < R * TQ_WROWS; c += blockDim.x) {
-        int t = c / TQ_WROWS, j = wrow0 + c % TQ_WROWS;
-        if (t < nr && smat[t] < 0 && j < rows) Y[(i64)(r0 + t) * rows + j] = 0.0f;
+    // Every warp keeps the tile's matrices a lane a row (R <= 32; -1 past
+    // the tile's rows), so the bookkeeping below is ballots and one
+    // reduction instead of loops over shared memory (ncu, session 16: those
+    // loops and the per-element checks of the stores took ~23% of the
+    // kernel's stall samples, its K loop being 2 to 8 blocks).
+    static_assert(R <= 32, "a lane a tile row");
+    const int vmat = lane < R ? smat[lane] : -1;
+    const int col = wrow0 + tid;  // TQ_WROWS == blockDim.x: a thread a weight row
+    // Rows of the tile with no matrix get zeros, as in the dp4a kernels.
+    for (u32 zero = __ballot_sync(0xffffffffu, lane < nr && vmat < 0); zero; zero &= zero - 1) {
+        int t = __ffs(zero) - 1;
+        if (col < rows) Y[(i64)(r0 + t) * rows + col] = 0.0f;
     }
     // The 32-row kernels' copy offsets (unused, so not computed, in the others).
     constexpr bool KEPT = R >= 32;
-    constexpr bool ONEBAR = (V & 1) != 0;
-    const TaSrc<Q5, R> kept(row_bytes, wrow0, rows, tid);
-    const TaCalc<Q5, R> calc(row_bytes, wrow0, rows, tid);
+    const TaSrc<Q5, R> src(row_bytes, wrow0, rows, tid);
     const u8* at = A + r0 * arow;
     int prev = -1;
     for (;;) {
-        int cur = 0x7fffffff;
-        for (int t = 0; t < R; t++) {
-            int v = smat[t];
-            if (v > prev && v < cur) cur = v;
-        }
+        // The next matrix of the tile, ascending (uniform over the block).
+        const int cur = __reduce_min_sync(0xffffffffu, vmat > prev ? vmat : 0x7fffffff);
         if (cur == 0x7fffffff) break;
         prev = cur;
+        const u32 live = __ballot_sync(0xffffffffu, vmat == cur);
         float acc[2][N][4];
 #pragma unroll
         for (int a = 0; a < 2; a++)
@@ -1378,40 +1359,23 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
                 for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
         const u8* wt = W + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
         auto issue = [&](u8* stage, int b) {
-            if constexpr (KEPT && (V & 2))
-                ta_issue_kept<Q5, R>(stage, wt, at, calc, (u32)arow, nr, b, tid);
-            else if constexpr (KEPT)
-                ta_issue_kept<Q5, R>(stage, wt, at, kept, (u32)arow, nr, b, tid);
+            if constexpr (KEPT)
+                ta_issue_kept<Q5, R>(stage, wt, at, src, (u32)arow, nr, b, tid);
             else
                 ta_issue<Q5, R>(stage, W, mat_stride, row_bytes, cur, wrow0, rows, A, arow, r0, nr, b, tid);
         };
-        // One barrier a block: the previous matrix's last block may still be
-        // read from stage 0.
-        if constexpr (ONEBAR) __syncthreads();
         issue(dsm, 0);
         cp_async_commit();
         for (int b = 0; b < nb; b++) {
             u8* st = dsm + (b & 1) * L::STAGE;
-            if constexpr (ONEBAR) {
-                // Block b is the only group in flight; after the barrier every
-                // thread is done with block b - 1's stage, which block b + 1
-                // now fills while block b computes.
-                cp_async_wait<0>();
-                __syncthreads();
-                if (b + 1 < nb) {
-                    issue(dsm + ((b + 1) & 1) * L::STAGE, b + 1);
-                    cp_async_commit();
-                }
+            if (b + 1 < nb) {
+                issue(dsm + ((b + 1) & 1) * L::STAGE, b + 1);
+                cp_async_commit();
+                cp_async_wait<1>();
             } else {
-                if (b + 1 < nb) {
-                    issue(dsm + ((b + 1) & 1) * L::STAGE, b + 1);
-                    cp_async_commit();
-                    cp_async_wait<1>();
-                } else {
-                    cp_async_wait<0>();
-                }
-                __syncthreads();
+                cp_async_wait<0>();
             }
+            __syncthreads();
             int* sbs = (int*)(st + L::BS_OFF);  // [t][4]: sub-block bsums as i16 pairs
             float* sda = (float*)(st + L::DA_OFF);
             if constexpr (!MS) {
@@ -1515,8 +1479,13 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
             }
             // Stage b & 1 is refilled by the next iteration's copies (block
             // b + 2): every read of it ends here.
-            if constexpr (!ONEBAR) __syncthreads();
+            __syncthreads();
         }
+        // The output base through an opaque copy: otherwise the compiler
+        // works the 32 store addresses out before the K loop and keeps them
+        // in local memory.
+        float* yo = Y + (i64)r0 * rows + wrow0 + warp * 32 + gq;
+        asm volatile("" : "+l"(yo));
         int wbase = wrow0 + warp * 32;
 #pragma unroll
         for (int a = 0; a < 2; a++)
@@ -1524,8 +1493,8 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
             for (int n = 0; n < N; n++)
 #pragma unroll
                 for (int c = 0; c < 4; c++) {
-                    int j = wbase + 8 * (2 * a + c / 2) + gq, t = 8 * n + 2 * tq + c % 2;
-                    if (j < rows && t < nr && smat[t] == cur) Y[(i64)(r0 + t) * rows + j] = acc[a][n][c];
+                    int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                    if (wbase + 8 * i + gq < rows && ((live >> t) & 1u)) yo[(i64)t * rows + 8 * i] = acc[a][n][c];
                 }
     }
 }
@@ -1584,20 +1553,16 @@ TC_ASYNC32_KERNEL(mm_tc_q5_k_async32, 1, 2)
 // The Q4_K kernel at 2 blocks an SM (as before session 11), for comparisons
 // (SAMESUM_CUDA_TC_OCC3=0): the same code, so the same bytes.
 TC_ASYNC32_KERNEL(mm_tc_q4_k_async32_b2, 0, 2)
-// The 32-row kernels with the mins sums on tensor cores (MS above;
-// `SAMESUM_CUDA_TC_MINS`): the same integers, so the same bytes.
-#define TC_ASYNC32M_KERNEL(name, Q5, BLOCKS, V)                                                \
+// The 32-row Q4_K kernel with the mins sums on tensor cores (MS above;
+// `SAMESUM_CUDA_TC_MINS`): the same integers, so the same bytes. (Q5_K's,
+// at 2 blocks an SM, would spill.)
+#define TC_ASYNC32M_KERNEL(name, Q5, BLOCKS)                                                   \
     extern "C" __global__ void __launch_bounds__(128, BLOCKS)                                  \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
              int rows, int m, int nb) { pdl_wait();                                            \
-        mm_tc_async_k<Q5, 32, true, V>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);     \
+        mm_tc_async_k<Q5, 32, true>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);        \
     }
-TC_ASYNC32M_KERNEL(mm_tc_q4_k_async32m, 0, 3, 0)
-TC_ASYNC32M_KERNEL(mm_tc_q5_k_async32m, 1, 2, 0)
-// Variants V (see mm_tc_async_k; `SAMESUM_CUDA_TC_ONEBAR`, `_TC_CALC`).
-TC_ASYNC32M_KERNEL(mm_tc_q4_k_async32m_v1, 0, 3, 1)
-TC_ASYNC32M_KERNEL(mm_tc_q4_k_async32m_v2, 0, 3, 2)
-TC_ASYNC32M_KERNEL(mm_tc_q4_k_async32m_v3, 0, 3, 3)
+TC_ASYNC32M_KERNEL(mm_tc_q4_k_async32m, 0, 3)
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
 // then a fixed butterfly.

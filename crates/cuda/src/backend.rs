@@ -107,17 +107,12 @@ pub struct Cuda {
     /// (`mm_tc_q4_k_async32_b2`, `SAMESUM_CUDA_TC_OCC3=0`): the same code,
     /// so the same bytes.
     tc_occ3: bool,
-    /// The 32-row tensor-core kernels with each element's mins sum taken by
-    /// two tensor-core products from the raw bsums (`mm_tc_*_async32m`;
+    /// The 32-row Q4_K tensor-core kernel with each element's mins sum taken by
+    /// two tensor-core products from the raw bsums (`mm_tc_q4_k_async32m`;
     /// default) instead of by dp2a from bsums pairs staged in a pass of
     /// their own (`SAMESUM_CUDA_TC_MINS=0`). The same integers, so the same
     /// bytes.
     tc_mins: bool,
-    /// Variants of `mm_tc_q4_k_async32m` (the same arithmetic, so the same
-    /// bytes): one barrier a block (`SAMESUM_CUDA_TC_ONEBAR=1`) and the copy
-    /// offsets worked out at each block (`SAMESUM_CUDA_TC_CALC=1`).
-    tc_onebar: bool,
-    tc_calc: bool,
     /// The delta rule at key head dims 64, 128 and 256 on the kernels that
     /// stage the next rows by cp.async while the current ones run
     /// (`delta_cols_async_*`; default, off with `SAMESUM_CUDA_DELTA_ASYNC=0`
@@ -528,8 +523,6 @@ const SWITCHES: &[Switch] = &[
     ),
     ("TC_OCC3", |c| c.tc_occ3, |c, on| c.tc_occ3 = on),
     ("TC_MINS", |c| c.tc_mins, |c, on| c.tc_mins = on),
-    ("TC_ONEBAR", |c| c.tc_onebar, |c, on| c.tc_onebar = on),
-    ("TC_CALC", |c| c.tc_calc, |c, on| c.tc_calc = on),
     ("F32_TILE", |c| c.float_tiles, |c, on| c.float_tiles = on),
     ("DELTA_ASYNC", |c| c.delta_async, |c, on| c.delta_async = on),
     ("DELTA_PIPE", |c| c.delta_pipe, |c, on| c.delta_pipe = on),
@@ -866,8 +859,6 @@ impl Cuda {
             tc_rows32_auto: env_switch("SAMESUM_CUDA_TC_ROWS32_AUTO", true),
             tc_occ3: env_switch("SAMESUM_CUDA_TC_OCC3", true),
             tc_mins: env_switch("SAMESUM_CUDA_TC_MINS", true),
-            tc_onebar: env_switch("SAMESUM_CUDA_TC_ONEBAR", false),
-            tc_calc: env_switch("SAMESUM_CUDA_TC_CALC", false),
             delta_async: env_switch("SAMESUM_CUDA_DELTA_ASYNC", true),
             delta_pipe: env_switch("SAMESUM_CUDA_DELTA_PIPE", true),
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
@@ -1602,17 +1593,9 @@ impl Cuda {
                         (TcKernel::Plain, _) => "mm_tc_q5_k",
                         (TcKernel::Pipelined, _) if q4 => "mm_tc_q4_k_pipe",
                         (TcKernel::Pipelined, _) => "mm_tc_q5_k_pipe",
-                        (_, 32) if q4 && self.tc_occ3 && self.tc_mins => {
-                            match (self.tc_onebar, self.tc_calc) {
-                                (false, false) => "mm_tc_q4_k_async32m",
-                                (true, false) => "mm_tc_q4_k_async32m_v1",
-                                (false, true) => "mm_tc_q4_k_async32m_v2",
-                                (true, true) => "mm_tc_q4_k_async32m_v3",
-                            }
-                        }
+                        (_, 32) if q4 && self.tc_occ3 && self.tc_mins => "mm_tc_q4_k_async32m",
                         (_, 32) if q4 && self.tc_occ3 => "mm_tc_q4_k_async32",
                         (_, 32) if q4 => "mm_tc_q4_k_async32_b2",
-                        (_, 32) if self.tc_mins => "mm_tc_q5_k_async32m",
                         (_, 32) => "mm_tc_q5_k_async32",
                         _ if q4 => "mm_tc_q4_k_async",
                         _ => "mm_tc_q5_k_async",

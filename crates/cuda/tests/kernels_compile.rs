@@ -7,15 +7,12 @@ use samesum_cuda::compile::{self, MODULES};
 use std::sync::Mutex;
 
 /// Kernels allowed to spill, with the most bytes (stores and loads together
-/// as ptxas reports them): `mm_tc_q4_k_async32` runs 3 blocks an SM at 168
-/// registers, keeping ~11 values a thread in local memory (stored once per
-/// matrix, read at most once per 256-wide block of K: ~1% of the block's
-/// instructions; 132 bytes alone, 200 with `wip/tclive`'s group mask).
-const SPILLS_ALLOWED: &[(&str, u32)] = &[("mm_tc_q4_k_async32", 256), ("mm_tc_q4_k_async32m", 256),
-    ("mm_tc_q4_k_async32m_v1", 256),
-    ("mm_tc_q4_k_async32m_v2", 256),
-    ("mm_tc_q4_k_async32m_v3", 256),
-];
+/// as ptxas reports them): the 32-row Q4_K tensor-core kernels run 3 blocks
+/// an SM at 168 registers, keeping a few values a thread in local memory
+/// (stored once per tile, read back at most a few times per 256-wide block
+/// of K; 184 and 208 bytes at session 16, 132 before its ballot
+/// bookkeeping).
+const SPILLS_ALLOWED: &[(&str, u32)] = &[("mm_tc_q4_k_async32", 256), ("mm_tc_q4_k_async32m", 256)];
 
 /// NVRTC's log of one compile can pick up ptxas lines of another running at the
 /// same time, so these tests compile one at a time.
