@@ -67,7 +67,10 @@ pub(crate) struct Args {
     /// (docs/CAPABILITIES.md: its agreement with `exact`).
     #[arg(long, value_enum, default_value_t = crate::device::Attention::Exact)]
     attention: crate::device::Attention,
-    /// Per-kernel time breakdown (CUDA events around every launch; slows the run).
+    /// Per-kernel time breakdown (CUDA events around every launch; slows the
+    /// run). On CUDA it also launches everything on one stream (the prefill's
+    /// shared expert does not run beside the routed experts) and decode
+    /// without graphs, so its schedule is not the unprofiled run's.
     #[arg(long)]
     profile: bool,
     /// Skip the uncounted warm-up run before each test (llama-bench's
