@@ -36,6 +36,10 @@
 # on both models per kernel (scripts/ncu_token.py), for each arm of
 # SAMESUM_GPU_TOKEN_ARMS (arms as for profiles) at a context of
 # SAMESUM_GPU_TOKEN_CTX (0) keys.
+# prefill runs batched pp4096,16384 on qwen35moe per arm of
+# SAMESUM_GPU_PREFILL_ARMS (arms as for profiles), without --profile (which
+# changes the schedule: one stream), the arms alternated
+# SAMESUM_GPU_PREFILL_ROUNDS (2) times: prefill A/Bs of the schedule.
 # decode runs tg128 (-r 3) on both models per arm of SAMESUM_GPU_DECODE_ARMS
 # (arms as for profiles, e.g. "-;SAMESUM_CUDA_PDL=0"), the arms alternated
 # SAMESUM_GPU_DECODE_ROUNDS (2) times: decode A/Bs, which single runs do
@@ -249,6 +253,24 @@ run)
                     step "decode-$shape-${arm// /+}-$round" timeout 200 env "${settings[@]}" .gpu/samesum bench \
                         --device cuda -m "$f" -p 0 -n 128 -r 3
                 done
+            done
+        done
+    fi
+    if [[ $steps == *,prefill,* ]]; then
+        # Batched prefill A/Bs without --profile (profiling changes the
+        # schedule: one stream, so no shared expert beside the routed
+        # experts): pp SAMESUM_GPU_PREFILL_PP (4096,16384) on qwen35moe per
+        # arm of SAMESUM_GPU_PREFILL_ARMS (arms as for profiles, e.g.
+        # "-;SAMESUM_CUDA_OVERLAP=0"), alternated SAMESUM_GPU_PREFILL_ROUNDS
+        # (2) times.
+        IFS=';' read -ra arms <<< "${SAMESUM_GPU_PREFILL_ARMS:--}"
+        f=$(model qwen35moe-35b-a3b)
+        for round in $(seq "${SAMESUM_GPU_PREFILL_ROUNDS:-2}"); do
+            for arm in "${arms[@]}"; do
+                settings=()
+                [ "$arm" != "-" ] && read -ra settings <<< "$arm"
+                step "prefill-${arm// /+}-$round" timeout 300 env "${settings[@]}" .gpu/samesum bench \
+                    --device cuda -m "$f" -p ${SAMESUM_GPU_PREFILL_PP:-4096,16384} -n 0 -r 1 --prefill batched
             done
         done
     fi
