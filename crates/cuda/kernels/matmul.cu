@@ -794,22 +794,21 @@ MM_KERNEL(mm_q8_0_r4, FmtQ8_0, 4)
 #define TQ_WROWS 128
 #define TQ_AST 288  // staged row stride: 256 quants + 32 (conflict-free 8-byte fragment reads)
 
+// One m16n8k32 int8 product into fresh int32 sums. B_U8: the B bytes
+// (activations) unsigned, as the low bytes of the i16 bsums in the mins'
+// tensor-core sums below; signed otherwise.
+template <bool B_U8 = false>
 __device__ __forceinline__ void mma_s8(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%11,%12,%13};"
-        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
-}
-
-// The same product with unsigned activation bytes (B .u8): the low bytes of
-// the i16 bsums in the mins' tensor-core sums below.
-__device__ __forceinline__ void mma_s8u8(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%11,%12,%13};"
-        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+#define MMA_S8_ASM(BT)                                                                              \
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8." BT ".s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, " \
+                 "{%8,%9}, {%10,%11,%12,%13};"                                                     \
+                 : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])                                  \
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0))
+    if constexpr (B_U8)
+        MMA_S8_ASM("u8");
+    else
+        MMA_S8_ASM("s8");
+#undef MMA_S8_ASM
 }
 
 __device__ __forceinline__ int byte_of(u32 w, int i) { return (int)((w >> (8 * i)) & 0xffu); }
@@ -1451,7 +1450,7 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
 #pragma unroll
                     for (int a = 0; a < 2; a++) {
                         int lo[4], hi[4];
-                        mma_s8u8(lo, pm[2 * a], pm[2 * a + 1], 0u, 0u, blo, 0u);
+                        mma_s8<true>(lo, pm[2 * a], pm[2 * a + 1], 0u, 0u, blo, 0u);
                         mma_s8(hi, pm[2 * a], pm[2 * a + 1], 0u, 0u, bhi, 0u);
 #pragma unroll
                         for (int c = 0; c < 4; c++) {
@@ -1541,28 +1540,23 @@ TC_ASYNC_KERNEL(mm_tc_q5_k_async, 1)
 // ~1% of the block's instructions, for 12 warps an SM instead of 8; ncu had
 // the 2-block kernel at 0.77 eligible warps of 1.96 a scheduler, waiting on
 // its own dependent steps); Q5_K, whose spills at 168 would be larger, 2.
-#define TC_ASYNC32_KERNEL(name, Q5, BLOCKS)                                                    \
+// MS: the mins sums on tensor cores (see mm_tc_async_k).
+#define TC_ASYNC32_KERNEL(name, Q5, BLOCKS, MS)                                                \
     extern "C" __global__ void __launch_bounds__(128, BLOCKS)                                  \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
              int rows, int m, int nb) { pdl_wait();                                            \
-        mm_tc_async_k<Q5, 32>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);              \
+        mm_tc_async_k<Q5, 32, MS>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);          \
     }
 
-TC_ASYNC32_KERNEL(mm_tc_q4_k_async32, 0, 3)
-TC_ASYNC32_KERNEL(mm_tc_q5_k_async32, 1, 2)
+TC_ASYNC32_KERNEL(mm_tc_q4_k_async32, 0, 3, false)
+TC_ASYNC32_KERNEL(mm_tc_q5_k_async32, 1, 2, false)
 // The Q4_K kernel at 2 blocks an SM (as before session 11), for comparisons
 // (SAMESUM_CUDA_TC_OCC3=0): the same code, so the same bytes.
-TC_ASYNC32_KERNEL(mm_tc_q4_k_async32_b2, 0, 2)
+TC_ASYNC32_KERNEL(mm_tc_q4_k_async32_b2, 0, 2, false)
 // The 32-row Q4_K kernel with the mins sums on tensor cores (MS above;
 // `SAMESUM_CUDA_TC_MINS`): the same integers, so the same bytes. (Q5_K's,
 // at 2 blocks an SM, would spill.)
-#define TC_ASYNC32M_KERNEL(name, Q5, BLOCKS)                                                   \
-    extern "C" __global__ void __launch_bounds__(128, BLOCKS)                                  \
-        name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
-             int rows, int m, int nb) { pdl_wait();                                            \
-        mm_tc_async_k<Q5, 32, true>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);        \
-    }
-TC_ASYNC32M_KERNEL(mm_tc_q4_k_async32m, 0, 3)
+TC_ASYNC32_KERNEL(mm_tc_q4_k_async32m, 0, 3, true)
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
 // then a fixed butterfly.

@@ -503,7 +503,6 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
             let model = Model::load(&p).unwrap();
             let mut cuda = Cuda::new(0, &model, false).unwrap();
             // Async32 twice: the mins sums on tensor cores (TC_MINS) and by dp2a.
-            // Async32 twice: the mins sums on tensor cores (TC_MINS) and by dp2a.
             for (tk, mins) in [
                 (TcKernel::Plain, true),
                 (TcKernel::Pipelined, true),
