@@ -3302,6 +3302,8 @@ impl Backend for Cuda {
     }
 
     fn embed(&self, model: &Model, tokens: &[u32], out: &mut CudaSlice<f32>) -> R<()> {
+        // Every forward call starts here: its size picks the launch mode.
+        self.dev.rows_in_call(tokens.len());
         let w = &model.w;
         let d = model.hp.n_embd;
         let mut host = vec![0f32; tokens.len() * d];
@@ -3522,6 +3524,9 @@ impl Backend for Cuda {
         if !self.graphs || self.tier.is_some() || self.dev.profiling() {
             return None;
         }
+        // A one-row step (captured graphs keep the launch mode they were
+        // captured with).
+        self.dev.rows_in_call(1);
         Some(self.graph_step(model, st, token, want))
     }
 

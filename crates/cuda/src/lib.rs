@@ -13,6 +13,6 @@ pub mod tier;
 mod tiered;
 
 pub use backend::{Cuda, CudaOptions, CudaState, TcKernel};
-pub use device::{device_count, driver_present};
+pub use device::{PDL_MAX_ROWS, device_count, driver_present};
 pub use error::{CudaError, Result};
 pub use tiered::TierStats;

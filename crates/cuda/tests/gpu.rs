@@ -1628,7 +1628,9 @@ fn graph_replayed_steps_equal_eager_steps() {
         }
         eprintln!("{shape}: 300 graph-replayed steps == eager steps without PDL");
         // Batched prefill (chunks of 64 rows: the wide kernels) with and
-        // without programmatic dependent launch.
+        // without programmatic dependent launch (which prefill-sized calls
+        // use only when asked).
+        graphs.device().set_pdl_prefill(true);
         let batched = |b: &Cuda| {
             let mut st = b.new_state(&model, 400, KvType::F32).unwrap();
             let mut out = Vec::new();
@@ -1644,6 +1646,42 @@ fn graph_replayed_steps_equal_eager_steps() {
         );
         eprintln!("{shape}: batched prefill with PDL == without");
     }
+}
+
+/// Prefill-sized forward calls launch without programmatic dependent launch
+/// (it slowed them: docs/gpu-notes.md, session 17), one-row calls with it,
+/// and `set_pdl_prefill` keeps it for every call.
+#[test]
+fn programmatic_dependent_launch_is_for_small_calls() {
+    if !gpu() {
+        return;
+    }
+    let (_d, model) = synth("tiny-qwen3moe", GgmlType::Q4_K, 5);
+    let cuda = Cuda::new(0, &model, false).unwrap();
+    if !cuda.device().pdl_allowed() {
+        eprintln!("no programmatic dependent launch on this device: nothing to check");
+        return;
+    }
+    let toks = test_tokens(&model, 3);
+    let mut st = cuda.new_state(&model, 400, KvType::F32).unwrap();
+    let big = samesum_cuda::PDL_MAX_ROWS + 1;
+    forward(&model, &cuda, &mut st, &toks[..big], Logits::Last).unwrap();
+    assert!(!cuda.device().uses_pdl(), "a {big}-row call used PDL");
+    forward(&model, &cuda, &mut st, &toks[big..big + 1], Logits::Last).unwrap();
+    assert!(cuda.device().uses_pdl(), "a one-row call did not use PDL");
+    let n = samesum_cuda::PDL_MAX_ROWS;
+    forward(
+        &model,
+        &cuda,
+        &mut st,
+        &toks[big + 1..big + 1 + n],
+        Logits::Last,
+    )
+    .unwrap();
+    assert!(cuda.device().uses_pdl(), "a {n}-row call did not use PDL");
+    cuda.device().set_pdl_prefill(true);
+    forward(&model, &cuda, &mut st, &toks[..big], Logits::Last).unwrap();
+    assert!(cuda.device().uses_pdl(), "set_pdl_prefill did not keep PDL");
 }
 
 /// Every kernel switch is settable and readable by name (what `samesum
