@@ -1629,6 +1629,45 @@ extern "C" __global__ void conv_rows(const float* x, const float* taps, const fl
     out[i] = silu(acc);
 }
 
+// conv_rows with a thread per channel and CONV_TR consecutive rows
+// (`SAMESUM_CUDA_CONV_TILE`, default; kc = 4, the models' conv): the rows'
+// inputs are loaded together, each once (conv_rows loads each input kc
+// times, one dependent load after another), and a row's taps are slid along
+// in registers. Each output is conv_rows's: the same kc fmas from 0 in tap
+// order, then silu, so the same bytes.
+#define CONV_TR 16
+extern "C" __global__ void __launch_bounds__(128)
+    conv_tile(const float* x, const float* taps, const float* state, float* out, int m, int cd) {
+    pdl_wait();
+    constexpr int KC = 4;
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cd) return;
+    int r0 = blockIdx.y * CONV_TR;
+    float t[KC], w[KC - 1], xs[CONV_TR];
+#pragma unroll
+    for (int j = 0; j < KC; j++) t[j] = taps[(i64)c * KC + j];
+    // Rows r0 - 3 .. r0 - 1: from this call's input, or the state before it
+    // (row q < 0 is state row q + KC - 1, as in conv_rows).
+#pragma unroll
+    for (int j = 0; j < KC - 1; j++) {
+        int q = r0 - (KC - 1) + j;
+        w[j] = q >= 0 ? x[(i64)q * cd + c] : state[(i64)(q + KC - 1) * cd + c];
+    }
+#pragma unroll
+    for (int i = 0; i < CONV_TR; i++) xs[i] = r0 + i < m ? x[(i64)(r0 + i) * cd + c] : 0.0f;
+#pragma unroll
+    for (int i = 0; i < CONV_TR; i++) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < KC - 1; j++) acc = __fmaf_rn(t[j], w[j], acc);
+        acc = __fmaf_rn(t[KC - 1], xs[i], acc);
+        if (r0 + i < m) out[(i64)(r0 + i) * cd + c] = silu(acc);
+#pragma unroll
+        for (int j = 0; j < KC - 2; j++) w[j] = w[j + 1];
+        w[KC - 2] = xs[i];
+    }
+}
+
 // Decode-sized calls: conv_rows then conv_shift for one channel per thread
 // (every row's output from the old state first, then the shift), one launch;
 // each output and state value as the two kernels compute it. Returns row

@@ -172,6 +172,10 @@ pub struct Cuda {
     /// (`conv_l2_one`: conv_small's and l2norm_qk's arithmetic; default, off
     /// with `SAMESUM_CUDA_CONV_L2=0`).
     conv_l2: bool,
+    /// Prefill's causal conv with a thread per channel and 16 rows
+    /// (`conv_tile`: conv_rows's arithmetic, inputs loaded once; default,
+    /// off with `SAMESUM_CUDA_CONV_TILE=0`).
+    conv_tile: bool,
     /// Ungated attention's combine writes the out projection's Q8_K rows
     /// (`attention_combine_q8k`: attention_combine's and quantize_q8k's
     /// bytes; default, off with `SAMESUM_CUDA_COMBINE_Q8K=0`).
@@ -536,6 +540,7 @@ const SWITCHES: &[Switch] = &[
     ("ROUTE_FOLD", |c| c.route_fold, |c, on| c.route_fold = on),
     ("GLU_Q8K", |c| c.glu_q8k, |c, on| c.glu_q8k = on),
     ("CONV_L2", |c| c.conv_l2, |c, on| c.conv_l2 = on),
+    ("CONV_TILE", |c| c.conv_tile, |c, on| c.conv_tile = on),
     ("COMBINE_Q8K", |c| c.combine_q8k, |c, on| c.combine_q8k = on),
     ("MOE_NORM", |c| c.moe_norm, |c, on| c.moe_norm = on),
     ("ATT_ONE", |c| c.att_one, |c, on| c.att_one = on),
@@ -591,6 +596,8 @@ pub enum TcKernel {
     Async32,
 }
 
+/// Rows a thread of `conv_tile` takes (CONV_TR in kernels/ops.cu).
+const CONV_TR: usize = 16;
 /// The one-launch plan's limits (`plan_small` in ops.cu).
 const PLAN_SMALL_PAIRS: usize = 256;
 /// Device counters kept zeroed between launches (`Cuda::counters`).
@@ -872,6 +879,7 @@ impl Cuda {
             route_fold: env_switch("SAMESUM_CUDA_ROUTE_FOLD", true),
             glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", false),
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
+            conv_tile: env_switch("SAMESUM_CUDA_CONV_TILE", true),
             combine_q8k: env_switch("SAMESUM_CUDA_COMBINE_Q8K", true),
             moe_norm: env_switch("SAMESUM_CUDA_MOE_NORM", false),
             att_one: env_switch("SAMESUM_CUDA_ATT_ONE", false),
@@ -2244,6 +2252,23 @@ impl Cuda {
                     &cdi,
                     &kci
                 )?;
+            } else if self.conv_tile && kc == 4 {
+                launch!(
+                    d,
+                    "conv_tile",
+                    cfg(
+                        (cd.div_ceil(128) as u32, m.div_ceil(CONV_TR) as u32, 1),
+                        128,
+                        0
+                    ),
+                    &qkv,
+                    taps,
+                    &*conv_state,
+                    &mut conv,
+                    &mi,
+                    &cdi
+                )?;
+                launch!(d, "conv_shift", cfg1(cd), &qkv, conv_state, &mi, &cdi, &kci)?;
             } else {
                 launch!(
                     d,

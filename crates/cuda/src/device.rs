@@ -629,6 +629,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "attention_combine_ulp",
             "attention_combine_q8k",
             "conv_rows",
+            "conv_tile",
             "conv_shift",
             "conv_small",
             "l2norm_qk",

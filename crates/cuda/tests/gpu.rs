@@ -1049,6 +1049,36 @@ fn staged_delta_rule_equals_the_plain_one() {
     }
 }
 
+/// Prefill's causal conv with a thread per channel and 16 rows (`conv_tile`,
+/// `CONV_TILE`) against conv_rows: the same logits bytes for chunks that
+/// start inside a 16-row group, span several, or end part way through one
+/// (the tiny delta-net shapes' conv has 4 taps, the tile kernel's case).
+#[test]
+fn tiled_conv_equals_the_row_kernel() {
+    if !gpu() {
+        return;
+    }
+    for shape in ["tiny-qwen3next", "tiny-qwen35moe"] {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 23);
+        assert_eq!(
+            shapes::by_name(shape).unwrap().delta.unwrap().conv_kernel,
+            4,
+            "{shape}: the tile kernel's conv size"
+        );
+        let (on, off) = switch_arms(&model, "CONV_TILE");
+        let toks = test_tokens(&model, 29);
+        assert_same_logits(
+            &on,
+            &off,
+            &model,
+            &toks,
+            &[17, 64, 300],
+            &format!("{shape}: conv_tile != conv_rows"),
+        );
+        eprintln!("{shape}: conv_tile == conv_rows, chunks 17, 64 and 300");
+    }
+}
+
 /// `CudaOptions::fast_attention` (`--attention fast`): the backend takes the
 /// tensor-core passes with fp32 accumulation where the shape allows, says so
 /// in its name, and batched prefill still equals replay byte for byte (300
