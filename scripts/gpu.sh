@@ -43,7 +43,8 @@
 # decode runs tg128 (-r 3) on both models per arm of SAMESUM_GPU_DECODE_ARMS
 # (arms as for profiles, e.g. "-;SAMESUM_CUDA_PDL=0"), the arms alternated
 # SAMESUM_GPU_DECODE_ROUNDS (2) times: decode A/Bs, which single runs do
-# not resolve (session 11: +-2 tok/s between runs).
+# not resolve (session 11: +-2 tok/s between runs); SAMESUM_GPU_DECODE_SHAPES
+# (space-separated) picks the models.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -244,7 +245,7 @@ run)
     fi
     if [[ $steps == *,decode,* ]]; then
         IFS=';' read -ra arms <<< "${SAMESUM_GPU_DECODE_ARMS:--}"
-        for shape in qwen35moe-35b-a3b qwen3moe-30b-a3b; do
+        for shape in ${SAMESUM_GPU_DECODE_SHAPES:-qwen35moe-35b-a3b qwen3moe-30b-a3b}; do
             f=$(model "$shape")
             for round in $(seq "${SAMESUM_GPU_DECODE_ROUNDS:-2}"); do
                 for arm in "${arms[@]}"; do

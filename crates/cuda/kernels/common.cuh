@@ -48,7 +48,9 @@ __device__ __forceinline__ u32 ld_u32(const u8* p) {
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#ifndef SAMESUM_PDL_AT_EXIT
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 #endif
 }
 
