@@ -1309,10 +1309,170 @@ __device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8*
 // bytes (unsigned) and once with their high bytes (signed), and the sum is
 // high * 256 + low: the same integer, so the same float steps and bytes.
 // It needs no staged pairs, so no pass over them and no barrier for them.
-template <int Q5, int R, bool MS = false>
+//
+// tc_async_matrix runs one matrix `cur` of a tile (its rows: the set bits of
+// `live`) over the tile's first NG groups of 8 activation rows (all of them
+// but with GS, `SAMESUM_CUDA_TC_GROUPS`: the groups past the matrix's last
+// row, which in expert calls are the plan's padding, are skipped; every
+// stored output's integer sums and float steps are as they were).
+template <int Q5, int R, bool MS, int NG>
+__device__ __forceinline__ void tc_async_matrix(u8* dsm, const u8* W, i64 mat_stride, int row_bytes, int cur,
+                                                int wrow0, int rows, const u8* A, i64 arow, int r0, int nr, int nb,
+                                                const TaSrc<Q5, R>& src, const u8* at, u32 live, float* Y, int tid,
+                                                int warp, int gq, int tq) {
+    typedef TaLayout<Q5, R> L;
+    constexpr bool KEPT = R >= 32;
+    float acc[2][NG][4];
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int n = 0; n < NG; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
+    const u8* wt = W + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
+    auto issue = [&](u8* stage, int b) {
+        if constexpr (KEPT)
+            ta_issue_kept<Q5, R>(stage, wt, at, src, (u32)arow, nr, b, tid);
+        else
+            ta_issue<Q5, R>(stage, W, mat_stride, row_bytes, cur, wrow0, rows, A, arow, r0, nr, b, tid);
+    };
+    issue(dsm, 0);
+    cp_async_commit();
+    for (int b = 0; b < nb; b++) {
+        u8* st = dsm + (b & 1) * L::STAGE;
+        if (b + 1 < nb) {
+            issue(dsm + ((b + 1) & 1) * L::STAGE, b + 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        int* sbs = (int*)(st + L::BS_OFF);  // [t][4]: sub-block bsums as i16 pairs
+        float* sda = (float*)(st + L::DA_OFF);
+        if constexpr (!MS) {
+            for (int i = tid; i < R * 4; i += blockDim.x) {
+                int t = i / 4, w = i % 4;
+                const i16* bs = (const i16*)(st + L::A_OFF + t * TA_AST + Q8K_BSUMS);
+                int s0 = (int)bs[4 * w] + (int)bs[4 * w + 1];  // |sum of 32 int8| < 2^15
+                int s1 = (int)bs[4 * w + 2] + (int)bs[4 * w + 3];
+                sbs[t * 4 + w] = (int)(((u32)s0 & 0xffffu) | ((u32)s1 << 16));
+                if (w == 0) sda[t] = *(const float*)(st + L::A_OFF + t * TA_AST + Q8K_D);
+            }
+            __syncthreads();
+        }
+        // This thread's rows: wrow + 8 i WST (one base, constant offsets).
+        const u8* wrow = st + L::W_OFF + (warp * 32 + gq) * L::WST;
+        u32 scl[4], sch[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            // Header words 1 (scales) and 3 (high scale bits).
+            u32 h1 = *(const u32*)(wrow + 8 * i * L::WST + 4);
+            u32 h3 = *(const u32*)(wrow + 8 * i * L::WST + 12);
+            scl[i] = h1 & 0x3f3f3f3fu;
+            sch[i] = (h3 & 0x0f0f0f0fu) | (((h1 >> 6) & 0x03030303u) << 4);
+        }
+        uint2 qh[4];
+        if (Q5) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) qh[i] = *(const uint2*)(wrow + 8 * i * L::WST + 16 + 8 * tq);
+        }
+        int isum[2][NG][4];
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int n = 0; n < NG; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) isum[a][n][c] = 0;
+        const u8* sqb = st + L::A_OFF;
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            uint2 wq[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) wq[i] = *(const uint2*)(wrow + 8 * i * L::WST + L::QS + 32 * p + 8 * tq);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int s = 2 * p + h;
+                tc_subblock<Q5>(isum, wq, qh, sqb, TA_AST, s, h, gq, tq, scl, sch);
+            }
+        }
+        // d, dmin and the mins of the four rows, read again for the
+        // float steps (shorter live ranges).
+        u32 mnl[4], mnh[4];
+        float dw[4], dmw[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            uint4 h = *(const uint4*)(wrow + 8 * i * L::WST);
+            dw[i] = f16_to_f32((u16)(h.x & 0xffff));
+            dmw[i] = f16_to_f32((u16)(h.x >> 16));
+            mnl[i] = h.z & 0x3f3f3f3fu;
+            mnh[i] = ((h.w >> 4) & 0x0f0f0f0fu) | (((h.z >> 6) & 0x03030303u) << 4);
+        }
+        if constexpr (MS) {
+            // Row i's mins for this thread's slots: bytes (m, m, m', m')
+            // of sub-blocks 2tq and 2tq + 1.
+            const u32 sel = (tq & 1) ? 0x3322u : 0x1100u;
+            u32 pm[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) pm[i] = __byte_perm(tq < 2 ? mnl[i] : mnh[i], 0, sel);
+#pragma unroll
+            for (int n = 0; n < NG; n++) {
+                // Activation row 8n + gq's bsums 4tq..4tq+3.
+                uint2 v = *(const uint2*)(sqb + (n * 8 + gq) * TA_AST + Q8K_BSUMS + 8 * tq);
+                u32 blo = __byte_perm(v.x, v.y, 0x6420u), bhi = __byte_perm(v.x, v.y, 0x7531u);
+#pragma unroll
+                for (int a = 0; a < 2; a++) {
+                    int lo[4], hi[4];
+                    mma_s8<true>(lo, pm[2 * a], pm[2 * a + 1], 0u, 0u, blo, 0u);
+                    mma_s8(hi, pm[2 * a], pm[2 * a + 1], 0u, 0u, bhi, 0u);
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                        float da = *(const float*)(sqb + t * TA_AST + Q8K_D);
+                        acc[a][n][c] =
+                            step_min(acc[a][n][c], dw[i], dmw[i], da, isum[a][n][c], hi[c] * 256 + lo[c]);
+                    }
+                }
+            }
+        } else {
+#pragma unroll
+            for (int a = 0; a < 2; a++)
+#pragma unroll
+                for (int n = 0; n < NG; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                        int ms = __dp2a_lo(sbs[t * 4 + 0], (int)mnl[i], 0);
+                        ms = __dp2a_hi(sbs[t * 4 + 1], (int)mnl[i], ms);
+                        ms = __dp2a_lo(sbs[t * 4 + 2], (int)mnh[i], ms);
+                        ms = __dp2a_hi(sbs[t * 4 + 3], (int)mnh[i], ms);
+                        acc[a][n][c] = step_min(acc[a][n][c], dw[i], dmw[i], sda[t], isum[a][n][c], ms);
+                    }
+        }
+        // Stage b & 1 is refilled by the next iteration's copies (block
+        // b + 2): every read of it ends here.
+        __syncthreads();
+    }
+    // The output base through an opaque copy: otherwise the compiler
+    // works the 32 store addresses out before the K loop and keeps them
+    // in local memory.
+    float* yo = Y + (i64)r0 * rows + wrow0 + warp * 32 + gq;
+    asm volatile("" : "+l"(yo));
+    int wbase = wrow0 + warp * 32;
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int n = 0; n < NG; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                if (wbase + 8 * i + gq < rows && ((live >> t) & 1u)) yo[(i64)t * rows + 8 * i] = acc[a][n][c];
+            }
+}
+
+template <int Q5, int R, bool MS = false, bool GS = false>
 __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,
                               int rows, int m, int nb) {
-    typedef TaLayout<Q5, R> L;
     constexpr int N = R / 8;  // activation groups of 8 rows (the mma's n)
     extern __shared__ __align__(16) u8 dsm[];
     __shared__ int smat[R];
@@ -1339,7 +1499,6 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
         if (col < rows) Y[(i64)(r0 + t) * rows + col] = 0.0f;
     }
     // The 32-row kernels' copy offsets (unused, so not computed, in the others).
-    constexpr bool KEPT = R >= 32;
     const TaSrc<Q5, R> src(row_bytes, wrow0, rows, tid);
     const u8* at = A + r0 * arow;
     int prev = -1;
@@ -1349,152 +1508,23 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
         if (cur == 0x7fffffff) break;
         prev = cur;
         const u32 live = __ballot_sync(0xffffffffu, vmat == cur);
-        float acc[2][N][4];
-#pragma unroll
-        for (int a = 0; a < 2; a++)
-#pragma unroll
-            for (int n = 0; n < N; n++)
-#pragma unroll
-                for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
-        const u8* wt = W + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
-        auto issue = [&](u8* stage, int b) {
-            if constexpr (KEPT)
-                ta_issue_kept<Q5, R>(stage, wt, at, src, (u32)arow, nr, b, tid);
-            else
-                ta_issue<Q5, R>(stage, W, mat_stride, row_bytes, cur, wrow0, rows, A, arow, r0, nr, b, tid);
-        };
-        issue(dsm, 0);
-        cp_async_commit();
-        for (int b = 0; b < nb; b++) {
-            u8* st = dsm + (b & 1) * L::STAGE;
-            if (b + 1 < nb) {
-                issue(dsm + ((b + 1) & 1) * L::STAGE, b + 1);
-                cp_async_commit();
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-            __syncthreads();
-            int* sbs = (int*)(st + L::BS_OFF);  // [t][4]: sub-block bsums as i16 pairs
-            float* sda = (float*)(st + L::DA_OFF);
-            if constexpr (!MS) {
-                for (int i = tid; i < R * 4; i += blockDim.x) {
-                    int t = i / 4, w = i % 4;
-                    const i16* bs = (const i16*)(st + L::A_OFF + t * TA_AST + Q8K_BSUMS);
-                    int s0 = (int)bs[4 * w] + (int)bs[4 * w + 1];  // |sum of 32 int8| < 2^15
-                    int s1 = (int)bs[4 * w + 2] + (int)bs[4 * w + 3];
-                    sbs[t * 4 + w] = (int)(((u32)s0 & 0xffffu) | ((u32)s1 << 16));
-                    if (w == 0) sda[t] = *(const float*)(st + L::A_OFF + t * TA_AST + Q8K_D);
-                }
-                __syncthreads();
-            }
-            // This thread's rows: wrow + 8 i WST (one base, constant offsets).
-            const u8* wrow = st + L::W_OFF + (warp * 32 + gq) * L::WST;
-            u32 scl[4], sch[4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                // Header words 1 (scales) and 3 (high scale bits).
-                u32 h1 = *(const u32*)(wrow + 8 * i * L::WST + 4);
-                u32 h3 = *(const u32*)(wrow + 8 * i * L::WST + 12);
-                scl[i] = h1 & 0x3f3f3f3fu;
-                sch[i] = (h3 & 0x0f0f0f0fu) | (((h1 >> 6) & 0x03030303u) << 4);
-            }
-            uint2 qh[4];
-            if (Q5) {
-#pragma unroll
-                for (int i = 0; i < 4; i++) qh[i] = *(const uint2*)(wrow + 8 * i * L::WST + 16 + 8 * tq);
-            }
-            int isum[2][N][4];
-#pragma unroll
-            for (int a = 0; a < 2; a++)
-#pragma unroll
-                for (int n = 0; n < N; n++)
-#pragma unroll
-                    for (int c = 0; c < 4; c++) isum[a][n][c] = 0;
-            const u8* sqb = st + L::A_OFF;
-#pragma unroll
-            for (int p = 0; p < 4; p++) {
-                uint2 wq[4];
-#pragma unroll
-                for (int i = 0; i < 4; i++) wq[i] = *(const uint2*)(wrow + 8 * i * L::WST + L::QS + 32 * p + 8 * tq);
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    int s = 2 * p + h;
-                    tc_subblock<Q5>(isum, wq, qh, sqb, TA_AST, s, h, gq, tq, scl, sch);
-                }
-            }
-            // d, dmin and the mins of the four rows, read again for the
-            // float steps (shorter live ranges).
-            u32 mnl[4], mnh[4];
-            float dw[4], dmw[4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                uint4 h = *(const uint4*)(wrow + 8 * i * L::WST);
-                dw[i] = f16_to_f32((u16)(h.x & 0xffff));
-                dmw[i] = f16_to_f32((u16)(h.x >> 16));
-                mnl[i] = h.z & 0x3f3f3f3fu;
-                mnh[i] = ((h.w >> 4) & 0x0f0f0f0fu) | (((h.z >> 6) & 0x03030303u) << 4);
-            }
-            if constexpr (MS) {
-                // Row i's mins for this thread's slots: bytes (m, m, m', m')
-                // of sub-blocks 2tq and 2tq + 1.
-                const u32 sel = (tq & 1) ? 0x3322u : 0x1100u;
-                u32 pm[4];
-#pragma unroll
-                for (int i = 0; i < 4; i++) pm[i] = __byte_perm(tq < 2 ? mnl[i] : mnh[i], 0, sel);
-#pragma unroll
-                for (int n = 0; n < N; n++) {
-                    // Activation row 8n + gq's bsums 4tq..4tq+3.
-                    uint2 v = *(const uint2*)(sqb + (n * 8 + gq) * TA_AST + Q8K_BSUMS + 8 * tq);
-                    u32 blo = __byte_perm(v.x, v.y, 0x6420u), bhi = __byte_perm(v.x, v.y, 0x7531u);
-#pragma unroll
-                    for (int a = 0; a < 2; a++) {
-                        int lo[4], hi[4];
-                        mma_s8<true>(lo, pm[2 * a], pm[2 * a + 1], 0u, 0u, blo, 0u);
-                        mma_s8(hi, pm[2 * a], pm[2 * a + 1], 0u, 0u, bhi, 0u);
-#pragma unroll
-                        for (int c = 0; c < 4; c++) {
-                            int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
-                            float da = *(const float*)(sqb + t * TA_AST + Q8K_D);
-                            acc[a][n][c] =
-                                step_min(acc[a][n][c], dw[i], dmw[i], da, isum[a][n][c], hi[c] * 256 + lo[c]);
-                        }
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int a = 0; a < 2; a++)
-#pragma unroll
-                    for (int n = 0; n < N; n++)
-#pragma unroll
-                        for (int c = 0; c < 4; c++) {
-                            int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
-                            int ms = __dp2a_lo(sbs[t * 4 + 0], (int)mnl[i], 0);
-                            ms = __dp2a_hi(sbs[t * 4 + 1], (int)mnl[i], ms);
-                            ms = __dp2a_lo(sbs[t * 4 + 2], (int)mnh[i], ms);
-                            ms = __dp2a_hi(sbs[t * 4 + 3], (int)mnh[i], ms);
-                            acc[a][n][c] = step_min(acc[a][n][c], dw[i], dmw[i], sda[t], isum[a][n][c], ms);
-                        }
-            }
-            // Stage b & 1 is refilled by the next iteration's copies (block
-            // b + 2): every read of it ends here.
-            __syncthreads();
+        // Groups of 8 rows up to the last of this matrix's rows.
+        [[maybe_unused]] const int ng = GS ? (32 - __clz(live) + 7) / 8 : N;
+#define TC_MATRIX(G)                                                                                    \
+    tc_async_matrix<Q5, R, MS, G>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, A, arow, r0, nr, nb, src, at, \
+                                  live, Y, tid, warp, gq, tq)
+        if constexpr (GS && N == 4) {
+            if (ng == 1) TC_MATRIX(1);
+            else if (ng == 2) TC_MATRIX(2);
+            else if (ng == 3) TC_MATRIX(3);
+            else TC_MATRIX(4);
+        } else if constexpr (GS && N == 2) {
+            if (ng == 1) TC_MATRIX(1);
+            else TC_MATRIX(2);
+        } else {
+            TC_MATRIX(N);
         }
-        // The output base through an opaque copy: otherwise the compiler
-        // works the 32 store addresses out before the K loop and keeps them
-        // in local memory.
-        float* yo = Y + (i64)r0 * rows + wrow0 + warp * 32 + gq;
-        asm volatile("" : "+l"(yo));
-        int wbase = wrow0 + warp * 32;
-#pragma unroll
-        for (int a = 0; a < 2; a++)
-#pragma unroll
-            for (int n = 0; n < N; n++)
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
-                    if (wbase + 8 * i + gq < rows && ((live >> t) & 1u)) yo[(i64)t * rows + 8 * i] = acc[a][n][c];
-                }
+#undef TC_MATRIX
     }
 }
 
@@ -1541,22 +1571,25 @@ TC_ASYNC_KERNEL(mm_tc_q5_k_async, 1)
 // the 2-block kernel at 0.77 eligible warps of 1.96 a scheduler, waiting on
 // its own dependent steps); Q5_K, whose spills at 168 would be larger, 2.
 // MS: the mins sums on tensor cores (see mm_tc_async_k).
-#define TC_ASYNC32_KERNEL(name, Q5, BLOCKS, MS)                                                \
+#define TC_ASYNC32_KERNEL(name, Q5, BLOCKS, MS, GS)                                             \
     extern "C" __global__ void __launch_bounds__(128, BLOCKS)                                  \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
              int rows, int m, int nb) { pdl_wait();                                            \
-        mm_tc_async_k<Q5, 32, MS>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);          \
+        mm_tc_async_k<Q5, 32, MS, GS>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);      \
     }
 
-TC_ASYNC32_KERNEL(mm_tc_q4_k_async32, 0, 3, false)
-TC_ASYNC32_KERNEL(mm_tc_q5_k_async32, 1, 2, false)
+TC_ASYNC32_KERNEL(mm_tc_q4_k_async32, 0, 3, false, false)
+TC_ASYNC32_KERNEL(mm_tc_q5_k_async32, 1, 2, false, false)
 // The Q4_K kernel at 2 blocks an SM (as before session 11), for comparisons
 // (SAMESUM_CUDA_TC_OCC3=0): the same code, so the same bytes.
-TC_ASYNC32_KERNEL(mm_tc_q4_k_async32_b2, 0, 2, false)
+TC_ASYNC32_KERNEL(mm_tc_q4_k_async32_b2, 0, 2, false, false)
 // The 32-row Q4_K kernel with the mins sums on tensor cores (MS above;
 // `SAMESUM_CUDA_TC_MINS`): the same integers, so the same bytes. (Q5_K's,
 // at 2 blocks an SM, would spill.)
-TC_ASYNC32_KERNEL(mm_tc_q4_k_async32m, 0, 3, true)
+TC_ASYNC32_KERNEL(mm_tc_q4_k_async32m, 0, 3, true, false)
+// The mins kernel skipping each matrix's groups of rows past its last row
+// (GS above; `SAMESUM_CUDA_TC_GROUPS`): the same bytes.
+TC_ASYNC32_KERNEL(mm_tc_q4_k_async32g, 0, 3, true, true)
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
 // then a fixed butterfly.

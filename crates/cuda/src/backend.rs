@@ -113,6 +113,11 @@ pub struct Cuda {
     /// their own (`SAMESUM_CUDA_TC_MINS=0`). The same integers, so the same
     /// bytes.
     tc_mins: bool,
+    /// The mins kernel skipping, for each matrix of a tile, the groups of 8
+    /// activation rows past its last row (`mm_tc_q4_k_async32g`; the expert
+    /// plan pads each expert's rows to 32, so a tail tile is often mostly
+    /// padding): `SAMESUM_CUDA_TC_GROUPS`. The same bytes.
+    tc_groups: bool,
     /// The delta rule at key head dims 64, 128 and 256 on the kernels that
     /// stage the next rows by cp.async while the current ones run
     /// (`delta_cols_async_*`; default, off with `SAMESUM_CUDA_DELTA_ASYNC=0`
@@ -527,6 +532,7 @@ const SWITCHES: &[Switch] = &[
     ),
     ("TC_OCC3", |c| c.tc_occ3, |c, on| c.tc_occ3 = on),
     ("TC_MINS", |c| c.tc_mins, |c, on| c.tc_mins = on),
+    ("TC_GROUPS", |c| c.tc_groups, |c, on| c.tc_groups = on),
     ("F32_TILE", |c| c.float_tiles, |c, on| c.float_tiles = on),
     ("DELTA_ASYNC", |c| c.delta_async, |c, on| c.delta_async = on),
     ("DELTA_PIPE", |c| c.delta_pipe, |c, on| c.delta_pipe = on),
@@ -866,6 +872,7 @@ impl Cuda {
             tc_rows32_auto: env_switch("SAMESUM_CUDA_TC_ROWS32_AUTO", true),
             tc_occ3: env_switch("SAMESUM_CUDA_TC_OCC3", true),
             tc_mins: env_switch("SAMESUM_CUDA_TC_MINS", true),
+            tc_groups: env_switch("SAMESUM_CUDA_TC_GROUPS", false),
             delta_async: env_switch("SAMESUM_CUDA_DELTA_ASYNC", true),
             delta_pipe: env_switch("SAMESUM_CUDA_DELTA_PIPE", true),
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
@@ -1601,6 +1608,9 @@ impl Cuda {
                         (TcKernel::Plain, _) => "mm_tc_q5_k",
                         (TcKernel::Pipelined, _) if q4 => "mm_tc_q4_k_pipe",
                         (TcKernel::Pipelined, _) => "mm_tc_q5_k_pipe",
+                        (_, 32) if q4 && self.tc_occ3 && self.tc_mins && self.tc_groups => {
+                            "mm_tc_q4_k_async32g"
+                        }
                         (_, 32) if q4 && self.tc_occ3 && self.tc_mins => "mm_tc_q4_k_async32m",
                         (_, 32) if q4 && self.tc_occ3 => "mm_tc_q4_k_async32",
                         (_, 32) if q4 => "mm_tc_q4_k_async32_b2",

@@ -67,6 +67,29 @@ fn random_rows(
     (x, ids)
 }
 
+/// Rows as the expert plan places them in wide calls: each matrix's rows
+/// together (matrices in a random order, 1 to 70 rows each), then -1 rows
+/// up to a multiple of 32, so tiles end in padding of 1 to 31 rows.
+fn padded_plan_rows(
+    rng: &mut Rng,
+    w: &samesum_engine::model::weights::Matrix,
+) -> (Vec<f32>, Vec<i32>) {
+    let mut ids = Vec::new();
+    let mut order: Vec<i32> = (0..w.n_mats as i32).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+    }
+    for &e in order.iter().take(6) {
+        let c = 1 + (rng.next_u64() % 70) as usize;
+        ids.extend(std::iter::repeat_n(e, c));
+        ids.resize(ids.len().div_ceil(32) * 32, -1);
+    }
+    let x: Vec<f32> = (0..ids.len() * w.cols)
+        .map(|_| rng.normal() * 0.5)
+        .collect();
+    (x, ids)
+}
+
 /// The two slices hold the same bits, element by element.
 /// A one-layer f32 model of tiny-qwen3moe's shape with attention of the
 /// given heads and head dim (the real models' attention shapes).
@@ -502,17 +525,20 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
             .unwrap();
             let model = Model::load(&p).unwrap();
             let mut cuda = Cuda::new(0, &model, false).unwrap();
-            // Async32 twice: the mins sums on tensor cores (TC_MINS) and by dp2a.
-            for (tk, mins) in [
-                (TcKernel::Plain, true),
-                (TcKernel::Pipelined, true),
-                (TcKernel::Async, true),
-                (TcKernel::Async32, true),
-                (TcKernel::Async32, false),
+            // Async32 three times: the mins sums on tensor cores (TC_MINS),
+            // with padding groups skipped (TC_GROUPS), and by dp2a.
+            for (tk, mins, groups) in [
+                (TcKernel::Plain, true, false),
+                (TcKernel::Pipelined, true, false),
+                (TcKernel::Async, true, false),
+                (TcKernel::Async32, true, false),
+                (TcKernel::Async32, true, true),
+                (TcKernel::Async32, false, false),
             ] {
                 cuda.set_tc_kernel(tk);
                 cuda.set_switch("TC_MINS", mins).unwrap();
-                let kind = format!("{tk:?} mins-mma={mins} ");
+                cuda.set_switch("TC_GROUPS", groups).unwrap();
+                let kind = format!("{tk:?} mins-mma={mins} groups={groups} ");
                 let moe = &model.w.layers[0].moe;
                 let mats: Vec<&samesum_engine::model::weights::Matrix> = vec![&moe.gate, &moe.down]
                     .into_iter()
@@ -525,8 +551,18 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
                 assert!(!mats.is_empty(), "{shape}: no {quant:?} matrix to test");
                 let mut rng = Rng::new(5);
                 for w in mats {
-                    for m in [17, 33, 64, 100, 257] {
-                        let (x, ids) = random_rows(&mut rng, w, m, (7, 3));
+                    // Random rows at several m, and for expert stacks the
+                    // plan's layout (tiles ending in padding).
+                    let mut cases: Vec<(Vec<f32>, Option<Vec<i32>>)> = [17, 33, 64, 100, 257]
+                        .iter()
+                        .map(|&m| random_rows(&mut rng, w, m, (7, 3)))
+                        .collect();
+                    if w.n_mats > 1 {
+                        let (x, ids) = padded_plan_rows(&mut rng, w);
+                        cases.push((x, Some(ids)));
+                    }
+                    for (x, ids) in cases {
+                        let m = x.len() / w.cols;
                         let tc = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
                         let dp = cuda.matmul_host(w, &x, m, ids.as_deref(), false).unwrap();
                         assert!(tc.iter().all(|v| v.is_finite()), "{}: non-finite", w.name);

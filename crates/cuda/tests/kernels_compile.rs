@@ -11,8 +11,13 @@ use std::sync::Mutex;
 /// an SM at 168 registers, keeping a few values a thread in local memory
 /// (stored once per tile, read back at most a few times per 256-wide block
 /// of K; 184 and 208 bytes at session 16, 132 before its ballot
-/// bookkeeping).
-const SPILLS_ALLOWED: &[(&str, u32)] = &[("mm_tc_q4_k_async32", 256), ("mm_tc_q4_k_async32m", 256)];
+/// bookkeeping); the padding-skipping variant holds four copies of the K
+/// loop (296 bytes at session 17).
+const SPILLS_ALLOWED: &[(&str, u32)] = &[
+    ("mm_tc_q4_k_async32", 256),
+    ("mm_tc_q4_k_async32m", 256),
+    ("mm_tc_q4_k_async32g", 320),
+];
 
 /// NVRTC's log of one compile can pick up ptxas lines of another running at the
 /// same time, so these tests compile one at a time.
