@@ -1588,7 +1588,8 @@ TC_ASYNC32_KERNEL(mm_tc_q4_k_async32_b2, 0, 2, false, false)
 // at 2 blocks an SM, would spill.)
 TC_ASYNC32_KERNEL(mm_tc_q4_k_async32m, 0, 3, true, false)
 // The mins kernel skipping each matrix's groups of rows past its last row
-// (GS above; `SAMESUM_CUDA_TC_GROUPS`): the same bytes.
+// (GS above; `SAMESUM_CUDA_TC_GROUPS`, default): the same bytes. H200,
+// qwen35moe pp4096: 111.2 -> 107.9 ms.
 TC_ASYNC32_KERNEL(mm_tc_q4_k_async32g, 0, 3, true, true)
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
