@@ -1713,8 +1713,9 @@ extern "C" __global__ void conv_shift(const float* x, float* state, int m, int c
 
 // A head's f64 sum of squares in index order, by lane 0, from a copy of the
 // head in shared memory (read four values per load; the adds stay in order).
-// `v` is 16-byte aligned; returns the sum to every lane.
-__device__ __forceinline__ double sumsq_in_order(const float* v, int n, int lane) {
+// `v` is 16-byte aligned; returns the sum to every lane. (As before session
+// 17; the kernels' `_lane0` forms keep it for comparisons.)
+__device__ __forceinline__ double sumsq_lane0(const float* v, int n, int lane) {
     double s = 0.0;
     if (lane == 0) {
         int i = 0;
@@ -1730,6 +1731,36 @@ __device__ __forceinline__ double sumsq_in_order(const float* v, int n, int lane
     return __shfl_sync(0xffffffffu, s, 0);
 }
 
+// The same sum (n <= 256) with the squares taken by every lane: lane l
+// squares values l, l + 32, ... into `sq` (the warp's own 256 doubles of
+// shared memory; a float's square is exact in f64, so it is the product
+// sumsq_lane0 adds), then lane 0 adds them in index order, as sumsq_lane0
+// does: the same sum. sumsq_lane0's lane 0 converted all n values itself,
+// and the f32-to-f64 conversion issues at a quarter of the f64 add's rate:
+// the bound of l2norm_qk and gated_norm_q8k (~4 us of conversions per 1,000
+// heads an SM).
+__device__ __forceinline__ double sumsq_in_order(const float* v, int n, int lane, double* sq) {
+    for (int i = lane; i < n; i += 32) {
+        double d = (double)v[i];
+        sq[i] = d * d;
+    }
+    __syncwarp();
+    double s = 0.0;
+    if (lane == 0) {
+        int i = 0;
+#pragma unroll 4
+        for (; i + 2 <= n; i += 2) {
+            double2 p = *(const double2*)(sq + i);
+            s += p.x;
+            s += p.y;
+        }
+        for (; i < n; i++) s += sq[i];
+    }
+    s = __shfl_sync(0xffffffffu, s, 0);
+    __syncwarp();  // every read of sq is done before the warp reuses it
+    return s;
+}
+
 // L2 norm of each dk-wide head of the q and k parts (2*hk heads) of m conv rows
 // into qk (m rows of 2*kd): the sum of squares in f64, index order.
 // One warp per (row, head): the head's values are read once, coalesced, into
@@ -1737,10 +1768,10 @@ __device__ __forceinline__ double sumsq_in_order(const float* v, int n, int lane
 // sums the squares in f64 in index order (as the CPU does), then every lane
 // scales its values.
 #define L2_WARPS 4
-extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
-    l2norm_qk(const float* conv, float* qk, int m, int cd, int hk, int dk, float eps) {
-    pdl_wait();
+template <bool LANES>
+__device__ __forceinline__ void l2norm_qk_k(const float* conv, float* qk, int m, int cd, int hk, int dk, float eps) {
     __shared__ __align__(16) float stage[L2_WARPS][256];
+    __shared__ __align__(16) double sqs[LANES ? L2_WARPS : 1][256];
     int t = blockIdx.x * L2_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (t >= m * 2 * hk) return;
     int r = t / (2 * hk), h = t % (2 * hk);
@@ -1755,7 +1786,7 @@ extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
     }
     double s;
     if (dk <= 256) {
-        s = sumsq_in_order(v, dk, lane);
+        s = LANES ? sumsq_in_order(v, dk, lane, sqs[LANES ? threadIdx.x / 32 : 0]) : sumsq_lane0(v, dk, lane);
     } else {
         s = 0.0;
         if (lane == 0)
@@ -1764,6 +1795,20 @@ extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
     }
     float scale = 1.0f / sqrtf((float)s + eps);
     for (int i = lane; i < dk; i += 32) dst[i] = v[i] * scale;
+}
+
+extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
+    l2norm_qk(const float* conv, float* qk, int m, int cd, int hk, int dk, float eps) {
+    pdl_wait();
+    l2norm_qk_k<true>(conv, qk, m, cd, hk, dk, eps);
+}
+
+// l2norm_qk with lane 0 squaring every value (`SAMESUM_CUDA_SQ_LANES=0`):
+// the same bytes.
+extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
+    l2norm_qk_lane0(const float* conv, float* qk, int m, int cd, int hk, int dk, float eps) {
+    pdl_wait();
+    l2norm_qk_k<false>(conv, qk, m, cd, hk, dk, eps);
 }
 
 // One decode row's conv, state shift and q/k head norms in one launch
@@ -1777,13 +1822,14 @@ extern "C" __global__ void __launch_bounds__(128)
                 int dk, float eps) {
     pdl_wait();
     __shared__ __align__(16) float sv[256];
+    __shared__ __align__(16) double sq[256];
     __shared__ float scale_s;
     int h = blockIdx.x, t = threadIdx.x;
     if (h < 2 * hk) {
         for (int i = t; i < dk; i += 128) sv[i] = conv_channel(x, taps, state, out, 1, cd, kc, h * dk + i);
         __syncthreads();
         if (t < 32) {
-            double s = sumsq_in_order(sv, dk, t);
+            double s = sumsq_in_order(sv, dk, t, sq);
             if (t == 0) scale_s = 1.0f / sqrtf((float)s + eps);
         }
         __syncthreads();
@@ -2211,6 +2257,7 @@ extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
     gated_norm(float* o, const float* z, const float* norm, int rows_heads, int dv, float eps) {
     pdl_wait();
     __shared__ __align__(16) float stage[GN_WARPS][256];
+    __shared__ __align__(16) double sqs[GN_WARPS][256];
     int w = blockIdx.x * GN_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (w >= rows_heads) return;
     float* on = o + (i64)w * dv;
@@ -2220,7 +2267,7 @@ extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
         float* sv = stage[threadIdx.x / 32];
         for (int i = lane; i < dv; i += 32) sv[i] = on[i];
         __syncwarp();
-        s = sumsq_in_order(sv, dv, lane);
+        s = sumsq_in_order(sv, dv, lane, sqs[threadIdx.x / 32]);
     } else {
         s = 0.0;
         if (lane == 0)
@@ -2237,9 +2284,10 @@ extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
 // heads are dv * 4 consecutive values of one row (the launch checks that
 // 256 divides dv * 4 and a row's heads come in fours), so they are whole
 // blocks of 256; warp w quantizes blocks w, w + 4, ... of them.
-extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
-    gated_norm_q8k(float* o, const float* z, const float* norm, u8* q, int rows_heads, int dv, float eps) {
-    pdl_wait();
+template <bool LANES>
+__device__ __forceinline__ void gated_norm_q8k_k(float* o, const float* z, const float* norm, u8* q, int rows_heads,
+                                                 int dv, float eps) {
+    __shared__ __align__(16) double sqs[LANES ? GN_WARPS : 1][256];
     int w0 = blockIdx.x * GN_WARPS, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     int w = w0 + warp;
     if (w < rows_heads) {
@@ -2249,7 +2297,7 @@ extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
         float* sv = stage[warp];
         for (int i = lane; i < dv; i += 32) sv[i] = on[i];
         __syncwarp();
-        double s = sumsq_in_order(sv, dv, lane);
+        double s = LANES ? sumsq_in_order(sv, dv, lane, sqs[LANES ? warp : 0]) : sumsq_lane0(sv, dv, lane);
         float mean = (float)(s / (double)dv);
         float scale = 1.0f / sqrtf(mean + eps);
         for (int i = lane; i < dv; i += 32) on[i] = ((on[i] * scale) * norm[i]) * silu(zn[i]);
@@ -2259,6 +2307,20 @@ extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
     i64 first = (i64)w0 * dv;  // a multiple of 256
     for (int b = warp; b < heads * dv / 256; b += GN_WARPS)
         q8k_block(o + first + b * 256, q + (first / 256 + b) * Q8K_BYTES, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
+    gated_norm_q8k(float* o, const float* z, const float* norm, u8* q, int rows_heads, int dv, float eps) {
+    pdl_wait();
+    gated_norm_q8k_k<true>(o, z, norm, q, rows_heads, dv, eps);
+}
+
+// gated_norm_q8k with lane 0 squaring every value (`SAMESUM_CUDA_SQ_LANES=0`):
+// the same bytes.
+extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
+    gated_norm_q8k_lane0(float* o, const float* z, const float* norm, u8* q, int rows_heads, int dv, float eps) {
+    pdl_wait();
+    gated_norm_q8k_k<false>(o, z, norm, q, rows_heads, dv, eps);
 }
 
 // Router rows, one warp per row: softmax (max; exp; the sum with lane l over

@@ -182,6 +182,12 @@ pub struct Cuda {
     /// (`conv_tile`: conv_rows's arithmetic, inputs loaded once; default,
     /// off with `SAMESUM_CUDA_CONV_TILE=0`).
     conv_tile: bool,
+    /// The f64 sums of squares of l2norm_qk and gated_norm_q8k with every
+    /// lane squaring its values and lane 0 adding them in index order
+    /// (default) or with lane 0 squaring them all, as before session 17
+    /// (`*_lane0`, `SAMESUM_CUDA_SQ_LANES=0`). The same sums, so the same
+    /// bytes.
+    sq_lanes: bool,
     /// Ungated attention's combine writes the out projection's Q8_K rows
     /// (`attention_combine_q8k`: attention_combine's and quantize_q8k's
     /// bytes; default, off with `SAMESUM_CUDA_COMBINE_Q8K=0`).
@@ -548,6 +554,7 @@ const SWITCHES: &[Switch] = &[
     ("GLU_Q8K", |c| c.glu_q8k, |c, on| c.glu_q8k = on),
     ("CONV_L2", |c| c.conv_l2, |c, on| c.conv_l2 = on),
     ("CONV_TILE", |c| c.conv_tile, |c, on| c.conv_tile = on),
+    ("SQ_LANES", |c| c.sq_lanes, |c, on| c.sq_lanes = on),
     ("COMBINE_Q8K", |c| c.combine_q8k, |c, on| c.combine_q8k = on),
     ("MOE_NORM", |c| c.moe_norm, |c, on| c.moe_norm = on),
     ("ATT_ONE", |c| c.att_one, |c, on| c.att_one = on),
@@ -888,6 +895,7 @@ impl Cuda {
             glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", false),
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
             conv_tile: env_switch("SAMESUM_CUDA_CONV_TILE", true),
+            sq_lanes: env_switch("SAMESUM_CUDA_SQ_LANES", true),
             combine_q8k: env_switch("SAMESUM_CUDA_COMBINE_Q8K", true),
             moe_norm: env_switch("SAMESUM_CUDA_MOE_NORM", false),
             att_one: env_switch("SAMESUM_CUDA_ATT_ONE", false),
@@ -2297,7 +2305,11 @@ impl Cuda {
             }
             launch!(
                 d,
-                "l2norm_qk",
+                if self.sq_lanes {
+                    "l2norm_qk"
+                } else {
+                    "l2norm_qk_lane0"
+                },
                 cfg(((m * 2 * hk).div_ceil(4) as u32, 1, 1), 128, 0),
                 &conv,
                 &mut qk,
@@ -2386,7 +2398,11 @@ impl Cuda {
             let mut q = d.scratch::<u8>(m * hv * dv / 256 * 304)?;
             launch!(
                 d,
-                "gated_norm_q8k",
+                if self.sq_lanes {
+                    "gated_norm_q8k"
+                } else {
+                    "gated_norm_q8k_lane0"
+                },
                 cfg(((m * hv).div_ceil(4) as u32, 1, 1), 128, 0),
                 &mut o,
                 &z,

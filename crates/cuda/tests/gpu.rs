@@ -1115,6 +1115,45 @@ fn tiled_conv_equals_the_row_kernel() {
     }
 }
 
+/// The f64 head sums of squares with every lane squaring (`SQ_LANES`)
+/// against lane 0 squaring them all: the same logits bytes on the delta-net
+/// shapes (l2norm_qk and gated_norm_q8k in prefill, conv_l2_one in decode).
+#[test]
+fn lane_squares_equal_lane_zero_squares() {
+    if !gpu() {
+        return;
+    }
+    // The tiny shapes (head dims 64) and tiny-qwen35moe at the real models'
+    // head dims 128 and 256.
+    let tiny = shapes::by_name("tiny-qwen35moe").unwrap();
+    let mut cases = vec![shapes::by_name("tiny-qwen3next").unwrap(), tiny.clone()];
+    for dk in [128, 256] {
+        cases.push(shapes::Shape {
+            delta: Some(shapes::DeltaNet {
+                key_head_dim: dk,
+                value_head_dim: dk,
+                ..tiny.delta.unwrap()
+            }),
+            ..tiny.clone()
+        });
+    }
+    for shape in cases {
+        let what = format!("{} dk {}", shape.name, shape.delta.unwrap().key_head_dim);
+        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 31);
+        let (on, off) = switch_arms(&model, "SQ_LANES");
+        let toks = test_tokens(&model, 37);
+        assert_same_logits(
+            &on,
+            &off,
+            &model,
+            &toks,
+            &[1, 64, 300],
+            &format!("{what}: lane squares != lane-0 squares"),
+        );
+        eprintln!("{what}: lane squares == lane-0 squares, chunks 1, 64 and 300");
+    }
+}
+
 /// `CudaOptions::fast_attention` (`--attention fast`): the backend takes the
 /// tensor-core passes with fp32 accumulation where the shape allows, says so
 /// in its name, and batched prefill still equals replay byte for byte (300
