@@ -1132,6 +1132,188 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_lean_entry<true>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
 }
 
+// ---- 32 pairs a block (ATT_P32)
+//
+// attention_tiles_q4w with two 16-pair halves a block (4 rows at 8 query
+// heads a KV head): each key row of the tile is loaded once for both halves
+// in the score pass and each value row once for all 32 pairs in the value
+// pass, so a prefill reads the cache from L2 half as often per pair. Every
+// pair's score (its fma chains and butterfly, lean_scores's), max, exps,
+// sums and value chains are the 16-pair kernel's, so the same bytes. q and
+// the scores live in dynamic shared memory (ATT_P32_SMEM bytes).
+#define AP2 (2 * AP)
+#define ATT_P32_SMEM (AP2 * ATT_HD * 4 + AP2 * ATT_S * 4)
+
+// lean_scores for both halves: the step's key rows loaded once, then each
+// half's 16 pairs as lean_scores takes them (qs and st: the half's rows).
+// mx[h]: the lane's running max for pair h * 16 + lane / 2.
+template <int NC, int KB, typename T>
+__device__ __forceinline__ void lean_scores2(const float (*qs)[ATT_HD], float (*st)[ATT_S], const T* kt, int kvw,
+                                             const int (&mylast)[2], int n, const int (&nph)[2], float scale,
+                                             float (&mx)[2]) {
+    int t = threadIdx.x, warp = t / 32, lane = t % 32, mine = lane >> 1;
+    mx[0] = mx[1] = -INFINITY;
+    for (int jb = warp; jb < ATT_T; jb += ATT_WARPS * KB) {
+        if (jb >= n) {
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int u = 0; u < KB; u++)
+                    if ((lane & 1) == 0) st[h * AP + mine][jb + u * ATT_WARPS] = -INFINITY;
+            continue;
+        }
+        float kr[KB][NC];
+        if (jb + (KB - 1) * ATT_WARPS < n) {
+#pragma unroll
+            for (int u = 0; u < KB; u++) {
+                const T* row = kt + (jb + u * ATT_WARPS) * kvw + lane;
+#pragma unroll
+                for (int c = 0; c < NC; c++) kr[u][c] = kv_ld(row + 32 * c);
+            }
+        } else {
+#pragma unroll
+            for (int u = 0; u < KB; u++) {
+                int jj = jb + u * ATT_WARPS;
+                const T* row = kt + jj * kvw + lane;
+#pragma unroll
+                for (int c = 0; c < NC; c++) kr[u][c] = jj < n ? kv_ld(row + 32 * c) : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if (nph[h] == 0) {  // uniform: no pair in this half
+#pragma unroll
+                for (int u = 0; u < KB; u++)
+                    if ((lane & 1) == 0) st[h * AP + mine][jb + u * ATT_WARPS] = -INFINITY;
+                continue;
+            }
+            const float (*qh)[ATT_HD] = qs + h * AP;
+            float d[KB][AP];
+#pragma unroll
+            for (int u = 0; u < KB; u++)
+#pragma unroll
+                for (int p = 0; p < AP; p++) d[u][p] = 0.0f;
+            if constexpr (NC <= 4) {
+#pragma unroll
+                for (int c = 0; c < NC; c++)
+#pragma unroll
+                    for (int p = 0; p < AP; p++) {
+                        float qv = qh[p][lane + 32 * c];
+#pragma unroll
+                        for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv, kr[u][c], d[u][p]);
+                    }
+            } else {
+#pragma unroll
+                for (int k = 0; k < NC / 2; k++)
+#pragma unroll
+                    for (int p = 0; p < AP; p++) {
+                        float2 q2 = *reinterpret_cast<const float2*>(&qh[p][64 * k + 2 * lane]);
+                        float qv[2] = {q2.x, q2.y};
+#pragma unroll
+                        for (int i = 0; i < 2; i++)
+#pragma unroll
+                            for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv[i], kr[u][2 * k + i], d[u][p]);
+                    }
+            }
+#pragma unroll
+            for (int u = 0; u < KB; u++) {
+                int jj = jb + u * ATT_WARPS;
+                float sc = pair_butterfly(d[u]);
+                float v = -INFINITY;
+                if (jj < n && mine < nph[h] && jj <= mylast[h]) {
+                    v = __fmul_rn(sc, scale);
+                    mx[h] = fmaxf(mx[h], v);
+                }
+                if ((lane & 1) == 0) st[h * AP + mine][jj] = v;
+            }
+        }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void attention_lean2_k(const float* q, const T* ck, const T* cv, float* pml, float* pacc,
+                                                  int m, int hq, int hkv, int hd, const int* posp, int rbase,
+                                                  float scale, int nb) {
+    int pos0 = *posp + rbase;
+    extern __shared__ __align__(16) float att_dyn[];
+    float (*qs)[ATT_HD] = reinterpret_cast<float (*)[ATT_HD]>(att_dyn);
+    float (*st)[ATT_S] = reinterpret_cast<float (*)[ATT_S]>(att_dyn + AP2 * ATT_HD);
+    __shared__ float smax[AP2][ATT_WARPS];
+    __shared__ float wsum[AP2][ATT_WARPS];
+    __shared__ float pmax[AP2];
+    __shared__ int prow[AP2];
+    __shared__ int pout[AP2];
+    __shared__ int pcnt[AP2];
+    int t = threadIdx.x, warp = t / 32, lane = t % 32;
+    int gs = hq / hkv, rows = AP2 / gs;
+    int g = blockIdx.x, r0 = blockIdx.y * rows, b = blockIdx.z;
+    int np = min(rows, m - r0) * gs;
+    int j0 = b * ATT_T;
+    int nmax = pos0 + r0 + np / gs;
+    if (j0 >= nmax) return;
+    int n = min(j0 + ATT_T, nmax) - j0;
+    int kvw = hkv * hd;
+    if (t < AP2) {
+        int r = t / gs;
+        prow[t] = r;
+        pout[t] = (r0 + r) * hq + g * gs + t % gs;
+        pcnt[t] = t < np ? min(n, pos0 + r0 + r + 1 - j0) : 0;
+    }
+    __syncthreads();
+    // q rows as the 16-pair kernel stores them, per half: pair h * 16 + p at
+    // row h * 16 + (p ^ qs_mask(d % 32)).
+    for (int p = 0; p < AP2; p++) {
+        float v = 0.0f;
+        if (p < np && t < hd) v = q[(i64)pout[p] * hd + t];
+        if (t < ATT_HD) qs[(p & ~(AP - 1)) + qs_row(p & (AP - 1), t)][hd > 128 ? qs_col(t) : t] = v;
+    }
+    __syncthreads();
+    const i64 tile0 = (i64)j0 * kvw + g * hd;
+    int mine = lane >> 1;
+    int mylast[2] = {pos0 + r0 + prow[mine] - j0, pos0 + r0 + prow[AP + mine] - j0};
+    int nph[2] = {min(np, AP), max(np - AP, 0)};
+    float mx[2];
+    if (hd == 128) lean_scores2<4, 4>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
+    else lean_scores2<8, ATT_KB>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
+    if ((lane & 1) == 0) {
+        smax[mine][warp] = mx[0];
+        smax[AP + mine][warp] = mx[1];
+    }
+    __syncthreads();
+    if (t < np) pmax[t] = pair_max(smax[t]);
+    __syncthreads();
+    if (warp * 32 < n) {
+        for (int p = 0; p < np; p++) {
+            float e = softmax_slot(&st[p][t], pmax[p]);
+            if (lane == 0) wsum[p][warp] = e;
+        }
+    } else if (lane == 0) {
+        for (int p = 0; p < np; p++) wsum[p][warp] = 0.0f;
+    }
+    __syncthreads();
+    if (hd == 128) wide_values<4, 8>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
+    else wide_values<8, 4>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
+    if (t < np && pcnt[t] > 0) {
+        float l = warp_sum_tree(wsum[t]);
+        pml[((i64)pout[t] * nb + b) * 2] = pmax[t];
+        pml[((i64)pout[t] * nb + b) * 2 + 1] = l;
+    }
+}
+
+// attention_tiles_q4w at 32 pairs a block (`SAMESUM_CUDA_ATT_P32`): head
+// dims 128 and 256 with query groups dividing 16 (the launcher checks);
+// ATT_P32_SMEM bytes of dynamic shared memory. The same bytes.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_tiles_q4w2(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
+                         int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
+    pdl_wait();
+    if (f16)
+        attention_lean2_k<u16>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, nb);
+    else
+        attention_lean2_k<float>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase,
+                                 scale, nb);
+}
+
 // attention_tiles_q4 as before session 10 (NEW = 0: every key of the value
 // pass bound-checked, the score butterfly with selects), kept to show the
 // session-10 forms compute the same bytes (`SAMESUM_CUDA_ATT_VFULL=0`).

@@ -245,6 +245,12 @@ pub struct Cuda {
     /// Measured on the H200 (session 15): attention at pp4096 70.5 -> 63.8
     /// ms (qwen35moe, head dim 256), no change on qwen3moe (head dim 128).
     att_q4w: bool,
+    /// With `att_q4w`: `attention_tiles_q4w2`, the same passes for 32 pairs
+    /// a block (two 16-pair halves sharing each key and value row loaded),
+    /// at head dims 128 and 256 where the query group divides 16
+    /// (default; `SAMESUM_CUDA_ATT_P32=0` for the 16-pair kernel). The same
+    /// bytes.
+    att_p32: bool,
     /// With `att_tc`: each step's three products summed apart and added to
     /// the running sums in fp32 (`attention_tiles_tc_acc`,
     /// `SAMESUM_CUDA_ATT_TC_ACC=1`): another function again, measured for
@@ -574,6 +580,7 @@ const SWITCHES: &[Switch] = &[
     ("ATT_VFULL", |c| c.att_vfull, |c, on| c.att_vfull = on),
     ("ATT_Q4P", |c| c.att_q4p, |c, on| c.att_q4p = on),
     ("ATT_Q4W", |c| c.att_q4w, |c, on| c.att_q4w = on),
+    ("ATT_P32", |c| c.att_p32, |c, on| c.att_p32 = on),
     ("ATT_TC_ACC", |c| c.att_tc_acc, |c, on| c.att_tc_acc = on),
     ("ATT_ULP", |c| c.att_ulp, |c, on| c.att_ulp = on),
     ("MOE_JOINT", |c| c.moe_joint, |c, on| c.moe_joint = on),
@@ -913,6 +920,7 @@ impl Cuda {
             att_vfull: env_switch("SAMESUM_CUDA_ATT_VFULL", true),
             att_q4p: env_switch("SAMESUM_CUDA_ATT_Q4P", true),
             att_q4w: env_switch("SAMESUM_CUDA_ATT_Q4W", true),
+            att_p32: env_switch("SAMESUM_CUDA_ATT_P32", true),
             att_tc_acc: env_switch("SAMESUM_CUDA_ATT_TC_ACC", false),
             att_ulp: env_switch("SAMESUM_CUDA_ATT_ULP", false),
             moe_joint: env_switch("SAMESUM_CUDA_MOE_JOINT", true),
@@ -1198,6 +1206,9 @@ impl Cuda {
         const ATC_P: usize = 32;
         const ATC_SS: usize = 256 + 8;
         const AP: usize = 16;
+        // attention_tiles_q4w2: 2 AP pairs, q and score rows (ATT_HD = 256
+        // and ATT_S = 260 floats) in dynamic shared memory (ATT_P32_SMEM).
+        const P32_SMEM: usize = 2 * AP * (256 + 260) * 4;
         if self.att_tc && hd.is_multiple_of(32) && hd <= 256 && gs > 0 && ATC_P.is_multiple_of(gs) {
             let name = if self.att_tc_acc {
                 "attention_tiles_tc_acc"
@@ -1205,6 +1216,16 @@ impl Cuda {
                 "attention_tiles_tc"
             };
             (name, ATC_P, ATC_P * (hd + 8 + ATC_SS) * 4)
+        } else if self.att_q4
+            && self.att_vfull
+            && self.att_q4p
+            && self.att_q4w
+            && self.att_p32
+            && (hd == 128 || hd == 256)
+            && gs > 0
+            && AP.is_multiple_of(gs)
+        {
+            ("attention_tiles_q4w2", 2 * AP, P32_SMEM)
         } else if self.att_q4 {
             let name = if self.att_vfull && self.att_q4p && self.att_q4w {
                 "attention_tiles_q4w"

@@ -1019,10 +1019,24 @@ fn attention_at_the_real_models_head_shapes() {
         // And the wide form (attention_tiles_q4w: four dims of several pairs
         // a thread in the value pass; the default), the same way.
         let w = q4_arm(
-            &[("ATT_Q4P", true), ("ATT_Q4W", true)],
+            &[("ATT_Q4P", true), ("ATT_Q4W", true), ("ATT_P32", false)],
             "attention_tiles_q4w",
         );
         lean_arm(&w, "attention_tiles_q4w", 83);
+        // And the wide form at 32 pairs a block (attention_tiles_q4w2, head
+        // dims 128 and 256 with query groups dividing 16; the others keep
+        // attention_tiles_q4w), the same way.
+        let gs = heads / kv_heads;
+        let want2 = if (head_dim == 128 || head_dim == 256) && 16 % gs == 0 {
+            "attention_tiles_q4w2"
+        } else {
+            "attention_tiles_q4w"
+        };
+        let w2 = q4_arm(
+            &[("ATT_Q4P", true), ("ATT_Q4W", true), ("ATT_P32", true)],
+            want2,
+        );
+        lean_arm(&w2, want2, 89);
     }
 }
 
@@ -1173,7 +1187,7 @@ fn fast_attention_option_takes_the_tensor_core_passes() {
         assert_eq!(cuda.attention_kernel(128, 8).0, "attention_tiles_tc_acc");
         assert!(cuda.name().contains("fast attention"), "{}", cuda.name());
         let exact = Cuda::new(0, &model, false).unwrap();
-        assert_eq!(exact.attention_kernel(128, 8).0, "attention_tiles_q4w");
+        assert_eq!(exact.attention_kernel(128, 8).0, "attention_tiles_q4w2");
         assert!(!exact.name().contains("fast attention"));
         let toks = test_tokens(&model, 3);
         let replay = all_logits(&cuda, &model, &toks, 1);
