@@ -203,6 +203,34 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     quantize_own_row(ar, q + r * (width / 256) * Q8K_BYTES, width);
 }
 
+// silu_mul_q8k with a warp per 256-block (`SAMESUM_CUDA_SILU_WARP`,
+// default): warp w of the launch takes block w % nb of row w / nb (nb =
+// width / 256), its 256 products (loads first), then its Q8_K block. The
+// same products and the same q8k_block, so the same bytes. The block-per-row
+// kernel gives a 512-wide routed GLU row 2 values a thread and then
+// quantizes it with 2 of its 8 warps.
+extern "C" __global__ void __launch_bounds__(128)
+    silu_mul_q8k_w(float* a, const float* b, u8* q, int width, int m) {
+    pdl_wait();
+    int nb = width / 256, lane = threadIdx.x % 32;
+    i64 w = (i64)blockIdx.x * 4 + threadIdx.x / 32;
+    if (w >= (i64)m * nb) return;
+    i64 r = w / nb;
+    int c = (int)(w % nb);
+    float* ab = a + r * width + c * 256;
+    const float* bb = b + r * width + c * 256;
+    float av[8], bv[8];
+#pragma unroll
+    for (int t = 0; t < 8; t++) {
+        av[t] = ab[lane + 32 * t];
+        bv[t] = bb[lane + 32 * t];
+    }
+#pragma unroll
+    for (int t = 0; t < 8; t++) ab[lane + 32 * t] = silu(av[t]) * bv[t];
+    __syncwarp();  // the warp's stores are visible to the warp
+    q8k_block(ab, q + (r * nb + c) * Q8K_BYTES, lane);
+}
+
 // sigmoid_mul on rows of `width` (a multiple of 256), then the rows' Q8_K
 // blocks as quantize_q8k makes them: the gated attention's output, quantized
 // for the out projection without a launch of its own. A warp per 256-block

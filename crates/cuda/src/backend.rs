@@ -188,6 +188,10 @@ pub struct Cuda {
     /// (`*_lane0`, `SAMESUM_CUDA_SQ_LANES=0`). The same sums, so the same
     /// bytes.
     sq_lanes: bool,
+    /// The GLU output's product and Q8_K blocks a warp per 256-block
+    /// (`silu_mul_q8k_w`; default) or a block per row (`silu_mul_q8k`,
+    /// `SAMESUM_CUDA_SILU_WARP=0`). The same bytes.
+    silu_warp: bool,
     /// Ungated attention's combine writes the out projection's Q8_K rows
     /// (`attention_combine_q8k`: attention_combine's and quantize_q8k's
     /// bytes; default, off with `SAMESUM_CUDA_COMBINE_Q8K=0`).
@@ -561,6 +565,7 @@ const SWITCHES: &[Switch] = &[
     ("CONV_L2", |c| c.conv_l2, |c, on| c.conv_l2 = on),
     ("CONV_TILE", |c| c.conv_tile, |c, on| c.conv_tile = on),
     ("SQ_LANES", |c| c.sq_lanes, |c, on| c.sq_lanes = on),
+    ("SILU_WARP", |c| c.silu_warp, |c, on| c.silu_warp = on),
     ("COMBINE_Q8K", |c| c.combine_q8k, |c, on| c.combine_q8k = on),
     ("MOE_NORM", |c| c.moe_norm, |c, on| c.moe_norm = on),
     ("ATT_ONE", |c| c.att_one, |c, on| c.att_one = on),
@@ -903,6 +908,7 @@ impl Cuda {
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
             conv_tile: env_switch("SAMESUM_CUDA_CONV_TILE", true),
             sq_lanes: env_switch("SAMESUM_CUDA_SQ_LANES", true),
+            silu_warp: env_switch("SAMESUM_CUDA_SILU_WARP", true),
             combine_q8k: env_switch("SAMESUM_CUDA_COMBINE_Q8K", true),
             moe_norm: env_switch("SAMESUM_CUDA_MOE_NORM", false),
             att_one: env_switch("SAMESUM_CUDA_ATT_ONE", false),
@@ -1105,15 +1111,29 @@ impl Cuda {
             if quant && self.silu_q8k && gate.rows.is_multiple_of(256) {
                 let mut q = self.dev.scratch::<u8>(m * gate.rows / 256 * 304)?;
                 let width = gate.rows as i32;
-                launch!(
-                    self.dev,
-                    "silu_mul_q8k",
-                    cfg((m as u32, 1, 1), 256, 0),
-                    y,
-                    &u,
-                    &mut q,
-                    &width
-                )?;
+                if self.silu_warp {
+                    let mi = m as i32;
+                    launch!(
+                        self.dev,
+                        "silu_mul_q8k_w",
+                        cfg(((m * gate.rows / 256).div_ceil(4) as u32, 1, 1), 128, 0),
+                        y,
+                        &u,
+                        &mut q,
+                        &width,
+                        &mi
+                    )?;
+                } else {
+                    launch!(
+                        self.dev,
+                        "silu_mul_q8k",
+                        cfg((m as u32, 1, 1), 256, 0),
+                        y,
+                        &u,
+                        &mut q,
+                        &width
+                    )?;
+                }
                 return Ok(Some(q));
             }
             let n = (m * gate.rows) as i64;

@@ -612,6 +612,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "sigmoid_mul_q8k",
             "silu_mul",
             "silu_mul_q8k",
+            "silu_mul_q8k_w",
             "copy_cols",
             "gather_rows",
             "gather_words",

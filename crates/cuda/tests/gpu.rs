@@ -1129,6 +1129,41 @@ fn tiled_conv_equals_the_row_kernel() {
     }
 }
 
+/// The GLU output's products and Q8_K blocks a warp per 256-block
+/// (`silu_mul_q8k_w`, `SILU_WARP`) against a block per row: the same logits
+/// bytes in wide calls, at expert widths of one 256-block and of three.
+#[test]
+fn warp_glu_quantization_equals_the_row_kernel() {
+    if !gpu() {
+        return;
+    }
+    let mut shapes: Vec<shapes::Shape> =
+        SHAPES.iter().map(|s| shapes::by_name(s).unwrap()).collect();
+    for s in ["tiny-qwen3moe", "tiny-qwen35moe"] {
+        let base = shapes::by_name(s).unwrap();
+        shapes.push(shapes::Shape {
+            expert_ff: 768,
+            shared_ff: if base.shared_ff > 0 { 768 } else { 0 },
+            ..base
+        });
+    }
+    for shape in shapes {
+        let what = format!("{} expert_ff {}", shape.name, shape.expert_ff);
+        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 41);
+        let (on, off) = switch_arms(&model, "SILU_WARP");
+        let toks = test_tokens(&model, 43);
+        assert_same_logits(
+            &on,
+            &off,
+            &model,
+            &toks,
+            &[17, 64, 300],
+            &format!("{what}: silu_mul_q8k_w != silu_mul_q8k"),
+        );
+        eprintln!("{what}: silu_mul_q8k_w == silu_mul_q8k, chunks 17, 64 and 300");
+    }
+}
+
 /// The f64 head sums of squares with every lane squaring (`SQ_LANES`)
 /// against lane 0 squaring them all: the same logits bytes on the delta-net
 /// shapes (l2norm_qk and gated_norm_q8k in prefill, conv_l2_one in decode).
