@@ -2061,9 +2061,16 @@ impl Cuda {
             let mr = group.min(m - r0);
             let (mri, r0i) = (mr as i32, r0 as i32);
             let qg = q.slice(r0 * qw..(r0 + mr) * qw);
-            let (mut kernel, pairs, smem) = self.attention_kernel(hd, gs);
+            let (mut kernel, mut pairs, mut smem) = self.attention_kernel(hd, gs);
+            // Calls with at most 16 pairs (decode) on the 16-pair kernel:
+            // the 32-pair one would run with an empty half and its 66 KB of
+            // shared memory (H200, session 17: decode attention 13 -> 23 us a
+            // launch, tg128 -8%). The same bytes either way.
+            if kernel == "attention_tiles_q4w2" && mr * gs <= pairs / 2 {
+                (kernel, pairs, smem) = ("attention_tiles_q4w", pairs / 2, 0);
+            }
             // One row on the CUDA-core kernels: the same tile in compact code.
-            if self.att_one && mr == 1 && smem == 0 && hd <= 256 {
+            if self.att_one && mr == 1 && !kernel.starts_with("attention_tiles_tc") && hd <= 256 {
                 kernel = "attention_one";
             }
             *self.att_last.lock().unwrap_or_else(|p| p.into_inner()) = kernel;

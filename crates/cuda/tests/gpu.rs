@@ -1037,6 +1037,18 @@ fn attention_at_the_real_models_head_shapes() {
             want2,
         );
         lean_arm(&w2, want2, 89);
+        // Calls of at most 16 pairs (decode) take the 16-pair kernel.
+        if want2 == "attention_tiles_q4w2" {
+            let mut st = w2.new_state(&model, 400, KvType::F32).unwrap();
+            forward(&model, &w2, &mut st, &toks[..64], Logits::Last).unwrap();
+            assert_eq!(w2.last_attention_kernel(), want2, "a 64-row call");
+            forward(&model, &w2, &mut st, &toks[64..65], Logits::Last).unwrap();
+            assert_eq!(
+                w2.last_attention_kernel(),
+                "attention_tiles_q4w",
+                "a one-row call"
+            );
+        }
     }
 }
 
