@@ -182,11 +182,11 @@ pub struct Cuda {
     /// (`conv_tile`: conv_rows's arithmetic, inputs loaded once; default,
     /// off with `SAMESUM_CUDA_CONV_TILE=0`).
     conv_tile: bool,
-    /// The f64 sums of squares of l2norm_qk and gated_norm_q8k with every
-    /// lane squaring its values and lane 0 adding them in index order
-    /// (default) or with lane 0 squaring them all, as before session 17
-    /// (`*_lane0`, `SAMESUM_CUDA_SQ_LANES=0`). The same sums, so the same
-    /// bytes.
+    /// The f64 sums of squares of l2norm_qk and gated_norm_q8k in calls of
+    /// more than 16 rows with every lane squaring its values and lane 0
+    /// adding them in index order (default) or with lane 0 squaring them
+    /// all, as before session 17 and as decode-sized calls do (`*_lane0`,
+    /// `SAMESUM_CUDA_SQ_LANES=0`). The same sums, so the same bytes.
     sq_lanes: bool,
     /// The GLU output's product and Q8_K blocks a warp per 256-block
     /// (`silu_mul_q8k_w`; default) or a block per row (`silu_mul_q8k`,
@@ -2444,9 +2444,13 @@ impl Cuda {
         // too (four heads a block: whole 256-blocks of one row).
         if self.gn_q8k && k_quant(dn.out.ty) && dv <= 256 && dv % 64 == 0 && hv % 4 == 0 {
             let mut q = d.scratch::<u8>(m * hv * dv / 256 * 304)?;
+            // Decode-sized calls keep lane 0's squares: with the lanes'
+            // squares in gated_norm_q8k and conv_l2_one, qwen35moe tg128 fell
+            // from 315-319 to 302.5 tok/s (H200, session 17; the only decode
+            // change specific to that model), while prefill gained 0.6%.
             launch!(
                 d,
-                if self.sq_lanes {
+                if self.sq_lanes && m > 16 {
                     "gated_norm_q8k"
                 } else {
                     "gated_norm_q8k_lane0"
