@@ -55,8 +55,10 @@ pub struct Device {
     /// `SAMESUM_CUDA_PDL=0` turns it off): a kernel may be scheduled while
     /// the one before it finishes, and waits (`griddepcontrol.wait`, the
     /// first statement of every kernel) until that one has completed and its
-    /// writes are visible. Only the launch latency overlaps; no kernel reads
-    /// or writes anything before its predecessor is done.
+    /// writes are visible. No kernel reads or writes anything before its
+    /// predecessor is done; what overlaps is the launch, and the waiting
+    /// blocks hold their SM resources meanwhile (why only small calls use it:
+    /// [`Device::rows_in_call`]).
     pdl: std::sync::atomic::AtomicBool,
     /// Whether the current forward call is small enough for programmatic
     /// dependent launch (see [`Device::rows_in_call`]).
