@@ -805,17 +805,23 @@ __device__ __forceinline__ float kv_ld(const u16* p) { return f16_to_f32(*p); }
 // q one chunk a load) and 256 (NC = 8, KB = ATT_KB, q two chunks a load):
 // tile_scores<NC, KB, false> with kt the tile's first key row of KV head g,
 // n its keys and mylast the lane's pair's last key, both relative to the
-// tile.
-template <int NC, int KB, typename T>
-__device__ __forceinline__ float lean_scores(const float (*qs)[ATT_HD], float (*st)[ATT_S], const T* kt, int kvw,
-                                             int mylast, int n, int np, float scale) {
+// tile. For H halves of 16 pairs (qs and st rows h * 16 ..; nph[h] pairs
+// in half h, mylast[h] and mx[h] for the lane's pair h * 16 + lane / 2)
+// each step's key rows are loaded once and each half then runs as one.
+template <int NC, int KB, int H, typename T>
+__device__ __forceinline__ void lean_scores_h(const float (*qs)[ATT_HD], float (*st)[ATT_S], const T* kt, int kvw,
+                                              const int (&mylast)[H], int n, const int (&nph)[H], float scale,
+                                              float (&mx)[H]) {
     int t = threadIdx.x, warp = t / 32, lane = t % 32, mine = lane >> 1;
-    float mx = -INFINITY;
+#pragma unroll
+    for (int h = 0; h < H; h++) mx[h] = -INFINITY;
     for (int jb = warp; jb < ATT_T; jb += ATT_WARPS * KB) {
         if (jb >= n) {  // uniform over the warp: no key of this step is in the tile
 #pragma unroll
-            for (int u = 0; u < KB; u++)
-                if ((lane & 1) == 0) st[mine][jb + u * ATT_WARPS] = -INFINITY;
+            for (int h = 0; h < H; h++)
+#pragma unroll
+                for (int u = 0; u < KB; u++)
+                    if ((lane & 1) == 0) st[h * AP + mine][jb + u * ATT_WARPS] = -INFINITY;
             continue;
         }
         float kr[KB][NC];
@@ -835,46 +841,66 @@ __device__ __forceinline__ float lean_scores(const float (*qs)[ATT_HD], float (*
                 for (int c = 0; c < NC; c++) kr[u][c] = jj < n ? kv_ld(row + 32 * c) : 0.0f;
             }
         }
-        float d[KB][AP];
 #pragma unroll
-        for (int u = 0; u < KB; u++)
+        for (int h = 0; h < H; h++) {
+            if (H > 1 && nph[h] == 0) {  // uniform: no pair in this half
 #pragma unroll
-            for (int p = 0; p < AP; p++) d[u][p] = 0.0f;
-        if constexpr (NC <= 4) {
-#pragma unroll
-            for (int c = 0; c < NC; c++)
-#pragma unroll
-                for (int p = 0; p < AP; p++) {
-                    float qv = qs[p][lane + 32 * c];
-#pragma unroll
-                    for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv, kr[u][c], d[u][p]);
-                }
-        } else {
-#pragma unroll
-            for (int k = 0; k < NC / 2; k++)
-#pragma unroll
-                for (int p = 0; p < AP; p++) {
-                    float2 q2 = *reinterpret_cast<const float2*>(&qs[p][64 * k + 2 * lane]);
-                    float qv[2] = {q2.x, q2.y};
-#pragma unroll
-                    for (int i = 0; i < 2; i++)
-#pragma unroll
-                        for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv[i], kr[u][2 * k + i], d[u][p]);
-                }
-        }
-#pragma unroll
-        for (int u = 0; u < KB; u++) {
-            int jj = jb + u * ATT_WARPS;
-            float s = pair_butterfly(d[u]);
-            float v = -INFINITY;
-            if (jj < n && mine < np && jj <= mylast) {
-                v = __fmul_rn(s, scale);
-                mx = fmaxf(mx, v);
+                for (int u = 0; u < KB; u++)
+                    if ((lane & 1) == 0) st[h * AP + mine][jb + u * ATT_WARPS] = -INFINITY;
+                continue;
             }
-            if ((lane & 1) == 0) st[mine][jj] = v;
+            const float (*qh)[ATT_HD] = qs + h * AP;
+            float d[KB][AP];
+#pragma unroll
+            for (int u = 0; u < KB; u++)
+#pragma unroll
+                for (int p = 0; p < AP; p++) d[u][p] = 0.0f;
+            if constexpr (NC <= 4) {
+#pragma unroll
+                for (int c = 0; c < NC; c++)
+#pragma unroll
+                    for (int p = 0; p < AP; p++) {
+                        float qv = qh[p][lane + 32 * c];
+#pragma unroll
+                        for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv, kr[u][c], d[u][p]);
+                    }
+            } else {
+#pragma unroll
+                for (int k = 0; k < NC / 2; k++)
+#pragma unroll
+                    for (int p = 0; p < AP; p++) {
+                        float2 q2 = *reinterpret_cast<const float2*>(&qh[p][64 * k + 2 * lane]);
+                        float qv[2] = {q2.x, q2.y};
+#pragma unroll
+                        for (int i = 0; i < 2; i++)
+#pragma unroll
+                            for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv[i], kr[u][2 * k + i], d[u][p]);
+                    }
+            }
+#pragma unroll
+            for (int u = 0; u < KB; u++) {
+                int jj = jb + u * ATT_WARPS;
+                float sc = pair_butterfly(d[u]);
+                float v = -INFINITY;
+                if (jj < n && mine < nph[h] && jj <= mylast[h]) {
+                    v = __fmul_rn(sc, scale);
+                    mx[h] = fmaxf(mx[h], v);
+                }
+                if ((lane & 1) == 0) st[h * AP + mine][jj] = v;
+            }
         }
     }
-    return mx;
+}
+
+// The 16-pair form: one half (see lean_scores_h), returning the lane's
+// running max.
+template <int NC, int KB, typename T>
+__device__ __forceinline__ float lean_scores(const float (*qs)[ATT_HD], float (*st)[ATT_S], const T* kt, int kvw,
+                                             int mylast, int n, int np, float scale) {
+    const int ml[1] = {mylast}, nph[1] = {np};
+    float mx[1];
+    lean_scores_h<NC, KB, 1>(qs, st, kt, kvw, ml, n, nph, scale, mx);
+    return mx[0];
 }
 
 // The value pass of attention_tiles_q4 (tile_values<G>): thread t's dim
@@ -1172,92 +1198,6 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 #define AP2 (2 * AP)
 #define ATT_P32_SMEM (AP2 * ATT_HD * 4 + AP2 * ATT_S * 4)
 
-// lean_scores for both halves: the step's key rows loaded once, then each
-// half's 16 pairs as lean_scores takes them (qs and st: the half's rows).
-// mx[h]: the lane's running max for pair h * 16 + lane / 2.
-template <int NC, int KB, typename T>
-__device__ __forceinline__ void lean_scores2(const float (*qs)[ATT_HD], float (*st)[ATT_S], const T* kt, int kvw,
-                                             const int (&mylast)[2], int n, const int (&nph)[2], float scale,
-                                             float (&mx)[2]) {
-    int t = threadIdx.x, warp = t / 32, lane = t % 32, mine = lane >> 1;
-    mx[0] = mx[1] = -INFINITY;
-    for (int jb = warp; jb < ATT_T; jb += ATT_WARPS * KB) {
-        if (jb >= n) {
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int u = 0; u < KB; u++)
-                    if ((lane & 1) == 0) st[h * AP + mine][jb + u * ATT_WARPS] = -INFINITY;
-            continue;
-        }
-        float kr[KB][NC];
-        if (jb + (KB - 1) * ATT_WARPS < n) {
-#pragma unroll
-            for (int u = 0; u < KB; u++) {
-                const T* row = kt + (jb + u * ATT_WARPS) * kvw + lane;
-#pragma unroll
-                for (int c = 0; c < NC; c++) kr[u][c] = kv_ld(row + 32 * c);
-            }
-        } else {
-#pragma unroll
-            for (int u = 0; u < KB; u++) {
-                int jj = jb + u * ATT_WARPS;
-                const T* row = kt + jj * kvw + lane;
-#pragma unroll
-                for (int c = 0; c < NC; c++) kr[u][c] = jj < n ? kv_ld(row + 32 * c) : 0.0f;
-            }
-        }
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            if (nph[h] == 0) {  // uniform: no pair in this half
-#pragma unroll
-                for (int u = 0; u < KB; u++)
-                    if ((lane & 1) == 0) st[h * AP + mine][jb + u * ATT_WARPS] = -INFINITY;
-                continue;
-            }
-            const float (*qh)[ATT_HD] = qs + h * AP;
-            float d[KB][AP];
-#pragma unroll
-            for (int u = 0; u < KB; u++)
-#pragma unroll
-                for (int p = 0; p < AP; p++) d[u][p] = 0.0f;
-            if constexpr (NC <= 4) {
-#pragma unroll
-                for (int c = 0; c < NC; c++)
-#pragma unroll
-                    for (int p = 0; p < AP; p++) {
-                        float qv = qh[p][lane + 32 * c];
-#pragma unroll
-                        for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv, kr[u][c], d[u][p]);
-                    }
-            } else {
-#pragma unroll
-                for (int k = 0; k < NC / 2; k++)
-#pragma unroll
-                    for (int p = 0; p < AP; p++) {
-                        float2 q2 = *reinterpret_cast<const float2*>(&qh[p][64 * k + 2 * lane]);
-                        float qv[2] = {q2.x, q2.y};
-#pragma unroll
-                        for (int i = 0; i < 2; i++)
-#pragma unroll
-                            for (int u = 0; u < KB; u++) d[u][p] = __fmaf_rn(qv[i], kr[u][2 * k + i], d[u][p]);
-                    }
-            }
-#pragma unroll
-            for (int u = 0; u < KB; u++) {
-                int jj = jb + u * ATT_WARPS;
-                float sc = pair_butterfly(d[u]);
-                float v = -INFINITY;
-                if (jj < n && mine < nph[h] && jj <= mylast[h]) {
-                    v = __fmul_rn(sc, scale);
-                    mx[h] = fmaxf(mx[h], v);
-                }
-                if ((lane & 1) == 0) st[h * AP + mine][jj] = v;
-            }
-        }
-    }
-}
-
 template <typename T>
 __device__ __forceinline__ void attention_lean2_k(const float* q, const T* ck, const T* cv, float* pml, float* pacc,
                                                   int m, int hq, int hkv, int hd, const int* posp, int rbase,
@@ -1301,8 +1241,8 @@ __device__ __forceinline__ void attention_lean2_k(const float* q, const T* ck, c
     int mylast[2] = {pos0 + r0 + prow[mine] - j0, pos0 + r0 + prow[AP + mine] - j0};
     int nph[2] = {min(np, AP), max(np - AP, 0)};
     float mx[2];
-    if (hd == 128) lean_scores2<4, 4>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
-    else lean_scores2<8, ATT_KB>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
+    if (hd == 128) lean_scores_h<4, 4, 2>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
+    else lean_scores_h<8, ATT_KB, 2>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
     if ((lane & 1) == 0) {
         smax[mine][warp] = mx[0];
         smax[AP + mine][warp] = mx[1];
