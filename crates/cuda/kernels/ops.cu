@@ -892,17 +892,6 @@ __device__ __forceinline__ void lean_scores_h(const float (*qs)[ATT_HD], float (
     }
 }
 
-// The 16-pair form: one half (see lean_scores_h), returning the lane's
-// running max.
-template <int NC, int KB, typename T>
-__device__ __forceinline__ float lean_scores(const float (*qs)[ATT_HD], float (*st)[ATT_S], const T* kt, int kvw,
-                                             int mylast, int n, int np, float scale) {
-    const int ml[1] = {mylast}, nph[1] = {np};
-    float mx[1];
-    lean_scores_h<NC, KB, 1>(qs, st, kt, kvw, ml, n, nph, scale, mx);
-    return mx[0];
-}
-
 // The value pass of attention_tiles_q4 (tile_values<G>): thread t's dim
 // t % hd for pairs t / hd, t / hd + G, ...; vt the tile's first value row
 // of KV head g; cnt0[p] pair p's keys in the tile (0 for none).
@@ -1080,22 +1069,29 @@ __device__ __forceinline__ void wide_values(const T* vt, const float (*st)[ATT_S
                 make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
 }
 
-// W: the value pass in wide_values (q4w) instead of lean_values (q4p).
-template <typename T, bool W = false>
+// W: the value pass in wide_values (q4w) instead of lean_values (q4p). H:
+// halves of AP pairs a block (H = 2, attention_tiles_q4w2, takes W; its q
+// and score rows live in ATT_P32_SMEM bytes of dynamic shared memory).
+template <typename T, bool W = false, int H = 1>
 __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, const T* cv, float* pml, float* pacc,
                                                  int m, int hq, int hkv, int hd, const int* posp, int rbase,
                                                  float scale, int nb) {
+    static_assert(H == 1 || (H == 2 && W), "two halves take the wide value pass");
+    constexpr int NP = H * AP;  // pairs a block
     int pos0 = *posp + rbase;
-    __shared__ __align__(16) float qs[AP][ATT_HD];
-    __shared__ __align__(16) float st[AP][ATT_S];
-    __shared__ float smax[AP][ATT_WARPS];
-    __shared__ float wsum[AP][ATT_WARPS];
-    __shared__ float pmax[AP];
-    __shared__ int prow[AP];  // pair p's row in the block (p / gs)
-    __shared__ int pout[AP];  // its (row, head) index in q and the partials
-    __shared__ int pcnt[AP];  // its keys in this tile (0: none, or not live)
+    __shared__ __align__(16) float qs1[H == 1 ? AP : 1][ATT_HD];
+    __shared__ __align__(16) float st1[H == 1 ? AP : 1][ATT_S];
+    extern __shared__ __align__(16) float att_dyn[];
+    float (*qs)[ATT_HD] = H == 1 ? qs1 : reinterpret_cast<float (*)[ATT_HD]>(att_dyn);
+    float (*st)[ATT_S] = H == 1 ? st1 : reinterpret_cast<float (*)[ATT_S]>(att_dyn + NP * ATT_HD);
+    __shared__ float smax[NP][ATT_WARPS];
+    __shared__ float wsum[NP][ATT_WARPS];
+    __shared__ float pmax[NP];
+    __shared__ int prow[NP];  // pair p's row in the block (p / gs)
+    __shared__ int pout[NP];  // its (row, head) index in q and the partials
+    __shared__ int pcnt[NP];  // its keys in this tile (0: none, or not live)
     int t = threadIdx.x, warp = t / 32, lane = t % 32;
-    int gs = hq / hkv, rows = AP / gs;
+    int gs = hq / hkv, rows = NP / gs;
     int g = blockIdx.x, r0 = blockIdx.y * rows, b = blockIdx.z;
     int np = min(rows, m - r0) * gs;
     int j0 = b * ATT_T;
@@ -1103,27 +1099,37 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
     if (j0 >= nmax) return;
     int n = min(j0 + ATT_T, nmax) - j0;  // the tile's keys
     int kvw = hkv * hd;
-    if (t < AP) {
+    if (t < NP) {
         int r = t / gs;
         prow[t] = r;
         pout[t] = (r0 + r) * hq + g * gs + t % gs;
         pcnt[t] = t < np ? min(n, pos0 + r0 + r + 1 - j0) : 0;
     }
     __syncthreads();
-    // q rows as attention_tiles_k stores them (qs_row, qs_col): pair p at
-    // row p ^ qs_mask(d % 32), above head dim 128 column qs_col(d).
-    for (int p = 0; p < AP; p++) {
+    // q rows as attention_tiles_k stores them (qs_row, qs_col), per half:
+    // pair h * AP + p at row h * AP + (p ^ qs_mask(d % 32)), above head dim
+    // 128 column qs_col(d).
+    for (int p = 0; p < NP; p++) {
         float v = 0.0f;
         if (p < np && t < hd) v = q[(i64)pout[p] * hd + t];
-        if (t < ATT_HD) qs[qs_row(p, t)][hd > 128 ? qs_col(t) : t] = v;
+        int row = H == 1 ? qs_row(p, t) : (p & ~(AP - 1)) + qs_row(p & (AP - 1), t);
+        if (t < ATT_HD) qs[row][hd > 128 ? qs_col(t) : t] = v;
     }
     __syncthreads();
     const i64 tile0 = (i64)j0 * kvw + g * hd;
     int mine = lane >> 1;
-    int mylast = pos0 + r0 + prow[mine] - j0;
-    float mx = hd == 128 ? lean_scores<4, 4>(qs, st, ck + tile0, kvw, mylast, n, np, scale)
-                         : lean_scores<8, ATT_KB>(qs, st, ck + tile0, kvw, mylast, n, np, scale);
-    if ((lane & 1) == 0) smax[mine][warp] = mx;
+    int mylast[H], nph[H];
+#pragma unroll
+    for (int h = 0; h < H; h++) {
+        mylast[h] = pos0 + r0 + prow[h * AP + mine] - j0;
+        nph[h] = H == 1 ? np : h == 0 ? min(np, AP) : max(np - AP, 0);
+    }
+    float mx[H];
+    if (hd == 128) lean_scores_h<4, 4, H>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
+    else lean_scores_h<8, ATT_KB, H>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
+    if ((lane & 1) == 0)
+#pragma unroll
+        for (int h = 0; h < H; h++) smax[h * AP + mine][warp] = mx[h];
     __syncthreads();
     if (t < np) pmax[t] = pair_max(smax[t]);  // once per pair
     __syncthreads();
@@ -1136,7 +1142,11 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
         for (int p = 0; p < np; p++) wsum[p][warp] = 0.0f;
     }
     __syncthreads();
-    if (W && hd == 128) wide_values<2, 8>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
+    // Each value pass's threads cover the block's NP pairs (P = NP / the
+    // thread groups of hd / 4).
+    if (H == 2 && hd == 128) wide_values<4, 8>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
+    else if (H == 2) wide_values<8, 4>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
+    else if (W && hd == 128) wide_values<2, 8>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
     else if (W) wide_values<4, 4>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
     else if (hd == 128) lean_values<2>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
     else lean_values<1>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
@@ -1192,81 +1202,11 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // heads a KV head): each key row of the tile is loaded once for both halves
 // in the score pass and each value row once for all 32 pairs in the value
 // pass, so a prefill reads the cache from L2 half as often per pair. Every
-// pair's score (its fma chains and butterfly, lean_scores's), max, exps,
-// sums and value chains are the 16-pair kernel's, so the same bytes. q and
-// the scores live in dynamic shared memory (ATT_P32_SMEM bytes).
-#define AP2 (2 * AP)
-#define ATT_P32_SMEM (AP2 * ATT_HD * 4 + AP2 * ATT_S * 4)
-
-template <typename T>
-__device__ __forceinline__ void attention_lean2_k(const float* q, const T* ck, const T* cv, float* pml, float* pacc,
-                                                  int m, int hq, int hkv, int hd, const int* posp, int rbase,
-                                                  float scale, int nb) {
-    int pos0 = *posp + rbase;
-    extern __shared__ __align__(16) float att_dyn[];
-    float (*qs)[ATT_HD] = reinterpret_cast<float (*)[ATT_HD]>(att_dyn);
-    float (*st)[ATT_S] = reinterpret_cast<float (*)[ATT_S]>(att_dyn + AP2 * ATT_HD);
-    __shared__ float smax[AP2][ATT_WARPS];
-    __shared__ float wsum[AP2][ATT_WARPS];
-    __shared__ float pmax[AP2];
-    __shared__ int prow[AP2];
-    __shared__ int pout[AP2];
-    __shared__ int pcnt[AP2];
-    int t = threadIdx.x, warp = t / 32, lane = t % 32;
-    int gs = hq / hkv, rows = AP2 / gs;
-    int g = blockIdx.x, r0 = blockIdx.y * rows, b = blockIdx.z;
-    int np = min(rows, m - r0) * gs;
-    int j0 = b * ATT_T;
-    int nmax = pos0 + r0 + np / gs;
-    if (j0 >= nmax) return;
-    int n = min(j0 + ATT_T, nmax) - j0;
-    int kvw = hkv * hd;
-    if (t < AP2) {
-        int r = t / gs;
-        prow[t] = r;
-        pout[t] = (r0 + r) * hq + g * gs + t % gs;
-        pcnt[t] = t < np ? min(n, pos0 + r0 + r + 1 - j0) : 0;
-    }
-    __syncthreads();
-    // q rows as the 16-pair kernel stores them, per half: pair h * 16 + p at
-    // row h * 16 + (p ^ qs_mask(d % 32)).
-    for (int p = 0; p < AP2; p++) {
-        float v = 0.0f;
-        if (p < np && t < hd) v = q[(i64)pout[p] * hd + t];
-        if (t < ATT_HD) qs[(p & ~(AP - 1)) + qs_row(p & (AP - 1), t)][hd > 128 ? qs_col(t) : t] = v;
-    }
-    __syncthreads();
-    const i64 tile0 = (i64)j0 * kvw + g * hd;
-    int mine = lane >> 1;
-    int mylast[2] = {pos0 + r0 + prow[mine] - j0, pos0 + r0 + prow[AP + mine] - j0};
-    int nph[2] = {min(np, AP), max(np - AP, 0)};
-    float mx[2];
-    if (hd == 128) lean_scores_h<4, 4, 2>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
-    else lean_scores_h<8, ATT_KB, 2>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
-    if ((lane & 1) == 0) {
-        smax[mine][warp] = mx[0];
-        smax[AP + mine][warp] = mx[1];
-    }
-    __syncthreads();
-    if (t < np) pmax[t] = pair_max(smax[t]);
-    __syncthreads();
-    if (warp * 32 < n) {
-        for (int p = 0; p < np; p++) {
-            float e = softmax_slot(&st[p][t], pmax[p]);
-            if (lane == 0) wsum[p][warp] = e;
-        }
-    } else if (lane == 0) {
-        for (int p = 0; p < np; p++) wsum[p][warp] = 0.0f;
-    }
-    __syncthreads();
-    if (hd == 128) wide_values<4, 8>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
-    else wide_values<8, 4>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
-    if (t < np && pcnt[t] > 0) {
-        float l = warp_sum_tree(wsum[t]);
-        pml[((i64)pout[t] * nb + b) * 2] = pmax[t];
-        pml[((i64)pout[t] * nb + b) * 2 + 1] = l;
-    }
-}
+// pair's score (its fma chains and butterfly, lean_scores_h's), max, exps,
+// sums and value chains are the 16-pair kernel's, so the same bytes
+// (attention_lean_k with H = 2). q and the scores live in dynamic shared
+// memory (ATT_P32_SMEM bytes; backend.rs sizes the launch alike).
+#define ATT_P32_SMEM (2 * AP * (ATT_HD + ATT_S) * 4)
 
 // attention_tiles_q4w at 32 pairs a block (`SAMESUM_CUDA_ATT_P32`): head
 // dims 128 and 256 with query groups dividing 16 (the launcher checks);
@@ -1276,10 +1216,11 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                          int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
     pdl_wait();
     if (f16)
-        attention_lean2_k<u16>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, nb);
+        attention_lean_k<u16, true, 2>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase,
+                                       scale, nb);
     else
-        attention_lean2_k<float>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase,
-                                 scale, nb);
+        attention_lean_k<float, true, 2>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp,
+                                         rbase, scale, nb);
 }
 
 // attention_tiles_q4 as before session 10 (NEW = 0: every key of the value
