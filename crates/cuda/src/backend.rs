@@ -1214,13 +1214,22 @@ impl Cuda {
         self.att_q4 = on;
     }
 
-    /// The attention kernel the switches pick for a head dim and a query-head
-    /// group size: its name, the (row, head) pairs a block takes, and its
-    /// dynamic shared memory in bytes. The tensor-core kernel keeps 32 pairs'
-    /// q and score rows in dynamic shared memory; the CUDA-core ones take 16
-    /// pairs in static arrays.
+    /// The attention kernel the switches pick for a head dim, a query-head
+    /// group size and a call of `rows` rows: its name, the (row, head) pairs
+    /// a block takes, and its dynamic shared memory in bytes. The
+    /// tensor-core kernel keeps 32 pairs' q and score rows in dynamic shared
+    /// memory; the CUDA-core ones take 16 pairs in static arrays, or 32 in
+    /// dynamic shared memory (`attention_tiles_q4w2`) for calls of more than
+    /// 16 pairs: with fewer (decode) its second half would be empty and its
+    /// 66 KB of shared memory cost decode attention 13 -> 23 us a launch
+    /// (H200, session 17).
     #[doc(hidden)]
-    pub fn attention_kernel(&self, hd: usize, gs: usize) -> (&'static str, usize, usize) {
+    pub fn attention_kernel(
+        &self,
+        hd: usize,
+        gs: usize,
+        rows: usize,
+    ) -> (&'static str, usize, usize) {
         // As in ops.cu: ATC_P pairs a block, q rows hd + 8 floats apart, score
         // rows ATC_SS = 256 + 8 floats apart; AP pairs for the CUDA-core ones.
         const ATC_P: usize = 32;
@@ -1244,6 +1253,7 @@ impl Cuda {
             && (hd == 128 || hd == 256)
             && gs > 0
             && AP.is_multiple_of(gs)
+            && rows * gs > AP
         {
             ("attention_tiles_q4w2", 2 * AP, P32_SMEM)
         } else if self.att_q4 {
@@ -2061,14 +2071,7 @@ impl Cuda {
             let mr = group.min(m - r0);
             let (mri, r0i) = (mr as i32, r0 as i32);
             let qg = q.slice(r0 * qw..(r0 + mr) * qw);
-            let (mut kernel, mut pairs, mut smem) = self.attention_kernel(hd, gs);
-            // Calls with at most 16 pairs (decode) on the 16-pair kernel:
-            // the 32-pair one would run with an empty half and its 66 KB of
-            // shared memory (H200, session 17: decode attention 13 -> 23 us a
-            // launch, tg128 -8%). The same bytes either way.
-            if kernel == "attention_tiles_q4w2" && mr * gs <= pairs / 2 {
-                (kernel, pairs, smem) = ("attention_tiles_q4w", pairs / 2, 0);
-            }
+            let (mut kernel, pairs, smem) = self.attention_kernel(hd, gs, mr);
             // One row on the CUDA-core kernels: the same tile in compact code.
             if self.att_one && mr == 1 && !kernel.starts_with("attention_tiles_tc") && hd <= 256 {
                 kernel = "attention_one";

@@ -60,9 +60,8 @@ pub struct Device {
     /// blocks hold their SM resources meanwhile (why only small calls use it:
     /// [`Device::rows_in_call`]).
     pdl: std::sync::atomic::AtomicBool,
-    /// Whether the current forward call is small enough for programmatic
-    /// dependent launch (see [`Device::rows_in_call`]).
-    pdl_rows: std::sync::atomic::AtomicBool,
+    /// The rows of the current forward call (see [`Device::rows_in_call`]).
+    call_rows: std::sync::atomic::AtomicUsize,
     /// `SAMESUM_CUDA_PDL_PREFILL=1`: keep programmatic dependent launch in
     /// prefill-sized calls too (for comparisons).
     pdl_prefill: std::sync::atomic::AtomicBool,
@@ -274,7 +273,7 @@ impl Device {
             pdl: std::sync::atomic::AtomicBool::new(
                 maj >= 9 && std::env::var("SAMESUM_CUDA_PDL").as_deref() != Ok("0"),
             ),
-            pdl_rows: std::sync::atomic::AtomicBool::new(true),
+            call_rows: std::sync::atomic::AtomicUsize::new(1),
             pdl_prefill: std::sync::atomic::AtomicBool::new(
                 std::env::var("SAMESUM_CUDA_PDL_PREFILL").as_deref() == Ok("1"),
             ),
@@ -291,10 +290,8 @@ impl Device {
     /// 14,485 tok/s without). Decode keeps it (~1% faster, session 12).
     /// Which launches use it never changes what they compute.
     pub(crate) fn rows_in_call(&self, m: usize) {
-        self.pdl_rows.store(
-            m <= PDL_MAX_ROWS || self.pdl_prefill.load(std::sync::atomic::Ordering::Relaxed),
-            std::sync::atomic::Ordering::Relaxed,
-        );
+        self.call_rows
+            .store(m, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Allow programmatic dependent launch (where the device has it) or not,
@@ -313,7 +310,9 @@ impl Device {
 
     /// Whether the next launch uses programmatic dependent launch.
     pub fn uses_pdl(&self) -> bool {
-        self.pdl_allowed() && self.pdl_rows.load(std::sync::atomic::Ordering::Relaxed)
+        use std::sync::atomic::Ordering::Relaxed;
+        self.pdl_allowed()
+            && (self.call_rows.load(Relaxed) <= PDL_MAX_ROWS || self.pdl_prefill.load(Relaxed))
     }
 
     /// Use programmatic dependent launch in prefill-sized calls as well (as

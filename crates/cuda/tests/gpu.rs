@@ -923,7 +923,7 @@ fn attention_at_the_real_models_head_shapes() {
                 format!("heads {heads}/{kv_heads} x {head_dim}, q4 {q4}, tc {tc}, acc {acc}");
             // Every shape here has a tensor-core kernel: the switch reaches it.
             let kernel = cuda
-                .attention_kernel(head_dim as usize, (heads / kv_heads) as usize)
+                .attention_kernel(head_dim as usize, (heads / kv_heads) as usize, 64)
                 .0;
             assert_eq!(
                 kernel.starts_with("attention_tiles_tc"),
@@ -952,7 +952,7 @@ fn attention_at_the_real_models_head_shapes() {
                 c.set_switch(name, on).unwrap();
             }
             let got = c
-                .attention_kernel(head_dim as usize, (heads / kv_heads) as usize)
+                .attention_kernel(head_dim as usize, (heads / kv_heads) as usize, 64)
                 .0;
             assert_eq!(got, want, "heads {heads}/{kv_heads} x {head_dim}");
             c
@@ -1064,19 +1064,7 @@ fn staged_delta_rule_equals_the_plain_one() {
     if !gpu() {
         return;
     }
-    let tiny = shapes::by_name("tiny-qwen35moe").unwrap();
-    let mut cases = vec![shapes::by_name("tiny-qwen3next").unwrap(), tiny.clone()];
-    for dk in [128, 256] {
-        cases.push(shapes::Shape {
-            delta: Some(shapes::DeltaNet {
-                key_head_dim: dk,
-                value_head_dim: dk,
-                ..tiny.delta.unwrap()
-            }),
-            ..tiny.clone()
-        });
-    }
-    for shape in cases {
+    for shape in delta_head_dim_shapes() {
         let dk = shape.delta.unwrap().key_head_dim;
         let what = format!("{} dk {dk}", shape.name);
         let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 13);
@@ -1111,81 +1099,9 @@ fn staged_delta_rule_equals_the_plain_one() {
     }
 }
 
-/// Prefill's causal conv with a thread per channel and 16 rows (`conv_tile`,
-/// `CONV_TILE`) against conv_rows: the same logits bytes for chunks that
-/// start inside a 16-row group, span several, or end part way through one
-/// (the tiny delta-net shapes' conv has 4 taps, the tile kernel's case).
-#[test]
-fn tiled_conv_equals_the_row_kernel() {
-    if !gpu() {
-        return;
-    }
-    for shape in ["tiny-qwen3next", "tiny-qwen35moe"] {
-        let (_d, model) = synth(shape, GgmlType::Q4_K, 23);
-        assert_eq!(
-            shapes::by_name(shape).unwrap().delta.unwrap().conv_kernel,
-            4,
-            "{shape}: the tile kernel's conv size"
-        );
-        let (on, off) = switch_arms(&model, "CONV_TILE");
-        let toks = test_tokens(&model, 29);
-        assert_same_logits(
-            &on,
-            &off,
-            &model,
-            &toks,
-            &[17, 64, 300],
-            &format!("{shape}: conv_tile != conv_rows"),
-        );
-        eprintln!("{shape}: conv_tile == conv_rows, chunks 17, 64 and 300");
-    }
-}
-
-/// The GLU output's products and Q8_K blocks a warp per 256-block
-/// (`silu_mul_q8k_w`, `SILU_WARP`) against a block per row: the same logits
-/// bytes in wide calls, at expert widths of one 256-block and of three.
-#[test]
-fn warp_glu_quantization_equals_the_row_kernel() {
-    if !gpu() {
-        return;
-    }
-    let mut shapes: Vec<shapes::Shape> =
-        SHAPES.iter().map(|s| shapes::by_name(s).unwrap()).collect();
-    for s in ["tiny-qwen3moe", "tiny-qwen35moe"] {
-        let base = shapes::by_name(s).unwrap();
-        shapes.push(shapes::Shape {
-            expert_ff: 768,
-            shared_ff: if base.shared_ff > 0 { 768 } else { 0 },
-            ..base
-        });
-    }
-    for shape in shapes {
-        let what = format!("{} expert_ff {}", shape.name, shape.expert_ff);
-        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 41);
-        let (on, off) = switch_arms(&model, "SILU_WARP");
-        let toks = test_tokens(&model, 43);
-        assert_same_logits(
-            &on,
-            &off,
-            &model,
-            &toks,
-            &[17, 64, 300],
-            &format!("{what}: silu_mul_q8k_w != silu_mul_q8k"),
-        );
-        eprintln!("{what}: silu_mul_q8k_w == silu_mul_q8k, chunks 17, 64 and 300");
-    }
-}
-
-/// The f64 head sums of squares with every lane squaring (`SQ_LANES`)
-/// against lane 0 squaring them all: the same logits bytes on the delta-net
-/// shapes (l2norm_qk and gated_norm_q8k in prefill, conv_l2_one in decode).
-#[test]
-fn lane_squares_equal_lane_zero_squares() {
-    if !gpu() {
-        return;
-    }
-    // The tiny shapes (head dims 64) and tiny-qwen35moe at the real models'
-    // head dims 128 and 256.
+/// The delta-net shapes at every head dim the kernels specialize: the tiny
+/// shapes (64) and tiny-qwen35moe at the real models' 128 and 256.
+fn delta_head_dim_shapes() -> Vec<shapes::Shape> {
     let tiny = shapes::by_name("tiny-qwen35moe").unwrap();
     let mut cases = vec![shapes::by_name("tiny-qwen3next").unwrap(), tiny.clone()];
     for dk in [128, 256] {
@@ -1198,21 +1114,116 @@ fn lane_squares_equal_lane_zero_squares() {
             ..tiny.clone()
         });
     }
+    cases
+}
+
+/// Every tiny shape, and the named ones with experts (and shared experts)
+/// 768 wide: three 256-blocks a GLU row.
+fn wide_glu_shapes(names: &[&str]) -> Vec<shapes::Shape> {
+    let mut shapes: Vec<shapes::Shape> =
+        SHAPES.iter().map(|s| shapes::by_name(s).unwrap()).collect();
+    for s in names {
+        let base = shapes::by_name(s).unwrap();
+        shapes.push(shapes::Shape {
+            expert_ff: 768,
+            shared_ff: if base.shared_ff > 0 { 768 } else { 0 },
+            ..base
+        });
+    }
+    shapes
+}
+
+/// On each shape (`label` names it; weights from `seeds.0`, the prompt from
+/// `seeds.1`), switch `switch` on and off give the same logits bytes at
+/// every position, the prompt fed in chunks of each of `chunks`; `what`
+/// says what the arms are.
+fn assert_switch_keeps_logits(
+    cases: Vec<shapes::Shape>,
+    label: impl Fn(&shapes::Shape) -> String,
+    seeds: (u64, u32),
+    switch: &str,
+    chunks: &[usize],
+    what: &str,
+) {
     for shape in cases {
-        let what = format!("{} dk {}", shape.name, shape.delta.unwrap().key_head_dim);
-        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 31);
-        let (on, off) = switch_arms(&model, "SQ_LANES");
-        let toks = test_tokens(&model, 37);
+        let name = label(&shape);
+        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, seeds.0);
+        let (on, off) = switch_arms(&model, switch);
+        let toks = test_tokens(&model, seeds.1);
         assert_same_logits(
             &on,
             &off,
             &model,
             &toks,
-            &[1, 64, 300],
-            &format!("{what}: lane squares != lane-0 squares"),
+            chunks,
+            &format!("{name}: {what} differ"),
         );
-        eprintln!("{what}: lane squares == lane-0 squares, chunks 1, 64 and 300");
+        eprintln!("{name}: {what} equal, chunks {chunks:?}");
     }
+}
+
+/// Prefill's causal conv with a thread per channel and 16 rows (`conv_tile`,
+/// `CONV_TILE`) against conv_rows: the same logits bytes for chunks that
+/// start inside a 16-row group, span several, or end part way through one
+/// (the tiny delta-net shapes' conv has 4 taps, the tile kernel's case).
+#[test]
+fn tiled_conv_equals_the_row_kernel() {
+    if !gpu() {
+        return;
+    }
+    let cases: Vec<shapes::Shape> = ["tiny-qwen3next", "tiny-qwen35moe"]
+        .iter()
+        .map(|n| shapes::by_name(n).unwrap())
+        .collect();
+    for sh in &cases {
+        let conv = sh.delta.unwrap().conv_kernel;
+        assert_eq!(conv, 4, "{}: the tile kernel's conv size", sh.name);
+    }
+    assert_switch_keeps_logits(
+        cases,
+        |s| s.name.to_string(),
+        (23, 29),
+        "CONV_TILE",
+        &[17, 64, 300],
+        "conv_tile and conv_rows",
+    );
+}
+
+/// The GLU output's products and Q8_K blocks a warp per 256-block
+/// (`silu_mul_q8k_w`, `SILU_WARP`) against a block per row: the same logits
+/// bytes in wide calls, at expert widths of one 256-block and of three.
+#[test]
+fn warp_glu_quantization_equals_the_row_kernel() {
+    if !gpu() {
+        return;
+    }
+    assert_switch_keeps_logits(
+        wide_glu_shapes(&["tiny-qwen3moe", "tiny-qwen35moe"]),
+        |s| format!("{} expert_ff {}", s.name, s.expert_ff),
+        (41, 43),
+        "SILU_WARP",
+        &[17, 64, 300],
+        "silu_mul_q8k_w and silu_mul_q8k",
+    );
+}
+
+/// The f64 head sums of squares with every lane squaring (`SQ_LANES`)
+/// against lane 0 squaring them all: the same logits bytes on the delta-net
+/// shapes (l2norm_qk and gated_norm_q8k in prefill; decode-sized calls take
+/// lane 0's squares in both arms).
+#[test]
+fn lane_squares_equal_lane_zero_squares() {
+    if !gpu() {
+        return;
+    }
+    assert_switch_keeps_logits(
+        delta_head_dim_shapes(),
+        |s| format!("{} dk {}", s.name, s.delta.unwrap().key_head_dim),
+        (31, 37),
+        "SQ_LANES",
+        &[1, 64, 300],
+        "lane squares and lane-0 squares",
+    );
 }
 
 /// `CudaOptions::fast_attention` (`--attention fast`): the backend takes the
@@ -1231,10 +1242,13 @@ fn fast_attention_option_takes_the_tensor_core_passes() {
             ..Default::default()
         };
         let cuda = Cuda::with_options(0, &model, false, fast).unwrap();
-        assert_eq!(cuda.attention_kernel(128, 8).0, "attention_tiles_tc_acc");
+        assert_eq!(
+            cuda.attention_kernel(128, 8, 64).0,
+            "attention_tiles_tc_acc"
+        );
         assert!(cuda.name().contains("fast attention"), "{}", cuda.name());
         let exact = Cuda::new(0, &model, false).unwrap();
-        assert_eq!(exact.attention_kernel(128, 8).0, "attention_tiles_q4w2");
+        assert_eq!(exact.attention_kernel(128, 8, 64).0, "attention_tiles_q4w2");
         assert!(!exact.name().contains("fast attention"));
         let toks = test_tokens(&model, 3);
         let replay = all_logits(&cuda, &model, &toks, 1);
@@ -1969,17 +1983,7 @@ fn glu_output_quantization_in_the_glu_equals_a_quantize_launch() {
     if !gpu() {
         return;
     }
-    let mut shapes: Vec<shapes::Shape> =
-        SHAPES.iter().map(|s| shapes::by_name(s).unwrap()).collect();
-    for s in ["tiny-qwen3moe", "tiny-qwen3next"] {
-        let base = shapes::by_name(s).unwrap();
-        shapes.push(shapes::Shape {
-            expert_ff: 768,
-            shared_ff: if base.shared_ff > 0 { 768 } else { 0 },
-            ..base
-        });
-    }
-    for shape in shapes {
+    for shape in wide_glu_shapes(&["tiny-qwen3moe", "tiny-qwen3next"]) {
         let what = format!("{} expert_ff {}", shape.name, shape.expert_ff);
         let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 43);
         let (on, off) = fusion_arms(&model, "GLU_Q8K", 13, KvType::F32, &what);
