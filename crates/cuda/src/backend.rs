@@ -2322,36 +2322,37 @@ impl Cuda {
                     &cdi,
                     &kci
                 )?;
-            } else if self.conv_tile && kc == 4 {
-                launch!(
-                    d,
-                    "conv_tile",
-                    cfg(
-                        (cd.div_ceil(128) as u32, m.div_ceil(CONV_TR) as u32, 1),
-                        128,
-                        0
-                    ),
-                    &qkv,
-                    taps,
-                    &*conv_state,
-                    &mut conv,
-                    &mi,
-                    &cdi
-                )?;
-                launch!(d, "conv_shift", cfg1(cd), &qkv, conv_state, &mi, &cdi, &kci)?;
             } else {
-                launch!(
-                    d,
-                    "conv_rows",
-                    cfg1(m * cd),
-                    &qkv,
-                    taps,
-                    &*conv_state,
-                    &mut conv,
-                    &mi,
-                    &cdi,
-                    &kci
-                )?;
+                if self.conv_tile && kc == 4 {
+                    launch!(
+                        d,
+                        "conv_tile",
+                        cfg(
+                            (cd.div_ceil(128) as u32, m.div_ceil(CONV_TR) as u32, 1),
+                            128,
+                            0
+                        ),
+                        &qkv,
+                        taps,
+                        &*conv_state,
+                        &mut conv,
+                        &mi,
+                        &cdi
+                    )?;
+                } else {
+                    launch!(
+                        d,
+                        "conv_rows",
+                        cfg1(m * cd),
+                        &qkv,
+                        taps,
+                        &*conv_state,
+                        &mut conv,
+                        &mi,
+                        &cdi,
+                        &kci
+                    )?;
+                }
                 launch!(d, "conv_shift", cfg1(cd), &qkv, conv_state, &mi, &cdi, &kci)?;
             }
             launch!(
