@@ -31,7 +31,8 @@
 # arm (e.g. ATT_ULP=1: the probe bar of docs/CAPABILITIES.md).
 # profiles runs `bench --profile` on both models per arm of
 # SAMESUM_GPU_PROFILE_ARMS ("-;SAMESUM_CUDA_ATT_VFULL=0": defaults, then the
-# switch), at SAMESUM_GPU_PROFILE_PP (4096): kernel-time A/Bs.
+# switch), at SAMESUM_GPU_PROFILE_PP (4096): kernel-time A/Bs;
+# SAMESUM_GPU_PROFILE_SHAPES (space-separated) picks the models.
 # token sums one decode token's kernel times (ncu, graphs off, caches warm)
 # on both models per kernel (scripts/ncu_token.py), for each arm of
 # SAMESUM_GPU_TOKEN_ARMS (arms as for profiles) at a context of
@@ -214,7 +215,7 @@ run)
         # Kernel totals moved less between arms than end-to-end figures did
         # (docs/gpu-notes.md, session 10).
         IFS=';' read -ra arms <<< "${SAMESUM_GPU_PROFILE_ARMS:--}"
-        for shape in qwen35moe-35b-a3b qwen3moe-30b-a3b; do
+        for shape in ${SAMESUM_GPU_PROFILE_SHAPES:-qwen35moe-35b-a3b qwen3moe-30b-a3b}; do
             f=$(model "$shape")
             for arm in "${arms[@]}"; do
                 settings=()

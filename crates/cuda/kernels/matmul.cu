@@ -1793,3 +1793,109 @@ __device__ void mm_float_tile(const u8* W, int row_bytes, const float* X, float*
 MFT_KERNEL(mm_f32_tile, 0)
 MFT_KERNEL(mm_f16_tile, 1)
 MFT_KERNEL(mm_bf16_tile, 2)
+
+// The f32 tile kernel with twice the weight rows a warp (MFW_J = 8 x MFW_R =
+// 16 outputs: 24 operand loads per 128 fmas, against 20 per 64 at 4 x 16),
+// the operands staged in shared memory by cp.async (two stages of MFW_KC
+// columns: the weight rows of the block's 4 warps and its 16 activation
+// rows) so no registers hold loads in flight, and the 128 butterflies done
+// as one reduce-scatter: at the step with lane mask o, a lane keeps the half
+// of its outputs picked by its lane bit o and adds its partner's partial of
+// that half (the butterfly's pair sum of the same two values; fadd is
+// commutative), so after the five steps each lane holds 4 finished outputs
+// (4 * bitrev5(lane) + 0..3) and no sum is done twice. Every output's
+// arithmetic is mm_float's: lane l's fmas over elements l, l + 32, ... in
+// order (none past the row's end), then the xor-16, 8, 4, 2, 1 pair sums.
+// Needs cols % 4 == 0 (16-byte pieces). Dynamic shared memory: MFW_SMEM.
+#define MFW_J 8
+#define MFW_R 16
+#define MFW_KC 128
+#define MFW_STAGE ((4 * MFW_J + MFW_R) * MFW_KC * 4)
+#define MFW_SMEM (2 * MFW_STAGE)
+
+template <int N, int O>
+__device__ __forceinline__ void fold_half(float (&v)[MFW_J * MFW_R], int lane) {
+    const bool up = (lane & O) != 0;
+#pragma unroll
+    for (int k = 0; k < N / 2; k++) {
+        float keep = up ? v[N / 2 + k] : v[k];
+        float send = up ? v[k] : v[N / 2 + k];
+        v[k] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, O));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128, 2)
+    mm_f32_tile_w8(const u8* W, int row_bytes, const float* X, float* Y, int rows, int m, int cols) {
+    pdl_wait();
+    extern __shared__ __align__(16) u8 dsm[];
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int jb = blockIdx.x * 4 * MFW_J, r0 = blockIdx.y * MFW_R;
+    if (jb >= rows || r0 >= m) return;
+    const int nk = (cols + MFW_KC - 1) / MFW_KC;
+    constexpr int PR = MFW_KC / 4;  // 16-byte pieces a staged row
+    auto issue = [&](u8* st, int kc) {
+        const int c0 = kc * MFW_KC;
+#pragma unroll
+        for (int p = tid; p < 4 * MFW_J * PR; p += 128) {
+            int r = p / PR, q = p % PR, col = c0 + 4 * q;
+            bool ok = col < cols;
+            const u8* src = W + (i64)min(jb + r, rows - 1) * row_bytes + (ok ? 4 * col : 0);
+            cp_async16(st + (r * MFW_KC + 4 * q) * 4, src, ok);
+        }
+#pragma unroll
+        for (int p = tid; p < MFW_R * PR; p += 128) {
+            int r = p / PR, q = p % PR, col = c0 + 4 * q;
+            bool ok = col < cols;
+            const float* src = X + (i64)min(r0 + r, m - 1) * cols + (ok ? col : 0);
+            cp_async16(st + ((4 * MFW_J + r) * MFW_KC + 4 * q) * 4, src, ok);
+        }
+    };
+    float v[MFW_J * MFW_R];  // output (c, t) at c * MFW_R + t
+#pragma unroll
+    for (int k = 0; k < MFW_J * MFW_R; k++) v[k] = 0.0f;
+    issue(dsm, 0);
+    cp_async_commit();
+    for (int kc = 0; kc < nk; kc++) {
+        const u8* st = dsm + (kc & 1) * MFW_STAGE;
+        if (kc + 1 < nk) {
+            issue(dsm + ((kc + 1) & 1) * MFW_STAGE, kc + 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const float* ws = (const float*)st + warp * MFW_J * MFW_KC + lane;
+        const float* xs = (const float*)st + 4 * MFW_J * MFW_KC + lane;
+        const int left = cols - kc * MFW_KC - lane;  // this lane's elements left in the row
+#pragma unroll
+        for (int s = 0; s < MFW_KC / 32; s++) {
+            if (32 * s < left) {
+                float w[MFW_J], x[MFW_R];
+#pragma unroll
+                for (int c = 0; c < MFW_J; c++) w[c] = ws[c * MFW_KC + 32 * s];
+#pragma unroll
+                for (int t = 0; t < MFW_R; t++) x[t] = xs[t * MFW_KC + 32 * s];
+#pragma unroll
+                for (int c = 0; c < MFW_J; c++)
+#pragma unroll
+                    for (int t = 0; t < MFW_R; t++) v[c * MFW_R + t] = __fmaf_rn(w[c], x[t], v[c * MFW_R + t]);
+            }
+        }
+        // Stage kc & 1 is refilled by the next iteration's copies.
+        __syncthreads();
+    }
+    fold_half<128, 16>(v, lane);
+    fold_half<64, 8>(v, lane);
+    fold_half<32, 4>(v, lane);
+    fold_half<16, 2>(v, lane);
+    fold_half<8, 1>(v, lane);
+    const int base = ((lane & 16) ? 64 : 0) + ((lane & 8) ? 32 : 0) + ((lane & 4) ? 16 : 0) + ((lane & 2) ? 8 : 0) +
+                     ((lane & 1) ? 4 : 0);
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        int k = base + r, c = k / MFW_R, t = k % MFW_R;
+        int j = jb + warp * MFW_J + c;
+        if (j < rows && r0 + t < m) Y[(i64)(r0 + t) * rows + j] = v[r];
+    }
+}

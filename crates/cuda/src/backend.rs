@@ -6,7 +6,9 @@
 //! Decode and prefill run the same launches with a different row count; every
 //! kernel's per-row arithmetic is independent of it (see `kernels/*.cu`).
 
-use crate::device::{Device, addr, cfg, cfg1, drv, lane_cfg, lane_threads, launch, upload_bar};
+use crate::device::{
+    Device, addr, cfg, cfg1, drv, lane_cfg, lane_threads, launch, launch_as, upload_bar,
+};
 use crate::error::{CudaError, Result};
 use crate::tier::{RESERVE, TierSizes, plan as tier_plan};
 use crate::tiered::{Tier, TierStats};
@@ -132,6 +134,12 @@ pub struct Cuda {
     /// register-tiled kernels (`mm_*_tile`: each output's fmas and butterfly
     /// as the per-row kernel's; default, off with `SAMESUM_CUDA_F32_TILE=0`).
     float_tiles: bool,
+    /// With `float_tiles`, f32 weights of a width that is a multiple of 4
+    /// on the wide tile kernel (`mm_f32_tile_w8`: 8 weight rows x 16
+    /// activation rows a warp, operands staged by cp.async, one
+    /// reduce-scatter for the butterflies; default, off with
+    /// `SAMESUM_CUDA_F32_WIDE=0`). The same bytes.
+    float_wide: bool,
     /// The layer norms also write their output as Q8_K blocks
     /// (`rms_norm_q8k`, `add_rms_norm_q8k`: quantize_q8k's bytes), kept here
     /// for the next op's input projections instead of a quantize launch
@@ -493,6 +501,10 @@ const TC_ROWS32_MIN: usize = 64;
 /// (128 weight rows at 160 bytes for Q4_K or 224 for Q5_K, `rows` activation
 /// rows at 352, rows x 4 packed bsums, rows scales), as `TaLayout` in
 /// matmul.cu.
+/// `mm_f32_tile_w8`'s two stages of shared memory: 32 weight rows and 16
+/// activation rows of 128 f32 columns each (MFW_SMEM in matmul.cu).
+const MFW_SMEM: u32 = 2 * (32 + 16) * 128 * 4;
+
 const fn tc_async_smem(q5: bool, rows: usize) -> u32 {
     let wst = if q5 { 224 } else { 160 };
     (2 * (128 * wst + rows * 352 + rows * 4 * 4 + rows * 4)) as u32
@@ -551,6 +563,7 @@ const SWITCHES: &[Switch] = &[
     ("TC_MINS", |c| c.tc_mins, |c, on| c.tc_mins = on),
     ("TC_GROUPS", |c| c.tc_groups, |c, on| c.tc_groups = on),
     ("F32_TILE", |c| c.float_tiles, |c, on| c.float_tiles = on),
+    ("F32_WIDE", |c| c.float_wide, |c, on| c.float_wide = on),
     ("DELTA_ASYNC", |c| c.delta_async, |c, on| c.delta_async = on),
     ("DELTA_PIPE", |c| c.delta_pipe, |c, on| c.delta_pipe = on),
     ("NORM_Q8K", |c| c.norm_quant, |c, on| c.norm_quant = on),
@@ -896,6 +909,7 @@ impl Cuda {
             delta_async: env_switch("SAMESUM_CUDA_DELTA_ASYNC", true),
             delta_pipe: env_switch("SAMESUM_CUDA_DELTA_PIPE", true),
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
+            float_wide: env_switch("SAMESUM_CUDA_F32_WIDE", true),
             norm_quant: env_switch("SAMESUM_CUDA_NORM_Q8K", true),
             small_norm: env_switch("SAMESUM_CUDA_SMALL_NORM", true),
             silu_q8k: env_switch("SAMESUM_CUDA_SILU_Q8K", true),
@@ -1638,6 +1652,33 @@ impl Cuda {
                     _ => ("mm_bf16", "mm_bf16_tile"),
                 };
                 let x = input.f32_rows()?;
+                if wide
+                    && mats.is_none()
+                    && self.float_tiles
+                    && self.float_wide
+                    && w.ty == GgmlType::F32
+                    && w.cols.is_multiple_of(4)
+                {
+                    // 8 weight rows x 16 activation rows a warp, 4 warps a
+                    // block sharing the activation rows (MFW_* in matmul.cu).
+                    let ct = cfg(
+                        (w.rows.div_ceil(32) as u32, m.div_ceil(16) as u32, 1),
+                        128,
+                        MFW_SMEM,
+                    );
+                    return launch!(
+                        d,
+                        "mm_f32_tile_w8",
+                        ct,
+                        &wptr,
+                        &row_bytes,
+                        x,
+                        y,
+                        &rows,
+                        &mi,
+                        &cols
+                    );
+                }
                 if wide && mats.is_none() && self.float_tiles {
                     // Tiles of 4 weight rows x 16 activation rows per warp
                     // (MFT_W, MFT_R in matmul.cu), 4 warps a block.
@@ -1691,8 +1732,22 @@ impl Cuda {
                         128,
                         smem,
                     );
-                    return launch!(
-                        d, k, ct, &wptr, &stride, &row_bytes, &mats_ptr, a, y, &rows, &mi, &nbi
+                    // Profiles split the tensor-core launches by kind and
+                    // reduction length (the K loop's blocks against the
+                    // tile's fixed costs).
+                    let label = match (mats.is_some(), nbi) {
+                        _ if !d.profiling() => k,
+                        (true, 2) => "mm_tc (experts, K 512)",
+                        (true, 8) => "mm_tc (experts, K 2048)",
+                        (true, _) => "mm_tc (experts, other K)",
+                        (false, 2) => "mm_tc (dense, K 512)",
+                        (false, 8) => "mm_tc (dense, K 2048)",
+                        (false, 16) => "mm_tc (dense, K 4096)",
+                        (false, _) => "mm_tc (dense, other K)",
+                    };
+                    return launch_as!(
+                        d, k, label, ct, &wptr, &stride, &row_bytes, &mats_ptr, a, y, &rows, &mi,
+                        &nbi
                     );
                 }
                 match w.ty {

@@ -599,6 +599,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_f16",
             "mm_bf16",
             "mm_f32_tile",
+            "mm_f32_tile_w8",
             "mm_f16_tile",
             "mm_bf16_tile",
         ],
@@ -671,17 +672,26 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
 /// Launch kernel `$name` on `$dev` with config `$cfg`; the arguments must be
 /// references to values that live past the statement.
 macro_rules! launch {
-    ($dev:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
+    ($dev:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {
+        $crate::device::launch_as!($dev, $name, $name, $cfg, $($arg),*)
+    };
+}
+pub(crate) use launch;
+
+/// `launch!` with the kernel profile's row for it named `$label` (a launch
+/// kind finer than the kernel, e.g. a matmul's reduction length).
+macro_rules! launch_as {
+    ($dev:expr, $name:expr, $label:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
         let ev = $dev.prof_begin()?;
         let args = [$( $crate::device::KernelArg::slot(&*$arg, &$dev.stream) ),*];
         // SAFETY: the arguments match the kernel's signature in kernels/*.cu
         // (checked by the conformance tests on the GPU), and every buffer is
         // sized for the grid computed by the caller.
         unsafe { $dev.launch_raw($name, $cfg, &args) }
-            .and_then(|_| $dev.prof_end($name, ev))
+            .and_then(|_| $dev.prof_end($label, ev))
     }};
 }
-pub(crate) use launch;
+pub(crate) use launch_as;
 
 /// A 1-D launch over `n` threads in blocks of 256.
 pub(crate) fn cfg1(n: usize) -> cudarc::driver::LaunchConfig {

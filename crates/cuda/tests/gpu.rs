@@ -446,6 +446,12 @@ fn float_tile_matmuls_equal_the_row_kernel_and_single_rows() {
         layers: 1,
         ..shapes::by_name("tiny-qwen3moe").unwrap()
     });
+    // The wide kernel's last stage of 128 columns a quarter full.
+    shapes_.push(shapes::Shape {
+        hidden: 800,
+        layers: 1,
+        ..shapes::by_name("tiny-qwen3moe").unwrap()
+    });
     let mut checked = 0;
     for sh in &shapes_ {
         let dir = tempfile::tempdir().unwrap();
@@ -464,7 +470,10 @@ fn float_tile_matmuls_equal_the_row_kernel_and_single_rows() {
         for m in [17, 24, 33, 100, 257] {
             let (x, _) = random_rows(&mut rng, w, m, (7, 3));
             cuda.set_float_tiles(true);
+            cuda.set_switch("F32_WIDE", true).unwrap();
             let tile = cuda.matmul_host(w, &x, m, None, true).unwrap();
+            cuda.set_switch("F32_WIDE", false).unwrap();
+            let narrow = cuda.matmul_host(w, &x, m, None, true).unwrap();
             cuda.set_float_tiles(false);
             let row = cuda.matmul_host(w, &x, m, None, true).unwrap();
             assert!(
@@ -474,9 +483,16 @@ fn float_tile_matmuls_equal_the_row_kernel_and_single_rows() {
             );
             assert!(
                 same_bits(&tile, &row),
-                "{} m={m}: tiled != per-row float kernel",
+                "{} m={m}: wide tiles != per-row float kernel",
                 sh.name
             );
+            assert!(
+                same_bits(&narrow, &row),
+                "{} m={m}: 4 x 16 tiles != per-row float kernel",
+                sh.name
+            );
+            cuda.set_float_tiles(true);
+            cuda.set_switch("F32_WIDE", true).unwrap();
             for r in [0, m / 2, m - 1] {
                 let one = cuda
                     .matmul_host(w, &x[r * w.cols..(r + 1) * w.cols], 1, None, true)
