@@ -504,6 +504,8 @@ const TC_ROWS32_MIN: usize = 64;
 /// `mm_f32_tile_w8`'s two stages of shared memory: 32 weight rows and 16
 /// activation rows of 128 f32 columns each (MFW_SMEM in matmul.cu).
 const MFW_SMEM: u32 = 2 * (32 + 16) * 128 * 4;
+/// Matrices of fewer rows take the per-row float kernel instead.
+const MFW_ROWS_MIN: usize = 8;
 
 const fn tc_async_smem(q5: bool, rows: usize) -> u32 {
     let wst = if q5 { 224 } else { 160 };
@@ -1652,13 +1654,21 @@ impl Cuda {
                     _ => ("mm_bf16", "mm_bf16_tile"),
                 };
                 let x = input.f32_rows()?;
-                if wide
+                let wide_tiles = wide
                     && mats.is_none()
                     && self.float_tiles
                     && self.float_wide
                     && w.ty == GgmlType::F32
-                    && w.cols.is_multiple_of(4)
-                {
+                    && w.cols.is_multiple_of(4);
+                if wide_tiles && w.rows < MFW_ROWS_MIN {
+                    // A matrix of a few rows (a shared expert's input gate:
+                    // one) would leave most of a 32-row tile's work unused:
+                    // the per-row kernel, a warp an output.
+                    return launch!(
+                        d, k, c, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi, &cols
+                    );
+                }
+                if wide_tiles {
                     // 8 weight rows x 16 activation rows a warp, 4 warps a
                     // block sharing the activation rows (MFW_* in matmul.cu).
                     let ct = cfg(

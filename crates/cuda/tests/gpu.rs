@@ -464,10 +464,23 @@ fn float_tile_matmuls_equal_the_row_kernel_and_single_rows() {
         .unwrap();
         let model = Model::load(&p).unwrap();
         let mut cuda = Cuda::new(0, &model, false).unwrap();
-        let w = &model.w.layers[0].moe.router;
-        assert_eq!(w.ty, GgmlType::F32, "{}: the router is not f32", sh.name);
+        let router = &model.w.layers[0].moe.router;
+        assert_eq!(
+            router.ty,
+            GgmlType::F32,
+            "{}: the router is not f32",
+            sh.name
+        );
+        // The shared expert's one-row input gate (the per-row kernel under
+        // the wide switch) where the shape has one.
+        let mut mats = vec![router];
+        let mut l0 = model.w.layers[0].moe.shared.iter();
+        mats.extend(l0.next().map(|s| &s.gate_inp));
         let mut rng = Rng::new(17);
-        for m in [17, 24, 33, 100, 257] {
+        for (w, m) in mats
+            .iter()
+            .flat_map(|w| [17, 24, 33, 100, 257].map(|m| (*w, m)))
+        {
             let (x, _) = random_rows(&mut rng, w, m, (7, 3));
             cuda.set_float_tiles(true);
             cuda.set_switch("F32_WIDE", true).unwrap();
