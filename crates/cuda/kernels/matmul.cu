@@ -1794,6 +1794,59 @@ MFT_KERNEL(mm_f32_tile, 0)
 MFT_KERNEL(mm_f16_tile, 1)
 MFT_KERNEL(mm_bf16_tile, 2)
 
+// Float matrices of at most MFF_ROWS rows (a shared expert's one-row input
+// gate) against many rows: a warp an activation row, holding every weight
+// row's chain, so the activations are read once and every warp of the grid
+// has work (the per-row kernel gives a one-row matrix one warp a block, and
+// the tile kernels compute 16 or 32 weight rows for it). Each output's
+// arithmetic is mm_float's: lane l's fmas over elements l, l + 32, ... in
+// order, MFF_U elements' loads issued before their fmas, then the
+// butterfly.
+#define MFF_ROWS 8
+#define MFF_U 8
+
+extern "C" __global__ void __launch_bounds__(128)
+    mm_f32_few(const u8* W, int row_bytes, const float* X, float* Y, int rows, int m, int cols) {
+    pdl_wait();
+    const int lane = threadIdx.x % 32, t = blockIdx.x * 4 + threadIdx.x / 32;
+    if (t >= m) return;
+    const float* x = X + (i64)t * cols;
+    float acc[MFF_ROWS];
+#pragma unroll
+    for (int c = 0; c < MFF_ROWS; c++) acc[c] = 0.0f;
+    for (int i0 = lane; i0 < cols; i0 += 32 * MFF_U) {
+        float xv[MFF_U];
+#pragma unroll
+        for (int u = 0; u < MFF_U; u++) {
+            int i = i0 + 32 * u;
+            xv[u] = i < cols ? x[i] : 0.0f;
+        }
+#pragma unroll
+        for (int c = 0; c < MFF_ROWS; c++) {
+            if (c < rows) {
+                const float* w = (const float*)(W + (i64)c * row_bytes);
+                float wv[MFF_U];
+#pragma unroll
+                for (int u = 0; u < MFF_U; u++) {
+                    int i = i0 + 32 * u;
+                    wv[u] = i < cols ? w[i] : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < MFF_U; u++)
+                    if (i0 + 32 * u < cols) acc[c] = __fmaf_rn(wv[u], xv[u], acc[c]);
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < MFF_ROWS; c++) {
+        if (c < rows) {
+            float a = acc[c];
+            for (int o = 16; o > 0; o /= 2) a = __fadd_rn(a, __shfl_xor_sync(0xffffffffu, a, o));
+            if (lane == 0) Y[(i64)t * rows + c] = a;
+        }
+    }
+}
+
 // The f32 tile kernel with twice the weight rows a warp (MFW_J = 8 x MFW_R =
 // 16 outputs: 24 operand loads per 128 fmas, against 20 per 64 at 4 x 16),
 // the operands staged in shared memory by cp.async (two stages of MFW_KC

@@ -504,8 +504,9 @@ const TC_ROWS32_MIN: usize = 64;
 /// `mm_f32_tile_w8`'s two stages of shared memory: 32 weight rows and 16
 /// activation rows of 128 f32 columns each (MFW_SMEM in matmul.cu).
 const MFW_SMEM: u32 = 2 * (32 + 16) * 128 * 4;
-/// Matrices of fewer rows take the per-row float kernel instead.
-const MFW_ROWS_MIN: usize = 8;
+/// Float matrices of at most this many rows take `mm_f32_few` instead
+/// (MFF_ROWS in matmul.cu).
+const MFF_ROWS: usize = 8;
 
 const fn tc_async_smem(q5: bool, rows: usize) -> u32 {
     let wst = if q5 { 224 } else { 160 };
@@ -1660,12 +1661,22 @@ impl Cuda {
                     && self.float_wide
                     && w.ty == GgmlType::F32
                     && w.cols.is_multiple_of(4);
-                if wide_tiles && w.rows < MFW_ROWS_MIN {
+                if wide_tiles && w.rows <= MFF_ROWS {
                     // A matrix of a few rows (a shared expert's input gate:
                     // one) would leave most of a 32-row tile's work unused:
-                    // the per-row kernel, a warp an output.
+                    // a warp an activation row (`mm_f32_few`).
+                    let cf = cfg((m.div_ceil(4) as u32, 1, 1), 128, 0);
                     return launch!(
-                        d, k, c, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi, &cols
+                        d,
+                        "mm_f32_few",
+                        cf,
+                        &wptr,
+                        &row_bytes,
+                        x,
+                        y,
+                        &rows,
+                        &mi,
+                        &cols
                     );
                 }
                 if wide_tiles {
@@ -1751,6 +1762,7 @@ impl Cuda {
                         (true, 8) => "mm_tc (experts, K 2048)",
                         (true, _) => "mm_tc (experts, other K)",
                         (false, 2) => "mm_tc (dense, K 512)",
+                        (false, 8) if w.rows < 128 => "mm_tc (dense, K 2048, < 128 rows)",
                         (false, 8) => "mm_tc (dense, K 2048)",
                         (false, 16) => "mm_tc (dense, K 4096)",
                         (false, _) => "mm_tc (dense, other K)",

@@ -600,6 +600,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_bf16",
             "mm_f32_tile",
             "mm_f32_tile_w8",
+            "mm_f32_few",
             "mm_f16_tile",
             "mm_bf16_tile",
         ],

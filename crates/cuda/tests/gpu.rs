@@ -444,12 +444,16 @@ fn float_tile_matmuls_equal_the_row_kernel_and_single_rows() {
     shapes_.push(shapes::Shape {
         hidden: 768,
         layers: 1,
+        experts: 64,
         ..shapes::by_name("tiny-qwen3moe").unwrap()
     });
-    // The wide kernel's last stage of 128 columns a quarter full.
+    // The wide kernel's last stage of 128 columns a quarter full, and a
+    // router of 40 rows (the tiny shapes' routers of at most 8 rows take
+    // mm_f32_few): a second block of 32 rows mostly past the matrix.
     shapes_.push(shapes::Shape {
         hidden: 800,
         layers: 1,
+        experts: 40,
         ..shapes::by_name("tiny-qwen3moe").unwrap()
     });
     let mut checked = 0;
@@ -471,8 +475,8 @@ fn float_tile_matmuls_equal_the_row_kernel_and_single_rows() {
             "{}: the router is not f32",
             sh.name
         );
-        // The shared expert's one-row input gate (the per-row kernel under
-        // the wide switch) where the shape has one.
+        // The shared expert's one-row input gate (mm_f32_few under the
+        // wide switch) where the shape has one.
         let mut mats = vec![router];
         let mut l0 = model.w.layers[0].moe.shared.iter();
         mats.extend(l0.next().map(|s| &s.gate_inp));
