@@ -140,6 +140,10 @@ pub struct Cuda {
     /// reduce-scatter for the butterflies; default, off with
     /// `SAMESUM_CUDA_F32_WIDE=0`). The same bytes.
     float_wide: bool,
+    /// Wide calls of a plain Q4_K/Q5_K matrix of fewer than 128 rows (one
+    /// tensor-core tile) on the dp4a kernels (default; off with
+    /// `SAMESUM_CUDA_TC_SMALL=0`). The same bytes.
+    tc_small: bool,
     /// The layer norms also write their output as Q8_K blocks
     /// (`rms_norm_q8k`, `add_rms_norm_q8k`: quantize_q8k's bytes), kept here
     /// for the next op's input projections instead of a quantize launch
@@ -504,6 +508,9 @@ const TC_ROWS32_MIN: usize = 64;
 /// `mm_f32_tile_w8`'s two stages of shared memory: 32 weight rows and 16
 /// activation rows of 128 f32 columns each (MFW_SMEM in matmul.cu).
 const MFW_SMEM: u32 = 2 * (32 + 16) * 128 * 4;
+/// The weight rows of a tensor-core tile (TQ_WROWS in matmul.cu).
+const TQ_WROWS: usize = 128;
+
 /// Float matrices of at most this many rows take `mm_f32_few` instead
 /// (MFF_ROWS in matmul.cu).
 const MFF_ROWS: usize = 8;
@@ -567,6 +574,7 @@ const SWITCHES: &[Switch] = &[
     ("TC_GROUPS", |c| c.tc_groups, |c, on| c.tc_groups = on),
     ("F32_TILE", |c| c.float_tiles, |c, on| c.float_tiles = on),
     ("F32_WIDE", |c| c.float_wide, |c, on| c.float_wide = on),
+    ("TC_SMALL", |c| c.tc_small, |c, on| c.tc_small = on),
     ("DELTA_ASYNC", |c| c.delta_async, |c, on| c.delta_async = on),
     ("DELTA_PIPE", |c| c.delta_pipe, |c, on| c.delta_pipe = on),
     ("NORM_Q8K", |c| c.norm_quant, |c, on| c.norm_quant = on),
@@ -913,6 +921,7 @@ impl Cuda {
             delta_pipe: env_switch("SAMESUM_CUDA_DELTA_PIPE", true),
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
             float_wide: env_switch("SAMESUM_CUDA_F32_WIDE", true),
+            tc_small: env_switch("SAMESUM_CUDA_TC_SMALL", true),
             norm_quant: env_switch("SAMESUM_CUDA_NORM_Q8K", true),
             small_norm: env_switch("SAMESUM_CUDA_SMALL_NORM", true),
             silu_q8k: env_switch("SAMESUM_CUDA_SILU_Q8K", true),
@@ -1722,7 +1731,13 @@ impl Cuda {
             GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
                 let nbi = (w.cols / 256) as i32;
                 let a = input.q8k(d)?;
-                if wide && tensor_cores && matches!(w.ty, GgmlType::Q4_K | GgmlType::Q5_K) {
+                // A plain matrix of fewer rows than a tensor-core tile's 128
+                // (a delta net's beta and alpha: 32) would run a few
+                // blocks, each mostly unused rows: the dp4a kernels spread
+                // it over the GPU (`tc_small`).
+                let small = self.tc_small && mats.is_none() && w.rows < TQ_WROWS;
+                if wide && tensor_cores && !small && matches!(w.ty, GgmlType::Q4_K | GgmlType::Q5_K)
+                {
                     let tile = self.tc_tile(m, input.tile, mats.is_some());
                     let q4 = w.ty == GgmlType::Q4_K;
                     let k = match (self.tc_kernel, tile) {

@@ -558,6 +558,8 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
             .unwrap();
             let model = Model::load(&p).unwrap();
             let mut cuda = Cuda::new(0, &model, false).unwrap();
+            // Tensor cores for every matrix, however few its rows.
+            cuda.set_switch("TC_SMALL", false).unwrap();
             // Async32 three times: the mins sums on tensor cores (TC_MINS),
             // with padding groups skipped (TC_GROUPS), and by dp2a.
             for (tk, mins, groups) in [
@@ -1219,6 +1221,32 @@ fn tiled_conv_equals_the_row_kernel() {
         "CONV_TILE",
         &[17, 64, 300],
         "conv_tile and conv_rows",
+    );
+}
+
+/// Wide calls of plain matrices under 128 rows on the dp4a kernels
+/// (`TC_SMALL`; the delta nets' beta and alpha) against tensor cores: the
+/// same logits bytes.
+#[test]
+fn small_matrices_on_dp4a_keep_the_logits() {
+    if !gpu() {
+        return;
+    }
+    let cases: Vec<shapes::Shape> = ["tiny-qwen3next", "tiny-qwen35moe"]
+        .iter()
+        .map(|n| shapes::by_name(n).unwrap())
+        .collect();
+    for sh in &cases {
+        let hv = sh.delta.unwrap().value_heads;
+        assert!(hv < 128, "{}: beta has {hv} rows", sh.name);
+    }
+    assert_switch_keeps_logits(
+        cases,
+        |s| s.name.to_string(),
+        (47, 53),
+        "TC_SMALL",
+        &[17, 64, 300],
+        "dp4a and tensor-core small matrices",
     );
 }
 
