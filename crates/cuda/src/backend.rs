@@ -141,8 +141,9 @@ pub struct Cuda {
     /// `SAMESUM_CUDA_F32_WIDE=0`). The same bytes.
     float_wide: bool,
     /// Wide calls of a plain Q4_K/Q5_K matrix of fewer than 128 rows (one
-    /// tensor-core tile) on the dp4a kernels (default; off with
-    /// `SAMESUM_CUDA_TC_SMALL=0`). The same bytes.
+    /// tensor-core tile) on the dp4a kernels (opt-in,
+    /// `SAMESUM_CUDA_TC_SMALL=1`; H200, session 18: slower, the delta nets'
+    /// beta and alpha 5.62 -> 10.28 ms at qwen35moe pp4096). The same bytes.
     tc_small: bool,
     /// The layer norms also write their output as Q8_K blocks
     /// (`rms_norm_q8k`, `add_rms_norm_q8k`: quantize_q8k's bytes), kept here
@@ -921,7 +922,7 @@ impl Cuda {
             delta_pipe: env_switch("SAMESUM_CUDA_DELTA_PIPE", true),
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
             float_wide: env_switch("SAMESUM_CUDA_F32_WIDE", true),
-            tc_small: env_switch("SAMESUM_CUDA_TC_SMALL", true),
+            tc_small: env_switch("SAMESUM_CUDA_TC_SMALL", false),
             norm_quant: env_switch("SAMESUM_CUDA_NORM_Q8K", true),
             small_norm: env_switch("SAMESUM_CUDA_SMALL_NORM", true),
             silu_q8k: env_switch("SAMESUM_CUDA_SILU_Q8K", true),
