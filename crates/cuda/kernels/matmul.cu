@@ -1856,7 +1856,7 @@ extern "C" __global__ void __launch_bounds__(128)
 // of its outputs picked by its lane bit o and adds its partner's partial of
 // that half (the butterfly's pair sum of the same two values; fadd is
 // commutative), so after the five steps each lane holds 4 finished outputs
-// (4 * bitrev5(lane) + 0..3) and no sum is done twice. Every output's
+// (4 * lane + 0..3) and no sum is done twice. Every output's
 // arithmetic is mm_float's: lane l's fmas over elements l, l + 32, ... in
 // order (none past the row's end), then the xor-16, 8, 4, 2, 1 pair sums.
 // Needs cols % 4 == 0 (16-byte pieces). Dynamic shared memory: MFW_SMEM.
@@ -1943,6 +1943,8 @@ extern "C" __global__ void __launch_bounds__(128, 2)
     fold_half<32, 4>(v, lane);
     fold_half<16, 2>(v, lane);
     fold_half<8, 1>(v, lane);
+    // Lane bit o picked the upper half at the step of mask o: a lane's
+    // outputs start at 64 b4 + 32 b3 + 16 b2 + 8 b1 + 4 b0 (= 4 * lane).
     const int base = ((lane & 16) ? 64 : 0) + ((lane & 8) ? 32 : 0) + ((lane & 4) ? 16 : 0) + ((lane & 2) ? 8 : 0) +
                      ((lane & 1) ? 4 : 0);
 #pragma unroll

@@ -502,20 +502,21 @@ const TC_ROWS: usize = 16;
 /// everywhere; at 64, pp4096 9,381 -> 9,540).
 const TC_ROWS32_MIN: usize = 64;
 
-/// Dynamic shared memory of the async tensor-core kernels: two stages of
-/// (128 weight rows at 160 bytes for Q4_K or 224 for Q5_K, `rows` activation
-/// rows at 352, rows x 4 packed bsums, rows scales), as `TaLayout` in
-/// matmul.cu.
 /// `mm_f32_tile_w8`'s two stages of shared memory: 32 weight rows and 16
 /// activation rows of 128 f32 columns each (MFW_SMEM in matmul.cu).
 const MFW_SMEM: u32 = 2 * (32 + 16) * 128 * 4;
-/// The weight rows of a tensor-core tile (TQ_WROWS in matmul.cu).
-const TQ_WROWS: usize = 128;
 
 /// Float matrices of at most this many rows take `mm_f32_few` instead
 /// (MFF_ROWS in matmul.cu).
 const MFF_ROWS: usize = 8;
 
+/// The weight rows of a tensor-core tile (TQ_WROWS in matmul.cu).
+const TQ_WROWS: usize = 128;
+
+/// Dynamic shared memory of the async tensor-core kernels: two stages of
+/// (128 weight rows at 160 bytes for Q4_K or 224 for Q5_K, `rows` activation
+/// rows at 352, rows x 4 packed bsums, rows scales), as `TaLayout` in
+/// matmul.cu.
 const fn tc_async_smem(q5: bool, rows: usize) -> u32 {
     let wst = if q5 { 224 } else { 160 };
     (2 * (128 * wst + rows * 352 + rows * 4 * 4 + rows * 4)) as u32
@@ -1670,7 +1671,10 @@ impl Cuda {
                     && self.float_tiles
                     && self.float_wide
                     && w.ty == GgmlType::F32
-                    && w.cols.is_multiple_of(4);
+                    // 16-byte pieces: whole ones a row, aligned.
+                    && w.cols.is_multiple_of(4)
+                    && wptr.is_multiple_of(16)
+                    && addr(d, x).is_multiple_of(16);
                 if wide_tiles && w.rows <= MFF_ROWS {
                     // A matrix of a few rows (a shared expert's input gate:
                     // one) would leave most of a 32-row tile's work unused:
@@ -1778,7 +1782,7 @@ impl Cuda {
                         (true, 8) => "mm_tc (experts, K 2048)",
                         (true, _) => "mm_tc (experts, other K)",
                         (false, 2) => "mm_tc (dense, K 512)",
-                        (false, 8) if w.rows < 128 => "mm_tc (dense, K 2048, < 128 rows)",
+                        (false, 8) if w.rows < TQ_WROWS => "mm_tc (dense, K 2048, < 128 rows)",
                         (false, 8) => "mm_tc (dense, K 2048)",
                         (false, 16) => "mm_tc (dense, K 4096)",
                         (false, _) => "mm_tc (dense, other K)",
