@@ -1301,6 +1301,31 @@ __device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8*
     }
 }
 
+// Where a tensor-core tile finds its matrix (base W), its output Y and the
+// matrix's rows: the kernel's parameters (`TcArgs`), or, in a launch of
+// several matrices, the block's job as staged in shared memory (`TcJob`,
+// read again at each use through a volatile pointer, so the three values
+// are not held in registers across the K loop as parameters are not).
+struct TcArgs {
+    const u8* W;
+    float* Y;
+    int R;
+    __device__ __forceinline__ const u8* w() const { return W; }
+    __device__ __forceinline__ float* y() const { return Y; }
+    __device__ __forceinline__ int rows() const { return R; }
+};
+struct TcJob {
+    const u8* w;
+    float* y;
+    int rows;
+};
+struct TcJobRef {
+    const volatile TcJob* j;
+    __device__ __forceinline__ const u8* w() const { return (const u8*)j->w; }
+    __device__ __forceinline__ float* y() const { return (float*)j->y; }
+    __device__ __forceinline__ int rows() const { return j->rows; }
+};
+
 // MS: each element's mins sum (the integer sum of sub-block min times the
 // activations' 32-value sum, which the other kernels take by dp2a from
 // bsums pairs staged per block) by two tensor-core products per 16 x 8
@@ -1315,11 +1340,11 @@ __device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8*
 // but with GS, `SAMESUM_CUDA_TC_GROUPS`: the groups past the matrix's last
 // row, which in expert calls are the plan's padding, are skipped; every
 // stored output's integer sums and float steps are as they were).
-template <int Q5, int R, bool MS, int NG>
-__device__ __forceinline__ void tc_async_matrix(u8* dsm, const u8* W, i64 mat_stride, int row_bytes, int cur,
-                                                int wrow0, int rows, const u8* A, i64 arow, int r0, int nr, int nb,
-                                                const TaSrc<Q5, R>& src, const u8* at, u32 live, float* Y, int tid,
-                                                int warp, int gq, int tq) {
+template <int Q5, int R, bool MS, int NG, class S>
+__device__ __forceinline__ void tc_async_matrix(u8* dsm, const S& js, i64 mat_stride, int row_bytes, int cur,
+                                                int wrow0, const u8* A, i64 arow, int r0, int nr, int nb,
+                                                const TaSrc<Q5, R>& src, const u8* at, u32 live, int tid, int warp,
+                                                int gq, int tq) {
     typedef TaLayout<Q5, R> L;
     constexpr bool KEPT = R >= 32;
     float acc[2][NG][4];
@@ -1329,12 +1354,12 @@ __device__ __forceinline__ void tc_async_matrix(u8* dsm, const u8* W, i64 mat_st
         for (int n = 0; n < NG; n++)
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
-    const u8* wt = W + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
+    const u8* wt = js.w() + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
     auto issue = [&](u8* stage, int b) {
         if constexpr (KEPT)
             ta_issue_kept<Q5, R>(stage, wt, at, src, (u32)arow, nr, b, tid);
         else
-            ta_issue<Q5, R>(stage, W, mat_stride, row_bytes, cur, wrow0, rows, A, arow, r0, nr, b, tid);
+            ta_issue<Q5, R>(stage, js.w(), mat_stride, row_bytes, cur, wrow0, js.rows(), A, arow, r0, nr, b, tid);
     };
     issue(dsm, 0);
     cp_async_commit();
@@ -1456,7 +1481,8 @@ __device__ __forceinline__ void tc_async_matrix(u8* dsm, const u8* W, i64 mat_st
     // The output base through an opaque copy: otherwise the compiler
     // works the 32 store addresses out before the K loop and keeps them
     // in local memory.
-    float* yo = Y + (i64)r0 * rows + wrow0 + warp * 32 + gq;
+    const int rows = js.rows();
+    float* yo = js.y() + (i64)r0 * rows + wrow0 + warp * 32 + gq;
     asm volatile("" : "+l"(yo));
     int wbase = wrow0 + warp * 32;
 #pragma unroll
@@ -1470,9 +1496,11 @@ __device__ __forceinline__ void tc_async_matrix(u8* dsm, const u8* W, i64 mat_st
             }
 }
 
-template <int Q5, int R, bool MS = false, bool GS = false>
-__device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,
-                              int rows, int m, int nb) {
+// `bx`: the tile's column of 128 weight rows (blockIdx.x, or its place in
+// its own matrix in a launch of several, `mm_tc_q4_k_async32g_jobs`).
+template <int Q5, int R, bool MS = false, bool GS = false, class S = TcArgs>
+__device__ void mm_tc_async_k(const S& js, i64 mat_stride, int row_bytes, const int* mats, const u8* A, int m,
+                              int nb, int bx) {
     constexpr int N = R / 8;  // activation groups of 8 rows (the mma's n)
     extern __shared__ __align__(16) u8 dsm[];
     __shared__ int smat[R];
@@ -1483,7 +1511,7 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
     for (int t = tid; t < R; t += blockDim.x) smat[t] = t < nr ? (mats ? mats[r0 + t] : 0) : -1;
     __syncthreads();
     int gq = lane >> 2, tq = lane & 3;
-    int wrow0 = blockIdx.x * TQ_WROWS;
+    int wrow0 = bx * TQ_WROWS;
     i64 arow = (i64)nb * Q8K_BYTES;
     // Every warp keeps the tile's matrices a lane a row (R <= 32; -1 past
     // the tile's rows), so the bookkeeping below is ballots and one
@@ -1496,10 +1524,10 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
     // Rows of the tile with no matrix get zeros, as in the dp4a kernels.
     for (u32 zero = __ballot_sync(0xffffffffu, lane < nr && vmat < 0); zero; zero &= zero - 1) {
         int t = __ffs(zero) - 1;
-        if (col < rows) Y[(i64)(r0 + t) * rows + col] = 0.0f;
+        if (col < js.rows()) js.y()[(i64)(r0 + t) * js.rows() + col] = 0.0f;
     }
     // The 32-row kernels' copy offsets (unused, so not computed, in the others).
-    const TaSrc<Q5, R> src(row_bytes, wrow0, rows, tid);
+    const TaSrc<Q5, R> src(row_bytes, wrow0, js.rows(), tid);
     const u8* at = A + r0 * arow;
     int prev = -1;
     for (;;) {
@@ -1511,8 +1539,8 @@ __device__ void mm_tc_async_k(const u8* W, i64 mat_stride, int row_bytes, const 
         // Groups of 8 rows up to the last of this matrix's rows.
         [[maybe_unused]] const int ng = GS ? (32 - __clz(live) + 7) / 8 : N;
 #define TC_MATRIX(G)                                                                                    \
-    tc_async_matrix<Q5, R, MS, G>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, A, arow, r0, nr, nb, src, at, \
-                                  live, Y, tid, warp, gq, tq)
+    tc_async_matrix<Q5, R, MS, G>(dsm, js, mat_stride, row_bytes, cur, wrow0, A, arow, r0, nr, nb, src, at, live, \
+                                  tid, warp, gq, tq)
         if constexpr (GS && N == 4) {
             if (ng == 1) TC_MATRIX(1);
             else if (ng == 2) TC_MATRIX(2);
@@ -1555,7 +1583,7 @@ TC_PIPE_KERNEL(mm_tc_q5_k_pipe, 1)
     extern "C" __global__ void __launch_bounds__(128, 3)                                       \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
              int rows, int m, int nb) { pdl_wait();                                            \
-        mm_tc_async_k<Q5, TQ_ROWS>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);         \
+        mm_tc_async_k<Q5, TQ_ROWS>(TcArgs{W, Y, rows}, mat_stride, row_bytes, mats, A, m, nb, blockIdx.x); \
     }
 
 TC_ASYNC_KERNEL(mm_tc_q4_k_async, 0)
@@ -1575,7 +1603,7 @@ TC_ASYNC_KERNEL(mm_tc_q5_k_async, 1)
     extern "C" __global__ void __launch_bounds__(128, BLOCKS)                                  \
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
              int rows, int m, int nb) { pdl_wait();                                            \
-        mm_tc_async_k<Q5, 32, MS, GS>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);      \
+        mm_tc_async_k<Q5, 32, MS, GS>(TcArgs{W, Y, rows}, mat_stride, row_bytes, mats, A, m, nb, blockIdx.x); \
     }
 
 TC_ASYNC32_KERNEL(mm_tc_q4_k_async32, 0, 3, false, false)
@@ -1591,6 +1619,39 @@ TC_ASYNC32_KERNEL(mm_tc_q4_k_async32m, 0, 3, true, false)
 // (GS above; `SAMESUM_CUDA_TC_GROUPS`, default): the same bytes. H200,
 // qwen35moe pp4096: 111.2 -> 107.9 ms.
 TC_ASYNC32_KERNEL(mm_tc_q4_k_async32g, 0, 3, true, true)
+
+// mm_tc_q4_k_async32g for up to 4 matrices of one width against the same
+// activation rows (and, for expert stacks, the same matrix ids and stride)
+// in one launch (`SAMESUM_CUDA_TC_JOBS`): blockIdx.x runs over job 0's
+// columns of 128 weight rows, then job 1's, ..., and each block computes
+// its tile of its job's matrix as the one-matrix launch would (the same
+// code, so the same bytes). A matrix of few rows (a delta net's beta and
+// alpha) then runs beside the others instead of as a launch of a few blocks.
+extern "C" __global__ void __launch_bounds__(128, 3)
+    mm_tc_q4_k_async32g_jobs(MmJobs jobs, i64 mat_stride, int row_bytes, const int* mats, const u8* A, int m,
+                             int nb) {
+    pdl_wait();
+    // Constant indices only: an indexed parameter array would be copied to
+    // local memory.
+    int bx = blockIdx.x, j = 0;
+#pragma unroll
+    for (int i = 0; i < 3; i++) {
+        int cols = (jobs.rows[i] + TQ_WROWS - 1) / TQ_WROWS;
+        if (j == i && i + 1 < jobs.nj && bx >= cols) {
+            bx -= cols;
+            j = i + 1;
+        }
+    }
+    // The job in shared memory (by selects, as above), read back at each use.
+    __shared__ TcJob job;
+    if (threadIdx.x == 0) {
+        job.w = j == 0 ? jobs.w[0] : j == 1 ? jobs.w[1] : j == 2 ? jobs.w[2] : jobs.w[3];
+        job.y = j == 0 ? jobs.y[0] : j == 1 ? jobs.y[1] : j == 2 ? jobs.y[2] : jobs.y[3];
+        job.rows = j == 0 ? jobs.rows[0] : j == 1 ? jobs.rows[1] : j == 2 ? jobs.rows[2] : jobs.rows[3];
+    }
+    __syncthreads();
+    mm_tc_async_k<0, 32, true, true>(TcJobRef{&job}, mat_stride, row_bytes, mats, A, m, nb, bx);
+}
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
 // then a fixed butterfly.

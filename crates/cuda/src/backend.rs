@@ -145,6 +145,12 @@ pub struct Cuda {
     /// `SAMESUM_CUDA_TC_SMALL=1`; H200, session 18: slower, the delta nets'
     /// beta and alpha 5.62 -> 10.28 ms at qwen35moe pp4096). The same bytes.
     tc_small: bool,
+    /// Wide calls of 2 to 4 Q4_K matrices of one width on the same rows
+    /// (a delta net's or attention's input projections, a GLU's gate and
+    /// up) in one tensor-core launch (`mm_tc_q4_k_async32g_jobs`) where each
+    /// would take `mm_tc_q4_k_async32g` (opt-in, `SAMESUM_CUDA_TC_JOBS=1`,
+    /// until measured on a GPU). The same bytes.
+    tc_jobs: bool,
     /// The layer norms also write their output as Q8_K blocks
     /// (`rms_norm_q8k`, `add_rms_norm_q8k`: quantize_q8k's bytes), kept here
     /// for the next op's input projections instead of a quantize launch
@@ -577,6 +583,7 @@ const SWITCHES: &[Switch] = &[
     ("F32_TILE", |c| c.float_tiles, |c, on| c.float_tiles = on),
     ("F32_WIDE", |c| c.float_wide, |c, on| c.float_wide = on),
     ("TC_SMALL", |c| c.tc_small, |c, on| c.tc_small = on),
+    ("TC_JOBS", |c| c.tc_jobs, |c, on| c.tc_jobs = on),
     ("DELTA_ASYNC", |c| c.delta_async, |c, on| c.delta_async = on),
     ("DELTA_PIPE", |c| c.delta_pipe, |c, on| c.delta_pipe = on),
     ("NORM_Q8K", |c| c.norm_quant, |c, on| c.norm_quant = on),
@@ -924,6 +931,7 @@ impl Cuda {
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
             float_wide: env_switch("SAMESUM_CUDA_F32_WIDE", true),
             tc_small: env_switch("SAMESUM_CUDA_TC_SMALL", false),
+            tc_jobs: env_switch("SAMESUM_CUDA_TC_JOBS", false),
             norm_quant: env_switch("SAMESUM_CUDA_NORM_Q8K", true),
             small_norm: env_switch("SAMESUM_CUDA_SMALL_NORM", true),
             silu_q8k: env_switch("SAMESUM_CUDA_SILU_Q8K", true),
@@ -1134,8 +1142,12 @@ impl Cuda {
         };
         if !fused || kernel.is_empty() {
             let mut u = self.dev.scratch::<f32>(m * up.rows)?;
-            self.matmul_on(gate, bases[0], input, mats, y, self.tensor_cores)?;
-            self.matmul_on(up, bases[1], input, mats, &mut u, self.tensor_cores)?;
+            // Gate and up in one tensor-core launch where each would take
+            // the same kernel alone (TC_JOBS), else one each.
+            if !self.tc_jobs_on(&[gate, up], &bases, input, mats, &mut [&mut *y, &mut u])? {
+                self.matmul_on(gate, bases[0], input, mats, y, self.tensor_cores)?;
+                self.matmul_on(up, bases[1], input, mats, &mut u, self.tensor_cores)?;
+            }
             if quant && self.silu_q8k && gate.rows.is_multiple_of(256) {
                 let mut q = self.dev.scratch::<u8>(m * gate.rows / 256 * 304)?;
                 let width = gate.rows as i32;
@@ -1429,6 +1441,46 @@ impl Cuda {
         self.dev.download(&y, m * w.rows)
     }
 
+    /// `ws` on `m` host rows in one tensor-core launch (`TC_JOBS`; `mats`:
+    /// expert ids laid out in tiles of 32 by the plan, shared by every
+    /// matrix): `None` when that launch does not apply (see `tc_jobs_on`),
+    /// for tests.
+    #[doc(hidden)]
+    pub fn tc_jobs_host(
+        &self,
+        ws: &[&Matrix],
+        x: &[f32],
+        m: usize,
+        mats: Option<&[i32]>,
+    ) -> Result<Option<Vec<Vec<f32>>>> {
+        let xd = self.dev.upload(x)?;
+        let md = match mats {
+            Some(v) => Some(self.dev.upload(v)?),
+            None => None,
+        };
+        let mut ys = ws
+            .iter()
+            .map(|w| self.dev.upload(&vec![f32::NAN; m * w.rows]))
+            .collect::<Result<Vec<_>>>()?;
+        let bases = ws
+            .iter()
+            .map(|w| self.wptr(w))
+            .collect::<Result<Vec<_>>>()?;
+        let mut input = Input::new(&xd, m);
+        if mats.is_some() {
+            input.tile = 32;
+        }
+        let mut refs: Vec<&mut CudaSlice<f32>> = ys.iter_mut().collect();
+        if !self.tc_jobs_on(ws, &bases, &input, md.as_ref(), &mut refs)? {
+            return Ok(None);
+        }
+        ws.iter()
+            .zip(&ys)
+            .map(|(w, y)| self.dev.download(y, m * w.rows))
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
     /// `y = W_mat(r) · x[r]` for `m` rows; `mats` gives each row's matrix
     /// (expert), or `None` for matrix 0.
     fn matmul(
@@ -1460,6 +1512,90 @@ impl Cuda {
         self.matmul_on(w, self.wptr(w)?, x, mats, y, self.tensor_cores)
     }
 
+    /// Would a wide call of `w` (at `m` rows, expert stacks or not) take
+    /// `mm_tc_q4_k_async32g` (see `matmul_on`)?
+    fn takes_tc32g(&self, w: &Matrix, input: &Input, experts: bool) -> bool {
+        let m = input.m;
+        self.tensor_cores
+            && m > 16
+            && w.ty == GgmlType::Q4_K
+            && !(self.tc_small && !experts && w.rows < TQ_WROWS)
+            && matches!(self.tc_kernel, TcKernel::Async | TcKernel::Async32)
+            && self.tc_tile(m, input.tile, experts) == 32
+            && self.tc_occ3
+            && self.tc_mins
+            && self.tc_groups
+    }
+
+    /// `ys[i] = ws[i] . x` (with `bases[i]` the matrices' device addresses)
+    /// for 2 to 4 Q4_K matrices of one width, row size and stack layout in
+    /// one tensor-core launch (`mm_tc_q4_k_async32g_jobs`, `TC_JOBS`) when
+    /// each would take `mm_tc_q4_k_async32g` alone: every output is that
+    /// kernel's. Returns false, launching nothing, otherwise.
+    fn tc_jobs_on(
+        &self,
+        ws: &[&Matrix],
+        bases: &[u64],
+        input: &Input,
+        mats: Option<&CudaSlice<i32>>,
+        ys: &mut [&mut CudaSlice<f32>],
+    ) -> Result<bool> {
+        let Some(first) = ws.first() else {
+            return Ok(false);
+        };
+        let same = ws.iter().all(|w| {
+            (w.ty, w.cols, w.row_bytes, w.n_mats)
+                == (first.ty, first.cols, first.row_bytes, first.n_mats)
+                && (mats.is_none() || w.rows == first.rows)
+        });
+        let ok = self.tc_jobs
+            && (2..=4).contains(&ws.len())
+            && ws.len() == bases.len()
+            && ws.len() == ys.len()
+            && same
+            && input.cols() == first.cols
+            && ws
+                .iter()
+                .all(|w| self.takes_tc32g(w, input, mats.is_some()))
+            && ys.iter().zip(ws).all(|(y, w)| y.len() >= input.m * w.rows);
+        if !ok {
+            return Ok(false);
+        }
+        let d = &self.dev;
+        let a = input.q8k(d)?;
+        let mut mj = crate::device::MmJobs::default();
+        let mut tiles = 0u32;
+        for (i, (w, y)) in ws.iter().zip(ys.iter()).enumerate() {
+            mj.w[i] = bases[i];
+            mj.y[i] = crate::device::addr(d, &**y);
+            mj.rows[i] = w.rows as i32;
+            tiles += w.rows.div_ceil(TQ_WROWS) as u32;
+        }
+        mj.nj = ws.len() as i32;
+        let stride = (first.rows * first.row_bytes) as i64;
+        let row_bytes = first.row_bytes as i32;
+        let mats_ptr: u64 = mats.map_or(0, |s| crate::device::addr(d, s));
+        let (mi, nb) = (input.m as i32, (first.cols / 256) as i32);
+        let ct = cfg(
+            (tiles, input.m.div_ceil(32) as u32, 1),
+            128,
+            tc_async_smem(false, 32),
+        );
+        launch!(
+            d,
+            "mm_tc_q4_k_async32g_jobs",
+            ct,
+            &mj,
+            &stride,
+            &row_bytes,
+            &mats_ptr,
+            a,
+            &mi,
+            &nb
+        )?;
+        Ok(true)
+    }
+
     /// `ys[i] = ws[i] . x` for up to four matrices sharing the input: one
     /// launch (`mm_*_multi_1`) for one-row calls where every matrix has one
     /// format, width and row size, else one matmul each. The same bytes
@@ -1483,7 +1619,36 @@ impl Cuda {
             })
             && input.cols() == jobs[0].0.cols;
         if !grouped {
-            for (w, y) in jobs.iter_mut() {
+            // Wide calls: the matrices the tensor-core kernel would take one
+            // by one, in one launch where there are two or more (TC_JOBS).
+            let mut rest: Vec<usize> = (0..jobs.len()).collect();
+            if self.tc_jobs && input.m > 16 {
+                let tc: Vec<usize> = (0..jobs.len())
+                    .filter(|&i| self.takes_tc32g(jobs[i].0, input, false))
+                    .filter(|&i| {
+                        let (w, w0) = (jobs[i].0, jobs[0].0);
+                        (w.cols, w.row_bytes) == (w0.cols, w0.row_bytes)
+                    })
+                    .collect();
+                if tc.len() >= 2 {
+                    let ws: Vec<&Matrix> = tc.iter().map(|&i| jobs[i].0).collect();
+                    let bases = ws
+                        .iter()
+                        .map(|w| self.wptr(w))
+                        .collect::<Result<Vec<_>>>()?;
+                    let mut ys: Vec<&mut CudaSlice<f32>> = jobs
+                        .iter_mut()
+                        .enumerate()
+                        .filter(|(i, _)| tc.contains(i))
+                        .map(|(_, (_, y))| &mut **y)
+                        .collect();
+                    if self.tc_jobs_on(&ws, &bases, input, None, &mut ys)? {
+                        rest.retain(|i| !tc.contains(i));
+                    }
+                }
+            }
+            for i in rest {
+                let (w, y) = &mut jobs[i];
                 self.mm(w, input, None, y)?;
             }
             return Ok(());

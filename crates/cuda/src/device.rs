@@ -246,7 +246,11 @@ impl Device {
                 // The 32-row tensor-core kernels run 3 blocks of ~66 KB an
                 // SM: ask for the largest shared-memory split so the driver
                 // does not pick one that fits only 2.
-                if k.ends_with("_async32") || k.ends_with("_async32m") || k.ends_with("_async32g") {
+                if k.ends_with("_async32")
+                    || k.ends_with("_async32m")
+                    || k.ends_with("_async32g")
+                    || k.ends_with("_async32g_jobs")
+                {
                     let _ = f.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                         100,
@@ -595,6 +599,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_tc_q5_k_async32",
             "mm_tc_q4_k_async32m",
             "mm_tc_q4_k_async32g",
+            "mm_tc_q4_k_async32g_jobs",
             "mm_f32",
             "mm_f16",
             "mm_bf16",

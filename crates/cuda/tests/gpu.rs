@@ -631,6 +631,99 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
     eprintln!("tensor-core matmul cases equal: {checked}");
 }
 
+/// Several Q4_K matrices in one tensor-core launch (`TC_JOBS`:
+/// `mm_tc_q4_k_async32g_jobs`) against one launch each, byte for byte, with
+/// poisoned outputs: a delta net's four input projections (beta and alpha
+/// of a few rows beside the wide ones), attention's q, k and v, the shared
+/// expert's gate and up, and the routed experts' gate and up on the plan's
+/// layout (tiles of one expert ending in padding rows); and the logits with
+/// the switch on and off.
+#[test]
+fn tensor_core_jobs_equal_one_launch_each() {
+    if !gpu() {
+        return;
+    }
+    use samesum_engine::model::weights::{DeltaBa, DeltaInput, Matrix};
+    let mut checked = 0;
+    for name in ["tiny-qwen35moe", "tiny-qwen3moe"] {
+        let sh = shapes::by_name(name).unwrap();
+        let (_d, model) = synth_shape(sh, GgmlType::Q4_K, 61);
+        let mut cuda = Cuda::new(0, &model, false).unwrap();
+        let mut groups: Vec<(Vec<&Matrix>, bool)> = Vec::new();
+        for layer in &model.w.layers {
+            match &layer.mixer {
+                Mixer::Attention(a) => groups.push((vec![&a.q, &a.k, &a.v], false)),
+                Mixer::Linear(dn) => {
+                    if let (DeltaInput::Split { qkv, z }, DeltaBa::Split { beta, alpha }) =
+                        (&dn.input, &dn.ba)
+                    {
+                        groups.push((vec![qkv, z, beta, alpha], false));
+                    }
+                }
+            }
+            if let Some(sh) = &layer.moe.shared {
+                groups.push((vec![&sh.gate, &sh.up], false));
+            }
+            groups.push((vec![&layer.moe.gate, &layer.moe.up], true));
+        }
+        assert!(groups.iter().any(|(ws, _)| ws.len() == 4) || name != "tiny-qwen35moe");
+        let mut rng = Rng::new(67);
+        for (ws, experts) in &groups {
+            let w0 = ws[0];
+            let cases: Vec<(Vec<f32>, Option<Vec<i32>>)> = if *experts {
+                (0..2)
+                    .map(|_| {
+                        let (x, ids) = padded_plan_rows(&mut rng, w0);
+                        (x, Some(ids))
+                    })
+                    .collect()
+            } else {
+                [64, 100, 257]
+                    .iter()
+                    .map(|&m| random_rows(&mut rng, w0, m, (7, 3)))
+                    .collect()
+            };
+            for (x, ids) in cases {
+                let m = x.len() / w0.cols;
+                cuda.set_switch("TC_JOBS", true).unwrap();
+                let joint = cuda
+                    .tc_jobs_host(ws, &x, m, ids.as_deref())
+                    .unwrap()
+                    .unwrap_or_else(|| panic!("{name} {} m={m}: no joint launch", w0.name));
+                cuda.set_switch("TC_JOBS", false).unwrap();
+                assert!(
+                    cuda.tc_jobs_host(ws, &x, m, ids.as_deref())
+                        .unwrap()
+                        .is_none(),
+                    "the switch is off"
+                );
+                for (w, y) in ws.iter().zip(&joint) {
+                    assert!(y.iter().all(|v| v.is_finite()), "{}: non-finite", w.name);
+                    let one = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
+                    assert!(
+                        same_bits(y, &one),
+                        "{name} {} m={m}: the joint launch differs from its own launch",
+                        w.name
+                    );
+                }
+                checked += 1;
+            }
+        }
+    }
+    eprintln!("tensor-core joint launch cases equal: {checked}");
+    assert_switch_keeps_logits(
+        ["tiny-qwen3moe", "tiny-qwen3next", "tiny-qwen35moe"]
+            .iter()
+            .map(|n| shapes::by_name(n).unwrap())
+            .collect(),
+        |s| s.name.to_string(),
+        (71, 73),
+        "TC_JOBS",
+        &[300],
+        "joint and separate tensor-core launches",
+    );
+}
+
 /// The one-launch expert plan (small calls) against the three-kernel plan
 /// and a plain host reference, on random routings with skipped (-1) ids:
 /// places padded per expert, pairs in token order, unused places -1.
