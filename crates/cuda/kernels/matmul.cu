@@ -1253,16 +1253,21 @@ __device__ __forceinline__ void ta_issue(u8* stage, const u8* W, i64 mat_stride,
 // c / PIECES of the tile, piece c % PIECES; rows past the matrix's read its
 // last row) come from byte offsets worked out once per block of threads
 // (`TaSrc`, kept in registers) from the tile's first row at block 0.
-template <int Q5, int R>
+// T: the block's threads (128, or 256 in the 8-warp kernel, where the
+// 1,152 Q4_K pieces are 4.5 a thread: the fifth for the first 128 only).
+template <int Q5, int R, int T = 128>
 struct TaSrc {
     static constexpr int WPC = TaLayout<Q5, R>::BYTES / 16;
-    static constexpr int WP = TQ_WROWS * WPC / 128;
-    static_assert(TQ_WROWS * WPC % 128 == 0, "whole weight pieces a thread");
+    static constexpr int PIECES = TQ_WROWS * WPC;
+    static constexpr int WP = (PIECES + T - 1) / T;
+    static_assert(T == 128 ? PIECES % T == 0 : PIECES % 128 == 0, "whole weight pieces a thread");
     u32 w[WP];
     __device__ __forceinline__ TaSrc(int row_bytes, int wrow0, int rows, int tid) {
 #pragma unroll
         for (int i = 0; i < WP; i++) {
-            int c = tid + 128 * i, r = c / WPC, q = c - r * WPC;
+            int c = tid + T * i;
+            if constexpr (PIECES % T != 0) c = min(c, PIECES - 1);  // unused past the pieces
+            int r = c / WPC, q = c - r * WPC;
             w[i] = (u32)((min(wrow0 + r, rows - 1) - wrow0) * row_bytes + 16 * q);
         }
     }
@@ -1273,17 +1278,18 @@ struct TaSrc {
 // zero-filled): warp w copies activation rows w, w + 4, ..., lane l < 19
 // piece l of each, one row's 304 consecutive bytes an instruction at offsets
 // that step by a constant. The same bytes in the same places as ta_issue.
-template <int Q5, int R>
-__device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8* at, const TaSrc<Q5, R>& src,
+template <int Q5, int R, int T = 128>
+__device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8* at, const TaSrc<Q5, R, T>& src,
                                               u32 arow, int nr, int b, int tid) {
     typedef TaLayout<Q5, R> L;
-    typedef TaSrc<Q5, R> S;
-    static_assert(R % 4 == 0, "activation rows a warp");
+    typedef TaSrc<Q5, R, T> S;
+    constexpr int NWARP = T / 32;
+    static_assert(R % NWARP == 0, "activation rows a warp");
     const u8* wb = wt + (i64)b * L::BYTES;
 #pragma unroll
     for (int i = 0; i < S::WP; i++) {
-        int c = tid + 128 * i, r = c / S::WPC, q = c - r * S::WPC;
-        cp_async16(stage + L::W_OFF + r * L::WST + q * 16, wb + src.w[i], true);
+        int c = tid + T * i, r = c / S::WPC, q = c - r * S::WPC;
+        if (S::PIECES % T == 0 || c < S::PIECES) cp_async16(stage + L::W_OFF + r * L::WST + q * 16, wb + src.w[i], true);
     }
     int warp = tid / 32, lane = tid % 32;
     if (lane < Q8K_BYTES / 16) {
@@ -1293,10 +1299,10 @@ __device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8*
         // each) rather than hoisted out of the K loop into local memory.
         asm volatile("" : "+l"(ab));
 #pragma unroll
-        for (int k = 0; k < R / 4; k++) {
-            int t = warp + 4 * k;
+        for (int k = 0; k < R / NWARP; k++) {
+            int t = warp + NWARP * k;
             bool ok = t < nr;
-            cp_async16(ad + 4 * k * TA_AST, ab + (ok ? (u32)t * arow : 0u), ok);
+            cp_async16(ad + NWARP * k * TA_AST, ab + (ok ? (u32)t * arow : 0u), ok);
         }
     }
 }
@@ -1340,13 +1346,22 @@ struct TcJobRef {
 // but with GS, `SAMESUM_CUDA_TC_GROUPS`: the groups past the matrix's last
 // row, which in expert calls are the plan's padding, are skipped; every
 // stored output's integer sums and float steps are as they were).
-template <int Q5, int R, bool MS, int NG, class S>
+//
+// T = 256 (the 8-warp kernel): warp w takes weight rows 32 (w & 3) .. + 31
+// against activation groups NG (w >> 2) .. + NG - 1 of the tile, so a block
+// of 8 warps covers the same tile as 4 warps of 2 NG groups; a warp whose
+// groups are all past the matrix's last row (`active` false) only copies
+// and waits at the barriers.
+template <int Q5, int R, bool MS, int NG, int T = 128, class S>
 __device__ __forceinline__ void tc_async_matrix(u8* dsm, const S& js, i64 mat_stride, int row_bytes, int cur,
                                                 int wrow0, const u8* A, i64 arow, int r0, int nr, int nb,
-                                                const TaSrc<Q5, R>& src, const u8* at, u32 live, int tid, int warp,
-                                                int gq, int tq) {
+                                                const TaSrc<Q5, R, T>& src, const u8* at, u32 live, int tid,
+                                                int warp, int gq, int tq, bool active = true) {
     typedef TaLayout<Q5, R> L;
     constexpr bool KEPT = R >= 32;
+    static_assert(T == 128 || (T == 256 && KEPT && MS), "the 8-warp kernel is the 32-row mins kernel");
+    const int wq = T == 256 ? warp & 3 : warp;          // the warp's 32 weight rows
+    const int g0 = T == 256 ? (warp >> 2) * NG : 0;     // its first activation group
     float acc[2][NG][4];
 #pragma unroll
     for (int a = 0; a < 2; a++)
@@ -1357,7 +1372,7 @@ __device__ __forceinline__ void tc_async_matrix(u8* dsm, const S& js, i64 mat_st
     const u8* wt = js.w() + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
     auto issue = [&](u8* stage, int b) {
         if constexpr (KEPT)
-            ta_issue_kept<Q5, R>(stage, wt, at, src, (u32)arow, nr, b, tid);
+            ta_issue_kept<Q5, R, T>(stage, wt, at, src, (u32)arow, nr, b, tid);
         else
             ta_issue<Q5, R>(stage, js.w(), mat_stride, row_bytes, cur, wrow0, js.rows(), A, arow, r0, nr, b, tid);
     };
@@ -1386,93 +1401,95 @@ __device__ __forceinline__ void tc_async_matrix(u8* dsm, const S& js, i64 mat_st
             }
             __syncthreads();
         }
-        // This thread's rows: wrow + 8 i WST (one base, constant offsets).
-        const u8* wrow = st + L::W_OFF + (warp * 32 + gq) * L::WST;
-        u32 scl[4], sch[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            // Header words 1 (scales) and 3 (high scale bits).
-            u32 h1 = *(const u32*)(wrow + 8 * i * L::WST + 4);
-            u32 h3 = *(const u32*)(wrow + 8 * i * L::WST + 12);
-            scl[i] = h1 & 0x3f3f3f3fu;
-            sch[i] = (h3 & 0x0f0f0f0fu) | (((h1 >> 6) & 0x03030303u) << 4);
-        }
-        uint2 qh[4];
-        if (Q5) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) qh[i] = *(const uint2*)(wrow + 8 * i * L::WST + 16 + 8 * tq);
-        }
-        int isum[2][NG][4];
-#pragma unroll
-        for (int a = 0; a < 2; a++)
-#pragma unroll
-            for (int n = 0; n < NG; n++)
-#pragma unroll
-                for (int c = 0; c < 4; c++) isum[a][n][c] = 0;
-        const u8* sqb = st + L::A_OFF;
-#pragma unroll
-        for (int p = 0; p < 4; p++) {
-            uint2 wq[4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) wq[i] = *(const uint2*)(wrow + 8 * i * L::WST + L::QS + 32 * p + 8 * tq);
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                int s = 2 * p + h;
-                tc_subblock<Q5>(isum, wq, qh, sqb, TA_AST, s, h, gq, tq, scl, sch);
+        if (active) {
+            // This thread's rows: wrow + 8 i WST (one base, constant offsets).
+            const u8* wrow = st + L::W_OFF + (wq * 32 + gq) * L::WST;
+            u32 scl[4], sch[4];
+    #pragma unroll
+            for (int i = 0; i < 4; i++) {
+                // Header words 1 (scales) and 3 (high scale bits).
+                u32 h1 = *(const u32*)(wrow + 8 * i * L::WST + 4);
+                u32 h3 = *(const u32*)(wrow + 8 * i * L::WST + 12);
+                scl[i] = h1 & 0x3f3f3f3fu;
+                sch[i] = (h3 & 0x0f0f0f0fu) | (((h1 >> 6) & 0x03030303u) << 4);
             }
-        }
-        // d, dmin and the mins of the four rows, read again for the
-        // float steps (shorter live ranges).
-        u32 mnl[4], mnh[4];
-        float dw[4], dmw[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            uint4 h = *(const uint4*)(wrow + 8 * i * L::WST);
-            dw[i] = f16_to_f32((u16)(h.x & 0xffff));
-            dmw[i] = f16_to_f32((u16)(h.x >> 16));
-            mnl[i] = h.z & 0x3f3f3f3fu;
-            mnh[i] = ((h.w >> 4) & 0x0f0f0f0fu) | (((h.z >> 6) & 0x03030303u) << 4);
-        }
-        if constexpr (MS) {
-            // Row i's mins for this thread's slots: bytes (m, m, m', m')
-            // of sub-blocks 2tq and 2tq + 1.
-            const u32 sel = (tq & 1) ? 0x3322u : 0x1100u;
-            u32 pm[4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) pm[i] = __byte_perm(tq < 2 ? mnl[i] : mnh[i], 0, sel);
-#pragma unroll
-            for (int n = 0; n < NG; n++) {
-                // Activation row 8n + gq's bsums 4tq..4tq+3.
-                uint2 v = *(const uint2*)(sqb + (n * 8 + gq) * TA_AST + Q8K_BSUMS + 8 * tq);
-                u32 blo = __byte_perm(v.x, v.y, 0x6420u), bhi = __byte_perm(v.x, v.y, 0x7531u);
-#pragma unroll
-                for (int a = 0; a < 2; a++) {
-                    int lo[4], hi[4];
-                    mma_s8<true>(lo, pm[2 * a], pm[2 * a + 1], 0u, 0u, blo, 0u);
-                    mma_s8(hi, pm[2 * a], pm[2 * a + 1], 0u, 0u, bhi, 0u);
-#pragma unroll
-                    for (int c = 0; c < 4; c++) {
-                        int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
-                        float da = *(const float*)(sqb + t * TA_AST + Q8K_D);
-                        acc[a][n][c] =
-                            step_min(acc[a][n][c], dw[i], dmw[i], da, isum[a][n][c], hi[c] * 256 + lo[c]);
-                    }
+            uint2 qh[4];
+            if (Q5) {
+    #pragma unroll
+                for (int i = 0; i < 4; i++) qh[i] = *(const uint2*)(wrow + 8 * i * L::WST + 16 + 8 * tq);
+            }
+            int isum[2][NG][4];
+    #pragma unroll
+            for (int a = 0; a < 2; a++)
+    #pragma unroll
+                for (int n = 0; n < NG; n++)
+    #pragma unroll
+                    for (int c = 0; c < 4; c++) isum[a][n][c] = 0;
+            const u8* sqb = st + L::A_OFF + g0 * 8 * TA_AST;
+    #pragma unroll
+            for (int p = 0; p < 4; p++) {
+                uint2 wq[4];
+    #pragma unroll
+                for (int i = 0; i < 4; i++) wq[i] = *(const uint2*)(wrow + 8 * i * L::WST + L::QS + 32 * p + 8 * tq);
+    #pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    int s = 2 * p + h;
+                    tc_subblock<Q5>(isum, wq, qh, sqb, TA_AST, s, h, gq, tq, scl, sch);
                 }
             }
-        } else {
-#pragma unroll
-            for (int a = 0; a < 2; a++)
-#pragma unroll
-                for (int n = 0; n < NG; n++)
-#pragma unroll
-                    for (int c = 0; c < 4; c++) {
-                        int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
-                        int ms = __dp2a_lo(sbs[t * 4 + 0], (int)mnl[i], 0);
-                        ms = __dp2a_hi(sbs[t * 4 + 1], (int)mnl[i], ms);
-                        ms = __dp2a_lo(sbs[t * 4 + 2], (int)mnh[i], ms);
-                        ms = __dp2a_hi(sbs[t * 4 + 3], (int)mnh[i], ms);
-                        acc[a][n][c] = step_min(acc[a][n][c], dw[i], dmw[i], sda[t], isum[a][n][c], ms);
+            // d, dmin and the mins of the four rows, read again for the
+            // float steps (shorter live ranges).
+            u32 mnl[4], mnh[4];
+            float dw[4], dmw[4];
+    #pragma unroll
+            for (int i = 0; i < 4; i++) {
+                uint4 h = *(const uint4*)(wrow + 8 * i * L::WST);
+                dw[i] = f16_to_f32((u16)(h.x & 0xffff));
+                dmw[i] = f16_to_f32((u16)(h.x >> 16));
+                mnl[i] = h.z & 0x3f3f3f3fu;
+                mnh[i] = ((h.w >> 4) & 0x0f0f0f0fu) | (((h.z >> 6) & 0x03030303u) << 4);
+            }
+            if constexpr (MS) {
+                // Row i's mins for this thread's slots: bytes (m, m, m', m')
+                // of sub-blocks 2tq and 2tq + 1.
+                const u32 sel = (tq & 1) ? 0x3322u : 0x1100u;
+                u32 pm[4];
+    #pragma unroll
+                for (int i = 0; i < 4; i++) pm[i] = __byte_perm(tq < 2 ? mnl[i] : mnh[i], 0, sel);
+    #pragma unroll
+                for (int n = 0; n < NG; n++) {
+                    // Activation row 8n + gq's bsums 4tq..4tq+3.
+                    uint2 v = *(const uint2*)(sqb + (n * 8 + gq) * TA_AST + Q8K_BSUMS + 8 * tq);
+                    u32 blo = __byte_perm(v.x, v.y, 0x6420u), bhi = __byte_perm(v.x, v.y, 0x7531u);
+    #pragma unroll
+                    for (int a = 0; a < 2; a++) {
+                        int lo[4], hi[4];
+                        mma_s8<true>(lo, pm[2 * a], pm[2 * a + 1], 0u, 0u, blo, 0u);
+                        mma_s8(hi, pm[2 * a], pm[2 * a + 1], 0u, 0u, bhi, 0u);
+    #pragma unroll
+                        for (int c = 0; c < 4; c++) {
+                            int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                            float da = *(const float*)(sqb + t * TA_AST + Q8K_D);
+                            acc[a][n][c] =
+                                step_min(acc[a][n][c], dw[i], dmw[i], da, isum[a][n][c], hi[c] * 256 + lo[c]);
+                        }
                     }
+                }
+            } else {
+    #pragma unroll
+                for (int a = 0; a < 2; a++)
+    #pragma unroll
+                    for (int n = 0; n < NG; n++)
+    #pragma unroll
+                        for (int c = 0; c < 4; c++) {
+                            int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                            int ms = __dp2a_lo(sbs[t * 4 + 0], (int)mnl[i], 0);
+                            ms = __dp2a_hi(sbs[t * 4 + 1], (int)mnl[i], ms);
+                            ms = __dp2a_lo(sbs[t * 4 + 2], (int)mnh[i], ms);
+                            ms = __dp2a_hi(sbs[t * 4 + 3], (int)mnh[i], ms);
+                            acc[a][n][c] = step_min(acc[a][n][c], dw[i], dmw[i], sda[t], isum[a][n][c], ms);
+                        }
+            }
         }
         // Stage b & 1 is refilled by the next iteration's copies (block
         // b + 2): every read of it ends here.
@@ -1482,23 +1499,24 @@ __device__ __forceinline__ void tc_async_matrix(u8* dsm, const S& js, i64 mat_st
     // works the 32 store addresses out before the K loop and keeps them
     // in local memory.
     const int rows = js.rows();
-    float* yo = js.y() + (i64)r0 * rows + wrow0 + warp * 32 + gq;
+    float* yo = js.y() + (i64)r0 * rows + wrow0 + wq * 32 + gq;
     asm volatile("" : "+l"(yo));
-    int wbase = wrow0 + warp * 32;
+    int wbase = wrow0 + wq * 32;
 #pragma unroll
     for (int a = 0; a < 2; a++)
 #pragma unroll
         for (int n = 0; n < NG; n++)
 #pragma unroll
             for (int c = 0; c < 4; c++) {
-                int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                int i = 2 * a + c / 2, t = 8 * (g0 + n) + 2 * tq + c % 2;
                 if (wbase + 8 * i + gq < rows && ((live >> t) & 1u)) yo[(i64)t * rows + 8 * i] = acc[a][n][c];
             }
 }
 
 // `bx`: the tile's column of 128 weight rows (blockIdx.x, or its place in
 // its own matrix in a launch of several, `mm_tc_q4_k_async32g_jobs`).
-template <int Q5, int R, bool MS = false, bool GS = false, class S = TcArgs>
+// T: the block's threads (256: the 8-warp kernel, see tc_async_matrix).
+template <int Q5, int R, bool MS = false, bool GS = false, int T = 128, class S = TcArgs>
 __device__ void mm_tc_async_k(const S& js, i64 mat_stride, int row_bytes, const int* mats, const u8* A, int m,
                               int nb, int bx) {
     constexpr int N = R / 8;  // activation groups of 8 rows (the mma's n)
@@ -1520,14 +1538,14 @@ __device__ void mm_tc_async_k(const S& js, i64 mat_stride, int row_bytes, const 
     // kernel's stall samples, its K loop being 2 to 8 blocks).
     static_assert(R <= 32, "a lane a tile row");
     const int vmat = lane < R ? smat[lane] : -1;
-    const int col = wrow0 + tid;  // TQ_WROWS == blockDim.x: a thread a weight row
+    const int col = wrow0 + tid;  // the first TQ_WROWS threads: a thread a weight row
     // Rows of the tile with no matrix get zeros, as in the dp4a kernels.
     for (u32 zero = __ballot_sync(0xffffffffu, lane < nr && vmat < 0); zero; zero &= zero - 1) {
         int t = __ffs(zero) - 1;
-        if (col < js.rows()) js.y()[(i64)(r0 + t) * js.rows() + col] = 0.0f;
+        if ((T == TQ_WROWS || tid < TQ_WROWS) && col < js.rows()) js.y()[(i64)(r0 + t) * js.rows() + col] = 0.0f;
     }
     // The 32-row kernels' copy offsets (unused, so not computed, in the others).
-    const TaSrc<Q5, R> src(row_bytes, wrow0, js.rows(), tid);
+    const TaSrc<Q5, R, T> src(row_bytes, wrow0, js.rows(), tid);
     const u8* at = A + r0 * arow;
     int prev = -1;
     for (;;) {
@@ -1538,19 +1556,25 @@ __device__ void mm_tc_async_k(const S& js, i64 mat_stride, int row_bytes, const 
         const u32 live = __ballot_sync(0xffffffffu, vmat == cur);
         // Groups of 8 rows up to the last of this matrix's rows.
         [[maybe_unused]] const int ng = GS ? (32 - __clz(live) + 7) / 8 : N;
-#define TC_MATRIX(G)                                                                                    \
-    tc_async_matrix<Q5, R, MS, G>(dsm, js, mat_stride, row_bytes, cur, wrow0, A, arow, r0, nr, nb, src, at, live, \
-                                  tid, warp, gq, tq)
-        if constexpr (GS && N == 4) {
-            if (ng == 1) TC_MATRIX(1);
-            else if (ng == 2) TC_MATRIX(2);
-            else if (ng == 3) TC_MATRIX(3);
-            else TC_MATRIX(4);
+#define TC_MATRIX(G, ACTIVE)                                                                               \
+    tc_async_matrix<Q5, R, MS, G, T>(dsm, js, mat_stride, row_bytes, cur, wrow0, A, arow, r0, nr, nb, src, at, live, \
+                                     tid, warp, gq, tq, ACTIVE)
+        if constexpr (T == 256) {
+            // Two groups a warp; a warp whose two are past the matrix's last
+            // row (with GS) skips the arithmetic. Every warp runs the same
+            // code, so the same barriers.
+            static_assert(N == 4, "the 8-warp kernel runs 32-row tiles");
+            TC_MATRIX(2, !GS || ng > 2 * (warp >> 2));
+        } else if constexpr (GS && N == 4) {
+            if (ng == 1) TC_MATRIX(1, true);
+            else if (ng == 2) TC_MATRIX(2, true);
+            else if (ng == 3) TC_MATRIX(3, true);
+            else TC_MATRIX(4, true);
         } else if constexpr (GS && N == 2) {
-            if (ng == 1) TC_MATRIX(1);
-            else TC_MATRIX(2);
+            if (ng == 1) TC_MATRIX(1, true);
+            else TC_MATRIX(2, true);
         } else {
-            TC_MATRIX(N);
+            TC_MATRIX(N, true);
         }
 #undef TC_MATRIX
     }
@@ -1619,6 +1643,19 @@ TC_ASYNC32_KERNEL(mm_tc_q4_k_async32m, 0, 3, true, false)
 // (GS above; `SAMESUM_CUDA_TC_GROUPS`, default): the same bytes. H200,
 // qwen35moe pp4096: 111.2 -> 107.9 ms.
 TC_ASYNC32_KERNEL(mm_tc_q4_k_async32g, 0, 3, true, true)
+
+// mm_tc_q4_k_async32g with 8 warps a block (`SAMESUM_CUDA_TC_W8`, opt-in
+// until measured): each warp takes half of the tile's activation rows for
+// its 32 weight rows, so half the accumulators, 2 blocks of 8 warps an SM
+// (16 warps against 12) to hide the K loop's latencies, at the cost of each
+// weight fragment's unpacking done by two warps. The same code per output,
+// so the same bytes. Dynamic shared memory as mm_tc_q4_k_async32g.
+extern "C" __global__ void __launch_bounds__(256, 2)
+    mm_tc_q4_k_async32w(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,
+                        int rows, int m, int nb) {
+    pdl_wait();
+    mm_tc_async_k<0, 32, true, true, 256>(TcArgs{W, Y, rows}, mat_stride, row_bytes, mats, A, m, nb, blockIdx.x);
+}
 
 // mm_tc_q4_k_async32g for up to 4 matrices of one width against the same
 // activation rows (and, for expert stacks, the same matrix ids and stride)

@@ -151,6 +151,11 @@ pub struct Cuda {
     /// would take `mm_tc_q4_k_async32g` (opt-in, `SAMESUM_CUDA_TC_JOBS=1`,
     /// until measured on a GPU). The same bytes.
     tc_jobs: bool,
+    /// The 32-row padding-skipping Q4_K tensor-core kernel at 8 warps a
+    /// block, each on half the tile's activation rows (`mm_tc_q4_k_async32w`:
+    /// 128 registers, 16 warps an SM against 12; opt-in,
+    /// `SAMESUM_CUDA_TC_W8=1`, until measured on a GPU). The same bytes.
+    tc_w8: bool,
     /// The layer norms also write their output as Q8_K blocks
     /// (`rms_norm_q8k`, `add_rms_norm_q8k`: quantize_q8k's bytes), kept here
     /// for the next op's input projections instead of a quantize launch
@@ -584,6 +589,7 @@ const SWITCHES: &[Switch] = &[
     ("F32_WIDE", |c| c.float_wide, |c, on| c.float_wide = on),
     ("TC_SMALL", |c| c.tc_small, |c, on| c.tc_small = on),
     ("TC_JOBS", |c| c.tc_jobs, |c, on| c.tc_jobs = on),
+    ("TC_W8", |c| c.tc_w8, |c, on| c.tc_w8 = on),
     ("DELTA_ASYNC", |c| c.delta_async, |c, on| c.delta_async = on),
     ("DELTA_PIPE", |c| c.delta_pipe, |c, on| c.delta_pipe = on),
     ("NORM_Q8K", |c| c.norm_quant, |c, on| c.norm_quant = on),
@@ -932,6 +938,7 @@ impl Cuda {
             float_wide: env_switch("SAMESUM_CUDA_F32_WIDE", true),
             tc_small: env_switch("SAMESUM_CUDA_TC_SMALL", false),
             tc_jobs: env_switch("SAMESUM_CUDA_TC_JOBS", false),
+            tc_w8: env_switch("SAMESUM_CUDA_TC_W8", false),
             norm_quant: env_switch("SAMESUM_CUDA_NORM_Q8K", true),
             small_norm: env_switch("SAMESUM_CUDA_SMALL_NORM", true),
             silu_q8k: env_switch("SAMESUM_CUDA_SILU_Q8K", true),
@@ -1525,6 +1532,7 @@ impl Cuda {
             && self.tc_occ3
             && self.tc_mins
             && self.tc_groups
+            && !self.tc_w8
     }
 
     /// `ys[i] = ws[i] . x` (with `bases[i]` the matrices' device addresses)
@@ -1915,6 +1923,15 @@ impl Cuda {
                         (TcKernel::Plain, _) => "mm_tc_q5_k",
                         (TcKernel::Pipelined, _) if q4 => "mm_tc_q4_k_pipe",
                         (TcKernel::Pipelined, _) => "mm_tc_q5_k_pipe",
+                        (_, 32)
+                            if q4
+                                && self.tc_occ3
+                                && self.tc_mins
+                                && self.tc_groups
+                                && self.tc_w8 =>
+                        {
+                            "mm_tc_q4_k_async32w"
+                        }
                         (_, 32) if q4 && self.tc_occ3 && self.tc_mins && self.tc_groups => {
                             "mm_tc_q4_k_async32g"
                         }
@@ -1933,9 +1950,11 @@ impl Cuda {
                         }
                         _ => 0,
                     };
+                    // 8 warps a block for the 8-warp kernel, 4 for the others.
+                    let threads = if k == "mm_tc_q4_k_async32w" { 256 } else { 128 };
                     let ct = cfg(
                         (w.rows.div_ceil(128) as u32, m.div_ceil(tile) as u32, 1),
-                        128,
+                        threads,
                         smem,
                     );
                     // Profiles split the tensor-core launches by kind and

@@ -250,6 +250,7 @@ impl Device {
                     || k.ends_with("_async32m")
                     || k.ends_with("_async32g")
                     || k.ends_with("_async32g_jobs")
+                    || k.ends_with("_async32w")
                 {
                     let _ = f.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
@@ -600,6 +601,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_tc_q4_k_async32m",
             "mm_tc_q4_k_async32g",
             "mm_tc_q4_k_async32g_jobs",
+            "mm_tc_q4_k_async32w",
             "mm_f32",
             "mm_f16",
             "mm_bf16",

@@ -560,20 +560,23 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
             let mut cuda = Cuda::new(0, &model, false).unwrap();
             // Tensor cores for every matrix, however few its rows.
             cuda.set_switch("TC_SMALL", false).unwrap();
-            // Async32 three times: the mins sums on tensor cores (TC_MINS),
-            // with padding groups skipped (TC_GROUPS), and by dp2a.
-            for (tk, mins, groups) in [
-                (TcKernel::Plain, true, false),
-                (TcKernel::Pipelined, true, false),
-                (TcKernel::Async, true, false),
-                (TcKernel::Async32, true, false),
-                (TcKernel::Async32, true, true),
-                (TcKernel::Async32, false, false),
+            // Async32 four times: the mins sums on tensor cores (TC_MINS),
+            // with padding groups skipped (TC_GROUPS), that at 8 warps a
+            // block (TC_W8, Q4_K), and by dp2a.
+            for (tk, mins, groups, w8) in [
+                (TcKernel::Plain, true, false, false),
+                (TcKernel::Pipelined, true, false, false),
+                (TcKernel::Async, true, false, false),
+                (TcKernel::Async32, true, false, false),
+                (TcKernel::Async32, true, true, false),
+                (TcKernel::Async32, true, true, true),
+                (TcKernel::Async32, false, false, false),
             ] {
                 cuda.set_tc_kernel(tk);
                 cuda.set_switch("TC_MINS", mins).unwrap();
                 cuda.set_switch("TC_GROUPS", groups).unwrap();
-                let kind = format!("{tk:?} mins-mma={mins} groups={groups} ");
+                cuda.set_switch("TC_W8", w8).unwrap();
+                let kind = format!("{tk:?} mins-mma={mins} groups={groups} w8={w8} ");
                 let moe = &model.w.layers[0].moe;
                 let mats: Vec<&samesum_engine::model::weights::Matrix> = vec![&moe.gate, &moe.down]
                     .into_iter()
@@ -1340,6 +1343,27 @@ fn small_matrices_on_dp4a_keep_the_logits() {
         "TC_SMALL",
         &[17, 64, 300],
         "dp4a and tensor-core small matrices",
+    );
+}
+
+/// The 8-warp tensor-core kernel (`TC_W8`) against the 4-warp one: the same
+/// logits bytes in prefill (chunks of 300 take 32-row tiles on every tiny
+/// shape's experts and projections).
+#[test]
+fn eight_warp_tensor_core_tiles_keep_the_logits() {
+    if !gpu() {
+        return;
+    }
+    assert_switch_keeps_logits(
+        ["tiny-qwen3moe", "tiny-qwen3next", "tiny-qwen35moe"]
+            .iter()
+            .map(|n| shapes::by_name(n).unwrap())
+            .collect(),
+        |s| s.name.to_string(),
+        (79, 83),
+        "TC_W8",
+        &[64, 300],
+        "8-warp and 4-warp tensor-core tiles",
     );
 }
 
