@@ -13,6 +13,7 @@
 # SAMESUM_GPU_TG (decode tokens, 128), SAMESUM_GPU_REPS (2), SAMESUM_GPU_ARMS
 # (replay,batched) and SAMESUM_GPU_CHUNK (the CUDA default, 2048); the chunks step sweeps
 # SAMESUM_GPU_CHUNKS ("512 1024 2048") for batched pp4096 and pp16384;
+# replay measures qwen35moe replay at SAMESUM_GPU_REPLAY_PP (4096), one run;
 # longq35 / longq3 measure replay at pp16384 (one run, several minutes each;
 # SAMESUM_GPU_LONG_PP and _LONG_TIMEOUT change the lengths and the limit);
 # SAMESUM_GPU_ID_CHUNKS sets the identity step's chunk sizes.
@@ -138,6 +139,13 @@ run)
             -p ${SAMESUM_GPU_LONG_PP:-16384} -n 0 -r 1 \
             --prefill replay --no-warmup
     }
+    if [[ $steps == *,replay,* ]]; then
+        # qwen35moe replay at pp4096 (one run, no warm-up): the
+        # batched-over-replay bar's denominator.
+        q35=$(model qwen35moe-35b-a3b)
+        step replay-q35 timeout 200 .gpu/samesum bench --device cuda -m "$q35" \
+            -p ${SAMESUM_GPU_REPLAY_PP:-4096} -n 0 -r 1 --prefill replay --no-warmup
+    fi
     [[ $steps == *,longq35,* ]] && long_replay qwen35moe-35b-a3b
     [[ $steps == *,longq3,* ]] && long_replay qwen3moe-30b-a3b
     if [[ $steps == *,chunks,* ]]; then
