@@ -454,6 +454,31 @@ struct MmJobs {
     int nj;
 };
 
+// The block's job in a launch whose blockIdx.x runs over job 0's columns of
+// `per` weight rows, then job 1's, ...: its matrix, output, rows and column
+// within it (constant indices only: an indexed parameter array would be
+// copied to local memory).
+struct MmJob {
+    const u8* w;
+    float* y;
+    int rows, bx;
+};
+__device__ __forceinline__ MmJob mm_job(const MmJobs& jobs, int per) {
+    int bx = blockIdx.x, j = 0;
+    int c0 = (jobs.rows[0] + per - 1) / per, c1 = (jobs.rows[1] + per - 1) / per,
+        c2 = (jobs.rows[2] + per - 1) / per;
+    if (jobs.nj > 1 && bx >= c0) {
+        bx -= c0, j = 1;
+        if (jobs.nj > 2 && bx >= c1) {
+            bx -= c1, j = 2;
+            if (jobs.nj > 3 && bx >= c2) bx -= c2, j = 3;
+        }
+    }
+    return MmJob{j == 0 ? jobs.w[0] : j == 1 ? jobs.w[1] : j == 2 ? jobs.w[2] : jobs.w[3],
+                 j == 0 ? jobs.y[0] : j == 1 ? jobs.y[1] : j == 2 ? jobs.y[2] : jobs.y[3],
+                 j == 0 ? jobs.rows[0] : j == 1 ? jobs.rows[1] : j == 2 ? jobs.rows[2] : jobs.rows[3], bx};
+}
+
 #define MM_MULTI_KERNEL(name, F)                                                              \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                  \
         name(MmJobs jobs, int row_bytes, const u8* A, int m, int nb) { pdl_wait();            \
@@ -722,19 +747,8 @@ extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1)
 }
 
 extern "C" __global__ void __maxnreg__(80) mm_q4_k_lane_multi_1(MmJobs jobs, int row_bytes, const u8* A, int m, int nb) {
-    int bx = blockIdx.x, j = 0;
-    int c0 = (jobs.rows[0] + 31) / 32, c1 = (jobs.rows[1] + 31) / 32, c2 = (jobs.rows[2] + 31) / 32;
-    if (jobs.nj > 1 && bx >= c0) {
-        bx -= c0, j = 1;
-        if (jobs.nj > 2 && bx >= c1) {
-            bx -= c1, j = 2;
-            if (jobs.nj > 3 && bx >= c2) bx -= c2, j = 3;
-        }
-    }
-    const u8* w = j == 0 ? jobs.w[0] : j == 1 ? jobs.w[1] : j == 2 ? jobs.w[2] : jobs.w[3];
-    float* y = j == 0 ? jobs.y[0] : j == 1 ? jobs.y[1] : j == 2 ? jobs.y[2] : jobs.y[3];
-    int rows = j == 0 ? jobs.rows[0] : j == 1 ? jobs.rows[1] : j == 2 ? jobs.rows[2] : jobs.rows[3];
-    mm_lane<1>(w, nullptr, 0, row_bytes, nullptr, A, y, rows, m, nb, bx, nullptr, true);
+    const MmJob j = mm_job(jobs, 32);
+    mm_lane<1>(j.w, nullptr, 0, row_bytes, nullptr, A, j.y, j.rows, m, nb, j.bx, nullptr, true);
 }
 
 // Expert ids and input rows come from the routing kernel: no loads before
@@ -1405,7 +1419,7 @@ __device__ __forceinline__ void tc_async_matrix(u8* dsm, const S& js, i64 mat_st
             // This thread's rows: wrow + 8 i WST (one base, constant offsets).
             const u8* wrow = st + L::W_OFF + (wq * 32 + gq) * L::WST;
             u32 scl[4], sch[4];
-    #pragma unroll
+#pragma unroll
             for (int i = 0; i < 4; i++) {
                 // Header words 1 (scales) and 3 (high scale bits).
                 u32 h1 = *(const u32*)(wrow + 8 * i * L::WST + 4);
@@ -1415,23 +1429,23 @@ __device__ __forceinline__ void tc_async_matrix(u8* dsm, const S& js, i64 mat_st
             }
             uint2 qh[4];
             if (Q5) {
-    #pragma unroll
+#pragma unroll
                 for (int i = 0; i < 4; i++) qh[i] = *(const uint2*)(wrow + 8 * i * L::WST + 16 + 8 * tq);
             }
             int isum[2][NG][4];
-    #pragma unroll
+#pragma unroll
             for (int a = 0; a < 2; a++)
-    #pragma unroll
+#pragma unroll
                 for (int n = 0; n < NG; n++)
-    #pragma unroll
+#pragma unroll
                     for (int c = 0; c < 4; c++) isum[a][n][c] = 0;
             const u8* sqb = st + L::A_OFF + g0 * 8 * TA_AST;
-    #pragma unroll
+#pragma unroll
             for (int p = 0; p < 4; p++) {
                 uint2 wq[4];
-    #pragma unroll
+#pragma unroll
                 for (int i = 0; i < 4; i++) wq[i] = *(const uint2*)(wrow + 8 * i * L::WST + L::QS + 32 * p + 8 * tq);
-    #pragma unroll
+#pragma unroll
                 for (int h = 0; h < 2; h++) {
                     int s = 2 * p + h;
                     tc_subblock<Q5>(isum, wq, qh, sqb, TA_AST, s, h, gq, tq, scl, sch);
@@ -1441,7 +1455,7 @@ __device__ __forceinline__ void tc_async_matrix(u8* dsm, const S& js, i64 mat_st
             // float steps (shorter live ranges).
             u32 mnl[4], mnh[4];
             float dw[4], dmw[4];
-    #pragma unroll
+#pragma unroll
             for (int i = 0; i < 4; i++) {
                 uint4 h = *(const uint4*)(wrow + 8 * i * L::WST);
                 dw[i] = f16_to_f32((u16)(h.x & 0xffff));
@@ -1454,19 +1468,19 @@ __device__ __forceinline__ void tc_async_matrix(u8* dsm, const S& js, i64 mat_st
                 // of sub-blocks 2tq and 2tq + 1.
                 const u32 sel = (tq & 1) ? 0x3322u : 0x1100u;
                 u32 pm[4];
-    #pragma unroll
+#pragma unroll
                 for (int i = 0; i < 4; i++) pm[i] = __byte_perm(tq < 2 ? mnl[i] : mnh[i], 0, sel);
-    #pragma unroll
+#pragma unroll
                 for (int n = 0; n < NG; n++) {
                     // Activation row 8n + gq's bsums 4tq..4tq+3.
                     uint2 v = *(const uint2*)(sqb + (n * 8 + gq) * TA_AST + Q8K_BSUMS + 8 * tq);
                     u32 blo = __byte_perm(v.x, v.y, 0x6420u), bhi = __byte_perm(v.x, v.y, 0x7531u);
-    #pragma unroll
+#pragma unroll
                     for (int a = 0; a < 2; a++) {
                         int lo[4], hi[4];
                         mma_s8<true>(lo, pm[2 * a], pm[2 * a + 1], 0u, 0u, blo, 0u);
                         mma_s8(hi, pm[2 * a], pm[2 * a + 1], 0u, 0u, bhi, 0u);
-    #pragma unroll
+#pragma unroll
                         for (int c = 0; c < 4; c++) {
                             int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
                             float da = *(const float*)(sqb + t * TA_AST + Q8K_D);
@@ -1476,11 +1490,11 @@ __device__ __forceinline__ void tc_async_matrix(u8* dsm, const S& js, i64 mat_st
                     }
                 }
             } else {
-    #pragma unroll
+#pragma unroll
                 for (int a = 0; a < 2; a++)
-    #pragma unroll
+#pragma unroll
                     for (int n = 0; n < NG; n++)
-    #pragma unroll
+#pragma unroll
                         for (int c = 0; c < 4; c++) {
                             int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
                             int ms = __dp2a_lo(sbs[t * 4 + 0], (int)mnl[i], 0);
@@ -1668,26 +1682,12 @@ extern "C" __global__ void __launch_bounds__(128, 3)
     mm_tc_q4_k_async32g_jobs(MmJobs jobs, i64 mat_stride, int row_bytes, const int* mats, const u8* A, int m,
                              int nb) {
     pdl_wait();
-    // Constant indices only: an indexed parameter array would be copied to
-    // local memory.
-    int bx = blockIdx.x, j = 0;
-#pragma unroll
-    for (int i = 0; i < 3; i++) {
-        int cols = (jobs.rows[i] + TQ_WROWS - 1) / TQ_WROWS;
-        if (j == i && i + 1 < jobs.nj && bx >= cols) {
-            bx -= cols;
-            j = i + 1;
-        }
-    }
-    // The job in shared memory (by selects, as above), read back at each use.
+    const MmJob j = mm_job(jobs, TQ_WROWS);
+    // The job in shared memory, read back at each use.
     __shared__ TcJob job;
-    if (threadIdx.x == 0) {
-        job.w = j == 0 ? jobs.w[0] : j == 1 ? jobs.w[1] : j == 2 ? jobs.w[2] : jobs.w[3];
-        job.y = j == 0 ? jobs.y[0] : j == 1 ? jobs.y[1] : j == 2 ? jobs.y[2] : jobs.y[3];
-        job.rows = j == 0 ? jobs.rows[0] : j == 1 ? jobs.rows[1] : j == 2 ? jobs.rows[2] : jobs.rows[3];
-    }
+    if (threadIdx.x == 0) job = TcJob{j.w, j.y, j.rows};
     __syncthreads();
-    mm_tc_async_k<0, 32, true, true>(TcJobRef{&job}, mat_stride, row_bytes, mats, A, m, nb, bx);
+    mm_tc_async_k<0, 32, true, true>(TcJobRef{&job}, mat_stride, row_bytes, mats, A, m, nb, j.bx);
 }
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,

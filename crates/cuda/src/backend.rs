@@ -1519,20 +1519,53 @@ impl Cuda {
         self.matmul_on(w, self.wptr(w)?, x, mats, y, self.tensor_cores)
     }
 
-    /// Would a wide call of `w` (at `m` rows, expert stacks or not) take
-    /// `mm_tc_q4_k_async32g` (see `matmul_on`)?
+    /// The tensor-core kernel and tile rows for `w` on `input` (expert
+    /// stacks or not), or `None` where the call takes the dp4a kernels:
+    /// calls of up to 16 rows, formats other than Q4_K/Q5_K, tensor cores
+    /// off, and (with `tc_small`) plain matrices under one tile's 128 rows.
+    fn tc_kernel_for(
+        &self,
+        w: &Matrix,
+        input: &Input,
+        experts: bool,
+        tensor_cores: bool,
+    ) -> Option<(&'static str, usize)> {
+        // A plain matrix of fewer rows than a tensor-core tile's 128 (a
+        // delta net's beta and alpha: 32) would run a few blocks, each
+        // mostly unused rows: the dp4a kernels spread it over the GPU.
+        let small = self.tc_small && !experts && w.rows < TQ_WROWS;
+        if input.m <= 16
+            || !tensor_cores
+            || small
+            || !matches!(w.ty, GgmlType::Q4_K | GgmlType::Q5_K)
+        {
+            return None;
+        }
+        let tile = self.tc_tile(input.m, input.tile, experts);
+        let q4 = w.ty == GgmlType::Q4_K;
+        let g = self.tc_occ3 && self.tc_mins && self.tc_groups;
+        let k = match (self.tc_kernel, tile) {
+            (TcKernel::Plain, _) if q4 => "mm_tc_q4_k",
+            (TcKernel::Plain, _) => "mm_tc_q5_k",
+            (TcKernel::Pipelined, _) if q4 => "mm_tc_q4_k_pipe",
+            (TcKernel::Pipelined, _) => "mm_tc_q5_k_pipe",
+            (_, 32) if q4 && g && self.tc_w8 => "mm_tc_q4_k_async32w",
+            (_, 32) if q4 && g => "mm_tc_q4_k_async32g",
+            (_, 32) if q4 && self.tc_occ3 && self.tc_mins => "mm_tc_q4_k_async32m",
+            (_, 32) if q4 && self.tc_occ3 => "mm_tc_q4_k_async32",
+            (_, 32) if q4 => "mm_tc_q4_k_async32_b2",
+            (_, 32) => "mm_tc_q5_k_async32",
+            _ if q4 => "mm_tc_q4_k_async",
+            _ => "mm_tc_q5_k_async",
+        };
+        Some((k, tile))
+    }
+
+    /// Would a wide call of `w` take `mm_tc_q4_k_async32g` (the kernel
+    /// whose several-matrix form `tc_jobs_on` launches)?
     fn takes_tc32g(&self, w: &Matrix, input: &Input, experts: bool) -> bool {
-        let m = input.m;
-        self.tensor_cores
-            && m > 16
-            && w.ty == GgmlType::Q4_K
-            && !(self.tc_small && !experts && w.rows < TQ_WROWS)
-            && matches!(self.tc_kernel, TcKernel::Async | TcKernel::Async32)
-            && self.tc_tile(m, input.tile, experts) == 32
-            && self.tc_occ3
-            && self.tc_mins
-            && self.tc_groups
-            && !self.tc_w8
+        self.tc_kernel_for(w, input, experts, self.tensor_cores)
+            .is_some_and(|(k, _)| k == "mm_tc_q4_k_async32g")
     }
 
     /// `ys[i] = ws[i] . x` (with `bases[i]` the matrices' device addresses)
@@ -1630,13 +1663,11 @@ impl Cuda {
             // Wide calls: the matrices the tensor-core kernel would take one
             // by one, in one launch where there are two or more (TC_JOBS).
             let mut rest: Vec<usize> = (0..jobs.len()).collect();
-            if self.tc_jobs && input.m > 16 {
+            if self.tc_jobs {
+                // The input's width fixes every matrix's columns, and Q4_K
+                // fixes their row size: tc_jobs_on's shape checks hold.
                 let tc: Vec<usize> = (0..jobs.len())
                     .filter(|&i| self.takes_tc32g(jobs[i].0, input, false))
-                    .filter(|&i| {
-                        let (w, w0) = (jobs[i].0, jobs[0].0);
-                        (w.cols, w.row_bytes) == (w0.cols, w0.row_bytes)
-                    })
                     .collect();
                 if tc.len() >= 2 {
                     let ws: Vec<&Matrix> = tc.iter().map(|&i| jobs[i].0).collect();
@@ -1848,44 +1879,20 @@ impl Cuda {
                     && w.cols.is_multiple_of(4)
                     && wptr.is_multiple_of(16)
                     && addr(d, x).is_multiple_of(16);
-                if wide_tiles && w.rows <= MFF_ROWS {
-                    // A matrix of a few rows (a shared expert's input gate:
-                    // one) would leave most of a 32-row tile's work unused:
-                    // a warp an activation row (`mm_f32_few`).
-                    let cf = cfg((m.div_ceil(4) as u32, 1, 1), 128, 0);
-                    return launch!(
-                        d,
-                        "mm_f32_few",
-                        cf,
-                        &wptr,
-                        &row_bytes,
-                        x,
-                        y,
-                        &rows,
-                        &mi,
-                        &cols
-                    );
-                }
                 if wide_tiles {
-                    // 8 weight rows x 16 activation rows a warp, 4 warps a
-                    // block sharing the activation rows (MFW_* in matmul.cu).
-                    let ct = cfg(
-                        (w.rows.div_ceil(32) as u32, m.div_ceil(16) as u32, 1),
-                        128,
-                        MFW_SMEM,
-                    );
-                    return launch!(
-                        d,
-                        "mm_f32_tile_w8",
-                        ct,
-                        &wptr,
-                        &row_bytes,
-                        x,
-                        y,
-                        &rows,
-                        &mi,
-                        &cols
-                    );
+                    let (kernel, cw) = if w.rows <= MFF_ROWS {
+                        // A matrix of a few rows (a shared expert's input
+                        // gate: one) would leave most of a 32-row tile's
+                        // work unused: a warp an activation row.
+                        ("mm_f32_few", cfg((m.div_ceil(4) as u32, 1, 1), 128, 0))
+                    } else {
+                        // 8 weight rows x 16 activation rows a warp, 4 warps
+                        // a block sharing the activation rows (MFW_* in
+                        // matmul.cu).
+                        let grid = (w.rows.div_ceil(32) as u32, m.div_ceil(16) as u32, 1);
+                        ("mm_f32_tile_w8", cfg(grid, 128, MFW_SMEM))
+                    };
+                    return launch!(d, kernel, cw, &wptr, &row_bytes, x, y, &rows, &mi, &cols);
                 }
                 if wide && mats.is_none() && self.float_tiles {
                     // Tiles of 4 weight rows x 16 activation rows per warp
@@ -1909,39 +1916,8 @@ impl Cuda {
             GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
                 let nbi = (w.cols / 256) as i32;
                 let a = input.q8k(d)?;
-                // A plain matrix of fewer rows than a tensor-core tile's 128
-                // (a delta net's beta and alpha: 32) would run a few
-                // blocks, each mostly unused rows: the dp4a kernels spread
-                // it over the GPU (`tc_small`).
-                let small = self.tc_small && mats.is_none() && w.rows < TQ_WROWS;
-                if wide && tensor_cores && !small && matches!(w.ty, GgmlType::Q4_K | GgmlType::Q5_K)
+                if let Some((k, tile)) = self.tc_kernel_for(w, input, mats.is_some(), tensor_cores)
                 {
-                    let tile = self.tc_tile(m, input.tile, mats.is_some());
-                    let q4 = w.ty == GgmlType::Q4_K;
-                    let k = match (self.tc_kernel, tile) {
-                        (TcKernel::Plain, _) if q4 => "mm_tc_q4_k",
-                        (TcKernel::Plain, _) => "mm_tc_q5_k",
-                        (TcKernel::Pipelined, _) if q4 => "mm_tc_q4_k_pipe",
-                        (TcKernel::Pipelined, _) => "mm_tc_q5_k_pipe",
-                        (_, 32)
-                            if q4
-                                && self.tc_occ3
-                                && self.tc_mins
-                                && self.tc_groups
-                                && self.tc_w8 =>
-                        {
-                            "mm_tc_q4_k_async32w"
-                        }
-                        (_, 32) if q4 && self.tc_occ3 && self.tc_mins && self.tc_groups => {
-                            "mm_tc_q4_k_async32g"
-                        }
-                        (_, 32) if q4 && self.tc_occ3 && self.tc_mins => "mm_tc_q4_k_async32m",
-                        (_, 32) if q4 && self.tc_occ3 => "mm_tc_q4_k_async32",
-                        (_, 32) if q4 => "mm_tc_q4_k_async32_b2",
-                        (_, 32) => "mm_tc_q5_k_async32",
-                        _ if q4 => "mm_tc_q4_k_async",
-                        _ => "mm_tc_q5_k_async",
-                    };
                     // The async kernels' two stages of shared memory (see
                     // TaLayout in matmul.cu).
                     let smem = match self.tc_kernel {

@@ -31,6 +31,11 @@ fn gpu() -> bool {
     n > 0
 }
 
+/// The shapes of `names` (every one a known shape).
+fn named_shapes(names: &[&str]) -> Vec<shapes::Shape> {
+    names.iter().map(|n| shapes::by_name(n).unwrap()).collect()
+}
+
 fn synth(shape: &str, quant: GgmlType, seed: u64) -> (tempfile::TempDir, Model) {
     synth_shape(shapes::by_name(shape).unwrap(), quant, seed)
 }
@@ -439,8 +444,7 @@ fn float_tile_matmuls_equal_the_row_kernel_and_single_rows() {
     if !gpu() {
         return;
     }
-    let mut shapes_: Vec<shapes::Shape> =
-        SHAPES.iter().map(|n| shapes::by_name(n).unwrap()).collect();
+    let mut shapes_: Vec<shapes::Shape> = named_shapes(SHAPES);
     shapes_.push(shapes::Shape {
         hidden: 768,
         layers: 1,
@@ -537,8 +541,7 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
     let mut checked = 0;
     // The tiny shapes have 256 columns (one weight block per row); a wider
     // one runs the kernels' block loop over several blocks (odd and even).
-    let mut shapes_: Vec<shapes::Shape> =
-        SHAPES.iter().map(|n| shapes::by_name(n).unwrap()).collect();
+    let mut shapes_: Vec<shapes::Shape> = named_shapes(SHAPES);
     shapes_.push(shapes::Shape {
         hidden: 768,
         expert_ff: 512,
@@ -715,10 +718,7 @@ fn tensor_core_jobs_equal_one_launch_each() {
     }
     eprintln!("tensor-core joint launch cases equal: {checked}");
     assert_switch_keeps_logits(
-        ["tiny-qwen3moe", "tiny-qwen3next", "tiny-qwen35moe"]
-            .iter()
-            .map(|n| shapes::by_name(n).unwrap())
-            .collect(),
+        named_shapes(SHAPES),
         |s| s.name.to_string(),
         (71, 73),
         "TC_JOBS",
@@ -1302,10 +1302,7 @@ fn tiled_conv_equals_the_row_kernel() {
     if !gpu() {
         return;
     }
-    let cases: Vec<shapes::Shape> = ["tiny-qwen3next", "tiny-qwen35moe"]
-        .iter()
-        .map(|n| shapes::by_name(n).unwrap())
-        .collect();
+    let cases = named_shapes(&["tiny-qwen3next", "tiny-qwen35moe"]);
     for sh in &cases {
         let conv = sh.delta.unwrap().conv_kernel;
         assert_eq!(conv, 4, "{}: the tile kernel's conv size", sh.name);
@@ -1328,10 +1325,7 @@ fn small_matrices_on_dp4a_keep_the_logits() {
     if !gpu() {
         return;
     }
-    let cases: Vec<shapes::Shape> = ["tiny-qwen3next", "tiny-qwen35moe"]
-        .iter()
-        .map(|n| shapes::by_name(n).unwrap())
-        .collect();
+    let cases = named_shapes(&["tiny-qwen3next", "tiny-qwen35moe"]);
     for sh in &cases {
         let hv = sh.delta.unwrap().value_heads;
         assert!(hv < 128, "{}: beta has {hv} rows", sh.name);
@@ -1355,10 +1349,7 @@ fn eight_warp_tensor_core_tiles_keep_the_logits() {
         return;
     }
     assert_switch_keeps_logits(
-        ["tiny-qwen3moe", "tiny-qwen3next", "tiny-qwen35moe"]
-            .iter()
-            .map(|n| shapes::by_name(n).unwrap())
-            .collect(),
+        named_shapes(SHAPES),
         |s| s.name.to_string(),
         (79, 83),
         "TC_W8",
