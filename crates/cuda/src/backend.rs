@@ -1581,7 +1581,7 @@ impl Cuda {
         mats: Option<&CudaSlice<i32>>,
         ys: &mut [&mut CudaSlice<f32>],
     ) -> Result<bool> {
-        let Some(first) = ws.first() else {
+        let Some(first) = ws.first().filter(|_| self.tc_jobs) else {
             return Ok(false);
         };
         let same = ws.iter().all(|w| {
@@ -1589,8 +1589,7 @@ impl Cuda {
                 == (first.ty, first.cols, first.row_bytes, first.n_mats)
                 && (mats.is_none() || w.rows == first.rows)
         });
-        let ok = self.tc_jobs
-            && (2..=4).contains(&ws.len())
+        let ok = (2..=4).contains(&ws.len())
             && ws.len() == bases.len()
             && ws.len() == ys.len()
             && same
