@@ -100,15 +100,11 @@ __device__ __forceinline__ int isum_lanes(int v, int w) {
 // quantize_row_q8_K_ref. Lane l holds elements l, l + 32, ...; the max, the
 // first index reaching it, the element roundings and the integer block sums
 // do not depend on which lane holds which element, so any caller gets the
-// same bytes. `xb` may be global or shared memory.
-__device__ __forceinline__ void q8k_block(const float* xb, u8* ob, int lane) {
-    float v[8];
+// same bytes. From registers: lane l's v[i] is element i * 32 + l.
+__device__ __forceinline__ void q8k_block_regs(const float (&v)[8], u8* ob, int lane) {
     float amax = 0.0f;
     int first = 1 << 30;
-    for (int i = 0; i < 8; i++) {
-        v[i] = xb[i * 32 + lane];
-        amax = fmaxf(amax, fabsf(v[i]));
-    }
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(v[i]));
     for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     for (int i = 0; i < 8; i++) {
         if (fabsf(v[i]) == amax && first == (1 << 30)) first = i * 32 + lane;
@@ -122,7 +118,13 @@ __device__ __forceinline__ void q8k_block(const float* xb, u8* ob, int lane) {
         if (lane == 0) *(float*)(ob + Q8K_D) = 0.0f;
         return;
     }
-    float max = xb[first];
+    // Element `first` (the lowest index of largest magnitude, signed) is
+    // register first / 32 of lane first % 32 (every lane holds the same
+    // `first`, so every lane takes part in the shuffle).
+    float own = v[0];
+    for (int i = 1; i < 8; i++)
+        if (i == first / 32) own = v[i];
+    float max = __shfl_sync(0xffffffffu, own, first % 32);
     float iscale = -127.0f / max;
     int q[8];
     for (int i = 0; i < 8; i++) {
@@ -138,6 +140,14 @@ __device__ __forceinline__ void q8k_block(const float* xb, u8* ob, int lane) {
         if ((lane & 15) == 0) bsums[2 * i + lane / 16] = (i16)s;
     }
     if (lane == 0) *(float*)(ob + Q8K_D) = 1.0f / iscale;
+}
+
+// q8k_block_regs of a 256-block in memory, global or shared (element
+// i * 32 + lane read by `lane`).
+__device__ __forceinline__ void q8k_block(const float* xb, u8* ob, int lane) {
+    float v[8];
+    for (int i = 0; i < 8; i++) v[i] = xb[i * 32 + lane];
+    q8k_block_regs(v, ob, lane);
 }
 
 // ---------------------------------------------------------------- routing

@@ -231,6 +231,27 @@ extern "C" __global__ void __launch_bounds__(128)
     q8k_block(ab, q + (r * nb + c) * Q8K_BYTES, lane);
 }
 
+// silu_mul_q8k_w quantizing the products from registers, without storing
+// them (`SILU_REGS`): the next matmul reads the Q8_K blocks only, so the
+// float rows' write (a third of the kernel's traffic) goes. `a` keeps the
+// gate's outputs. The same products and q8k_block's arithmetic on them, so
+// the same Q8_K bytes.
+extern "C" __global__ void __launch_bounds__(128)
+    silu_mul_q8k_wr(const float* a, const float* b, u8* q, int width, int m) {
+    pdl_wait();
+    int nb = width / 256, lane = threadIdx.x % 32;
+    i64 w = (i64)blockIdx.x * 4 + threadIdx.x / 32;
+    if (w >= (i64)m * nb) return;
+    i64 r = w / nb;
+    int c = (int)(w % nb);
+    const float* ab = a + r * width + c * 256;
+    const float* bb = b + r * width + c * 256;
+    float v[8];
+#pragma unroll
+    for (int t = 0; t < 8; t++) v[t] = silu(ab[lane + 32 * t]) * bb[lane + 32 * t];
+    q8k_block_regs(v, q + (r * nb + c) * Q8K_BYTES, lane);
+}
+
 // sigmoid_mul on rows of `width` (a multiple of 256), then the rows' Q8_K
 // blocks as quantize_q8k makes them: the gated attention's output, quantized
 // for the out projection without a launch of its own. A warp per 256-block
@@ -2951,6 +2972,53 @@ extern "C" __global__ void moe_combine(const float* out, const int* slot, const 
     int r = (int)(i / d), c = (int)(i % d);
     float sg = shared ? sigmoid(gi[r]) : 0.0f;
     y[i] = moe_combine_elem(out, slot, wts, ys, sg, r, c, k, d, shared);
+}
+
+// moe_combine four columns a thread (d a multiple of 4; `COMBINE_VEC`, wide
+// calls): a row's slots and weights read once, each slot's four columns by
+// one 16-byte load, the loads of four slots issued before their sums. Each
+// column's sum is moe_combine_elem's: the same terms in slot order, then
+// the shared expert's, so the same bytes.
+extern "C" __global__ void moe_combine4(const float* out, const int* slot, const float* wts, const float* ys,
+                                        const float* gi, float* y, int m, int k, int d, int shared) {
+    pdl_wait();
+    int d4 = d / 4;
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (i64)m * d4) return;
+    int r = (int)(i / d4), c = (int)(i % d4) * 4;
+    const int* sl = slot + (i64)r * k;
+    const float* sw = wts + (i64)r * k;
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    for (int s0 = 0; s0 < k; s0 += 4) {
+        int at[4];
+        float w[4];
+        float4 o[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            at[j] = s0 + j < k ? sl[s0 + j] : -1;
+            w[j] = s0 + j < k ? sw[s0 + j] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            if (at[j] >= 0) o[j] = *(const float4*)(out + (i64)at[j] * d + c);
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            if (at[j] >= 0) {
+                a0 = a0 + w[j] * o[j].x;
+                a1 = a1 + w[j] * o[j].y;
+                a2 = a2 + w[j] * o[j].z;
+                a3 = a3 + w[j] * o[j].w;
+            }
+    }
+    if (shared) {
+        float sg = sigmoid(gi[r]);
+        float4 v = *(const float4*)(ys + (i64)r * d + c);
+        a0 = a0 + sg * v.x;
+        a1 = a1 + sg * v.y;
+        a2 = a2 + sg * v.z;
+        a3 = a3 + sg * v.w;
+    }
+    *(float4*)(y + (i64)r * d + c) = make_float4(a0, a1, a2, a3);
 }
 
 // moe_combine of row r (a block a row), then add_rms_norm_q8k's work on it:

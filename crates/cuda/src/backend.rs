@@ -148,13 +148,15 @@ pub struct Cuda {
     /// Wide calls of 2 to 4 Q4_K matrices of one width on the same rows
     /// (a delta net's or attention's input projections, a GLU's gate and
     /// up) in one tensor-core launch (`mm_tc_q4_k_async32g_jobs`) where each
-    /// would take `mm_tc_q4_k_async32g` (opt-in, `SAMESUM_CUDA_TC_JOBS=1`,
-    /// until measured on a GPU). The same bytes.
+    /// would take `mm_tc_q4_k_async32g` (default, off with
+    /// `SAMESUM_CUDA_TC_JOBS=0`; H200, session 19: qwen35moe pp4096 +2.4%,
+    /// the Q4_K matmuls 74.0 -> 66.9 ms). The same bytes.
     tc_jobs: bool,
     /// The 32-row padding-skipping Q4_K tensor-core kernel at 8 warps a
     /// block, each on half the tile's activation rows (`mm_tc_q4_k_async32w`:
     /// 128 registers, 16 warps an SM against 12; opt-in,
-    /// `SAMESUM_CUDA_TC_W8=1`, until measured on a GPU). The same bytes.
+    /// `SAMESUM_CUDA_TC_W8=1`: slower on the H200, session 19, qwen35moe
+    /// pp4096 -6.5%). The same bytes.
     tc_w8: bool,
     /// The layer norms also write their output as Q8_K blocks
     /// (`rms_norm_q8k`, `add_rms_norm_q8k`: quantize_q8k's bytes), kept here
@@ -216,6 +218,15 @@ pub struct Cuda {
     /// (`silu_mul_q8k_w`; default) or a block per row (`silu_mul_q8k`,
     /// `SAMESUM_CUDA_SILU_WARP=0`). The same bytes.
     silu_warp: bool,
+    /// With `silu_warp`: the GLU's products quantized from registers, not
+    /// also stored as floats (`silu_mul_q8k_wr`: the next matmul reads the
+    /// Q8_K blocks only; default, off with `SAMESUM_CUDA_SILU_REGS=0`). The
+    /// same Q8_K bytes.
+    silu_regs: bool,
+    /// Wide calls' MoE combine four columns a thread (`moe_combine4`: each
+    /// column's sum as moe_combine's; default, off with
+    /// `SAMESUM_CUDA_COMBINE_VEC=0`). The same bytes.
+    combine_vec: bool,
     /// Ungated attention's combine writes the out projection's Q8_K rows
     /// (`attention_combine_q8k`: attention_combine's and quantize_q8k's
     /// bytes; default, off with `SAMESUM_CUDA_COMBINE_Q8K=0`).
@@ -605,6 +616,8 @@ const SWITCHES: &[Switch] = &[
     ("CONV_TILE", |c| c.conv_tile, |c, on| c.conv_tile = on),
     ("SQ_LANES", |c| c.sq_lanes, |c, on| c.sq_lanes = on),
     ("SILU_WARP", |c| c.silu_warp, |c, on| c.silu_warp = on),
+    ("SILU_REGS", |c| c.silu_regs, |c, on| c.silu_regs = on),
+    ("COMBINE_VEC", |c| c.combine_vec, |c, on| c.combine_vec = on),
     ("COMBINE_Q8K", |c| c.combine_q8k, |c, on| c.combine_q8k = on),
     ("MOE_NORM", |c| c.moe_norm, |c, on| c.moe_norm = on),
     ("ATT_ONE", |c| c.att_one, |c, on| c.att_one = on),
@@ -937,7 +950,7 @@ impl Cuda {
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
             float_wide: env_switch("SAMESUM_CUDA_F32_WIDE", true),
             tc_small: env_switch("SAMESUM_CUDA_TC_SMALL", false),
-            tc_jobs: env_switch("SAMESUM_CUDA_TC_JOBS", false),
+            tc_jobs: env_switch("SAMESUM_CUDA_TC_JOBS", true),
             tc_w8: env_switch("SAMESUM_CUDA_TC_W8", false),
             norm_quant: env_switch("SAMESUM_CUDA_NORM_Q8K", true),
             small_norm: env_switch("SAMESUM_CUDA_SMALL_NORM", true),
@@ -952,6 +965,8 @@ impl Cuda {
             conv_tile: env_switch("SAMESUM_CUDA_CONV_TILE", true),
             sq_lanes: env_switch("SAMESUM_CUDA_SQ_LANES", true),
             silu_warp: env_switch("SAMESUM_CUDA_SILU_WARP", true),
+            silu_regs: env_switch("SAMESUM_CUDA_SILU_REGS", true),
+            combine_vec: env_switch("SAMESUM_CUDA_COMBINE_VEC", true),
             combine_q8k: env_switch("SAMESUM_CUDA_COMBINE_Q8K", true),
             moe_norm: env_switch("SAMESUM_CUDA_MOE_NORM", false),
             att_one: env_switch("SAMESUM_CUDA_ATT_ONE", false),
@@ -1118,7 +1133,9 @@ impl Cuda {
     /// bytes either way: each product is the matmul's, then silu_mul's
     /// expression. With `quant`, where the two matmuls ran, `y`'s Q8_K
     /// blocks too (`silu_mul_q8k`, with the `SILU_Q8K` switch on and rows a
-    /// multiple of 256 wide), for the next matmul's input.
+    /// multiple of 256 wide), for the next matmul's input; where they are
+    /// returned with `SILU_REGS` on, `y` keeps the gate's outputs and the
+    /// blocks alone hold the GLU's (every K-quant matmul reads them).
     #[allow(clippy::too_many_arguments)]
     fn glu_on(
         &self,
@@ -1162,7 +1179,11 @@ impl Cuda {
                     let mi = m as i32;
                     launch!(
                         self.dev,
-                        "silu_mul_q8k_w",
+                        if self.silu_regs {
+                            "silu_mul_q8k_wr"
+                        } else {
+                            "silu_mul_q8k_w"
+                        },
                         cfg(((m * gate.rows / 256).div_ceil(4) as u32, 1, 1), 128, 0),
                         y,
                         &u,
@@ -3500,10 +3521,11 @@ impl Cuda {
             self.shared_expert(sh, &xin, m, fs, &mut ys, &mut gi)?;
         }
         let shared = mw.shared.is_some() as i32;
+        let vec = self.combine_vec && dm.is_multiple_of(4);
         launch!(
             d,
-            "moe_combine",
-            cfg1(m * dm),
+            if vec { "moe_combine4" } else { "moe_combine" },
+            cfg1(if vec { m * dm / 4 } else { m * dm }),
             &oe,
             &slot,
             &wts,

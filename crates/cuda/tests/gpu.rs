@@ -1376,6 +1376,54 @@ fn warp_glu_quantization_equals_the_row_kernel() {
     );
 }
 
+/// The GLU's products quantized from registers without storing them
+/// (`silu_mul_q8k_wr`, `SILU_REGS`) against silu_mul_q8k_w, which stores
+/// them and quantizes what it stored: the same logits bytes in wide calls,
+/// at expert widths of one 256-block and of three.
+#[test]
+fn register_glu_quantization_equals_the_stored_rows() {
+    if !gpu() {
+        return;
+    }
+    assert_switch_keeps_logits(
+        wide_glu_shapes(&["tiny-qwen3moe", "tiny-qwen35moe"]),
+        |s| format!("{} expert_ff {}", s.name, s.expert_ff),
+        (59, 61),
+        "SILU_REGS",
+        &[17, 64, 300],
+        "silu_mul_q8k_wr and silu_mul_q8k_w",
+    );
+}
+
+/// Wide calls' MoE combine four columns a thread (`moe_combine4`,
+/// `COMBINE_VEC`) against a thread a column: the same logits bytes with and
+/// without a shared expert (tiny-qwen3moe has none), at 2 experts a token
+/// (a part-filled group of four slots) and at 6 (a full group, then a
+/// part-filled one).
+#[test]
+fn four_column_combine_equals_the_column_kernel() {
+    if !gpu() {
+        return;
+    }
+    let mut cases = named_shapes(SHAPES);
+    for name in ["tiny-qwen3moe", "tiny-qwen35moe"] {
+        cases.push(shapes::Shape {
+            experts_used: 6,
+            ..shapes::by_name(name).unwrap()
+        });
+    }
+    assert!(cases.iter().all(|s| s.hidden % 4 == 0));
+    assert!(cases.iter().any(|s| s.shared_ff == 0) && cases.iter().any(|s| s.shared_ff > 0));
+    assert_switch_keeps_logits(
+        cases,
+        |s| format!("{} k {}", s.name, s.experts_used),
+        (67, 71),
+        "COMBINE_VEC",
+        &[17, 64, 300],
+        "moe_combine4 and moe_combine",
+    );
+}
+
 /// The f64 head sums of squares with every lane squaring (`SQ_LANES`)
 /// against lane 0 squaring them all: the same logits bytes on the delta-net
 /// shapes (l2norm_qk and gated_norm_q8k in prefill; decode-sized calls take
