@@ -220,12 +220,13 @@ pub struct Cuda {
     silu_warp: bool,
     /// With `silu_warp`: the GLU's products quantized from registers, not
     /// also stored as floats (`silu_mul_q8k_wr`: the next matmul reads the
-    /// Q8_K blocks only; default, off with `SAMESUM_CUDA_SILU_REGS=0`). The
-    /// same Q8_K bytes.
+    /// Q8_K blocks only; opt-in, `SAMESUM_CUDA_SILU_REGS=1`: slower on the
+    /// H200, session 19). The same Q8_K bytes.
     silu_regs: bool,
     /// Wide calls' MoE combine four columns a thread (`moe_combine4`: each
     /// column's sum as moe_combine's; default, off with
-    /// `SAMESUM_CUDA_COMBINE_VEC=0`). The same bytes.
+    /// `SAMESUM_CUDA_COMBINE_VEC=0`; H200, session 19: 4.97 -> 3.95 ms at
+    /// qwen35moe pp4096). The same bytes.
     combine_vec: bool,
     /// Ungated attention's combine writes the out projection's Q8_K rows
     /// (`attention_combine_q8k`: attention_combine's and quantize_q8k's
@@ -965,7 +966,7 @@ impl Cuda {
             conv_tile: env_switch("SAMESUM_CUDA_CONV_TILE", true),
             sq_lanes: env_switch("SAMESUM_CUDA_SQ_LANES", true),
             silu_warp: env_switch("SAMESUM_CUDA_SILU_WARP", true),
-            silu_regs: env_switch("SAMESUM_CUDA_SILU_REGS", true),
+            silu_regs: env_switch("SAMESUM_CUDA_SILU_REGS", false),
             combine_vec: env_switch("SAMESUM_CUDA_COMBINE_VEC", true),
             combine_q8k: env_switch("SAMESUM_CUDA_COMBINE_Q8K", true),
             moe_norm: env_switch("SAMESUM_CUDA_MOE_NORM", false),
