@@ -3521,24 +3521,90 @@ impl Cuda {
         } else if let Some(sh) = &mw.shared {
             self.shared_expert(sh, &xin, m, fs, &mut ys, &mut gi)?;
         }
-        let shared = mw.shared.is_some() as i32;
-        let vec = self.combine_vec && dm.is_multiple_of(4);
+        let shared = mw.shared.is_some().then_some((&ys, &gi));
+        self.moe_combine_on(&oe, &slot, &wts, shared, y, m, k, dm)?;
+        Ok(None)
+    }
+
+    /// A wide call's MoE combine: `y[r] = sum over s < k, slot[r k + s] >= 0,
+    /// in s order, of wts[r k + s] * out[slot[r k + s]]`, then, with a shared
+    /// expert `(ys, gi)`, `+ sigmoid(gi[r]) * ys[r]`; on `moe_combine4` (four
+    /// columns a thread) with `COMBINE_VEC` and `d` a multiple of 4, else
+    /// `moe_combine`. The same bytes either way.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_combine_on(
+        &self,
+        out: &CudaSlice<f32>,
+        slot: &CudaSlice<i32>,
+        wts: &CudaSlice<f32>,
+        shared: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
+        y: &mut CudaSlice<f32>,
+        m: usize,
+        k: usize,
+        d: usize,
+    ) -> Result<()> {
+        let dev = &self.dev;
+        // Without a shared expert the kernel reads neither pointer.
+        let unused;
+        let (ys, gi) = match shared {
+            Some(pair) => pair,
+            None => {
+                unused = dev.scratch::<f32>(1)?;
+                (&unused, &unused)
+            }
+        };
+        let (mi, ki, di, sh) = (m as i32, k as i32, d as i32, shared.is_some() as i32);
+        let vec = self.combine_vec && d.is_multiple_of(4);
         launch!(
-            d,
+            dev,
             if vec { "moe_combine4" } else { "moe_combine" },
-            cfg1(if vec { m * dm / 4 } else { m * dm }),
-            &oe,
-            &slot,
-            &wts,
-            &ys,
-            &gi,
+            cfg1(if vec { m * d / 4 } else { m * d }),
+            out,
+            slot,
+            wts,
+            ys,
+            gi,
             y,
             &mi,
             &ki,
-            &dmi,
-            &shared
+            &di,
+            &sh
+        )
+    }
+
+    /// `moe_combine_on` of host rows (for tests): `out` holds the expert
+    /// rows (`d` wide), `slot` and `wts` `k` a row for `m` rows, `shared`
+    /// the shared expert's rows and gate inputs. The output starts as NaN.
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine_host(
+        &self,
+        out: &[f32],
+        slot: &[i32],
+        wts: &[f32],
+        shared: Option<(&[f32], &[f32])>,
+        m: usize,
+        k: usize,
+        d: usize,
+    ) -> Result<Vec<f32>> {
+        let dev = &self.dev;
+        let (od, sd, wd) = (dev.upload(out)?, dev.upload(slot)?, dev.upload(wts)?);
+        let sh = match shared {
+            Some((ys, gi)) => Some((dev.upload(ys)?, dev.upload(gi)?)),
+            None => None,
+        };
+        let mut y = dev.upload(&vec![f32::NAN; m * d])?;
+        self.moe_combine_on(
+            &od,
+            &sd,
+            &wd,
+            sh.as_ref().map(|(a, b)| (a, b)),
+            &mut y,
+            m,
+            k,
+            d,
         )?;
-        Ok(None)
+        dev.download(&y, m * d)
     }
 }
 

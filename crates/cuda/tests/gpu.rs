@@ -1395,6 +1395,90 @@ fn register_glu_quantization_equals_the_stored_rows() {
     );
 }
 
+/// The MoE combine as an op (`moe_combine_host`): four columns a thread
+/// (`COMBINE_VEC`) against a thread a column, and each row of an m-row call
+/// against that row alone, byte for byte, outputs NaN-poisoned; routed
+/// rows with skipped (-1) slots, with and without a shared expert, widths
+/// that take the four-column kernel and one that does not (10). Without a
+/// shared expert, also against a host reference (f32 fmas in slot order:
+/// the kernel's function, so a wrong order or a dropped term fails).
+#[test]
+fn moe_combine_rows_equal_single_rows_and_both_kernels() {
+    if !gpu() {
+        return;
+    }
+    let (_d, model) = synth("tiny-qwen3moe", GgmlType::Q4_K, 5);
+    let (vec4, col) = switch_arms(&model, "COMBINE_VEC");
+    let mut rng = Rng::new(73);
+    let mut cases = 0;
+    for d in [4usize, 10, 256, 2048] {
+        for k in [1usize, 2, 6, 8, 10] {
+            for m in [1usize, 2, 3, 17, 64] {
+                for shared in [false, true] {
+                    let n_out = m * k + 5;
+                    let out: Vec<f32> = (0..n_out * d).map(|_| rng.normal()).collect();
+                    let slot: Vec<i32> = (0..m * k)
+                        .map(|_| {
+                            if rng.below(7) == 0 {
+                                -1
+                            } else {
+                                rng.below(n_out as u64) as i32
+                            }
+                        })
+                        .collect();
+                    let wts: Vec<f32> = (0..m * k).map(|_| rng.range(0.0, 1.0)).collect();
+                    let ys: Vec<f32> = (0..m * d).map(|_| rng.normal()).collect();
+                    let gi: Vec<f32> = (0..m).map(|_| rng.normal()).collect();
+                    let sh = shared.then_some((&ys[..], &gi[..]));
+                    let what = format!("d {d} k {k} m {m} shared {shared}");
+                    let a = vec4
+                        .moe_combine_host(&out, &slot, &wts, sh, m, k, d)
+                        .unwrap();
+                    let b = col
+                        .moe_combine_host(&out, &slot, &wts, sh, m, k, d)
+                        .unwrap();
+                    assert!(
+                        a.iter().all(|v| v.is_finite()),
+                        "{what}: a poisoned output stayed"
+                    );
+                    assert!(same_bits(&a, &b), "{what}: moe_combine4 != moe_combine");
+                    for r in 0..m {
+                        let one = vec4
+                            .moe_combine_host(
+                                &out,
+                                &slot[r * k..(r + 1) * k],
+                                &wts[r * k..(r + 1) * k],
+                                shared.then_some((&ys[r * d..(r + 1) * d], &gi[r..r + 1])),
+                                1,
+                                k,
+                                d,
+                            )
+                            .unwrap();
+                        assert!(
+                            same_bits(&one, &a[r * d..(r + 1) * d]),
+                            "{what}: row {r} alone differs"
+                        );
+                    }
+                    if !shared {
+                        let want: Vec<f32> = (0..m * d)
+                            .map(|i| {
+                                let (r, c) = (i / d, i % d);
+                                (0..k).fold(0.0f32, |acc, s| match slot[r * k + s] {
+                                    -1 => acc,
+                                    at => wts[r * k + s].mul_add(out[at as usize * d + c], acc),
+                                })
+                            })
+                            .collect();
+                        assert!(same_bits(&a, &want), "{what}: not the slot-order sums");
+                    }
+                    cases += 1;
+                }
+            }
+        }
+    }
+    eprintln!("moe_combine4 == moe_combine == single rows on {cases} cases");
+}
+
 /// Wide calls' MoE combine four columns a thread (`moe_combine4`,
 /// `COMBINE_VEC`) against a thread a column: the same logits bytes with and
 /// without a shared expert (tiny-qwen3moe has none), at 2 experts a token
