@@ -209,13 +209,16 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 // same products and the same q8k_block, so the same bytes. The block-per-row
 // kernel gives a 512-wide routed GLU row 2 values a thread and then
 // quantizes it with 2 of its 8 warps.
-extern "C" __global__ void __launch_bounds__(128)
-    silu_mul_q8k_w(float* a, const float* b, u8* q, int width, int m) {
-    pdl_wait();
+// LIVE: rows whose expert id (`mats`) is negative (the expert plan's
+// padding, and the places past the last expert's rows) are skipped, their
+// products and Q8_K blocks left unwritten (see silu_mul_q8k_wl).
+template <bool LIVE>
+__device__ __forceinline__ void silu_q8k_warp(float* a, const float* b, u8* q, int width, int m, const int* mats) {
     int nb = width / 256, lane = threadIdx.x % 32;
     i64 w = (i64)blockIdx.x * 4 + threadIdx.x / 32;
     if (w >= (i64)m * nb) return;
     i64 r = w / nb;
+    if (LIVE && mats[r] < 0) return;
     int c = (int)(w % nb);
     float* ab = a + r * width + c * 256;
     const float* bb = b + r * width + c * 256;
@@ -229,6 +232,26 @@ extern "C" __global__ void __launch_bounds__(128)
     for (int t = 0; t < 8; t++) ab[lane + 32 * t] = silu(av[t]) * bv[t];
     __syncwarp();  // the warp's stores are visible to the warp
     q8k_block(ab, q + (r * nb + c) * Q8K_BYTES, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    silu_mul_q8k_w(float* a, const float* b, u8* q, int width, int m) {
+    pdl_wait();
+    silu_q8k_warp<false>(a, b, q, width, m, nullptr);
+}
+
+// silu_mul_q8k_w on the rows that have an expert only (`SILU_LIVE`,
+// opt-in until measured): a wide routed call's rows are padded per expert
+// to the tensor-core tile and sized for the worst case, so about a third of
+// them (qwen35moe, chunk 2,048: ~7,900 of 24,320) hold no pair. Nothing
+// reads their outputs: the down projection computes and stores only rows
+// with an expert, and a row's integer and float steps read only that row's
+// block, so an unwritten block's bytes reach no stored output. The rows it
+// writes are silu_mul_q8k_w's bytes.
+extern "C" __global__ void __launch_bounds__(128)
+    silu_mul_q8k_wl(float* a, const float* b, u8* q, int width, int m, const int* mats) {
+    pdl_wait();
+    silu_q8k_warp<true>(a, b, q, width, m, mats);
 }
 
 // silu_mul_q8k_w quantizing the products from registers, without storing

@@ -228,6 +228,12 @@ pub struct Cuda {
     /// `SAMESUM_CUDA_COMBINE_VEC=0`; H200, session 19: 4.97 -> 3.95 ms at
     /// qwen35moe pp4096). The same bytes.
     combine_vec: bool,
+    /// With `silu_warp`, in wide routed calls: the GLU's products and Q8_K
+    /// blocks only for rows with an expert (`silu_mul_q8k_wl`: the plan's
+    /// padding and unused places skipped, their blocks unwritten, as nothing
+    /// reads them; opt-in, `SAMESUM_CUDA_SILU_LIVE=1`, until measured on a
+    /// GPU). The same bytes wherever they are read.
+    silu_live: bool,
     /// Ungated attention's combine writes the out projection's Q8_K rows
     /// (`attention_combine_q8k`: attention_combine's and quantize_q8k's
     /// bytes; default, off with `SAMESUM_CUDA_COMBINE_Q8K=0`).
@@ -619,6 +625,7 @@ const SWITCHES: &[Switch] = &[
     ("SILU_WARP", |c| c.silu_warp, |c, on| c.silu_warp = on),
     ("SILU_REGS", |c| c.silu_regs, |c, on| c.silu_regs = on),
     ("COMBINE_VEC", |c| c.combine_vec, |c, on| c.combine_vec = on),
+    ("SILU_LIVE", |c| c.silu_live, |c, on| c.silu_live = on),
     ("COMBINE_Q8K", |c| c.combine_q8k, |c, on| c.combine_q8k = on),
     ("MOE_NORM", |c| c.moe_norm, |c, on| c.moe_norm = on),
     ("ATT_ONE", |c| c.att_one, |c, on| c.att_one = on),
@@ -968,6 +975,7 @@ impl Cuda {
             silu_warp: env_switch("SAMESUM_CUDA_SILU_WARP", true),
             silu_regs: env_switch("SAMESUM_CUDA_SILU_REGS", false),
             combine_vec: env_switch("SAMESUM_CUDA_COMBINE_VEC", true),
+            silu_live: env_switch("SAMESUM_CUDA_SILU_LIVE", false),
             combine_q8k: env_switch("SAMESUM_CUDA_COMBINE_Q8K", true),
             moe_norm: env_switch("SAMESUM_CUDA_MOE_NORM", false),
             att_one: env_switch("SAMESUM_CUDA_ATT_ONE", false),
@@ -1176,32 +1184,49 @@ impl Cuda {
             if quant && self.silu_q8k && gate.rows.is_multiple_of(256) {
                 let mut q = self.dev.scratch::<u8>(m * gate.rows / 256 * 304)?;
                 let width = gate.rows as i32;
-                if self.silu_warp {
-                    let mi = m as i32;
-                    launch!(
-                        self.dev,
-                        if self.silu_regs {
-                            "silu_mul_q8k_wr"
-                        } else {
-                            "silu_mul_q8k_w"
-                        },
-                        cfg(((m * gate.rows / 256).div_ceil(4) as u32, 1, 1), 128, 0),
-                        y,
-                        &u,
-                        &mut q,
-                        &width,
-                        &mi
-                    )?;
-                } else {
-                    launch!(
-                        self.dev,
-                        "silu_mul_q8k",
-                        cfg((m as u32, 1, 1), 256, 0),
-                        y,
-                        &u,
-                        &mut q,
-                        &width
-                    )?;
+                let warps = cfg(((m * gate.rows / 256).div_ceil(4) as u32, 1, 1), 128, 0);
+                let mi = m as i32;
+                match mats.filter(|_| self.silu_live && !self.silu_regs) {
+                    Some(ids) if self.silu_warp => {
+                        launch!(
+                            self.dev,
+                            "silu_mul_q8k_wl",
+                            warps,
+                            y,
+                            &u,
+                            &mut q,
+                            &width,
+                            &mi,
+                            ids
+                        )?;
+                    }
+                    _ if self.silu_warp => {
+                        launch!(
+                            self.dev,
+                            if self.silu_regs {
+                                "silu_mul_q8k_wr"
+                            } else {
+                                "silu_mul_q8k_w"
+                            },
+                            warps,
+                            y,
+                            &u,
+                            &mut q,
+                            &width,
+                            &mi
+                        )?;
+                    }
+                    _ => {
+                        launch!(
+                            self.dev,
+                            "silu_mul_q8k",
+                            cfg((m as u32, 1, 1), 256, 0),
+                            y,
+                            &u,
+                            &mut q,
+                            &width
+                        )?;
+                    }
                 }
                 return Ok(Some(q));
             }

@@ -623,6 +623,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "silu_mul",
             "silu_mul_q8k",
             "silu_mul_q8k_w",
+            "silu_mul_q8k_wl",
             "silu_mul_q8k_wr",
             "copy_cols",
             "gather_rows",

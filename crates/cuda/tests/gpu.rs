@@ -1395,6 +1395,25 @@ fn register_glu_quantization_equals_the_stored_rows() {
     );
 }
 
+/// The routed GLU's products and Q8_K blocks for rows with an expert only
+/// (`silu_mul_q8k_wl`, `SILU_LIVE`) against every row: the same logits
+/// bytes in wide calls (chunks of 17 already pad each expert's rows to the
+/// tensor-core tile), at expert widths of one 256-block and of three.
+#[test]
+fn live_row_glu_quantization_keeps_the_logits() {
+    if !gpu() {
+        return;
+    }
+    assert_switch_keeps_logits(
+        wide_glu_shapes(&["tiny-qwen3moe", "tiny-qwen35moe"]),
+        |s| format!("{} expert_ff {}", s.name, s.expert_ff),
+        (89, 97),
+        "SILU_LIVE",
+        &[17, 64, 300],
+        "silu_mul_q8k_wl and silu_mul_q8k_w",
+    );
+}
+
 /// The MoE combine as an op (`moe_combine_host`): four columns a thread
 /// (`COMBINE_VEC`) against a thread a column, and each row of an m-row call
 /// against that row alone, byte for byte, outputs NaN-poisoned; routed
