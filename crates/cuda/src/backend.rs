@@ -3554,8 +3554,9 @@ impl Cuda {
     /// A wide call's MoE combine: `y[r] = sum over s < k, slot[r k + s] >= 0,
     /// in s order, of wts[r k + s] * out[slot[r k + s]]`, then, with a shared
     /// expert `(ys, gi)`, `+ sigmoid(gi[r]) * ys[r]`; on `moe_combine4` (four
-    /// columns a thread) with `COMBINE_VEC` and `d` a multiple of 4, else
-    /// `moe_combine`. The same bytes either way.
+    /// columns a thread) with `COMBINE_VEC`, `d` a multiple of 4 and the
+    /// three row buffers 16-byte aligned, else `moe_combine`. The same bytes
+    /// either way.
     #[allow(clippy::too_many_arguments)]
     fn moe_combine_on(
         &self,
@@ -3579,7 +3580,12 @@ impl Cuda {
             }
         };
         let (mi, ki, di, sh) = (m as i32, k as i32, d as i32, shared.is_some() as i32);
-        let vec = self.combine_vec && d.is_multiple_of(4);
+        // 16-byte loads and stores: whole rows of them, from aligned bases.
+        let vec = self.combine_vec
+            && d.is_multiple_of(4)
+            && [addr(dev, out), addr(dev, ys), addr(dev, &*y)]
+                .iter()
+                .all(|a| a.is_multiple_of(16));
         launch!(
             dev,
             if vec { "moe_combine4" } else { "moe_combine" },
