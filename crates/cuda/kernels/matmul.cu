@@ -1530,7 +1530,10 @@ __device__ __forceinline__ void tc_async_matrix(u8* dsm, const S& js, i64 mat_st
 // `bx`: the tile's column of 128 weight rows (blockIdx.x, or its place in
 // its own matrix in a launch of several, `mm_tc_q4_k_async32g_jobs`).
 // T: the block's threads (256: the 8-warp kernel, see tc_async_matrix).
-template <int Q5, int R, bool MS = false, bool GS = false, int T = 128, class S = TcArgs>
+// ZERO: rows with no matrix (id -1) get zeros; without it (the `_live`
+// kernels, `LIVE_ROWS`) they are left as they were, for callers that read
+// no such row, and a tile of none but them does nothing.
+template <int Q5, int R, bool MS = false, bool GS = false, int T = 128, bool ZERO = true, class S = TcArgs>
 __device__ void mm_tc_async_k(const S& js, i64 mat_stride, int row_bytes, const int* mats, const u8* A, int m,
                               int nb, int bx) {
     constexpr int N = R / 8;  // activation groups of 8 rows (the mma's n)
@@ -1554,7 +1557,7 @@ __device__ void mm_tc_async_k(const S& js, i64 mat_stride, int row_bytes, const 
     const int vmat = lane < R ? smat[lane] : -1;
     const int col = wrow0 + tid;  // the first TQ_WROWS threads: a thread a weight row
     // Rows of the tile with no matrix get zeros, as in the dp4a kernels.
-    for (u32 zero = __ballot_sync(0xffffffffu, lane < nr && vmat < 0); zero; zero &= zero - 1) {
+    for (u32 zero = ZERO ? __ballot_sync(0xffffffffu, lane < nr && vmat < 0) : 0u; zero; zero &= zero - 1) {
         int t = __ffs(zero) - 1;
         if ((T == TQ_WROWS || tid < TQ_WROWS) && col < js.rows()) js.y()[(i64)(r0 + t) * js.rows() + col] = 0.0f;
     }
@@ -1671,6 +1674,18 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     mm_tc_async_k<0, 32, true, true, 256>(TcArgs{W, Y, rows}, mat_stride, row_bytes, mats, A, m, nb, blockIdx.x);
 }
 
+// mm_tc_q4_k_async32g leaving rows with no matrix unwritten (`LIVE_ROWS`,
+// opt-in until measured: a wide routed call's places past the last expert's
+// rows and its padding, which nothing reads; a tile of places past the last
+// expert's rows does nothing). Every row it writes is mm_tc_q4_k_async32g's.
+extern "C" __global__ void __launch_bounds__(128, 3)
+    mm_tc_q4_k_async32g_live(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,
+                             int rows, int m, int nb) {
+    pdl_wait();
+    mm_tc_async_k<0, 32, true, true, 128, false>(TcArgs{W, Y, rows}, mat_stride, row_bytes, mats, A, m, nb,
+                                                 blockIdx.x);
+}
+
 // mm_tc_q4_k_async32g for up to 4 matrices of one width against the same
 // activation rows (and, for expert stacks, the same matrix ids and stride)
 // in one launch (`SAMESUM_CUDA_TC_JOBS`): blockIdx.x runs over job 0's
@@ -1688,6 +1703,19 @@ extern "C" __global__ void __launch_bounds__(128, 3)
     if (threadIdx.x == 0) job = TcJob{j.w, j.y, j.rows};
     __syncthreads();
     mm_tc_async_k<0, 32, true, true>(TcJobRef{&job}, mat_stride, row_bytes, mats, A, m, nb, j.bx);
+}
+
+// mm_tc_q4_k_async32g_jobs leaving rows with no matrix unwritten (as
+// mm_tc_q4_k_async32g_live).
+extern "C" __global__ void __launch_bounds__(128, 3)
+    mm_tc_q4_k_async32g_jobs_live(MmJobs jobs, i64 mat_stride, int row_bytes, const int* mats, const u8* A, int m,
+                                  int nb) {
+    pdl_wait();
+    const MmJob j = mm_job(jobs, TQ_WROWS);
+    __shared__ TcJob job;
+    if (threadIdx.x == 0) job = TcJob{j.w, j.y, j.rows};
+    __syncthreads();
+    mm_tc_async_k<0, 32, true, true, 128, false>(TcJobRef{&job}, mat_stride, row_bytes, mats, A, m, nb, j.bx);
 }
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,

@@ -228,12 +228,14 @@ pub struct Cuda {
     /// `SAMESUM_CUDA_COMBINE_VEC=0`; H200, session 19: 4.97 -> 3.95 ms at
     /// qwen35moe pp4096). The same bytes.
     combine_vec: bool,
-    /// With `silu_warp`, in wide routed calls: the GLU's products and Q8_K
-    /// blocks only for rows with an expert (`silu_mul_q8k_wl`: the plan's
-    /// padding and unused places skipped, their blocks unwritten, as nothing
-    /// reads them; opt-in, `SAMESUM_CUDA_SILU_LIVE=1`, until measured on a
-    /// GPU). The same bytes wherever they are read.
-    silu_live: bool,
+    /// Wide routed calls leave the rows with no expert unwritten: the plan's
+    /// padding and the places past the last expert's rows, which nothing
+    /// reads (the gate, up and down projections on
+    /// `mm_tc_q4_k_async32g_live` and `_jobs_live`, which write no zeros
+    /// there, and the GLU's products and Q8_K blocks on `silu_mul_q8k_wl`).
+    /// Opt-in, `SAMESUM_CUDA_LIVE_ROWS=1`, until measured on a GPU. The same
+    /// bytes wherever they are read.
+    live_rows: bool,
     /// Ungated attention's combine writes the out projection's Q8_K rows
     /// (`attention_combine_q8k`: attention_combine's and quantize_q8k's
     /// bytes; default, off with `SAMESUM_CUDA_COMBINE_Q8K=0`).
@@ -407,6 +409,10 @@ struct Input<'a> {
     /// expert's rows start at a multiple of it, so a tensor-core tile of up
     /// to this many rows holds one expert); 16 otherwise.
     tile: usize,
+    /// Rows with no expert (id -1) are read by no one downstream (a wide
+    /// routed call's padding and unused places, with `LIVE_ROWS`): the
+    /// kernels that can may leave their outputs unwritten.
+    live: bool,
 }
 
 /// A norm's output rows as Q8_K blocks, written by the norm kernel itself.
@@ -438,12 +444,20 @@ impl<'a> Input<'a> {
             q8k: std::cell::OnceCell::new(),
             q80: std::cell::OnceCell::new(),
             tile: TC_ROWS,
+            live: false,
         }
     }
 
     /// The same rows, placed by an expert plan that padded to `pad`.
     fn padded(mut self, pad: usize) -> Self {
         self.tile = pad;
+        self
+    }
+
+    /// The same rows, marked (with `on`) as ones whose id -1 rows no one
+    /// reads (see `live`).
+    fn live(mut self, on: bool) -> Self {
+        self.live = on;
         self
     }
 
@@ -459,6 +473,7 @@ impl<'a> Input<'a> {
             q8k: cell,
             q80: std::cell::OnceCell::new(),
             tile: TC_ROWS,
+            live: false,
         }
     }
 
@@ -625,7 +640,7 @@ const SWITCHES: &[Switch] = &[
     ("SILU_WARP", |c| c.silu_warp, |c, on| c.silu_warp = on),
     ("SILU_REGS", |c| c.silu_regs, |c, on| c.silu_regs = on),
     ("COMBINE_VEC", |c| c.combine_vec, |c, on| c.combine_vec = on),
-    ("SILU_LIVE", |c| c.silu_live, |c, on| c.silu_live = on),
+    ("LIVE_ROWS", |c| c.live_rows, |c, on| c.live_rows = on),
     ("COMBINE_Q8K", |c| c.combine_q8k, |c, on| c.combine_q8k = on),
     ("MOE_NORM", |c| c.moe_norm, |c, on| c.moe_norm = on),
     ("ATT_ONE", |c| c.att_one, |c, on| c.att_one = on),
@@ -975,7 +990,7 @@ impl Cuda {
             silu_warp: env_switch("SAMESUM_CUDA_SILU_WARP", true),
             silu_regs: env_switch("SAMESUM_CUDA_SILU_REGS", false),
             combine_vec: env_switch("SAMESUM_CUDA_COMBINE_VEC", true),
-            silu_live: env_switch("SAMESUM_CUDA_SILU_LIVE", false),
+            live_rows: env_switch("SAMESUM_CUDA_LIVE_ROWS", false),
             combine_q8k: env_switch("SAMESUM_CUDA_COMBINE_Q8K", true),
             moe_norm: env_switch("SAMESUM_CUDA_MOE_NORM", false),
             att_one: env_switch("SAMESUM_CUDA_ATT_ONE", false),
@@ -1186,7 +1201,7 @@ impl Cuda {
                 let width = gate.rows as i32;
                 let warps = cfg(((m * gate.rows / 256).div_ceil(4) as u32, 1, 1), 128, 0);
                 let mi = m as i32;
-                match mats.filter(|_| self.silu_live && !self.silu_regs) {
+                match mats.filter(|_| input.live && !self.silu_regs) {
                     Some(ids) if self.silu_warp => {
                         launch!(
                             self.dev,
@@ -1467,7 +1482,8 @@ impl Cuda {
     /// One matmul call on host data, for the kernel tests: `m` rows of `x`
     /// against `w` (`mats` per row, -1 for none), on the tensor-core kernels
     /// where they apply or (with `tensor_cores` false) on the dp4a kernels.
-    /// The output starts NaN-poisoned.
+    /// The output starts NaN-poisoned; with `LIVE_ROWS` on and `mats`
+    /// given, rows of id -1 may stay so.
     #[doc(hidden)]
     pub fn matmul_host(
         &self,
@@ -1487,7 +1503,7 @@ impl Cuda {
         self.matmul_on(
             w,
             base,
-            &Input::new(&xd, m),
+            &Input::new(&xd, m).live(self.live_rows && mats.is_some()),
             md.as_ref(),
             &mut y,
             tensor_cores,
@@ -1670,7 +1686,11 @@ impl Cuda {
         );
         launch!(
             d,
-            "mm_tc_q4_k_async32g_jobs",
+            if input.live && mats.is_some() {
+                "mm_tc_q4_k_async32g_jobs_live"
+            } else {
+                "mm_tc_q4_k_async32g_jobs"
+            },
             ct,
             &mj,
             &stride,
@@ -1964,6 +1984,13 @@ impl Cuda {
                 let a = input.q8k(d)?;
                 if let Some((k, tile)) = self.tc_kernel_for(w, input, mats.is_some(), tensor_cores)
                 {
+                    // Rows with no expert that no one reads: left unwritten.
+                    let k = match k {
+                        "mm_tc_q4_k_async32g" if input.live && mats.is_some() => {
+                            "mm_tc_q4_k_async32g_live"
+                        }
+                        _ => k,
+                    };
                     // The async kernels' two stages of shared memory (see
                     // TaLayout in matmul.cu).
                     let smem = match self.tc_kernel {
@@ -3506,7 +3533,9 @@ impl Cuda {
                 &wi,
                 &capi
             )?;
-            Input::quantized(xeq, cap, dm).padded(pad)
+            Input::quantized(xeq, cap, dm)
+                .padded(pad)
+                .live(self.live_rows)
         } else {
             let mut rows = d.scratch::<f32>(cap * dm)?;
             launch!(
@@ -3520,7 +3549,7 @@ impl Cuda {
                 &capi
             )?;
             xe = rows;
-            Input::new(&xe, cap).padded(pad)
+            Input::new(&xe, cap).padded(pad).live(self.live_rows)
         };
         let mut ge = d.scratch::<f32>(cap * f)?;
         let tc = self.tensor_cores;
@@ -3534,7 +3563,9 @@ impl Cuda {
             k_quant(mw.down.ty),
         )?;
         let mut oe = d.scratch::<f32>(cap * dm)?;
-        let gin = Input::with_q8k(&ge, cap, gq).padded(pad);
+        let gin = Input::with_q8k(&ge, cap, gq)
+            .padded(pad)
+            .live(self.live_rows);
         self.matmul_on(&mw.down, bases[2], &gin, Some(mats), &mut oe, tc)?;
         if let Some((t, b, l)) = staged {
             t.staged_read(d, model, b, l)?;

@@ -538,7 +538,7 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
     if !gpu() {
         return;
     }
-    let mut checked = 0;
+    let (mut checked, mut live_skipped) = (0, 0);
     // The tiny shapes have 256 columns (one weight block per row); a wider
     // one runs the kernels' block loop over several blocks (odd and even).
     let mut shapes_: Vec<shapes::Shape> = named_shapes(SHAPES);
@@ -563,23 +563,26 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
             let mut cuda = Cuda::new(0, &model, false).unwrap();
             // Tensor cores for every matrix, however few its rows.
             cuda.set_switch("TC_SMALL", false).unwrap();
-            // Async32 four times: the mins sums on tensor cores (TC_MINS),
+            // Async32 five times: the mins sums on tensor cores (TC_MINS),
             // with padding groups skipped (TC_GROUPS), that at 8 warps a
-            // block (TC_W8, Q4_K), and by dp2a.
-            for (tk, mins, groups, w8) in [
-                (TcKernel::Plain, true, false, false),
-                (TcKernel::Pipelined, true, false, false),
-                (TcKernel::Async, true, false, false),
-                (TcKernel::Async32, true, false, false),
-                (TcKernel::Async32, true, true, false),
-                (TcKernel::Async32, true, true, true),
-                (TcKernel::Async32, false, false, false),
+            // block (TC_W8, Q4_K) or leaving rows of id -1 unwritten
+            // (LIVE_ROWS, Q4_K), and by dp2a.
+            for (tk, mins, groups, w8, live) in [
+                (TcKernel::Plain, true, false, false, false),
+                (TcKernel::Pipelined, true, false, false, false),
+                (TcKernel::Async, true, false, false, false),
+                (TcKernel::Async32, true, false, false, false),
+                (TcKernel::Async32, true, true, false, false),
+                (TcKernel::Async32, true, true, true, false),
+                (TcKernel::Async32, true, true, false, true),
+                (TcKernel::Async32, false, false, false, false),
             ] {
                 cuda.set_tc_kernel(tk);
                 cuda.set_switch("TC_MINS", mins).unwrap();
                 cuda.set_switch("TC_GROUPS", groups).unwrap();
                 cuda.set_switch("TC_W8", w8).unwrap();
-                let kind = format!("{tk:?} mins-mma={mins} groups={groups} w8={w8} ");
+                cuda.set_switch("LIVE_ROWS", live).unwrap();
+                let kind = format!("{tk:?} mins-mma={mins} groups={groups} w8={w8} live={live} ");
                 let moe = &model.w.layers[0].moe;
                 let mats: Vec<&samesum_engine::model::weights::Matrix> = vec![&moe.gate, &moe.down]
                     .into_iter()
@@ -604,8 +607,24 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
                     }
                     for (x, ids) in cases {
                         let m = x.len() / w.cols;
-                        let tc = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
+                        let mut tc = cuda.matmul_host(w, &x, m, ids.as_deref(), true).unwrap();
                         let dp = cuda.matmul_host(w, &x, m, ids.as_deref(), false).unwrap();
+                        // With LIVE_ROWS the 32-row Q4_K kernel leaves rows
+                        // of id -1 as they were (NaN; other kernels write
+                        // their zeros): such a row is all NaN or all zeros,
+                        // and every other row is as the dp4a kernels'.
+                        if live {
+                            for r in 0..m {
+                                if ids.as_ref().is_none_or(|v| v[r] >= 0) {
+                                    continue;
+                                }
+                                let row = &mut tc[r * w.rows..(r + 1) * w.rows];
+                                if row.iter().all(|v| v.is_nan()) {
+                                    live_skipped += 1;
+                                    row.fill(0.0);
+                                }
+                            }
+                        }
                         assert!(tc.iter().all(|v| v.is_finite()), "{}: non-finite", w.name);
                         assert!(
                             same_bits(&tc, &dp),
@@ -634,7 +653,10 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
             }
         }
     }
-    eprintln!("tensor-core matmul cases equal: {checked}");
+    // The live arm did leave rows unwritten (the plan-layout cases take the
+    // 32-row kernel).
+    assert!(live_skipped > 0, "LIVE_ROWS left no row of id -1 unwritten");
+    eprintln!("tensor-core matmul cases equal: {checked}; rows left unwritten: {live_skipped}");
 }
 
 /// Several Q4_K matrices in one tensor-core launch (`TC_JOBS`:
@@ -1395,12 +1417,13 @@ fn register_glu_quantization_equals_the_stored_rows() {
     );
 }
 
-/// The routed GLU's products and Q8_K blocks for rows with an expert only
-/// (`silu_mul_q8k_wl`, `SILU_LIVE`) against every row: the same logits
-/// bytes in wide calls (chunks of 17 already pad each expert's rows to the
-/// tensor-core tile), at expert widths of one 256-block and of three.
+/// Wide routed calls that leave the rows with no expert unwritten
+/// (`LIVE_ROWS`: the tensor-core `_live` kernels and `silu_mul_q8k_wl`)
+/// against writing every row: the same logits bytes (chunks of 17 already
+/// pad each expert's rows to the tensor-core tile), at expert widths of one
+/// 256-block and of three.
 #[test]
-fn live_row_glu_quantization_keeps_the_logits() {
+fn live_rows_keep_the_logits() {
     if !gpu() {
         return;
     }
@@ -1408,9 +1431,9 @@ fn live_row_glu_quantization_keeps_the_logits() {
         wide_glu_shapes(&["tiny-qwen3moe", "tiny-qwen35moe"]),
         |s| format!("{} expert_ff {}", s.name, s.expert_ff),
         (89, 97),
-        "SILU_LIVE",
+        "LIVE_ROWS",
         &[17, 64, 300],
-        "silu_mul_q8k_wl and silu_mul_q8k_w",
+        "live rows and every row",
     );
 }
 

@@ -20,6 +20,9 @@ const SPILLS_ALLOWED: &[(&str, u32)] = &[
     // The same kernel reading its matrix from a job table (296 bytes at
     // session 18, as mm_tc_q4_k_async32g).
     ("mm_tc_q4_k_async32g_jobs", 320),
+    // The two without the zero rows (`LIVE_ROWS`), as the two above.
+    ("mm_tc_q4_k_async32g_live", 320),
+    ("mm_tc_q4_k_async32g_jobs_live", 320),
     // The 8-warp kernel at 128 registers (48 bytes at session 18).
     ("mm_tc_q4_k_async32w", 96),
 ];
