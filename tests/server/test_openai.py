@@ -18,20 +18,9 @@ MSG = [{"role": "user", "content": "Tell me about mixture-of-experts models."}]
 
 def metric(name):
     u = urllib.parse.urlparse(BASE)
-    # One reset connection was seen once (session 19, CI on a loaded 2-core
-    # machine, not reproduced since): say so, retry twice, then fail.
-    for attempt in range(3):
-        c = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
-        try:
-            c.request("GET", "/metrics")
-            text = c.getresponse().read().decode()
-            break
-        except ConnectionResetError as e:
-            if attempt == 2:
-                raise
-            print(f"note: GET /metrics: {e}; retrying", flush=True)
-        finally:
-            c.close()
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    c.request("GET", "/metrics")
+    text = c.getresponse().read().decode()
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])

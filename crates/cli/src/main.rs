@@ -46,13 +46,20 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    // Die quietly on a closed pipe (`samesum inspect | head`), as Unix tools do.
-    #[cfg(unix)]
-    // SAFETY: restoring the default disposition of SIGPIPE before any threads start.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
     let cli = Cli::parse();
+    // Die quietly on a closed pipe (`samesum inspect | head`), as Unix tools
+    // do; but not the server, which keeps Rust's default of ignoring SIGPIPE:
+    // a streaming client that leaves makes the next write to its socket
+    // fail, and hyper's vectored writes raise SIGPIPE for it, which would
+    // end the process and every other request with it.
+    #[cfg(unix)]
+    if !matches!(cli.command, Command::Serve(_)) {
+        // SAFETY: restoring the default disposition of SIGPIPE before any
+        // threads start (parsing the arguments starts none).
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let result = match cli.command {
         Command::Run(a) => run::run(a),
         Command::Identity(a) => identity::run(a),

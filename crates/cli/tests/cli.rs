@@ -415,3 +415,127 @@ fn agree_holds_arm_b_to_a_probe_arm() {
     }
     assert!(out.contains("12 of 12 positions agree"), "{out}");
 }
+
+/// `samesum serve` outlives a streaming client that goes away mid-stream.
+/// The binary restores SIGPIPE's default for its other commands (so that
+/// `samesum inspect | head` ends quietly); a server that kept that default
+/// died on its next write to the closed socket (hyper writes with writev,
+/// which raises SIGPIPE), which CI's openai-client test caught.
+#[test]
+fn serve_outlives_a_client_that_leaves_mid_stream() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::net::TcpStream;
+    use std::time::{Duration, Instant};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_samesum"))
+        .args(["serve", "--port", "0", "--max-batch", "2"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines
+            .next()
+            .expect("the server printed its address")
+            .unwrap();
+        if let Some(a) = line.strip_prefix("listening on http://") {
+            break a.to_string();
+        }
+    };
+    let request = |body: &str, path: &str| {
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let get = |path: &str| -> String {
+        let mut s = TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).unwrap();
+        text
+    };
+    // The server ignores SIGPIPE (a write to a socket whose client left
+    // must be an error, not the end of the process): bit 13 of SigIgn.
+    #[cfg(target_os = "linux")]
+    {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
+        let ign = status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigIgn:"))
+            .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
+            .unwrap();
+        assert!(
+            ign & (1 << (libc::SIGPIPE - 1)) != 0,
+            "SIGPIPE not ignored: SigIgn {ign:x}"
+        );
+    }
+    // Clients in turn: each reads the start of a long stream and leaves
+    // with a reset (linger 0), so the server's next write fails. Whether
+    // that write comes before the server reads the reset is a race, so
+    // several clients.
+    const CLIENTS: usize = 8;
+    for _ in 0..CLIENTS {
+        let mut s = TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let body = r#"{"prompt": "go", "max_tokens": 3000, "stream": true, "ignore_eos": true}"#;
+        s.write_all(request(body, "/v1/completions").as_bytes())
+            .unwrap();
+        let mut buf = [0u8; 4096];
+        let n = s.read(&mut buf).unwrap();
+        let head = String::from_utf8_lossy(&buf[..n]);
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        #[cfg(unix)]
+        {
+            use std::os::fd::AsRawFd;
+            let linger = libc::linger {
+                l_onoff: 1,
+                l_linger: 0,
+            };
+            // SAFETY: a valid socket and a linger struct of the size given.
+            let rc = unsafe {
+                libc::setsockopt(
+                    s.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_LINGER,
+                    (&linger as *const libc::linger).cast(),
+                    std::mem::size_of::<libc::linger>() as libc::socklen_t,
+                )
+            };
+            assert_eq!(rc, 0);
+        }
+        drop(s);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The server notices each departure, and keeps serving.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the server exited after a client left mid-stream"
+        );
+        let metrics = get("/metrics");
+        let cancelled = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("samesum_requests_cancelled_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0);
+        if cancelled >= CLIENTS as f64 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "cancelled {cancelled} of {CLIENTS}:\n{metrics}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(get("/health").starts_with("HTTP/1.1 200"));
+    assert!(child.try_wait().unwrap().is_none());
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
