@@ -319,17 +319,30 @@ extern "C" __global__ void gather_rows(const float* src, const int* rows, float*
 }
 
 // dst row i = src row rows[i] for rows of `words` 16-byte words (quantized
-// activation rows); a negative index gives a zero row.
-extern "C" __global__ void gather_words(const int4* src, const int* rows, int4* dst, int words, int n) {
-    pdl_wait();
+// activation rows); a negative index gives a zero row, or (ZERO false, the
+// `_live` kernel, `LIVE_ROWS`) leaves the row as it was: no kernel that
+// reads the rows of a wide routed call uses a row with no expert.
+template <bool ZERO>
+__device__ __forceinline__ void gather_words_k(const int4* src, const int* rows, int4* dst, int words, int n) {
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)n * words) return;
     int r = (int)(i / words), c = (int)(i % words);
     int s = rows[r];
+    if (!ZERO && s < 0) return;
     int4 v;
     v.x = v.y = v.z = v.w = 0;
     if (s >= 0) v = src[(i64)s * words + c];
     dst[i] = v;
+}
+
+extern "C" __global__ void gather_words(const int4* src, const int* rows, int4* dst, int words, int n) {
+    pdl_wait();
+    gather_words_k<true>(src, rows, dst, words, n);
+}
+
+extern "C" __global__ void gather_words_live(const int4* src, const int* rows, int4* dst, int words, int n) {
+    pdl_wait();
+    gather_words_k<false>(src, rows, dst, words, n);
 }
 
 // The sequence position (`pos0` of the kernels below) is read from device

@@ -232,9 +232,10 @@ pub struct Cuda {
     /// padding and the places past the last expert's rows, which nothing
     /// reads (the gate, up and down projections on
     /// `mm_tc_q4_k_async32g_live` and `_jobs_live`, which write no zeros
-    /// there, and the GLU's products and Q8_K blocks on `silu_mul_q8k_wl`).
-    /// Opt-in, `SAMESUM_CUDA_LIVE_ROWS=1`, until measured on a GPU. The same
-    /// bytes wherever they are read.
+    /// there, the GLU's products and Q8_K blocks on `silu_mul_q8k_wl`, and
+    /// the gathered input rows on `gather_words_live`). Opt-in,
+    /// `SAMESUM_CUDA_LIVE_ROWS=1`, until measured on a GPU. The same bytes
+    /// wherever they are read.
     live_rows: bool,
     /// Ungated attention's combine writes the out projection's Q8_K rows
     /// (`attention_combine_q8k`: attention_combine's and quantize_q8k's
@@ -3525,7 +3526,11 @@ impl Cuda {
             let wi = words as i32;
             launch!(
                 d,
-                "gather_words",
+                if self.live_rows {
+                    "gather_words_live"
+                } else {
+                    "gather_words"
+                },
                 cfg1(cap * words),
                 xq,
                 &placed_row,

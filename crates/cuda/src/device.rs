@@ -630,6 +630,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "copy_cols",
             "gather_rows",
             "gather_words",
+            "gather_words_live",
             "rope",
             "kv_write",
             "qk_norm_rope_kv",
