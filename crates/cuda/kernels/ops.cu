@@ -240,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(128)
     silu_q8k_warp<false>(a, b, q, width, m, nullptr);
 }
 
-// silu_mul_q8k_w on the rows that have an expert only (`SILU_LIVE`,
+// silu_mul_q8k_w on the rows that have an expert only (`LIVE_ROWS`,
 // opt-in until measured): a wide routed call's rows are padded per expert
 // to the tensor-core tile and sized for the worst case, so about a third of
 // them (qwen35moe, chunk 2,048: ~7,900 of 24,320) hold no pair. Nothing
