@@ -6,9 +6,14 @@
 #
 # `run` writes its logs and tables under OUTDIR and ends with a summary.
 # SAMESUM_GPU_STEPS picks steps, comma-separated (default: all of
-# tests,identity,bigidentity,bench,q3moe; smoke is a quick pp512/tg32 with a
+# compile,tests,identity,bigidentity,bench,q3moe; smoke is a quick pp512/tg32 with a
 # kernel profile; serve checks the server on the GPU). A full run takes longer than one 10-minute device call:
-# split it, e.g. tests,identity then bigidentity,bench then q3moe.
+# split it, e.g. compile,tests,identity then bigidentity,bench then q3moe.
+# compile is kernels_compile with the machine's NVRTC (registers and spills
+# per kernel; ~60 s; CI runs the same check with NVRTC from PyPI, and the
+# GPU tests compile every kernel anyway); tests runs the GPU tests, only
+# those whose names contain one of SAMESUM_GPU_TESTS (space-separated) when
+# it is set.
 # The bench steps take SAMESUM_GPU_PP (prompt lengths, default 512,4096),
 # SAMESUM_GPU_TG (decode tokens, 128), SAMESUM_GPU_REPS (2), SAMESUM_GPU_ARMS
 # (replay,batched) and SAMESUM_GPU_CHUNK (the CUDA default, 2048); the chunks step sweeps
@@ -75,7 +80,7 @@ for line in sys.stdin:
 run)
     out=${2:?usage: scripts/gpu.sh run OUTDIR}
     mkdir -p "$out"
-    steps=",${SAMESUM_GPU_STEPS:-tests,identity,bigidentity,bench,q3moe},"
+    steps=",${SAMESUM_GPU_STEPS:-compile,tests,identity,bigidentity,bench,q3moe},"
     export SAMESUM_REQUIRE_GPU=1 SAMESUM_REQUIRE_NVRTC=1 SAMESUM_REPO=$PWD
     export SAMESUM_KERNEL_CACHE=${SAMESUM_KERNEL_CACHE:-/tmp/samesum-kernels}
     for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
@@ -93,9 +98,12 @@ run)
         echo "--- $name rc=$rc" | tee -a "$out/log.txt"
         return $rc
     }
-    if [[ $steps == *,tests,* ]]; then
+    if [[ $steps == *,compile,* ]]; then
         step kernels-compile env CUDA_CACHE_DISABLE=1 .gpu/test-kernels_compile --nocapture
-        step gpu-tests .gpu/test-gpu --nocapture --test-threads=1
+    fi
+    if [[ $steps == *,tests,* ]]; then
+        read -ra filters <<< "${SAMESUM_GPU_TESTS:-}"
+        step gpu-tests .gpu/test-gpu "${filters[@]}" --nocapture --test-threads=1
     fi
     if [[ $steps == *,identity,* ]]; then
         for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
