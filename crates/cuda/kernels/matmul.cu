@@ -1693,30 +1693,24 @@ extern "C" __global__ void __launch_bounds__(128, 3)
 // its tile of its job's matrix as the one-matrix launch would (the same
 // code, so the same bytes). A matrix of few rows (a delta net's beta and
 // alpha) then runs beside the others instead of as a launch of a few blocks.
-extern "C" __global__ void __launch_bounds__(128, 3)
-    mm_tc_q4_k_async32g_jobs(MmJobs jobs, i64 mat_stride, int row_bytes, const int* mats, const u8* A, int m,
-                             int nb) {
-    pdl_wait();
-    const MmJob j = mm_job(jobs, TQ_WROWS);
-    // The job in shared memory, read back at each use.
-    __shared__ TcJob job;
-    if (threadIdx.x == 0) job = TcJob{j.w, j.y, j.rows};
-    __syncthreads();
-    mm_tc_async_k<0, 32, true, true>(TcJobRef{&job}, mat_stride, row_bytes, mats, A, m, nb, j.bx);
-}
+// ZERO as in mm_tc_async_k. A macro, as the kernels above, so that each
+// kernel's job sits in its own shared memory as before.
+#define TC_JOBS_KERNEL(name, ZERO)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128, 3)                                           \
+        name(MmJobs jobs, i64 mat_stride, int row_bytes, const int* mats, const u8* A, int m, int nb) { \
+        pdl_wait();                                                                                 \
+        const MmJob j = mm_job(jobs, TQ_WROWS);                                                     \
+        /* The job in shared memory, read back at each use. */                                      \
+        __shared__ TcJob job;                                                                       \
+        if (threadIdx.x == 0) job = TcJob{j.w, j.y, j.rows};                                        \
+        __syncthreads();                                                                            \
+        mm_tc_async_k<0, 32, true, true, 128, ZERO>(TcJobRef{&job}, mat_stride, row_bytes, mats, A, m, nb, j.bx); \
+    }
 
+TC_JOBS_KERNEL(mm_tc_q4_k_async32g_jobs, true)
 // mm_tc_q4_k_async32g_jobs leaving rows with no matrix unwritten (as
 // mm_tc_q4_k_async32g_live).
-extern "C" __global__ void __launch_bounds__(128, 3)
-    mm_tc_q4_k_async32g_jobs_live(MmJobs jobs, i64 mat_stride, int row_bytes, const int* mats, const u8* A, int m,
-                                  int nb) {
-    pdl_wait();
-    const MmJob j = mm_job(jobs, TQ_WROWS);
-    __shared__ TcJob job;
-    if (threadIdx.x == 0) job = TcJob{j.w, j.y, j.rows};
-    __syncthreads();
-    mm_tc_async_k<0, 32, true, true, 128, false>(TcJobRef{&job}, mat_stride, row_bytes, mats, A, m, nb, j.bx);
-}
+TC_JOBS_KERNEL(mm_tc_q4_k_async32g_jobs_live, false)
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
 // then a fixed butterfly.

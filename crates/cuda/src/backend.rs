@@ -1537,10 +1537,8 @@ impl Cuda {
             .iter()
             .map(|w| self.wptr(w))
             .collect::<Result<Vec<_>>>()?;
-        let mut input = Input::new(&xd, m);
-        if mats.is_some() {
-            input.tile = 32;
-        }
+        // Expert ids come laid out as the plan pads them for 32-row tiles.
+        let input = Input::new(&xd, m).padded(if mats.is_some() { 32 } else { TC_ROWS });
         let mut refs: Vec<&mut CudaSlice<f32>> = ys.iter_mut().collect();
         if !self.tc_jobs_on(ws, &bases, &input, md.as_ref(), &mut refs)? {
             return Ok(None);
