@@ -3652,6 +3652,30 @@ impl Cuda {
         k: usize,
         d: usize,
     ) -> Result<Vec<f32>> {
+        // Sizes and slots that would send the kernel out of its buffers are
+        // an error naming what disagrees.
+        let rows = out.len().checked_div(d).unwrap_or(0);
+        let shared_ok = shared.is_none_or(|(ys, gi)| ys.len() == m * d && gi.len() == m);
+        let bad_slot = slot.iter().find(|&&s| s >= 0 && s as usize >= rows);
+        if d == 0
+            || !out.len().is_multiple_of(d)
+            || slot.len() != m * k
+            || wts.len() != m * k
+            || !shared_ok
+            || bad_slot.is_some()
+        {
+            return Err(CudaError::Driver {
+                op: "moe_combine".into(),
+                msg: format!(
+                    "{m} rows x {k} slots of width {d}: out {} values ({rows} rows), slot {}, \
+                     wts {}, shared {:?}, first slot past the rows {bad_slot:?}",
+                    out.len(),
+                    slot.len(),
+                    wts.len(),
+                    shared.map(|(ys, gi)| (ys.len(), gi.len()))
+                ),
+            });
+        }
         let dev = &self.dev;
         let (od, sd, wd) = (dev.upload(out)?, dev.upload(slot)?, dev.upload(wts)?);
         let sh = match shared {

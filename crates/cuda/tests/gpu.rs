@@ -1518,6 +1518,28 @@ fn moe_combine_rows_equal_single_rows_and_both_kernels() {
             }
         }
     }
+    // Sizes or slots that disagree are an error, not a launch.
+    let (out, wts) = (vec![1.0f32; 4 * 8], vec![0.5f32; 2]);
+    assert!(
+        vec4.moe_combine_host(&out, &[0, 1], &wts, None, 1, 2, 8)
+            .is_ok()
+    );
+    assert!(
+        vec4.moe_combine_host(&out, &[0, 4], &wts, None, 1, 2, 8)
+            .is_err()
+    );
+    assert!(
+        vec4.moe_combine_host(&out, &[0], &wts, None, 1, 2, 8)
+            .is_err()
+    );
+    assert!(
+        vec4.moe_combine_host(&out[..7], &[0, 1], &wts, None, 1, 2, 8)
+            .is_err()
+    );
+    assert!(
+        vec4.moe_combine_host(&out, &[0, 1], &wts, Some((&out[..7], &wts[..1])), 1, 2, 8)
+            .is_err()
+    );
     eprintln!("moe_combine4 == moe_combine == single rows on {cases} cases");
 }
 
