@@ -233,9 +233,9 @@ pub struct Cuda {
     /// reads (the gate, up and down projections on
     /// `mm_tc_q4_k_async32g_live` and `_jobs_live`, which write no zeros
     /// there, the GLU's products and Q8_K blocks on `silu_mul_q8k_wl`, and
-    /// the gathered input rows on `gather_words_live`). Opt-in,
-    /// `SAMESUM_CUDA_LIVE_ROWS=1`, until measured on a GPU. The same bytes
-    /// wherever they are read.
+    /// the gathered input rows on `gather_words_live`). Default since
+    /// session 20 (pp4096 +1.8%), off with `SAMESUM_CUDA_LIVE_ROWS=0`. The
+    /// same bytes wherever they are read.
     live_rows: bool,
     /// Ungated attention's combine writes the out projection's Q8_K rows
     /// (`attention_combine_q8k`: attention_combine's and quantize_q8k's
@@ -991,7 +991,7 @@ impl Cuda {
             silu_warp: env_switch("SAMESUM_CUDA_SILU_WARP", true),
             silu_regs: env_switch("SAMESUM_CUDA_SILU_REGS", false),
             combine_vec: env_switch("SAMESUM_CUDA_COMBINE_VEC", true),
-            live_rows: env_switch("SAMESUM_CUDA_LIVE_ROWS", false),
+            live_rows: env_switch("SAMESUM_CUDA_LIVE_ROWS", true),
             combine_q8k: env_switch("SAMESUM_CUDA_COMBINE_Q8K", true),
             moe_norm: env_switch("SAMESUM_CUDA_MOE_NORM", false),
             att_one: env_switch("SAMESUM_CUDA_ATT_ONE", false),
