@@ -42,7 +42,8 @@
 # token sums one decode token's kernel times (ncu, graphs off, caches warm)
 # on both models per kernel (scripts/ncu_token.py), for each arm of
 # SAMESUM_GPU_TOKEN_ARMS (arms as for profiles) at a context of
-# SAMESUM_GPU_TOKEN_CTX (0) keys.
+# SAMESUM_GPU_TOKEN_CTX (0) keys; SAMESUM_GPU_TOKEN_SHAPES (space-separated)
+# picks the models.
 # prefill runs batched pp4096,16384 on qwen35moe per arm of
 # SAMESUM_GPU_PREFILL_ARMS (arms as for profiles), without --profile (which
 # changes the schedule: one stream), the arms alternated
@@ -244,7 +245,7 @@ run)
     if [[ $steps == *,token,* ]]; then
         ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
         IFS=';' read -ra arms <<< "${SAMESUM_GPU_TOKEN_ARMS:--}"
-        for shape in qwen35moe-35b-a3b qwen3moe-30b-a3b; do
+        for shape in ${SAMESUM_GPU_TOKEN_SHAPES:-qwen35moe-35b-a3b qwen3moe-30b-a3b}; do
             f=$(model "$shape")
             for arm in "${arms[@]}"; do
                 settings=()

@@ -351,3 +351,96 @@ __device__ __forceinline__ void route_one_warp(float* logits, int* ids, float* w
     finish_weights(logits, ids, wts, 0, k, lane, keep0, keep1, tot);
     plan_warp(lane < k ? rids[lane] : -1, k, k, pad, placed_row, placed_mat, slot, cap, lane);
 }
+
+// route_one_warp with the row in registers (`ROUTE_REGS`), for e <= 256:
+// lane l holds entries l, l + 32, ... (eight at most), so the softmax's
+// loops are unrolled without shared memory, and each argmax round is two
+// warp reductions (the largest value's key, then the lowest id holding it)
+// in place of warp_argmax's five shuffle pairs. The same bytes: the loads,
+// max, exponentials, sum (in entry order per lane, then the same butterfly)
+// and divisions are route_one_warp's; a row whose sum is NaN (a NaN or
+// infinite logit) goes to route_one_warp itself before anything is
+// written, so only rows of values in [0, 1] take the reductions, where the
+// float order is the order of the bits and the reductions pick what the
+// butterfly picks (largest value, lowest id among equals). Entries taken or
+// past e hold -1, below every value.
+// Returns false, having written nothing, for a row whose sum is NaN.
+__device__ __forceinline__ bool route_regs(float* logits, int* ids, float* wts, int e, int k, int pad,
+                                           int* placed_row, int* placed_mat, int* slot, int cap, int lane) {
+    float v[8];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+        int i = lane + 32 * u;
+        v[u] = i < e ? __ldcg(logits + i) : 0.0f;  // written by other blocks of a fused launch
+    }
+#pragma unroll
+    for (int u = 0; u < 8; u++)
+        if (lane + 32 * u < e) mx = fmaxf(mx, v[u]);
+    for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.0f;
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+        if (lane + 32 * u < e) {
+            v[u] = expf(v[u] - mx);
+            sum = sum + v[u];
+        }
+    }
+    for (int o = 16; o > 0; o /= 2) sum = sum + __shfl_xor_sync(0xffffffffu, sum, o);
+    if (isnan(sum)) return false;  // the same on every lane: the butterfly's result
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+        int i = lane + 32 * u;
+        if (i < e) {
+            v[u] = v[u] / sum;
+            logits[i] = v[u];
+        } else {
+            v[u] = -1.0f;
+        }
+    }
+    float tot = 0.0f, keep0 = 0.0f, keep1 = 0.0f;
+    int mine = -1;  // lane s: round s's pick, for the plan
+#pragma unroll 1
+    for (int s = 0; s < k; s++) {
+        int best = -1;
+        float bv = 0.0f;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            float x = v[u];
+            if (x >= 0.0f && (best < 0 || x > bv)) {
+                best = lane + 32 * u;
+                bv = x;
+            }
+        }
+        // Keys: 0 for no candidate, else the value's bits plus one.
+        unsigned key = best < 0 ? 0u : __float_as_uint(bv) + 1u;
+        unsigned top = __reduce_max_sync(0xffffffffu, key);
+        if (top == 0u) {
+            best = -1;
+            bv = 0.0f;
+        } else {
+            best = (int)__reduce_min_sync(0xffffffffu, key == top ? (unsigned)best : 0xffffffffu);
+            bv = __uint_as_float(top - 1u);
+        }
+        // route_one_warp's taken bit (for best = -1 too: lane 31, entry 0).
+        if ((best & 31) == lane) {
+            int ub = best / 32;
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+                if (u == ub) v[u] = -1.0f;
+        }
+        if (lane == 0) ids[s] = best;
+        if (lane == s) mine = best;
+        keep_pick(keep0, keep1, s, lane, bv);
+        tot = tot + bv;
+    }
+    finish_weights(logits, ids, wts, 0, k, lane, keep0, keep1, tot);
+    plan_warp(lane < k ? mine : -1, k, k, pad, placed_row, placed_mat, slot, cap, lane);
+    return true;
+}
+
+__device__ __forceinline__ void route_one_warp_r(float* logits, int* ids, float* wts, int e, int k, int pad,
+                                                 int* placed_row, int* placed_mat, int* slot, int cap, int lane) {
+    if (e <= 256 && route_regs(logits, ids, wts, e, k, pad, placed_row, placed_mat, slot, cap, lane)) return;
+    route_one_warp(logits, ids, wts, e, k, pad, placed_row, placed_mat, slot, cap, lane);
+}

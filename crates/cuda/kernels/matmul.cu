@@ -1723,7 +1723,8 @@ __device__ __forceinline__ float ld_w(const u8* row, int i) {
 
 #define MMF_U 16
 
-template <int KIND>
+// U: the elements a lane loads a step (the fmas' order does not depend on it).
+template <int KIND, int U = MMF_U>
 __device__ void mm_float(const u8* W, i64 mat_stride, int row_bytes, const int* mats,
                          const float* X, float* Y, int rows, int m, int cols, int jb) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1737,31 +1738,31 @@ __device__ void mm_float(const u8* W, i64 mat_stride, int row_bytes, const int* 
         if (mat >= 0) {
             const u8* w = W + mat * mat_stride + (i64)j * row_bytes;
             const float* x = X + (i64)(r0 + t) * cols;
-            // MMF_U elements' loads issued before their fmas (a row is a
+            // U elements' loads issued before their fmas (a row is a
             // chain of dependent fmas per lane; without the batch every
             // step waits for its own load), and the next batch's loads
             // issued before this batch's fmas. The chain is lane l's over
             // elements l, l + 32, ... in order, as before.
-            float wv[MMF_U], xv[MMF_U], wn[MMF_U], xn[MMF_U];
+            float wv[U], xv[U], wn[U], xn[U];
 #pragma unroll
-            for (int u = 0; u < MMF_U; u++) {
+            for (int u = 0; u < U; u++) {
                 int i = lane + 32 * u;
                 wv[u] = i < cols ? ld_w<KIND>(w, i) : 0.0f;
                 xv[u] = i < cols ? x[i] : 0.0f;
             }
-            for (int i0 = lane; i0 < cols; i0 += 32 * MMF_U) {
-                int i1 = i0 + 32 * MMF_U;
+            for (int i0 = lane; i0 < cols; i0 += 32 * U) {
+                int i1 = i0 + 32 * U;
 #pragma unroll
-                for (int u = 0; u < MMF_U; u++) {
+                for (int u = 0; u < U; u++) {
                     int i = i1 + 32 * u;
                     wn[u] = i < cols ? ld_w<KIND>(w, i) : 0.0f;
                     xn[u] = i < cols ? x[i] : 0.0f;
                 }
 #pragma unroll
-                for (int u = 0; u < MMF_U; u++)
+                for (int u = 0; u < U; u++)
                     if (i0 + 32 * u < cols) acc = __fmaf_rn(wv[u], xv[u], acc);
 #pragma unroll
-                for (int u = 0; u < MMF_U; u++) {
+                for (int u = 0; u < U; u++) {
                     wv[u] = wn[u];
                     xv[u] = xn[u];
                 }
@@ -1804,28 +1805,38 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 // (for the next launch, graph replays included) and routes job 0's outputs
 // (the router logits) with route_plan_one's code (route_one_warp), so a
 // decode MoE layer needs no routing launch. The same logits, ids, weights
-// and plan as mm_f32_multi then route_plan_one.
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-    mm_f32_multi_route(MmJobs jobs, int row_bytes, const float* X, int cols, int* ids, float* wts, int e, int k,
-                       int pad, int* placed_row, int* placed_mat, int* slot, int cap, int* counter) {
-    pdl_wait();
-    int c0 = (jobs.rows[0] + WARPS - 1) / WARPS;
-    int bx = blockIdx.x, j = 0;
-    if (jobs.nj > 1 && bx >= c0) bx -= c0, j = 1;
-    const u8* w = j == 0 ? jobs.w[0] : jobs.w[1];
-    float* y = j == 0 ? jobs.y[0] : jobs.y[1];
-    int rows = j == 0 ? jobs.rows[0] : jobs.rows[1];
-    mm_float<0>(w, 0, row_bytes, nullptr, X, y, rows, 1, cols, bx);
-    __shared__ int last;
-    __threadfence();  // this thread's stores reach L2 before the count
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)(gridDim.x * gridDim.y) - 1;
-    __syncthreads();
-    if (!last || threadIdx.x >= 32) return;
-    __threadfence();
-    if (threadIdx.x == 0) *counter = 0;
-    route_one_warp(jobs.y[0], ids, wts, e, k, pad, placed_row, placed_mat, slot, cap, threadIdx.x);
-}
+// and plan as mm_f32_multi then route_plan_one. Variants: `_r` routes with
+// the row in registers (route_one_warp_r, `ROUTE_REGS`), `_d` loads 32
+// elements a lane a step in place of 16 (`ROUTER_DEEP`: a 2,048-wide row's
+// 64 loads a lane all issued before its first fma), `_rd` both; the same
+// bytes.
+#define MMF_ROUTE_KERNEL(name, U, ROUTE)                                                                \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                          \
+        name(MmJobs jobs, int row_bytes, const float* X, int cols, int* ids, float* wts, int e, int k, \
+             int pad, int* placed_row, int* placed_mat, int* slot, int cap, int* counter) {            \
+        pdl_wait();                                                                                    \
+        int c0 = (jobs.rows[0] + WARPS - 1) / WARPS;                                                   \
+        int bx = blockIdx.x, j = 0;                                                                    \
+        if (jobs.nj > 1 && bx >= c0) bx -= c0, j = 1;                                                  \
+        const u8* w = j == 0 ? jobs.w[0] : jobs.w[1];                                                  \
+        float* y = j == 0 ? jobs.y[0] : jobs.y[1];                                                     \
+        int rows = j == 0 ? jobs.rows[0] : jobs.rows[1];                                               \
+        mm_float<0, U>(w, 0, row_bytes, nullptr, X, y, rows, 1, cols, bx);                             \
+        __shared__ int last;                                                                           \
+        __threadfence(); /* this thread's stores reach L2 before the count */                          \
+        __syncthreads();                                                                               \
+        if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)(gridDim.x * gridDim.y) - 1;        \
+        __syncthreads();                                                                               \
+        if (!last || threadIdx.x >= 32) return;                                                        \
+        __threadfence();                                                                               \
+        if (threadIdx.x == 0) *counter = 0;                                                            \
+        ROUTE(jobs.y[0], ids, wts, e, k, pad, placed_row, placed_mat, slot, cap, threadIdx.x);         \
+    }
+
+MMF_ROUTE_KERNEL(mm_f32_multi_route, MMF_U, route_one_warp)
+MMF_ROUTE_KERNEL(mm_f32_multi_route_r, MMF_U, route_one_warp_r)
+MMF_ROUTE_KERNEL(mm_f32_multi_route_d, 32, route_one_warp)
+MMF_ROUTE_KERNEL(mm_f32_multi_route_rd, 32, route_one_warp_r)
 
 // Float weights against many f32 rows of one matrix (the routers and gates
 // in prefill): a warp computes a tile of MFT_W weight rows x MFT_R

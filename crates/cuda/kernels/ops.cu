@@ -2990,6 +2990,15 @@ extern "C" __global__ void __launch_bounds__(32)
     route_one_warp(logits, ids, wts, e, k, pad, placed_row, placed_mat, slot, cap, threadIdx.x);
 }
 
+// route_plan_one with the row in registers (route_one_warp_r, `ROUTE_REGS`):
+// the same bytes.
+extern "C" __global__ void __launch_bounds__(32)
+    route_plan_one_r(float* logits, int* ids, float* wts, int e, int k, int pad, int* placed_row, int* placed_mat,
+                     int* slot, int cap) {
+    pdl_wait();
+    route_one_warp_r(logits, ids, wts, e, k, pad, placed_row, placed_mat, slot, cap, threadIdx.x);
+}
+
 // y[r] = sum over slots s in k order of w[r][s] * out[slot[r][s]] (skipped ids
 // left out), plus sigmoid(gi[r]) * ys[r] when there is a shared expert.
 // (sg = sigmoid(gi[r]), computed once a row by the caller.)

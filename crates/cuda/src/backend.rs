@@ -194,6 +194,18 @@ pub struct Cuda {
     /// (`mm_f32_multi_route`: its last block runs route_plan_one's code;
     /// default, off with `SAMESUM_CUDA_ROUTE_FOLD=0`).
     route_fold: bool,
+    /// Decode's one-row routing holds the row in registers and takes each
+    /// argmax round as two warp reductions (`route_one_warp_r`, in
+    /// `route_plan_one_r` and `mm_f32_multi_route_r`; e <= 256, rows with a
+    /// NaN sum on route_one_warp's code). Opt-in,
+    /// `SAMESUM_CUDA_ROUTE_REGS=1`, until measured on a GPU. The same ids,
+    /// weights and plan.
+    route_regs: bool,
+    /// The router launch that routes (`mm_f32_multi_route_d`) loads 32
+    /// elements a lane a step in place of 16, so a 2,048-wide row waits on
+    /// memory once. Opt-in, `SAMESUM_CUDA_ROUTER_DEEP=1`, until measured on
+    /// a GPU. The same fmas in the same order.
+    router_deep: bool,
     /// The decode MoE's lane GLU writes its outputs' Q8_K rows for the down
     /// projections (`mm_q4_k_lane_moe_glu_q8k_1`: quantize_q8k's bytes by
     /// the last block per 256 columns; opt-in with `SAMESUM_CUDA_GLU_Q8K=1`:
@@ -634,6 +646,8 @@ const SWITCHES: &[Switch] = &[
     ("ROUTE_ONE", |c| c.route_one, |c, on| c.route_one = on),
     ("QK_FUSE", |c| c.qk_fuse, |c, on| c.qk_fuse = on),
     ("ROUTE_FOLD", |c| c.route_fold, |c, on| c.route_fold = on),
+    ("ROUTE_REGS", |c| c.route_regs, |c, on| c.route_regs = on),
+    ("ROUTER_DEEP", |c| c.router_deep, |c, on| c.router_deep = on),
     ("GLU_Q8K", |c| c.glu_q8k, |c, on| c.glu_q8k = on),
     ("CONV_L2", |c| c.conv_l2, |c, on| c.conv_l2 = on),
     ("CONV_TILE", |c| c.conv_tile, |c, on| c.conv_tile = on),
@@ -984,6 +998,8 @@ impl Cuda {
             route_one: env_switch("SAMESUM_CUDA_ROUTE_ONE", true),
             qk_fuse: env_switch("SAMESUM_CUDA_QK_FUSE", true),
             route_fold: env_switch("SAMESUM_CUDA_ROUTE_FOLD", true),
+            route_regs: env_switch("SAMESUM_CUDA_ROUTE_REGS", false),
+            router_deep: env_switch("SAMESUM_CUDA_ROUTER_DEEP", false),
             glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", false),
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
             conv_tile: env_switch("SAMESUM_CUDA_CONV_TILE", true),
@@ -1322,6 +1338,25 @@ impl Cuda {
     #[doc(hidden)]
     pub fn set_attention_q4(&mut self, on: bool) {
         self.att_q4 = on;
+    }
+
+    /// The kernels that route one decode row: the router launch that routes
+    /// it too (`ROUTE_FOLD`) and the routing launch on its own, as the
+    /// switches `ROUTE_REGS` and `ROUTER_DEEP` pick them.
+    #[doc(hidden)]
+    pub fn route_kernels(&self) -> (&'static str, &'static str) {
+        let fused = match (self.route_regs, self.router_deep) {
+            (false, false) => "mm_f32_multi_route",
+            (true, false) => "mm_f32_multi_route_r",
+            (false, true) => "mm_f32_multi_route_d",
+            (true, true) => "mm_f32_multi_route_rd",
+        };
+        let one = if self.route_regs {
+            "route_plan_one_r"
+        } else {
+            "route_plan_one"
+        };
+        (fused, one)
     }
 
     /// The attention kernel the switches pick for a head dim, a query-head
@@ -2922,9 +2957,10 @@ impl Cuda {
             let mut placed_mat = d.scratch::<i32>(cap)?;
             let mut slot = d.scratch::<i32>(n)?;
             if self.route_one && m == 1 && k <= 32 && e <= 1024 && block_rows == 0 {
+                let name = self.route_kernels().1;
                 launch!(
                     d,
-                    "route_plan_one",
+                    name,
                     cfg((1, 1, 1), 32, 0),
                     logits,
                     ids,
@@ -3385,9 +3421,10 @@ impl Cuda {
                 let mut slot = d.scratch::<i32>(n)?;
                 let (ei, padi, capi) = (e as i32, pad as i32, cap as i32);
                 let counter = self.counters.slice(0..1);
+                let name = self.route_kernels().0;
                 launch!(
                     d,
-                    "mm_f32_multi_route",
+                    name,
                     cfg((blocks, 1, 1), 128, 0),
                     &mj,
                     &rb,

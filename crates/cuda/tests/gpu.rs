@@ -770,16 +770,32 @@ fn the_one_launch_route_and_plan_equal_the_separate_kernels() {
     // against `route` and the three-kernel plan.
     let mut nans = 0;
     // Modes: one row by route_plan_one (the default), by route_plan_small's
-    // warp path, by the whole block.
-    for (mode, e) in [0, 1, 2]
+    // warp path, by the whole block, by route_plan_one_r (`ROUTE_REGS`: the
+    // row in registers for e <= 256, route_plan_one's code past that and
+    // for rows with a NaN).
+    let mut regs = 0;
+    for (mode, e) in [0, 1, 2, 3]
         .into_iter()
-        .flat_map(|b| [8usize, 128, 256, 512, 1024].map(|e| (b, e)))
+        .flat_map(|b| [8usize, 128, 200, 256, 512, 1024].map(|e| (b, e)))
     {
-        cuda.set_route_one(mode == 0);
+        cuda.set_route_one(mode == 0 || mode == 3);
         cuda.set_block_route(mode == 2);
-        for k in [1usize, 2, 8] {
+        cuda.set_switch("ROUTE_REGS", mode == 3).unwrap();
+        let want = if mode == 3 {
+            "route_plan_one_r"
+        } else {
+            "route_plan_one"
+        };
+        assert_eq!(cuda.route_kernels().1, want);
+        // k = 32, the most one warp routes, on the one-row kernels.
+        let ks: &[usize] = if mode == 0 || mode == 3 {
+            &[1, 2, 8, 32]
+        } else {
+            &[1, 2, 8]
+        };
+        for &k in ks {
             for m in [1usize, 2, 3, 4, 16, 32] {
-                if m * k > 256 || k > e {
+                if m * k > 256 || k > e || (k == 32 && m > 1) {
                     continue;
                 }
                 for pad in [1usize, 16] {
@@ -851,6 +867,7 @@ fn the_one_launch_route_and_plan_equal_the_separate_kernels() {
                     assert_eq!(one.4, sep.4, "e={e} k={k} m={m} pad={pad}: placed experts");
                     assert_eq!(one.5, sep.5, "e={e} k={k} m={m} pad={pad}: slots");
                     cases += 1;
+                    regs += usize::from(mode == 3 && m == 1 && e <= 256);
                 }
             }
         }
@@ -859,7 +876,10 @@ fn the_one_launch_route_and_plan_equal_the_separate_kernels() {
         cases > 100 && nans > 10,
         "too few cases: {cases} ({nans} with a NaN)"
     );
-    eprintln!("{cases} routings equal (one launch, route + plan), {nans} with a NaN logit");
+    assert!(regs > 20, "too few register-path cases: {regs}");
+    eprintln!(
+        "{cases} routings equal (one launch, route + plan), {nans} with a NaN logit, {regs} on route_plan_one_r's registers"
+    );
 }
 
 #[test]
@@ -2334,6 +2354,71 @@ fn routing_in_the_router_launch_equals_route_plan_one() {
         eprintln!(
             "{shape}: mm_f32_multi_route == router + route_plan_one; launches {on} against {off}"
         );
+    }
+}
+
+/// The router launch that routes a decode row, on its variants: the row
+/// routed in registers (`ROUTE_REGS`: `mm_f32_multi_route_r`), 32 loads a
+/// lane a step (`ROUTER_DEEP`: `_d`), and both (`_rd`), against the default
+/// (`mm_f32_multi_route`): the same logits bytes at every position,
+/// replayed and in chunks of 64 and 7, on the tiny shapes and on wider ones
+/// whose rows take every path: hidden 2,304 (a lane's 72 elements in steps
+/// of 32, 32 and 8), 256 experts with 8 a token (qwen35moe's router, the
+/// registers' largest row) and 128 (qwen3moe's), and 320 (past the
+/// registers: route_one_warp's code).
+#[test]
+fn router_launch_variants_keep_the_logits() {
+    if !gpu() {
+        return;
+    }
+    let mut shapes: Vec<shapes::Shape> =
+        SHAPES.iter().map(|s| shapes::by_name(s).unwrap()).collect();
+    for (name, experts) in [
+        ("tiny-qwen35moe", 256),
+        ("tiny-qwen3moe", 128),
+        ("tiny-qwen3moe", 320),
+    ] {
+        let base = shapes::by_name(name).unwrap();
+        shapes.push(shapes::Shape {
+            hidden: 2304,
+            layers: 2,
+            experts,
+            experts_used: 8,
+            ..base
+        });
+    }
+    let arms = [
+        (false, false, "mm_f32_multi_route"),
+        (true, false, "mm_f32_multi_route_r"),
+        (false, true, "mm_f32_multi_route_d"),
+        (true, true, "mm_f32_multi_route_rd"),
+    ];
+    for shape in shapes {
+        let what = format!(
+            "{} hidden {} experts {}",
+            shape.name, shape.hidden, shape.experts
+        );
+        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 53);
+        let toks = test_tokens(&model, 23);
+        let mut first: Option<Vec<f32>> = None;
+        for (regs, deep, name) in arms {
+            let mut cuda = Cuda::new(0, &model, false).unwrap();
+            cuda.set_switch("ROUTE_REGS", regs).unwrap();
+            cuda.set_switch("ROUTER_DEEP", deep).unwrap();
+            assert_eq!(cuda.route_kernels().0, name);
+            for chunk in [1, 64, 7] {
+                let p = all_logits(&cuda, &model, &toks, chunk);
+                assert!(p.iter().all(|v| v.is_finite()), "{what} {name}: non-finite");
+                match &first {
+                    None => first = Some(p),
+                    Some(r) => assert!(
+                        same_bits(r, &p),
+                        "{what} chunk {chunk}: {name} != the default replayed"
+                    ),
+                }
+            }
+        }
+        eprintln!("{what}: the four router launches equal, replayed and in chunks");
     }
 }
 
