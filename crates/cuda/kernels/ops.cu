@@ -2860,6 +2860,80 @@ extern "C" __global__ void plan_place(const int* ids, int n, int k, const int* o
     }
 }
 
+// plan_scan and plan_place in one launch for wide calls (`PLAN_WIDE`), one
+// block of 256 threads per expert, as plan_place. The block first sums the
+// padded counts of the experts below its own: plan_scan's offset (an integer
+// sum, the same whatever the order). It then places its pairs in passes of
+// 256 x PW_RUN: thread t takes the PW_RUN consecutive pairs from base +
+// t PW_RUN (their ids in 16-byte loads where the run is whole and aligned),
+// and its hits go, in pair order, after the hits of the threads before it
+// (a warp scan of the counts, then the warps' totals). So pair p of expert e
+// lands at offsets[e] + (pairs before p with expert e), as plan_place puts
+// it, with two block barriers a pass in place of two per 256 pairs. The
+// same places, rows, experts and slots as plan_scan then plan_place.
+#define PW_RUN 32
+extern "C" __global__ void __launch_bounds__(256)
+    plan_place_wide(const int* ids, int n, int k, const int* counts, int pad, int* placed_row, int* placed_mat,
+                    int* slot) {
+    pdl_wait();
+    __shared__ int wsum[8];
+    int e = blockIdx.x, t = threadIdx.x, lane = t % 32, warp = t / 32;
+    int off = 0;
+    for (int j = t; j < e; j += 256) off += (counts[j] + pad - 1) / pad * pad;
+    for (int o = 16; o > 0; o /= 2) off += __shfl_xor_sync(0xffffffffu, off, o);
+    if (lane == 0) wsum[warp] = off;
+    __syncthreads();
+    off = 0;
+    for (int w = 0; w < 8; w++) off += wsum[w];
+    __syncthreads();
+    int carry = 0;
+    for (int base = 0; base < n; base += 256 * PW_RUN) {
+        int p0 = base + t * PW_RUN;
+        int v[PW_RUN];
+        if (p0 + PW_RUN <= n && ((unsigned long long)(ids + p0) & 15ull) == 0) {
+#pragma unroll
+            for (int q = 0; q < PW_RUN / 4; q++) {
+                int4 x = reinterpret_cast<const int4*>(ids + p0)[q];
+                v[4 * q] = x.x;
+                v[4 * q + 1] = x.y;
+                v[4 * q + 2] = x.z;
+                v[4 * q + 3] = x.w;
+            }
+        } else {
+#pragma unroll
+            for (int q = 0; q < PW_RUN; q++) v[q] = p0 + q < n ? ids[p0 + q] : -2;
+        }
+        unsigned hits = 0;  // bit q: pair p0 + q is expert e's
+#pragma unroll
+        for (int q = 0; q < PW_RUN; q++) {
+            if (v[q] == e) hits |= 1u << q;
+            if (e == 0 && p0 + q < n && v[q] < 0) slot[p0 + q] = -1;
+        }
+        int c = __popc(hits), inc = c;
+        for (int o = 1; o < 32; o *= 2) {
+            int y = __shfl_up_sync(0xffffffffu, inc, o);
+            if (lane >= o) inc += y;
+        }
+        if (lane == 31) wsum[warp] = inc;
+        __syncthreads();
+        int before = carry + inc - c, total = 0;
+        for (int w = 0; w < 8; w++) {
+            if (w < warp) before += wsum[w];
+            total += wsum[w];
+        }
+        while (hits) {
+            int q = __ffs(hits) - 1;
+            hits &= hits - 1u;
+            int p = p0 + q, dst = off + before++;
+            placed_row[dst] = p / k;
+            placed_mat[dst] = e;
+            slot[p] = dst;
+        }
+        carry += total;
+        __syncthreads();
+    }
+}
+
 // The whole plan in one launch for small calls (n <= 256 pairs, e <= 2048
 // experts; decode is n = k): one block does what plan_count, plan_scan and
 // plan_place do (and the zeroing of the counts before them), with the same

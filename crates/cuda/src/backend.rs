@@ -206,6 +206,12 @@ pub struct Cuda {
     /// memory once. Default since session 20 (12.87 -> 12.24 us), off with
     /// `SAMESUM_CUDA_ROUTER_DEEP=0`. The same fmas in the same order.
     router_deep: bool,
+    /// Wide calls' expert plan takes two launches (`plan_count`, then
+    /// `plan_place_wide`: each expert's block sums the padded counts below
+    /// it, plan_scan's offset, and places its pairs 32 a thread, two block
+    /// barriers per 8,192 pairs in place of two per 256). Opt-in,
+    /// `SAMESUM_CUDA_PLAN_WIDE=1`, until measured on a GPU. The same plan.
+    plan_wide: bool,
     /// The decode MoE's lane GLU writes its outputs' Q8_K rows for the down
     /// projections (`mm_q4_k_lane_moe_glu_q8k_1`: quantize_q8k's bytes by
     /// the last block per 256 columns; opt-in with `SAMESUM_CUDA_GLU_Q8K=1`:
@@ -648,6 +654,7 @@ const SWITCHES: &[Switch] = &[
     ("ROUTE_FOLD", |c| c.route_fold, |c, on| c.route_fold = on),
     ("ROUTE_REGS", |c| c.route_regs, |c, on| c.route_regs = on),
     ("ROUTER_DEEP", |c| c.router_deep, |c, on| c.router_deep = on),
+    ("PLAN_WIDE", |c| c.plan_wide, |c, on| c.plan_wide = on),
     ("GLU_Q8K", |c| c.glu_q8k, |c, on| c.glu_q8k = on),
     ("CONV_L2", |c| c.conv_l2, |c, on| c.conv_l2 = on),
     ("CONV_TILE", |c| c.conv_tile, |c, on| c.conv_tile = on),
@@ -1000,6 +1007,7 @@ impl Cuda {
             route_fold: env_switch("SAMESUM_CUDA_ROUTE_FOLD", true),
             route_regs: env_switch("SAMESUM_CUDA_ROUTE_REGS", true),
             router_deep: env_switch("SAMESUM_CUDA_ROUTER_DEEP", true),
+            plan_wide: env_switch("SAMESUM_CUDA_PLAN_WIDE", false),
             glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", false),
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
             conv_tile: env_switch("SAMESUM_CUDA_CONV_TILE", true),
@@ -2899,6 +2907,22 @@ impl Cuda {
             &mut placed_mat,
             &capi
         )?;
+        if self.plan_wide {
+            launch!(
+                d,
+                "plan_place_wide",
+                cfg((e as u32, 1, 1), 256, 0),
+                ids,
+                &ni,
+                &ki,
+                &counts,
+                &padi,
+                &mut placed_row,
+                &mut placed_mat,
+                &mut slot
+            )?;
+            return Ok((placed_row, placed_mat, slot));
+        }
         let mut offsets = d.scratch::<i32>(e)?;
         launch!(
             d,

@@ -674,6 +674,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "plan_count",
             "plan_scan",
             "plan_place",
+            "plan_place_wide",
             "plan_small",
             "route_plan_small",
             "route_plan_one",

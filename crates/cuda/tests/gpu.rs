@@ -927,6 +927,54 @@ fn the_one_launch_plan_equals_the_three_kernel_plan() {
     eprintln!("{cases} plans equal (one launch, three launches, host)");
 }
 
+/// Wide calls' plan in two launches (`PLAN_WIDE`: plan_count, then
+/// `plan_place_wide`, which also takes plan_scan's offsets) against the
+/// host reference and the three-kernel plan, on pair counts of wide calls
+/// (300 to 4,097 rows of 1, 2 or 8 pairs: n from 300 to 32,776, so passes
+/// of 8,192 pairs whole and cut, and a last run of 32 cut, n odd among
+/// them), skipped (-1) ids, crowded experts (a third of the cases put every
+/// pair on 4 experts), pads of 1, 16 and 32.
+#[test]
+fn the_wide_plan_equals_the_three_kernel_plan() {
+    if !gpu() {
+        return;
+    }
+    let (_d, model) = synth("tiny-qwen3moe", GgmlType::Q8_0, 1);
+    let mut cuda = Cuda::new(0, &model, false).unwrap();
+    let mut rng = Rng::new(31);
+    let mut cases = 0;
+    for e in [8usize, 128, 256, 512, 2048] {
+        for k in [1usize, 2, 8] {
+            for rows in [300usize, 1000, 1025, 2048, 4097] {
+                let n = rows * k;
+                for pad in [1usize, 16, 32] {
+                    let crowd = rng.below(3) == 0;
+                    let ids: Vec<i32> = (0..n)
+                        .map(|_| {
+                            if rng.below(10) == 0 {
+                                -1
+                            } else {
+                                let span = if crowd { e.min(4) } else { e };
+                                rng.below(span as u64) as i32
+                            }
+                        })
+                        .collect();
+                    let cap = n + e.min(n) * (pad - 1);
+                    let want = samesum_cuda::backend::plan_reference(&ids, k, e, pad, cap);
+                    cuda.set_switch("PLAN_WIDE", true).unwrap();
+                    let wide = cuda.plan_host(&ids, k, e, pad, false).unwrap();
+                    cuda.set_switch("PLAN_WIDE", false).unwrap();
+                    let three = cuda.plan_host(&ids, k, e, pad, false).unwrap();
+                    assert_eq!(wide, want, "wide plan: e={e} k={k} n={n} pad={pad}");
+                    assert_eq!(three, want, "three-kernel plan: e={e} k={k} n={n} pad={pad}");
+                    cases += 1;
+                }
+            }
+        }
+    }
+    eprintln!("{cases} wide plans equal (two launches, three launches, host)");
+}
+
 fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
     let (mut num, mut den) = (0f64, 0f64);
     for (g, w) in got.iter().zip(want) {
