@@ -74,6 +74,9 @@ pub fn plan_reference(
     (row, mat, slot)
 }
 
+/// Rows from which a one-row call is an output head for `HEAD_R4`.
+pub const HEAD_R4_ROWS: usize = 32_768;
+
 /// The CUDA backend for one model.
 pub struct Cuda {
     dev: Device,
@@ -212,6 +215,14 @@ pub struct Cuda {
     /// barriers per 8,192 pairs in place of two per 256). Opt-in,
     /// `SAMESUM_CUDA_PLAN_WIDE=1`, until measured on a GPU. The same plan.
     plan_wide: bool,
+    /// A one-row call against a matrix of at least [`HEAD_R4_ROWS`] rows
+    /// (the output head) in formats without a lane kernel (Q5_K, Q6_K,
+    /// Q8_0) runs the wide kernel (`mm_*_r4`: four weight rows a warp, the
+    /// same per-element arithmetic as `mm_*_1`). Opt-in,
+    /// `SAMESUM_CUDA_HEAD_R4=1`, until measured on a GPU: qwen35moe's Q6_K
+    /// head took 214 us of a 3.3 ms token under ncu (1.95 TB/s) on
+    /// `mm_q6_k_1`, one row a warp.
+    head_r4: bool,
     /// The decode MoE's lane GLU writes its outputs' Q8_K rows for the down
     /// projections (`mm_q4_k_lane_moe_glu_q8k_1`: quantize_q8k's bytes by
     /// the last block per 256 columns; opt-in with `SAMESUM_CUDA_GLU_Q8K=1`:
@@ -655,6 +666,7 @@ const SWITCHES: &[Switch] = &[
     ("ROUTE_REGS", |c| c.route_regs, |c, on| c.route_regs = on),
     ("ROUTER_DEEP", |c| c.router_deep, |c, on| c.router_deep = on),
     ("PLAN_WIDE", |c| c.plan_wide, |c, on| c.plan_wide = on),
+    ("HEAD_R4", |c| c.head_r4, |c, on| c.head_r4 = on),
     ("GLU_Q8K", |c| c.glu_q8k, |c, on| c.glu_q8k = on),
     ("CONV_L2", |c| c.conv_l2, |c, on| c.conv_l2 = on),
     ("CONV_TILE", |c| c.conv_tile, |c, on| c.conv_tile = on),
@@ -1008,6 +1020,7 @@ impl Cuda {
             route_regs: env_switch("SAMESUM_CUDA_ROUTE_REGS", true),
             router_deep: env_switch("SAMESUM_CUDA_ROUTER_DEEP", true),
             plan_wide: env_switch("SAMESUM_CUDA_PLAN_WIDE", false),
+            head_r4: env_switch("SAMESUM_CUDA_HEAD_R4", false),
             glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", false),
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
             conv_tile: env_switch("SAMESUM_CUDA_CONV_TILE", true),
@@ -1931,6 +1944,10 @@ impl Cuda {
         // One activation row, or a few rows that each name an expert: a warp
         // per (weight row, activation row), same per-element arithmetic.
         let one_row = self.row_kernels && !wide && (m == 1 || mats.is_some());
+        // One row against a matrix of many rows (the output head), with
+        // `HEAD_R4`: four weight rows a warp (the wide kernel, the same
+        // per-element arithmetic), four times the loads in flight a warp.
+        let head_r4 = one_row && self.head_r4 && m == 1 && mats.is_none() && w.rows >= HEAD_R4_ROWS;
         let c1 = cfg((w.rows.div_ceil(4) as u32, m as u32, 1), 128, 0);
         let c4 = cfg(
             (w.rows.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
@@ -1955,11 +1972,11 @@ impl Cuda {
                         &mi,
                         $n
                     )
-                } else if one_row {
+                } else if one_row && !head_r4 {
                     launch!(
                         d, $k1, c1, &wptr, &stride, &row_bytes, &mats_ptr, $a, y, &rows, &mi, $n
                     )
-                } else if wide {
+                } else if wide || head_r4 {
                     launch!(
                         d, $k4, c4, &wptr, &stride, &row_bytes, &mats_ptr, $a, y, &rows, &mi, $n
                     )

@@ -966,7 +966,10 @@ fn the_wide_plan_equals_the_three_kernel_plan() {
                     cuda.set_switch("PLAN_WIDE", false).unwrap();
                     let three = cuda.plan_host(&ids, k, e, pad, false).unwrap();
                     assert_eq!(wide, want, "wide plan: e={e} k={k} n={n} pad={pad}");
-                    assert_eq!(three, want, "three-kernel plan: e={e} k={k} n={n} pad={pad}");
+                    assert_eq!(
+                        three, want,
+                        "three-kernel plan: e={e} k={k} n={n} pad={pad}"
+                    );
                     cases += 1;
                 }
             }
@@ -2467,6 +2470,45 @@ fn router_launch_variants_keep_the_logits() {
             }
         }
         eprintln!("{what}: the four router launches equal, replayed and in chunks");
+    }
+}
+
+/// The output head of a one-row call on the wide kernel (`HEAD_R4`:
+/// `mm_q6_k_r4` / `mm_q8_0_r4`, four weight rows a warp) against the one-row
+/// kernel (`mm_q6_k_1` / `mm_q8_0_1`): the same logits bytes at every
+/// position, replayed (the head's one-row calls) and in chunks of 64 and 7,
+/// on vocabularies of 40,000 (past `HEAD_R4_ROWS`): a Q4_K model's Q6_K
+/// head and a Q8_0 model's Q8_0 head.
+#[test]
+fn output_head_on_the_wide_kernel_keeps_the_logits() {
+    if !gpu() {
+        return;
+    }
+    let vocab = 40_000u32;
+    assert!(vocab as usize >= samesum_cuda::backend::HEAD_R4_ROWS);
+    for (name, quant) in [
+        ("tiny-qwen3moe", GgmlType::Q4_K),
+        ("tiny-qwen3moe", GgmlType::Q8_0),
+        ("tiny-qwen35moe", GgmlType::Q4_K),
+    ] {
+        let shape = shapes::Shape {
+            vocab: Some(vocab),
+            ..shapes::by_name(name).unwrap()
+        };
+        let (_d, model) = synth_shape(shape, quant, 59);
+        let (on, off) = switch_arms(&model, "HEAD_R4");
+        let toks = test_tokens(&model, 29);
+        let what = format!("{name} {quant:?} vocab {vocab}");
+        let p = assert_same_logits(
+            &on,
+            &off,
+            &model,
+            &toks,
+            &[1, 64, 7],
+            &format!("{what}: heads differ"),
+        );
+        assert!(same_bits(&p[0], &p[1]), "{what}: batched != replay");
+        eprintln!("{what}: the head on mm_*_r4 and on mm_*_1 equal, replayed and in chunks");
     }
 }
 
