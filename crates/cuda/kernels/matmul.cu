@@ -434,6 +434,86 @@ __device__ void mm_row(const u8* W, const u8* W2, i64 mat_stride, int row_bytes,
         mm_row<F, 1>(W, nullptr, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x); \
     }
 
+// mm_row with four consecutive weight rows a warp (`HEAD_X4`: decode's
+// output head, one activation row against tens of thousands of rows). Each
+// row's arithmetic is mm_row's (the same lanes, integer sums and float
+// steps in block order); the four rows' next groups are loaded before this
+// group's arithmetic, so a warp has eight groups' loads in flight where
+// mm_row has two. Rows past the matrix's end load its last row and store
+// nothing.
+#define ROW4 4
+template <class F>
+__device__ void mm_row4(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,
+                        int rows, int m, int nb, int jb) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int j0 = (jb * WARPS + warp) * ROW4;
+    int r = blockIdx.y;
+    if (j0 >= rows || r >= m) return;
+    const int L = F::LANES, G = 32 / F::LANES;
+    int g = lane / L, s = lane % L;
+    int mat = mats ? mats[r] : 0;
+    if (mat < 0) {
+        if (lane == 0)
+            for (int w = 0; w < ROW4; w++)
+                if (j0 + w < rows) Y[(i64)r * rows + j0 + w] = 0.0f;
+        return;
+    }
+    const u8* wr[ROW4];
+#pragma unroll
+    for (int w = 0; w < ROW4; w++) wr[w] = W + mat * mat_stride + (i64)min(j0 + w, rows - 1) * row_bytes;
+    const u8* ar = A + (i64)r * nb * F::ABYTES;
+    F f[ROW4], fn[ROW4];
+    typename F::A x = typename F::A(), xn = typename F::A();
+    if (g < nb) {
+#pragma unroll
+        for (int w = 0; w < ROW4; w++) f[w].load(wr[w] + (i64)g * F::BYTES, s);
+        x = F::act(ar + (i64)g * F::ABYTES, s);
+    }
+    float acc[ROW4];
+#pragma unroll
+    for (int w = 0; w < ROW4; w++) acc[w] = 0.0f;
+    for (int b0 = 0; b0 < nb; b0 += G) {
+        int b = b0 + g;
+        bool ok = b < nb;
+        if (b + G < nb) {
+#pragma unroll
+            for (int w = 0; w < ROW4; w++) fn[w].load(wr[w] + (i64)(b + G) * F::BYTES, s);
+            xn = F::act(ar + (i64)(b + G) * F::ABYTES, s);
+        }
+#pragma unroll
+        for (int w = 0; w < ROW4; w++) {
+            int ip = isum_lanes(ok ? f[w].iprod(x) : 0, L);
+            int mp = isum_lanes(ok ? f[w].mprod(x) : 0, L);
+            for (int gg = 0; gg < G && b0 + gg < nb; gg++) {
+                int src = gg * L;
+                int is = __shfl_sync(0xffffffffu, ip, src);
+                int ms = __shfl_sync(0xffffffffu, mp, src);
+                float dw = __shfl_sync(0xffffffffu, f[w].d, src);
+                float dm = __shfl_sync(0xffffffffu, f[w].dmin, src);
+                float da = __shfl_sync(0xffffffffu, x.da, src);
+                acc[w] = F::step(acc[w], dw, dm, da, is, ms);
+            }
+            f[w] = fn[w];
+        }
+        x = xn;
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int w = 0; w < ROW4; w++)
+            if (j0 + w < rows) Y[(i64)r * rows + j0 + w] = acc[w];
+}
+
+// The one-row kernels on mm_row4: a block per 16 weight rows (grid x),
+// blockIdx.y the input row. MINB: blocks an SM the registers must allow
+// (Q6_K and Q8_0 at 5, 20 warps: 96 and 56 registers without spills; Q4_K
+// and Q5_K unbounded, as they spill at 96).
+#define MM_ROW4_KERNEL(name, F, MINB)                                                         \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)                            \
+        name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,\
+             int rows, int m, int nb) { pdl_wait();                                           \
+        mm_row4<F>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x);            \
+    }
+
 // y = silu(Wg . x) * (Wu . x) for decode-sized calls: each product exactly as
 // the one-row kernel computes it, then silu_mul's expression.
 #define MM_GLU_KERNEL(name, F)                                                                \
@@ -546,6 +626,10 @@ MM_ROW_KERNEL(mm_q4_k_1, FmtQ4K)
 MM_ROW_KERNEL(mm_q5_k_1, FmtQ5K)
 MM_ROW_KERNEL(mm_q6_k_1, FmtQ6K)
 MM_ROW_KERNEL(mm_q8_0_1, FmtQ8_0)
+MM_ROW4_KERNEL(mm_q4_k_1x4, FmtQ4K, 1)
+MM_ROW4_KERNEL(mm_q5_k_1x4, FmtQ5K, 1)
+MM_ROW4_KERNEL(mm_q6_k_1x4, FmtQ6K, 5)
+MM_ROW4_KERNEL(mm_q8_0_1x4, FmtQ8_0, 5)
 MM_GLU_KERNEL(mm_q4_k_glu_1, FmtQ4K)
 MM_GLU_KERNEL(mm_q5_k_glu_1, FmtQ5K)
 MM_GLU_KERNEL(mm_q6_k_glu_1, FmtQ6K)

@@ -223,6 +223,11 @@ pub struct Cuda {
     /// head took 214 us of a 3.3 ms token under ncu (1.95 TB/s) on
     /// `mm_q6_k_1`, one row a warp.
     head_r4: bool,
+    /// The same calls on `mm_*_1x4` (mm_row's arithmetic four rows a warp,
+    /// the four rows' next groups loaded before a group's arithmetic; taken
+    /// first when both are on). Opt-in, `SAMESUM_CUDA_HEAD_X4=1`, until
+    /// measured on a GPU.
+    head_x4: bool,
     /// The decode MoE's lane GLU writes its outputs' Q8_K rows for the down
     /// projections (`mm_q4_k_lane_moe_glu_q8k_1`: quantize_q8k's bytes by
     /// the last block per 256 columns; opt-in with `SAMESUM_CUDA_GLU_Q8K=1`:
@@ -667,6 +672,7 @@ const SWITCHES: &[Switch] = &[
     ("ROUTER_DEEP", |c| c.router_deep, |c, on| c.router_deep = on),
     ("PLAN_WIDE", |c| c.plan_wide, |c, on| c.plan_wide = on),
     ("HEAD_R4", |c| c.head_r4, |c, on| c.head_r4 = on),
+    ("HEAD_X4", |c| c.head_x4, |c, on| c.head_x4 = on),
     ("GLU_Q8K", |c| c.glu_q8k, |c, on| c.glu_q8k = on),
     ("CONV_L2", |c| c.conv_l2, |c, on| c.conv_l2 = on),
     ("CONV_TILE", |c| c.conv_tile, |c, on| c.conv_tile = on),
@@ -1021,6 +1027,7 @@ impl Cuda {
             router_deep: env_switch("SAMESUM_CUDA_ROUTER_DEEP", true),
             plan_wide: env_switch("SAMESUM_CUDA_PLAN_WIDE", false),
             head_r4: env_switch("SAMESUM_CUDA_HEAD_R4", false),
+            head_x4: env_switch("SAMESUM_CUDA_HEAD_X4", false),
             glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", false),
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
             conv_tile: env_switch("SAMESUM_CUDA_CONV_TILE", true),
@@ -1947,7 +1954,12 @@ impl Cuda {
         // One row against a matrix of many rows (the output head), with
         // `HEAD_R4`: four weight rows a warp (the wide kernel, the same
         // per-element arithmetic), four times the loads in flight a warp.
-        let head_r4 = one_row && self.head_r4 && m == 1 && mats.is_none() && w.rows >= HEAD_R4_ROWS;
+        // With `HEAD_X4` (first if both are on): mm_row's arithmetic four
+        // rows a warp, double buffered (`mm_*_1x4`).
+        let head = one_row && m == 1 && mats.is_none() && w.rows >= HEAD_R4_ROWS;
+        let head_x4 = head && self.head_x4;
+        let head_r4 = head && self.head_r4 && !head_x4;
+        let cx4 = cfg((w.rows.div_ceil(16) as u32, m as u32, 1), 128, 0);
         let c1 = cfg((w.rows.div_ceil(4) as u32, m as u32, 1), 128, 0);
         let c4 = cfg(
             (w.rows.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
@@ -1955,7 +1967,7 @@ impl Cuda {
             0,
         );
         macro_rules! mm {
-            ($k:literal, $k4:literal, $k1:literal, $a:expr, $n:expr) => {
+            ($k:literal, $k4:literal, $k1:literal, $kx4:literal, $a:expr, $n:expr) => {
                 if one_row && self.lane_rows && w.ty == GgmlType::Q4_K {
                     let cl = lane_cfg(w.rows, m, *$n);
                     launch!(
@@ -1971,6 +1983,10 @@ impl Cuda {
                         &rows,
                         &mi,
                         $n
+                    )
+                } else if head_x4 {
+                    launch!(
+                        d, $kx4, cx4, &wptr, &stride, &row_bytes, &mats_ptr, $a, y, &rows, &mi, $n
                     )
                 } else if one_row && !head_r4 {
                     launch!(
@@ -2036,7 +2052,7 @@ impl Cuda {
             GgmlType::Q8_0 => {
                 let nbi = (w.cols / 32) as i32;
                 let a = input.q80(d)?;
-                mm!("mm_q8_0", "mm_q8_0_r4", "mm_q8_0_1", a, &nbi)
+                mm!("mm_q8_0", "mm_q8_0_r4", "mm_q8_0_1", "mm_q8_0_1x4", a, &nbi)
             }
             GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
                 let nbi = (w.cols / 256) as i32;
@@ -2085,9 +2101,13 @@ impl Cuda {
                     );
                 }
                 match w.ty {
-                    GgmlType::Q4_K => mm!("mm_q4_k", "mm_q4_k_r4", "mm_q4_k_1", a, &nbi),
-                    GgmlType::Q5_K => mm!("mm_q5_k", "mm_q5_k_r4", "mm_q5_k_1", a, &nbi),
-                    _ => mm!("mm_q6_k", "mm_q6_k_r4", "mm_q6_k_1", a, &nbi),
+                    GgmlType::Q4_K => {
+                        mm!("mm_q4_k", "mm_q4_k_r4", "mm_q4_k_1", "mm_q4_k_1x4", a, &nbi)
+                    }
+                    GgmlType::Q5_K => {
+                        mm!("mm_q5_k", "mm_q5_k_r4", "mm_q5_k_1", "mm_q5_k_1x4", a, &nbi)
+                    }
+                    _ => mm!("mm_q6_k", "mm_q6_k_r4", "mm_q6_k_1", "mm_q6_k_1x4", a, &nbi),
                 }
             }
             other => Err(CudaError::Unsupported {

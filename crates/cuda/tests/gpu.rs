@@ -2474,41 +2474,49 @@ fn router_launch_variants_keep_the_logits() {
 }
 
 /// The output head of a one-row call on the wide kernel (`HEAD_R4`:
-/// `mm_q6_k_r4` / `mm_q8_0_r4`, four weight rows a warp) against the one-row
-/// kernel (`mm_q6_k_1` / `mm_q8_0_1`): the same logits bytes at every
-/// position, replayed (the head's one-row calls) and in chunks of 64 and 7,
-/// on vocabularies of 40,000 (past `HEAD_R4_ROWS`): a Q4_K model's Q6_K
-/// head and a Q8_0 model's Q8_0 head.
+/// `mm_q6_k_r4` / `mm_q8_0_r4`, four weight rows a warp) and on mm_row four
+/// rows a warp (`HEAD_X4`: `mm_q6_k_1x4` / `mm_q8_0_1x4`), each against the
+/// one-row kernel (`mm_q6_k_1` / `mm_q8_0_1`): the same logits bytes at
+/// every position, replayed (the head's one-row calls) and in chunks of 64
+/// and 7, on vocabularies past `HEAD_R4_ROWS` (40,000 rows are 2,500 blocks
+/// of 16 exactly; with 40,001 the last block has one live row): a Q4_K
+/// model's Q6_K head and a Q8_0 model's Q8_0 head.
 #[test]
 fn output_head_on_the_wide_kernel_keeps_the_logits() {
     if !gpu() {
         return;
     }
-    let vocab = 40_000u32;
-    assert!(vocab as usize >= samesum_cuda::backend::HEAD_R4_ROWS);
-    for (name, quant) in [
-        ("tiny-qwen3moe", GgmlType::Q4_K),
-        ("tiny-qwen3moe", GgmlType::Q8_0),
-        ("tiny-qwen35moe", GgmlType::Q4_K),
+    for (name, quant, vocab) in [
+        ("tiny-qwen3moe", GgmlType::Q4_K, 40_000u32),
+        ("tiny-qwen3moe", GgmlType::Q8_0, 40_001),
+        ("tiny-qwen35moe", GgmlType::Q4_K, 40_001),
     ] {
+        assert!(vocab as usize >= samesum_cuda::backend::HEAD_R4_ROWS);
         let shape = shapes::Shape {
             vocab: Some(vocab),
             ..shapes::by_name(name).unwrap()
         };
         let (_d, model) = synth_shape(shape, quant, 59);
-        let (on, off) = switch_arms(&model, "HEAD_R4");
         let toks = test_tokens(&model, 29);
         let what = format!("{name} {quant:?} vocab {vocab}");
-        let p = assert_same_logits(
-            &on,
-            &off,
-            &model,
-            &toks,
-            &[1, 64, 7],
-            &format!("{what}: heads differ"),
+        for switch in ["HEAD_R4", "HEAD_X4"] {
+            let (on, off) = switch_arms(&model, switch);
+            let p = assert_same_logits(
+                &on,
+                &off,
+                &model,
+                &toks,
+                &[1, 64, 7],
+                &format!("{what}: {switch} on and off differ"),
+            );
+            assert!(
+                same_bits(&p[0], &p[1]),
+                "{what} {switch}: batched != replay"
+            );
+        }
+        eprintln!(
+            "{what}: the head on mm_*_r4, on mm_*_1x4 and on mm_*_1 equal, replayed and in chunks"
         );
-        assert!(same_bits(&p[0], &p[1]), "{what}: batched != replay");
-        eprintln!("{what}: the head on mm_*_r4 and on mm_*_1 equal, replayed and in chunks");
     }
 }
 
