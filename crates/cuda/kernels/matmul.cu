@@ -712,7 +712,11 @@ __device__ __forceinline__ void q4k_lane_dot(const uint4 (&blk)[Q4K_WORDS], cons
 // beside those loads, and only then does any arithmetic wait on memory.
 // Integer terms per (row, block) are exact, so where they are computed does
 // not change them; warp 0's float steps run in block order as before.
-template <int NW, bool QOUT = false>
+// QIN: A holds f32 rows (nb * 256 wide), and the block quantizes the
+// chunk's blocks of its row into shared memory itself (q8k_block,
+// quantize_q8k's code, a warp a block): the bytes a quantize_q8k launch
+// would have written, with no launch (`DOWN_QIN`).
+template <int NW, bool QOUT = false, bool QIN = false>
 __device__ void mm_lane(const u8* W, const u8* W2, i64 mat_stride, int row_bytes, const int* mats,
                         const u8* A, float* Y, int rows, int m, int nb, int jb, const int* amap, bool early,
                         u8* Q = nullptr, int* cnt = nullptr) {
@@ -754,10 +758,16 @@ __device__ void mm_lane(const u8* W, const u8* W2, i64 mat_stride, int row_bytes
 #pragma unroll
             for (int v = 0; v < NW; v++) q4k_lane_load(wr[v] + (i64)b * FmtQ4K::BYTES, q[v]);
         }
-        int pieces = (be - b0) * (Q8K_BYTES / 16);
-        for (int t = threadIdx.x; t < pieces; t += blockDim.x) cp_async16(act + 16 * t, ar + (i64)b0 * Q8K_BYTES + 16 * t, true);
-        cp_async_commit();
-        cp_async_wait<0>();
+        if constexpr (QIN) {
+            const float* fr = (const float*)A + (i64)(amap ? amap[r] : r) * nb * 256;
+            for (int bb = w; bb < be - b0; bb += kw) q8k_block(fr + (i64)(b0 + bb) * 256, act + bb * Q8K_BYTES, lane);
+        } else {
+            int pieces = (be - b0) * (Q8K_BYTES / 16);
+            for (int t = threadIdx.x; t < pieces; t += blockDim.x)
+                cp_async16(act + 16 * t, ar + (i64)b0 * Q8K_BYTES + 16 * t, true);
+            cp_async_commit();
+            cp_async_wait<0>();
+        }
         __syncthreads();
         // kw = min(16, nb) warps: one block a warp per chunk; the loop only
         // runs further under a narrower launch.
@@ -837,11 +847,11 @@ extern "C" __global__ void __maxnreg__(80) mm_q4_k_lane_multi_1(MmJobs jobs, int
 
 // Expert ids and input rows come from the routing kernel: no loads before
 // the wait.
-template <int NW>
+template <int NW, bool QIN = false>
 __device__ __forceinline__ void mm_lane_moe(const MoeJobs& jobs, int row_bytes, int nb) {
     int c0 = (jobs.rows[0] + 31) / 32, bx = blockIdx.x, j = 0;
     if (bx >= c0) bx -= c0, j = 1;
-    mm_lane<NW>(j ? jobs.wg[1] : jobs.wg[0], j ? jobs.wu[1] : jobs.wu[0], j ? jobs.stride[1] : jobs.stride[0],
+    mm_lane<NW, false, QIN>(j ? jobs.wg[1] : jobs.wg[0], j ? jobs.wu[1] : jobs.wu[0], j ? jobs.stride[1] : jobs.stride[0],
                 row_bytes, j ? jobs.mats[1] : jobs.mats[0], j ? jobs.a[1] : jobs.a[0], j ? jobs.y[1] : jobs.y[0],
                 j ? jobs.rows[1] : jobs.rows[0], j ? jobs.m[1] : jobs.m[0], nb, bx,
                 j ? jobs.amap[1] : jobs.amap[0], false);
@@ -849,6 +859,13 @@ __device__ __forceinline__ void mm_lane_moe(const MoeJobs& jobs, int row_bytes, 
 
 extern "C" __global__ void __maxnreg__(80) mm_q4_k_lane_moe_1(MoeJobs jobs, int row_bytes, int nb) {
     mm_lane_moe<1>(jobs, row_bytes, nb);
+}
+
+// mm_q4_k_lane_moe_1 on f32 input rows, quantized by each block as
+// quantize_q8k would (`DOWN_QIN`: decode's down projections without the
+// GLU outputs' quantize launch).
+extern "C" __global__ void __maxnreg__(80) mm_q4_k_lane_moe_qin_1(MoeJobs jobs, int row_bytes, int nb) {
+    mm_lane_moe<1, true>(jobs, row_bytes, nb);
 }
 
 extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1) mm_q4_k_lane_moe_glu_1(MoeJobs jobs, int row_bytes, int nb) {

@@ -228,6 +228,12 @@ pub struct Cuda {
     /// first when both are on). Opt-in, `SAMESUM_CUDA_HEAD_X4=1`, until
     /// measured on a GPU.
     head_x4: bool,
+    /// Decode's routed and shared down projections read the GLU's f32 rows
+    /// and quantize them in each block (`mm_q4_k_lane_moe_qin_1`: q8k_block,
+    /// quantize_q8k's code, into shared memory), so the GLU outputs need no
+    /// quantize launch. Opt-in, `SAMESUM_CUDA_DOWN_QIN=1`, until measured
+    /// on a GPU. The same bytes.
+    down_qin: bool,
     /// The decode MoE's lane GLU writes its outputs' Q8_K rows for the down
     /// projections (`mm_q4_k_lane_moe_glu_q8k_1`: quantize_q8k's bytes by
     /// the last block per 256 columns; opt-in with `SAMESUM_CUDA_GLU_Q8K=1`:
@@ -673,6 +679,7 @@ const SWITCHES: &[Switch] = &[
     ("PLAN_WIDE", |c| c.plan_wide, |c, on| c.plan_wide = on),
     ("HEAD_R4", |c| c.head_r4, |c, on| c.head_r4 = on),
     ("HEAD_X4", |c| c.head_x4, |c, on| c.head_x4 = on),
+    ("DOWN_QIN", |c| c.down_qin, |c, on| c.down_qin = on),
     ("GLU_Q8K", |c| c.glu_q8k, |c, on| c.glu_q8k = on),
     ("CONV_L2", |c| c.conv_l2, |c, on| c.conv_l2 = on),
     ("CONV_TILE", |c| c.conv_tile, |c, on| c.conv_tile = on),
@@ -1028,6 +1035,7 @@ impl Cuda {
             plan_wide: env_switch("SAMESUM_CUDA_PLAN_WIDE", false),
             head_r4: env_switch("SAMESUM_CUDA_HEAD_R4", false),
             head_x4: env_switch("SAMESUM_CUDA_HEAD_X4", false),
+            down_qin: env_switch("SAMESUM_CUDA_DOWN_QIN", false),
             glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", false),
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
             conv_tile: env_switch("SAMESUM_CUDA_CONV_TILE", true),
@@ -3256,6 +3264,7 @@ impl Cuda {
             && f.is_multiple_of(256)
             && f <= 4096
             && cap.max(ms) <= 32;
+        let qin = self.down_qin && !glu_q && lane(mw.down.ty) && f.is_multiple_of(256);
         let ga = if glu_q {
             let gq = d.scratch::<u8>((cap + ms) * row_q)?;
             let (q0, q1) = (addr(d, &gq), addr(d, &gq) + (cap * row_q) as u64);
@@ -3286,8 +3295,9 @@ impl Cuda {
                 &rb,
                 &nbg
             )?;
-            // One quantization of both, then both down projections.
-            quant(&gin, mw.down.ty)?
+            // One quantization of both, then both down projections (with
+            // `DOWN_QIN`, the down launch quantizes the rows it reads).
+            if qin { gp } else { quant(&gin, mw.down.ty)? }
         };
         let oe = d.scratch::<f32>(cap * dm)?;
         let ys = d.scratch::<f32>((ms * dm).max(1))?;
@@ -3297,14 +3307,20 @@ impl Cuda {
         ];
         jobs.wu = [0, 0];
         jobs.stride = [(mw.down.rows * mw.down.row_bytes) as i64, 0];
-        jobs.a = [ga, ga + (cap * row_q) as u64];
+        jobs.a = if qin {
+            [ga, ga + (cap * f * 4) as u64]
+        } else {
+            [ga, ga + (cap * row_q) as u64]
+        };
         jobs.y = [addr(d, &oe), addr(d, &ys)];
         jobs.amap = [0, 0];
         jobs.rows = [dm as i32, dm as i32];
         let (rb, nbd) = (mw.down.row_bytes as i32, nb(&mw.down));
         launch!(
             d,
-            if lane(mw.down.ty) {
+            if qin {
+                "mm_q4_k_lane_moe_qin_1"
+            } else if lane(mw.down.ty) {
                 "mm_q4_k_lane_moe_1"
             } else {
                 kname(mw.down.ty, false)

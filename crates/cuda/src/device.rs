@@ -575,6 +575,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_q4_k_lane_glu_1",
             "mm_q4_k_lane_multi_1",
             "mm_q4_k_lane_moe_1",
+            "mm_q4_k_lane_moe_qin_1",
             "mm_q4_k_lane_moe_glu_1",
             "mm_q4_k_lane_moe_glu_q8k_1",
             "mm_q5_k_moe_1",

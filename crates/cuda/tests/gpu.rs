@@ -2540,6 +2540,32 @@ fn glu_output_quantization_in_the_glu_equals_a_quantize_launch() {
     }
 }
 
+/// Decode's down projections quantizing the GLU's f32 rows themselves
+/// (`DOWN_QIN`: `mm_q4_k_lane_moe_qin_1`, q8k_block into shared memory in
+/// each block) against a quantize launch then `mm_q4_k_lane_moe_1`: the
+/// same logits bytes at every position, replayed (graph replays too) and
+/// in chunks, on every tiny shape (expert width 256: one block a row) and on
+/// expert widths of 768 (three blocks a row, three warps quantizing), and
+/// fewer launches.
+#[test]
+fn down_projections_quantizing_their_rows_equal_a_quantize_launch() {
+    if !gpu() {
+        return;
+    }
+    for shape in wide_glu_shapes(&["tiny-qwen3moe", "tiny-qwen35moe"]) {
+        let what = format!("{} expert_ff {}", shape.name, shape.expert_ff);
+        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 61);
+        let (on, off) = fusion_arms(&model, "DOWN_QIN", 31, KvType::F32, &what);
+        assert!(
+            on < off,
+            "{what}: {on} launches with the rows quantized in the down launch, {off} apart"
+        );
+        eprintln!(
+            "{what}: down projections quantizing their rows == quantize_q8k + down; launches {on} against {off}"
+        );
+    }
+}
+
 /// One decode row's conv, state shift and q/k head norms in one launch
 /// (`conv_l2_one`) against conv_small and l2norm_qk: the same logits bytes
 /// at every position, replayed and in chunks, on the delta-net shapes (key
