@@ -2480,25 +2480,30 @@ fn router_launch_variants_keep_the_logits() {
 /// every position, replayed (the head's one-row calls) and in chunks of 64
 /// and 7, on vocabularies past `HEAD_R4_ROWS` (40,000 rows are 2,500 blocks
 /// of 16 exactly; with 40,001 the last block has one live row): a Q4_K
-/// model's Q6_K head and a Q8_0 model's Q8_0 head.
+/// model's Q6_K head and a Q8_0 model's Q8_0 head, rows of one block and
+/// of eight.
 #[test]
 fn output_head_on_the_wide_kernel_keeps_the_logits() {
     if !gpu() {
         return;
     }
-    for (name, quant, vocab) in [
-        ("tiny-qwen3moe", GgmlType::Q4_K, 40_000u32),
-        ("tiny-qwen3moe", GgmlType::Q8_0, 40_001),
-        ("tiny-qwen35moe", GgmlType::Q4_K, 40_001),
+    // Hidden 2,048 as the real models' (eight Q6_K blocks a row: the
+    // double-buffered loads run) and 256 (one block).
+    for (name, quant, vocab, hidden) in [
+        ("tiny-qwen3moe", GgmlType::Q4_K, 40_000u32, 256u32),
+        ("tiny-qwen3moe", GgmlType::Q8_0, 40_001, 256),
+        ("tiny-qwen35moe", GgmlType::Q4_K, 40_001, 256),
+        ("tiny-qwen35moe", GgmlType::Q4_K, 40_001, 2048),
     ] {
         assert!(vocab as usize >= samesum_cuda::backend::HEAD_R4_ROWS);
         let shape = shapes::Shape {
             vocab: Some(vocab),
+            hidden,
             ..shapes::by_name(name).unwrap()
         };
         let (_d, model) = synth_shape(shape, quant, 59);
         let toks = test_tokens(&model, 29);
-        let what = format!("{name} {quant:?} vocab {vocab}");
+        let what = format!("{name} {quant:?} vocab {vocab} hidden {hidden}");
         for switch in ["HEAD_R4", "HEAD_X4"] {
             let (on, off) = switch_arms(&model, switch);
             let p = assert_same_logits(
