@@ -285,7 +285,8 @@ pub struct Cuda {
     /// layer's input norm and its quantization (`moe_combine_add_rms_norm_q8k`:
     /// moe_combine's and add_rms_norm_q8k's arithmetic; opt-in with
     /// `SAMESUM_CUDA_MOE_NORM=1`: slower on the H200, session 13, as one
-    /// block a row does the combine moe_combine spreads over eight).
+    /// block a row waited on memory once a slot; since session 20 a row of
+    /// up to 8 slots issues every slot's loads first, not yet measured).
     moe_norm: bool,
     /// One decode row's attention tile in compact code (`attention_one`:
     /// attention_tiles_q4's arithmetic with its loops rolled; opt-in with
