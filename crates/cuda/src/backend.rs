@@ -234,6 +234,13 @@ pub struct Cuda {
     /// quantize launch. Opt-in, `SAMESUM_CUDA_DOWN_QIN=1`, until measured
     /// on a GPU. The same bytes.
     down_qin: bool,
+    /// Decode's post-mixer norm runs in the MoE's router launch
+    /// (`mm_f32_multi_route_norm`: every block takes add_rms_norm_q8k's
+    /// norm of the row into shared memory, the last stores the residual,
+    /// the normed row and its Q8_K rows), so the norm needs no launch.
+    /// Opt-in, `SAMESUM_CUDA_NORM_ROUTER=1`, until measured on a GPU. The
+    /// same bytes.
+    norm_router: bool,
     /// The decode MoE's lane GLU writes its outputs' Q8_K rows for the down
     /// projections (`mm_q4_k_lane_moe_glu_q8k_1`: quantize_q8k's bytes by
     /// the last block per 256 columns; opt-in with `SAMESUM_CUDA_GLU_Q8K=1`:
@@ -434,6 +441,17 @@ struct AfterNorm<'a> {
     acc: u64,
     w: &'a CudaSlice<f32>,
     out: u64,
+    eps: f32,
+}
+
+/// The post-mixer norm run inside a decode MoE's router launch
+/// (`NORM_ROUTER`, `mm_f32_multi_route_norm`): `acc += inc`, then the
+/// RMSNorm of `acc` with weight `w` into the MoE's input rows (f32 and
+/// Q8_K), as add_rms_norm_q8k computes it.
+struct PreNorm<'a> {
+    acc: u64,
+    inc: u64,
+    w: &'a CudaSlice<f32>,
     eps: f32,
 }
 
@@ -681,6 +699,7 @@ const SWITCHES: &[Switch] = &[
     ("HEAD_R4", |c| c.head_r4, |c, on| c.head_r4 = on),
     ("HEAD_X4", |c| c.head_x4, |c, on| c.head_x4 = on),
     ("DOWN_QIN", |c| c.down_qin, |c, on| c.down_qin = on),
+    ("NORM_ROUTER", |c| c.norm_router, |c, on| c.norm_router = on),
     ("GLU_Q8K", |c| c.glu_q8k, |c, on| c.glu_q8k = on),
     ("CONV_L2", |c| c.conv_l2, |c, on| c.conv_l2 = on),
     ("CONV_TILE", |c| c.conv_tile, |c, on| c.conv_tile = on),
@@ -1037,6 +1056,7 @@ impl Cuda {
             head_r4: env_switch("SAMESUM_CUDA_HEAD_R4", false),
             head_x4: env_switch("SAMESUM_CUDA_HEAD_X4", false),
             down_qin: env_switch("SAMESUM_CUDA_DOWN_QIN", false),
+            norm_router: env_switch("SAMESUM_CUDA_NORM_ROUTER", false),
             glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", false),
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
             conv_tile: env_switch("SAMESUM_CUDA_CONV_TILE", true),
@@ -1375,6 +1395,20 @@ impl Cuda {
     #[doc(hidden)]
     pub fn set_attention_q4(&mut self, on: bool) {
         self.att_q4 = on;
+    }
+
+    /// Whether a MoE call of `m` rows routes in its router's launch
+    /// (`ROUTE_FOLD`: one decode row, the one-warp routing's limits).
+    fn route_folds(&self, mw: &MoeW, m: usize, k: usize, e: usize) -> bool {
+        self.route_fold
+            && m == 1
+            && self.route_one
+            && self.small_plan
+            && !self.block_route
+            && k <= 32
+            && e <= 1024
+            && m * k <= PLAN_SMALL_PAIRS
+            && mw.router.ty == GgmlType::F32
     }
 
     /// The kernels that route one decode row: the router launch that routes
@@ -3377,6 +3411,54 @@ impl Cuda {
         Ok(None)
     }
 
+    /// [`Backend::moe_add_rms_norm`], with `prenorm` (see [`PreNorm`]) the
+    /// post-mixer norm run in the router launch.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_then_norm(
+        &self,
+        model: &Model,
+        mw: &MoeW,
+        which: Norm,
+        h: &mut CudaSlice<f32>,
+        x: &mut CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        prenorm: Option<&PreNorm>,
+    ) -> R<()> {
+        let w = match which {
+            Norm::Attn(l) => &model.w.layers[l].attn_norm,
+            Norm::Ffn(l) => &model.w.layers[l].ffn_norm,
+            Norm::Output => &model.w.output_norm,
+        };
+        // The fused norm is add_rms_norm_q8k's (a layer norm of Q8_K width).
+        let fits = self.moe_norm
+            && self.norm_quant
+            && !matches!(which, Norm::Output)
+            && w.len() == model.hp.n_embd
+            && w.len().is_multiple_of(256)
+            && h.len() == x.len()
+            && y.len() == x.len();
+        if fits {
+            let d = &self.dev;
+            let an = AfterNorm {
+                acc: crate::device::addr(d, h),
+                w: self.vec(w).map_err(e)?,
+                out: crate::device::addr(d, x),
+                eps: model.hp.eps,
+            };
+            if let Some(q) = self
+                .moe_rows_then(model, mw, x, y, Some(&an), prenorm)
+                .map_err(e)?
+            {
+                self.keep_norm_q8k(x, q);
+                return Ok(());
+            }
+        } else {
+            self.moe_rows_then(model, mw, x, y, None, prenorm)
+                .map_err(e)?;
+        }
+        self.add_rms_norm(model, which, h, y, x)
+    }
+
     fn moe_rows(
         &self,
         model: &Model,
@@ -3384,7 +3466,7 @@ impl Cuda {
         x: &CudaSlice<f32>,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        self.moe_rows_then(model, mw, x, y, None).map(|_| ())
+        self.moe_rows_then(model, mw, x, y, None, None).map(|_| ())
     }
 
     /// `moe_rows`, and where `after` is given and the call takes the
@@ -3398,8 +3480,17 @@ impl Cuda {
         x: &CudaSlice<f32>,
         y: &mut CudaSlice<f32>,
         after: Option<&AfterNorm>,
+        prenorm: Option<&PreNorm>,
     ) -> Result<Option<CudaSlice<u8>>> {
-        let pre = self.take_norm_q8k(x);
+        // With `prenorm` the router launch writes x and its Q8_K rows.
+        let pre = match prenorm {
+            Some(_) => Some(
+                self.dev
+                    .scratch::<u8>(x.len() / model.hp.n_embd * (model.hp.n_embd / 256) * 304)?,
+            ),
+            None => self.take_norm_q8k(x),
+        };
+        let prenorm_q = pre.as_ref().map(|q| crate::device::addr(&self.dev, q));
         let hp = &model.hp;
         let d = &self.dev;
         let (dm, e, k, f, fs) = (
@@ -3468,15 +3559,14 @@ impl Cuda {
         let (mi, ki) = (m as i32, k as i32);
         // One decode row: the router's launch routes it too, as
         // route_plan_one would (see route_plan's conditions).
-        let fold = self.route_fold
-            && m == 1
-            && self.route_one
-            && self.small_plan
-            && !self.block_route
-            && k <= 32
-            && e <= 1024
-            && n <= PLAN_SMALL_PAIRS
-            && mw.router.ty == GgmlType::F32;
+        let fold = self.route_folds(mw, m, k, e);
+        if prenorm.is_some() && !fold {
+            return Err(CudaError::Driver {
+                op: "moe".into(),
+                msg: "the post-mixer norm in the router launch needs the routing folded into it"
+                    .into(),
+            });
+        }
         let mut folded = None;
         if joint.is_some() || fold {
             let gi = d.scratch::<f32>(m)?;
@@ -3499,26 +3589,54 @@ impl Cuda {
                 let mut slot = d.scratch::<i32>(n)?;
                 let (ei, padi, capi) = (e as i32, pad as i32, cap as i32);
                 let counter = self.counters.slice(0..1);
-                let name = self.route_kernels().0;
-                launch!(
-                    d,
-                    name,
-                    cfg((blocks, 1, 1), 128, 0),
-                    &mj,
-                    &rb,
-                    x,
-                    &ci,
-                    &mut ids,
-                    &mut wts,
-                    &ei,
-                    &ki,
-                    &padi,
-                    &mut placed_row,
-                    &mut placed_mat,
-                    &mut slot,
-                    &capi,
-                    &counter
-                )?;
+                if let (Some(pn), Some(qo)) = (prenorm, prenorm_q) {
+                    let xo = crate::device::addr(d, x);
+                    launch!(
+                        d,
+                        "mm_f32_multi_route_norm",
+                        cfg((blocks, 1, 1), 128, 0),
+                        &mj,
+                        &rb,
+                        &pn.acc,
+                        &pn.inc,
+                        pn.w,
+                        &xo,
+                        &qo,
+                        &pn.eps,
+                        &ci,
+                        &mut ids,
+                        &mut wts,
+                        &ei,
+                        &ki,
+                        &padi,
+                        &mut placed_row,
+                        &mut placed_mat,
+                        &mut slot,
+                        &capi,
+                        &counter
+                    )?;
+                } else {
+                    let name = self.route_kernels().0;
+                    launch!(
+                        d,
+                        name,
+                        cfg((blocks, 1, 1), 128, 0),
+                        &mj,
+                        &rb,
+                        x,
+                        &ci,
+                        &mut ids,
+                        &mut wts,
+                        &ei,
+                        &ki,
+                        &padi,
+                        &mut placed_row,
+                        &mut placed_mat,
+                        &mut slot,
+                        &capi,
+                        &counter
+                    )?;
+                }
                 folded = Some((placed_row, placed_mat, slot));
             } else {
                 launch!(
@@ -4128,35 +4246,50 @@ impl Backend for Cuda {
         x: &mut CudaSlice<f32>,
         y: &mut CudaSlice<f32>,
     ) -> R<()> {
+        self.moe_then_norm(model, mw, which, h, x, y, None)
+    }
+
+    fn add_rms_norm_moe_add_rms_norm(
+        &self,
+        model: &Model,
+        mw: &MoeW,
+        which: Norm,
+        next: Norm,
+        h: &mut CudaSlice<f32>,
+        x: &mut CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+    ) -> R<()> {
+        let hp = &model.hp;
         let w = match which {
             Norm::Attn(l) => &model.w.layers[l].attn_norm,
             Norm::Ffn(l) => &model.w.layers[l].ffn_norm,
             Norm::Output => &model.w.output_norm,
         };
-        // The fused norm is add_rms_norm_q8k's (a layer norm of Q8_K width).
-        let fits = self.moe_norm
+        // `NORM_ROUTER`: one decode row whose routing folds into the router
+        // launch, a layer norm of Q8_K width the launch's blocks can hold.
+        let d = hp.n_embd;
+        let fits = self.norm_router
             && self.norm_quant
+            && self.tier.is_none()
             && !matches!(which, Norm::Output)
-            && w.len() == model.hp.n_embd
-            && w.len().is_multiple_of(256)
-            && h.len() == x.len()
-            && y.len() == x.len();
+            && x.len() == d
+            && h.len() == d
+            && y.len() == d
+            && w.len() == d
+            && d.is_multiple_of(256)
+            && d <= 2048
+            && self.route_folds(mw, 1, hp.n_expert_used, hp.n_expert);
         if fits {
-            let d = &self.dev;
-            let an = AfterNorm {
-                acc: crate::device::addr(d, h),
+            let pre = PreNorm {
+                acc: crate::device::addr(&self.dev, h),
+                inc: crate::device::addr(&self.dev, y),
                 w: self.vec(w).map_err(e)?,
-                out: crate::device::addr(d, x),
-                eps: model.hp.eps,
+                eps: hp.eps,
             };
-            if let Some(q) = self.moe_rows_then(model, mw, x, y, Some(&an)).map_err(e)? {
-                self.keep_norm_q8k(x, q);
-                return Ok(());
-            }
-        } else {
-            self.moe_rows(model, mw, x, y).map_err(e)?;
+            return self.moe_then_norm(model, mw, next, h, x, y, Some(&pre));
         }
-        self.add_rms_norm(model, which, h, y, x)
+        self.add_rms_norm(model, which, h, y, x)?;
+        self.moe_then_norm(model, mw, next, h, x, y, None)
     }
 
     fn offload_counters(&self) -> Option<samesum_engine::backend::OffloadCounters> {

@@ -2571,6 +2571,49 @@ fn down_projections_quantizing_their_rows_equal_a_quantize_launch() {
     }
 }
 
+/// Decode's post-mixer norm inside the MoE's router launch (`NORM_ROUTER`:
+/// `mm_f32_multi_route_norm`, every block taking add_rms_norm_q8k's norm of
+/// the row, the last storing the residual, the normed row and its Q8_K
+/// rows) against add_rms_norm_q8k then the router launch: the same logits
+/// bytes at every position, replayed (graph replays too) and in chunks, on
+/// every tiny shape (hidden 256: one element of each of norm_row's threads)
+/// and on hidden 2,048 as the real models' (eight elements a thread, eight
+/// Q8_K blocks) with 256 experts and a shared expert (qwen35moe's router)
+/// and 128 without (qwen3moe's), and fewer launches.
+#[test]
+fn post_mixer_norm_in_the_router_launch_equals_the_norm_launch() {
+    if !gpu() {
+        return;
+    }
+    let mut shapes: Vec<shapes::Shape> =
+        SHAPES.iter().map(|s| shapes::by_name(s).unwrap()).collect();
+    for (name, experts) in [("tiny-qwen35moe", 256), ("tiny-qwen3moe", 128)] {
+        let base = shapes::by_name(name).unwrap();
+        shapes.push(shapes::Shape {
+            hidden: 2048,
+            layers: 2,
+            experts,
+            experts_used: 8,
+            ..base
+        });
+    }
+    for shape in shapes {
+        let what = format!(
+            "{} hidden {} experts {}",
+            shape.name, shape.hidden, shape.experts
+        );
+        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 67);
+        let (on, off) = fusion_arms(&model, "NORM_ROUTER", 37, KvType::F32, &what);
+        assert!(
+            on < off,
+            "{what}: {on} launches with the norm in the router launch, {off} apart"
+        );
+        eprintln!(
+            "{what}: the norm in the router launch == add_rms_norm_q8k + router; launches {on} against {off}"
+        );
+    }
+}
+
 /// One decode row's conv, state shift and q/k head norms in one launch
 /// (`conv_l2_one`) against conv_small and l2norm_qk: the same logits bytes
 /// at every position, replayed and in chunks, on the delta-net shapes (key

@@ -172,11 +172,20 @@ pub fn layers_one<B: Backend>(
             b.rms_norm(model, Norm::Attn(l), h, x)?;
         }
         mixer(model, b, l, &lw.mixer, x, st, y)?;
-        b.add_rms_norm(model, Norm::Ffn(l), h, y, x)?;
-        // The residual add, fused with the next layer's input norm.
         if l + 1 < n_layers {
-            b.moe_add_rms_norm(model, &lw.moe, Norm::Attn(l + 1), h, x, y)?;
+            // The post-mixer norm, the MoE, and the residual add fused with
+            // the next layer's input norm.
+            b.add_rms_norm_moe_add_rms_norm(
+                model,
+                &lw.moe,
+                Norm::Ffn(l),
+                Norm::Attn(l + 1),
+                h,
+                x,
+                y,
+            )?;
         } else {
+            b.add_rms_norm(model, Norm::Ffn(l), h, y, x)?;
             b.moe(model, &lw.moe, x, y)?;
             b.add(h, y)?;
         }
