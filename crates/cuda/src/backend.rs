@@ -3472,7 +3472,11 @@ impl Cuda {
     /// `moe_rows`, and where `after` is given and the call takes the
     /// decode launches (`moe_joint_rows`), the next norm in the combine's
     /// launch: then the norm's Q8_K rows are returned (else `None`, and the
-    /// caller runs the norm).
+    /// caller runs the norm). With `prenorm` (one decode row whose routing
+    /// folds into the router launch, see [`Cuda::route_folds`]), the router
+    /// launch first runs that norm and writes `x` and its Q8_K rows; an
+    /// error if the routing would not fold.
+    #[allow(clippy::too_many_arguments)]
     fn moe_rows_then(
         &self,
         model: &Model,
@@ -3490,7 +3494,9 @@ impl Cuda {
             ),
             None => self.take_norm_q8k(x),
         };
-        let prenorm_q = pre.as_ref().map(|q| crate::device::addr(&self.dev, q));
+        let prenorm_q = prenorm
+            .and(pre.as_ref())
+            .map(|q| crate::device::addr(&self.dev, q));
         let hp = &model.hp;
         let d = &self.dev;
         let (dm, e, k, f, fs) = (
