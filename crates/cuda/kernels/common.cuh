@@ -188,6 +188,33 @@ __device__ __forceinline__ void q8k_block(const float* xb, u8* ob, int lane) {
     if (lane == 0) *(float*)(ob + Q8K_D) = 1.0f / iscale;
 }
 
+// ---------------------------------------------------------------- norms
+
+// The RMSNorm rows' threads (norm_row in ops.cu).
+#define NORM_THREADS 256
+
+// The block's sum of `part` (one f64 per norm thread): a fixed tree, its last
+// five levels by shuffles in warp 0 (lane t adds lane t + o: part[t] +
+// part[t + o]). norm_tree_from starts at level o0 (its levels above o0
+// already taken by the caller, as a block of NORM_THREADS / 2 threads does
+// the first in registers): the same sums.
+__device__ __forceinline__ double norm_tree_from(double* part, int t, int o0) {
+    __syncthreads();
+    for (int o = o0; o > 16; o /= 2) {
+        if (t < o) part[t] = part[t] + part[t + o];
+        __syncthreads();
+    }
+    if (t < 32) {
+        double v = part[t];
+        for (int o = 16; o > 0; o /= 2) v = v + __shfl_down_sync(0xffffffffu, v, o);
+        if (t == 0) part[0] = v;
+    }
+    __syncthreads();
+    return part[0];
+}
+
+__device__ __forceinline__ double norm_tree(double* part, int t) { return norm_tree_from(part, t, NORM_THREADS / 2); }
+
 // ---------------------------------------------------------------- routing
 // Shared by ops.cu (route, route_plan_*) and matmul.cu (the router launch
 // that routes its own row, mm_f32_multi_route).

@@ -366,7 +366,7 @@ __device__ void mm_blocks(const u8* W, i64 mat_stride, int row_bytes, const int*
 // buffering), so a row of two groups (2,048 Q4_K columns) waits on memory
 // once. The per-element arithmetic is mm_blocks's: exact integer terms per
 // block, then the float steps in block order.
-template <class F, int NW>
+template <class F, int NW, bool ROWS = false>
 //
 // `amap` (optional) names each row's input row: row r reads A's row amap[r]
 // (a decode MoE's placed pairs reading their token's row in place of a
@@ -374,19 +374,32 @@ template <class F, int NW>
 __device__ void mm_row(const u8* W, const u8* W2, i64 mat_stride, int row_bytes, const int* mats,
                        const u8* A, float* Y, int rows, int m, int nb, int jb, const int* amap = nullptr) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int j = jb * WARPS + warp;
+    // ROWS: the warp's NW consecutive rows of W from j, each its own output.
+    int j = (jb * WARPS + warp) * (ROWS ? NW : 1);
     int r = blockIdx.y;
     if (j >= rows || r >= m) return;
     const int L = F::LANES, G = 32 / F::LANES;
     int g = lane / L, s = lane % L;
     int mat = mats ? mats[r] : 0;
     if (mat < 0) {
-        if (lane == 0) Y[(i64)r * rows + j] = 0.0f;
+        if constexpr (ROWS) {
+            if (lane == 0)
+                for (int w = 0; w < NW; w++)
+                    if (j + w < rows) Y[(i64)r * rows + j + w] = 0.0f;
+        } else {
+            if (lane == 0) Y[(i64)r * rows + j] = 0.0f;
+        }
         return;
     }
     const u8* wr[NW];
-    wr[0] = W + mat * mat_stride + (i64)j * row_bytes;
-    if (NW == 2) wr[NW - 1] = W2 + mat * mat_stride + (i64)j * row_bytes;
+    if constexpr (ROWS) {
+        // Rows past the matrix's end load its last row and store nothing.
+#pragma unroll
+        for (int w = 0; w < NW; w++) wr[w] = W + mat * mat_stride + (i64)min(j + w, rows - 1) * row_bytes;
+    } else {
+        wr[0] = W + mat * mat_stride + (i64)j * row_bytes;
+        if (NW == 2) wr[NW - 1] = W2 + mat * mat_stride + (i64)j * row_bytes;
+    }
     const u8* ar = A + (i64)(amap ? amap[r] : r) * nb * F::ABYTES;
     F f[NW], fn[NW];
     typename F::A x = typename F::A(), xn = typename F::A();
@@ -423,8 +436,15 @@ __device__ void mm_row(const u8* W, const u8* W2, i64 mat_stride, int row_bytes,
         }
         x = xn;
     }
-    // NW = 2: the gate and up rows of a GLU, combined as silu_mul does.
-    if (lane == 0) Y[(i64)r * rows + j] = NW == 2 ? silu(acc[0]) * acc[NW - 1] : acc[0];
+    if constexpr (ROWS) {
+        if (lane == 0)
+#pragma unroll
+            for (int w = 0; w < NW; w++)
+                if (j + w < rows) Y[(i64)r * rows + j + w] = acc[w];
+    } else {
+        // NW = 2: the gate and up rows of a GLU, combined as silu_mul does.
+        if (lane == 0) Y[(i64)r * rows + j] = NW == 2 ? silu(acc[0]) * acc[NW - 1] : acc[0];
+    }
 }
 
 #define MM_ROW_KERNEL(name, F)                                                                \
@@ -435,83 +455,21 @@ __device__ void mm_row(const u8* W, const u8* W2, i64 mat_stride, int row_bytes,
     }
 
 // mm_row with four consecutive weight rows a warp (`HEAD_X4`: decode's
-// output head, one activation row against tens of thousands of rows). Each
-// row's arithmetic is mm_row's (the same lanes, integer sums and float
-// steps in block order); the four rows' next groups are loaded before this
-// group's arithmetic, so a warp has eight groups' loads in flight where
-// mm_row has two. Rows past the matrix's end load its last row and store
-// nothing.
+// output head, one activation row against tens of thousands of rows): each
+// row's arithmetic is mm_row's, and the four rows' next groups are loaded
+// before this group's arithmetic, so a warp has eight groups' loads in
+// flight where mm_row has two.
 #define ROW4 4
-template <class F>
-__device__ void mm_row4(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,
-                        int rows, int m, int nb, int jb) {
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int j0 = (jb * WARPS + warp) * ROW4;
-    int r = blockIdx.y;
-    if (j0 >= rows || r >= m) return;
-    const int L = F::LANES, G = 32 / F::LANES;
-    int g = lane / L, s = lane % L;
-    int mat = mats ? mats[r] : 0;
-    if (mat < 0) {
-        if (lane == 0)
-            for (int w = 0; w < ROW4; w++)
-                if (j0 + w < rows) Y[(i64)r * rows + j0 + w] = 0.0f;
-        return;
-    }
-    const u8* wr[ROW4];
-#pragma unroll
-    for (int w = 0; w < ROW4; w++) wr[w] = W + mat * mat_stride + (i64)min(j0 + w, rows - 1) * row_bytes;
-    const u8* ar = A + (i64)r * nb * F::ABYTES;
-    F f[ROW4], fn[ROW4];
-    typename F::A x = typename F::A(), xn = typename F::A();
-    if (g < nb) {
-#pragma unroll
-        for (int w = 0; w < ROW4; w++) f[w].load(wr[w] + (i64)g * F::BYTES, s);
-        x = F::act(ar + (i64)g * F::ABYTES, s);
-    }
-    float acc[ROW4];
-#pragma unroll
-    for (int w = 0; w < ROW4; w++) acc[w] = 0.0f;
-    for (int b0 = 0; b0 < nb; b0 += G) {
-        int b = b0 + g;
-        bool ok = b < nb;
-        if (b + G < nb) {
-#pragma unroll
-            for (int w = 0; w < ROW4; w++) fn[w].load(wr[w] + (i64)(b + G) * F::BYTES, s);
-            xn = F::act(ar + (i64)(b + G) * F::ABYTES, s);
-        }
-#pragma unroll
-        for (int w = 0; w < ROW4; w++) {
-            int ip = isum_lanes(ok ? f[w].iprod(x) : 0, L);
-            int mp = isum_lanes(ok ? f[w].mprod(x) : 0, L);
-            for (int gg = 0; gg < G && b0 + gg < nb; gg++) {
-                int src = gg * L;
-                int is = __shfl_sync(0xffffffffu, ip, src);
-                int ms = __shfl_sync(0xffffffffu, mp, src);
-                float dw = __shfl_sync(0xffffffffu, f[w].d, src);
-                float dm = __shfl_sync(0xffffffffu, f[w].dmin, src);
-                float da = __shfl_sync(0xffffffffu, x.da, src);
-                acc[w] = F::step(acc[w], dw, dm, da, is, ms);
-            }
-            f[w] = fn[w];
-        }
-        x = xn;
-    }
-    if (lane == 0)
-#pragma unroll
-        for (int w = 0; w < ROW4; w++)
-            if (j0 + w < rows) Y[(i64)r * rows + j0 + w] = acc[w];
-}
 
-// The one-row kernels on mm_row4: a block per 16 weight rows (grid x),
+// The one-row kernels four rows a warp: a block per 16 weight rows (grid x),
 // blockIdx.y the input row. MINB: blocks an SM the registers must allow
 // (Q6_K and Q8_0 at 5, 20 warps: 96 and 56 registers without spills; Q4_K
 // and Q5_K unbounded, as they spill at 96).
 #define MM_ROW4_KERNEL(name, F, MINB)                                                         \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)                            \
-        name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,\
+        name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
              int rows, int m, int nb) { pdl_wait();                                           \
-        mm_row4<F>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x);            \
+        mm_row<F, ROW4, true>(W, nullptr, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x); \
     }
 
 // y = silu(Wg . x) * (Wu . x) for decode-sized calls: each product exactly as
@@ -1945,7 +1903,7 @@ MMF_ROUTE_KERNEL(mm_f32_multi_route_rd, 32, route_one_warp_r)
 // memory with add_rms_norm_q8k's arithmetic (norm_row: its thread u of 256
 // holds elements u + 256 j, j < 8, and sums their squares in f64 in j order;
 // thread t here is its threads t and t + 128, whose sums are the tree's
-// first level; then the tree's other levels as norm_tree), and runs the
+// first level; then the tree's other levels, norm_tree_from), and runs the
 // router's rows from there. The last block, once every block has read the
 // residual, stores the sum into `acc`, the normed row into `xout` and its
 // Q8_K blocks into `qout` (q8k_block, as quantize_own_row), then routes.
@@ -1960,7 +1918,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
     __shared__ __align__(16) float xs[RN_MAX];
     __shared__ __align__(16) float vs[RN_MAX];
     __shared__ double part[WARPS * 32];
-    static_assert(WARPS * 32 == 128, "two of norm_row's 256 threads a thread");
+    static_assert(WARPS * 32 * 2 == NORM_THREADS, "two of norm_row's threads a thread");
     int t = threadIdx.x;
     double s2[2];
 #pragma unroll
@@ -1986,18 +1944,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
         s2[h] = s;
     }
     part[t] = s2[0] + s2[1];  // norm_tree's level 128
-    __syncthreads();
-    for (int o = 64; o > 16; o /= 2) {
-        if (t < o) part[t] = part[t] + part[t + o];
-        __syncthreads();
-    }
-    if (t < 32) {
-        double v = part[t];
-        for (int o = 16; o > 0; o /= 2) v = v + __shfl_down_sync(0xffffffffu, v, o);
-        if (t == 0) part[0] = v;
-    }
-    __syncthreads();
-    float mean = (float)(part[0] / (double)cols);
+    float mean = (float)(norm_tree_from(part, t, 64) / (double)cols);
     float scale = 1.0f / sqrtf(mean + eps);
     for (int i = t; i < cols; i += 128) xs[i] = (vs[i] * scale) * nw[i];
     __syncthreads();

@@ -4,27 +4,10 @@
 // the sequential ops, the state its sequence's earlier rows wrote) with an
 // order of arithmetic fixed by the model's sizes, never by the call's row count.
 
-#define NORM_THREADS 256
 // Values per thread kept in registers (rows up to 256 x 8 = 2,048 wide); wider
-// rows take the same loops through memory.
+// rows take the same loops through memory. NORM_THREADS and norm_tree are in
+// common.cuh (the decode router launch runs the same norm).
 #define NORM_VPT 8
-
-// The block's sum of `part` (one f64 per thread): a fixed tree, its last five
-// levels by shuffles in warp 0 (lane t adds lane t + o: part[t] + part[t + o]).
-__device__ __forceinline__ double norm_tree(double* part, int t) {
-    __syncthreads();
-    for (int o = NORM_THREADS / 2; o > 16; o /= 2) {
-        if (t < o) part[t] = part[t] + part[t + o];
-        __syncthreads();
-    }
-    if (t < 32) {
-        double v = part[t];
-        for (int o = 16; o > 0; o /= 2) v = v + __shfl_down_sync(0xffffffffu, v, o);
-        if (t == 0) part[0] = v;
-    }
-    __syncthreads();
-    return part[0];
-}
 
 // One row of RMSNorm (and, with `inc`, the residual add before it: acc[i] =
 // acc[i] + inc[i], stored): thread t takes elements t, t + 256, ... in order

@@ -3424,11 +3424,7 @@ impl Cuda {
         y: &mut CudaSlice<f32>,
         prenorm: Option<&PreNorm>,
     ) -> R<()> {
-        let w = match which {
-            Norm::Attn(l) => &model.w.layers[l].attn_norm,
-            Norm::Ffn(l) => &model.w.layers[l].ffn_norm,
-            Norm::Output => &model.w.output_norm,
-        };
+        let w = which.weight(model);
         // The fused norm is add_rms_norm_q8k's (a layer norm of Q8_K width).
         let fits = self.moe_norm
             && self.norm_quant
@@ -3595,53 +3591,44 @@ impl Cuda {
                 let mut slot = d.scratch::<i32>(n)?;
                 let (ei, padi, capi) = (e as i32, pad as i32, cap as i32);
                 let counter = self.counters.slice(0..1);
+                // The two router launches differ in the arguments before the
+                // row width (the input row, or the norm's), not after.
+                macro_rules! route_launch {
+                    ($name:expr, $($head:expr),+) => {
+                        launch!(
+                            d,
+                            $name,
+                            cfg((blocks, 1, 1), 128, 0),
+                            &mj,
+                            &rb,
+                            $($head,)+
+                            &ci,
+                            &mut ids,
+                            &mut wts,
+                            &ei,
+                            &ki,
+                            &padi,
+                            &mut placed_row,
+                            &mut placed_mat,
+                            &mut slot,
+                            &capi,
+                            &counter
+                        )
+                    };
+                }
                 if let (Some(pn), Some(qo)) = (prenorm, prenorm_q) {
                     let xo = crate::device::addr(d, x);
-                    launch!(
-                        d,
+                    route_launch!(
                         "mm_f32_multi_route_norm",
-                        cfg((blocks, 1, 1), 128, 0),
-                        &mj,
-                        &rb,
                         &pn.acc,
                         &pn.inc,
                         pn.w,
                         &xo,
                         &qo,
-                        &pn.eps,
-                        &ci,
-                        &mut ids,
-                        &mut wts,
-                        &ei,
-                        &ki,
-                        &padi,
-                        &mut placed_row,
-                        &mut placed_mat,
-                        &mut slot,
-                        &capi,
-                        &counter
+                        &pn.eps
                     )?;
                 } else {
-                    let name = self.route_kernels().0;
-                    launch!(
-                        d,
-                        name,
-                        cfg((blocks, 1, 1), 128, 0),
-                        &mj,
-                        &rb,
-                        x,
-                        &ci,
-                        &mut ids,
-                        &mut wts,
-                        &ei,
-                        &ki,
-                        &padi,
-                        &mut placed_row,
-                        &mut placed_mat,
-                        &mut slot,
-                        &capi,
-                        &counter
-                    )?;
+                    route_launch!(self.route_kernels().0, x)?;
                 }
                 folded = Some((placed_row, placed_mat, slot));
             } else {
@@ -4113,11 +4100,7 @@ impl Backend for Cuda {
         x: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) -> R<()> {
-        let w = match which {
-            Norm::Attn(l) => &model.w.layers[l].attn_norm,
-            Norm::Ffn(l) => &model.w.layers[l].ffn_norm,
-            Norm::Output => &model.w.output_norm,
-        };
+        let w = which.weight(model);
         if acc.len() != x.len() || out.len() < acc.len() || !acc.len().is_multiple_of(w.len()) {
             return Err(e(CudaError::Driver {
                 op: "add_rms_norm".into(),
@@ -4175,11 +4158,7 @@ impl Backend for Cuda {
         x: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) -> R<()> {
-        let w = match which {
-            Norm::Attn(l) => &model.w.layers[l].attn_norm,
-            Norm::Ffn(l) => &model.w.layers[l].ffn_norm,
-            Norm::Output => &model.w.output_norm,
-        };
+        let w = which.weight(model);
         let rows = x.len() / w.len();
         // Only the layer norms: their next op (attention, delta net, MoE)
         // takes the Q8_K rows at once, so they never outlive a captured step.
@@ -4266,11 +4245,7 @@ impl Backend for Cuda {
         y: &mut CudaSlice<f32>,
     ) -> R<()> {
         let hp = &model.hp;
-        let w = match which {
-            Norm::Attn(l) => &model.w.layers[l].attn_norm,
-            Norm::Ffn(l) => &model.w.layers[l].ffn_norm,
-            Norm::Output => &model.w.output_norm,
-        };
+        let w = which.weight(model);
         // `NORM_ROUTER`: one decode row whose routing folds into the router
         // launch, a layer norm of Q8_K width the launch's blocks can hold.
         let d = hp.n_embd;
@@ -4294,8 +4269,9 @@ impl Backend for Cuda {
             };
             return self.moe_then_norm(model, mw, next, h, x, y, Some(&pre));
         }
+        // Otherwise the trait's default: the norm's own launch, then the MoE.
         self.add_rms_norm(model, which, h, y, x)?;
-        self.moe_then_norm(model, mw, next, h, x, y, None)
+        self.moe_add_rms_norm(model, mw, next, h, x, y)
     }
 
     fn offload_counters(&self) -> Option<samesum_engine::backend::OffloadCounters> {

@@ -2408,6 +2408,18 @@ fn routing_in_the_router_launch_equals_route_plan_one() {
     }
 }
 
+/// Tiny shape `name` with a real model's router: rows of `hidden`, `experts`
+/// experts and 8 a token, two layers (to keep the weights small).
+fn router_shape(name: &str, hidden: u32, experts: u32) -> shapes::Shape {
+    shapes::Shape {
+        hidden,
+        layers: 2,
+        experts,
+        experts_used: 8,
+        ..shapes::by_name(name).unwrap()
+    }
+}
+
 /// The router launch that routes a decode row, on its variants: the row
 /// routed in registers (`ROUTE_REGS`: `mm_f32_multi_route_r`), 32 loads a
 /// lane a step (`ROUTER_DEEP`: `_d`), and both (`_rd`), against the default
@@ -2429,14 +2441,7 @@ fn router_launch_variants_keep_the_logits() {
         ("tiny-qwen3moe", 128),
         ("tiny-qwen3moe", 320),
     ] {
-        let base = shapes::by_name(name).unwrap();
-        shapes.push(shapes::Shape {
-            hidden: 2304,
-            layers: 2,
-            experts,
-            experts_used: 8,
-            ..base
-        });
+        shapes.push(router_shape(name, 2304, experts));
     }
     let arms = [
         (false, false, "mm_f32_multi_route"),
@@ -2588,14 +2593,7 @@ fn post_mixer_norm_in_the_router_launch_equals_the_norm_launch() {
     let mut shapes: Vec<shapes::Shape> =
         SHAPES.iter().map(|s| shapes::by_name(s).unwrap()).collect();
     for (name, experts) in [("tiny-qwen35moe", 256), ("tiny-qwen3moe", 128)] {
-        let base = shapes::by_name(name).unwrap();
-        shapes.push(shapes::Shape {
-            hidden: 2048,
-            layers: 2,
-            experts,
-            experts_used: 8,
-            ..base
-        });
+        shapes.push(router_shape(name, 2048, experts));
     }
     for shape in shapes {
         let what = format!(

@@ -30,6 +30,17 @@ pub enum Norm {
     Output,
 }
 
+impl Norm {
+    /// The norm's weight vector in `model`.
+    pub fn weight(self, model: &Model) -> &[f32] {
+        match self {
+            Norm::Attn(l) => &model.w.layers[l].attn_norm,
+            Norm::Ffn(l) => &model.w.layers[l].ffn_norm,
+            Norm::Output => &model.w.output_norm,
+        }
+    }
+}
+
 /// Cumulative counters of weights brought to the device on demand.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OffloadCounters {

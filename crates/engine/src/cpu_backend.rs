@@ -93,11 +93,7 @@ impl Backend for Cpu {
     }
 
     fn rms_norm(&self, model: &Model, which: Norm, x: &Vec<f32>, out: &mut Vec<f32>) -> Result<()> {
-        let w = match which {
-            Norm::Attn(l) => &model.w.layers[l].attn_norm,
-            Norm::Ffn(l) => &model.w.layers[l].ffn_norm,
-            Norm::Output => &model.w.output_norm,
-        };
+        let w = which.weight(model);
         cpu::rms_norm(x, w, model.hp.eps, out);
         Ok(())
     }
