@@ -26,7 +26,8 @@
 # (0,4096,16384) on both models.
 # ncu profiles single launches with Nsight Compute (SAMESUM_GPU_NCU_PREFILL,
 # _DECODE, _SKIP; prefill kernels from a pp SAMESUM_GPU_NCU_PP run at chunk
-# SAMESUM_GPU_NCU_CHUNK, 512 and 512 unless set).
+# SAMESUM_GPU_NCU_CHUNK, 512 and 512 unless set; SAMESUM_GPU_NCU_SECTIONS adds
+# ncu arguments, e.g. "--section ComputeWorkloadAnalysis").
 # tier runs tier mode (issue 8): identity on the tiny models with
 # --vram-budget 2G, then bench on qwen35moe at SAMESUM_GPU_BUDGETS ("24G
 # 12G") for SAMESUM_GPU_TIER_PP (1024,8192); tier122 the 122B shape at 40G.
@@ -210,7 +211,7 @@ run)
         # launches skipped first (past the first layers).
         ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
         q35=$(model qwen35moe-35b-a3b)
-        secs="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats --section MemoryWorkloadAnalysis"
+        secs="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats --section MemoryWorkloadAnalysis ${SAMESUM_GPU_NCU_SECTIONS:-}"
         ncu_one() { # kernel, bench arguments...
             local k=$1; shift
             step "ncu-$k" timeout 300 "$ncu_bin" --clock-control none -k "regex:^$k\$" \

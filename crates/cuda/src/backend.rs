@@ -212,34 +212,36 @@ pub struct Cuda {
     /// Wide calls' expert plan takes two launches (`plan_count`, then
     /// `plan_place_wide`: each expert's block sums the padded counts below
     /// it, plan_scan's offset, and places its pairs 32 a thread, two block
-    /// barriers per 8,192 pairs in place of two per 256). Opt-in,
-    /// `SAMESUM_CUDA_PLAN_WIDE=1`, until measured on a GPU. The same plan.
+    /// barriers per 8,192 pairs in place of two per 256). Default since
+    /// session 21 (H200, qwen35moe pp4096: plan_place + plan_scan 2.64 ms
+    /// -> plan_place_wide 0.92), off with `SAMESUM_CUDA_PLAN_WIDE=0`. The
+    /// same plan.
     plan_wide: bool,
     /// A one-row call against a matrix of at least [`HEAD_R4_ROWS`] rows
     /// (the output head) in formats without a lane kernel (Q5_K, Q6_K,
     /// Q8_0) runs the wide kernel (`mm_*_r4`: four weight rows a warp, the
     /// same per-element arithmetic as `mm_*_1`). Opt-in,
-    /// `SAMESUM_CUDA_HEAD_R4=1`, until measured on a GPU: qwen35moe's Q6_K
-    /// head took 214 us of a 3.3 ms token under ncu (1.95 TB/s) on
-    /// `mm_q6_k_1`, one row a warp.
+    /// `SAMESUM_CUDA_HEAD_R4=1`: slower on the H200, session 21 (qwen35moe's
+    /// Q6_K head under ncu: `mm_q6_k_1` 214 us, `mm_q6_k_r4` 541).
     head_r4: bool,
     /// The same calls on `mm_*_1x4` (mm_row's arithmetic four rows a warp,
     /// the four rows' next groups loaded before a group's arithmetic; taken
-    /// first when both are on). Opt-in, `SAMESUM_CUDA_HEAD_X4=1`, until
-    /// measured on a GPU.
+    /// first when both are on). Opt-in, `SAMESUM_CUDA_HEAD_X4=1`: no faster
+    /// on the H200, session 21 (214 -> 224 us under ncu).
     head_x4: bool,
     /// Decode's routed and shared down projections read the GLU's f32 rows
     /// and quantize them in each block (`mm_q4_k_lane_moe_qin_1`: q8k_block,
     /// quantize_q8k's code, into shared memory), so the GLU outputs need no
-    /// quantize launch. Opt-in, `SAMESUM_CUDA_DOWN_QIN=1`, until measured
-    /// on a GPU. The same bytes.
+    /// quantize launch. Default since session 21 (H200 under ncu: 6.47 +
+    /// 2.51 us -> 7.30 a layer), off with `SAMESUM_CUDA_DOWN_QIN=0`. The
+    /// same bytes.
     down_qin: bool,
     /// Decode's post-mixer norm runs in the MoE's router launch
     /// (`mm_f32_multi_route_norm`: every block takes add_rms_norm_q8k's
     /// norm of the row into shared memory, the last stores the residual,
     /// the normed row and its Q8_K rows), so the norm needs no launch.
-    /// Opt-in, `SAMESUM_CUDA_NORM_ROUTER=1`, until measured on a GPU. The
-    /// same bytes.
+    /// Opt-in, `SAMESUM_CUDA_NORM_ROUTER=1`: no faster on the H200, session
+    /// 21 (13.09 us against 9.26 + 3.82 apart, under ncu). The same bytes.
     norm_router: bool,
     /// The decode MoE's lane GLU writes its outputs' Q8_K rows for the down
     /// projections (`mm_q4_k_lane_moe_glu_q8k_1`: quantize_q8k's bytes by
@@ -290,10 +292,11 @@ pub struct Cuda {
     combine_q8k: bool,
     /// A decode MoE's combine also adds into the residual and runs the next
     /// layer's input norm and its quantization (`moe_combine_add_rms_norm_q8k`:
-    /// moe_combine's and add_rms_norm_q8k's arithmetic; opt-in with
-    /// `SAMESUM_CUDA_MOE_NORM=1`: slower on the H200, session 13, as one
-    /// block a row waited on memory once a slot; since session 20 a row of
-    /// up to 8 slots issues every slot's loads first, not yet measured).
+    /// moe_combine's and add_rms_norm_q8k's arithmetic). Slower on the
+    /// H200 in session 13, as one block a row waited on memory once a slot;
+    /// since session 20 a row of up to 8 slots issues every slot's loads
+    /// first: default since session 21 (under ncu 5.80 us against 3.31 +
+    /// 3.82 apart), off with `SAMESUM_CUDA_MOE_NORM=0`.
     moe_norm: bool,
     /// One decode row's attention tile in compact code (`attention_one`:
     /// attention_tiles_q4's arithmetic with its loops rolled; opt-in with
@@ -1052,10 +1055,10 @@ impl Cuda {
             route_fold: env_switch("SAMESUM_CUDA_ROUTE_FOLD", true),
             route_regs: env_switch("SAMESUM_CUDA_ROUTE_REGS", true),
             router_deep: env_switch("SAMESUM_CUDA_ROUTER_DEEP", true),
-            plan_wide: env_switch("SAMESUM_CUDA_PLAN_WIDE", false),
+            plan_wide: env_switch("SAMESUM_CUDA_PLAN_WIDE", true),
             head_r4: env_switch("SAMESUM_CUDA_HEAD_R4", false),
             head_x4: env_switch("SAMESUM_CUDA_HEAD_X4", false),
-            down_qin: env_switch("SAMESUM_CUDA_DOWN_QIN", false),
+            down_qin: env_switch("SAMESUM_CUDA_DOWN_QIN", true),
             norm_router: env_switch("SAMESUM_CUDA_NORM_ROUTER", false),
             glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", false),
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
@@ -1066,7 +1069,7 @@ impl Cuda {
             combine_vec: env_switch("SAMESUM_CUDA_COMBINE_VEC", true),
             live_rows: env_switch("SAMESUM_CUDA_LIVE_ROWS", true),
             combine_q8k: env_switch("SAMESUM_CUDA_COMBINE_Q8K", true),
-            moe_norm: env_switch("SAMESUM_CUDA_MOE_NORM", false),
+            moe_norm: env_switch("SAMESUM_CUDA_MOE_NORM", true),
             att_one: env_switch("SAMESUM_CUDA_ATT_ONE", false),
             att_last: Mutex::new(""),
             norm_q8k: Mutex::new(None),
