@@ -254,6 +254,74 @@ struct FmtQ6K {
     }
 };
 
+// Q6_K with 8 lanes a block (`HEAD_Q6_8`, one-row calls): part s (n = s / 4,
+// u = s % 4) takes the 16 ql bytes 64 n + 16 u .. + 15 whole, both nibbles:
+// the low ones are group 8 n + u of FmtQ6K (elements 128 n + 16 u + i), the
+// high ones group 8 n + u + 4 (elements + 64), and the 16 qh bytes both
+// groups share (128 + 32 n + 16 (u % 2), shifted by 2 (u / 2) and by 4
+// more). The values stay unsigned (0..63, valid signed bytes for dp4a) and
+// each group's dot takes 32 times its activations' sum (the Q8_K block's
+// bsums) off, so a part's integer is FmtQ6K's two groups' sc * dot summed:
+// the block's sum of every part is the same integer, so the same float
+// steps and the same bytes, with half the unpacking a value (no signed
+// subtraction a byte, both nibbles of every ql byte loaded) and twice the
+// blocks a warp's pass.
+struct ActK16x2 {
+    int4 lo, hi;
+    int bs0, bs1;
+    float da;
+};
+
+struct FmtQ6K8 {
+    enum { ELEMS = 256, BYTES = 210, LANES = 8, ABYTES = Q8K_BYTES };
+    typedef ActK16x2 A;
+    u32 lo[4], hi[4];
+    int sc0, sc1;
+    float d, dmin;
+    static __device__ A act(const u8* a, int s) {
+        const int grp = 8 * (s / 4) + s % 4;
+        A r;
+        r.lo = ld_i4(a + grp * 16);
+        r.hi = ld_i4(a + (grp + 4) * 16);
+        const i16* bs = (const i16*)(a + Q8K_BSUMS);
+        r.bs0 = bs[grp];
+        r.bs1 = bs[grp + 4];
+        r.da = *(const float*)(a + Q8K_D);
+        return r;
+    }
+    __device__ void load(const u8* b, int s) {
+        const int n = s / 4, u = s % 4, grp = 8 * n + u;
+        u32 ql[4], qh[4];
+        ld16_a2(b + n * 64 + 16 * u, ql);
+        ld16_a2(b + 128 + n * 32 + 16 * (u % 2), qh);
+        const int sh = 2 * (u / 2);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            lo[i] = (ql[i] & 0x0F0F0F0Fu) | (((qh[i] >> sh) & 0x03030303u) << 4);
+            hi[i] = ((ql[i] >> 4) & 0x0F0F0F0Fu) | (((qh[i] >> (sh + 4)) & 0x03030303u) << 4);
+        }
+        sc0 = (int)(i8)b[192 + grp];
+        sc1 = (int)(i8)b[192 + grp + 4];
+        d = f16_to_f32(*(const u16*)(b + 208));  // 210-byte blocks: 2-byte aligned
+        dmin = 0.0f;
+    }
+    __device__ int iprod(const A& x) const {
+        int t0 = __dp4a((int)lo[0], x.lo.x, 0);
+        t0 = __dp4a((int)lo[1], x.lo.y, t0);
+        t0 = __dp4a((int)lo[2], x.lo.z, t0);
+        t0 = __dp4a((int)lo[3], x.lo.w, t0);
+        int t1 = __dp4a((int)hi[0], x.hi.x, 0);
+        t1 = __dp4a((int)hi[1], x.hi.y, t1);
+        t1 = __dp4a((int)hi[2], x.hi.z, t1);
+        t1 = __dp4a((int)hi[3], x.hi.w, t1);
+        return sc0 * (t0 - 32 * x.bs0) + sc1 * (t1 - 32 * x.bs1);
+    }
+    __device__ int mprod(const A&) const { return 0; }
+    static __device__ float step(float acc, float d, float, float da, int is, int) {
+        return step_plain(acc, d, da, is);
+    }
+};
+
 // Q8_0: d (f16), qs[32]; part s = values 4s..4s+3.
 struct Act80 {
     int x;
@@ -583,6 +651,8 @@ MM_MULTI_KERNEL(mm_q8_0_multi_1, FmtQ8_0)
 MM_ROW_KERNEL(mm_q4_k_1, FmtQ4K)
 MM_ROW_KERNEL(mm_q5_k_1, FmtQ5K)
 MM_ROW_KERNEL(mm_q6_k_1, FmtQ6K)
+// Q6_K one-row calls eight lanes a block (`HEAD_Q6_8`): the same bytes.
+MM_ROW_KERNEL(mm_q6_k8_1, FmtQ6K8)
 MM_ROW_KERNEL(mm_q8_0_1, FmtQ8_0)
 MM_ROW4_KERNEL(mm_q4_k_1x4, FmtQ4K, 1)
 MM_ROW4_KERNEL(mm_q5_k_1x4, FmtQ5K, 1)
@@ -2144,7 +2214,7 @@ __device__ __forceinline__ void fold_half(float (&v)[MFW_J * MFW_R], int lane) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128, 2)
+extern "C" __global__ void __launch_bounds__(128, 3)
     mm_f32_tile_w8(const u8* W, int row_bytes, const float* X, float* Y, int rows, int m, int cols) {
     pdl_wait();
     extern __shared__ __align__(16) u8 dsm[];
@@ -2153,21 +2223,43 @@ extern "C" __global__ void __launch_bounds__(128, 2)
     if (jb >= rows || r0 >= m) return;
     const int nk = (cols + MFW_KC - 1) / MFW_KC;
     constexpr int PR = MFW_KC / 4;  // 16-byte pieces a staged row
+    // A thread copies piece pq = tid % PR of staged rows pr + 4i (pr = tid
+    // / PR): its sources are a base and a stride worked out once, here, not
+    // a division, a clamp and a product a piece at every step (ncu, session
+    // 21: that arithmetic was ~30% of the kernel's instructions).
+    static_assert(128 / PR == 4 && (4 * MFW_J) % 4 == 0 && MFW_R % 4 == 0, "four staged rows a pass");
+    // Rows past the matrix's end copy nothing (zeros; their outputs are
+    // not stored), as does a piece past the row's end. `full`: the block's
+    // rows all exist (every block but the last activation tile's, for the
+    // routers), so its copies check nothing but the row's end.
+    const int pq = tid % PR, pr = tid / PR;
+    const u8* wb = W + (i64)(jb + pr) * row_bytes + 16 * pq;
+    const float* xb = X + (i64)(r0 + pr) * cols + 4 * pq;
+    const i64 wstep = 4 * (i64)row_bytes, xstep = 4 * (i64)cols;
+    const bool full = jb + 4 * MFW_J <= rows && r0 + MFW_R <= m;
     auto issue = [&](u8* st, int kc) {
         const int c0 = kc * MFW_KC;
+        const bool ok = c0 + 4 * pq < cols;
+        // The piece's offset from wb and xb, or the row's start past its end.
+        const int cw = ok ? 4 * c0 : -16 * pq, cx = ok ? c0 : -4 * pq;
+        u8* d = st + (pr * MFW_KC + 4 * pq) * 4;
+        u8* dx = d + 4 * MFW_J * MFW_KC * 4;
+        if (full) {
 #pragma unroll
-        for (int p = tid; p < 4 * MFW_J * PR; p += 128) {
-            int r = p / PR, q = p % PR, col = c0 + 4 * q;
-            bool ok = col < cols;
-            const u8* src = W + (i64)min(jb + r, rows - 1) * row_bytes + (ok ? 4 * col : 0);
-            cp_async16(st + (r * MFW_KC + 4 * q) * 4, src, ok);
-        }
+            for (int i = 0; i < MFW_J; i++) cp_async16(d + 4 * i * MFW_KC * 4, wb + i * wstep + cw, ok);
 #pragma unroll
-        for (int p = tid; p < MFW_R * PR; p += 128) {
-            int r = p / PR, q = p % PR, col = c0 + 4 * q;
-            bool ok = col < cols;
-            const float* src = X + (i64)min(r0 + r, m - 1) * cols + (ok ? col : 0);
-            cp_async16(st + ((4 * MFW_J + r) * MFW_KC + 4 * q) * 4, src, ok);
+            for (int i = 0; i < MFW_R / 4; i++) cp_async16(dx + 4 * i * MFW_KC * 4, xb + i * xstep + cx, ok);
+        } else {
+#pragma unroll
+            for (int i = 0; i < MFW_J; i++) {
+                const bool v = ok && jb + pr + 4 * i < rows;
+                cp_async16(d + 4 * i * MFW_KC * 4, v ? wb + i * wstep + cw : W, v);
+            }
+#pragma unroll
+            for (int i = 0; i < MFW_R / 4; i++) {
+                const bool v = ok && r0 + pr + 4 * i < m;
+                cp_async16(dx + 4 * i * MFW_KC * 4, v ? (const void*)(xb + i * xstep + cx) : (const void*)X, v);
+            }
         }
     };
     float v[MFW_J * MFW_R];  // output (c, t) at c * MFW_R + t

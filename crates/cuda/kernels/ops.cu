@@ -1948,6 +1948,42 @@ extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
     l2norm_qk_k<false>(conv, qk, m, cd, hk, dk, eps);
 }
 
+// l2norm_qk with a lane a head (`SAMESUM_CUDA_HEAD_SUMS`; dk <= 256): a block
+// of 128 threads takes 32 of the m * 2hk heads, stages them (dynamic shared
+// memory, 32 rows of dk + 1 floats), and lane l of warp 0 adds head l's
+// squares in f64 in index order, as sumsq_in_order's lane 0 adds one
+// head's: the same sums, then l2norm_qk's scale and products.
+extern "C" __global__ void __launch_bounds__(128)
+    l2norm_qk_h(const float* conv, float* qk, int m, int cd, int hk, int dk, float eps) {
+    pdl_wait();
+    extern __shared__ __align__(16) float hs_stage[];
+    __shared__ float scales[32];
+    const int t0 = blockIdx.x * 32, tid = threadIdx.x, ld = dk + 1;
+    const int nh = min(32, m * 2 * hk - t0);
+    for (int h = 0; h < nh; h++) {
+        const int t = t0 + h, r = t / (2 * hk), hh = t % (2 * hk);
+        const float* src = conv + (i64)r * cd + hh * dk;
+        for (int c = tid; c < dk; c += 128) hs_stage[h * ld + c] = src[c];
+    }
+    __syncthreads();
+    if (tid < nh) {
+        const float* v = hs_stage + tid * ld;
+        double s = 0.0;
+        for (int i = 0; i < dk; i++) {
+            double d = (double)v[i];
+            s += d * d;
+        }
+        scales[tid] = 1.0f / sqrtf((float)s + eps);
+    }
+    __syncthreads();
+    for (int h = 0; h < nh; h++) {
+        const int t = t0 + h, r = t / (2 * hk), hh = t % (2 * hk);
+        float* dst = qk + (i64)r * 2 * hk * dk + hh * dk;
+        const float scale = scales[h];
+        for (int c = tid; c < dk; c += 128) dst[c] = hs_stage[h * ld + c] * scale;
+    }
+}
+
 // One decode row's conv, state shift and q/k head norms in one launch
 // (CONV_L2; key head dims up to 256), blocks of 128 threads: block h < 2 hk
 // takes q/k head h, a thread a channel (conv_channel, as conv_small), the
@@ -2459,6 +2495,50 @@ extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
     gated_norm_q8k_lane0(float* o, const float* z, const float* norm, u8* q, int rows_heads, int dv, float eps) {
     pdl_wait();
     gated_norm_q8k_k<false>(o, z, norm, q, rows_heads, dv, eps);
+}
+
+// gated_norm_q8k with a lane a head (`SAMESUM_CUDA_HEAD_SUMS`): a block of
+// 128 threads takes HS_HEADS heads (of a row or of consecutive rows, as the
+// launch's heads come), stages them in shared memory (dynamic: HS_HEADS
+// rows of dv + 1 floats, so lane l's reads of head l fall in distinct
+// banks), and lane l of warp 0 adds head l's squares in f64 in index order,
+// as sumsq_in_order's lane 0 adds one head's: the same sum, with 32 heads'
+// sums in one warp's instructions where that took a warp a head. The scale,
+// the gating and the Q8_K blocks (warp w quantizes blocks w, w + 4, ...)
+// are gated_norm_q8k's. The launch checks dv <= 256, 256 | 4 dv and heads
+// in fours, so a block's heads are whole 256-blocks.
+#define HS_HEADS 32
+extern "C" __global__ void __launch_bounds__(128)
+    gated_norm_q8k_h(float* o, const float* z, const float* norm, u8* q, int rows_heads, int dv, float eps) {
+    pdl_wait();
+    extern __shared__ __align__(16) float hs_stage[];
+    __shared__ float scales[HS_HEADS];
+    const int h0 = blockIdx.x * HS_HEADS, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int nh = min(HS_HEADS, rows_heads - h0), ld = dv + 1;
+    const i64 first = (i64)h0 * dv;  // a multiple of 256
+    for (int h = 0; h < nh; h++)
+        for (int c = tid; c < dv; c += 128) hs_stage[h * ld + c] = o[first + (i64)h * dv + c];
+    __syncthreads();
+    if (tid < nh) {
+        const float* v = hs_stage + tid * ld;
+        double s = 0.0;
+        for (int i = 0; i < dv; i++) {
+            double d = (double)v[i];
+            s += d * d;
+        }
+        float mean = (float)(s / (double)dv);
+        scales[tid] = 1.0f / sqrtf(mean + eps);
+    }
+    __syncthreads();
+    for (int h = 0; h < nh; h++) {
+        const float scale = scales[h];
+        for (int c = tid; c < dv; c += 128) {
+            const i64 i = first + (i64)h * dv + c;
+            o[i] = ((hs_stage[h * ld + c] * scale) * norm[c]) * silu(z[i]);
+        }
+    }
+    __syncthreads();  // the block's stores of o are visible to the block
+    for (int b = warp; b < nh * dv / 256; b += 4) q8k_block(o + first + b * 256, q + (first / 256 + b) * Q8K_BYTES, lane);
 }
 
 // Router rows, one warp per row: softmax (max; exp; the sum with lane l over

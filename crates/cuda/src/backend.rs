@@ -229,6 +229,15 @@ pub struct Cuda {
     /// first when both are on). Opt-in, `SAMESUM_CUDA_HEAD_X4=1`: no faster
     /// on the H200, session 21 (214 -> 224 us under ncu).
     head_x4: bool,
+    /// One-row Q6_K calls (decode's output head among them) eight lanes a
+    /// block (`mm_q6_k8_1`: a lane takes both nibbles of 16 ql bytes, the
+    /// values unsigned with each group's dot less 32 times its Q8_K block
+    /// sum: the same integers, so the same bytes), where `mm_q6_k_1` takes
+    /// sixteen, each unpacking one nibble and subtracting 32 a byte. Opt-in,
+    /// `SAMESUM_CUDA_Q6_LANES8=1`, until measured on a GPU: under ncu (session
+    /// 21) `mm_q6_k_1` is bound by its instructions (ALU pipe 65%, issue
+    /// slots 79% busy, 1.94 TB/s).
+    q6_lanes8: bool,
     /// Decode's routed and shared down projections read the GLU's f32 rows
     /// and quantize them in each block (`mm_q4_k_lane_moe_qin_1`: q8k_block,
     /// quantize_q8k's code, into shared memory), so the GLU outputs need no
@@ -263,6 +272,12 @@ pub struct Cuda {
     /// all, as before session 17 and as decode-sized calls do (`*_lane0`,
     /// `SAMESUM_CUDA_SQ_LANES=0`). The same sums, so the same bytes.
     sq_lanes: bool,
+    /// With `sq_lanes`, calls of more than 16 rows sum 32 heads' squares a
+    /// warp, a lane a head (`gated_norm_q8k_h`, `l2norm_qk_h`; head dims up
+    /// to 256), each in index order as lane 0 sums one head's. Default since
+    /// session 21, off with `SAMESUM_CUDA_HEAD_SUMS=0`. The same sums, so
+    /// the same bytes.
+    head_sums: bool,
     /// The GLU output's product and Q8_K blocks a warp per 256-block
     /// (`silu_mul_q8k_w`; default) or a block per row (`silu_mul_q8k`,
     /// `SAMESUM_CUDA_SILU_WARP=0`). The same bytes.
@@ -701,12 +716,14 @@ const SWITCHES: &[Switch] = &[
     ("PLAN_WIDE", |c| c.plan_wide, |c, on| c.plan_wide = on),
     ("HEAD_R4", |c| c.head_r4, |c, on| c.head_r4 = on),
     ("HEAD_X4", |c| c.head_x4, |c, on| c.head_x4 = on),
+    ("Q6_LANES8", |c| c.q6_lanes8, |c, on| c.q6_lanes8 = on),
     ("DOWN_QIN", |c| c.down_qin, |c, on| c.down_qin = on),
     ("NORM_ROUTER", |c| c.norm_router, |c, on| c.norm_router = on),
     ("GLU_Q8K", |c| c.glu_q8k, |c, on| c.glu_q8k = on),
     ("CONV_L2", |c| c.conv_l2, |c, on| c.conv_l2 = on),
     ("CONV_TILE", |c| c.conv_tile, |c, on| c.conv_tile = on),
     ("SQ_LANES", |c| c.sq_lanes, |c, on| c.sq_lanes = on),
+    ("HEAD_SUMS", |c| c.head_sums, |c, on| c.head_sums = on),
     ("SILU_WARP", |c| c.silu_warp, |c, on| c.silu_warp = on),
     ("SILU_REGS", |c| c.silu_regs, |c, on| c.silu_regs = on),
     ("COMBINE_VEC", |c| c.combine_vec, |c, on| c.combine_vec = on),
@@ -1058,12 +1075,14 @@ impl Cuda {
             plan_wide: env_switch("SAMESUM_CUDA_PLAN_WIDE", true),
             head_r4: env_switch("SAMESUM_CUDA_HEAD_R4", false),
             head_x4: env_switch("SAMESUM_CUDA_HEAD_X4", false),
+            q6_lanes8: env_switch("SAMESUM_CUDA_Q6_LANES8", false),
             down_qin: env_switch("SAMESUM_CUDA_DOWN_QIN", true),
             norm_router: env_switch("SAMESUM_CUDA_NORM_ROUTER", false),
             glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", false),
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
             conv_tile: env_switch("SAMESUM_CUDA_CONV_TILE", true),
             sq_lanes: env_switch("SAMESUM_CUDA_SQ_LANES", true),
+            head_sums: env_switch("SAMESUM_CUDA_HEAD_SUMS", true),
             silu_warp: env_switch("SAMESUM_CUDA_SILU_WARP", true),
             silu_regs: env_switch("SAMESUM_CUDA_SILU_REGS", false),
             combine_vec: env_switch("SAMESUM_CUDA_COMBINE_VEC", true),
@@ -2153,6 +2172,17 @@ impl Cuda {
                     GgmlType::Q5_K => {
                         mm!("mm_q5_k", "mm_q5_k_r4", "mm_q5_k_1", "mm_q5_k_1x4", a, &nbi)
                     }
+                    // `Q6_LANES8`: one-row calls eight lanes a block.
+                    _ if self.q6_lanes8 => {
+                        mm!(
+                            "mm_q6_k",
+                            "mm_q6_k_r4",
+                            "mm_q6_k8_1",
+                            "mm_q6_k_1x4",
+                            a,
+                            &nbi
+                        )
+                    }
                     _ => mm!("mm_q6_k", "mm_q6_k_r4", "mm_q6_k_1", "mm_q6_k_1x4", a, &nbi),
                 }
             }
@@ -2810,22 +2840,41 @@ impl Cuda {
                 }
                 launch!(d, "conv_shift", cfg1(cd), &qkv, conv_state, &mi, &cdi, &kci)?;
             }
-            launch!(
-                d,
-                if self.sq_lanes {
-                    "l2norm_qk"
-                } else {
-                    "l2norm_qk_lane0"
-                },
-                cfg(((m * 2 * hk).div_ceil(4) as u32, 1, 1), 128, 0),
-                &conv,
-                &mut qk,
-                &mi,
-                &cdi,
-                &hki,
-                &dki,
-                &eps
-            )?;
+            if self.sq_lanes && self.head_sums && m > 16 && dk <= 256 {
+                launch!(
+                    d,
+                    "l2norm_qk_h",
+                    cfg(
+                        ((m * 2 * hk).div_ceil(32) as u32, 1, 1),
+                        128,
+                        (32 * (dk + 1) * 4) as u32
+                    ),
+                    &conv,
+                    &mut qk,
+                    &mi,
+                    &cdi,
+                    &hki,
+                    &dki,
+                    &eps
+                )?;
+            } else {
+                launch!(
+                    d,
+                    if self.sq_lanes {
+                        "l2norm_qk"
+                    } else {
+                        "l2norm_qk_lane0"
+                    },
+                    cfg(((m * 2 * hk).div_ceil(4) as u32, 1, 1), 128, 0),
+                    &conv,
+                    &mut qk,
+                    &mi,
+                    &cdi,
+                    &hki,
+                    &dki,
+                    &eps
+                )?;
+            }
         }
         let mut o = d.scratch::<f32>(m * vd)?;
         let (hvi, dvi, tiled) = (hv as i32, dv as i32, (hp.arch == Arch::Qwen35Moe) as i32);
@@ -2907,14 +2956,26 @@ impl Cuda {
             // squares in gated_norm_q8k and conv_l2_one, qwen35moe tg128 fell
             // from 315-319 to 302.5 tok/s (H200, session 17; the only decode
             // change specific to that model), while prefill gained 0.6%.
+            // `HEAD_SUMS`: a lane a head, 32 heads a block.
+            let heads = self.sq_lanes && self.head_sums && m > 16;
             launch!(
                 d,
-                if self.sq_lanes && m > 16 {
+                if heads {
+                    "gated_norm_q8k_h"
+                } else if self.sq_lanes && m > 16 {
                     "gated_norm_q8k"
                 } else {
                     "gated_norm_q8k_lane0"
                 },
-                cfg(((m * hv).div_ceil(4) as u32, 1, 1), 128, 0),
+                if heads {
+                    cfg(
+                        ((m * hv).div_ceil(32) as u32, 1, 1),
+                        128,
+                        (32 * (dv + 1) * 4) as u32,
+                    )
+                } else {
+                    cfg(((m * hv).div_ceil(4) as u32, 1, 1), 128, 0)
+                },
                 &mut o,
                 &z,
                 nw,

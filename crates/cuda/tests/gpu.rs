@@ -1662,6 +1662,27 @@ fn lane_squares_equal_lane_zero_squares() {
     );
 }
 
+/// The f64 head sums of squares a lane a head (`HEAD_SUMS`:
+/// `gated_norm_q8k_h` and `l2norm_qk_h`, 32 heads a block, the tail block
+/// part full where the call's heads are not a multiple of 32) against a
+/// warp a head: the same logits bytes on the delta-net shapes, head dims
+/// from the tiny shapes' to 256, in chunks of 64 and 300 (wide calls) and
+/// replayed (decode-sized calls take lane 0's squares in both arms).
+#[test]
+fn head_sums_a_lane_a_head_equal_the_warp_sums() {
+    if !gpu() {
+        return;
+    }
+    assert_switch_keeps_logits(
+        delta_head_dim_shapes(),
+        |s| format!("{} dk {}", s.name, s.delta.unwrap().key_head_dim),
+        (41, 43),
+        "HEAD_SUMS",
+        &[1, 64, 300],
+        "a lane a head and a warp a head",
+    );
+}
+
 /// `CudaOptions::fast_attention` (`--attention fast`): the backend takes the
 /// tensor-core passes with fp32 accumulation where the shape allows, says so
 /// in its name, and batched prefill still equals replay byte for byte (300
@@ -2526,6 +2547,47 @@ fn output_head_on_the_wide_kernel_keeps_the_logits() {
         }
         eprintln!(
             "{what}: the head on mm_*_r4, on mm_*_1x4 and on mm_*_1 equal, replayed and in chunks"
+        );
+    }
+}
+
+/// One-row Q6_K calls eight lanes a block (`Q6_LANES8`: `mm_q6_k8_1`, both
+/// nibbles of a ql byte in one lane, unsigned values and the Q8_K block
+/// sums) against sixteen (`mm_q6_k_1`): the same logits bytes at every
+/// position, replayed (the one-row calls) and in chunks of 64 and 7, on a
+/// Q4_K model's Q6_K head (hidden 256: one block a row, and 2,048: eight,
+/// two passes of four blocks) and on a Q6_K model, whose every dense
+/// matrix is Q6_K.
+#[test]
+fn q6_k_rows_eight_lanes_a_block_keep_the_logits() {
+    if !gpu() {
+        return;
+    }
+    for (name, quant, hidden) in [
+        ("tiny-qwen35moe", GgmlType::Q4_K, 256u32),
+        ("tiny-qwen35moe", GgmlType::Q4_K, 2048),
+        ("tiny-qwen3moe", GgmlType::Q6_K, 256),
+        ("tiny-qwen3next", GgmlType::Q6_K, 256),
+    ] {
+        let shape = shapes::Shape {
+            hidden,
+            ..shapes::by_name(name).unwrap()
+        };
+        let (_d, model) = synth_shape(shape, quant, 67);
+        let toks = test_tokens(&model, 71);
+        let what = format!("{name} {quant:?} hidden {hidden}");
+        let (on, off) = switch_arms(&model, "Q6_LANES8");
+        let p = assert_same_logits(
+            &on,
+            &off,
+            &model,
+            &toks,
+            &[1, 64, 7],
+            &format!("{what}: Q6_LANES8 on and off differ"),
+        );
+        assert!(same_bits(&p[0], &p[1]), "{what}: batched != replay");
+        eprintln!(
+            "{what}: one-row Q6_K calls on 8 and 16 lanes a block equal, replayed and in chunks"
         );
     }
 }
