@@ -233,10 +233,11 @@ pub struct Cuda {
     /// block (`mm_q6_k8_1`: a lane takes both nibbles of 16 ql bytes, the
     /// values unsigned with each group's dot less 32 times its Q8_K block
     /// sum: the same integers, so the same bytes), where `mm_q6_k_1` takes
-    /// sixteen, each unpacking one nibble and subtracting 32 a byte. Opt-in,
-    /// `SAMESUM_CUDA_Q6_LANES8=1`, until measured on a GPU: under ncu (session
-    /// 21) `mm_q6_k_1` is bound by its instructions (ALU pipe 65%, issue
-    /// slots 79% busy, 1.94 TB/s).
+    /// sixteen, each unpacking one nibble and subtracting 32 a byte (under
+    /// ncu `mm_q6_k_1` is bound by its instructions: ALU pipe 65%, issue
+    /// slots 79% busy, 1.94 TB/s). Default since session 21 (qwen35moe's
+    /// head 214.4 -> 174.7 us, tg128 +1.0%), off with
+    /// `SAMESUM_CUDA_Q6_LANES8=0`.
     q6_lanes8: bool,
     /// Decode's routed and shared down projections read the GLU's f32 rows
     /// and quantize them in each block (`mm_q4_k_lane_moe_qin_1`: q8k_block,
@@ -274,9 +275,11 @@ pub struct Cuda {
     sq_lanes: bool,
     /// With `sq_lanes`, calls of more than 16 rows sum 32 heads' squares a
     /// warp, a lane a head (`gated_norm_q8k_h`, `l2norm_qk_h`; head dims up
-    /// to 256), each in index order as lane 0 sums one head's. Default since
-    /// session 21, off with `SAMESUM_CUDA_HEAD_SUMS=0`. The same sums, so
-    /// the same bytes.
+    /// to 256), each in index order as lane 0 sums one head's. Opt-in,
+    /// `SAMESUM_CUDA_HEAD_SUMS=1`: slower on the H200, session 21
+    /// (qwen35moe pp4096: gated_norm_q8k 4.07 -> 5.51 ms, l2norm_qk 2.84 ->
+    /// 4.01; one warp of four runs a block's sums, 128 dependent steps
+    /// behind a shared-memory load each). The same sums, so the same bytes.
     head_sums: bool,
     /// The GLU output's product and Q8_K blocks a warp per 256-block
     /// (`silu_mul_q8k_w`; default) or a block per row (`silu_mul_q8k`,
@@ -1075,14 +1078,14 @@ impl Cuda {
             plan_wide: env_switch("SAMESUM_CUDA_PLAN_WIDE", true),
             head_r4: env_switch("SAMESUM_CUDA_HEAD_R4", false),
             head_x4: env_switch("SAMESUM_CUDA_HEAD_X4", false),
-            q6_lanes8: env_switch("SAMESUM_CUDA_Q6_LANES8", false),
+            q6_lanes8: env_switch("SAMESUM_CUDA_Q6_LANES8", true),
             down_qin: env_switch("SAMESUM_CUDA_DOWN_QIN", true),
             norm_router: env_switch("SAMESUM_CUDA_NORM_ROUTER", false),
             glu_q8k: env_switch("SAMESUM_CUDA_GLU_Q8K", false),
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
             conv_tile: env_switch("SAMESUM_CUDA_CONV_TILE", true),
             sq_lanes: env_switch("SAMESUM_CUDA_SQ_LANES", true),
-            head_sums: env_switch("SAMESUM_CUDA_HEAD_SUMS", true),
+            head_sums: env_switch("SAMESUM_CUDA_HEAD_SUMS", false),
             silu_warp: env_switch("SAMESUM_CUDA_SILU_WARP", true),
             silu_regs: env_switch("SAMESUM_CUDA_SILU_REGS", false),
             combine_vec: env_switch("SAMESUM_CUDA_COMBINE_VEC", true),
