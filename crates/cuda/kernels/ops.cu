@@ -1948,27 +1948,45 @@ extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
     l2norm_qk_k<false>(conv, qk, m, cd, hk, dk, eps);
 }
 
+// The lane-a-head kernels (`HEAD_SUMS`): heads a block, loads issued
+// together a thread.
+#define HS_HEADS 32
+#define HS_BATCH 8
+
 // l2norm_qk with a lane a head (`SAMESUM_CUDA_HEAD_SUMS`; dk <= 256): a block
 // of 128 threads takes 32 of the m * 2hk heads, stages them (dynamic shared
-// memory, 32 rows of dk + 1 floats), and lane l of warp 0 adds head l's
-// squares in f64 in index order, as sumsq_in_order's lane 0 adds one
-// head's: the same sums, then l2norm_qk's scale and products.
-extern "C" __global__ void __launch_bounds__(128)
+// memory, 32 rows of dk + 1 floats; a thread's loads of its column in the
+// 32 heads issued together), and lane l of warp 0 adds head l's squares in
+// f64 in index order, as sumsq_in_order's lane 0 adds one head's: the same
+// sums, then l2norm_qk's scale and products.
+extern "C" __global__ void __launch_bounds__(128, 6)
     l2norm_qk_h(const float* conv, float* qk, int m, int cd, int hk, int dk, float eps) {
     pdl_wait();
     extern __shared__ __align__(16) float hs_stage[];
-    __shared__ float scales[32];
-    const int t0 = blockIdx.x * 32, tid = threadIdx.x, ld = dk + 1;
-    const int nh = min(32, m * 2 * hk - t0);
-    for (int h = 0; h < nh; h++) {
-        const int t = t0 + h, r = t / (2 * hk), hh = t % (2 * hk);
-        const float* src = conv + (i64)r * cd + hh * dk;
-        for (int c = tid; c < dk; c += 128) hs_stage[h * ld + c] = src[c];
+    __shared__ float scales[HS_HEADS];
+    const int t0 = blockIdx.x * HS_HEADS, tid = threadIdx.x, ld = dk + 1, hh2 = 2 * hk;
+    const int nh = min(HS_HEADS, m * hh2 - t0);
+    // Head t0 + h's row and place in it, stepped along (no division a head).
+    const int r0 = t0 / hh2, p0 = t0 % hh2;
+    for (int c = tid; c < dk; c += 128) {
+        int r = r0, p = p0;
+#pragma unroll 1
+        for (int h0 = 0; h0 < HS_HEADS; h0 += HS_BATCH) {
+            float v[HS_BATCH];
+#pragma unroll
+            for (int h = 0; h < HS_BATCH; h++) {
+                v[h] = h0 + h < nh ? conv[(i64)r * cd + p * dk + c] : 0.0f;
+                if (++p == hh2) p = 0, r++;
+            }
+#pragma unroll
+            for (int h = 0; h < HS_BATCH; h++) hs_stage[(h0 + h) * ld + c] = v[h];
+        }
     }
     __syncthreads();
     if (tid < nh) {
         const float* v = hs_stage + tid * ld;
         double s = 0.0;
+#pragma unroll 8
         for (int i = 0; i < dk; i++) {
             double d = (double)v[i];
             s += d * d;
@@ -1976,11 +1994,16 @@ extern "C" __global__ void __launch_bounds__(128)
         scales[tid] = 1.0f / sqrtf((float)s + eps);
     }
     __syncthreads();
-    for (int h = 0; h < nh; h++) {
-        const int t = t0 + h, r = t / (2 * hk), hh = t % (2 * hk);
-        float* dst = qk + (i64)r * 2 * hk * dk + hh * dk;
-        const float scale = scales[h];
-        for (int c = tid; c < dk; c += 128) dst[c] = hs_stage[h * ld + c] * scale;
+    for (int c = tid; c < dk; c += 128) {
+        int r = r0, p = p0;
+#pragma unroll 1
+        for (int h0 = 0; h0 < HS_HEADS; h0 += HS_BATCH) {
+#pragma unroll
+            for (int h = h0; h < h0 + HS_BATCH; h++) {
+                if (h < nh) qk[(i64)r * hh2 * dk + p * dk + c] = hs_stage[h * ld + c] * scales[h];
+                if (++p == hh2) p = 0, r++;
+            }
+        }
     }
 }
 
@@ -2506,9 +2529,11 @@ extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
 // sums in one warp's instructions where that took a warp a head. The scale,
 // the gating and the Q8_K blocks (warp w quantizes blocks w, w + 4, ...)
 // are gated_norm_q8k's. The launch checks dv <= 256, 256 | 4 dv and heads
-// in fours, so a block's heads are whole 256-blocks.
-#define HS_HEADS 32
-extern "C" __global__ void __launch_bounds__(128)
+// in fours, so a block's heads are whole 256-blocks. A thread's loads of
+// its column in the 32 heads are issued together (the loops over heads
+// unrolled): session 21's first form loaded one head at a time, 32 memory
+// waits in a row, and was slower than the warp-a-head kernel.
+extern "C" __global__ void __launch_bounds__(128, 8)
     gated_norm_q8k_h(float* o, const float* z, const float* norm, u8* q, int rows_heads, int dv, float eps) {
     pdl_wait();
     extern __shared__ __align__(16) float hs_stage[];
@@ -2516,12 +2541,22 @@ extern "C" __global__ void __launch_bounds__(128)
     const int h0 = blockIdx.x * HS_HEADS, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int nh = min(HS_HEADS, rows_heads - h0), ld = dv + 1;
     const i64 first = (i64)h0 * dv;  // a multiple of 256
-    for (int h = 0; h < nh; h++)
-        for (int c = tid; c < dv; c += 128) hs_stage[h * ld + c] = o[first + (i64)h * dv + c];
+    for (int c = tid; c < dv; c += 128) {
+        const float* oc = o + first + c;
+#pragma unroll 1
+        for (int h0 = 0; h0 < HS_HEADS; h0 += HS_BATCH) {
+            float v[HS_BATCH];
+#pragma unroll
+            for (int h = 0; h < HS_BATCH; h++) v[h] = h0 + h < nh ? oc[(h0 + h) * dv] : 0.0f;
+#pragma unroll
+            for (int h = 0; h < HS_BATCH; h++) hs_stage[(h0 + h) * ld + c] = v[h];
+        }
+    }
     __syncthreads();
     if (tid < nh) {
         const float* v = hs_stage + tid * ld;
         double s = 0.0;
+#pragma unroll 8
         for (int i = 0; i < dv; i++) {
             double d = (double)v[i];
             s += d * d;
@@ -2530,11 +2565,19 @@ extern "C" __global__ void __launch_bounds__(128)
         scales[tid] = 1.0f / sqrtf(mean + eps);
     }
     __syncthreads();
-    for (int h = 0; h < nh; h++) {
-        const float scale = scales[h];
-        for (int c = tid; c < dv; c += 128) {
-            const i64 i = first + (i64)h * dv + c;
-            o[i] = ((hs_stage[h * ld + c] * scale) * norm[c]) * silu(z[i]);
+    for (int c = tid; c < dv; c += 128) {
+        const float nc = norm[c];
+        const float* zc = z + first + c;
+        float* oc = o + first + c;
+#pragma unroll 1
+        for (int h0 = 0; h0 < HS_HEADS; h0 += HS_BATCH) {
+            float zv[HS_BATCH];
+#pragma unroll
+            for (int h = 0; h < HS_BATCH; h++) zv[h] = h0 + h < nh ? zc[(h0 + h) * dv] : 0.0f;
+#pragma unroll
+            for (int h = 0; h < HS_BATCH; h++)
+                if (h0 + h < nh)
+                    oc[(h0 + h) * dv] = ((hs_stage[(h0 + h) * ld + c] * scales[h0 + h]) * nc) * silu(zv[h]);
         }
     }
     __syncthreads();  // the block's stores of o are visible to the block
