@@ -254,7 +254,7 @@ struct FmtQ6K {
     }
 };
 
-// Q6_K with 8 lanes a block (`HEAD_Q6_8`, one-row calls): part s (n = s / 4,
+// Q6_K with 8 lanes a block (`Q6_LANES8`, one-row calls): part s (n = s / 4,
 // u = s % 4) takes the 16 ql bytes 64 n + 16 u .. + 15 whole, both nibbles:
 // the low ones are group 8 n + u of FmtQ6K (elements 128 n + 16 u + i), the
 // high ones group 8 n + u + 4 (elements + 64), and the 16 qh bytes both
@@ -651,7 +651,7 @@ MM_MULTI_KERNEL(mm_q8_0_multi_1, FmtQ8_0)
 MM_ROW_KERNEL(mm_q4_k_1, FmtQ4K)
 MM_ROW_KERNEL(mm_q5_k_1, FmtQ5K)
 MM_ROW_KERNEL(mm_q6_k_1, FmtQ6K)
-// Q6_K one-row calls eight lanes a block (`HEAD_Q6_8`): the same bytes.
+// Q6_K one-row calls eight lanes a block (`Q6_LANES8`): the same bytes.
 MM_ROW_KERNEL(mm_q6_k8_1, FmtQ6K8)
 MM_ROW_KERNEL(mm_q8_0_1, FmtQ8_0)
 MM_ROW4_KERNEL(mm_q4_k_1x4, FmtQ4K, 1)
@@ -2214,6 +2214,8 @@ __device__ __forceinline__ void fold_half(float (&v)[MFW_J * MFW_R], int lane) {
     }
 }
 
+// Three blocks an SM: 168 registers at most (NVRTC, session 21: 164-168,
+// no spills).
 extern "C" __global__ void __launch_bounds__(128, 3)
     mm_f32_tile_w8(const u8* W, int row_bytes, const float* X, float* Y, int rows, int m, int cols) {
     pdl_wait();
