@@ -112,6 +112,14 @@ __device__ __forceinline__ ActK32 act_k32(const u8* a, int s) {
     return r;
 }
 
+// Sixteen byte products: four words of weights against four of activations.
+__device__ __forceinline__ int dot16(const u32* q, const int4& x) {
+    int t = __dp4a((int)q[0], x.x, 0);
+    t = __dp4a((int)q[1], x.y, t);
+    t = __dp4a((int)q[2], x.z, t);
+    return __dp4a((int)q[3], x.w, t);
+}
+
 __device__ __forceinline__ int dot32(const u32* q, const ActK32& x) {
     int t = __dp4a((int)q[0], x.x0.x, 0);
     t = __dp4a((int)q[1], x.x0.y, t);
@@ -241,13 +249,7 @@ struct FmtQ6K {
         d = f16_to_f32(ld_u16(b + 208));
         dmin = 0.0f;
     }
-    __device__ int iprod(const A& x) const {
-        int t = __dp4a((int)q[0], x.x.x, 0);
-        t = __dp4a((int)q[1], x.x.y, t);
-        t = __dp4a((int)q[2], x.x.z, t);
-        t = __dp4a((int)q[3], x.x.w, t);
-        return sc * t;
-    }
+    __device__ int iprod(const A& x) const { return sc * dot16(q, x.x); }
     __device__ int mprod(const A&) const { return 0; }
     static __device__ float step(float acc, float d, float, float da, int is, int) {
         return step_plain(acc, d, da, is);
@@ -306,15 +308,7 @@ struct FmtQ6K8 {
         dmin = 0.0f;
     }
     __device__ int iprod(const A& x) const {
-        int t0 = __dp4a((int)lo[0], x.lo.x, 0);
-        t0 = __dp4a((int)lo[1], x.lo.y, t0);
-        t0 = __dp4a((int)lo[2], x.lo.z, t0);
-        t0 = __dp4a((int)lo[3], x.lo.w, t0);
-        int t1 = __dp4a((int)hi[0], x.hi.x, 0);
-        t1 = __dp4a((int)hi[1], x.hi.y, t1);
-        t1 = __dp4a((int)hi[2], x.hi.z, t1);
-        t1 = __dp4a((int)hi[3], x.hi.w, t1);
-        return sc0 * (t0 - 32 * x.bs0) + sc1 * (t1 - 32 * x.bs1);
+        return sc0 * (dot16(lo, x.lo) - 32 * x.bs0) + sc1 * (dot16(hi, x.hi) - 32 * x.bs1);
     }
     __device__ int mprod(const A&) const { return 0; }
     static __device__ float step(float acc, float d, float, float da, int is, int) {

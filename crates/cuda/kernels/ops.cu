@@ -1953,6 +1953,20 @@ extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
 #define HS_HEADS 32
 #define HS_BATCH 8
 
+// One lane's f64 sum of the squares of n values in index order: the sum
+// sumsq_in_order's lane 0 and sumsq_lane0 make (a float's square is exact
+// in f64, so fma and a product then an add round alike), its loads issued
+// eight ahead of the chain.
+__device__ __forceinline__ double sumsq_one_lane(const float* v, int n) {
+    double s = 0.0;
+#pragma unroll 8
+    for (int i = 0; i < n; i++) {
+        double d = (double)v[i];
+        s += d * d;
+    }
+    return s;
+}
+
 // l2norm_qk with a lane a head (`SAMESUM_CUDA_HEAD_SUMS`; dk <= 256): a block
 // of 128 threads takes 32 of the m * 2hk heads, stages them (dynamic shared
 // memory, 32 rows of dk + 1 floats; a thread's loads of its column in the
@@ -1983,16 +1997,7 @@ extern "C" __global__ void __launch_bounds__(128, 6)
         }
     }
     __syncthreads();
-    if (tid < nh) {
-        const float* v = hs_stage + tid * ld;
-        double s = 0.0;
-#pragma unroll 8
-        for (int i = 0; i < dk; i++) {
-            double d = (double)v[i];
-            s += d * d;
-        }
-        scales[tid] = 1.0f / sqrtf((float)s + eps);
-    }
+    if (tid < nh) scales[tid] = 1.0f / sqrtf((float)sumsq_one_lane(hs_stage + tid * ld, dk) + eps);
     __syncthreads();
     for (int c = tid; c < dk; c += 128) {
         int r = r0, p = p0;
@@ -2554,14 +2559,7 @@ extern "C" __global__ void __launch_bounds__(128, 8)
     }
     __syncthreads();
     if (tid < nh) {
-        const float* v = hs_stage + tid * ld;
-        double s = 0.0;
-#pragma unroll 8
-        for (int i = 0; i < dv; i++) {
-            double d = (double)v[i];
-            s += d * d;
-        }
-        float mean = (float)(s / (double)dv);
+        float mean = (float)(sumsq_one_lane(hs_stage + tid * ld, dv) / (double)dv);
         scales[tid] = 1.0f / sqrtf(mean + eps);
     }
     __syncthreads();

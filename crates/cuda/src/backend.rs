@@ -630,6 +630,18 @@ const TC_ROWS: usize = 16;
 /// everywhere; at 64, pp4096 9,381 -> 9,540).
 const TC_ROWS32_MIN: usize = 64;
 
+/// The lane-a-head kernels (`HEAD_SUMS`: `gated_norm_q8k_h`,
+/// `l2norm_qk_h`): `n` heads of `dim` values, HS_HEADS (ops.cu) a block of
+/// 128 threads, staged in rows of `dim + 1` floats.
+fn head_sums_cfg(n: usize, dim: usize) -> cudarc::driver::LaunchConfig {
+    const HS_HEADS: usize = 32;
+    cfg(
+        (n.div_ceil(HS_HEADS) as u32, 1, 1),
+        128,
+        (HS_HEADS * (dim + 1) * 4) as u32,
+    )
+}
+
 /// `mm_f32_tile_w8`'s two stages of shared memory: 32 weight rows and 16
 /// activation rows of 128 f32 columns each (MFW_SMEM in matmul.cu).
 const MFW_SMEM: u32 = 2 * (32 + 16) * 128 * 4;
@@ -2846,41 +2858,16 @@ impl Cuda {
                 }
                 launch!(d, "conv_shift", cfg1(cd), &qkv, conv_state, &mi, &cdi, &kci)?;
             }
-            if self.sq_lanes && self.head_sums && m > 16 && dk <= 256 {
-                launch!(
-                    d,
-                    "l2norm_qk_h",
-                    cfg(
-                        ((m * 2 * hk).div_ceil(32) as u32, 1, 1),
-                        128,
-                        (32 * (dk + 1) * 4) as u32
-                    ),
-                    &conv,
-                    &mut qk,
-                    &mi,
-                    &cdi,
-                    &hki,
-                    &dki,
-                    &eps
-                )?;
+            // `HEAD_SUMS`: a lane a head, 32 heads a block.
+            let warps = cfg(((m * 2 * hk).div_ceil(4) as u32, 1, 1), 128, 0);
+            let (kernel, c) = if self.sq_lanes && self.head_sums && m > 16 && dk <= 256 {
+                ("l2norm_qk_h", head_sums_cfg(m * 2 * hk, dk))
+            } else if self.sq_lanes {
+                ("l2norm_qk", warps)
             } else {
-                launch!(
-                    d,
-                    if self.sq_lanes {
-                        "l2norm_qk"
-                    } else {
-                        "l2norm_qk_lane0"
-                    },
-                    cfg(((m * 2 * hk).div_ceil(4) as u32, 1, 1), 128, 0),
-                    &conv,
-                    &mut qk,
-                    &mi,
-                    &cdi,
-                    &hki,
-                    &dki,
-                    &eps
-                )?;
-            }
+                ("l2norm_qk_lane0", warps)
+            };
+            launch!(d, kernel, c, &conv, &mut qk, &mi, &cdi, &hki, &dki, &eps)?;
         }
         let mut o = d.scratch::<f32>(m * vd)?;
         let (hvi, dvi, tiled) = (hv as i32, dv as i32, (hp.arch == Arch::Qwen35Moe) as i32);
@@ -2963,33 +2950,15 @@ impl Cuda {
             // from 315-319 to 302.5 tok/s (H200, session 17; the only decode
             // change specific to that model), while prefill gained 0.6%.
             // `HEAD_SUMS`: a lane a head, 32 heads a block.
-            let heads = self.sq_lanes && self.head_sums && m > 16;
-            launch!(
-                d,
-                if heads {
-                    "gated_norm_q8k_h"
-                } else if self.sq_lanes && m > 16 {
-                    "gated_norm_q8k"
-                } else {
-                    "gated_norm_q8k_lane0"
-                },
-                if heads {
-                    cfg(
-                        ((m * hv).div_ceil(32) as u32, 1, 1),
-                        128,
-                        (32 * (dv + 1) * 4) as u32,
-                    )
-                } else {
-                    cfg(((m * hv).div_ceil(4) as u32, 1, 1), 128, 0)
-                },
-                &mut o,
-                &z,
-                nw,
-                &mut q,
-                &rh,
-                &dvi,
-                &eps
-            )?;
+            let warps = cfg(((m * hv).div_ceil(4) as u32, 1, 1), 128, 0);
+            let (kernel, c) = if self.sq_lanes && self.head_sums && m > 16 {
+                ("gated_norm_q8k_h", head_sums_cfg(m * hv, dv))
+            } else if self.sq_lanes && m > 16 {
+                ("gated_norm_q8k", warps)
+            } else {
+                ("gated_norm_q8k_lane0", warps)
+            };
+            launch!(d, kernel, c, &mut o, &z, nw, &mut q, &rh, &dvi, &eps)?;
             return self.mm(&dn.out, &Input::with_q8k(&o, m, Some(q)), None, y);
         }
         launch!(
