@@ -275,14 +275,13 @@ pub struct Cuda {
     sq_lanes: bool,
     /// With `sq_lanes`, calls of more than 16 rows sum 32 heads' squares a
     /// warp, a lane a head (`gated_norm_q8k_h`, `l2norm_qk_h`; head dims up
-    /// to 256), each in index order as lane 0 sums one head's. Opt-in,
-    /// `SAMESUM_CUDA_HEAD_SUMS=1`. H200, session 21, qwen35moe pp4096: the
-    /// first form was slower (gated_norm_q8k 4.07 -> 5.51 ms, l2norm_qk
-    /// 2.84 -> 4.01: a thread waited on memory once a head); with a
-    /// thread's loads for 8 heads issued together, faster (4.08 -> 2.91,
-    /// 2.84 -> 1.64; kernels 237.73 -> 234.96 ms). Its GPU test passed; it
-    /// becomes the default once the identity gates run with it on. The same
-    /// sums, so the same bytes.
+    /// to 256), each in index order as lane 0 sums one head's. Default
+    /// since session 22 (`SAMESUM_CUDA_HEAD_SUMS=0` turns it off). H200,
+    /// session 21, qwen35moe pp4096: the first form was slower
+    /// (gated_norm_q8k 4.07 -> 5.51 ms, l2norm_qk 2.84 -> 4.01: a thread
+    /// waited on memory once a head); with a thread's loads for 8 heads
+    /// issued together, faster (4.08 -> 2.91, 2.84 -> 1.64; kernels 237.73
+    /// -> 234.96 ms). The same sums, so the same bytes.
     head_sums: bool,
     /// The GLU output's product and Q8_K blocks a warp per 256-block
     /// (`silu_mul_q8k_w`; default) or a block per row (`silu_mul_q8k`,
@@ -1100,7 +1099,7 @@ impl Cuda {
             conv_l2: env_switch("SAMESUM_CUDA_CONV_L2", true),
             conv_tile: env_switch("SAMESUM_CUDA_CONV_TILE", true),
             sq_lanes: env_switch("SAMESUM_CUDA_SQ_LANES", true),
-            head_sums: env_switch("SAMESUM_CUDA_HEAD_SUMS", false),
+            head_sums: env_switch("SAMESUM_CUDA_HEAD_SUMS", true),
             silu_warp: env_switch("SAMESUM_CUDA_SILU_WARP", true),
             silu_regs: env_switch("SAMESUM_CUDA_SILU_REGS", false),
             combine_vec: env_switch("SAMESUM_CUDA_COMBINE_VEC", true),
