@@ -2360,7 +2360,90 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
         __syncthreads();
         const float* sg = st[bi];
         float kk[SP], qq[SP];
-        if (PIPE) {
+        if (PIPE >= 2 && cnt == RG) {
+            // `DELTA_UNROLL`: the pipelined rows of a full group as
+            // straight-line code, every shared-memory offset a constant, so
+            // the compiler can issue a row's v, beta, decay, q and next k
+            // loads ahead of the chain that needs them. The same operations
+            // in the same order as the PIPE = 1 loop below.
+            dc_load4<DK>(sg + p * PS, kk);
+            float kv = 0.0f;
+            {
+                float decay = sb[bi][RG];
+#pragma unroll
+                for (int q = 0; q < SP; q++) {
+                    S[q] = __fmul_rn(S[q], decay);
+                    kv = __fmaf_rn(S[q], kk[q], kv);
+                }
+            }
+            kv = dc_lanes_sum(kv);
+            // Each row's outputs go to shared memory (a predicated store, no
+            // branch in the row body) and the warp writes its 4 columns of
+            // the group's rows out after the last row.
+            __shared__ float so[RG * DC_COLS];
+            __shared__ __align__(16) float sx[2][NT];
+#pragma unroll
+            for (int rr = 0; rr < RG; rr++) {
+                const float* kr = sg + rr * ROWF;
+                float delta = __fmul_rn(__fsub_rn(kr[2 * SEC + c], kv), sb[bi][rr]);
+                dc_load4<DK>(kr + SEC + p * PS, qq);
+                float acc = 0.0f;
+                if (rr + 1 < RG) {
+                    float kn[SP], kv2 = 0.0f;
+                    dc_load4<DK>(kr + ROWF + p * PS, kn);
+                    float dn = sb[bi][RG + rr + 1];
+#pragma unroll
+                    for (int q = 0; q < SP; q++) {
+                        S[q] = __fmaf_rn(kk[q], delta, S[q]);
+                        acc = __fmaf_rn(S[q], qq[q], acc);
+                        S[q] = __fmul_rn(S[q], dn);
+                        kv2 = __fmaf_rn(S[q], kn[q], kv2);
+                        kk[q] = kn[q];
+                    }
+                    if (PIPE == 3) {
+                        // `DELTA_XCHG`: the k dot's 8 partials through shared
+                        // memory (two slots by row parity, so a row's reads
+                        // end before the row after next writes), every lane
+                        // adding them as the butterfly's lane 0 does:
+                        // ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)).
+                        // The butterfly's other lanes add the same pairs with
+                        // the operands swapped: the same sums.
+                        sx[rr & 1][tid] = kv2;
+                        __syncwarp();
+                        const float4* xs = reinterpret_cast<const float4*>(&sx[rr & 1][tid & ~7]);
+                        float4 lo = xs[0], hi = xs[1];
+                        float t0 = __fadd_rn(lo.x, hi.x), t1 = __fadd_rn(lo.z, hi.z);
+                        float t2 = __fadd_rn(lo.y, hi.y), t3 = __fadd_rn(lo.w, hi.w);
+                        kv2 = __fadd_rn(__fadd_rn(t0, t1), __fadd_rn(t2, t3));
+                        acc = dc_lanes_sum(acc);
+                    } else {
+                        acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
+                        kv2 = __fadd_rn(kv2, __shfl_xor_sync(0xffffffffu, kv2, 4));
+                        acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
+                        kv2 = __fadd_rn(kv2, __shfl_xor_sync(0xffffffffu, kv2, 2));
+                        acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
+                        kv2 = __fadd_rn(kv2, __shfl_xor_sync(0xffffffffu, kv2, 1));
+                    }
+                    kv = kv2;
+                } else {
+#pragma unroll
+                    for (int q = 0; q < SP; q++) {
+                        S[q] = __fmaf_rn(kk[q], delta, S[q]);
+                        acc = __fmaf_rn(S[q], qq[q], acc);
+                    }
+                    acc = dc_lanes_sum(acc);
+                }
+                if (p == 0) so[rr * DC_COLS + c] = acc;
+            }
+            __syncwarp();
+            int lane = tid & 31, w4 = (tid >> 5) * (32 / DC_PARTS);
+#pragma unroll
+            for (int e = lane; e < RG * (32 / DC_PARTS); e += 32) {
+                int rr = e / (32 / DC_PARTS), cc = w4 + e % (32 / DC_PARTS);
+                int jc = blockIdx.y * DC_COLS + cc;
+                if (jc < dv) o[(i64)(r0 + rr) * vd + n * dv + jc] = so[rr * DC_COLS + cc];
+            }
+        } else if (PIPE) {
             // Row 0's decay and k dot, then per row: its update and output
             // dot beside the next row's decay and k dot.
             dc_load4<DK>(sg + p * PS, kk);
@@ -2449,6 +2532,10 @@ DELTA_COLS_ASYNC(delta_cols_async_128, 128, 16, 0)
 DELTA_COLS_ASYNC(delta_cols_async_256, 256, 8, 0)
 DELTA_COLS_ASYNC(delta_cols_async_pipe_64, 64, 16, 1)
 DELTA_COLS_ASYNC(delta_cols_async_pipe_128, 128, 16, 1)
+DELTA_COLS_ASYNC(delta_cols_async_unroll_64, 64, 16, 2)
+DELTA_COLS_ASYNC(delta_cols_async_unroll_128, 128, 16, 2)
+DELTA_COLS_ASYNC(delta_cols_async_xchg_64, 64, 16, 3)
+DELTA_COLS_ASYNC(delta_cols_async_xchg_128, 128, 16, 3)
 
 // The delta net's gated RMSNorm, one warp per (row, value head): the head is
 // read once, coalesced, into shared memory (head dims up to 256; larger ones

@@ -133,6 +133,17 @@ pub struct Cuda {
     /// dot beside the next row's k dot (`delta_cols_async_pipe_*`; default,
     /// off with `SAMESUM_CUDA_DELTA_PIPE=0`). The same bytes.
     delta_pipe: bool,
+    /// With `delta_pipe`: a call's full 16-row groups as straight-line code,
+    /// the outputs through shared memory (`delta_cols_async_unroll_*`), so
+    /// each row's shared-memory loads are issued ahead of the recurrence's
+    /// chain; partial groups (every decode call) take the pipelined loop.
+    /// Opt-in, `SAMESUM_CUDA_DELTA_UNROLL=1`, until measured. The same bytes.
+    delta_unroll: bool,
+    /// With `delta_unroll`: the next row's k dot summed from its 8 partials
+    /// through shared memory, every lane adding them in the butterfly's
+    /// lane-0 order (`delta_cols_async_xchg_*`). Opt-in,
+    /// `SAMESUM_CUDA_DELTA_XCHG=1`, until measured. The same bytes.
+    delta_xchg: bool,
     /// Wide float matmuls of one matrix (routers, gates in prefill) on the
     /// register-tiled kernels (`mm_*_tile`: each output's fmas and butterfly
     /// as the per-row kernel's; default, off with `SAMESUM_CUDA_F32_TILE=0`).
@@ -720,6 +731,12 @@ const SWITCHES: &[Switch] = &[
     ("TC_W8", |c| c.tc_w8, |c, on| c.tc_w8 = on),
     ("DELTA_ASYNC", |c| c.delta_async, |c, on| c.delta_async = on),
     ("DELTA_PIPE", |c| c.delta_pipe, |c, on| c.delta_pipe = on),
+    (
+        "DELTA_UNROLL",
+        |c| c.delta_unroll,
+        |c, on| c.delta_unroll = on,
+    ),
+    ("DELTA_XCHG", |c| c.delta_xchg, |c, on| c.delta_xchg = on),
     ("NORM_Q8K", |c| c.norm_quant, |c, on| c.norm_quant = on),
     ("SMALL_NORM", |c| c.small_norm, |c, on| c.small_norm = on),
     ("SILU_Q8K", |c| c.silu_q8k, |c, on| c.silu_q8k = on),
@@ -1074,6 +1091,8 @@ impl Cuda {
             tc_groups: env_switch("SAMESUM_CUDA_TC_GROUPS", true),
             delta_async: env_switch("SAMESUM_CUDA_DELTA_ASYNC", true),
             delta_pipe: env_switch("SAMESUM_CUDA_DELTA_PIPE", true),
+            delta_unroll: env_switch("SAMESUM_CUDA_DELTA_UNROLL", false),
+            delta_xchg: env_switch("SAMESUM_CUDA_DELTA_XCHG", false),
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
             float_wide: env_switch("SAMESUM_CUDA_F32_WIDE", true),
             tc_small: env_switch("SAMESUM_CUDA_TC_SMALL", false),
@@ -1524,6 +1543,29 @@ impl Cuda {
             (name, AP, 0)
         } else {
             ("attention_tiles", AP, 0)
+        }
+    }
+
+    /// The delta-rule kernel a call at key head dim `dk` takes with the
+    /// current switches (`None`: the general `delta_rows`).
+    pub fn delta_kernel(&self, dk: usize) -> Option<&'static str> {
+        let unrolled = self.delta_async && self.delta_pipe && self.delta_unroll;
+        match (dk, self.delta_async, self.delta_pipe) {
+            (64, true, true) if unrolled && self.delta_xchg => Some("delta_cols_async_xchg_64"),
+            (128, true, true) if unrolled && self.delta_xchg => Some("delta_cols_async_xchg_128"),
+            (64, true, true) if unrolled => Some("delta_cols_async_unroll_64"),
+            (128, true, true) if unrolled => Some("delta_cols_async_unroll_128"),
+            (16, _, _) => Some("delta_cols_16"),
+            (32, _, _) => Some("delta_cols_32"),
+            (64, true, false) => Some("delta_cols_async_64"),
+            (128, true, false) => Some("delta_cols_async_128"),
+            (256, true, _) => Some("delta_cols_async_256"),
+            (64, true, true) => Some("delta_cols_async_pipe_64"),
+            (128, true, true) => Some("delta_cols_async_pipe_128"),
+            (64, false, _) => Some("delta_cols_64"),
+            (128, false, _) => Some("delta_cols_128"),
+            (256, false, _) => Some("delta_cols_256"),
+            _ => None,
         }
     }
 
@@ -2881,19 +2923,7 @@ impl Cuda {
             self.vec(&dn.a)?,
             self.vec(&dn.norm)?,
         );
-        let cols_kernel = match (dk, self.delta_async, self.delta_pipe) {
-            (16, _, _) => Some("delta_cols_16"),
-            (32, _, _) => Some("delta_cols_32"),
-            (64, true, false) => Some("delta_cols_async_64"),
-            (128, true, false) => Some("delta_cols_async_128"),
-            (256, true, _) => Some("delta_cols_async_256"),
-            (64, true, true) => Some("delta_cols_async_pipe_64"),
-            (128, true, true) => Some("delta_cols_async_pipe_128"),
-            (64, false, _) => Some("delta_cols_64"),
-            (128, false, _) => Some("delta_cols_128"),
-            (256, false, _) => Some("delta_cols_256"),
-            _ => None,
-        };
+        let cols_kernel = self.delta_kernel(dk);
         if let Some(kname) = cols_kernel {
             // Eight lanes per state column (the kernel for the usual head dims).
             launch!(

@@ -1323,6 +1323,62 @@ fn staged_delta_rule_equals_the_plain_one() {
     }
 }
 
+/// The delta rule's full 16-row groups as straight-line code
+/// (`DELTA_UNROLL`, `delta_cols_async_unroll_*`) and with the k dot's
+/// partials summed through shared memory (`DELTA_XCHG`,
+/// `delta_cols_async_xchg_*`) against the pipelined loop: the same logits
+/// bytes at key head dims 64 and 128 in chunks of 64 (four full groups a
+/// call), 300 (18 full groups and a partial one) and 7 (partial groups
+/// only), and replayed (every decode call is one partial group), with the
+/// kernel each arm takes checked by name.
+#[test]
+fn unrolled_delta_rows_equal_the_pipelined_loop() {
+    if !gpu() {
+        return;
+    }
+    for shape in delta_head_dim_shapes() {
+        let dk = shape.delta.unwrap().key_head_dim as usize;
+        if dk != 64 && dk != 128 {
+            continue;
+        }
+        let what = format!("{} dk {dk}", shape.name);
+        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 29);
+        let toks = test_tokens(&model, 31);
+        let mut looped = Cuda::new(0, &model, false).unwrap();
+        looped.set_switch("DELTA_UNROLL", false).unwrap();
+        assert_eq!(
+            looped.delta_kernel(dk),
+            Some(if dk == 64 {
+                "delta_cols_async_pipe_64"
+            } else {
+                "delta_cols_async_pipe_128"
+            })
+        );
+        let want: Vec<Vec<f32>> = [1, 64, 300, 7]
+            .iter()
+            .map(|&chunk| all_logits(&looped, &model, &toks, chunk))
+            .collect();
+        assert!(want[0].iter().all(|v| v.is_finite()), "{what}: non-finite");
+        for xchg in [false, true] {
+            let mut arm = Cuda::new(0, &model, false).unwrap();
+            arm.set_switch("DELTA_UNROLL", true).unwrap();
+            arm.set_switch("DELTA_XCHG", xchg).unwrap();
+            let name = arm.delta_kernel(dk).unwrap();
+            let kind = if xchg { "xchg" } else { "unroll" };
+            assert_eq!(name, format!("delta_cols_async_{kind}_{dk}"));
+            for (chunk, a) in [1, 64, 300, 7].into_iter().zip(&want) {
+                let b = all_logits(&arm, &model, &toks, chunk);
+                assert!(same_bits(a, &b), "{what} {name} chunk {chunk}: != the loop");
+                assert!(
+                    same_bits(&want[0], &b),
+                    "{what} {name} chunk {chunk}: != replay"
+                );
+            }
+        }
+        eprintln!("{what}: unrolled and exchanged delta rows == the pipelined loop == replay");
+    }
+}
+
 /// The delta-net shapes at every head dim the kernels specialize: the tiny
 /// shapes (64) and tiny-qwen35moe at the real models' 128 and 256.
 fn delta_head_dim_shapes() -> Vec<shapes::Shape> {
