@@ -2338,9 +2338,16 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
         stage(0, 0, &nb, &na);
         if (tid < min(RG, m)) gates(0, tid, nb, na);
     }
+    // PIPE = 4 (`DELTA_CARRY`): a full group followed by a full group runs
+    // its last row with the next group's first k and decay, so the next
+    // group starts from the carried k row and k dot instead of its own
+    // first decay and k dot (the same operations, in the same order).
+    float ck[PIPE == 4 ? SP : 1], ckv = 0.0f;
+    bool carried = false;
     for (int g = 0; g < groups; g++) {
         int r0 = g * RG, cnt = min(RG, m - r0), bi = g & 1;
         bool more = g + 1 < groups;
+        bool carry_out = PIPE == 4 && cnt == RG && m - r0 - RG >= RG;
         if (g > 0) __syncthreads();  // group g - 1 is done with buffer bi ^ 1
         if (more) {
             stage(r0 + RG, bi ^ 1, &nb, &na);
@@ -2366,17 +2373,21 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
             // the compiler can issue a row's v, beta, decay, q and next k
             // loads ahead of the chain that needs them. The same operations
             // in the same order as the PIPE = 1 loop below.
-            dc_load4<DK>(sg + p * PS, kk);
             float kv = 0.0f;
-            {
+            if (PIPE == 4 && carried) {
+#pragma unroll
+                for (int q = 0; q < SP; q++) kk[q] = ck[PIPE == 4 ? q : 0];
+                kv = ckv;
+            } else {
+                dc_load4<DK>(sg + p * PS, kk);
                 float decay = sb[bi][RG];
 #pragma unroll
                 for (int q = 0; q < SP; q++) {
                     S[q] = __fmul_rn(S[q], decay);
                     kv = __fmaf_rn(S[q], kk[q], kv);
                 }
+                kv = dc_lanes_sum(kv);
             }
-            kv = dc_lanes_sum(kv);
             // Each row's outputs go to shared memory (a predicated store, no
             // branch in the row body) and the warp writes its 4 columns of
             // the group's rows out after the last row.
@@ -2385,13 +2396,34 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
 #pragma unroll
             for (int rr = 0; rr < RG; rr++) {
                 const float* kr = sg + rr * ROWF;
+                bool last = rr + 1 == RG;
+                if (PIPE == 4 && rr == 4 && carry_out) {
+                    // The next group's gates (its b and a were loaded with
+                    // its copies), worked out by every thread as `gates`
+                    // does and kept by the first RG: no branch, so their
+                    // latency hides among these rows' chains.
+                    float gb = sigmoid(nb);
+                    float gl = softplus(na + dt_bias[n]) * ssm_a[n];
+                    float gd = expf(gl);
+                    asm volatile("" ::"f"(gb), "f"(gd));
+                    if (tid < RG) {
+                        sb[bi ^ 1][tid] = gb;
+                        sb[bi ^ 1][RG + tid] = gd;
+                    }
+                }
+                if (PIPE == 4 && last && carry_out) {
+                    // The next group's copies and gates, for its first k
+                    // and decay in this row.
+                    cp_async_wait<0>();
+                    __syncthreads();
+                }
                 float delta = __fmul_rn(__fsub_rn(kr[2 * SEC + c], kv), sb[bi][rr]);
                 dc_load4<DK>(kr + SEC + p * PS, qq);
                 float acc = 0.0f;
-                if (rr + 1 < RG) {
+                if (!last || (PIPE == 4 && carry_out)) {
                     float kn[SP], kv2 = 0.0f;
-                    dc_load4<DK>(kr + ROWF + p * PS, kn);
-                    float dn = sb[bi][RG + rr + 1];
+                    dc_load4<DK>((last ? st[bi ^ 1] : kr + ROWF) + p * PS, kn);
+                    float dn = last ? sb[bi ^ 1][RG] : sb[bi][RG + rr + 1];
 #pragma unroll
                     for (int q = 0; q < SP; q++) {
                         S[q] = __fmaf_rn(kk[q], delta, S[q]);
@@ -2434,6 +2466,11 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
                     acc = dc_lanes_sum(acc);
                 }
                 if (p == 0) so[rr * DC_COLS + c] = acc;
+            }
+            if (PIPE == 4 && carry_out) {
+#pragma unroll
+                for (int q = 0; q < SP; q++) ck[PIPE == 4 ? q : 0] = kk[q];
+                ckv = kv;
             }
             __syncwarp();
             int lane = tid & 31, w4 = (tid >> 5) * (32 / DC_PARTS);
@@ -2513,7 +2550,8 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
                 if (live && p == 0) o[(i64)(r0 + rr) * vd + n * dv + j] = acc;
             }
         }
-        if (more && tid < min(RG, m - r0 - RG)) gates(bi ^ 1, tid, nb, na);
+        if (more && !carry_out && tid < min(RG, m - r0 - RG)) gates(bi ^ 1, tid, nb, na);
+        carried = carry_out;
     }
     if (live)
 #pragma unroll
@@ -2536,6 +2574,8 @@ DELTA_COLS_ASYNC(delta_cols_async_unroll_64, 64, 16, 2)
 DELTA_COLS_ASYNC(delta_cols_async_unroll_128, 128, 16, 2)
 DELTA_COLS_ASYNC(delta_cols_async_xchg_64, 64, 16, 3)
 DELTA_COLS_ASYNC(delta_cols_async_xchg_128, 128, 16, 3)
+DELTA_COLS_ASYNC(delta_cols_async_carry_64, 64, 16, 4)
+DELTA_COLS_ASYNC(delta_cols_async_carry_128, 128, 16, 4)
 
 // The delta net's gated RMSNorm, one warp per (row, value head): the head is
 // read once, coalesced, into shared memory (head dims up to 256; larger ones

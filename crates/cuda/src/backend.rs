@@ -144,6 +144,12 @@ pub struct Cuda {
     /// lane-0 order (`delta_cols_async_xchg_*`). Opt-in,
     /// `SAMESUM_CUDA_DELTA_XCHG=1`, until measured. The same bytes.
     delta_xchg: bool,
+    /// With `delta_unroll`: a full group followed by a full group runs its
+    /// last row with the next group's first k and decay (after a wait for
+    /// the next group's copies and gates), so the next group starts without
+    /// its own first decay and k dot (`delta_cols_async_carry_*`). Opt-in,
+    /// `SAMESUM_CUDA_DELTA_CARRY=1`, until measured. The same bytes.
+    delta_carry: bool,
     /// Wide float matmuls of one matrix (routers, gates in prefill) on the
     /// register-tiled kernels (`mm_*_tile`: each output's fmas and butterfly
     /// as the per-row kernel's; default, off with `SAMESUM_CUDA_F32_TILE=0`).
@@ -737,6 +743,7 @@ const SWITCHES: &[Switch] = &[
         |c, on| c.delta_unroll = on,
     ),
     ("DELTA_XCHG", |c| c.delta_xchg, |c, on| c.delta_xchg = on),
+    ("DELTA_CARRY", |c| c.delta_carry, |c, on| c.delta_carry = on),
     ("NORM_Q8K", |c| c.norm_quant, |c, on| c.norm_quant = on),
     ("SMALL_NORM", |c| c.small_norm, |c, on| c.small_norm = on),
     ("SILU_Q8K", |c| c.silu_q8k, |c, on| c.silu_q8k = on),
@@ -1093,6 +1100,7 @@ impl Cuda {
             delta_pipe: env_switch("SAMESUM_CUDA_DELTA_PIPE", true),
             delta_unroll: env_switch("SAMESUM_CUDA_DELTA_UNROLL", false),
             delta_xchg: env_switch("SAMESUM_CUDA_DELTA_XCHG", false),
+            delta_carry: env_switch("SAMESUM_CUDA_DELTA_CARRY", false),
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
             float_wide: env_switch("SAMESUM_CUDA_F32_WIDE", true),
             tc_small: env_switch("SAMESUM_CUDA_TC_SMALL", false),
@@ -1551,6 +1559,8 @@ impl Cuda {
     pub fn delta_kernel(&self, dk: usize) -> Option<&'static str> {
         let unrolled = self.delta_async && self.delta_pipe && self.delta_unroll;
         match (dk, self.delta_async, self.delta_pipe) {
+            (64, true, true) if unrolled && self.delta_carry => Some("delta_cols_async_carry_64"),
+            (128, true, true) if unrolled && self.delta_carry => Some("delta_cols_async_carry_128"),
             (64, true, true) if unrolled && self.delta_xchg => Some("delta_cols_async_xchg_64"),
             (128, true, true) if unrolled && self.delta_xchg => Some("delta_cols_async_xchg_128"),
             (64, true, true) if unrolled => Some("delta_cols_async_unroll_64"),

@@ -678,6 +678,8 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "delta_cols_async_unroll_128",
             "delta_cols_async_xchg_64",
             "delta_cols_async_xchg_128",
+            "delta_cols_async_carry_64",
+            "delta_cols_async_carry_128",
             "gated_norm",
             "gated_norm_q8k",
             "gated_norm_q8k_lane0",

@@ -1326,7 +1326,9 @@ fn staged_delta_rule_equals_the_plain_one() {
 /// The delta rule's full 16-row groups as straight-line code
 /// (`DELTA_UNROLL`, `delta_cols_async_unroll_*`) and with the k dot's
 /// partials summed through shared memory (`DELTA_XCHG`,
-/// `delta_cols_async_xchg_*`) against the pipelined loop: the same logits
+/// `delta_cols_async_xchg_*`), and with each full group's last row taking
+/// the next full group's first k and decay (`DELTA_CARRY`,
+/// `delta_cols_async_carry_*`), against the pipelined loop: the same logits
 /// bytes at key head dims 64 and 128 in chunks of 64 (four full groups a
 /// call), 300 (18 full groups and a partial one) and 7 (partial groups
 /// only), and replayed (every decode call is one partial group), with the
@@ -1359,12 +1361,12 @@ fn unrolled_delta_rows_equal_the_pipelined_loop() {
             .map(|&chunk| all_logits(&looped, &model, &toks, chunk))
             .collect();
         assert!(want[0].iter().all(|v| v.is_finite()), "{what}: non-finite");
-        for xchg in [false, true] {
+        for kind in ["unroll", "xchg", "carry"] {
             let mut arm = Cuda::new(0, &model, false).unwrap();
             arm.set_switch("DELTA_UNROLL", true).unwrap();
-            arm.set_switch("DELTA_XCHG", xchg).unwrap();
+            arm.set_switch("DELTA_XCHG", kind == "xchg").unwrap();
+            arm.set_switch("DELTA_CARRY", kind == "carry").unwrap();
             let name = arm.delta_kernel(dk).unwrap();
-            let kind = if xchg { "xchg" } else { "unroll" };
             assert_eq!(name, format!("delta_cols_async_{kind}_{dk}"));
             for (chunk, a) in [1, 64, 300, 7].into_iter().zip(&want) {
                 let b = all_logits(&arm, &model, &toks, chunk);
@@ -1375,7 +1377,9 @@ fn unrolled_delta_rows_equal_the_pipelined_loop() {
                 );
             }
         }
-        eprintln!("{what}: unrolled and exchanged delta rows == the pipelined loop == replay");
+        eprintln!(
+            "{what}: unrolled, exchanged and carried delta rows == the pipelined loop == replay"
+        );
     }
 }
 
