@@ -133,22 +133,27 @@ pub struct Cuda {
     /// dot beside the next row's k dot (`delta_cols_async_pipe_*`; default,
     /// off with `SAMESUM_CUDA_DELTA_PIPE=0`). The same bytes.
     delta_pipe: bool,
-    /// With `delta_pipe`: a call's full 16-row groups as straight-line code,
-    /// the outputs through shared memory (`delta_cols_async_unroll_*`), so
-    /// each row's shared-memory loads are issued ahead of the recurrence's
-    /// chain; partial groups (every decode call) take the pipelined loop.
-    /// Opt-in, `SAMESUM_CUDA_DELTA_UNROLL=1`, until measured. The same bytes.
+    /// With `delta_pipe`, calls of 16 rows or more: a call's full 16-row
+    /// groups as straight-line code, the outputs through shared memory
+    /// (`delta_cols_async_unroll_*`), so each row's shared-memory loads are
+    /// issued ahead of the recurrence's chain; a partial group takes the
+    /// pipelined loop, and decode-sized calls keep `delta_cols_async_pipe_*`.
+    /// Default since session 22 (`SAMESUM_CUDA_DELTA_UNROLL=0` turns it
+    /// off). H200, qwen35moe pp4096: the delta rule 45.53 -> 37.92 ms,
+    /// bench 17,118 -> 17,474 tok/s. The same bytes.
     delta_unroll: bool,
     /// With `delta_unroll`: the next row's k dot summed from its 8 partials
     /// through shared memory, every lane adding them in the butterfly's
     /// lane-0 order (`delta_cols_async_xchg_*`). Opt-in,
-    /// `SAMESUM_CUDA_DELTA_XCHG=1`, until measured. The same bytes.
+    /// `SAMESUM_CUDA_DELTA_XCHG=1`: measured no faster (H200, session 22:
+    /// 38.47 ms against 37.92 unrolled alone). The same bytes.
     delta_xchg: bool,
     /// With `delta_unroll`: a full group followed by a full group runs its
     /// last row with the next group's first k and decay (after a wait for
     /// the next group's copies and gates), so the next group starts without
     /// its own first decay and k dot (`delta_cols_async_carry_*`). Opt-in,
-    /// `SAMESUM_CUDA_DELTA_CARRY=1`, until measured. The same bytes.
+    /// `SAMESUM_CUDA_DELTA_CARRY=1`: measured slower (H200, session 22:
+    /// 38.83 ms against 37.79 unrolled alone). The same bytes.
     delta_carry: bool,
     /// Wide float matmuls of one matrix (routers, gates in prefill) on the
     /// register-tiled kernels (`mm_*_tile`: each output's fmas and butterfly
@@ -1098,7 +1103,7 @@ impl Cuda {
             tc_groups: env_switch("SAMESUM_CUDA_TC_GROUPS", true),
             delta_async: env_switch("SAMESUM_CUDA_DELTA_ASYNC", true),
             delta_pipe: env_switch("SAMESUM_CUDA_DELTA_PIPE", true),
-            delta_unroll: env_switch("SAMESUM_CUDA_DELTA_UNROLL", false),
+            delta_unroll: env_switch("SAMESUM_CUDA_DELTA_UNROLL", true),
             delta_xchg: env_switch("SAMESUM_CUDA_DELTA_XCHG", false),
             delta_carry: env_switch("SAMESUM_CUDA_DELTA_CARRY", false),
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
@@ -1554,10 +1559,12 @@ impl Cuda {
         }
     }
 
-    /// The delta-rule kernel a call at key head dim `dk` takes with the
-    /// current switches (`None`: the general `delta_rows`).
-    pub fn delta_kernel(&self, dk: usize) -> Option<&'static str> {
-        let unrolled = self.delta_async && self.delta_pipe && self.delta_unroll;
+    /// The delta-rule kernel a call of `m` rows at key head dim `dk` takes
+    /// with the current switches (`None`: the general `delta_rows`). Calls
+    /// of fewer than 16 rows (every decode step) have no full row group, so
+    /// they keep the pipelined loop's kernel.
+    pub fn delta_kernel(&self, dk: usize, m: usize) -> Option<&'static str> {
+        let unrolled = self.delta_async && self.delta_pipe && self.delta_unroll && m >= 16;
         match (dk, self.delta_async, self.delta_pipe) {
             (64, true, true) if unrolled && self.delta_carry => Some("delta_cols_async_carry_64"),
             (128, true, true) if unrolled && self.delta_carry => Some("delta_cols_async_carry_128"),
@@ -2933,7 +2940,7 @@ impl Cuda {
             self.vec(&dn.a)?,
             self.vec(&dn.norm)?,
         );
-        let cols_kernel = self.delta_kernel(dk);
+        let cols_kernel = self.delta_kernel(dk, m);
         if let Some(kname) = cols_kernel {
             // Eight lanes per state column (the kernel for the usual head dims).
             launch!(

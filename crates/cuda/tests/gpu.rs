@@ -1349,7 +1349,7 @@ fn unrolled_delta_rows_equal_the_pipelined_loop() {
         let mut looped = Cuda::new(0, &model, false).unwrap();
         looped.set_switch("DELTA_UNROLL", false).unwrap();
         assert_eq!(
-            looped.delta_kernel(dk),
+            looped.delta_kernel(dk, 64),
             Some(if dk == 64 {
                 "delta_cols_async_pipe_64"
             } else {
@@ -1366,7 +1366,12 @@ fn unrolled_delta_rows_equal_the_pipelined_loop() {
             arm.set_switch("DELTA_UNROLL", true).unwrap();
             arm.set_switch("DELTA_XCHG", kind == "xchg").unwrap();
             arm.set_switch("DELTA_CARRY", kind == "carry").unwrap();
-            let name = arm.delta_kernel(dk).unwrap();
+            let name = arm.delta_kernel(dk, 64).unwrap();
+            assert_eq!(
+                arm.delta_kernel(dk, 1),
+                looped.delta_kernel(dk, 1),
+                "decode-sized calls keep the loop's kernel"
+            );
             assert_eq!(name, format!("delta_cols_async_{kind}_{dk}"));
             for (chunk, a) in [1, 64, 300, 7].into_iter().zip(&want) {
                 let b = all_logits(&arm, &model, &toks, chunk);
