@@ -218,10 +218,11 @@ run)
                 --launch-skip ${SAMESUM_GPU_NCU_SKIP:-5} -c 1 $secs \
                 env SAMESUM_CUDA_GRAPHS=0 .gpu/samesum bench --device cuda -m "$q35" "$@" -r 1 --no-warmup
         }
-        for k in ${SAMESUM_GPU_NCU_PREFILL:-mm_tc_q4_k_async attention_tiles delta_cols_128 mm_f32_tile}; do
+        for k in ${SAMESUM_GPU_NCU_PREFILL-mm_tc_q4_k_async attention_tiles delta_cols_128 mm_f32_tile}; do
             ncu_one "$k" -p ${SAMESUM_GPU_NCU_PP:-512} -n 0 --prefill batched --chunk ${SAMESUM_GPU_NCU_CHUNK:-512}
         done
-        for k in ${SAMESUM_GPU_NCU_DECODE:-mm_q4_k_1 mm_q4_k_glu_1 quantize_q8k add_rms_norm}; do
+        # (Set but empty, either list runs nothing.)
+        for k in ${SAMESUM_GPU_NCU_DECODE-mm_q4_k_1 mm_q4_k_glu_1 quantize_q8k add_rms_norm}; do
             ncu_one "$k" -p 0 -n 8
         done
     fi
