@@ -2275,6 +2275,61 @@ __device__ __forceinline__ void dc_load4(const float* src, float* dst) {
     }
 }
 
+// The pipelined kernels' steps (delta_cols_async, PIPE >= 1), shared by the
+// row loop and the unrolled groups so both run the same operations.
+//
+// A group's first row: S *= decay, then the k dot over the 8 lanes.
+template <int SP>
+__device__ __forceinline__ float dc_decay_kdot(float (&S)[SP], const float (&kk)[SP], float decay) {
+    float kv = 0.0f;
+#pragma unroll
+    for (int q = 0; q < SP; q++) {
+        S[q] = __fmul_rn(S[q], decay);
+        kv = __fmaf_rn(S[q], kk[q], kv);
+    }
+    return dc_lanes_sum(kv);
+}
+
+// A row's update and output dot beside the next row's decay and k dot (two
+// chains a thread; kk becomes the next row's k). The lanes' partials are
+// left in acc and kv2 for the caller's butterflies.
+template <int SP>
+__device__ __forceinline__ void dc_step_next(float (&S)[SP], float (&kk)[SP], const float (&qq)[SP],
+                                             const float (&kn)[SP], float delta, float dn, float& acc,
+                                             float& kv2) {
+#pragma unroll
+    for (int q = 0; q < SP; q++) {
+        S[q] = __fmaf_rn(kk[q], delta, S[q]);
+        acc = __fmaf_rn(S[q], qq[q], acc);
+        S[q] = __fmul_rn(S[q], dn);
+        kv2 = __fmaf_rn(S[q], kn[q], kv2);
+        kk[q] = kn[q];
+    }
+}
+
+// dc_lanes_sum of two values, their shuffles interleaved.
+__device__ __forceinline__ void dc_lanes_sum2(float& a, float& b) {
+    a = __fadd_rn(a, __shfl_xor_sync(0xffffffffu, a, 4));
+    b = __fadd_rn(b, __shfl_xor_sync(0xffffffffu, b, 4));
+    a = __fadd_rn(a, __shfl_xor_sync(0xffffffffu, a, 2));
+    b = __fadd_rn(b, __shfl_xor_sync(0xffffffffu, b, 2));
+    a = __fadd_rn(a, __shfl_xor_sync(0xffffffffu, a, 1));
+    b = __fadd_rn(b, __shfl_xor_sync(0xffffffffu, b, 1));
+}
+
+// A group's last row: its update and output dot, summed over the lanes.
+template <int SP>
+__device__ __forceinline__ float dc_step_last(float (&S)[SP], const float (&kk)[SP], const float (&qq)[SP],
+                                              float delta) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int q = 0; q < SP; q++) {
+        S[q] = __fmaf_rn(kk[q], delta, S[q]);
+        acc = __fmaf_rn(S[q], qq[q], acc);
+    }
+    return dc_lanes_sum(acc);
+}
+
 template <int DK, int RG, int PIPE>
 __device__ void delta_cols_async(const float* qk, const float* conv, const float* b, const float* a,
                                  const float* dt_bias, const float* ssm_a, float* state, float* o,
@@ -2387,13 +2442,7 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
                 kv = ckv;
             } else {
                 dc_load4<DK>(sg + p * PS, kk);
-                float decay = sb[bi][RG];
-#pragma unroll
-                for (int q = 0; q < SP; q++) {
-                    S[q] = __fmul_rn(S[q], decay);
-                    kv = __fmaf_rn(S[q], kk[q], kv);
-                }
-                kv = dc_lanes_sum(kv);
+                kv = dc_decay_kdot<SP>(S, kk, sb[bi][RG]);
             }
             // Each row's outputs go to shared memory (a predicated store, no
             // branch in the row body) and the warp writes its 4 columns of
@@ -2431,14 +2480,7 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
                     float kn[SP], kv2 = 0.0f;
                     dc_load4<DK>((last ? st[bi ^ 1] : kr + ROWF) + p * PS, kn);
                     float dn = last ? sb[bi ^ 1][RG] : sb[bi][RG + rr + 1];
-#pragma unroll
-                    for (int q = 0; q < SP; q++) {
-                        S[q] = __fmaf_rn(kk[q], delta, S[q]);
-                        acc = __fmaf_rn(S[q], qq[q], acc);
-                        S[q] = __fmul_rn(S[q], dn);
-                        kv2 = __fmaf_rn(S[q], kn[q], kv2);
-                        kk[q] = kn[q];
-                    }
+                    dc_step_next<SP>(S, kk, qq, kn, delta, dn, acc, kv2);
                     if (PIPE == 3) {
                         // `DELTA_XCHG`: the k dot's 8 partials through shared
                         // memory (two slots by row parity, so a row's reads
@@ -2456,21 +2498,11 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
                         kv2 = __fadd_rn(__fadd_rn(t0, t1), __fadd_rn(t2, t3));
                         acc = dc_lanes_sum(acc);
                     } else {
-                        acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
-                        kv2 = __fadd_rn(kv2, __shfl_xor_sync(0xffffffffu, kv2, 4));
-                        acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
-                        kv2 = __fadd_rn(kv2, __shfl_xor_sync(0xffffffffu, kv2, 2));
-                        acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
-                        kv2 = __fadd_rn(kv2, __shfl_xor_sync(0xffffffffu, kv2, 1));
+                        dc_lanes_sum2(acc, kv2);
                     }
                     kv = kv2;
                 } else {
-#pragma unroll
-                    for (int q = 0; q < SP; q++) {
-                        S[q] = __fmaf_rn(kk[q], delta, S[q]);
-                        acc = __fmaf_rn(S[q], qq[q], acc);
-                    }
-                    acc = dc_lanes_sum(acc);
+                    acc = dc_step_last<SP>(S, kk, qq, delta);
                 }
                 if (p == 0) so[rr * DC_COLS + c] = acc;
             }
@@ -2491,13 +2523,7 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
             // Row 0's decay and k dot, then per row: its update and output
             // dot beside the next row's decay and k dot.
             dc_load4<DK>(sg + p * PS, kk);
-            float decay = sb[bi][RG], kv = 0.0f;
-#pragma unroll
-            for (int q = 0; q < SP; q++) {
-                S[q] = __fmul_rn(S[q], decay);
-                kv = __fmaf_rn(S[q], kk[q], kv);
-            }
-            kv = dc_lanes_sum(kv);
+            float kv = dc_decay_kdot<SP>(S, kk, sb[bi][RG]);
             for (int rr = 0; rr < cnt; rr++) {
                 const float* kr = sg + rr * ROWF;
                 bool next = rr + 1 < cnt;
@@ -2507,28 +2533,10 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
                 if (next) {
                     float kn[SP];
                     dc_load4<DK>(kr + ROWF + p * PS, kn);
-                    float dn = sb[bi][RG + rr + 1];
-#pragma unroll
-                    for (int q = 0; q < SP; q++) {
-                        S[q] = __fmaf_rn(kk[q], delta, S[q]);
-                        acc = __fmaf_rn(S[q], qq[q], acc);
-                        S[q] = __fmul_rn(S[q], dn);
-                        kv2 = __fmaf_rn(S[q], kn[q], kv2);
-                        kk[q] = kn[q];
-                    }
-                    acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
-                    kv2 = __fadd_rn(kv2, __shfl_xor_sync(0xffffffffu, kv2, 4));
-                    acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
-                    kv2 = __fadd_rn(kv2, __shfl_xor_sync(0xffffffffu, kv2, 2));
-                    acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
-                    kv2 = __fadd_rn(kv2, __shfl_xor_sync(0xffffffffu, kv2, 1));
+                    dc_step_next<SP>(S, kk, qq, kn, delta, sb[bi][RG + rr + 1], acc, kv2);
+                    dc_lanes_sum2(acc, kv2);
                 } else {
-#pragma unroll
-                    for (int q = 0; q < SP; q++) {
-                        S[q] = __fmaf_rn(kk[q], delta, S[q]);
-                        acc = __fmaf_rn(S[q], qq[q], acc);
-                    }
-                    acc = dc_lanes_sum(acc);
+                    acc = dc_step_last<SP>(S, kk, qq, delta);
                 }
                 if (live && p == 0) o[(i64)(r0 + rr) * vd + n * dv + j] = acc;
                 kv = kv2;
