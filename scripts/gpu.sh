@@ -27,7 +27,9 @@
 # ncu profiles single launches with Nsight Compute (SAMESUM_GPU_NCU_PREFILL,
 # _DECODE, _SKIP; prefill kernels from a pp SAMESUM_GPU_NCU_PP run at chunk
 # SAMESUM_GPU_NCU_CHUNK, 512 and 512 unless set; SAMESUM_GPU_NCU_SECTIONS adds
-# ncu arguments, e.g. "--section ComputeWorkloadAnalysis").
+# ncu arguments, e.g. "--section ComputeWorkloadAnalysis"; SAMESUM_GPU_NCU_SOURCE=1
+# also writes each kernel's source page, SASS with per-instruction samples,
+# to OUTDIR/ncu-KERNEL-source.csv.gz).
 # tier runs tier mode (issue 8): identity on the tiny models with
 # --vram-budget 2G, then bench on qwen35moe at SAMESUM_GPU_BUDGETS ("24G
 # 12G") for SAMESUM_GPU_TIER_PP (1024,8192); tier122 the 122B shape at 40G.
@@ -113,6 +115,15 @@ run)
                 --chunk ${SAMESUM_GPU_ID_CHUNKS:-1,7,64,128,256} --gen 64
         done
     fi
+    arm_split() { # arm -> settings (VAR=value words) and bin (BIN=path picks another binary, e.g. an older build's)
+        settings=()
+        bin=.gpu/samesum
+        local all=() w
+        [ "$1" != "-" ] && read -ra all <<< "$1"
+        for w in "${all[@]}"; do
+            if [[ $w == BIN=* ]]; then bin=${w#BIN=}; else settings+=("$w"); fi
+        done
+    }
     model() { # shape -> path of a synthetic q4_k model of it (made once per machine)
         local f=/tmp/models/$1.gguf
         mkdir -p /tmp/models
@@ -214,9 +225,20 @@ run)
         secs="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats --section MemoryWorkloadAnalysis ${SAMESUM_GPU_NCU_SECTIONS:-}"
         ncu_one() { # kernel, bench arguments...
             local k=$1; shift
+            local rep=()
+            [ -n "${SAMESUM_GPU_NCU_SOURCE:-}" ] && rep=(-f -o "$out/ncu-$k")
             step "ncu-$k" timeout 300 "$ncu_bin" --clock-control none -k "regex:^$k\$" \
-                --launch-skip ${SAMESUM_GPU_NCU_SKIP:-5} -c 1 $secs \
+                --launch-skip ${SAMESUM_GPU_NCU_SKIP:-5} -c 1 $secs "${rep[@]}" \
                 env SAMESUM_CUDA_GRAPHS=0 .gpu/samesum bench --device cuda -m "$q35" "$@" -r 1 --no-warmup
+            # With SAMESUM_GPU_NCU_SOURCE set, the report is kept and its
+            # source page (SASS with per-instruction stall samples) written
+            # as CSV beside it.
+            if [ -n "${SAMESUM_GPU_NCU_SOURCE:-}" ] && [ -f "$out/ncu-$k.ncu-rep" ]; then
+                "$ncu_bin" --import "$out/ncu-$k.ncu-rep" --page source --csv --print-source sass \
+                    > "$out/ncu-$k-source.csv" 2>>"$out/log.txt"
+                gzip -f "$out/ncu-$k-source.csv"
+                rm -f "$out/ncu-$k.ncu-rep"
+            fi
         }
         for k in ${SAMESUM_GPU_NCU_PREFILL-mm_tc_q4_k_async attention_tiles delta_cols_128 mm_f32_tile}; do
             ncu_one "$k" -p ${SAMESUM_GPU_NCU_PP:-512} -n 0 --prefill batched --chunk ${SAMESUM_GPU_NCU_CHUNK:-512}
@@ -230,16 +252,17 @@ run)
         # A/B of kernel times: `bench --profile` at SAMESUM_GPU_PROFILE_PP
         # (4096) on both models for each arm of SAMESUM_GPU_PROFILE_ARMS,
         # arms separated by ';', each a space-separated list of VAR=value
-        # settings or '-' for the defaults (e.g. "-;SAMESUM_CUDA_ATT_VFULL=0").
+        # settings or '-' for the defaults (e.g. "-;SAMESUM_CUDA_ATT_VFULL=0"); a
+        # word BIN=path runs another binary (e.g. an older build carried in
+        # .gpu-old: "-;BIN=.gpu-old/samesum"), in every step that takes arms.
         # Kernel totals moved less between arms than end-to-end figures did
         # (docs/gpu-notes.md, session 10).
         IFS=';' read -ra arms <<< "${SAMESUM_GPU_PROFILE_ARMS:--}"
         for shape in ${SAMESUM_GPU_PROFILE_SHAPES:-qwen35moe-35b-a3b qwen3moe-30b-a3b}; do
             f=$(model "$shape")
             for arm in "${arms[@]}"; do
-                settings=()
-                [ "$arm" != "-" ] && read -ra settings <<< "$arm"
-                step "profile-$shape-${arm// /+}" timeout 200 env "${settings[@]}" .gpu/samesum bench --device cuda \
+                arm_split "$arm"
+                step "profile-$shape-${arm// /+}" timeout 200 env "${settings[@]}" "$bin" bench --device cuda \
                     -m "$f" -p ${SAMESUM_GPU_PROFILE_PP:-4096} -n 0 -r 1 --prefill batched --profile
             done
         done
@@ -250,14 +273,13 @@ run)
         for shape in ${SAMESUM_GPU_TOKEN_SHAPES:-qwen35moe-35b-a3b qwen3moe-30b-a3b}; do
             f=$(model "$shape")
             for arm in "${arms[@]}"; do
-                settings=()
-                [ "$arm" != "-" ] && read -ra settings <<< "$arm"
+                arm_split "$arm"
                 csv=$(mktemp /tmp/token-XXXX.csv)
                 # The CSV goes to a temporary file (few files under OUT);
                 # the per-kernel table goes to the log.
                 step "token-$shape-${arm// /+}" bash -c '"$@" > "'"$csv"'" && python3 scripts/ncu_token.py "'"$csv"'"' _ \
                     timeout 300 env SAMESUM_CUDA_GRAPHS=0 "${settings[@]}" "$ncu" --clock-control none \
-                    --cache-control none --metrics gpu__time_duration.sum --csv .gpu/samesum bench --device cuda \
+                    --cache-control none --metrics gpu__time_duration.sum --csv "$bin" bench --device cuda \
                     -m "$f" -p "${SAMESUM_GPU_TOKEN_CTX:-0}" -n 2 -r 1 --no-warmup
                 rm -f "$csv"
             done
@@ -269,9 +291,8 @@ run)
             f=$(model "$shape")
             for round in $(seq "${SAMESUM_GPU_DECODE_ROUNDS:-2}"); do
                 for arm in "${arms[@]}"; do
-                    settings=()
-                    [ "$arm" != "-" ] && read -ra settings <<< "$arm"
-                    step "decode-$shape-${arm// /+}-$round" timeout 200 env "${settings[@]}" .gpu/samesum bench \
+                    arm_split "$arm"
+                    step "decode-$shape-${arm// /+}-$round" timeout 200 env "${settings[@]}" "$bin" bench \
                         --device cuda -m "$f" -p 0 -n 128 -r 3
                 done
             done
@@ -288,9 +309,8 @@ run)
         f=$(model qwen35moe-35b-a3b)
         for round in $(seq "${SAMESUM_GPU_PREFILL_ROUNDS:-2}"); do
             for arm in "${arms[@]}"; do
-                settings=()
-                [ "$arm" != "-" ] && read -ra settings <<< "$arm"
-                step "prefill-${arm// /+}-$round" timeout 300 env "${settings[@]}" .gpu/samesum bench \
+                arm_split "$arm"
+                step "prefill-${arm// /+}-$round" timeout 300 env "${settings[@]}" "$bin" bench \
                     --device cuda -m "$f" -p ${SAMESUM_GPU_PREFILL_PP:-4096,16384} -n 0 -r 1 --prefill batched
             done
         done

@@ -685,6 +685,29 @@ __device__ __forceinline__ float softmax_slot(float* slot, float mxp) {
     return e;
 }
 
+// softmax_slot's warp sum without shuffles: the same xor butterfly's
+// result (every lane of it ends with the same bits, as fadd commutes),
+// added up by one thread from the warp's 32 exps in shared memory (e[0..32),
+// 16-byte aligned): a_i = e_i + e_{i+16}, b_i = a_i + a_{i+8}, c_i = b_i +
+// b_{i+4}, d_i = c_i + c_{i+2}, then d_0 + d_1.
+__device__ __forceinline__ float warp_slots_sum(const float* e) {
+    float v[32];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        float4 x = reinterpret_cast<const float4*>(e)[i];
+        v[4 * i] = x.x, v[4 * i + 1] = x.y, v[4 * i + 2] = x.z, v[4 * i + 3] = x.w;
+    }
+#pragma unroll
+    for (int i = 0; i < 16; i++) v[i] = __fadd_rn(v[i], v[i + 16]);
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = __fadd_rn(v[i], v[i + 8]);
+#pragma unroll
+    for (int i = 0; i < 4; i++) v[i] = __fadd_rn(v[i], v[i + 4]);
+    v[0] = __fadd_rn(v[0], v[2]);
+    v[1] = __fadd_rn(v[1], v[3]);
+    return __fadd_rn(v[0], v[1]);
+}
+
 // A pair's max over the warps' maxes, in warp order.
 __device__ __forceinline__ float pair_max(const float* wmax) {
     float mxp = wmax[0];
@@ -1154,12 +1177,17 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
     __syncthreads();
     // q rows as attention_tiles_k stores them (qs_row, qs_col), per half:
     // pair h * AP + p at row h * AP + (p ^ qs_mask(d % 32)), above head dim
-    // 128 column qs_col(d).
+    // 128 column qs_col(d). Every pair's value is loaded before any is
+    // stored, so the block waits on memory once, not once a pair (ncu,
+    // session 23: the loop storing each value as it came took 17% of
+    // attention_tiles_q4w2's samples).
+    float qv[NP];
+#pragma unroll
+    for (int p = 0; p < NP; p++) qv[p] = p < np && t < hd ? q[(i64)pout[p] * hd + t] : 0.0f;
+#pragma unroll
     for (int p = 0; p < NP; p++) {
-        float v = 0.0f;
-        if (p < np && t < hd) v = q[(i64)pout[p] * hd + t];
         int row = H == 1 ? qs_row(p, t) : (p & ~(AP - 1)) + qs_row(p & (AP - 1), t);
-        if (t < ATT_HD) qs[row][hd > 128 ? qs_col(t) : t] = v;
+        if (t < ATT_HD) qs[row][hd > 128 ? qs_col(t) : t] = qv[p];
     }
     __syncthreads();
     const i64 tile0 = (i64)j0 * kvw + g * hd;
@@ -1179,13 +1207,23 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
     __syncthreads();
     if (t < np) pmax[t] = pair_max(smax[t]);  // once per pair
     __syncthreads();
+    // The exps, then each warp's sum of its 32 slots per pair: softmax_slot's
+    // exp and butterfly, the butterfly's sum added up by lane p for pair p
+    // (warp_slots_sum), so no shuffles. A pair without a key in the tile
+    // (max -inf) gets 0 in its slots, as softmax_slot's e is 0 there; its
+    // sums are 0 and its value chains are never written.
     if (warp * 32 < n) {
+#pragma unroll 4
         for (int p = 0; p < np; p++) {
-            float e = softmax_slot(&st[p][t], pmax[p]);
-            if (lane == 0) wsum[p][warp] = e;
+            float mxp = pmax[p];
+            float e = 0.0f;
+            if (mxp != -INFINITY) e = expf(__fsub_rn(st[p][t], mxp));
+            st[p][t] = e;
         }
-    } else if (lane == 0) {  // no key in this warp's slots: e = 0 in each
-        for (int p = 0; p < np; p++) wsum[p][warp] = 0.0f;
+        __syncwarp();
+        if (lane < np) wsum[lane][warp] = warp_slots_sum(&st[lane][warp * 32]);
+    } else if (lane < np) {  // no key in this warp's slots: e = 0 in each
+        wsum[lane][warp] = 0.0f;
     }
     __syncthreads();
     // Each value pass's threads cover the block's NP pairs (P = NP / the
