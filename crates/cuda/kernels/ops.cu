@@ -2374,8 +2374,19 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
                                  int m, int hk, int hv, int dv, int tiled) {
     constexpr int SP = DK / DC_PARTS, PS = SP + 4, SEC = DC_PARTS * PS;
     constexpr int ROWF = 2 * SEC + DC_COLS, NT = DC_COLS * DC_PARTS;
-    __shared__ __align__(16) float st[2][RG * ROWF];
-    __shared__ float sb[2][2 * RG];
+    // PIPE = 5 (`DELTA_TRI`): PIPE 2's rows with three staging buffers in
+    // turn, in dynamic shared memory (3 RG ROWF floats; backend.rs sizes the
+    // launch alike): group g + 1 is staged into the buffer group g - 2 used,
+    // which every thread left before the barrier ahead of group g - 1's rows,
+    // so a group starts without a barrier of its own.
+    constexpr int NB = PIPE == 5 ? 3 : 2;
+    __shared__ __align__(16) float st2[NB == 2 ? 2 : 1][NB == 2 ? RG * ROWF : 4];
+    extern __shared__ __align__(16) float dc_dyn[];
+    auto st = [&](int i) -> float* {
+        if constexpr (NB == 2) return st2[i];
+        else return dc_dyn + i * (RG * ROWF);
+    };
+    __shared__ float sb[NB][2 * RG];
     int n = blockIdx.x, tid = threadIdx.x;
     int c = tid / DC_PARTS, p = tid % DC_PARTS;
     int j = blockIdx.y * DC_COLS + c;
@@ -2404,7 +2415,7 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
         int cnt = min(RG, m - r0);
         const float* row = qk + (i64)r0 * 2 * kd + kh * DK + tid;
         const float* vrow = conv + (i64)r0 * cd + 2 * kd + n * dv + jj;
-        float* dst = st[bi];
+        float* dst = st(bi);
         for (int rr = 0; rr < cnt; rr++, row += 2 * kd, vrow += cd, dst += ROWF) {
 #pragma unroll
             for (int u = 0; u < FU; u++) {
@@ -2445,19 +2456,20 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
     float ck[PIPE == 4 ? SP : 1], ckv = 0.0f;
     bool carried = false;
     for (int g = 0; g < groups; g++) {
-        int r0 = g * RG, cnt = min(RG, m - r0), bi = g & 1;
+        int r0 = g * RG, cnt = min(RG, m - r0), bi = NB == 2 ? g & 1 : g % 3;
+        int nx = NB == 2 ? bi ^ 1 : (bi == 2 ? 0 : bi + 1);  // group g + 1's buffer
         bool more = g + 1 < groups;
         bool carry_out = PIPE == 4 && cnt == RG && m - r0 - RG >= RG;
-        if (g > 0) __syncthreads();  // group g - 1 is done with buffer bi ^ 1
+        if (NB == 2 && g > 0) __syncthreads();  // group g - 1 is done with buffer nx
         if (more) {
-            stage(r0 + RG, bi ^ 1, &nb, &na);
+            stage(r0 + RG, nx, &nb, &na);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
         // This thread's copies of group g have landed: scale its q's.
         {
-            float* dst = st[bi] + SEC;
+            float* dst = st(bi) + SEC;
             for (int rr = 0; rr < cnt; rr++, dst += ROWF) {
 #pragma unroll
                 for (int u = 0; u < FU; u++)
@@ -2465,7 +2477,7 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
             }
         }
         __syncthreads();
-        const float* sg = st[bi];
+        const float* sg = st(bi);
         float kk[SP], qq[SP];
         if (PIPE >= 2 && cnt == RG) {
             // `DELTA_UNROLL`: the pipelined rows of a full group as
@@ -2501,8 +2513,8 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
                     float gd = expf(gl);
                     asm volatile("" ::"f"(gb), "f"(gd));
                     if (tid < RG) {
-                        sb[bi ^ 1][tid] = gb;
-                        sb[bi ^ 1][RG + tid] = gd;
+                        sb[nx][tid] = gb;
+                        sb[nx][RG + tid] = gd;
                     }
                 }
                 if (PIPE == 4 && last && carry_out) {
@@ -2516,8 +2528,8 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
                 float acc = 0.0f;
                 if (!last || (PIPE == 4 && carry_out)) {
                     float kn[SP], kv2 = 0.0f;
-                    dc_load4<DK>((last ? st[bi ^ 1] : kr + ROWF) + p * PS, kn);
-                    float dn = last ? sb[bi ^ 1][RG] : sb[bi][RG + rr + 1];
+                    dc_load4<DK>((last ? st(nx) : kr + ROWF) + p * PS, kn);
+                    float dn = last ? sb[nx][RG] : sb[bi][RG + rr + 1];
                     dc_step_next<SP>(S, kk, qq, kn, delta, dn, acc, kv2);
                     if (PIPE == 3) {
                         // `DELTA_XCHG`: the k dot's 8 partials through shared
@@ -2603,7 +2615,7 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
                 if (live && p == 0) o[(i64)(r0 + rr) * vd + n * dv + j] = acc;
             }
         }
-        if (more && !carry_out && tid < min(RG, m - r0 - RG)) gates(bi ^ 1, tid, nb, na);
+        if (more && !carry_out && tid < min(RG, m - r0 - RG)) gates(nx, tid, nb, na);
         carried = carry_out;
     }
     if (live)
@@ -2629,6 +2641,8 @@ DELTA_COLS_ASYNC(delta_cols_async_xchg_64, 64, 16, 3)
 DELTA_COLS_ASYNC(delta_cols_async_xchg_128, 128, 16, 3)
 DELTA_COLS_ASYNC(delta_cols_async_carry_64, 64, 16, 4)
 DELTA_COLS_ASYNC(delta_cols_async_carry_128, 128, 16, 4)
+DELTA_COLS_ASYNC(delta_cols_async_tri_64, 64, 16, 5)
+DELTA_COLS_ASYNC(delta_cols_async_tri_128, 128, 16, 5)
 
 // The delta net's gated RMSNorm, one warp per (row, value head): the head is
 // read once, coalesced, into shared memory (head dims up to 256; larger ones

@@ -155,6 +155,12 @@ pub struct Cuda {
     /// `SAMESUM_CUDA_DELTA_CARRY=1`: measured slower (H200, session 22:
     /// 38.83 ms against 37.79 unrolled alone). The same bytes.
     delta_carry: bool,
+    /// With `delta_unroll`: three staging buffers in turn instead of two
+    /// (`delta_cols_async_tri_*`, in dynamic shared memory), so a group
+    /// starts without the barrier that waited for every warp to leave the
+    /// buffer being restaged. Opt-in, `SAMESUM_CUDA_DELTA_TRI=1`. The same
+    /// bytes.
+    delta_tri: bool,
     /// Wide float matmuls of one matrix (routers, gates in prefill) on the
     /// register-tiled kernels (`mm_*_tile`: each output's fmas and butterfly
     /// as the per-row kernel's; default, off with `SAMESUM_CUDA_F32_TILE=0`).
@@ -749,6 +755,7 @@ const SWITCHES: &[Switch] = &[
     ),
     ("DELTA_XCHG", |c| c.delta_xchg, |c, on| c.delta_xchg = on),
     ("DELTA_CARRY", |c| c.delta_carry, |c, on| c.delta_carry = on),
+    ("DELTA_TRI", |c| c.delta_tri, |c, on| c.delta_tri = on),
     ("NORM_Q8K", |c| c.norm_quant, |c, on| c.norm_quant = on),
     ("SMALL_NORM", |c| c.small_norm, |c, on| c.small_norm = on),
     ("SILU_Q8K", |c| c.silu_q8k, |c, on| c.silu_q8k = on),
@@ -1106,6 +1113,7 @@ impl Cuda {
             delta_unroll: env_switch("SAMESUM_CUDA_DELTA_UNROLL", true),
             delta_xchg: env_switch("SAMESUM_CUDA_DELTA_XCHG", false),
             delta_carry: env_switch("SAMESUM_CUDA_DELTA_CARRY", false),
+            delta_tri: env_switch("SAMESUM_CUDA_DELTA_TRI", false),
             float_tiles: env_switch("SAMESUM_CUDA_F32_TILE", true),
             float_wide: env_switch("SAMESUM_CUDA_F32_WIDE", true),
             tc_small: env_switch("SAMESUM_CUDA_TC_SMALL", false),
@@ -1566,6 +1574,8 @@ impl Cuda {
     pub fn delta_kernel(&self, dk: usize, m: usize) -> Option<&'static str> {
         let unrolled = self.delta_async && self.delta_pipe && self.delta_unroll && m >= 16;
         match (dk, self.delta_async, self.delta_pipe) {
+            (64, true, true) if unrolled && self.delta_tri => Some("delta_cols_async_tri_64"),
+            (128, true, true) if unrolled && self.delta_tri => Some("delta_cols_async_tri_128"),
             (64, true, true) if unrolled && self.delta_carry => Some("delta_cols_async_carry_64"),
             (128, true, true) if unrolled && self.delta_carry => Some("delta_cols_async_carry_128"),
             (64, true, true) if unrolled && self.delta_xchg => Some("delta_cols_async_xchg_64"),
@@ -2942,11 +2952,19 @@ impl Cuda {
         );
         let cols_kernel = self.delta_kernel(dk, m);
         if let Some(kname) = cols_kernel {
-            // Eight lanes per state column (the kernel for the usual head dims).
+            // Eight lanes per state column (the kernel for the usual head
+            // dims). The three-buffer kernels stage in dynamic shared memory:
+            // 3 buffers of 16 rows of 2 (8 (dk / 8 + 4)) + 16 floats (ops.cu,
+            // delta_cols_async's ROWF).
+            let smem = if kname.starts_with("delta_cols_async_tri_") {
+                (3 * 16 * (2 * 8 * (dk / 8 + 4) + 16) * 4) as u32
+            } else {
+                0
+            };
             launch!(
                 d,
                 kname,
-                cfg((hv as u32, dv.div_ceil(16) as u32, 1), 128, 0),
+                cfg((hv as u32, dv.div_ceil(16) as u32, 1), 128, smem),
                 &qk,
                 &conv,
                 &b,

@@ -680,6 +680,8 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "delta_cols_async_xchg_128",
             "delta_cols_async_carry_64",
             "delta_cols_async_carry_128",
+            "delta_cols_async_tri_64",
+            "delta_cols_async_tri_128",
             "gated_norm",
             "gated_norm_q8k",
             "gated_norm_q8k_lane0",

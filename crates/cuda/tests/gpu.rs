@@ -1328,7 +1328,8 @@ fn staged_delta_rule_equals_the_plain_one() {
 /// partials summed through shared memory (`DELTA_XCHG`,
 /// `delta_cols_async_xchg_*`), and with each full group's last row taking
 /// the next full group's first k and decay (`DELTA_CARRY`,
-/// `delta_cols_async_carry_*`), against the pipelined loop: the same logits
+/// `delta_cols_async_carry_*`), and with three staging buffers (`DELTA_TRI`,
+/// `delta_cols_async_tri_*`), against the pipelined loop: the same logits
 /// bytes at key head dims 64 and 128 in chunks of 64 (four full groups a
 /// call), 300 (18 full groups and a partial one) and 7 (partial groups
 /// only), and replayed (every decode call is one partial group), with the
@@ -1361,11 +1362,12 @@ fn unrolled_delta_rows_equal_the_pipelined_loop() {
             .map(|&chunk| all_logits(&looped, &model, &toks, chunk))
             .collect();
         assert!(want[0].iter().all(|v| v.is_finite()), "{what}: non-finite");
-        for kind in ["unroll", "xchg", "carry"] {
+        for kind in ["unroll", "xchg", "carry", "tri"] {
             let mut arm = Cuda::new(0, &model, false).unwrap();
             arm.set_switch("DELTA_UNROLL", true).unwrap();
             arm.set_switch("DELTA_XCHG", kind == "xchg").unwrap();
             arm.set_switch("DELTA_CARRY", kind == "carry").unwrap();
+            arm.set_switch("DELTA_TRI", kind == "tri").unwrap();
             let name = arm.delta_kernel(dk, 64).unwrap();
             assert_eq!(
                 arm.delta_kernel(dk, 1),
