@@ -1392,20 +1392,54 @@ __device__ __forceinline__ void ta_issue(u8* stage, const u8* W, i64 mat_stride,
 // (`TaSrc`, kept in registers) from the tile's first row at block 0.
 // T: the block's threads (128, or 256 in the 8-warp kernel, where the
 // 1,152 Q4_K pieces are 4.5 a thread: the fifth for the first 128 only).
-template <int Q5, int R, int T = 128>
+// WS (`TC_WSMEM`): the offsets in shared memory instead, a thread's WP
+// of them in a row of TA_WS words (conflict-free for 16-byte reads), read
+// again at each block of K: ptxas kept 4 of the 9 in local memory at 168
+// registers, and their reloads in the K loop, with the stalls behind them,
+// took ~7% of mm_tc_q4_k_async32g_jobs_live's stall samples (ncu, session
+// 23). The same offsets, so the same copies.
+#define TA_WS 12
+template <int Q5, int R, int T = 128, bool WS = false>
 struct TaSrc {
     static constexpr int WPC = TaLayout<Q5, R>::BYTES / 16;
     static constexpr int PIECES = TQ_WROWS * WPC;
     static constexpr int WP = (PIECES + T - 1) / T;
     static_assert(T == 128 ? PIECES % T == 0 : PIECES % 128 == 0, "whole weight pieces a thread");
-    u32 w[WP];
+    static_assert(!WS || (T == 128 && WP <= TA_WS), "shared offsets: the 4-warp kernels");
+    u32 w[WS ? 1 : WP];
+    u32* ws;  // WS: this thread's row of offsets
     __device__ __forceinline__ TaSrc(int row_bytes, int wrow0, int rows, int tid) {
+        if constexpr (WS) {
+            __shared__ __align__(16) u32 ta_ws[128 * TA_WS];
+            ws = ta_ws + tid * TA_WS;
+        }
 #pragma unroll
         for (int i = 0; i < WP; i++) {
             int c = tid + T * i;
             if constexpr (PIECES % T != 0) c = min(c, PIECES - 1);  // unused past the pieces
             int r = c / WPC, q = c - r * WPC;
-            w[i] = (u32)((min(wrow0 + r, rows - 1) - wrow0) * row_bytes + 16 * q);
+            u32 o = (u32)((min(wrow0 + r, rows - 1) - wrow0) * row_bytes + 16 * q);
+            if constexpr (WS) ws[i] = o;
+            else w[i] = o;
+        }
+    }
+    // The pieces' offsets for one block's copies (WS: read back by 16-byte
+    // loads the compiler may not move or merge, so never held in registers
+    // across the K loop).
+    __device__ __forceinline__ void offsets(u32 (&o)[WP]) const {
+        if constexpr (WS) {
+            u32 v[TA_WS];
+#pragma unroll
+            for (int k = 0; k < (WP + 3) / 4; k++) {
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(v[4 * k]), "=r"(v[4 * k + 1]), "=r"(v[4 * k + 2]), "=r"(v[4 * k + 3])
+                             : "r"(smem_addr(ws + 4 * k)));
+            }
+#pragma unroll
+            for (int i = 0; i < WP; i++) o[i] = v[i];
+        } else {
+#pragma unroll
+            for (int i = 0; i < WP; i++) o[i] = w[i];
         }
     }
 };
@@ -1415,18 +1449,20 @@ struct TaSrc {
 // zero-filled): warp w copies activation rows w, w + 4, ..., lane l < 19
 // piece l of each, one row's 304 consecutive bytes an instruction at offsets
 // that step by a constant. The same bytes in the same places as ta_issue.
-template <int Q5, int R, int T = 128>
-__device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8* at, const TaSrc<Q5, R, T>& src,
+template <int Q5, int R, int T = 128, bool WS = false>
+__device__ __forceinline__ void ta_issue_kept(u8* stage, const u8* wt, const u8* at, const TaSrc<Q5, R, T, WS>& src,
                                               u32 arow, int nr, int b, int tid) {
     typedef TaLayout<Q5, R> L;
-    typedef TaSrc<Q5, R, T> S;
+    typedef TaSrc<Q5, R, T, WS> S;
     constexpr int NWARP = T / 32;
     static_assert(R % NWARP == 0, "activation rows a warp");
     const u8* wb = wt + (i64)b * L::BYTES;
+    u32 off[S::WP];
+    src.offsets(off);
 #pragma unroll
     for (int i = 0; i < S::WP; i++) {
         int c = tid + T * i, r = c / S::WPC, q = c - r * S::WPC;
-        if (S::PIECES % T == 0 || c < S::PIECES) cp_async16(stage + L::W_OFF + r * L::WST + q * 16, wb + src.w[i], true);
+        if (S::PIECES % T == 0 || c < S::PIECES) cp_async16(stage + L::W_OFF + r * L::WST + q * 16, wb + off[i], true);
     }
     int warp = tid / 32, lane = tid % 32;
     if (lane < Q8K_BYTES / 16) {
@@ -1489,10 +1525,10 @@ struct TcJobRef {
 // of 8 warps covers the same tile as 4 warps of 2 NG groups; a warp whose
 // groups are all past the matrix's last row (`active` false) only copies
 // and waits at the barriers.
-template <int Q5, int R, bool MS, int NG, int T = 128, class S>
+template <int Q5, int R, bool MS, int NG, int T = 128, class S, bool WS = false>
 __device__ __forceinline__ void tc_async_matrix(u8* dsm, const S& js, i64 mat_stride, int row_bytes, int cur,
                                                 int wrow0, const u8* A, i64 arow, int r0, int nr, int nb,
-                                                const TaSrc<Q5, R, T>& src, const u8* at, u32 live, int tid,
+                                                const TaSrc<Q5, R, T, WS>& src, const u8* at, u32 live, int tid,
                                                 int warp, int gq, int tq, bool active = true) {
     typedef TaLayout<Q5, R> L;
     constexpr bool KEPT = R >= 32;
@@ -1509,7 +1545,7 @@ __device__ __forceinline__ void tc_async_matrix(u8* dsm, const S& js, i64 mat_st
     const u8* wt = js.w() + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
     auto issue = [&](u8* stage, int b) {
         if constexpr (KEPT)
-            ta_issue_kept<Q5, R, T>(stage, wt, at, src, (u32)arow, nr, b, tid);
+            ta_issue_kept<Q5, R, T, WS>(stage, wt, at, src, (u32)arow, nr, b, tid);
         else
             ta_issue<Q5, R>(stage, js.w(), mat_stride, row_bytes, cur, wrow0, js.rows(), A, arow, r0, nr, b, tid);
     };
@@ -1656,7 +1692,8 @@ __device__ __forceinline__ void tc_async_matrix(u8* dsm, const S& js, i64 mat_st
 // ZERO: rows with no matrix (id -1) get zeros; without it (the `_live`
 // kernels, `LIVE_ROWS`) they are left as they were, for callers that read
 // no such row, and a tile of none but them does nothing.
-template <int Q5, int R, bool MS = false, bool GS = false, int T = 128, bool ZERO = true, class S = TcArgs>
+template <int Q5, int R, bool MS = false, bool GS = false, int T = 128, bool ZERO = true, class S = TcArgs,
+          bool WS = false>
 __device__ void mm_tc_async_k(const S& js, i64 mat_stride, int row_bytes, const int* mats, const u8* A, int m,
                               int nb, int bx) {
     constexpr int N = R / 8;  // activation groups of 8 rows (the mma's n)
@@ -1685,7 +1722,7 @@ __device__ void mm_tc_async_k(const S& js, i64 mat_stride, int row_bytes, const 
         if ((T == TQ_WROWS || tid < TQ_WROWS) && col < js.rows()) js.y()[(i64)(r0 + t) * js.rows() + col] = 0.0f;
     }
     // The 32-row kernels' copy offsets (unused, so not computed, in the others).
-    const TaSrc<Q5, R, T> src(row_bytes, wrow0, js.rows(), tid);
+    const TaSrc<Q5, R, T, WS> src(row_bytes, wrow0, js.rows(), tid);
     const u8* at = A + r0 * arow;
     int prev = -1;
     for (;;) {
@@ -1697,8 +1734,8 @@ __device__ void mm_tc_async_k(const S& js, i64 mat_stride, int row_bytes, const 
         // Groups of 8 rows up to the last of this matrix's rows.
         [[maybe_unused]] const int ng = GS ? (32 - __clz(live) + 7) / 8 : N;
 #define TC_MATRIX(G, ACTIVE)                                                                               \
-    tc_async_matrix<Q5, R, MS, G, T>(dsm, js, mat_stride, row_bytes, cur, wrow0, A, arow, r0, nr, nb, src, at, live, \
-                                     tid, warp, gq, tq, ACTIVE)
+    tc_async_matrix<Q5, R, MS, G, T, S, WS>(dsm, js, mat_stride, row_bytes, cur, wrow0, A, arow, r0, nr, nb, src, at, \
+                                     live, tid, warp, gq, tq, ACTIVE)
         if constexpr (T == 256) {
             // Two groups a warp; a warp whose two are past the matrix's last
             // row (with GS) skips the arithmetic. Every warp runs the same
@@ -1818,7 +1855,7 @@ extern "C" __global__ void __launch_bounds__(128, 3)
 // alpha) then runs beside the others instead of as a launch of a few blocks.
 // ZERO as in mm_tc_async_k. A macro, as the kernels above, so that each
 // kernel's job sits in its own shared memory as before.
-#define TC_JOBS_KERNEL(name, ZERO)                                                                  \
+#define TC_JOBS_KERNEL(name, ZERO, WS)                                                              \
     extern "C" __global__ void __launch_bounds__(128, 3)                                           \
         name(MmJobs jobs, i64 mat_stride, int row_bytes, const int* mats, const u8* A, int m, int nb) { \
         pdl_wait();                                                                                 \
@@ -1827,13 +1864,18 @@ extern "C" __global__ void __launch_bounds__(128, 3)
         __shared__ TcJob job;                                                                       \
         if (threadIdx.x == 0) job = TcJob{j.w, j.y, j.rows};                                        \
         __syncthreads();                                                                            \
-        mm_tc_async_k<0, 32, true, true, 128, ZERO>(TcJobRef{&job}, mat_stride, row_bytes, mats, A, m, nb, j.bx); \
+        mm_tc_async_k<0, 32, true, true, 128, ZERO, TcJobRef, WS>(TcJobRef{&job}, mat_stride, row_bytes, mats, A, m, \
+                                                                  nb, j.bx);                        \
     }
 
-TC_JOBS_KERNEL(mm_tc_q4_k_async32g_jobs, true)
+TC_JOBS_KERNEL(mm_tc_q4_k_async32g_jobs, true, false)
 // mm_tc_q4_k_async32g_jobs leaving rows with no matrix unwritten (as
 // mm_tc_q4_k_async32g_live).
-TC_JOBS_KERNEL(mm_tc_q4_k_async32g_jobs_live, false)
+TC_JOBS_KERNEL(mm_tc_q4_k_async32g_jobs_live, false, false)
+// The two with the weight pieces' offsets in shared memory (`TC_WSMEM`,
+// opt-in until measured; see TaSrc): the same copies, so the same bytes.
+TC_JOBS_KERNEL(mm_tc_q4_k_async32g_jobs_ws, true, true)
+TC_JOBS_KERNEL(mm_tc_q4_k_async32g_jobs_live_ws, false, true)
 
 // Float weights against f32 rows: lane l takes elements l, l + 32, ... in order,
 // then a fixed butterfly.

@@ -183,6 +183,14 @@ pub struct Cuda {
     /// `SAMESUM_CUDA_TC_JOBS=0`; H200, session 19: qwen35moe pp4096 +2.4%,
     /// the Q4_K matmuls 74.0 -> 66.9 ms). The same bytes.
     tc_jobs: bool,
+    /// With `tc_jobs`: the jobs kernels with their weight pieces' copy
+    /// offsets in shared memory, read back each block of K
+    /// (`mm_tc_q4_k_async32g_jobs_ws`, `_jobs_live_ws`), so the K loop keeps
+    /// no value in local memory (ncu, session 23: the default's five
+    /// reloads a block of K and the stalls behind them were ~7% of
+    /// `mm_tc_q4_k_async32g_jobs_live`'s samples). Opt-in until measured,
+    /// `SAMESUM_CUDA_TC_WSMEM=1`. The same copies, so the same bytes.
+    tc_wsmem: bool,
     /// The 32-row padding-skipping Q4_K tensor-core kernel at 8 warps a
     /// block, each on half the tile's activation rows (`mm_tc_q4_k_async32w`:
     /// 128 registers, 16 warps an SM against 12; opt-in,
@@ -745,6 +753,7 @@ const SWITCHES: &[Switch] = &[
     ("F32_WIDE", |c| c.float_wide, |c, on| c.float_wide = on),
     ("TC_SMALL", |c| c.tc_small, |c, on| c.tc_small = on),
     ("TC_JOBS", |c| c.tc_jobs, |c, on| c.tc_jobs = on),
+    ("TC_WSMEM", |c| c.tc_wsmem, |c, on| c.tc_wsmem = on),
     ("TC_W8", |c| c.tc_w8, |c, on| c.tc_w8 = on),
     ("DELTA_ASYNC", |c| c.delta_async, |c, on| c.delta_async = on),
     ("DELTA_PIPE", |c| c.delta_pipe, |c, on| c.delta_pipe = on),
@@ -1118,6 +1127,7 @@ impl Cuda {
             float_wide: env_switch("SAMESUM_CUDA_F32_WIDE", true),
             tc_small: env_switch("SAMESUM_CUDA_TC_SMALL", false),
             tc_jobs: env_switch("SAMESUM_CUDA_TC_JOBS", true),
+            tc_wsmem: env_switch("SAMESUM_CUDA_TC_WSMEM", false),
             tc_w8: env_switch("SAMESUM_CUDA_TC_W8", false),
             norm_quant: env_switch("SAMESUM_CUDA_NORM_Q8K", true),
             small_norm: env_switch("SAMESUM_CUDA_SMALL_NORM", true),
@@ -1899,10 +1909,11 @@ impl Cuda {
         );
         launch!(
             d,
-            if input.live && mats.is_some() {
-                "mm_tc_q4_k_async32g_jobs_live"
-            } else {
-                "mm_tc_q4_k_async32g_jobs"
+            match (input.live && mats.is_some(), self.tc_wsmem) {
+                (true, false) => "mm_tc_q4_k_async32g_jobs_live",
+                (false, false) => "mm_tc_q4_k_async32g_jobs",
+                (true, true) => "mm_tc_q4_k_async32g_jobs_live_ws",
+                (false, true) => "mm_tc_q4_k_async32g_jobs_ws",
             },
             ct,
             &mj,

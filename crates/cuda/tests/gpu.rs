@@ -665,7 +665,8 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
 /// of a few rows beside the wide ones), attention's q, k and v, the shared
 /// expert's gate and up, and the routed experts' gate and up on the plan's
 /// layout (tiles of one expert ending in padding rows); and the logits with
-/// the switch on and off.
+/// the switch on and off. The jobs kernels with their copy offsets in shared
+/// memory (`TC_WSMEM`) against the default jobs kernels the same way.
 #[test]
 fn tensor_core_jobs_equal_one_launch_each() {
     if !gpu() {
@@ -718,6 +719,21 @@ fn tensor_core_jobs_equal_one_launch_each() {
                     .tc_jobs_host(ws, &x, m, ids.as_deref())
                     .unwrap()
                     .unwrap_or_else(|| panic!("{name} {} m={m}: no joint launch", w0.name));
+                // The jobs kernels with the copy offsets in shared memory
+                // (`TC_WSMEM`): the same bytes as the default jobs kernels.
+                cuda.set_switch("TC_WSMEM", true).unwrap();
+                let joint_ws = cuda
+                    .tc_jobs_host(ws, &x, m, ids.as_deref())
+                    .unwrap()
+                    .unwrap_or_else(|| panic!("{name} {} m={m}: no joint launch", w0.name));
+                cuda.set_switch("TC_WSMEM", false).unwrap();
+                for (w, (a, b)) in ws.iter().zip(joint.iter().zip(&joint_ws)) {
+                    assert!(
+                        same_bits(a, b),
+                        "{name} {} m={m}: TC_WSMEM differs from the jobs kernel",
+                        w.name
+                    );
+                }
                 cuda.set_switch("TC_JOBS", false).unwrap();
                 assert!(
                     cuda.tc_jobs_host(ws, &x, m, ids.as_deref())
@@ -746,6 +762,14 @@ fn tensor_core_jobs_equal_one_launch_each() {
         "TC_JOBS",
         &[300],
         "joint and separate tensor-core launches",
+    );
+    assert_switch_keeps_logits(
+        named_shapes(SHAPES),
+        |s| s.name.to_string(),
+        (79, 83),
+        "TC_WSMEM",
+        &[300],
+        "the jobs kernels with their copy offsets in shared memory",
     );
 }
 
