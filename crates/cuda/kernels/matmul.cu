@@ -1846,6 +1846,24 @@ extern "C" __global__ void __launch_bounds__(128, 3)
                                                  blockIdx.x);
 }
 
+// mm_tc_q4_k_async32g and its live form with the weight pieces' copy
+// offsets in shared memory (`TC_WSMEM`, opt-in until measured; see TaSrc):
+// the same copies, so the same bytes.
+extern "C" __global__ void __launch_bounds__(128, 3)
+    mm_tc_q4_k_async32g_ws(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,
+                           int rows, int m, int nb) {
+    pdl_wait();
+    mm_tc_async_k<0, 32, true, true, 128, true, TcArgs, true>(TcArgs{W, Y, rows}, mat_stride, row_bytes, mats, A,
+                                                              m, nb, blockIdx.x);
+}
+extern "C" __global__ void __launch_bounds__(128, 3)
+    mm_tc_q4_k_async32g_live_ws(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A,
+                                float* Y, int rows, int m, int nb) {
+    pdl_wait();
+    mm_tc_async_k<0, 32, true, true, 128, false, TcArgs, true>(TcArgs{W, Y, rows}, mat_stride, row_bytes, mats, A,
+                                                               m, nb, blockIdx.x);
+}
+
 // mm_tc_q4_k_async32g for up to 4 matrices of one width against the same
 // activation rows (and, for expert stacks, the same matrix ids and stride)
 // in one launch (`SAMESUM_CUDA_TC_JOBS`): blockIdx.x runs over job 0's

@@ -183,9 +183,10 @@ pub struct Cuda {
     /// `SAMESUM_CUDA_TC_JOBS=0`; H200, session 19: qwen35moe pp4096 +2.4%,
     /// the Q4_K matmuls 74.0 -> 66.9 ms). The same bytes.
     tc_jobs: bool,
-    /// With `tc_jobs`: the jobs kernels with their weight pieces' copy
-    /// offsets in shared memory, read back each block of K
-    /// (`mm_tc_q4_k_async32g_jobs_ws`, `_jobs_live_ws`), so the K loop keeps
+    /// The 32-row padding-skipping Q4_K kernels (one matrix and jobs, each
+    /// with its live form) with their weight pieces' copy offsets in shared
+    /// memory, read back each block of K (`mm_tc_q4_k_async32g_ws`,
+    /// `_live_ws`, `_jobs_ws`, `_jobs_live_ws`), so the K loop keeps
     /// no value in local memory (ncu, session 23: the default's five
     /// reloads a block of K and the stalls behind them were ~7% of
     /// `mm_tc_q4_k_async32g_jobs_live`'s samples). Opt-in until measured,
@@ -2224,8 +2225,13 @@ impl Cuda {
                     // Rows with no expert that no one reads: left unwritten.
                     let k = match k {
                         "mm_tc_q4_k_async32g" if input.live && mats.is_some() => {
-                            "mm_tc_q4_k_async32g_live"
+                            if self.tc_wsmem {
+                                "mm_tc_q4_k_async32g_live_ws"
+                            } else {
+                                "mm_tc_q4_k_async32g_live"
+                            }
                         }
+                        "mm_tc_q4_k_async32g" if self.tc_wsmem => "mm_tc_q4_k_async32g_ws",
                         _ => k,
                     };
                     // The async kernels' two stages of shared memory (see

@@ -614,6 +614,8 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_tc_q4_k_async32g_live",
             "mm_tc_q4_k_async32g_jobs_live",
             "mm_tc_q4_k_async32g_jobs_ws",
+            "mm_tc_q4_k_async32g_ws",
+            "mm_tc_q4_k_async32g_live_ws",
             "mm_tc_q4_k_async32g_jobs_live_ws",
             "mm_tc_q4_k_async32w",
             "mm_f32",

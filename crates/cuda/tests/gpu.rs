@@ -563,26 +563,31 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
             let mut cuda = Cuda::new(0, &model, false).unwrap();
             // Tensor cores for every matrix, however few its rows.
             cuda.set_switch("TC_SMALL", false).unwrap();
-            // Async32 five times: the mins sums on tensor cores (TC_MINS),
+            // Async32 seven times: the mins sums on tensor cores (TC_MINS),
             // with padding groups skipped (TC_GROUPS), that at 8 warps a
             // block (TC_W8, Q4_K) or leaving rows of id -1 unwritten
-            // (LIVE_ROWS, Q4_K), and by dp2a.
-            for (tk, mins, groups, w8, live) in [
-                (TcKernel::Plain, true, false, false, false),
-                (TcKernel::Pipelined, true, false, false, false),
-                (TcKernel::Async, true, false, false, false),
-                (TcKernel::Async32, true, false, false, false),
-                (TcKernel::Async32, true, true, false, false),
-                (TcKernel::Async32, true, true, true, false),
-                (TcKernel::Async32, true, true, false, true),
-                (TcKernel::Async32, false, false, false, false),
+            // (LIVE_ROWS, Q4_K), both of those with the copy offsets in
+            // shared memory (TC_WSMEM, Q4_K), and by dp2a.
+            for (tk, mins, groups, w8, live, ws) in [
+                (TcKernel::Plain, true, false, false, false, false),
+                (TcKernel::Pipelined, true, false, false, false, false),
+                (TcKernel::Async, true, false, false, false, false),
+                (TcKernel::Async32, true, false, false, false, false),
+                (TcKernel::Async32, true, true, false, false, false),
+                (TcKernel::Async32, true, true, true, false, false),
+                (TcKernel::Async32, true, true, false, true, false),
+                (TcKernel::Async32, true, true, false, false, true),
+                (TcKernel::Async32, true, true, false, true, true),
+                (TcKernel::Async32, false, false, false, false, false),
             ] {
                 cuda.set_tc_kernel(tk);
                 cuda.set_switch("TC_MINS", mins).unwrap();
                 cuda.set_switch("TC_GROUPS", groups).unwrap();
                 cuda.set_switch("TC_W8", w8).unwrap();
                 cuda.set_switch("LIVE_ROWS", live).unwrap();
-                let kind = format!("{tk:?} mins-mma={mins} groups={groups} w8={w8} live={live} ");
+                cuda.set_switch("TC_WSMEM", ws).unwrap();
+                let kind =
+                    format!("{tk:?} mins-mma={mins} groups={groups} w8={w8} live={live} ws={ws} ");
                 let moe = &model.w.layers[0].moe;
                 let mats: Vec<&samesum_engine::model::weights::Matrix> = vec![&moe.gate, &moe.down]
                     .into_iter()
