@@ -1141,7 +1141,7 @@ __device__ __forceinline__ void wide_values(const T* vt, const float (*st)[ATT_S
 // W: the value pass in wide_values (q4w) instead of lean_values (q4p). H:
 // halves of AP pairs a block (H = 2, attention_tiles_q4w2, takes W; its q
 // and score rows live in ATT_P32_SMEM bytes of dynamic shared memory).
-template <typename T, bool W = false, int H = 1>
+template <typename T, bool W = false, int H = 1, int KB2 = ATT_KB>
 __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, const T* cv, float* pml, float* pacc,
                                                  int m, int hq, int hkv, int hd, const int* posp, int rbase,
                                                  float scale, int nb) {
@@ -1200,7 +1200,7 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
     }
     float mx[H];
     if (hd == 128) lean_scores_h<4, 4, H>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
-    else lean_scores_h<8, ATT_KB, H>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
+    else lean_scores_h<8, KB2, H>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
     if ((lane & 1) == 0)
 #pragma unroll
         for (int h = 0; h < H; h++) smax[h * AP + mine][warp] = mx[h];
@@ -1305,6 +1305,24 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     else
         attention_lean_k<float, true, 2>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp,
                                          rbase, scale, nb);
+}
+
+// attention_tiles_q4w2 with four keys a score step at head dims over 128
+// (`SAMESUM_CUDA_ATT_KB4`, opt-in until measured): each q value read from
+// shared memory serves four keys instead of two (the score pass's q loads
+// were ~15% of the kernel's instructions, session 23), at ~167 registers,
+// so one block an SM instead of two. Each score's chains and butterfly are
+// lean_scores_h's: the same bytes. Head dim 128 already takes four keys.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_tiles_q4w2k4(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
+                           int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
+    pdl_wait();
+    if (f16)
+        attention_lean_k<u16, true, 2, 4>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase,
+                                          scale, nb);
+    else
+        attention_lean_k<float, true, 2, 4>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp,
+                                            rbase, scale, nb);
 }
 
 // attention_tiles_q4 as before session 10 (NEW = 0: every key of the value

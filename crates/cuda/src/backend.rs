@@ -408,6 +408,11 @@ pub struct Cuda {
     /// (default; `SAMESUM_CUDA_ATT_P32=0` for the 16-pair kernel). The same
     /// bytes.
     att_p32: bool,
+    /// With `att_p32`: four keys a score step at head dims over 128
+    /// (`attention_tiles_q4w2k4`: each q value read serves four keys, at one
+    /// block an SM). Opt-in until measured, `SAMESUM_CUDA_ATT_KB4=1`. The
+    /// same bytes.
+    att_kb4: bool,
     /// With `att_tc`: each step's three products summed apart and added to
     /// the running sums in fp32 (`attention_tiles_tc_acc`,
     /// `SAMESUM_CUDA_ATT_TC_ACC=1`): another function again, measured for
@@ -811,6 +816,7 @@ const SWITCHES: &[Switch] = &[
     ("ATT_Q4P", |c| c.att_q4p, |c, on| c.att_q4p = on),
     ("ATT_Q4W", |c| c.att_q4w, |c, on| c.att_q4w = on),
     ("ATT_P32", |c| c.att_p32, |c, on| c.att_p32 = on),
+    ("ATT_KB4", |c| c.att_kb4, |c, on| c.att_kb4 = on),
     ("ATT_TC_ACC", |c| c.att_tc_acc, |c, on| c.att_tc_acc = on),
     ("ATT_ULP", |c| c.att_ulp, |c, on| c.att_ulp = on),
     ("MOE_JOINT", |c| c.moe_joint, |c, on| c.moe_joint = on),
@@ -1173,6 +1179,7 @@ impl Cuda {
             att_q4p: env_switch("SAMESUM_CUDA_ATT_Q4P", true),
             att_q4w: env_switch("SAMESUM_CUDA_ATT_Q4W", true),
             att_p32: env_switch("SAMESUM_CUDA_ATT_P32", true),
+            att_kb4: env_switch("SAMESUM_CUDA_ATT_KB4", false),
             att_tc_acc: env_switch("SAMESUM_CUDA_ATT_TC_ACC", false),
             att_ulp: env_switch("SAMESUM_CUDA_ATT_ULP", false),
             moe_joint: env_switch("SAMESUM_CUDA_MOE_JOINT", true),
@@ -1561,7 +1568,12 @@ impl Cuda {
             && AP.is_multiple_of(gs)
             && rows * gs > AP
         {
-            ("attention_tiles_q4w2", 2 * AP, P32_SMEM)
+            let name = if self.att_kb4 && hd > 128 {
+                "attention_tiles_q4w2k4"
+            } else {
+                "attention_tiles_q4w2"
+            };
+            (name, 2 * AP, P32_SMEM)
         } else if self.att_q4 {
             let name = if self.att_vfull && self.att_q4p && self.att_q4w {
                 "attention_tiles_q4w"

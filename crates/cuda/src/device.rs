@@ -654,6 +654,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "attention_tiles_q4p",
             "attention_tiles_q4w",
             "attention_tiles_q4w2",
+            "attention_tiles_q4w2k4",
             "attention_tiles_tc",
             "attention_tiles_tc_acc",
             "attention_one",

@@ -1302,6 +1302,20 @@ fn attention_at_the_real_models_head_shapes() {
                 "a one-row call"
             );
         }
+        // And four keys a score step above head dim 128 (`ATT_KB4`,
+        // attention_tiles_q4w2k4), the same way.
+        if want2 == "attention_tiles_q4w2" && head_dim > 128 {
+            let k4 = q4_arm(
+                &[
+                    ("ATT_Q4P", true),
+                    ("ATT_Q4W", true),
+                    ("ATT_P32", true),
+                    ("ATT_KB4", true),
+                ],
+                "attention_tiles_q4w2k4",
+            );
+            lean_arm(&k4, "attention_tiles_q4w2k4", 97);
+        }
     }
 }
 
