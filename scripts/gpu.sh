@@ -237,6 +237,8 @@ run)
                 "$ncu_bin" --import "$out/ncu-$k.ncu-rep" --page source --csv --print-source sass \
                     > "$out/ncu-$k-source.csv" 2>>"$out/log.txt"
                 gzip -f "$out/ncu-$k-source.csv"
+                # The sections themselves (printed to the log without -o).
+                "$ncu_bin" --import "$out/ncu-$k.ncu-rep" --page details >> "$out/log.txt" 2>&1 || true
                 rm -f "$out/ncu-$k.ncu-rep"
             fi
         }
