@@ -29,7 +29,7 @@
 # SAMESUM_GPU_NCU_CHUNK, 512 and 512 unless set; SAMESUM_GPU_NCU_SECTIONS adds
 # ncu arguments, e.g. "--section ComputeWorkloadAnalysis"; SAMESUM_GPU_NCU_SOURCE=1
 # also writes each kernel's source page, SASS with per-instruction samples,
-# to OUTDIR/ncu-KERNEL-source.csv.gz).
+# to OUTDIR/ncu-KERNEL-source.csv.gz, which scripts/ncu_source.py sums up).
 # tier runs tier mode (issue 8): identity on the tiny models with
 # --vram-budget 2G, then bench on qwen35moe at SAMESUM_GPU_BUDGETS ("24G
 # 12G") for SAMESUM_GPU_TIER_PP (1024,8192); tier122 the 122B shape at 40G.

@@ -1545,7 +1545,7 @@ __device__ __forceinline__ void tc_async_matrix(u8* dsm, const S& js, i64 mat_st
     const u8* wt = js.w() + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
     auto issue = [&](u8* stage, int b) {
         if constexpr (KEPT)
-            ta_issue_kept<Q5, R, T, WS>(stage, wt, at, src, (u32)arow, nr, b, tid);
+            ta_issue_kept<Q5, R, T>(stage, wt, at, src, (u32)arow, nr, b, tid);
         else
             ta_issue<Q5, R>(stage, js.w(), mat_stride, row_bytes, cur, wrow0, js.rows(), A, arow, r0, nr, b, tid);
     };
@@ -1734,8 +1734,8 @@ __device__ void mm_tc_async_k(const S& js, i64 mat_stride, int row_bytes, const 
         // Groups of 8 rows up to the last of this matrix's rows.
         [[maybe_unused]] const int ng = GS ? (32 - __clz(live) + 7) / 8 : N;
 #define TC_MATRIX(G, ACTIVE)                                                                               \
-    tc_async_matrix<Q5, R, MS, G, T, S, WS>(dsm, js, mat_stride, row_bytes, cur, wrow0, A, arow, r0, nr, nb, src, at, \
-                                     live, tid, warp, gq, tq, ACTIVE)
+    tc_async_matrix<Q5, R, MS, G, T>(dsm, js, mat_stride, row_bytes, cur, wrow0, A, arow, r0, nr, nb, src, at, live, \
+                                     tid, warp, gq, tq, ACTIVE)
         if constexpr (T == 256) {
             // Two groups a warp; a warp whose two are past the matrix's last
             // row (with GS) skips the arithmetic. Every warp runs the same

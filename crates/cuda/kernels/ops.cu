@@ -1216,7 +1216,7 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
 #pragma unroll 4
         for (int p = 0; p < np; p++) {
             float mxp = pmax[p];
-            float e = 0.0f;
+            float e = 0.0f;  // softmax_slot's exp (its store is unconditional here)
             if (mxp != -INFINITY) e = expf(__fsub_rn(st[p][t], mxp));
             st[p][t] = e;
         }
@@ -2319,8 +2319,9 @@ DELTA_COLS(delta_cols_256, 256)
 // full group's rows as PIPE = 1's, unrolled into straight-line code with
 // the outputs through shared memory, so its loads issue ahead of the chain
 // (H200, qwen35moe pp4096: 45.5 -> 37.9 ms). PIPE = 3 (`DELTA_XCHG`) and 4
-// (`DELTA_CARRY`) are measured variants of it, opt-in, no faster. A partial
-// group runs PIPE = 1's loop in all of them.
+// (`DELTA_CARRY`) are measured variants of it, opt-in, no faster, and so is
+// PIPE = 5 (`DELTA_TRI`, three staging buffers; see delta_cols_async). A
+// partial group runs PIPE = 1's loop in all of them.
 template <int DK>
 __device__ __forceinline__ void dc_load4(const float* src, float* dst) {
     const float4* v = reinterpret_cast<const float4*>(src);

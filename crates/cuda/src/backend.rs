@@ -158,8 +158,9 @@ pub struct Cuda {
     /// With `delta_unroll`: three staging buffers in turn instead of two
     /// (`delta_cols_async_tri_*`, in dynamic shared memory), so a group
     /// starts without the barrier that waited for every warp to leave the
-    /// buffer being restaged. Opt-in, `SAMESUM_CUDA_DELTA_TRI=1`. The same
-    /// bytes.
+    /// buffer being restaged. Opt-in, `SAMESUM_CUDA_DELTA_TRI=1`: measured
+    /// no faster (H200, session 23: 37.91 ms against 37.77 unrolled alone).
+    /// The same bytes.
     delta_tri: bool,
     /// Wide float matmuls of one matrix (routers, gates in prefill) on the
     /// register-tiled kernels (`mm_*_tile`: each output's fmas and butterfly
