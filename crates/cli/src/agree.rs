@@ -116,17 +116,14 @@ fn prefill<B: Backend>(
     prompt: &[u32],
     chunk: usize,
 ) -> Result<Vec<f32>> {
-    let mut last = Vec::new();
-    let pieces: Vec<&[u32]> = prompt.chunks(chunk).collect();
-    for (i, c) in pieces.iter().enumerate() {
-        let want = if i + 1 == pieces.len() {
-            Logits::Last
-        } else {
-            Logits::None
-        };
-        last = forward(model, b, st, c, want)?;
-    }
-    Ok(last)
+    Ok(samesum_engine::prefill(
+        model,
+        b,
+        st,
+        prompt,
+        chunk,
+        Logits::Last,
+    )?)
 }
 
 /// The arm's logits at the `reference.len()` predicted positions: after the

@@ -2,7 +2,7 @@
 
 use crate::device::{Device, with_backend};
 use anyhow::{Result, bail};
-use samesum_engine::{Backend, KvType, Logits, Model, forward};
+use samesum_engine::{Backend, KvType, Logits, Model, forward, prefill};
 use samesum_quant::rng::Rng;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -193,9 +193,7 @@ fn prefill_depth<B: Backend>(
     toks: &[u32],
     chunk: usize,
 ) -> Result<()> {
-    for c in toks.chunks(chunk.max(1)) {
-        forward(model, b, st, c, Logits::None)?;
-    }
+    prefill(model, b, st, toks, chunk, Logits::None)?;
     Ok(())
 }
 
@@ -244,15 +242,7 @@ fn bench<B: Backend>(
                 let prompt = tokens(np);
                 off.begin(b);
                 let t = Instant::now();
-                let chunks: Vec<&[u32]> = prompt.chunks(chunk).collect();
-                for (i, c) in chunks.iter().enumerate() {
-                    let want = if i + 1 == chunks.len() {
-                        Logits::Last
-                    } else {
-                        Logits::None
-                    };
-                    forward(model, b, &mut st, c, want)?;
-                }
+                prefill(model, b, &mut st, &prompt, chunk, Logits::Last)?;
                 let secs = t.elapsed().as_secs_f64();
                 off.end(b, rep, secs);
                 if rep > 0 {

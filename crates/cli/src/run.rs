@@ -5,7 +5,7 @@ use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use samesum_engine::sample::{Sampler, SamplerConfig};
 use samesum_engine::tokenizer::Tokenizer;
-use samesum_engine::{Backend, KvType, Logits, Model, forward};
+use samesum_engine::{Backend, KvType, Logits, Model, forward, forward_pair};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -197,18 +197,29 @@ fn generate<B: Backend>(
     });
     let t_prompt = Instant::now();
     let mut logits = Vec::new();
-    for (i, rows) in prompt.chunks(chunk).enumerate() {
+    // Two chunks at a time (on the GPU the second runs beside the first).
+    let pieces: Vec<&[u32]> = prompt.chunks(chunk).collect();
+    let n = pieces.len();
+    let want = |i: usize| {
+        if i + 1 == n {
+            Logits::Last
+        } else {
+            Logits::None
+        }
+    };
+    for (p, pair) in pieces.chunks(2).enumerate() {
         if stop.load(Ordering::SeqCst) {
             break;
         }
-        let last = (i + 1) * chunk >= prompt.len();
-        logits = forward(
-            model,
-            b,
-            &mut st,
-            rows,
-            if last { Logits::Last } else { Logits::None },
-        )?;
+        logits = match *pair {
+            [c0, c1] => {
+                let [_, l] =
+                    forward_pair(model, b, &mut st, c0, c1, [want(2 * p), want(2 * p + 1)])?;
+                l
+            }
+            [c] => forward(model, b, &mut st, c, want(2 * p))?,
+            _ => Vec::new(),
+        };
     }
     let prompt_s = t_prompt.elapsed().as_secs_f64();
     let mut history = prompt.to_vec();

@@ -85,7 +85,8 @@ pub struct Cuda {
     file_ptr: u64,
     /// f32 vectors of the model keyed by (host address, length).
     vecs: HashMap<(usize, usize), CudaSlice<f32>>,
-    /// Zeroed device counters for launches whose last block finishes the
+    /// Zeroed device counters (a set of [`COUNTERS`] per lane) for launches
+    /// whose last block finishes the
     /// work (each such block resets its counter): [0] the router launch
     /// that routes (`mm_f32_multi_route`), from [`GLU_COUNTERS`] the decode
     /// GLU's per-output-block counts (`mm_q4_k_lane_moe_glu_q8k_1`).
@@ -427,6 +428,15 @@ pub struct Cuda {
     /// (default; `SAMESUM_CUDA_OVERLAP=0` runs it after them on the main
     /// stream: the same kernels on the same inputs, the same bytes).
     overlap: bool,
+    /// Batched prefill runs two consecutive chunks of a sequence at once on
+    /// two lanes (streams), the later chunk's layer `l` after the earlier
+    /// chunk's ([`samesum_engine::forward::forward_pair`]; default,
+    /// `SAMESUM_CUDA_WAVE=0` runs them one after the other: the same kernels
+    /// on the same rows, the same bytes). Not while profiling or in tier mode.
+    wave: bool,
+    /// Each lane's marks: `lane_marks[lane][layer]`, the event its layer's
+    /// launches ended with (see `Backend::lane_mark`).
+    lane_marks: Mutex<[Vec<Option<cudarc::driver::CudaEvent>>; 2]>,
     /// Decode-sized MoE calls run the routed and shared experts in the same
     /// launches (`mm_*_moe_*`, `mm_f32_multi`; the routed experts alone
     /// where there is no shared expert), the routed pairs reading their
@@ -434,8 +444,9 @@ pub struct Cuda {
     /// off with `SAMESUM_CUDA_MOE_JOINT=0`: separate launches and the
     /// gather, the same bytes).
     moe_joint: bool,
-    /// The last norm's Q8_K rows, valid while no kernel has run since.
-    norm_q8k: Mutex<Option<NormQ8k>>,
+    /// Each lane's last norm's Q8_K rows, valid while no kernel has run
+    /// since on that lane.
+    norm_q8k: Mutex<[Option<NormQ8k>; 2]>,
     /// Decode-sized quantized calls (one row, or up to 16 rows with experts)
     /// on the one-row kernels (`mm_*_1`: a warp per weight row and activation
     /// row; default, off with `SAMESUM_CUDA_ROW=0`: the 16-row tile kernels,
@@ -811,6 +822,7 @@ const SWITCHES: &[Switch] = &[
         |c, on| c.quantized_gather = on,
     ),
     ("OVERLAP", |c| c.overlap, |c, on| c.overlap = on),
+    ("WAVE", |c| c.wave, |c, on| c.wave = on),
     ("ATT_Q4", |c| c.att_q4, |c, on| c.att_q4 = on),
     ("ATT_TC", |c| c.att_tc, |c, on| c.att_tc = on),
     ("ATT_VFULL", |c| c.att_vfull, |c, on| c.att_vfull = on),
@@ -882,6 +894,12 @@ pub struct CudaState {
     /// step replays at any position) and the value last written to it.
     pos_dev: CudaSlice<i32>,
     pos_dev_val: Option<usize>,
+    /// The lane the state's chunk runs on now (see `Backend::enter_lane`)
+    /// and the other lane's device position and its value: a lane's kernels
+    /// read the position of its own chunk.
+    lane: usize,
+    other_pos_dev: CudaSlice<i32>,
+    other_pos_dev_val: Option<usize>,
     /// Attention grids sized for the whole context (while recording a step).
     whole_ctx: bool,
     /// One-token steps run eagerly so far (the first warms the caches).
@@ -1101,7 +1119,7 @@ impl Cuda {
         for v in vectors(model) {
             vecs.insert((v.as_ptr() as usize, v.len()), dev.upload(v)?);
         }
-        let counters = dev.zeros::<i32>(COUNTERS)?;
+        let counters = dev.zeros::<i32>(2 * COUNTERS)?;
         Ok(Cuda {
             file_ptr: addr(&dev, &file),
             dev,
@@ -1166,7 +1184,7 @@ impl Cuda {
             moe_norm: env_switch("SAMESUM_CUDA_MOE_NORM", true),
             att_one: env_switch("SAMESUM_CUDA_ATT_ONE", false),
             att_last: Mutex::new(""),
-            norm_q8k: Mutex::new(None),
+            norm_q8k: Mutex::new([None, None]),
             block_route: env_switch("SAMESUM_CUDA_BLOCK_ROUTE", false),
             small_plan: env_switch("SAMESUM_CUDA_SMALL_PLAN", true),
             row_kernels: env_switch("SAMESUM_CUDA_ROW", true),
@@ -1174,6 +1192,8 @@ impl Cuda {
             multi: env_switch("SAMESUM_CUDA_MULTI", true),
             quantized_gather: env_switch("SAMESUM_CUDA_QGATHER", true),
             overlap: env_switch("SAMESUM_CUDA_OVERLAP", true),
+            wave: env_switch("SAMESUM_CUDA_WAVE", true),
+            lane_marks: Mutex::new([Vec::new(), Vec::new()]),
             att_q4: env_switch("SAMESUM_CUDA_ATT_Q4", true),
             att_tc: env_switch("SAMESUM_CUDA_ATT_TC", false),
             att_vfull: env_switch("SAMESUM_CUDA_ATT_VFULL", true),
@@ -1455,17 +1475,14 @@ impl Cuda {
             seq: self.dev.launch_count(),
             q,
         };
-        *self.norm_q8k.lock().unwrap_or_else(|p| p.into_inner()) = Some(kept);
+        self.norm_q8k.lock().unwrap_or_else(|p| p.into_inner())[self.dev.lane()] = Some(kept);
     }
 
     /// The Q8_K rows of `x` if the last kernel launched was the norm that
     /// wrote `x` (same address and length, no launch since); taken either way.
     fn take_norm_q8k(&self, x: &CudaSlice<f32>) -> Option<CudaSlice<u8>> {
-        let kept = self
-            .norm_q8k
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()?;
+        let kept =
+            self.norm_q8k.lock().unwrap_or_else(|p| p.into_inner())[self.dev.lane()].take()?;
         (kept.seq == self.dev.launch_count()
             && kept.len == x.len()
             && kept.addr == crate::device::addr(&self.dev, x))
@@ -2398,7 +2415,7 @@ impl Cuda {
     fn sync_pos(&self, st: &mut CudaState) -> Result<()> {
         if st.pos_dev_val != Some(st.pos) {
             self.dev
-                .stream
+                .current()
                 .memcpy_htod(&[st.pos as i32], &mut st.pos_dev)
                 .map_err(|x| drv("copy the position", x))?;
             st.pos_dev_val = Some(st.pos);
@@ -3436,7 +3453,8 @@ impl Cuda {
         let ga = if glu_q {
             let gq = d.scratch::<u8>((cap + ms) * row_q)?;
             let (q0, q1) = (addr(d, &gq), addr(d, &gq) + (cap * row_q) as u64);
-            let cnt = self.counters.slice(GLU_COUNTERS..GLU_COUNTERS + 1024);
+            let c0 = self.dev.lane() * COUNTERS + GLU_COUNTERS;
+            let cnt = self.counters.slice(c0..c0 + 1024);
             launch!(
                 d,
                 "mm_q4_k_lane_moe_glu_q8k_1",
@@ -3723,7 +3741,8 @@ impl Cuda {
                 let mut placed_mat = d.scratch::<i32>(cap)?;
                 let mut slot = d.scratch::<i32>(n)?;
                 let (ei, padi, capi) = (e as i32, pad as i32, cap as i32);
-                let counter = self.counters.slice(0..1);
+                let c0 = self.dev.lane() * COUNTERS;
+                let counter = self.counters.slice(c0..c0 + 1);
                 // The two router launches differ in the arguments before the
                 // row width (the input row, or the norm's), not after.
                 macro_rules! route_launch {
@@ -4130,6 +4149,9 @@ impl Backend for Cuda {
             linear: lin,
             pos_dev: self.dev.zeros::<i32>(1).map_err(e)?,
             pos_dev_val: None,
+            lane: 0,
+            other_pos_dev: self.dev.zeros::<i32>(1).map_err(e)?,
+            other_pos_dev_val: None,
             whole_ctx: false,
             eager_steps: 0,
             no_graph: false,
@@ -4178,11 +4200,57 @@ impl Backend for Cuda {
         st.pos += m;
     }
 
+    fn lanes(&self) -> usize {
+        if self.wave && self.tier.is_none() && !self.dev.profiling() {
+            2
+        } else {
+            1
+        }
+    }
+
+    fn enter_lane(&self, st: &mut CudaState, lane: usize, pos: usize) -> R<()> {
+        let lane = lane.min(1);
+        if st.lane != lane {
+            std::mem::swap(&mut st.pos_dev, &mut st.other_pos_dev);
+            std::mem::swap(&mut st.pos_dev_val, &mut st.other_pos_dev_val);
+            st.lane = lane;
+        }
+        st.pos = pos;
+        self.dev.set_lane(lane);
+        Ok(())
+    }
+
+    fn lane_mark(&self, layer: usize) -> R<()> {
+        let ev = self.dev.lane_event().map_err(e)?;
+        let mut marks = self.lane_marks.lock().unwrap_or_else(|p| p.into_inner());
+        let v = &mut marks[self.dev.lane()];
+        if v.len() <= layer {
+            v.resize_with(layer + 1, || None);
+        }
+        v[layer] = Some(ev);
+        Ok(())
+    }
+
+    fn lane_wait(&self, lane: usize, layer: usize) -> R<()> {
+        let marks = self.lane_marks.lock().unwrap_or_else(|p| p.into_inner());
+        match marks
+            .get(lane)
+            .and_then(|v| v.get(layer))
+            .and_then(|m| m.as_ref())
+        {
+            Some(ev) => self.dev.wait_for(ev).map_err(e),
+            None => Err(e(CudaError::Driver {
+                op: "lane_wait".into(),
+                msg: format!("lane {lane} has no mark for layer {layer}"),
+            })),
+        }
+    }
+
     fn rows(&self, x: &CudaSlice<f32>, width: usize, r0: usize, n: usize) -> R<CudaSlice<f32>> {
         let mut out = self.dev.scratch::<f32>(n * width).map_err(e)?;
         let src = x.slice(r0 * width..(r0 + n) * width);
         self.dev
-            .stream
+            .current()
             .memcpy_dtod(&src, &mut out)
             .map_err(|x| e(drv("copy rows", x)))?;
         Ok(out)
@@ -4197,7 +4265,7 @@ impl Backend for Cuda {
     ) -> R<()> {
         let mut d = dst.slice_mut(r0 * width..r0 * width + src.len());
         self.dev
-            .stream
+            .current()
             .memcpy_dtod(src, &mut d)
             .map_err(|x| e(drv("copy rows", x)))
     }
@@ -4220,7 +4288,7 @@ impl Backend for Cuda {
         }
         let mut dst = out.slice_mut(0..host.len());
         self.dev
-            .stream
+            .current()
             .memcpy_htod(&host, &mut dst)
             .map_err(|x| e(drv("embed: copy rows", x)))
     }

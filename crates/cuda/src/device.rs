@@ -42,8 +42,13 @@ pub struct Device {
     /// A second stream for work that runs beside the main stream's (the
     /// shared expert in prefill; see [`Device::on_side`]).
     side: Arc<CudaStream>,
-    /// Launches and allocations go to `side` while set.
+    /// Launches and allocations go to the lane's second stream while set.
     on_side: std::sync::atomic::AtomicBool,
+    /// A second lane (main and second stream) for a prefill chunk that runs
+    /// beside the one on `stream` (see [`Device::set_lane`]).
+    lane1: (Arc<CudaStream>, Arc<CudaStream>),
+    /// The lane launches, allocations and copies go to now (0 or 1).
+    lane: std::sync::atomic::AtomicUsize,
     funcs: HashMap<String, CudaFunction>,
     /// The device's name.
     pub name: String,
@@ -61,13 +66,15 @@ pub struct Device {
     /// [`Device::rows_in_call`]).
     pdl: std::sync::atomic::AtomicBool,
     /// The rows of the current forward call (see [`Device::rows_in_call`]).
-    call_rows: std::sync::atomic::AtomicUsize,
+    /// (One a lane.)
+    call_rows: [std::sync::atomic::AtomicUsize; 2],
     /// `SAMESUM_CUDA_PDL_PREFILL=1`: keep programmatic dependent launch in
     /// prefill-sized calls too (for comparisons).
     pdl_prefill: std::sync::atomic::AtomicBool,
-    /// Kernels launched so far: a result kept on the side (the Q8_K copy of
-    /// a norm's output) is valid only while no kernel has run since.
-    launches: std::sync::atomic::AtomicU64,
+    /// Kernels launched so far on each lane: a result kept on the side (the
+    /// Q8_K copy of a norm's output) is valid only while no kernel has run
+    /// since on its lane.
+    launches: [std::sync::atomic::AtomicU64; 2],
 }
 
 /// The largest forward call (rows) whose launches use programmatic dependent
@@ -262,23 +269,28 @@ impl Device {
         }
         let prof = (std::env::var("SAMESUM_CUDA_PROFILE").as_deref() == Ok("1"))
             .then(|| Mutex::new(Vec::new()));
-        let side = stream
-            .fork()
-            .map_err(|e| drv("create a second stream", e))?;
+        let fork = || stream.fork().map_err(|e| drv("create a stream", e));
+        let side = fork()?;
+        let lane1 = (fork()?, fork()?);
         Ok(Device {
             ctx,
             stream,
             side,
             on_side: std::sync::atomic::AtomicBool::new(false),
+            lane1,
+            lane: std::sync::atomic::AtomicUsize::new(0),
             funcs,
             name: format!("{name} (cuda:{ordinal}, {arch})"),
             resources,
             prof,
-            launches: std::sync::atomic::AtomicU64::new(0),
+            launches: Default::default(),
             pdl: std::sync::atomic::AtomicBool::new(
                 maj >= 9 && std::env::var("SAMESUM_CUDA_PDL").as_deref() != Ok("0"),
             ),
-            call_rows: std::sync::atomic::AtomicUsize::new(1),
+            call_rows: [
+                std::sync::atomic::AtomicUsize::new(1),
+                std::sync::atomic::AtomicUsize::new(1),
+            ],
             pdl_prefill: std::sync::atomic::AtomicBool::new(
                 std::env::var("SAMESUM_CUDA_PDL_PREFILL").as_deref() == Ok("1"),
             ),
@@ -295,8 +307,7 @@ impl Device {
     /// 14,485 tok/s without). Decode keeps it (~1% faster, session 12).
     /// Which launches use it never changes what they compute.
     pub(crate) fn rows_in_call(&self, m: usize) {
-        self.call_rows
-            .store(m, std::sync::atomic::Ordering::Relaxed);
+        self.call_rows[self.lane()].store(m, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Allow programmatic dependent launch (where the device has it) or not,
@@ -317,7 +328,8 @@ impl Device {
     pub fn uses_pdl(&self) -> bool {
         use std::sync::atomic::Ordering::Relaxed;
         self.pdl_allowed()
-            && (self.call_rows.load(Relaxed) <= PDL_MAX_ROWS || self.pdl_prefill.load(Relaxed))
+            && (self.call_rows[self.lane()].load(Relaxed) <= PDL_MAX_ROWS
+                || self.pdl_prefill.load(Relaxed))
     }
 
     /// Use programmatic dependent launch in prefill-sized calls as well (as
@@ -341,8 +353,7 @@ impl Device {
         use cudarc::driver::sys;
         let f = self.func(name)?;
         self.ctx.bind_to_thread().map_err(|e| drv(name, e))?;
-        self.launches
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.launches[self.lane()].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         // One pointer per parameter, on the stack (no allocation per launch):
         // a device address is passed by pointing at it inside `args`.
         let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_KERNEL_ARGS];
@@ -393,9 +404,46 @@ impl Device {
         .map_err(|e| drv(name, e))
     }
 
-    /// How many kernels have been launched on this device so far.
+    /// How many kernels have been launched on the current lane so far.
     pub fn launch_count(&self) -> u64 {
-        self.launches.load(std::sync::atomic::Ordering::Relaxed)
+        self.launches[self.lane()].load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How many kernels have been launched on lane `lane` so far.
+    pub fn lane_launch_count(&self, lane: usize) -> u64 {
+        self.launches[lane.min(1)].load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The lane launches go to now.
+    pub(crate) fn lane(&self) -> usize {
+        self.lane.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Send later launches, allocations and copies to lane `lane` (0 or 1):
+    /// two chunks of one prefill run on the two lanes at once, ordered by
+    /// events ([`Device::lane_event`], [`Device::wait_for`]). Lane 0's main
+    /// stream is `stream`, where everything else runs.
+    pub(crate) fn set_lane(&self, lane: usize) {
+        self.lane
+            .store(lane.min(1), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The current lane's main stream.
+    fn main(&self) -> &Arc<CudaStream> {
+        if self.lane() == 0 {
+            &self.stream
+        } else {
+            &self.lane1.0
+        }
+    }
+
+    /// An event recorded on the current lane's main stream now.
+    pub(crate) fn lane_event(&self) -> Result<CudaEvent> {
+        self.main()
+            .record_event(Some(
+                cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+            ))
+            .map_err(|e| drv("cuEventRecord", e))
     }
 
     /// A timing event recorded on the stream now.
@@ -457,43 +505,56 @@ impl Device {
     }
 
     /// The stream launches and allocations go to now.
-    fn current(&self) -> &Arc<CudaStream> {
-        if self.on_side.load(std::sync::atomic::Ordering::Relaxed) {
-            &self.side
-        } else {
-            &self.stream
+    pub(crate) fn current(&self) -> &Arc<CudaStream> {
+        let side = self.on_side.load(std::sync::atomic::Ordering::Relaxed);
+        match (self.lane(), side) {
+            (0, false) => &self.stream,
+            (0, true) => &self.side,
+            (_, false) => &self.lane1.0,
+            (_, true) => &self.lane1.1,
         }
     }
 
-    /// Run `f`'s launches on the second stream, after everything queued on
-    /// the main stream so far, while later main-stream work goes on beside
-    /// them; returns `f`'s result and an event the main stream must wait for
-    /// before it reads anything `f` wrote. Buffers `f` allocates live on the
-    /// second stream (their frees are ordered after its work); buffers it
-    /// writes for the main stream must be allocated before the call.
+    /// The current lane's second stream.
+    fn side(&self) -> &Arc<CudaStream> {
+        if self.lane() == 0 {
+            &self.side
+        } else {
+            &self.lane1.1
+        }
+    }
+
+    /// Run `f`'s launches on the current lane's second stream, after
+    /// everything queued on its main stream so far, while later main-stream
+    /// work goes on beside them; returns `f`'s result and an event the main
+    /// stream must wait for before it reads anything `f` wrote. Buffers `f`
+    /// allocates live on the second stream (their frees are ordered after
+    /// its work); buffers it writes for the main stream must be allocated
+    /// before the call.
     pub(crate) fn on_side<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<(T, CudaEvent)> {
         use cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
         use std::sync::atomic::Ordering::Relaxed;
         let start = self
-            .stream
+            .main()
             .record_event(Some(CU_EVENT_DISABLE_TIMING))
             .map_err(|e| drv("cuEventRecord", e))?;
-        self.side
+        self.side()
             .wait(&start)
             .map_err(|e| drv("cuStreamWaitEvent", e))?;
         self.on_side.store(true, Relaxed);
         let r = f();
         self.on_side.store(false, Relaxed);
         let done = self
-            .side
+            .side()
             .record_event(Some(CU_EVENT_DISABLE_TIMING))
             .map_err(|e| drv("cuEventRecord", e))?;
         Ok((r?, done))
     }
 
-    /// Make the main stream wait for `ev` (from [`Device::on_side`]).
+    /// Make the current lane's main stream wait for `ev` (from
+    /// [`Device::on_side`] or [`Device::lane_event`]).
     pub(crate) fn wait_for(&self, ev: &CudaEvent) -> Result<()> {
-        self.stream
+        self.main()
             .wait(ev)
             .map_err(|e| drv("cuStreamWaitEvent", e))
     }
@@ -517,7 +578,7 @@ impl Device {
         if host.is_empty() {
             return self.scratch(1);
         }
-        self.stream
+        self.current()
             .clone_htod(host)
             .map_err(|e| drv(format!("copy {} elements to the device", host.len()), e))
     }
@@ -529,7 +590,7 @@ impl Device {
         n: usize,
     ) -> Result<Vec<T>> {
         let mut out = vec![T::default(); d.len()];
-        self.stream
+        self.main()
             .memcpy_dtoh(d, &mut out)
             .map_err(|e| drv("copy to the host", e))?;
         out.truncate(n);
@@ -543,6 +604,10 @@ impl Device {
 
     /// Wait for everything queued so far; a kernel fault surfaces here.
     pub fn sync(&self) -> Result<()> {
+        self.lane1
+            .0
+            .synchronize()
+            .map_err(|e| drv("synchronize", e))?;
         self.stream.synchronize().map_err(|e| drv("synchronize", e))
     }
 }

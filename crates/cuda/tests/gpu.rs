@@ -1961,6 +1961,85 @@ fn batched_forward_equals_replay_on_the_gpu() {
     }
 }
 
+/// Batched prefill two chunks at a time on two lanes (`WAVE`, the second
+/// chunk's layer l beside the first chunk's later layers) against the same
+/// chunks one after the other on one lane and against replay: every logit
+/// and the state byte-equal, on every tiny shape, chunk sizes that pair
+/// evenly (64 over 256 tokens), oddly (100 and 7 over 300: a last chunk
+/// alone) and with a short second chunk; and lane 1 ran kernels.
+#[test]
+fn chunk_pairs_on_two_lanes_equal_one_lane_and_replay() {
+    if !gpu() {
+        return;
+    }
+    use samesum_engine::forward_pair;
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 37);
+        let (wave, one) = switch_arms(&model, "WAVE");
+        assert_eq!(wave.lanes(), 2, "{shape}: WAVE on gives two lanes");
+        assert_eq!(one.lanes(), 1, "{shape}: WAVE off gives one lane");
+        let mut rng = Rng::new(41);
+        let toks: Vec<u32> = (0..300)
+            .map(|_| rng.below(model.w.n_vocab as u64) as u32)
+            .collect();
+        let replay = all_logits(&one, &model, &toks, 1);
+        for (n, chunk) in [(256usize, 64usize), (300, 100), (300, 7), (130, 128)] {
+            let toks = &toks[..n];
+            let before = wave.device().lane_launch_count(1);
+            let mut st = wave.new_state(&model, n, KvType::F32).unwrap();
+            let mut paired = Vec::new();
+            let pieces: Vec<&[u32]> = toks.chunks(chunk).collect();
+            for pair in pieces.chunks(2) {
+                match *pair {
+                    [a, b] => {
+                        let [x, y] =
+                            forward_pair(&model, &wave, &mut st, a, b, [Logits::All; 2]).unwrap();
+                        paired.extend(x);
+                        paired.extend(y);
+                    }
+                    [a] => paired.extend(forward(&model, &wave, &mut st, a, Logits::All).unwrap()),
+                    _ => unreachable!(),
+                }
+            }
+            assert!(
+                wave.device().lane_launch_count(1) > before,
+                "{shape} chunk {chunk}: nothing ran on lane 1"
+            );
+            let serial = all_logits(&one, &model, toks, chunk);
+            let mut st1 = one.new_state(&model, n, KvType::F32).unwrap();
+            for c in toks.chunks(chunk) {
+                forward(&model, &one, &mut st1, c, Logits::All).unwrap();
+            }
+            assert_eq!(paired.len(), serial.len());
+            if let Some(i) = paired
+                .iter()
+                .zip(&serial)
+                .position(|(a, b)| a.to_bits() != b.to_bits())
+            {
+                panic!(
+                    "{shape} chunk {chunk}: two lanes differ from one at position {}",
+                    i / model.w.n_vocab
+                );
+            }
+            assert!(
+                same_bits(&paired, &replay[..paired.len()]),
+                "{shape} chunk {chunk}: two lanes differ from replay"
+            );
+            let (s2, s1) = (
+                wave.download_state(&st).unwrap(),
+                one.download_state(&st1).unwrap(),
+            );
+            assert!(
+                s2.len() == s1.len() && same_bits(&s2, &s1),
+                "{shape} chunk {chunk}: the state after two lanes differs"
+            );
+        }
+        eprintln!(
+            "{shape}: chunk pairs on two lanes == one lane == replay (chunks 64, 100, 7, 128)"
+        );
+    }
+}
+
 #[test]
 fn hugging_face_fixtures_on_the_gpu() {
     if !gpu() {

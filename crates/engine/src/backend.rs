@@ -222,4 +222,27 @@ pub trait Backend: Sync {
     }
     /// Final norm and LM head for `rows` of `h`, to host logits.
     fn logits(&self, model: &Model, h: &Self::Buf, rows: &[usize]) -> Result<Vec<f32>>;
+    /// Lanes: how many consecutive prefill chunks of one sequence this
+    /// backend can run at once ([`crate::forward::forward_pair`]), each on a
+    /// lane of its own, the later chunk's layer `l` ordered after the earlier
+    /// chunk's. 1 (the default): one after another.
+    fn lanes(&self) -> usize {
+        1
+    }
+    /// Send later calls to `lane`, for rows that start at position `pos` of
+    /// `st` (its position while the lane's chunk runs). Only called when
+    /// [`Backend::lanes`] is above 1.
+    fn enter_lane(&self, _st: &mut Self::State, _lane: usize, _pos: usize) -> Result<()> {
+        Ok(())
+    }
+    /// Mark the point the current lane has reached: its layer `layer` is
+    /// issued (what [`Backend::lane_wait`] on another lane waits for).
+    fn lane_mark(&self, _layer: usize) -> Result<()> {
+        Ok(())
+    }
+    /// Make the current lane wait until `lane` has finished what it had
+    /// issued when it marked `layer`.
+    fn lane_wait(&self, _lane: usize, _layer: usize) -> Result<()> {
+        Ok(())
+    }
 }

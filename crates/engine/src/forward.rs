@@ -166,31 +166,150 @@ pub fn layers_one<B: Backend>(
     x: &mut B::Buf,
     y: &mut B::Buf,
 ) -> Result<()> {
-    let n_layers = model.w.layers.len();
-    for (l, lw) in model.w.layers.iter().enumerate() {
-        if l == 0 {
-            b.rms_norm(model, Norm::Attn(l), h, x)?;
-        }
-        mixer(model, b, l, &lw.mixer, x, st, y)?;
-        if l + 1 < n_layers {
-            // The post-mixer norm, the MoE, and the residual add fused with
-            // the next layer's input norm.
-            b.add_rms_norm_moe_add_rms_norm(
-                model,
-                &lw.moe,
-                Norm::Ffn(l),
-                Norm::Attn(l + 1),
-                h,
-                x,
-                y,
-            )?;
-        } else {
-            b.add_rms_norm(model, Norm::Ffn(l), h, y, x)?;
-            b.moe(model, &lw.moe, x, y)?;
-            b.add(h, y)?;
-        }
+    for l in 0..model.w.layers.len() {
+        layer(model, b, l, st, h, x, y)?;
     }
     Ok(())
+}
+
+/// Layer `l` of [`layers_one`] (layer 0 also runs the first input norm).
+fn layer<B: Backend>(
+    model: &Model,
+    b: &B,
+    l: usize,
+    st: &mut B::State,
+    h: &mut B::Buf,
+    x: &mut B::Buf,
+    y: &mut B::Buf,
+) -> Result<()> {
+    let n_layers = model.w.layers.len();
+    let lw = &model.w.layers[l];
+    if l == 0 {
+        b.rms_norm(model, Norm::Attn(l), h, x)?;
+    }
+    mixer(model, b, l, &lw.mixer, x, st, y)?;
+    if l + 1 < n_layers {
+        // The post-mixer norm, the MoE, and the residual add fused with
+        // the next layer's input norm.
+        b.add_rms_norm_moe_add_rms_norm(model, &lw.moe, Norm::Ffn(l), Norm::Attn(l + 1), h, x, y)
+    } else {
+        b.add_rms_norm(model, Norm::Ffn(l), h, y, x)?;
+        b.moe(model, &lw.moe, x, y)?;
+        b.add(h, y)
+    }
+}
+
+/// Two consecutive chunks of one sequence (`first` at the state's next
+/// positions, `second` right after it) as a wavefront: with a backend of two
+/// lanes ([`Backend::lanes`]), `first` runs on lane 0 and `second` on lane
+/// 1, and the second's layer `l` waits only for the first's layer `l` (the
+/// keys, values and delta-rule state it reads), so the second's early layers
+/// run beside the first's later ones. Every op gets the rows and the state
+/// it gets from two [`forward`] calls, in the same order per layer, so the
+/// logits and the state are the same bytes (the identity gate runs
+/// through here). Returns each chunk's logits as `want` asks.
+pub fn forward_pair<B: Backend>(
+    model: &Model,
+    b: &B,
+    st: &mut B::State,
+    first: &[u32],
+    second: &[u32],
+    want: [Logits; 2],
+) -> Result<[Vec<f32>; 2]> {
+    // One-token chunks are decode steps (their own path); empty ones do nothing.
+    if b.lanes() < 2 || first.len() < 2 || second.len() < 2 {
+        let a = forward(model, b, st, first, want[0])?;
+        let c = forward(model, b, st, second, want[1])?;
+        return Ok([a, c]);
+    }
+    let d = model.hp.n_embd;
+    let (n0, n1) = (first.len(), second.len());
+    let p0 = b.position(st);
+    if p0 + n0 + n1 > b.capacity(st) {
+        return Err(EngineError::ContextFull {
+            pos: p0 + n0 + n1 - 1,
+            ctx: b.capacity(st),
+        });
+    }
+    let mut bufs = Vec::with_capacity(2);
+    for (lane, (toks, pos)) in [(first, p0), (second, p0 + n0)].into_iter().enumerate() {
+        b.enter_lane(st, lane, pos)?;
+        let m = toks.len();
+        let mut h = b.alloc(m * d)?;
+        b.embed(model, toks, &mut h)?;
+        bufs.push((h, b.alloc(m * d)?, b.alloc(m * d)?));
+    }
+    let n_layers = model.w.layers.len();
+    let run =
+        |st: &mut B::State, bufs: &mut Vec<(B::Buf, B::Buf, B::Buf)>, lane: usize, l: usize| {
+            b.enter_lane(st, lane, if lane == 0 { p0 } else { p0 + n0 })?;
+            if lane == 1 {
+                b.lane_wait(0, l)?;
+            }
+            let (h, x, y) = &mut bufs[lane];
+            layer(model, b, l, st, h, x, y)?;
+            b.lane_mark(l)
+        };
+    let result: Result<()> = (|| {
+        for s in 0..=n_layers {
+            if s < n_layers {
+                run(st, &mut bufs, 0, s)?;
+            }
+            if s > 0 {
+                run(st, &mut bufs, 1, s - 1)?;
+            }
+        }
+        Ok(())
+    })();
+    // Back on lane 0, after everything lane 1 issued (also on an error, so
+    // the backend is left as it was).
+    let back = b
+        .enter_lane(st, 0, p0)
+        .and_then(|_| b.lane_wait(1, n_layers.saturating_sub(1)));
+    result?;
+    back?;
+    b.advance(st, n0 + n1);
+    let mut out = [Vec::new(), Vec::new()];
+    for (i, (n, w)) in [(n0, want[0]), (n1, want[1])].into_iter().enumerate() {
+        let rows: Vec<usize> = match w {
+            Logits::All => (0..n).collect(),
+            Logits::Last => vec![n - 1],
+            Logits::None => Vec::new(),
+        };
+        if !rows.is_empty() {
+            out[i] = b.logits(model, &bufs[i].0, &rows)?;
+        }
+    }
+    Ok(out)
+}
+
+/// A prompt's rows in chunks of `chunk` (the last may be shorter), two at a
+/// time through [`forward_pair`]; returns the logits `want` asks of the last
+/// chunk (the others ask for none).
+pub fn prefill<B: Backend>(
+    model: &Model,
+    b: &B,
+    st: &mut B::State,
+    tokens: &[u32],
+    chunk: usize,
+    want: Logits,
+) -> Result<Vec<f32>> {
+    let pieces: Vec<&[u32]> = tokens.chunks(chunk.max(1)).collect();
+    let mut out = Vec::new();
+    let n = pieces.len();
+    let mut i = 0;
+    while i < n {
+        let w = |j: usize| if j + 1 == n { want } else { Logits::None };
+        if i + 1 < n {
+            let [_, c] = forward_pair(model, b, st, pieces[i], pieces[i + 1], [w(i), w(i + 1)])?;
+            out = c;
+            i += 2;
+        } else {
+            out = forward(model, b, st, pieces[i], w(i))?;
+            i += 1;
+        }
+    }
+    Ok(out)
 }
 
 fn mixer<B: Backend>(

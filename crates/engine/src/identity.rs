@@ -4,7 +4,7 @@
 
 use crate::backend::Backend;
 use crate::error::Result;
-use crate::forward::{Logits, forward};
+use crate::forward::{Logits, forward, forward_pair};
 use crate::model::Model;
 use crate::sample::argmax;
 use crate::state::KvType;
@@ -112,12 +112,25 @@ pub fn batched<B: Backend>(
     let mut st = b.new_state(model, prompt.len() + n_gen + 1, kv)?;
     let mut logits = Vec::with_capacity(prompt.len() * v);
     let mut rows_batched = 0;
-    for c in prompt.chunks(chunk.max(1)) {
-        logits.extend(forward(model, b, &mut st, c, Logits::All)?);
-        if c.len() > 1 {
-            rows_batched += c.len();
+    // Two chunks at a time: on a backend with lanes the second runs beside
+    // the first (forward_pair), so the gate covers that schedule too.
+    let pieces: Vec<&[u32]> = prompt.chunks(chunk.max(1)).collect();
+    for pair in pieces.chunks(2) {
+        match *pair {
+            [c0, c1] => {
+                let [l0, l1] = forward_pair(model, b, &mut st, c0, c1, [Logits::All; 2])?;
+                logits.extend(l0);
+                logits.extend(l1);
+            }
+            [c] => logits.extend(forward(model, b, &mut st, c, Logits::All)?),
+            _ => {}
         }
     }
+    rows_batched += pieces
+        .iter()
+        .filter(|c| c.len() > 1)
+        .map(|c| c.len())
+        .sum::<usize>();
     let mut logits_diff = None;
     for p in 0..prompt.len() {
         let (x, y) = (&logits[p * v..(p + 1) * v], &r.logits[p * v..(p + 1) * v]);
