@@ -223,7 +223,23 @@ impl Device {
         } else {
             format!("sm_{maj}{min}")
         };
-        let stream = ctx.new_stream().map_err(|e| drv("cuStreamCreate", e))?;
+        // Stream priorities of the two prefill lanes (`SAMESUM_CUDA_WAVE_PRIO`:
+        // unset or `same`, both the default; `lead`, lane 0's streams
+        // first; `follow`, lane 1's first), for comparisons: which lane's
+        // blocks the scheduler starts first never changes what they compute.
+        let (low, high) = cudarc::driver::result::stream::get_priority_range()
+            .map_err(|e| drv("cuCtxGetStreamPriorityRange", e))?;
+        let prio = std::env::var("SAMESUM_CUDA_WAVE_PRIO").unwrap_or_default();
+        let (p0, p1) = match prio.as_str() {
+            "lead" => (high, low),
+            "follow" => (low, high),
+            _ => (low, low),
+        };
+        let new = |p: i32| {
+            ctx.new_stream_with_priority(p)
+                .map_err(|e| drv("cuStreamCreateWithPriority", e))
+        };
+        let stream = new(p0)?;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
         let mut funcs = HashMap::new();
         let mut resources = Vec::new();
@@ -269,9 +285,8 @@ impl Device {
         }
         let prof = (std::env::var("SAMESUM_CUDA_PROFILE").as_deref() == Ok("1"))
             .then(|| Mutex::new(Vec::new()));
-        let fork = || stream.fork().map_err(|e| drv("create a stream", e));
-        let side = fork()?;
-        let lane1 = (fork()?, fork()?);
+        let side = new(p0)?;
+        let lane1 = (new(p1)?, new(p1)?);
         Ok(Device {
             ctx,
             stream,
