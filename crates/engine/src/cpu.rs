@@ -14,6 +14,7 @@ use samesum_quant::dot::{self, ActRow};
 pub struct Cpu {
     pool: Pool,
     reversed_topk: bool,
+    lanes: bool,
 }
 
 /// One matmul of [`Cpu::matmuls`]: `y = W_mat · x` row by row.
@@ -81,7 +82,24 @@ impl Cpu {
         Cpu {
             pool: Pool::new(threads),
             reversed_topk: false,
+            lanes: false,
         }
+    }
+
+    /// Two lanes ([`crate::Backend::lanes`]): [`crate::forward_pair`] then
+    /// runs its wavefront order on the CPU (layer 0 of the first chunk,
+    /// layer 1 of the first, layer 0 of the second, ...), each op when it is
+    /// issued, so the tests can check that order against one chunk after the
+    /// other without a GPU. Off by default (nothing runs beside anything on
+    /// the CPU).
+    pub fn with_lanes(mut self) -> Self {
+        self.lanes = true;
+        self
+    }
+
+    /// Whether two lanes are on.
+    pub(crate) fn lanes_on(&self) -> bool {
+        self.lanes
     }
 
     /// A deliberately wrong variant for the identity gate's negative control: the

@@ -67,6 +67,15 @@ impl Backend for Cpu {
         st.pos += m;
     }
 
+    fn lanes(&self) -> usize {
+        if self.lanes_on() { 2 } else { 1 }
+    }
+
+    fn enter_lane(&self, st: &mut SeqState, _lane: usize, pos: usize) -> Result<()> {
+        st.pos = pos;
+        Ok(())
+    }
+
     fn rows(&self, x: &Vec<f32>, width: usize, r0: usize, n: usize) -> Result<Vec<f32>> {
         Ok(x[r0 * width..(r0 + n) * width].to_vec())
     }

@@ -216,6 +216,34 @@ pub fn forward_pair<B: Backend>(
     second: &[u32],
     want: [Logits; 2],
 ) -> Result<[Vec<f32>; 2]> {
+    pair_in_order(model, b, st, first, second, want, false)
+}
+
+/// [`forward_pair`] with the order broken on purpose: the second chunk's
+/// layer `l` issued before the first chunk's, without the wait (so it reads
+/// keys, values and delta-rule state the first chunk has not written). The
+/// negative control of the pair tests, never a user path.
+#[doc(hidden)]
+pub fn forward_pair_misordered<B: Backend>(
+    model: &Model,
+    b: &B,
+    st: &mut B::State,
+    first: &[u32],
+    second: &[u32],
+    want: [Logits; 2],
+) -> Result<[Vec<f32>; 2]> {
+    pair_in_order(model, b, st, first, second, want, true)
+}
+
+fn pair_in_order<B: Backend>(
+    model: &Model,
+    b: &B,
+    st: &mut B::State,
+    first: &[u32],
+    second: &[u32],
+    want: [Logits; 2],
+    misordered: bool,
+) -> Result<[Vec<f32>; 2]> {
     // One-token chunks are decode steps (their own path); empty ones do nothing.
     if b.lanes() < 2 || first.len() < 2 || second.len() < 2 {
         let a = forward(model, b, st, first, want[0])?;
@@ -243,7 +271,7 @@ pub fn forward_pair<B: Backend>(
     let run =
         |st: &mut B::State, bufs: &mut Vec<(B::Buf, B::Buf, B::Buf)>, lane: usize, l: usize| {
             b.enter_lane(st, lane, if lane == 0 { p0 } else { p0 + n0 })?;
-            if lane == 1 {
+            if lane == 1 && !misordered {
                 b.lane_wait(0, l)?;
             }
             let (h, x, y) = &mut bufs[lane];
@@ -251,12 +279,19 @@ pub fn forward_pair<B: Backend>(
             b.lane_mark(l)
         };
     let result: Result<()> = (|| {
-        for s in 0..=n_layers {
-            if s < n_layers {
-                run(st, &mut bufs, 0, s)?;
+        if misordered {
+            for l in 0..n_layers {
+                run(st, &mut bufs, 1, l)?;
+                run(st, &mut bufs, 0, l)?;
             }
-            if s > 0 {
-                run(st, &mut bufs, 1, s - 1)?;
+        } else {
+            for s in 0..=n_layers {
+                if s < n_layers {
+                    run(st, &mut bufs, 0, s)?;
+                }
+                if s > 0 {
+                    run(st, &mut bufs, 1, s - 1)?;
+                }
             }
         }
         Ok(())
