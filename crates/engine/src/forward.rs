@@ -259,15 +259,8 @@ fn pair_in_order<B: Backend>(
             ctx: b.capacity(st),
         });
     }
-    let mut bufs = Vec::with_capacity(2);
-    for (lane, (toks, pos)) in [(first, p0), (second, p0 + n0)].into_iter().enumerate() {
-        b.enter_lane(st, lane, pos)?;
-        let m = toks.len();
-        let mut h = b.alloc(m * d)?;
-        b.embed(model, toks, &mut h)?;
-        bufs.push((h, b.alloc(m * d)?, b.alloc(m * d)?));
-    }
     let n_layers = model.w.layers.len();
+    let mut bufs: Vec<(B::Buf, B::Buf, B::Buf)> = Vec::with_capacity(2);
     let run =
         |st: &mut B::State, bufs: &mut Vec<(B::Buf, B::Buf, B::Buf)>, lane: usize, l: usize| {
             b.enter_lane(st, lane, if lane == 0 { p0 } else { p0 + n0 })?;
@@ -279,6 +272,13 @@ fn pair_in_order<B: Backend>(
             b.lane_mark(l)
         };
     let result: Result<()> = (|| {
+        for (lane, (toks, pos)) in [(first, p0), (second, p0 + n0)].into_iter().enumerate() {
+            b.enter_lane(st, lane, pos)?;
+            let m = toks.len();
+            let mut h = b.alloc(m * d)?;
+            b.embed(model, toks, &mut h)?;
+            bufs.push((h, b.alloc(m * d)?, b.alloc(m * d)?));
+        }
         if misordered {
             for l in 0..n_layers {
                 run(st, &mut bufs, 1, l)?;
@@ -296,13 +296,17 @@ fn pair_in_order<B: Backend>(
         }
         Ok(())
     })();
-    // Back on lane 0, after everything lane 1 issued (also on an error, so
-    // the backend is left as it was).
-    let back = b
-        .enter_lane(st, 0, p0)
-        .and_then(|_| b.lane_wait(1, n_layers.saturating_sub(1)));
+    // The join: lane 0 waits for everything lane 1 has issued (mark
+    // `n_layers`, past the layers' own), also after an error (a bad token,
+    // a failed allocation), so the backend is left on lane 0 with nothing
+    // of this pair running beside it.
+    let join = b
+        .enter_lane(st, 1, p0 + n0)
+        .and_then(|_| b.lane_mark(n_layers))
+        .and_then(|_| b.enter_lane(st, 0, p0))
+        .and_then(|_| b.lane_wait(1, n_layers));
     result?;
-    back?;
+    join?;
     b.advance(st, n0 + n1);
     let mut out = [Vec::new(), Vec::new()];
     for (i, (n, w)) in [(n0, want[0]), (n1, want[1])].into_iter().enumerate() {

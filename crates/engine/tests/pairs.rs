@@ -140,3 +140,54 @@ fn prefill_returns_the_last_chunks_logits_and_leaves_the_same_state() {
         }
     }
 }
+
+#[test]
+fn a_bad_token_in_the_second_chunk_is_an_error_and_changes_nothing() {
+    let (_d, model) = model("tiny-qwen3next");
+    let laned = Cpu::new(2).with_lanes();
+    let mut rng = Rng::new(31);
+    let v = model.w.n_vocab as u64;
+    let toks: Vec<u32> = (0..24).map(|_| rng.below(v) as u32).collect();
+    let mut bad = toks.clone();
+    bad[20] = model.w.n_vocab as u32;
+    let mut st = laned.new_state(&model, 64, KvType::F32).unwrap();
+    let err = forward_pair(
+        &model,
+        &laned,
+        &mut st,
+        &bad[..12],
+        &bad[12..],
+        [Logits::All; 2],
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, samesum_engine::EngineError::BadToken { .. }),
+        "{err:?}"
+    );
+    assert_eq!(laned.position(&st), 0, "the position moved");
+    // The same state then takes the good tokens as a fresh one does.
+    let [a, b] = forward_pair(
+        &model,
+        &laned,
+        &mut st,
+        &toks[..12],
+        &toks[12..],
+        [Logits::All; 2],
+    )
+    .unwrap();
+    let mut fresh = laned.new_state(&model, 64, KvType::F32).unwrap();
+    let [c, e] = forward_pair(
+        &model,
+        &laned,
+        &mut fresh,
+        &toks[..12],
+        &toks[12..],
+        [Logits::All; 2],
+    )
+    .unwrap();
+    assert_eq!((bits(&a), bits(&b)), (bits(&c), bits(&e)));
+    assert_eq!(
+        bits(&laned.download_state(&st).unwrap()),
+        bits(&laned.download_state(&fresh).unwrap())
+    );
+}
