@@ -5,7 +5,7 @@ use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use samesum_engine::sample::{Sampler, SamplerConfig};
 use samesum_engine::tokenizer::Tokenizer;
-use samesum_engine::{Backend, KvType, Logits, Model, forward, forward_pair};
+use samesum_engine::{Backend, KvType, Logits, Model, forward, forward_chunks};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -211,15 +211,7 @@ fn generate<B: Backend>(
         if stop.load(Ordering::SeqCst) {
             break;
         }
-        logits = match *pair {
-            [c0, c1] => {
-                let [_, l] =
-                    forward_pair(model, b, &mut st, c0, c1, [want(2 * p), want(2 * p + 1)])?;
-                l
-            }
-            [c] => forward(model, b, &mut st, c, want(2 * p))?,
-            _ => Vec::new(),
-        };
+        logits = forward_chunks(model, b, &mut st, pair, |j| want(2 * p + j))?;
     }
     let prompt_s = t_prompt.elapsed().as_secs_f64();
     let mut history = prompt.to_vec();

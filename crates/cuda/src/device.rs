@@ -521,12 +521,10 @@ impl Device {
 
     /// The stream launches and allocations go to now.
     pub(crate) fn current(&self) -> &Arc<CudaStream> {
-        let side = self.on_side.load(std::sync::atomic::Ordering::Relaxed);
-        match (self.lane(), side) {
-            (0, false) => &self.stream,
-            (0, true) => &self.side,
-            (_, false) => &self.lane1.0,
-            (_, true) => &self.lane1.1,
+        if self.on_side.load(std::sync::atomic::Ordering::Relaxed) {
+            self.side()
+        } else {
+            self.main()
         }
     }
 

@@ -1972,7 +1972,7 @@ fn chunk_pairs_on_two_lanes_equal_one_lane_and_replay() {
     if !gpu() {
         return;
     }
-    use samesum_engine::forward_pair;
+    use samesum_engine::forward_chunks;
     for shape in SHAPES {
         let (_d, model) = synth(shape, GgmlType::Q4_K, 37);
         let (wave, one) = switch_arms(&model, "WAVE");
@@ -1986,29 +1986,17 @@ fn chunk_pairs_on_two_lanes_equal_one_lane_and_replay() {
         for (n, chunk) in [(256usize, 64usize), (300, 100), (300, 7), (130, 128)] {
             let toks = &toks[..n];
             let before = wave.device().lane_launch_count(1);
-            let mut st = wave.new_state(&model, n, KvType::F32).unwrap();
-            let mut paired = Vec::new();
             let pieces: Vec<&[u32]> = toks.chunks(chunk).collect();
-            for pair in pieces.chunks(2) {
-                match *pair {
-                    [a, b] => {
-                        let [x, y] =
-                            forward_pair(&model, &wave, &mut st, a, b, [Logits::All; 2]).unwrap();
-                        paired.extend(x);
-                        paired.extend(y);
-                    }
-                    [a] => paired.extend(forward(&model, &wave, &mut st, a, Logits::All).unwrap()),
-                    _ => unreachable!(),
-                }
-            }
+            let mut st = wave.new_state(&model, n, KvType::F32).unwrap();
+            let paired = forward_chunks(&model, &wave, &mut st, &pieces, |_| Logits::All).unwrap();
             assert!(
                 wave.device().lane_launch_count(1) > before,
                 "{shape} chunk {chunk}: nothing ran on lane 1"
             );
-            let serial = all_logits(&one, &model, toks, chunk);
             let mut st1 = one.new_state(&model, n, KvType::F32).unwrap();
-            for c in toks.chunks(chunk) {
-                forward(&model, &one, &mut st1, c, Logits::All).unwrap();
+            let mut serial = Vec::new();
+            for c in &pieces {
+                serial.extend(forward(&model, &one, &mut st1, c, Logits::All).unwrap());
             }
             assert_eq!(paired.len(), serial.len());
             if let Some(i) = paired

@@ -27,22 +27,10 @@ pub fn forward_rows_match<B: Backend>(
 ) -> Result<(), Divergence> {
     let v = model.w.n_vocab;
     let ctx = tokens.len().max(1);
-    let mut batched = Vec::with_capacity(tokens.len() * v);
     let mut st = b.new_state(model, ctx, KvType::F32).expect("state");
     let pieces: Vec<&[u32]> = tokens.chunks(chunk.max(1)).collect();
-    for pair in pieces.chunks(2) {
-        match *pair {
-            [c0, c1] => {
-                let [l0, l1] =
-                    crate::forward::forward_pair(model, b, &mut st, c0, c1, [Logits::All; 2])
-                        .expect("forward");
-                batched.extend(l0);
-                batched.extend(l1);
-            }
-            [c] => batched.extend(forward(model, b, &mut st, c, Logits::All).expect("forward")),
-            _ => {}
-        }
-    }
+    let batched = crate::forward::forward_chunks(model, b, &mut st, &pieces, |_| Logits::All)
+        .expect("forward");
     let mut st = b.new_state(model, ctx, KvType::F32).expect("state");
     for (p, &t) in tokens.iter().enumerate() {
         let one = forward(model, b, &mut st, &[t], Logits::All).expect("forward");

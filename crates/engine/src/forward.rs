@@ -334,18 +334,32 @@ pub fn prefill<B: Backend>(
     want: Logits,
 ) -> Result<Vec<f32>> {
     let pieces: Vec<&[u32]> = tokens.chunks(chunk.max(1)).collect();
-    let mut out = Vec::new();
     let n = pieces.len();
-    let mut i = 0;
-    while i < n {
-        let w = |j: usize| if j + 1 == n { want } else { Logits::None };
-        if i + 1 < n {
-            let [_, c] = forward_pair(model, b, st, pieces[i], pieces[i + 1], [w(i), w(i + 1)])?;
-            out = c;
-            i += 2;
-        } else {
-            out = forward(model, b, st, pieces[i], w(i))?;
-            i += 1;
+    forward_chunks(model, b, st, &pieces, |i| {
+        if i + 1 == n { want } else { Logits::None }
+    })
+}
+
+/// Consecutive chunks of one sequence, two at a time through
+/// [`forward_pair`] (an odd last one through [`forward`]); chunk `i` returns
+/// the logits `want(i)` asks for, and they come back concatenated in order.
+pub fn forward_chunks<B: Backend>(
+    model: &Model,
+    b: &B,
+    st: &mut B::State,
+    pieces: &[&[u32]],
+    want: impl Fn(usize) -> Logits,
+) -> Result<Vec<f32>> {
+    let mut out = Vec::new();
+    for (p, pair) in pieces.chunks(2).enumerate() {
+        match *pair {
+            [c0, c1] => {
+                let [l0, l1] = forward_pair(model, b, st, c0, c1, [want(2 * p), want(2 * p + 1)])?;
+                out.extend(l0);
+                out.extend(l1);
+            }
+            [c] => out.extend(forward(model, b, st, c, want(2 * p))?),
+            _ => {}
         }
     }
     Ok(out)

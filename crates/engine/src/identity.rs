@@ -4,7 +4,7 @@
 
 use crate::backend::Backend;
 use crate::error::Result;
-use crate::forward::{Logits, forward, forward_pair};
+use crate::forward::{Logits, forward, forward_chunks};
 use crate::model::Model;
 use crate::sample::argmax;
 use crate::state::KvType;
@@ -115,17 +115,7 @@ pub fn batched<B: Backend>(
     // Two chunks at a time: on a backend with lanes the second runs beside
     // the first (forward_pair), so the gate covers that schedule too.
     let pieces: Vec<&[u32]> = prompt.chunks(chunk.max(1)).collect();
-    for pair in pieces.chunks(2) {
-        match *pair {
-            [c0, c1] => {
-                let [l0, l1] = forward_pair(model, b, &mut st, c0, c1, [Logits::All; 2])?;
-                logits.extend(l0);
-                logits.extend(l1);
-            }
-            [c] => logits.extend(forward(model, b, &mut st, c, Logits::All)?),
-            _ => {}
-        }
-    }
+    logits.extend(forward_chunks(model, b, &mut st, &pieces, |_| Logits::All)?);
     rows_batched += pieces
         .iter()
         .filter(|c| c.len() > 1)
