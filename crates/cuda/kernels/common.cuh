@@ -12,6 +12,7 @@ typedef unsigned short u16;
 typedef short i16;
 typedef unsigned int u32;
 typedef long long i64;
+typedef unsigned long long u64;
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;

@@ -3567,3 +3567,44 @@ extern "C" __global__ void remap_ids(const int* ids, const int* table, int* out,
     int e = ids[i];
     out[i] = e < 0 ? -1 : table[e];
 }
+
+// ---------------------------------------------------------------- L2 prefetch
+//
+// Decode's weight prefetch (`PREFETCH`): byte ranges of weights a later
+// kernel of the step reads (the layer's output projection and router while
+// the mixer's short kernels run, the next layer's input projections while
+// the experts run), pulled into L2 from the second stream, beside the chain.
+// It writes nothing and computes nothing: every kernel reads the same bytes
+// whether they come from L2 or DRAM. Up to PF_RANGES ranges cut into
+// PF_CHUNK-byte pieces, piece c to block c % grid (so consecutive pieces go
+// to different SMs); a piece is one bulk prefetch (Hopper's
+// cp.async.bulk.prefetch, whole 16-byte units inside the range), or with
+// `lines` (and before Hopper) a prefetch a 128-byte line.
+#define PF_RANGES 8
+#define PF_CHUNK 16384
+struct PrefetchJobs {
+    u64 ptr[PF_RANGES];
+    u64 bytes[PF_RANGES];
+    int n;
+};
+
+extern "C" __global__ void __launch_bounds__(128) l2_prefetch(PrefetchJobs j, int lines) {
+    u64 t = (u64)threadIdx.x * gridDim.x + blockIdx.x, nt = (u64)gridDim.x * blockDim.x;
+    for (int r = 0; r < j.n && r < PF_RANGES; r++) {
+        u64 len = j.bytes[r], p0 = j.ptr[r];
+        u64 pieces = (len + PF_CHUNK - 1) / PF_CHUNK;
+        for (u64 c = t; c < pieces; c += nt) {
+            u64 off = c * PF_CHUNK;
+            u64 n = min((u64)PF_CHUNK, len - off);
+#if __CUDA_ARCH__ >= 900
+            if (!lines) {
+                u32 n16 = (u32)(n & ~(u64)15);
+                if (n16 > 0 && (p0 + off) % 16 == 0)
+                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p0 + off), "r"(n16) : "memory");
+                continue;
+            }
+#endif
+            for (u64 b = 0; b < n; b += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p0 + off + b));
+        }
+    }
+}

@@ -437,6 +437,21 @@ pub struct Cuda {
     /// Each lane's marks: `lane_marks[lane][layer]`, the event its layer's
     /// launches ended with (see `Backend::lane_mark`).
     lane_marks: Mutex<[Vec<Option<cudarc::driver::CudaEvent>>; 2]>,
+    /// Decode steps pull weights that a later kernel of the step reads into
+    /// L2 ahead of it, from the second stream (`l2_prefetch`): the layer's
+    /// output projection, router and shared expert while the mixer's short
+    /// kernels run, the next layer's input projections while the experts
+    /// run. Nothing is computed or written, so the bytes are the same
+    /// (`SAMESUM_CUDA_PREFETCH`). Resident mode, one-row calls, not while
+    /// profiling.
+    prefetch: bool,
+    /// With `prefetch`, a prefetch instruction a 128-byte line
+    /// (`SAMESUM_CUDA_PREFETCH_LINES=1`) instead of one bulk prefetch a 16
+    /// KB piece (default): a comparison arm.
+    prefetch_lines: bool,
+    /// The second stream's last prefetch, joined into the main stream at
+    /// the end of the step (a recorded step must join every fork).
+    prefetch_done: Mutex<Option<cudarc::driver::CudaEvent>>,
     /// Decode-sized MoE calls run the routed and shared experts in the same
     /// launches (`mm_*_moe_*`, `mm_f32_multi`; the routed experts alone
     /// where there is no shared expert), the routed pairs reading their
@@ -823,6 +838,12 @@ const SWITCHES: &[Switch] = &[
     ),
     ("OVERLAP", |c| c.overlap, |c, on| c.overlap = on),
     ("WAVE", |c| c.wave, |c, on| c.wave = on),
+    ("PREFETCH", |c| c.prefetch, |c, on| c.prefetch = on),
+    (
+        "PREFETCH_LINES",
+        |c| c.prefetch_lines,
+        |c, on| c.prefetch_lines = on,
+    ),
     ("ATT_Q4", |c| c.att_q4, |c, on| c.att_q4 = on),
     ("ATT_TC", |c| c.att_tc, |c, on| c.att_tc = on),
     ("ATT_VFULL", |c| c.att_vfull, |c, on| c.att_vfull = on),
@@ -1194,6 +1215,9 @@ impl Cuda {
             overlap: env_switch("SAMESUM_CUDA_OVERLAP", true),
             wave: env_switch("SAMESUM_CUDA_WAVE", true),
             lane_marks: Mutex::new([Vec::new(), Vec::new()]),
+            prefetch: env_switch("SAMESUM_CUDA_PREFETCH", false),
+            prefetch_lines: env_switch("SAMESUM_CUDA_PREFETCH_LINES", false),
+            prefetch_done: Mutex::new(None),
             att_q4: env_switch("SAMESUM_CUDA_ATT_Q4", true),
             att_tc: env_switch("SAMESUM_CUDA_ATT_TC", false),
             att_vfull: env_switch("SAMESUM_CUDA_ATT_VFULL", true),
@@ -1480,6 +1504,67 @@ impl Cuda {
 
     /// The Q8_K rows of `x` if the last kernel launched was the norm that
     /// wrote `x` (same address and length, no launch since); taken either way.
+    /// Whether a call of `m` rows prefetches the step's next weights (see
+    /// `prefetch`).
+    fn prefetches(&self, m: usize) -> bool {
+        self.prefetch && m == 1 && self.tier.is_none() && !self.dev.profiling()
+    }
+
+    /// Pull the bytes of `mats` (up to eight) into L2 from the second
+    /// stream, after everything queued on the main stream so far, while the
+    /// main stream goes on (see `prefetch`); joined by
+    /// [`Cuda::join_prefetch`].
+    fn prefetch_mats(&self, mats: &[&Matrix]) -> Result<()> {
+        let mut j = crate::device::PrefetchJobs::default();
+        for w in mats.iter().take(j.ptr.len()) {
+            let i = j.n as usize;
+            j.ptr[i] = self.wptr(w)?;
+            j.bytes[i] = (w.n_mats * w.rows * w.row_bytes) as u64;
+            j.n += 1;
+        }
+        let total: u64 = j.bytes.iter().sum();
+        if total == 0 {
+            return Ok(());
+        }
+        let d = &self.dev;
+        // A piece a thread, consecutive pieces on different blocks: up to
+        // 64 blocks, so the pieces spread over as many SMs.
+        let blocks = total.div_ceil(16384).clamp(1, 64) as u32;
+        let lines = i32::from(self.prefetch_lines);
+        let ((), ev) =
+            d.on_side(|| launch!(d, "l2_prefetch", cfg((blocks, 1, 1), 128, 0), &j, &lines))?;
+        *self.prefetch_done.lock().unwrap_or_else(|p| p.into_inner()) = Some(ev);
+        Ok(())
+    }
+
+    /// A one-row mixer call's prefetch once its input projections are
+    /// queued: its output projection `out`, then layer `l`'s router and
+    /// shared expert, read after the mixer's short kernels.
+    fn prefetch_after_mixer_input(&self, model: &Model, l: usize, out: &Matrix) -> Result<()> {
+        let mut mats = vec![out];
+        if let Some(lw) = model.w.layers.get(l) {
+            mats.push(&lw.moe.router);
+            if let Some(sh) = &lw.moe.shared {
+                mats.extend([&sh.gate_inp, &sh.gate, &sh.up, &sh.down]);
+            }
+        }
+        self.prefetch_mats(&mats)
+    }
+
+    /// Make the main stream wait for the last prefetch (a recorded step
+    /// must join the second stream before its end).
+    fn join_prefetch(&self) -> Result<()> {
+        let ev = self
+            .prefetch_done
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        match ev {
+            Some(ev) => self.dev.wait_for(&ev),
+            None => Ok(()),
+        }
+    }
+
     fn take_norm_q8k(&self, x: &CudaSlice<f32>) -> Option<CudaSlice<u8>> {
         let kept =
             self.norm_q8k.lock().unwrap_or_else(|p| p.into_inner())[self.dev.lane()].take()?;
@@ -2459,6 +2544,7 @@ impl Cuda {
         want: samesum_engine::Logits,
     ) -> R<Vec<f32>> {
         use samesum_engine::backend::Backend as _;
+        self.join_prefetch().map_err(e)?;
         self.embed(model, &[token], &mut step.h)?;
         self.sync_pos(st).map_err(e)?;
         let Step { h, x, y, graph } = step;
@@ -2467,6 +2553,7 @@ impl Cuda {
                 .map_err(|x| e(drv("launch the decode graph", x)))?;
         } else if st.eager_steps == 0 || st.no_graph {
             samesum_engine::layers_one(model, self, st, h, x, y)?;
+            self.join_prefetch().map_err(e)?;
             st.eager_steps += 1;
         } else {
             match self.record(model, st, h, x, y) {
@@ -2483,6 +2570,7 @@ impl Cuda {
                     );
                     st.no_graph = true;
                     samesum_engine::layers_one(model, self, st, h, x, y)?;
+                    self.join_prefetch().map_err(e)?;
                 }
             }
         }
@@ -2510,10 +2598,13 @@ impl Cuda {
             .map_err(|x| e(drv("begin recording the decode step", x)))?;
         st.whole_ctx = true;
         let ran = samesum_engine::layers_one(model, self, st, h, x, y);
+        // The prefetches' stream joins the main stream before the end.
+        let joined = self.join_prefetch();
         st.whole_ctx = false;
         // End the capture whatever happened, so the stream works again.
         let ended = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
         ran?;
+        joined.map_err(e)?;
         ended
             .map_err(|x| e(drv("record the decode step", x)))?
             .ok_or_else(|| e(drv("record the decode step", "an empty graph")))
@@ -2539,6 +2630,9 @@ impl Cuda {
         let mut v = d.scratch::<f32>(m * kvw)?;
         let xin = Input::with_q8k(x, m, pre);
         self.mm_group(&xin, &mut [(&a.q, &mut qg), (&a.k, &mut k), (&a.v, &mut v)])?;
+        if self.prefetches(m) {
+            self.prefetch_after_mixer_input(model, l, &a.o)?;
+        }
         self.sync_pos(st)?;
         let (ck, cv) = st.kv[l].as_mut().ok_or_else(|| CudaError::Driver {
             op: "attention".into(),
@@ -2890,6 +2984,9 @@ impl Cuda {
                 self.mm(beta, &xin, None, &mut b)?;
                 self.mm(alpha, &xin, None, &mut a)?;
             }
+        }
+        if self.prefetches(m) {
+            self.prefetch_after_mixer_input(model, l, &dn.out)?;
         }
         let (conv_state, s_state) = st.linear[l].as_mut().ok_or_else(|| CudaError::Driver {
             op: "delta_net".into(),
@@ -3805,6 +3902,30 @@ impl Cuda {
             Some(p) => p,
             None => self.route_plan(&mut logits, &mut ids, &mut wts, m, e, k, pad, cap)?,
         };
+        if self.prefetches(m)
+            && let Some(next) = model
+                .w
+                .layers
+                .iter()
+                .position(|l| std::ptr::eq(&l.moe, mw))
+                .and_then(|l| model.w.layers.get(l + 1))
+        {
+            // The next layer's input projections, while the experts run.
+            match &next.mixer {
+                Mixer::Attention(a) => self.prefetch_mats(&[&a.q, &a.k, &a.v])?,
+                Mixer::Linear(dn) => {
+                    let mut mats: Vec<&Matrix> = match &dn.input {
+                        DeltaInput::Split { qkv, z } => vec![qkv, z],
+                        DeltaInput::Fused { ssm_in } => vec![ssm_in],
+                    };
+                    match &dn.ba {
+                        DeltaBa::Split { beta, alpha } => mats.extend([beta, alpha]),
+                        DeltaBa::Fused(ba) => mats.push(ba),
+                    }
+                    self.prefetch_mats(&mats)?;
+                }
+            }
+        }
         let capi = cap as i32;
         // The shared expert's outputs (written on the second stream when it
         // runs beside the routed experts: prefill-sized calls, resident

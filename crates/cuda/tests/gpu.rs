@@ -2216,6 +2216,41 @@ fn shared_expert_beside_the_routed_experts_equals_serial() {
     );
 }
 
+/// Decode's L2 prefetch (`PREFETCH`: weights pulled into L2 from the
+/// second stream ahead of the kernels that read them) against none: the
+/// same logits bytes at every replayed position, with the step recorded as
+/// a graph (the prefetches fork from and join the recorded stream) and
+/// eager, on every tiny shape; and the prefetch arm did launch more kernels.
+#[test]
+fn decode_prefetch_changes_no_byte() {
+    if !gpu() {
+        return;
+    }
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 37);
+        let toks: Vec<u32> = test_tokens(&model, 5).into_iter().take(40).collect();
+        for graphs in [true, false] {
+            let (mut on, mut off) = switch_arms(&model, "PREFETCH");
+            on.set_graphs(graphs);
+            off.set_graphs(graphs);
+            assert_same_logits(
+                &on,
+                &off,
+                &model,
+                &toks,
+                &[1],
+                &format!("{shape}: decode differs with the L2 prefetch (graphs {graphs})"),
+            );
+            let (a, b) = (on.device().launch_count(), off.device().launch_count());
+            assert!(
+                a > b,
+                "{shape}: the prefetch arm launched {a} kernels, the other {b}"
+            );
+        }
+        eprintln!("{shape}: decode with the L2 prefetch == without (graphs on and off)");
+    }
+}
+
 #[test]
 fn decode_fusions_equal_the_separate_kernels() {
     if !gpu() {
