@@ -726,6 +726,39 @@ __device__ __forceinline__ void q4k_lane_dot(const uint4 (&blk)[Q4K_WORDS], cons
     msum = ms;
 }
 
+// The delta net's gated norm of one 256-block of a row (whole heads of dv
+// values, dv a multiple of 32 dividing 256) and its Q8_K block, by one
+// warp: the bytes gated_norm_q8k_lane0 then quantize_q8k give. Lane h adds
+// head h's squares in f64 in index order, as sumsq_lane0's lane 0 adds one
+// head's (each square of an f32 is exact in f64, so fused or not the sum
+// is the same); then o = ((o * scale) * norm) * silu(z) into `sv` (shared)
+// and q8k_block of it.
+__device__ __forceinline__ void gn_q8k_block(const float* o, const float* z, const float* nw, int dv, float eps,
+                                             float* sv, u8* ob, int lane) {
+    for (int i = lane; i < 256; i += 32) sv[i] = o[i];
+    __syncwarp();
+    double s = 0.0;
+    if (lane < 256 / dv) {
+        const float* v = sv + lane * dv;
+        for (int i = 0; i + 4 <= dv; i += 4) {
+            float4 q = *(const float4*)(v + i);
+            s += (double)q.x * (double)q.x;
+            s += (double)q.y * (double)q.y;
+            s += (double)q.z * (double)q.z;
+            s += (double)q.w * (double)q.w;
+        }
+    }
+    for (int i = lane; i < 256; i += 32) {
+        int h = i / dv;  // the same for the whole warp (32 divides dv)
+        double sh = __shfl_sync(0xffffffffu, s, h);
+        float mean = (float)(sh / (double)dv);
+        float scale = 1.0f / sqrtf(mean + eps);
+        sv[i] = ((sv[i] * scale) * nw[i - h * dv]) * silu(z[i]);
+    }
+    __syncwarp();
+    q8k_block(sv, ob, lane);
+}
+
 // One block of 32 rows against one activation row. Per chunk of up to
 // LANE_CH blocks of K: each lane loads its rows' block first (both matrices
 // of a GLU; with `early`, the first chunk's before pdl_wait, as the weights
@@ -738,10 +771,16 @@ __device__ __forceinline__ void q4k_lane_dot(const uint4 (&blk)[Q4K_WORDS], cons
 // chunk's blocks of its row into shared memory itself (q8k_block,
 // quantize_q8k's code, a warp a block): the bytes a quantize_q8k launch
 // would have written, with no launch (`DOWN_QIN`).
-template <int NW, bool QOUT = false, bool QIN = false>
+// GN: A holds the delta net's f32 output rows o (nb * 256 wide, heads of
+// gdv values) and the block takes the gated norm of each chunk block first
+// (gn_q8k_block: gated_norm_q8k's arithmetic, then quantize_q8k's), the
+// bytes a gated_norm_q8k launch would have written, with no launch
+// (`GN_FOLD`).
+template <int NW, bool QOUT = false, bool QIN = false, bool GN = false>
 __device__ void mm_lane(const u8* W, const u8* W2, i64 mat_stride, int row_bytes, const int* mats,
                         const u8* A, float* Y, int rows, int m, int nb, int jb, const int* amap, bool early,
-                        u8* Q = nullptr, int* cnt = nullptr) {
+                        u8* Q = nullptr, int* cnt = nullptr, const float* gz = nullptr,
+                        const float* gw = nullptr, int gdv = 0, float geps = 0.0f) {
     __shared__ int4 part[NW][LANE_CH][32];
     __shared__ __align__(16) u8 act[LANE_CH * Q8K_BYTES];
     int kw = blockDim.x / 32, w = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -780,7 +819,14 @@ __device__ void mm_lane(const u8* W, const u8* W2, i64 mat_stride, int row_bytes
 #pragma unroll
             for (int v = 0; v < NW; v++) q4k_lane_load(wr[v] + (i64)b * FmtQ4K::BYTES, q[v]);
         }
-        if constexpr (QIN) {
+        if constexpr (GN) {
+            __shared__ __align__(16) float gstage[LANE_CH][256];
+            const float* fr = (const float*)A + (i64)r * nb * 256;
+            const float* zr = gz + (i64)r * nb * 256;
+            for (int bb = w; bb < be - b0; bb += kw)
+                gn_q8k_block(fr + (i64)(b0 + bb) * 256, zr + (i64)(b0 + bb) * 256, gw, gdv, geps, gstage[bb],
+                             act + bb * Q8K_BYTES, lane);
+        } else if constexpr (QIN) {
             const float* fr = (const float*)A + (i64)(amap ? amap[r] : r) * nb * 256;
             for (int bb = w; bb < be - b0; bb += kw) q8k_block(fr + (i64)(b0 + bb) * 256, act + bb * Q8K_BYTES, lane);
         } else {
@@ -865,6 +911,17 @@ extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1)
 extern "C" __global__ void __maxnreg__(80) mm_q4_k_lane_multi_1(MmJobs jobs, int row_bytes, const u8* A, int m, int nb) {
     const MmJob j = mm_job(jobs, 32);
     mm_lane<1>(j.w, nullptr, 0, row_bytes, nullptr, A, j.y, j.rows, m, nb, j.bx, nullptr, true);
+}
+
+// mm_q4_k_lane_1 on the delta net's f32 output rows O, each block taking
+// their gated norm (gate rows Z, weight nw, heads of dv) and Q8_K blocks
+// itself (`GN_FOLD`: decode's output projection without the
+// gated_norm_q8k launch). m rows (grid y), nb blocks of 256 a row.
+extern "C" __global__ void __maxnreg__(80)
+    mm_q4_k_lane_gn_1(const u8* W, int row_bytes, const float* O, const float* Z, const float* nw, float* Y, int rows,
+                      int m, int nb, int dv, float eps) {
+    mm_lane<1, false, false, true>(W, nullptr, 0, row_bytes, nullptr, (const u8*)O, Y, rows, m, nb, blockIdx.x, nullptr,
+                                   true, nullptr, nullptr, Z, nw, dv, eps);
 }
 
 // Expert ids and input rows come from the routing kernel: no loads before

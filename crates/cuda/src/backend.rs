@@ -218,6 +218,13 @@ pub struct Cuda {
     /// (`gated_norm_q8k`, `sigmoid_mul_q8k`: quantize_q8k's bytes; default,
     /// off with `SAMESUM_CUDA_GN_Q8K=0`): one launch fewer per such layer.
     gn_q8k: bool,
+    /// Decode's delta-net output projection takes the gated norm itself
+    /// (`mm_q4_k_lane_gn_1`: every block computes gated_norm_q8k's values
+    /// and Q8_K blocks of the row into shared memory, as DOWN_QIN does for
+    /// the quantization), so the gated norm needs no launch. One-row calls
+    /// on a Q4_K output projection with heads that tile 256-blocks
+    /// (`SAMESUM_CUDA_GN_FOLD`). The same bytes.
+    gn_fold: bool,
     /// Decode-sized Q4_K matmuls (one row, GLU, grouped, MoE) with a lane
     /// per weight row (`mm_q4_k_lane_*`: each lane a whole block's integer
     /// terms, warp 0 the float steps in block order; the row kernels' bytes;
@@ -839,6 +846,7 @@ const SWITCHES: &[Switch] = &[
     ("OVERLAP", |c| c.overlap, |c, on| c.overlap = on),
     ("WAVE", |c| c.wave, |c, on| c.wave = on),
     ("PREFETCH", |c| c.prefetch, |c, on| c.prefetch = on),
+    ("GN_FOLD", |c| c.gn_fold, |c, on| c.gn_fold = on),
     (
         "PREFETCH_LINES",
         |c| c.prefetch_lines,
@@ -1180,6 +1188,7 @@ impl Cuda {
             small_norm: env_switch("SAMESUM_CUDA_SMALL_NORM", true),
             silu_q8k: env_switch("SAMESUM_CUDA_SILU_Q8K", true),
             gn_q8k: env_switch("SAMESUM_CUDA_GN_Q8K", true),
+            gn_fold: env_switch("SAMESUM_CUDA_GN_FOLD", false),
             lane_rows: env_switch("SAMESUM_CUDA_LANE_ROWS", true),
             route_one: env_switch("SAMESUM_CUDA_ROUTE_ONE", true),
             qk_fuse: env_switch("SAMESUM_CUDA_QK_FUSE", true),
@@ -3149,6 +3158,54 @@ impl Cuda {
             )?;
         }
         let rh = (m * hv) as i32;
+        // `GN_FOLD`: one row, the output projection's blocks take the gated
+        // norm and its Q8_K blocks themselves.
+        if self.gn_fold
+            && m == 1
+            && self.gn_q8k
+            && self.row_kernels
+            && self.lane_rows
+            && dn.out.ty == GgmlType::Q4_K
+            && dn.out.cols == vd
+            && dv % 32 == 0
+            && 256 % dv == 0
+            && vd % 256 == 0
+        {
+            let nb = (vd / 256) as i32;
+            let (wptr, row_bytes, rows) = (
+                self.wptr(&dn.out)?,
+                dn.out.row_bytes as i32,
+                dn.out.rows as i32,
+            );
+            if y.len() < dn.out.rows {
+                return Err(CudaError::Driver {
+                    op: "delta_rows".into(),
+                    msg: format!(
+                        "{}: an output of {} for {} rows",
+                        dn.out.name,
+                        y.len(),
+                        dn.out.rows
+                    ),
+                });
+            }
+            launch!(
+                d,
+                "mm_q4_k_lane_gn_1",
+                lane_cfg(dn.out.rows, m, nb),
+                &wptr,
+                &row_bytes,
+                &o,
+                &z,
+                nw,
+                y,
+                &rows,
+                &mi,
+                &nb,
+                &dvi,
+                &eps
+            )?;
+            return Ok(());
+        }
         // With the out projection reading Q8_K rows, the norm writes them
         // too (four heads a block: whole 256-blocks of one row).
         if self.gn_q8k && k_quant(dn.out.ty) && dv <= 256 && dv % 64 == 0 && hv % 4 == 0 {

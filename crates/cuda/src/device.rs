@@ -667,6 +667,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_q4_k_glu_1",
             "mm_q4_k_moe_1",
             "mm_q4_k_lane_1",
+            "mm_q4_k_lane_gn_1",
             "mm_q4_k_lane_glu_1",
             "mm_q4_k_lane_multi_1",
             "mm_q4_k_lane_moe_1",

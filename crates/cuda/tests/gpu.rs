@@ -2216,6 +2216,66 @@ fn shared_expert_beside_the_routed_experts_equals_serial() {
     );
 }
 
+/// Decode's delta-net output projection taking the gated norm itself
+/// (`GN_FOLD`, `mm_q4_k_lane_gn_1`) against gated_norm_q8k and the lane
+/// matmul: the same logits bytes at every replayed position and with
+/// chunks of 7 and 64 (whose calls do not take the fold, so the fold's
+/// one-row bytes meet the wide path's in one sequence), graphs on and off,
+/// on the shapes with delta-net layers (Q4_K and Q8_0: the fold is Q4_K
+/// only); and the fold's arm launched fewer kernels, one a delta layer a
+/// token.
+#[test]
+fn gated_norm_in_the_output_projection_changes_no_byte() {
+    if !gpu() {
+        return;
+    }
+    let mut folded = 0;
+    for shape in SHAPES {
+        for quant in [GgmlType::Q4_K, GgmlType::Q8_0] {
+            let (_d, model) = synth(shape, quant, 43);
+            let delta_layers = model
+                .w
+                .layers
+                .iter()
+                .filter(|l| matches!(l.mixer, Mixer::Linear(_)))
+                .count();
+            if delta_layers == 0 {
+                continue;
+            }
+            let toks: Vec<u32> = test_tokens(&model, 9).into_iter().take(80).collect();
+            for graphs in [false, true] {
+                let (mut on, mut off) = switch_arms(&model, "GN_FOLD");
+                on.set_graphs(graphs);
+                off.set_graphs(graphs);
+                assert_same_logits(
+                    &on,
+                    &off,
+                    &model,
+                    &toks,
+                    &[1, 7, 64],
+                    &format!("{shape} {quant:?}: the folded gated norm differs (graphs {graphs})"),
+                );
+                if !graphs {
+                    let (a, b) = (on.device().launch_count(), off.device().launch_count());
+                    if quant == GgmlType::Q4_K {
+                        // 80 replayed tokens: one launch fewer a delta layer each.
+                        assert_eq!(
+                            b - a,
+                            (80 * delta_layers) as u64,
+                            "{shape}: {a} launches with the fold, {b} without"
+                        );
+                        folded += 1;
+                    } else {
+                        assert_eq!(a, b, "{shape} {quant:?}: the fold ran on a Q8_0 projection");
+                    }
+                }
+            }
+            eprintln!("{shape} {quant:?}: the folded gated norm == gated_norm_q8k + the matmul");
+        }
+    }
+    assert!(folded >= 2, "the fold ran on {folded} shapes");
+}
+
 /// Decode's L2 prefetch (`PREFETCH`: weights pulled into L2 from the
 /// second stream ahead of the kernels that read them) against none: the
 /// same logits bytes at every replayed position, with the step recorded as
