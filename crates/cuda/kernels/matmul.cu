@@ -776,7 +776,9 @@ __device__ __forceinline__ void gn_q8k_block(const float* o, const float* z, con
 // (gn_q8k_block: gated_norm_q8k's arithmetic, then quantize_q8k's), the
 // bytes a gated_norm_q8k launch would have written, with no launch
 // (`GN_FOLD`).
-template <int NW, bool QOUT = false, bool QIN = false, bool GN = false>
+// RB: rows a block (32, or 16 with lanes 16-31 idle: twice the blocks for
+// a matrix of few rows, each row's arithmetic unchanged).
+template <int NW, bool QOUT = false, bool QIN = false, bool GN = false, int RB = 32>
 __device__ void mm_lane(const u8* W, const u8* W2, i64 mat_stride, int row_bytes, const int* mats,
                         const u8* A, float* Y, int rows, int m, int nb, int jb, const int* amap, bool early,
                         u8* Q = nullptr, int* cnt = nullptr, const float* gz = nullptr,
@@ -785,8 +787,8 @@ __device__ void mm_lane(const u8* W, const u8* W2, i64 mat_stride, int row_bytes
     __shared__ __align__(16) u8 act[LANE_CH * Q8K_BYTES];
     int kw = blockDim.x / 32, w = threadIdx.x / 32, lane = threadIdx.x % 32;
     int r = blockIdx.y;
-    int j = jb * 32 + lane;
-    bool live = j < rows && r < m;
+    int j = jb * RB + lane;
+    bool live = lane < RB && j < rows && r < m;
     uint4 q[NW][Q4K_WORDS];
     const u8* wr[NW];
     if (early) {  // no expert ids: the rows are known before the wait
@@ -900,6 +902,16 @@ extern "C" __global__ void __maxnreg__(80)
     mm_q4_k_lane_1(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, int rows,
                    int m, int nb) {
     mm_lane<1>(W, nullptr, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x, nullptr, mats == nullptr);
+}
+
+// mm_q4_k_lane_1 with 16 rows a block (`LANE16`: a matrix of few rows,
+// e.g. decode's output projections, 2,048 rows in 64 blocks of 32, on twice
+// the SMs). The same per-row arithmetic.
+extern "C" __global__ void __maxnreg__(80)
+    mm_q4_k_lane16_1(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, int rows,
+                     int m, int nb) {
+    mm_lane<1, false, false, false, 16>(W, nullptr, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x, nullptr,
+                                        mats == nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1)

@@ -225,6 +225,12 @@ pub struct Cuda {
     /// on a Q4_K output projection with heads that tile 256-blocks
     /// (`SAMESUM_CUDA_GN_FOLD`). The same bytes.
     gn_fold: bool,
+    /// One-row Q4_K matmuls of at most [`LANE16_ROWS`] rows on 16 rows a
+    /// block (`mm_q4_k_lane16_1`: the lane kernel's arithmetic a row, on
+    /// twice the blocks; under ncu decode's output projection, 2,048 rows
+    /// in 64 blocks of 32, leaves 68 of 132 SMs idle and its SMs active a
+    /// third of its 7 us). `SAMESUM_CUDA_LANE16`. The same bytes.
+    lane16: bool,
     /// Decode-sized Q4_K matmuls (one row, GLU, grouped, MoE) with a lane
     /// per weight row (`mm_q4_k_lane_*`: each lane a whole block's integer
     /// terms, warp 0 the float steps in block order; the row kernels' bytes;
@@ -705,6 +711,11 @@ const TC_ROWS: usize = 16;
 /// everywhere; at 64, pp4096 9,381 -> 9,540).
 const TC_ROWS32_MIN: usize = 64;
 
+/// The most rows a one-row Q4_K matmul may have to take 16 rows a block
+/// with `LANE16` (4,096 rows are 128 blocks of 32: a wave of the H200's
+/// 132 SMs already).
+const LANE16_ROWS: usize = 4096;
+
 /// The lane-a-head kernels (`HEAD_SUMS`: `gated_norm_q8k_h`,
 /// `l2norm_qk_h`): `n` heads of `dim` values, HS_HEADS (ops.cu) a block of
 /// 128 threads, staged in rows of `dim + 1` floats.
@@ -847,6 +858,7 @@ const SWITCHES: &[Switch] = &[
     ("WAVE", |c| c.wave, |c, on| c.wave = on),
     ("PREFETCH", |c| c.prefetch, |c, on| c.prefetch = on),
     ("GN_FOLD", |c| c.gn_fold, |c, on| c.gn_fold = on),
+    ("LANE16", |c| c.lane16, |c, on| c.lane16 = on),
     (
         "PREFETCH_LINES",
         |c| c.prefetch_lines,
@@ -1189,6 +1201,7 @@ impl Cuda {
             silu_q8k: env_switch("SAMESUM_CUDA_SILU_Q8K", true),
             gn_q8k: env_switch("SAMESUM_CUDA_GN_Q8K", true),
             gn_fold: env_switch("SAMESUM_CUDA_GN_FOLD", false),
+            lane16: env_switch("SAMESUM_CUDA_LANE16", false),
             lane_rows: env_switch("SAMESUM_CUDA_LANE_ROWS", true),
             route_one: env_switch("SAMESUM_CUDA_ROUTE_ONE", true),
             qk_fuse: env_switch("SAMESUM_CUDA_QK_FUSE", true),
@@ -2256,20 +2269,20 @@ impl Cuda {
         macro_rules! mm {
             ($k:literal, $k4:literal, $k1:literal, $kx4:literal, $a:expr, $n:expr) => {
                 if one_row && self.lane_rows && w.ty == GgmlType::Q4_K {
-                    let cl = lane_cfg(w.rows, m, *$n);
+                    let (kl, cl) = if self.lane16 && w.rows <= LANE16_ROWS {
+                        (
+                            "mm_q4_k_lane16_1",
+                            cfg(
+                                (w.rows.div_ceil(16) as u32, m as u32, 1),
+                                lane_threads(*$n),
+                                0,
+                            ),
+                        )
+                    } else {
+                        ("mm_q4_k_lane_1", lane_cfg(w.rows, m, *$n))
+                    };
                     launch!(
-                        d,
-                        "mm_q4_k_lane_1",
-                        cl,
-                        &wptr,
-                        &stride,
-                        &row_bytes,
-                        &mats_ptr,
-                        $a,
-                        y,
-                        &rows,
-                        &mi,
-                        $n
+                        d, kl, cl, &wptr, &stride, &row_bytes, &mats_ptr, $a, y, &rows, &mi, $n
                     )
                 } else if head_x4 {
                     launch!(

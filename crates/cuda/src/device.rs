@@ -668,6 +668,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_q4_k_moe_1",
             "mm_q4_k_lane_1",
             "mm_q4_k_lane_gn_1",
+            "mm_q4_k_lane16_1",
             "mm_q4_k_lane_glu_1",
             "mm_q4_k_lane_multi_1",
             "mm_q4_k_lane_moe_1",

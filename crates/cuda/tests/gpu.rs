@@ -2216,6 +2216,35 @@ fn shared_expert_beside_the_routed_experts_equals_serial() {
     );
 }
 
+/// One-row Q4_K matmuls on 16 rows a block (`LANE16`) against 32: the same
+/// logits bytes at every replayed position, graphs on and off, and with
+/// chunks of 7 (calls that do not take the lane kernels), on every tiny
+/// shape (all their matrices are small enough to take it).
+#[test]
+fn lane_kernel_on_16_rows_a_block_changes_no_byte() {
+    if !gpu() {
+        return;
+    }
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 47);
+        let toks: Vec<u32> = test_tokens(&model, 11).into_iter().take(60).collect();
+        for graphs in [false, true] {
+            let (mut on, mut off) = switch_arms(&model, "LANE16");
+            on.set_graphs(graphs);
+            off.set_graphs(graphs);
+            assert_same_logits(
+                &on,
+                &off,
+                &model,
+                &toks,
+                &[1, 7],
+                &format!("{shape}: 16 rows a block differ (graphs {graphs})"),
+            );
+        }
+        eprintln!("{shape}: the lane kernel on 16 rows a block == 32");
+    }
+}
+
 /// Decode's delta-net output projection taking the gated norm itself
 /// (`GN_FOLD`, `mm_q4_k_lane_gn_1`) against gated_norm_q8k and the lane
 /// matmul: the same logits bytes at every replayed position and with
