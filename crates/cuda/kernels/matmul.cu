@@ -1976,11 +1976,12 @@ __device__ __forceinline__ float ld_w(const u8* row, int i) {
 #define MMF_U 16
 
 // U: the elements a lane loads a step (the fmas' order does not depend on it).
-template <int KIND, int U = MMF_U>
+// WB: the warps (weight rows) a block.
+template <int KIND, int U = MMF_U, int WB = WARPS>
 __device__ void mm_float(const u8* W, i64 mat_stride, int row_bytes, const int* mats,
                          const float* X, float* Y, int rows, int m, int cols, int jb) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int j = jb * WARPS + warp;
+    int j = jb * WB + warp;
     int r0 = blockIdx.y * MT;
     if (j >= rows || r0 >= m) return;
     int nr = min(MT, m - r0);
@@ -2062,18 +2063,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 // elements a lane a step in place of 16 (`ROUTER_DEEP`: a 2,048-wide row's
 // 64 loads a lane all issued before its first fma), `_rd` both; the same
 // bytes.
-#define MMF_ROUTE_KERNEL(name, U, ROUTE)                                                                \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                          \
+#define MMF_ROUTE_KERNEL(name, U, ROUTE, WB)                                                            \
+    extern "C" __global__ void __launch_bounds__(WB * 32)                                             \
         name(MmJobs jobs, int row_bytes, const float* X, int cols, int* ids, float* wts, int e, int k, \
              int pad, int* placed_row, int* placed_mat, int* slot, int cap, int* counter) {            \
         pdl_wait();                                                                                    \
-        int c0 = (jobs.rows[0] + WARPS - 1) / WARPS;                                                   \
+        int c0 = (jobs.rows[0] + WB - 1) / WB;                                                         \
         int bx = blockIdx.x, j = 0;                                                                    \
         if (jobs.nj > 1 && bx >= c0) bx -= c0, j = 1;                                                  \
         const u8* w = j == 0 ? jobs.w[0] : jobs.w[1];                                                  \
         float* y = j == 0 ? jobs.y[0] : jobs.y[1];                                                     \
         int rows = j == 0 ? jobs.rows[0] : jobs.rows[1];                                               \
-        mm_float<0, U>(w, 0, row_bytes, nullptr, X, y, rows, 1, cols, bx);                             \
+        mm_float<0, U, WB>(w, 0, row_bytes, nullptr, X, y, rows, 1, cols, bx);                         \
         __shared__ int last;                                                                           \
         __threadfence(); /* this thread's stores reach L2 before the count */                          \
         __syncthreads();                                                                               \
@@ -2085,10 +2086,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
         ROUTE(jobs.y[0], ids, wts, e, k, pad, placed_row, placed_mat, slot, cap, threadIdx.x);         \
     }
 
-MMF_ROUTE_KERNEL(mm_f32_multi_route, MMF_U, route_one_warp)
-MMF_ROUTE_KERNEL(mm_f32_multi_route_r, MMF_U, route_one_warp_r)
-MMF_ROUTE_KERNEL(mm_f32_multi_route_d, 32, route_one_warp)
-MMF_ROUTE_KERNEL(mm_f32_multi_route_rd, 32, route_one_warp_r)
+MMF_ROUTE_KERNEL(mm_f32_multi_route, MMF_U, route_one_warp, WARPS)
+MMF_ROUTE_KERNEL(mm_f32_multi_route_r, MMF_U, route_one_warp_r, WARPS)
+MMF_ROUTE_KERNEL(mm_f32_multi_route_d, 32, route_one_warp, WARPS)
+MMF_ROUTE_KERNEL(mm_f32_multi_route_rd, 32, route_one_warp_r, WARPS)
+// mm_f32_multi_route_rd with a warp (a router row) a block (`ROUTER_1W`):
+// 257 blocks on the H200's 132 SMs where 65 of four warps left half of them
+// idle. The same lane chains, so the same logits, ids and plan.
+MMF_ROUTE_KERNEL(mm_f32_multi_route_rd1, 32, route_one_warp_r, 1)
 
 // mm_f32_multi_route_rd with the layer's post-mixer norm in its prologue
 // (`NORM_ROUTER`, decode): every block adds the mixer's output row `inc` to

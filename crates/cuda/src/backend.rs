@@ -231,6 +231,12 @@ pub struct Cuda {
     /// in 64 blocks of 32, leaves 68 of 132 SMs idle and its SMs active a
     /// third of its 7 us). `SAMESUM_CUDA_LANE16`. The same bytes.
     lane16: bool,
+    /// Decode's router launch with a warp (a router row) a block
+    /// (`mm_f32_multi_route_rd1`: 257 blocks of 32 threads for qwen35moe's
+    /// 256 experts and shared gate, where 65 blocks of four warps leave
+    /// half of the H200's SMs idle). `SAMESUM_CUDA_ROUTER_1W`. The same lane
+    /// chains, so the same logits, ids and plan.
+    router_1w: bool,
     /// Decode-sized Q4_K matmuls (one row, GLU, grouped, MoE) with a lane
     /// per weight row (`mm_q4_k_lane_*`: each lane a whole block's integer
     /// terms, warp 0 the float steps in block order; the row kernels' bytes;
@@ -859,6 +865,7 @@ const SWITCHES: &[Switch] = &[
     ("PREFETCH", |c| c.prefetch, |c, on| c.prefetch = on),
     ("GN_FOLD", |c| c.gn_fold, |c, on| c.gn_fold = on),
     ("LANE16", |c| c.lane16, |c, on| c.lane16 = on),
+    ("ROUTER_1W", |c| c.router_1w, |c, on| c.router_1w = on),
     (
         "PREFETCH_LINES",
         |c| c.prefetch_lines,
@@ -1202,6 +1209,7 @@ impl Cuda {
             gn_q8k: env_switch("SAMESUM_CUDA_GN_Q8K", true),
             gn_fold: env_switch("SAMESUM_CUDA_GN_FOLD", false),
             lane16: env_switch("SAMESUM_CUDA_LANE16", false),
+            router_1w: env_switch("SAMESUM_CUDA_ROUTER_1W", false),
             lane_rows: env_switch("SAMESUM_CUDA_LANE_ROWS", true),
             route_one: env_switch("SAMESUM_CUDA_ROUTE_ONE", true),
             qk_fuse: env_switch("SAMESUM_CUDA_QK_FUSE", true),
@@ -3913,11 +3921,11 @@ impl Cuda {
                 // The two router launches differ in the arguments before the
                 // row width (the input row, or the norm's), not after.
                 macro_rules! route_launch {
-                    ($name:expr, $($head:expr),+) => {
+                    ($name:expr, $cfg:expr, $($head:expr),+) => {
                         launch!(
                             d,
                             $name,
-                            cfg((blocks, 1, 1), 128, 0),
+                            $cfg,
                             &mj,
                             &rb,
                             $($head,)+
@@ -3939,6 +3947,7 @@ impl Cuda {
                     let xo = crate::device::addr(d, x);
                     route_launch!(
                         "mm_f32_multi_route_norm",
+                        cfg((blocks, 1, 1), 128, 0),
                         &pn.acc,
                         &pn.inc,
                         pn.w,
@@ -3947,7 +3956,14 @@ impl Cuda {
                         &pn.eps
                     )?;
                 } else {
-                    route_launch!(self.route_kernels().0, x)?;
+                    let kernel = self.route_kernels().0;
+                    if self.router_1w && kernel == "mm_f32_multi_route_rd" {
+                        // A warp (a router row) a block.
+                        let blocks1 = (e + r1 as usize) as u32;
+                        route_launch!("mm_f32_multi_route_rd1", cfg((blocks1, 1, 1), 32, 0), x)?;
+                    } else {
+                        route_launch!(kernel, cfg((blocks, 1, 1), 128, 0), x)?;
+                    }
                 }
                 folded = Some((placed_row, placed_mat, slot));
             } else {

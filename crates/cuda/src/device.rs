@@ -687,6 +687,7 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
             "mm_f32_multi_route_r",
             "mm_f32_multi_route_d",
             "mm_f32_multi_route_rd",
+            "mm_f32_multi_route_rd1",
             "mm_f32_multi_route_norm",
             "mm_q4_k_multi_1",
             "mm_q5_k_multi_1",

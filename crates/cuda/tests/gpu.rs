@@ -2216,20 +2216,15 @@ fn shared_expert_beside_the_routed_experts_equals_serial() {
     );
 }
 
-/// One-row Q4_K matmuls on 16 rows a block (`LANE16`) against 32: the same
-/// logits bytes at every replayed position, graphs on and off, and with
-/// chunks of 7 (calls that do not take the lane kernels), on every tiny
-/// shape (all their matrices are small enough to take it).
-#[test]
-fn lane_kernel_on_16_rows_a_block_changes_no_byte() {
-    if !gpu() {
-        return;
-    }
+/// Switch `name` on against off: the same logits bytes at every replayed
+/// position, graphs on and off, and with chunks of 7 (calls that do not
+/// take the decode launches), on every tiny shape.
+fn decode_switch_changes_no_byte(name: &str, salt: u32) {
     for shape in SHAPES {
         let (_d, model) = synth(shape, GgmlType::Q4_K, 47);
-        let toks: Vec<u32> = test_tokens(&model, 11).into_iter().take(60).collect();
+        let toks: Vec<u32> = test_tokens(&model, salt).into_iter().take(60).collect();
         for graphs in [false, true] {
-            let (mut on, mut off) = switch_arms(&model, "LANE16");
+            let (mut on, mut off) = switch_arms(&model, name);
             on.set_graphs(graphs);
             off.set_graphs(graphs);
             assert_same_logits(
@@ -2238,11 +2233,31 @@ fn lane_kernel_on_16_rows_a_block_changes_no_byte() {
                 &model,
                 &toks,
                 &[1, 7],
-                &format!("{shape}: 16 rows a block differ (graphs {graphs})"),
+                &format!("{shape}: {name} differs (graphs {graphs})"),
             );
         }
-        eprintln!("{shape}: the lane kernel on 16 rows a block == 32");
+        eprintln!("{shape}: decode with {name} == without");
     }
+}
+
+/// One-row Q4_K matmuls on 16 rows a block (`LANE16`) against 32 (every
+/// tiny shape's matrices are small enough to take it).
+#[test]
+fn lane_kernel_on_16_rows_a_block_changes_no_byte() {
+    if !gpu() {
+        return;
+    }
+    decode_switch_changes_no_byte("LANE16", 11);
+}
+
+/// Decode's router launch with a warp a block (`ROUTER_1W`) against four:
+/// the same logits, so the same ids and plan.
+#[test]
+fn router_launch_a_warp_a_block_changes_no_byte() {
+    if !gpu() {
+        return;
+    }
+    decode_switch_changes_no_byte("ROUTER_1W", 13);
 }
 
 /// Decode's delta-net output projection taking the gated norm itself
