@@ -3988,13 +3988,11 @@ impl Cuda {
             Some(p) => p,
             None => self.route_plan(&mut logits, &mut ids, &mut wts, m, e, k, pad, cap)?,
         };
+        // This MoE's layer (its index picks the tier's expert slots and the
+        // next layer's weights to prefetch).
+        let layer = model.w.layers.iter().position(|l| std::ptr::eq(&l.moe, mw));
         if self.prefetches(m)
-            && let Some(next) = model
-                .w
-                .layers
-                .iter()
-                .position(|l| std::ptr::eq(&l.moe, mw))
-                .and_then(|l| model.w.layers.get(l + 1))
+            && let Some(next) = layer.and_then(|l| model.w.layers.get(l + 1))
         {
             // The next layer's input projections, while the experts run.
             match &next.mixer {
@@ -4043,7 +4041,6 @@ impl Cuda {
         // Either way every row reads the same bytes.
         let mut remapped = None;
         let mut staged = None;
-        let layer = model.w.layers.iter().position(|l| std::ptr::eq(&l.moe, mw));
         let bases = match (&self.tier, layer) {
             (Some(t), Some(l)) if t.uses_cache(m, k) => {
                 // The one read-back per layer: the step's expert ids.

@@ -2216,27 +2216,40 @@ fn shared_expert_beside_the_routed_experts_equals_serial() {
     );
 }
 
-/// Switch `name` on against off: the same logits bytes at every replayed
-/// position, graphs on and off, and with chunks of 7 (calls that do not
-/// take the decode launches), on every tiny shape.
-fn decode_switch_changes_no_byte(name: &str, salt: u32) {
+/// [`switch_arms`] with decode steps recorded as graphs or not.
+fn graph_switch_arms(model: &Model, name: &str, graphs: bool) -> (Cuda, Cuda) {
+    let (mut on, mut off) = switch_arms(model, name);
+    on.set_graphs(graphs);
+    off.set_graphs(graphs);
+    (on, off)
+}
+
+/// Switch `name` on against off: the same logits bytes at every position
+/// of the first `n` tokens of `test_tokens(.., salt)` fed in chunks of
+/// each of `chunks` (1: replay), graphs on and off, on every tiny shape
+/// (weights from `seed`); `check` then asserts more of the two arms.
+fn decode_switch_changes_no_byte(
+    name: &str,
+    (seed, salt, n): (u64, u32, usize),
+    chunks: &[usize],
+    check: impl Fn(&str, &Cuda, &Cuda),
+) {
     for shape in SHAPES {
-        let (_d, model) = synth(shape, GgmlType::Q4_K, 47);
-        let toks: Vec<u32> = test_tokens(&model, salt).into_iter().take(60).collect();
+        let (_d, model) = synth(shape, GgmlType::Q4_K, seed);
+        let toks: Vec<u32> = test_tokens(&model, salt).into_iter().take(n).collect();
         for graphs in [false, true] {
-            let (mut on, mut off) = switch_arms(&model, name);
-            on.set_graphs(graphs);
-            off.set_graphs(graphs);
+            let (on, off) = graph_switch_arms(&model, name, graphs);
             assert_same_logits(
                 &on,
                 &off,
                 &model,
                 &toks,
-                &[1, 7],
+                chunks,
                 &format!("{shape}: {name} differs (graphs {graphs})"),
             );
+            check(shape, &on, &off);
         }
-        eprintln!("{shape}: decode with {name} == without");
+        eprintln!("{shape}: decode with {name} == without (graphs on and off)");
     }
 }
 
@@ -2247,7 +2260,7 @@ fn lane_kernel_on_16_rows_a_block_changes_no_byte() {
     if !gpu() {
         return;
     }
-    decode_switch_changes_no_byte("LANE16", 11);
+    decode_switch_changes_no_byte("LANE16", (47, 11, 60), &[1, 7], |_, _, _| {});
 }
 
 /// Decode's router launch with a warp a block (`ROUTER_1W`) against four:
@@ -2257,7 +2270,7 @@ fn router_launch_a_warp_a_block_changes_no_byte() {
     if !gpu() {
         return;
     }
-    decode_switch_changes_no_byte("ROUTER_1W", 13);
+    decode_switch_changes_no_byte("ROUTER_1W", (47, 13, 60), &[1, 7], |_, _, _| {});
 }
 
 /// Decode's delta-net output projection taking the gated norm itself
@@ -2288,9 +2301,7 @@ fn gated_norm_in_the_output_projection_changes_no_byte() {
             }
             let toks: Vec<u32> = test_tokens(&model, 9).into_iter().take(80).collect();
             for graphs in [false, true] {
-                let (mut on, mut off) = switch_arms(&model, "GN_FOLD");
-                on.set_graphs(graphs);
-                off.set_graphs(graphs);
+                let (on, off) = graph_switch_arms(&model, "GN_FOLD", graphs);
                 assert_same_logits(
                     &on,
                     &off,
@@ -2330,29 +2341,13 @@ fn decode_prefetch_changes_no_byte() {
     if !gpu() {
         return;
     }
-    for shape in SHAPES {
-        let (_d, model) = synth(shape, GgmlType::Q4_K, 37);
-        let toks: Vec<u32> = test_tokens(&model, 5).into_iter().take(40).collect();
-        for graphs in [true, false] {
-            let (mut on, mut off) = switch_arms(&model, "PREFETCH");
-            on.set_graphs(graphs);
-            off.set_graphs(graphs);
-            assert_same_logits(
-                &on,
-                &off,
-                &model,
-                &toks,
-                &[1],
-                &format!("{shape}: decode differs with the L2 prefetch (graphs {graphs})"),
-            );
-            let (a, b) = (on.device().launch_count(), off.device().launch_count());
-            assert!(
-                a > b,
-                "{shape}: the prefetch arm launched {a} kernels, the other {b}"
-            );
-        }
-        eprintln!("{shape}: decode with the L2 prefetch == without (graphs on and off)");
-    }
+    decode_switch_changes_no_byte("PREFETCH", (37, 5, 40), &[1], |shape, on, off| {
+        let (a, b) = (on.device().launch_count(), off.device().launch_count());
+        assert!(
+            a > b,
+            "{shape}: the prefetch arm launched {a} kernels, the other {b}"
+        );
+    });
 }
 
 #[test]

@@ -28,6 +28,17 @@ pub enum Logits {
     None,
 }
 
+impl Logits {
+    /// The rows it asks of a call's `n` rows that start at row `r0`.
+    pub fn rows(self, r0: usize, n: usize) -> std::ops::Range<usize> {
+        match self {
+            Logits::All => r0..r0 + n,
+            Logits::Last if n > 0 => r0 + n - 1..r0 + n,
+            _ => r0..r0,
+        }
+    }
+}
+
 /// One sequence's part of a batched forward call: its state, its next tokens
 /// and which of their logits to return.
 pub struct Segment<'a, S> {
@@ -127,11 +138,7 @@ pub fn forward_batch<B: Backend>(
     for s in segs.iter_mut() {
         let n = s.tokens.len();
         b.advance(s.state, n);
-        match s.want {
-            Logits::All => rows.extend(r0..r0 + n),
-            Logits::Last if n > 0 => rows.push(r0 + n - 1),
-            _ => {}
-        }
+        rows.extend(s.want.rows(r0, n));
         r0 += n;
     }
     let logits = if rows.is_empty() {
@@ -143,11 +150,7 @@ pub fn forward_batch<B: Backend>(
     let mut out = Vec::with_capacity(segs.len());
     let mut at = 0;
     for s in segs.iter() {
-        let k = match s.want {
-            Logits::All => s.tokens.len(),
-            Logits::Last if !s.tokens.is_empty() => 1,
-            _ => 0,
-        };
+        let k = s.want.rows(0, s.tokens.len()).len();
         out.push(logits[at * v..(at + k) * v].to_vec());
         at += k;
     }
@@ -310,11 +313,7 @@ fn pair_in_order<B: Backend>(
     b.advance(st, n0 + n1);
     let mut out = [Vec::new(), Vec::new()];
     for (i, (n, w)) in [(n0, want[0]), (n1, want[1])].into_iter().enumerate() {
-        let rows: Vec<usize> = match w {
-            Logits::All => (0..n).collect(),
-            Logits::Last => vec![n - 1],
-            Logits::None => Vec::new(),
-        };
+        let rows: Vec<usize> = w.rows(0, n).collect();
         if !rows.is_empty() {
             out[i] = b.logits(model, &bufs[i].0, &rows)?;
         }

@@ -3,6 +3,8 @@
 //! sequence run on its own, for all three architectures, whatever the mix of
 //! prefill chunks and decode rows.
 
+mod common;
+
 use samesum_engine::backend::Backend;
 use samesum_engine::cpu::Cpu;
 use samesum_engine::{KvType, Logits, Model, Segment, forward, forward_batch};
@@ -17,15 +19,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 #[test]
 fn sequences_batched_together_equal_each_alone() {
     for shape in ["tiny-qwen3moe", "tiny-qwen3next", "tiny-qwen35moe"] {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("m.gguf");
-        write_model(
-            &SynthOptions::new(shapes::by_name(shape).unwrap(), GgmlType::Q4_K, 4),
-            &p,
-            &mut |_, _| {},
-        )
-        .unwrap();
-        let model = Model::load(&p).unwrap();
+        let (_dir, model) = common::synth_model(shape, GgmlType::Q4_K, 4);
         let cpu = Cpu::new(2);
         let mut rng = Rng::new(17);
         let v = model.w.n_vocab as u64;

@@ -1,25 +1,18 @@
 //! The identity gate passes on the real engine and fails on a deliberately
 //! reordered variant (the negative control), on all three architectures.
 
+mod common;
+
+use samesum_engine::KvType;
 use samesum_engine::cpu::Cpu;
 use samesum_engine::identity::{batched, replay};
-use samesum_engine::{KvType, Model};
 use samesum_gguf::GgmlType;
-use samesum_synth::{SynthOptions, shapes, write_model};
 
 #[test]
 fn gate_passes_and_its_negative_control_fails() {
     let prompt: Vec<u32> = (0..70).map(|i| (i * 29 + 3) % 500).collect();
     for shape in ["tiny-qwen3moe", "tiny-qwen3next", "tiny-qwen35moe"] {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("m.gguf");
-        write_model(
-            &SynthOptions::new(shapes::by_name(shape).unwrap(), GgmlType::Q4_K, 2),
-            &p,
-            &mut |_, _| {},
-        )
-        .unwrap();
-        let model = Model::load(&p).unwrap();
+        let (_dir, model) = common::synth_model(shape, GgmlType::Q4_K, 2);
         let cpu = Cpu::new(2);
         let r = replay(&cpu, &model, &prompt, 16, KvType::F32).unwrap();
         for chunk in [1, 7, 64] {

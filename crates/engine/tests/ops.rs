@@ -6,6 +6,8 @@
 //! Written against the CPU backend's row kernels; the CUDA backend will run the
 //! same bodies.
 
+mod common;
+
 use samesum_engine::cpu::{self, AttnParams, Cpu, DeltaParams};
 use samesum_engine::model::Matrix;
 use samesum_engine::state::{KvLayer, KvType, SeqState};
@@ -310,17 +312,8 @@ fn every_block_op_obeys_the_row_contract() {
     // The generic suite (samesum_engine::conformance) on the CPU backend, for
     // tiny models of all three architectures, at 1 and 3 threads.
     use samesum_engine::conformance::block_ops_match;
-    use samesum_synth::{SynthOptions, shapes, write_model};
     for shape in ["tiny-qwen3moe", "tiny-qwen3next", "tiny-qwen35moe"] {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("m.gguf");
-        write_model(
-            &SynthOptions::new(shapes::by_name(shape).unwrap(), GgmlType::Q4_K, 9),
-            &p,
-            &mut |_, _| {},
-        )
-        .unwrap();
-        let model = samesum_engine::Model::load(&p).unwrap();
+        let (_dir, model) = common::synth_model(shape, GgmlType::Q4_K, 9);
         for threads in [1, 3] {
             if let Err(e) = block_ops_match(&Cpu::new(threads), &model, MS, 77) {
                 panic!("{shape} threads={threads}: {e}");

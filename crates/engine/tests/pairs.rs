@@ -6,6 +6,8 @@
 //! GPU's two streams are held to; the misordered control (the second chunk's
 //! layer first) must differ, so the comparison can fail.
 
+mod common;
+
 use samesum_engine::backend::Backend;
 use samesum_engine::cpu::Cpu;
 use samesum_engine::{
@@ -13,23 +15,13 @@ use samesum_engine::{
 };
 use samesum_gguf::GgmlType;
 use samesum_quant::rng::Rng;
-use samesum_synth::{SynthOptions, shapes, write_model};
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
 fn model(shape: &str) -> (tempfile::TempDir, Model) {
-    let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("m.gguf");
-    write_model(
-        &SynthOptions::new(shapes::by_name(shape).unwrap(), GgmlType::Q4_K, 6),
-        &p,
-        &mut |_, _| {},
-    )
-    .unwrap();
-    let model = Model::load(&p).unwrap();
-    (dir, model)
+    common::synth_model(shape, GgmlType::Q4_K, 6)
 }
 
 /// Every row's logits of `toks` in chunks of `chunk`, pairs through `pair`,
