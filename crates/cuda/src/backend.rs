@@ -229,7 +229,9 @@ pub struct Cuda {
     /// block (`mm_q4_k_lane16_1`: the lane kernel's arithmetic a row, on
     /// twice the blocks; under ncu decode's output projection, 2,048 rows
     /// in 64 blocks of 32, leaves 68 of 132 SMs idle and its SMs active a
-    /// third of its 7 us). `SAMESUM_CUDA_LANE16`. The same bytes.
+    /// third of its 7 us). Default (session 26: 6.54 -> 5.67 us a launch,
+    /// qwen35moe tg128 +0.65%); `SAMESUM_CUDA_LANE16=0` for 32 rows a
+    /// block everywhere. The same bytes.
     lane16: bool,
     /// Decode's router launch with a warp (a router row) a block
     /// (`mm_f32_multi_route_rd1`: 257 blocks of 32 threads for qwen35moe's
@@ -1208,7 +1210,7 @@ impl Cuda {
             silu_q8k: env_switch("SAMESUM_CUDA_SILU_Q8K", true),
             gn_q8k: env_switch("SAMESUM_CUDA_GN_Q8K", true),
             gn_fold: env_switch("SAMESUM_CUDA_GN_FOLD", false),
-            lane16: env_switch("SAMESUM_CUDA_LANE16", false),
+            lane16: env_switch("SAMESUM_CUDA_LANE16", true),
             router_1w: env_switch("SAMESUM_CUDA_ROUTER_1W", false),
             lane_rows: env_switch("SAMESUM_CUDA_LANE_ROWS", true),
             route_one: env_switch("SAMESUM_CUDA_ROUTE_ONE", true),
