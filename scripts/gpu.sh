@@ -34,6 +34,9 @@
 # --vram-budget 2G, then bench on qwen35moe at SAMESUM_GPU_BUDGETS ("24G
 # 12G") for SAMESUM_GPU_TIER_PP (1024,8192); tier122 the 122B shape at 40G.
 # SAMESUM_GPU_TIER_ARGS adds arguments to the tier benches (e.g. --no-warmup).
+# floor builds scripts/launch_floor.cu with nvcc and runs it: microseconds a
+# dependent step as graph launches, with PDL, and in one persistent launch
+# (SAMESUM_GPU_FLOOR_ARGS: "steps reps", default "480 50").
 # agree measures teacher-forced agreement (samesum agree) of
 # SAMESUM_GPU_AGREE_VARIANT against the defaults, and the same-arm control;
 # SAMESUM_GPU_AGREE_SEEDS prompts per length, SAMESUM_GPU_AGREE_PROBE a probe
@@ -316,6 +319,12 @@ run)
                     --device cuda -m "$f" -p ${SAMESUM_GPU_PREFILL_PP:-4096,16384} -n 0 -r 1 --prefill batched
             done
         done
+    fi
+    if [[ $steps == *,floor,* ]]; then
+        # The floor of a chain of dependent steps: graph, graph with PDL,
+        # one persistent launch with grid barriers (scripts/launch_floor.cu).
+        step floor-build nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/launch_floor scripts/launch_floor.cu &&
+            step floor timeout 120 /tmp/launch_floor ${SAMESUM_GPU_FLOOR_ARGS:-480 50}
     fi
     if [[ $steps == *,agree,* ]]; then
         # Teacher-forced agreement of a variant with the defaults (issue 6's
