@@ -7,7 +7,8 @@
 //! kernel's per-row arithmetic is independent of it (see `kernels/*.cu`).
 
 use crate::device::{
-    Device, addr, cfg, cfg1, drv, lane_cfg, lane_threads, launch, launch_as, upload_bar,
+    Device, addr, cfg, cfg1, drv, lane_cfg, lane_cfg_rows, lane_threads, launch, launch_as,
+    upload_bar,
 };
 use crate::error::{CudaError, Result};
 use crate::tier::{RESERVE, TierSizes, plan as tier_plan};
@@ -2280,14 +2281,7 @@ impl Cuda {
             ($k:literal, $k4:literal, $k1:literal, $kx4:literal, $a:expr, $n:expr) => {
                 if one_row && self.lane_rows && w.ty == GgmlType::Q4_K {
                     let (kl, cl) = if self.lane16 && w.rows <= LANE16_ROWS {
-                        (
-                            "mm_q4_k_lane16_1",
-                            cfg(
-                                (w.rows.div_ceil(16) as u32, m as u32, 1),
-                                lane_threads(*$n),
-                                0,
-                            ),
-                        )
+                        ("mm_q4_k_lane16_1", lane_cfg_rows(w.rows, m, *$n, 16))
                     } else {
                         ("mm_q4_k_lane_1", lane_cfg(w.rows, m, *$n))
                     };

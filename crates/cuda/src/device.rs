@@ -862,7 +862,18 @@ pub(crate) fn lane_threads(nb: i32) -> u32 {
 /// A lane-row launch: a block per 32 weight rows (grid x) per input row
 /// (grid y).
 pub(crate) fn lane_cfg(rows: usize, m: usize, nb: i32) -> cudarc::driver::LaunchConfig {
-    cfg((rows.div_ceil(32) as u32, m as u32, 1), lane_threads(nb), 0)
+    lane_cfg_rows(rows, m, nb, 32)
+}
+
+/// A lane-row launch of `rb` weight rows a block (32, or 16 for
+/// `mm_q4_k_lane16_1`).
+pub(crate) fn lane_cfg_rows(
+    rows: usize,
+    m: usize,
+    nb: i32,
+    rb: usize,
+) -> cudarc::driver::LaunchConfig {
+    cfg((rows.div_ceil(rb) as u32, m as u32, 1), lane_threads(nb), 0)
 }
 
 #[cfg(test)]

@@ -2686,8 +2686,6 @@ fn fusion_arms_with(
         on.set_switch(b, v).unwrap();
         off.set_switch(b, v).unwrap();
     }
-    on.set_switch(name, true).unwrap();
-    off.set_switch(name, false).unwrap();
     let toks = test_tokens(model, salt);
     let mut first: Option<Vec<f32>> = None;
     for chunk in [1, 64, 7] {
