@@ -77,6 +77,12 @@ pub(crate) struct Args {
     /// --no-warmup), for long replay runs.
     #[arg(long)]
     no_warmup: bool,
+    /// After the tests, write the logits bytes of one check run to this file
+    /// (f32, little-endian): every row of the first prompt length, prefilled
+    /// batched, then each step of greedy decoding for the first generation
+    /// length. Two builds that should compute the same sums write the same file.
+    #[arg(long, value_name = "FILE")]
+    logits_out: Option<PathBuf>,
 }
 
 fn mean_sd(v: &[f64]) -> (f64, f64) {
@@ -297,5 +303,67 @@ fn bench<B: Backend>(
             );
         }
     }
+    if let Some(out) = &a.logits_out {
+        write_logits(b, model, a, kv, batch_chunk, out)?;
+    }
     Ok(())
+}
+
+/// The check run of `--logits-out`: a fixed random prompt of the first
+/// prompt length (all rows' logits), then greedy decoding of the first
+/// generation length, every logit appended to `out` as f32 little-endian.
+fn write_logits<B: Backend>(
+    b: &B,
+    model: &Model,
+    a: &Args,
+    kv: KvType,
+    chunk: usize,
+    out: &std::path::Path,
+) -> Result<()> {
+    use std::io::Write;
+    let np = a.n_prompt.iter().copied().find(|&n| n > 0).unwrap_or(0);
+    let ng = a.n_gen.iter().copied().find(|&n| n > 0).unwrap_or(0);
+    let mut rng = Rng::new(7);
+    let vocab = model.w.n_vocab as u64;
+    let prompt: Vec<u32> = (0..np).map(|_| rng.below(vocab) as u32).collect();
+    let file = std::fs::File::create(out)
+        .map_err(|e| anyhow::anyhow!("creating {}: {e}", out.display()))?;
+    let mut w = std::io::BufWriter::new(file);
+    let mut put = |v: &[f32]| -> Result<()> {
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        w.write_all(&bytes)
+            .map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))
+    };
+    let mut st = b.new_state(model, np + ng + 1, kv)?;
+    let n_vocab = model.w.n_vocab;
+    // The prompt goes through the same chunk pairs as prefill, every row's
+    // logits asked for.
+    let pieces: Vec<&[u32]> = prompt.chunks(chunk.max(1)).collect();
+    let all = samesum_engine::forward_chunks(model, b, &mut st, &pieces, |_| Logits::All)?;
+    put(&all)?;
+    let mut last = all[all.len().saturating_sub(n_vocab)..].to_vec();
+    drop(all);
+    for _ in 0..ng {
+        let next = argmax(&last);
+        last = forward(model, b, &mut st, &[next], Logits::Last)?;
+        put(&last)?;
+    }
+    w.flush()
+        .map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))?;
+    eprintln!(
+        "logits of pp{np} (all rows) and {ng} greedy steps written to {}",
+        out.display()
+    );
+    Ok(())
+}
+
+/// The first index of the largest value (0 for an empty slice).
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
 }
