@@ -1,0 +1,111 @@
+//! RMSNorm and its fused forms (with a residual add, with Q8_K rows).
+
+use super::*;
+
+impl Cuda {
+    /// Keep a norm's Q8_K rows for the next op (see `take_norm_q8k`).
+    pub(super) fn keep_norm_q8k(&self, out: &CudaSlice<f32>, q: CudaSlice<u8>) {
+        let kept = NormQ8k {
+            addr: crate::device::addr(&self.dev, out),
+            len: out.len(),
+            seq: self.dev.launch_count(),
+            q,
+        };
+        self.norm_q8k.lock().unwrap_or_else(|p| p.into_inner())[self.dev.lane()] = Some(kept);
+    }
+
+    pub(super) fn take_norm_q8k(&self, x: &CudaSlice<f32>) -> Option<CudaSlice<u8>> {
+        let kept =
+            self.norm_q8k.lock().unwrap_or_else(|p| p.into_inner())[self.dev.lane()].take()?;
+        (kept.seq == self.dev.launch_count()
+            && kept.len == x.len()
+            && kept.addr == crate::device::addr(&self.dev, x))
+        .then_some(kept.q)
+    }
+
+    /// RMSNorm of host rows (`x.len() / w.len()` of them) through
+    /// `rms_norm_on`'s choice of kernel (for tests).
+    #[doc(hidden)]
+    pub fn rms_norm_host(&self, x: &[f32], w: &[f32], eps: f32) -> Result<Vec<f32>> {
+        let rows = x.len() / w.len().max(1);
+        let xd = self.dev.upload(x)?;
+        let wd = self.dev.upload(w)?;
+        let mut y = self.dev.upload(&vec![f32::NAN; x.len()])?;
+        self.rms_norm_on(&xd, &wd, w.len(), rows, eps, &mut y)?;
+        self.dev.download(&y, x.len())
+    }
+
+    pub(super) fn rms_norm_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &[f32],
+        rows: usize,
+        eps: f32,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        self.rms_norm_on(x, self.vec(w)?, w.len(), rows, eps, y)
+    }
+
+    /// RMSNorm of `rows` rows of `width` with the weights at `wd`: a warp a
+    /// row up to 256 wide (with the `SMALL_NORM` switch on), else a block.
+    pub(super) fn rms_norm_on(
+        &self,
+        x: &CudaSlice<f32>,
+        wd: &CudaSlice<f32>,
+        width: usize,
+        rows: usize,
+        eps: f32,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let small = self.small_norm && width <= 256;
+        let width = width as i32;
+        if small {
+            let ri = rows as i32;
+            return launch!(
+                self.dev,
+                "rms_norm_small",
+                cfg((rows.div_ceil(8) as u32, 1, 1), 256, 0),
+                x,
+                wd,
+                y,
+                &ri,
+                &width,
+                &eps
+            );
+        }
+        launch!(
+            self.dev,
+            "rms_norm",
+            cfg((rows as u32, 1, 1), 256, 0),
+            x,
+            wd,
+            y,
+            &width,
+            &eps
+        )
+    }
+
+    pub(super) fn copy_cols(
+        &self,
+        src: &CudaSlice<f32>,
+        src_w: usize,
+        dst: &mut CudaSlice<f32>,
+        dst_w: usize,
+        map: u64,
+        m: usize,
+    ) -> Result<()> {
+        let (sw, dw, mi) = (src_w as i32, dst_w as i32, m as i32);
+        launch!(
+            self.dev,
+            "copy_cols",
+            cfg1(m * dst_w),
+            src,
+            &sw,
+            dst,
+            &dw,
+            &map,
+            &mi
+        )
+    }
+
+}
