@@ -14,10 +14,31 @@ use cudarc::nvrtc::sys;
 use std::ffi::{CStr, CString, c_char};
 use std::path::PathBuf;
 
-/// The kernel sources shipped with the crate: (module name, source).
+/// The kernel sources shipped with the crate: (module name, source). A
+/// module is one NVRTC compile unit made of one op family's files in order:
+/// `matmul` the quantized and float matmuls (dp4a and one-row kernels, the
+/// decode lane kernels, the tensor-core kernels, the float kernels with the
+/// router); `ops` the row ops (norms and elementwise, attention, the conv
+/// and delta rule, routing, the expert plan and combine).
 pub const MODULES: &[(&str, &str)] = &[
-    ("matmul", include_str!("../kernels/matmul.cu")),
-    ("ops", include_str!("../kernels/ops.cu")),
+    (
+        "matmul",
+        concat!(
+            include_str!("../kernels/matmul_dp4a.cu"),
+            include_str!("../kernels/matmul_lane.cu"),
+            include_str!("../kernels/matmul_tc.cu"),
+            include_str!("../kernels/matmul_float.cu"),
+        ),
+    ),
+    (
+        "ops",
+        concat!(
+            include_str!("../kernels/norm.cu"),
+            include_str!("../kernels/attention.cu"),
+            include_str!("../kernels/delta_net.cu"),
+            include_str!("../kernels/moe.cu"),
+        ),
+    ),
 ];
 
 /// Shared helpers prepended to every module.

@@ -1104,7 +1104,7 @@ mod topk_tests {
 
     /// The comparator pairs of `sort_picks`'s branch for `u` entries.
     fn network(u: usize) -> Vec<(usize, usize)> {
-        let src = include_str!("../../kernels/ops.cu");
+        let src = include_str!("../../kernels/moe.cu");
         let body = &src[src.find("void sort_picks(").expect("sort_picks")..];
         let body = &body[..body.find("\n}\n").expect("end of sort_picks")];
         let part = if u == 4 {
