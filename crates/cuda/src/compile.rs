@@ -41,6 +41,60 @@ pub const MODULES: &[(&str, &str)] = &[
     ),
 ];
 
+/// The kernels a module's source defines, in source order: `extern "C"
+/// __global__` functions (past an optional `__launch_bounds__(..)` or
+/// `__maxnreg__(..)`), and the instances of the macros that define one from
+/// their `name` parameter. [`crate::device::Device::open`] loads these.
+pub fn kernels_defined(src: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, _) in src.match_indices("extern \"C\" __global__") {
+        let mut rest = src[i..].split_once("__global__").unwrap().1.trim_start();
+        rest = rest.strip_prefix("void").unwrap_or(rest).trim_start();
+        for attr in ["__launch_bounds__(", "__maxnreg__("] {
+            if let Some(r) = rest.strip_prefix(attr) {
+                rest = r.split_once(')').unwrap().1.trim_start();
+            }
+        }
+        let rest = rest.trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+        let name: String = rest
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        if name != "name" {
+            out.push(name); // `name` is a macro's parameter
+        }
+    }
+    // Macros whose first parameter is `name` and whose body (the
+    // backslash-continued lines) defines a kernel, then their uses.
+    let lines: Vec<&str> = src.lines().collect();
+    let mut macros = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let Some((mac, params)) = line
+            .strip_prefix("#define ")
+            .and_then(|r| r.split_once('('))
+        else {
+            continue;
+        };
+        let mut end = i;
+        while lines[end].trim_end().ends_with('\\') && end + 1 < lines.len() {
+            end += 1;
+        }
+        if params.trim_start().starts_with("name")
+            && lines[i..=end].iter().any(|l| l.contains("__global__"))
+        {
+            macros.push(mac);
+        }
+    }
+    for line in &lines {
+        if let Some((mac, args)) = line.split_once('(')
+            && macros.contains(&mac)
+        {
+            out.push(args.split(',').next().unwrap().trim().to_string());
+        }
+    }
+    out
+}
+
 /// Shared helpers prepended to every module.
 pub const COMMON: &str = include_str!("../kernels/common.cuh");
 
@@ -313,5 +367,33 @@ fn check(what: &'static str, r: sys::nvrtcResult, module: &str) -> Result<()> {
             module: module.into(),
             code: format!("{r:?}"),
         })
+    }
+}
+
+#[cfg(test)]
+mod kernel_scan_tests {
+    use super::{MODULES, kernels_defined};
+
+    /// The scan finds both forms, so a kernel is loaded however it is defined.
+    #[test]
+    fn the_scan_sees_both_kernel_forms() {
+        let src = "extern \"C\" __global__ void __launch_bounds__(256)\n    a_k(int x) {}\n\
+                   extern \"C\" __global__ void b_k(int x) {}\n\
+                   #define X_KERNEL(name, Q) \\\n    extern \"C\" __global__ void name(int x) {}\n\
+                   X_KERNEL(c_k, 0)\n";
+        assert_eq!(kernels_defined(src), ["a_k", "b_k", "c_k"]);
+    }
+
+    /// Every module defines kernels, each name once.
+    #[test]
+    fn every_module_defines_distinct_kernels() {
+        for (module, src) in MODULES {
+            let mut k = kernels_defined(src);
+            assert!(k.len() > 10, "{module}: found only {k:?}");
+            let n = k.len();
+            k.sort();
+            k.dedup();
+            assert_eq!(k.len(), n, "{module}: a kernel defined twice");
+        }
     }
 }

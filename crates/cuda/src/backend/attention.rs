@@ -354,7 +354,6 @@ impl Cuda {
         }
         self.matmul(&a.o, &o, m, None, y)
     }
-
 }
 
 /// The score pass's 16-pair butterfly (ops.cu, `pair_butterfly`) simulated

@@ -384,5 +384,4 @@ impl Cuda {
         )?;
         self.matmul(&dn.out, &o, m, None, y)
     }
-
 }

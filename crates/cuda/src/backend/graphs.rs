@@ -41,7 +41,12 @@ impl Cuda {
     /// A one-row mixer call's prefetch once its input projections are
     /// queued: its output projection `out`, then layer `l`'s router and
     /// shared expert, read after the mixer's short kernels.
-    pub(super) fn prefetch_after_mixer_input(&self, model: &Model, l: usize, out: &Matrix) -> Result<()> {
+    pub(super) fn prefetch_after_mixer_input(
+        &self,
+        model: &Model,
+        l: usize,
+        out: &Matrix,
+    ) -> Result<()> {
         let mut mats = vec![out];
         if let Some(lw) = model.w.layers.get(l) {
             mats.push(&lw.moe.router);
@@ -179,5 +184,4 @@ impl Cuda {
             .map_err(|x| e(drv("record the decode step", x)))?
             .ok_or_else(|| e(drv("record the decode step", "an empty graph")))
     }
-
 }

@@ -385,7 +385,11 @@ impl Cuda {
     /// launch (`mm_*_multi_1`) for one-row calls where every matrix has one
     /// format, width and row size, else one matmul each. The same bytes
     /// either way: each row is the one-row kernel's.
-    pub(super) fn mm_group(&self, input: &Input, jobs: &mut [(&Matrix, &mut CudaSlice<f32>)]) -> Result<()> {
+    pub(super) fn mm_group(
+        &self,
+        input: &Input,
+        jobs: &mut [(&Matrix, &mut CudaSlice<f32>)],
+    ) -> Result<()> {
         let first = jobs.first().map(|(w, _)| (w.ty, w.cols, w.row_bytes));
         let kernel = match first.map(|f| f.0) {
             Some(GgmlType::Q4_K) => "mm_q4_k_multi_1",
@@ -741,7 +745,6 @@ impl Cuda {
             }),
         }
     }
-
 }
 
 /// `FmtQ6K::load` (matmul.cu) reads a group's 16 ql and 16 qh bytes with

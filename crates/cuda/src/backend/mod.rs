@@ -32,8 +32,8 @@ mod moe;
 mod norm;
 mod ops;
 
-pub use moe::plan_reference;
 use input::*;
+pub use moe::plan_reference;
 
 type R<T> = samesum_engine::Result<T>;
 /// A column map's description: (kind, sizes...).
@@ -1284,7 +1284,6 @@ impl Cuda {
         let (p, _s) = m.device_ptr(&self.dev.stream);
         Ok(p)
     }
-
 }
 
 /// Formats whose matmuls read Q8_K activation rows.

@@ -107,5 +107,4 @@ impl Cuda {
             &mi
         )
     }
-
 }

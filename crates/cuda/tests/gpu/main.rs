@@ -1,0 +1,782 @@
+//! The CUDA backend on a GPU: the row contract for every block op (one m-row
+//! call byte-equal to m one-row calls, NaN-poisoned outputs, fresh random
+//! inputs), CUDA against the CPU backend per op, batched forward against replay,
+//! and the Hugging Face fixtures. Every test skips where no CUDA device is
+//! present, unless `SAMESUM_REQUIRE_GPU=1` (the GPU script sets it).
+
+use samesum_cuda::tier::{RESERVE, TierSizes};
+use samesum_cuda::{Cuda, CudaError, CudaOptions, TcKernel};
+use samesum_engine::backend::{Backend, Norm};
+use samesum_engine::conformance::{block_ops_match, forward_rows_match};
+use samesum_engine::cpu::Cpu;
+use samesum_engine::model::weights::Mixer;
+use samesum_engine::{KvType, Logits, Model, forward};
+use samesum_gguf::GgmlType;
+use samesum_quant::rng::Rng;
+use samesum_synth::{SynthOptions, shapes, write_model};
+use std::path::PathBuf;
+
+mod attention;
+mod delta_net;
+mod matmul;
+mod moe;
+mod norm;
+
+const MS: &[usize] = &[1, 2, 3, 5, 16, 17, 64, 100, 257];
+const SHAPES: &[&str] = &["tiny-qwen3moe", "tiny-qwen3next", "tiny-qwen35moe"];
+
+fn gpu() -> bool {
+    let n = samesum_cuda::device_count();
+    if n == 0 {
+        assert!(
+            std::env::var("SAMESUM_REQUIRE_GPU").as_deref() != Ok("1"),
+            "SAMESUM_REQUIRE_GPU=1 but no CUDA device was found"
+        );
+        eprintln!("skipped: no CUDA device");
+    }
+    n > 0
+}
+
+/// The shapes of `names` (every one a known shape).
+fn named_shapes(names: &[&str]) -> Vec<shapes::Shape> {
+    names.iter().map(|n| shapes::by_name(n).unwrap()).collect()
+}
+
+fn synth(shape: &str, quant: GgmlType, seed: u64) -> (tempfile::TempDir, Model) {
+    synth_shape(shapes::by_name(shape).unwrap(), quant, seed)
+}
+
+fn synth_shape(shape: shapes::Shape, quant: GgmlType, seed: u64) -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("m.gguf");
+    write_model(&SynthOptions::new(shape, quant, seed), &p, &mut |_, _| {}).unwrap();
+    let m = Model::load(&p).unwrap();
+    (dir, m)
+}
+
+/// 300 fixed tokens of `model`'s vocabulary (two key tiles), varied by `salt`.
+fn test_tokens(model: &Model, salt: u32) -> Vec<u32> {
+    (0..300u32)
+        .map(|i| (i * 7919 + salt) % model.w.n_vocab as u32)
+        .collect()
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
+}
+
+/// Two backends on `model`: switch `name` on in the first, off in the second.
+fn switch_arms(model: &Model, name: &str) -> (Cuda, Cuda) {
+    let mut on = Cuda::new(0, model, false).unwrap();
+    on.set_switch(name, true).unwrap();
+    let mut off = Cuda::new(0, model, false).unwrap();
+    off.set_switch(name, false).unwrap();
+    (on, off)
+}
+
+/// The arms' logits at every position, the prompt fed in chunks of each of
+/// `chunks`, hold the same bits (`what` names the comparison); returns the
+/// first arm's logits per chunk size.
+fn assert_same_logits(
+    on: &Cuda,
+    off: &Cuda,
+    model: &Model,
+    toks: &[u32],
+    chunks: &[usize],
+    what: &str,
+) -> Vec<Vec<f32>> {
+    chunks
+        .iter()
+        .map(|&chunk| {
+            let p = all_logits(on, model, toks, chunk);
+            let q = all_logits(off, model, toks, chunk);
+            assert!(same_bits(&p, &q), "chunk {chunk}: {what}");
+            p
+        })
+        .collect()
+}
+
+fn repo() -> PathBuf {
+    std::env::var_os("SAMESUM_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."))
+}
+
+#[test]
+fn every_block_op_obeys_the_row_contract_on_the_gpu() {
+    if !gpu() {
+        return;
+    }
+    for shape in SHAPES {
+        for quant in [
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+            GgmlType::Q8_0,
+            GgmlType::BF16,
+            GgmlType::F16,
+            GgmlType::F32,
+        ] {
+            let (_d, model) = synth(shape, quant, 9);
+            let cuda = Cuda::new(0, &model, false).unwrap();
+            if let Err(e) = block_ops_match(&cuda, &model, MS, 77) {
+                panic!("{shape} {quant:?}: {e}");
+            }
+            eprintln!("{shape} {quant:?}: every block op row-invariant for m in {MS:?}");
+        }
+    }
+}
+
+fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (g, w) in got.iter().zip(want) {
+        if !g.is_finite() {
+            return f64::INFINITY;
+        }
+        num += ((g - w) as f64).powi(2);
+        den += (*w as f64).powi(2);
+    }
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// Each block op on the GPU against the CPU backend on the same inputs.
+fn ops_close(model: &Model, cuda: &Cuda, cpu: &Cpu, m: usize, tol: f64, what: &str) {
+    ops_close_kv(model, cuda, cpu, m, tol, what, KvType::F32)
+}
+
+/// The bar for an attention layer and its state with an f16 KV cache on both
+/// backends. Each backend rounds its own f32 K and V to halves; where the two
+/// f32 values (about 1e-7 apart, relative) straddle a rounding boundary, the
+/// halves differ by one half ulp (2^-11 relative). A fraction of about
+/// 1e-7 / 2^-11 = 2e-4 of the elements flip, so the expected distance is
+/// sqrt(2e-4) * 2^-11 = 7e-6, against 1e-5 for the f32 cache's bar: the
+/// first GPU run measured 1.06e-5 at m = 300. The bar is 5e-5, and
+/// `f16_kv_cache_on_the_gpu` also asserts that the GPU is several times
+/// closer to the CPU on halves than to the CPU on f32 (rounding to halves
+/// moves an output by ~2e-4), so a GPU that did not round, or rounded
+/// otherwise, still fails.
+const F16_KV_TOL: f64 = 5e-5;
+
+/// `ops_close` with a KV cache of `kv` on both backends (with an f16 cache,
+/// the attention layers and their states against `F16_KV_TOL`).
+fn ops_close_kv(model: &Model, cuda: &Cuda, cpu: &Cpu, m: usize, tol: f64, what: &str, kv: KvType) {
+    let mixer_tol = if kv == KvType::F16 {
+        tol.max(F16_KV_TOL)
+    } else {
+        tol
+    };
+    let d = model.hp.n_embd;
+    let mut rng = Rng::new(5 + m as u64);
+    let x: Vec<f32> = (0..m * d).map(|_| rng.range(-2.0, 2.0)).collect();
+    let xg = cuda.upload(&x).unwrap();
+    let nan = |n: usize| cuda.upload(&vec![f32::NAN; n]).unwrap();
+    let report_tol = |op: String, got: Vec<f32>, want: Vec<f32>, tol: f64| {
+        assert_eq!(got.len(), want.len(), "{what} {op}");
+        let r = rel_l2(&got, &want);
+        assert!(r <= tol, "{what} {op} m={m}: relative L2 {r:.3e} > {tol:e}");
+        eprintln!("{what} {op} m={m}: relative L2 {r:.2e}");
+    };
+    let report = |op: String, got: Vec<f32>, want: Vec<f32>| report_tol(op, got, want, tol);
+    let toks: Vec<u32> = (0..m)
+        .map(|_| rng.below(model.w.n_vocab as u64) as u32)
+        .collect();
+    let mut eg = nan(m * d);
+    cuda.embed(model, &toks, &mut eg).unwrap();
+    let mut ec = vec![f32::NAN; m * d];
+    cpu.embed(model, &toks, &mut ec).unwrap();
+    report("embed".into(), cuda.download(&eg).unwrap(), ec);
+    for (l, lw) in model.w.layers.iter().enumerate() {
+        let mut g = nan(m * d);
+        cuda.rms_norm(model, Norm::Attn(l), &xg, &mut g).unwrap();
+        let mut c = vec![0f32; m * d];
+        cpu.rms_norm(model, Norm::Attn(l), &x, &mut c).unwrap();
+        report(format!("layer {l} norm"), cuda.download(&g).unwrap(), c);
+        // The mixer twice in a row (the second call reads the state the first wrote).
+        let mut sg = cuda.new_state(model, 2 * m, kv).unwrap();
+        let mut sc = cpu.new_state(model, 2 * m, kv).unwrap();
+        for call in 0..2 {
+            let mut g = nan(m * d);
+            let mut c = vec![0f32; m * d];
+            match &lw.mixer {
+                Mixer::Attention(a) => {
+                    cuda.attention(model, l, a, &xg, &mut sg, &mut g).unwrap();
+                    cpu.attention(model, l, a, &x, &mut sc, &mut c).unwrap();
+                }
+                Mixer::Linear(dn) => {
+                    cuda.delta_net(model, l, dn, &xg, &mut sg, &mut g).unwrap();
+                    cpu.delta_net(model, l, dn, &x, &mut sc, &mut c).unwrap();
+                }
+            }
+            cuda.advance(&mut sg, m);
+            cpu.advance(&mut sc, m);
+            report_tol(
+                format!("layer {l} mixer call {call}"),
+                cuda.download(&g).unwrap(),
+                c,
+                mixer_tol,
+            );
+        }
+        report_tol(
+            format!("layer {l} state"),
+            cuda.download_state(&sg).unwrap(),
+            cpu.download_state(&sc).unwrap(),
+            mixer_tol,
+        );
+        let mut g = nan(m * d);
+        cuda.moe(model, &lw.moe, &xg, &mut g).unwrap();
+        let mut c = vec![0f32; m * d];
+        cpu.moe(model, &lw.moe, &x, &mut c).unwrap();
+        report(format!("layer {l} moe"), cuda.download(&g).unwrap(), c);
+    }
+    let rows: Vec<usize> = (0..m).collect();
+    report(
+        "logits".into(),
+        cuda.logits(model, &xg, &rows).unwrap(),
+        cpu.logits(model, &x, &rows).unwrap(),
+    );
+}
+
+#[test]
+fn every_block_op_matches_the_cpu_backend() {
+    if !gpu() {
+        return;
+    }
+    let cpu = Cpu::new(2);
+    for shape in SHAPES {
+        // f32 weights: both sides compute in f32 from the same inputs.
+        // Quantized and half-precision weights: the first matmul of an op sees the
+        // same quantized activations on both sides, later ones inputs that differ
+        // in the last bits, which can move an activation's rounding.
+        for (quant, tol) in [
+            (GgmlType::F32, 1e-5),
+            (GgmlType::BF16, 1e-2),
+            (GgmlType::F16, 1e-2),
+            (GgmlType::Q8_0, 1e-2),
+            (GgmlType::Q4_K, 1e-2),
+        ] {
+            let (_d, model) = synth(shape, quant, 3);
+            let cuda = Cuda::new(0, &model, false).unwrap();
+            for m in [1, 7, 64] {
+                ops_close(&model, &cuda, &cpu, m, tol, &format!("{shape} {quant:?}"));
+            }
+        }
+    }
+}
+
+/// On each shape (`label` names it; weights from `seeds.0`, the prompt from
+/// `seeds.1`), switch `switch` on and off give the same logits bytes at
+/// every position, the prompt fed in chunks of each of `chunks`; `what`
+/// says what the arms are.
+fn assert_switch_keeps_logits(
+    cases: Vec<shapes::Shape>,
+    label: impl Fn(&shapes::Shape) -> String,
+    seeds: (u64, u32),
+    switch: &str,
+    chunks: &[usize],
+    what: &str,
+) {
+    for shape in cases {
+        let name = label(&shape);
+        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, seeds.0);
+        let (on, off) = switch_arms(&model, switch);
+        let toks = test_tokens(&model, seeds.1);
+        assert_same_logits(
+            &on,
+            &off,
+            &model,
+            &toks,
+            chunks,
+            &format!("{name}: {what} differ"),
+        );
+        eprintln!("{name}: {what} equal, chunks {chunks:?}");
+    }
+}
+
+#[test]
+fn batched_forward_equals_replay_on_the_gpu() {
+    if !gpu() {
+        return;
+    }
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 11);
+        let cuda = Cuda::new(0, &model, false).unwrap();
+        let mut rng = Rng::new(8);
+        let toks: Vec<u32> = (0..300)
+            .map(|_| rng.below(model.w.n_vocab as u64) as u32)
+            .collect();
+        for chunk in [7, 64, 128] {
+            if let Err(dv) = forward_rows_match(&cuda, &model, &toks, chunk) {
+                panic!("{shape} chunk {chunk}: {dv:?}");
+            }
+        }
+        eprintln!("{shape}: 300 tokens, chunks 7/64/128 byte-equal to replay");
+    }
+}
+
+/// Batched prefill two chunks at a time on two lanes (`WAVE`, the second
+/// chunk's layer l beside the first chunk's later layers) against the same
+/// chunks one after the other on one lane and against replay: every logit
+/// and the state byte-equal, on every tiny shape, chunk sizes that pair
+/// evenly (64 over 256 tokens), oddly (100 and 7 over 300: a last chunk
+/// alone) and with a short second chunk; and lane 1 ran kernels.
+#[test]
+fn chunk_pairs_on_two_lanes_equal_one_lane_and_replay() {
+    if !gpu() {
+        return;
+    }
+    use samesum_engine::forward_chunks;
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 37);
+        let (wave, one) = switch_arms(&model, "WAVE");
+        assert_eq!(wave.lanes(), 2, "{shape}: WAVE on gives two lanes");
+        assert_eq!(one.lanes(), 1, "{shape}: WAVE off gives one lane");
+        let mut rng = Rng::new(41);
+        let toks: Vec<u32> = (0..300)
+            .map(|_| rng.below(model.w.n_vocab as u64) as u32)
+            .collect();
+        let replay = all_logits(&one, &model, &toks, 1);
+        for (n, chunk) in [(256usize, 64usize), (300, 100), (300, 7), (130, 128)] {
+            let toks = &toks[..n];
+            let before = wave.device().lane_launch_count(1);
+            let pieces: Vec<&[u32]> = toks.chunks(chunk).collect();
+            let mut st = wave.new_state(&model, n, KvType::F32).unwrap();
+            let paired = forward_chunks(&model, &wave, &mut st, &pieces, |_| Logits::All).unwrap();
+            assert!(
+                wave.device().lane_launch_count(1) > before,
+                "{shape} chunk {chunk}: nothing ran on lane 1"
+            );
+            let mut st1 = one.new_state(&model, n, KvType::F32).unwrap();
+            let mut serial = Vec::new();
+            for c in &pieces {
+                serial.extend(forward(&model, &one, &mut st1, c, Logits::All).unwrap());
+            }
+            assert_eq!(paired.len(), serial.len());
+            if let Some(i) = paired
+                .iter()
+                .zip(&serial)
+                .position(|(a, b)| a.to_bits() != b.to_bits())
+            {
+                panic!(
+                    "{shape} chunk {chunk}: two lanes differ from one at position {}",
+                    i / model.w.n_vocab
+                );
+            }
+            assert!(
+                same_bits(&paired, &replay[..paired.len()]),
+                "{shape} chunk {chunk}: two lanes differ from replay"
+            );
+            let (s2, s1) = (
+                wave.download_state(&st).unwrap(),
+                one.download_state(&st1).unwrap(),
+            );
+            assert!(
+                s2.len() == s1.len() && same_bits(&s2, &s1),
+                "{shape} chunk {chunk}: the state after two lanes differs"
+            );
+        }
+        eprintln!(
+            "{shape}: chunk pairs on two lanes == one lane == replay (chunks 64, 100, 7, 128)"
+        );
+    }
+}
+
+#[test]
+fn hugging_face_fixtures_on_the_gpu() {
+    if !gpu() {
+        return;
+    }
+    let dir = repo().join("tests/conformance/fixtures");
+    for name in ["qwen3moe", "qwen3moe-tied", "qwen3next", "qwen35moe"] {
+        let model = Model::load(dir.join(format!("{name}.gguf"))).unwrap();
+        let ps = samesum_engine::conformance::fixture_prompts(
+            &std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap(),
+        );
+        let raw = std::fs::read(dir.join(format!("{name}.logits"))).unwrap();
+        let reference: Vec<f32> = raw
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let cuda = Cuda::new(0, &model, false).unwrap();
+        let v = model.w.n_vocab;
+        let (mut off, mut worst) = (0, 0f32);
+        for p in &ps {
+            let mut st = cuda.new_state(&model, 256, KvType::F32).unwrap();
+            let got = forward(&model, &cuda, &mut st, p, Logits::All).unwrap();
+            let want = &reference[off..off + p.len() * v];
+            off += p.len() * v;
+            let max_ref = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let mut max_diff = 0f32;
+            for (a, b) in got.iter().zip(want) {
+                assert!(a.is_finite(), "{name}: non-finite logit");
+                max_diff = max_diff.max((a - b).abs());
+            }
+            worst = worst.max(max_diff / max_ref);
+        }
+        assert_eq!(off, reference.len());
+        eprintln!("{name}: max|diff|/max|ref| = {worst:.2e} (bar 1e-4)");
+        assert!(worst <= 1e-4, "{name}: {worst:.3e} > 1e-4");
+    }
+}
+
+/// Every position's logits of `tokens` fed in chunks of `chunk`.
+fn all_logits<B: Backend>(b: &B, model: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
+    all_logits_kv(b, model, tokens, chunk, KvType::F32)
+}
+
+/// `all_logits` with a KV cache of `kv`.
+fn all_logits_kv<B: Backend>(
+    b: &B,
+    model: &Model,
+    tokens: &[u32],
+    chunk: usize,
+    kv: KvType,
+) -> Vec<f32> {
+    let mut st = b.new_state(model, tokens.len(), kv).unwrap();
+    let mut out = Vec::new();
+    for c in tokens.chunks(chunk) {
+        out.extend(forward(model, b, &mut st, c, Logits::All).unwrap());
+    }
+    out
+}
+
+/// Tier mode (routed experts in host memory, a decode cache of two slots
+/// more than a token needs, so replay evicts; prefill from staged layers)
+/// against resident mode on the same file: the same logits bytes at every
+/// position, replayed and batched; and a budget that cannot hold the trunk is
+/// refused with the sizes named.
+#[test]
+fn tier_mode_equals_resident_mode() {
+    if !gpu() {
+        return;
+    }
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 12);
+        let sizes = TierSizes::of(&model);
+        let per_slot = sizes.expert * sizes.layers as u64;
+        let slots = (sizes.used + 2).min(sizes.experts);
+        let budget = sizes.trunk + RESERVE + 2 * sizes.layer_experts() + per_slot * slots as u64;
+        let opts = CudaOptions {
+            vram_budget: Some(budget),
+            ..Default::default()
+        };
+        let tier = Cuda::with_options(0, &model, false, opts).unwrap();
+        let (plan, _, _) = tier.tier_stats().unwrap();
+        assert_eq!(plan.slots, slots, "{shape}");
+        let resident = Cuda::new(0, &model, false).unwrap();
+        assert!(resident.tier_stats().is_none());
+        let mut rng = Rng::new(21);
+        let toks: Vec<u32> = (0..200)
+            .map(|_| rng.below(model.w.n_vocab as u64) as u32)
+            .collect();
+        for chunk in [1, 64] {
+            let want = all_logits(&resident, &model, &toks, chunk);
+            let got = all_logits(&tier, &model, &toks, chunk);
+            assert_eq!(want.len(), got.len());
+            if let Some(i) = want
+                .iter()
+                .zip(&got)
+                .position(|(a, b)| a.to_bits() != b.to_bits())
+            {
+                panic!(
+                    "{shape} chunk {chunk}: tier mode differs from resident mode at position {}",
+                    i / model.w.n_vocab
+                );
+            }
+        }
+        let (_, st, _) = tier.tier_stats().unwrap();
+        assert!(st.hits > 0 && st.misses > 0, "{shape}: {st:?}");
+        assert!(st.staged_layers > 0, "{shape}: {st:?}");
+        if let Err(dv) = forward_rows_match(&tier, &model, &toks, 64) {
+            panic!("{shape} tier mode: batched differs from replay: {dv:?}");
+        }
+        eprintln!(
+            "{shape}: tier mode ({slots} slots) == resident, chunks 1 and 64; {} hits, {} misses, {} layers staged",
+            st.hits, st.misses, st.staged_layers
+        );
+        let small = CudaOptions {
+            vram_budget: Some(sizes.trunk / 2),
+            ..Default::default()
+        };
+        match Cuda::with_options(0, &model, false, small) {
+            Err(e @ CudaError::Budget { .. }) => {
+                assert!(e.to_string().contains("trunk needs"), "{e}")
+            }
+            Err(e) => panic!("{shape}: a tiny budget gave another error: {e}"),
+            Ok(_) => panic!("{shape}: a budget of half the trunk was accepted"),
+        }
+    }
+}
+
+/// [`switch_arms`] with decode steps recorded as graphs or not.
+fn graph_switch_arms(model: &Model, name: &str, graphs: bool) -> (Cuda, Cuda) {
+    let (mut on, mut off) = switch_arms(model, name);
+    on.set_graphs(graphs);
+    off.set_graphs(graphs);
+    (on, off)
+}
+
+/// Switch `name` on against off: the same logits bytes at every position
+/// of the first `n` tokens of `test_tokens(.., salt)` fed in chunks of
+/// each of `chunks` (1: replay), graphs on and off, on every tiny shape
+/// (weights from `seed`); `check` then asserts more of the two arms.
+fn decode_switch_changes_no_byte(
+    name: &str,
+    (seed, salt, n): (u64, u32, usize),
+    chunks: &[usize],
+    check: impl Fn(&str, &Cuda, &Cuda),
+) {
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, seed);
+        let toks: Vec<u32> = test_tokens(&model, salt).into_iter().take(n).collect();
+        for graphs in [false, true] {
+            let (on, off) = graph_switch_arms(&model, name, graphs);
+            assert_same_logits(
+                &on,
+                &off,
+                &model,
+                &toks,
+                chunks,
+                &format!("{shape}: {name} differs (graphs {graphs})"),
+            );
+            check(shape, &on, &off);
+        }
+        eprintln!("{shape}: decode with {name} == without (graphs on and off)");
+    }
+}
+
+/// Decode's L2 prefetch (`PREFETCH`: weights pulled into L2 from the
+/// second stream ahead of the kernels that read them) against none: the
+/// same logits bytes at every replayed position, with the step recorded as
+/// a graph (the prefetches fork from and join the recorded stream) and
+/// eager, on every tiny shape; and the prefetch arm did launch more kernels.
+#[test]
+fn decode_prefetch_changes_no_byte() {
+    if !gpu() {
+        return;
+    }
+    decode_switch_changes_no_byte("PREFETCH", (37, 5, 40), &[1], |shape, on, off| {
+        let (a, b) = (on.device().launch_count(), off.device().launch_count());
+        assert!(
+            a > b,
+            "{shape}: the prefetch arm launched {a} kernels, the other {b}"
+        );
+    });
+}
+
+#[test]
+fn decode_fusions_equal_the_separate_kernels() {
+    if !gpu() {
+        return;
+    }
+    for (shape, quant) in SHAPES
+        .iter()
+        .flat_map(|s| [(*s, GgmlType::Q4_K), (*s, GgmlType::Q8_0)])
+    {
+        let (_d, model) = synth(shape, quant, 19);
+        let mut fused = Cuda::new(0, &model, false).unwrap();
+        fused.set_graphs(false);
+        fused.set_block_route(true);
+        let mut apart = Cuda::new(0, &model, false).unwrap();
+        apart.set_graphs(false);
+        apart.set_row_kernels(false);
+        apart.set_fused_glu(false);
+        apart.set_small_plan(false);
+        apart.set_quantized_gather(false);
+        apart.set_grouped_projections(false);
+        apart.set_norm_quant(false);
+        apart.set_block_route(false);
+        apart.set_overlap(false);
+        apart.set_moe_joint(false);
+        apart.device().set_pdl(false);
+        let mut rng = Rng::new(23);
+        let toks: Vec<u32> = (0..200)
+            .map(|_| rng.below(model.w.n_vocab as u64) as u32)
+            .collect();
+        for chunk in [1usize, 7] {
+            let (p, q) = (
+                all_logits(&fused, &model, &toks, chunk),
+                all_logits(&apart, &model, &toks, chunk),
+            );
+            assert_eq!(p.len(), q.len());
+            if let Some(i) = p
+                .iter()
+                .zip(&q)
+                .position(|(a, b)| a.to_bits() != b.to_bits())
+            {
+                panic!(
+                    "{shape} {quant:?} chunk {chunk}: fused kernels differ from separate ones at position {}",
+                    i / model.w.n_vocab
+                );
+            }
+        }
+        eprintln!("{shape} {quant:?}: decode fusions == separate kernels (replay and chunks of 7)");
+    }
+}
+
+#[test]
+fn graph_replayed_steps_equal_eager_steps() {
+    if !gpu() {
+        return;
+    }
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 13);
+        let graphs = Cuda::new(0, &model, false).unwrap();
+        // The reference launches every kernel alone, in stream order: no
+        // graphs and no programmatic dependent launch.
+        let mut eager = Cuda::new(0, &model, false).unwrap();
+        eager.set_graphs(false);
+        eager.device().set_pdl(false);
+        let mut rng = Rng::new(22);
+        let toks: Vec<u32> = (0..300)
+            .map(|_| rng.below(model.w.n_vocab as u64) as u32)
+            .collect();
+        let run = |b: &Cuda| {
+            let mut st = b.new_state(&model, 400, KvType::F32).unwrap();
+            let mut out = Vec::new();
+            for &t in &toks {
+                out.extend(forward(&model, b, &mut st, &[t], Logits::All).unwrap());
+            }
+            out
+        };
+        let (g, e) = (run(&graphs), run(&eager));
+        assert_eq!(g.len(), e.len());
+        if let Some(i) = g
+            .iter()
+            .zip(&e)
+            .position(|(a, b)| a.to_bits() != b.to_bits())
+        {
+            panic!(
+                "{shape}: the graph-replayed step differs from the eager one at position {}",
+                i / model.w.n_vocab
+            );
+        }
+        eprintln!("{shape}: 300 graph-replayed steps == eager steps without PDL");
+        // Batched prefill (chunks of 64 rows: the wide kernels) with and
+        // without programmatic dependent launch (which prefill-sized calls
+        // use only when asked).
+        graphs.device().set_pdl_prefill(true);
+        let batched = |b: &Cuda| {
+            let mut st = b.new_state(&model, 400, KvType::F32).unwrap();
+            let mut out = Vec::new();
+            for c in toks.chunks(64) {
+                out.extend(forward(&model, b, &mut st, c, Logits::All).unwrap());
+            }
+            out
+        };
+        let (p, q) = (batched(&graphs), batched(&eager));
+        assert!(
+            same_bits(&p, &q),
+            "{shape}: batched prefill with PDL differs from without"
+        );
+        eprintln!("{shape}: batched prefill with PDL == without");
+    }
+}
+
+/// Prefill-sized forward calls launch without programmatic dependent launch
+/// (it slowed them: docs/gpu-notes.md, session 17), one-row calls with it,
+/// and `set_pdl_prefill` keeps it for every call.
+#[test]
+fn programmatic_dependent_launch_is_for_small_calls() {
+    if !gpu() {
+        return;
+    }
+    let (_d, model) = synth("tiny-qwen3moe", GgmlType::Q4_K, 5);
+    let cuda = Cuda::new(0, &model, false).unwrap();
+    if !cuda.device().pdl_allowed() {
+        eprintln!("no programmatic dependent launch on this device: nothing to check");
+        return;
+    }
+    let toks = test_tokens(&model, 3);
+    let mut st = cuda.new_state(&model, 400, KvType::F32).unwrap();
+    let big = samesum_cuda::PDL_MAX_ROWS + 1;
+    forward(&model, &cuda, &mut st, &toks[..big], Logits::Last).unwrap();
+    assert!(!cuda.device().uses_pdl(), "a {big}-row call used PDL");
+    forward(&model, &cuda, &mut st, &toks[big..big + 1], Logits::Last).unwrap();
+    assert!(cuda.device().uses_pdl(), "a one-row call did not use PDL");
+    let n = samesum_cuda::PDL_MAX_ROWS;
+    forward(
+        &model,
+        &cuda,
+        &mut st,
+        &toks[big + 1..big + 1 + n],
+        Logits::Last,
+    )
+    .unwrap();
+    assert!(cuda.device().uses_pdl(), "a {n}-row call did not use PDL");
+    cuda.device().set_pdl_prefill(true);
+    forward(&model, &cuda, &mut st, &toks[..big], Logits::Last).unwrap();
+    assert!(cuda.device().uses_pdl(), "set_pdl_prefill did not keep PDL");
+}
+
+/// Every kernel switch is settable and readable by name (what `samesum
+/// agree --variant NAME=0|1` uses), and an unknown name is an error naming
+/// the known ones.
+#[test]
+fn switches_are_set_and_read_by_name() {
+    if !gpu() {
+        return;
+    }
+    let (_d, model) = synth("tiny-qwen3moe", GgmlType::Q4_K, 5);
+    let mut cuda = Cuda::new(0, &model, false).unwrap();
+    for name in Cuda::switch_names() {
+        for on in [false, true] {
+            cuda.set_switch(name, on).unwrap();
+            assert_eq!(cuda.switch(name).unwrap(), on, "{name} = {on}");
+        }
+    }
+    let e = cuda.set_switch("SIDEWAYS", true).unwrap_err().to_string();
+    assert!(e.contains("SIDEWAYS") && e.contains("ATT_Q4"), "{e}");
+    assert!(cuda.switch("sideways").is_err());
+}
+
+/// Kernels launched by `cuda` (graphs off) for every position's logits of
+/// `toks` in chunks of `chunk`.
+fn launches_for(cuda: &mut Cuda, model: &Model, toks: &[u32], chunk: usize) -> u64 {
+    cuda.set_graphs(false);
+    let before = cuda.device().launch_count();
+    all_logits(cuda, model, toks, chunk);
+    cuda.device().launch_count() - before
+}
+
+/// Switch `name` on against off on `model`: the same logits bytes at every
+/// position with a KV cache of `kv`, replayed and in chunks of 64 and 7, and
+/// batched equal to replay; returns the launches a replay of `toks[..n]`
+/// takes on and off (graphs off).
+fn fusion_arms(model: &Model, name: &str, salt: u32, kv: KvType, what: &str) -> (u64, u64) {
+    fusion_arms_with(model, name, &[], salt, kv, what)
+}
+
+/// `fusion_arms` with the switches of `base` set the same way in both arms
+/// first (a fusion whose launch another default fusion already removes is
+/// counted against the arms without that one).
+fn fusion_arms_with(
+    model: &Model,
+    name: &str,
+    base: &[(&str, bool)],
+    salt: u32,
+    kv: KvType,
+    what: &str,
+) -> (u64, u64) {
+    let (mut on, mut off) = switch_arms(model, name);
+    for &(b, v) in base {
+        on.set_switch(b, v).unwrap();
+        off.set_switch(b, v).unwrap();
+    }
+    let toks = test_tokens(model, salt);
+    let mut first: Option<Vec<f32>> = None;
+    for chunk in [1, 64, 7] {
+        let p = all_logits_kv(&on, model, &toks, chunk, kv);
+        let q = all_logits_kv(&off, model, &toks, chunk, kv);
+        assert!(p.iter().all(|v| v.is_finite()), "{what}: non-finite");
+        assert!(same_bits(&p, &q), "{what} chunk {chunk}: {name} on != off");
+        match &first {
+            None => first = Some(p),
+            Some(r) => assert!(same_bits(r, &p), "{what} chunk {chunk}: batched != replay"),
+        }
+    }
+    let short = &toks[..8];
+    (
+        launches_for(&mut on, model, short, 1),
+        launches_for(&mut off, model, short, 1),
+    )
+}
