@@ -139,22 +139,6 @@ pub(crate) struct MoeJobs {
     pub m: [i32; 2],
 }
 
-/// Weight byte ranges for the L2 prefetch (`PrefetchJobs` in kernels/ops.cu:
-/// up to eight addresses, their lengths, how many are used).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct PrefetchJobs {
-    pub ptr: [u64; 8],
-    pub bytes: [u64; 8],
-    pub n: i32,
-}
-
-impl KernelArg for PrefetchJobs {
-    fn slot(&self, _: &CudaStream) -> ArgSlot {
-        ArgSlot::Val(self as *const PrefetchJobs as *const std::ffi::c_void)
-    }
-}
-
 impl KernelArg for MoeJobs {
     fn slot(&self, _: &CudaStream) -> ArgSlot {
         ArgSlot::Val(self as *const MoeJobs as *const std::ffi::c_void)
@@ -723,17 +707,6 @@ mod layout_tests {
         assert_eq!(offset_of!(super::MmJobs, y), 32);
         assert_eq!(offset_of!(super::MmJobs, rows), 64);
         assert_eq!(offset_of!(super::MmJobs, nj), 80);
-    }
-
-    /// `PrefetchJobs` likewise: eight addresses, eight lengths, an int
-    /// (136 bytes with the padding of the 8-byte alignment).
-    #[test]
-    fn prefetch_jobs_has_the_kernels_layout() {
-        use std::mem::{align_of, offset_of, size_of};
-        assert_eq!(size_of::<super::PrefetchJobs>(), 136);
-        assert_eq!(align_of::<super::PrefetchJobs>(), 8);
-        assert_eq!(offset_of!(super::PrefetchJobs, bytes), 64);
-        assert_eq!(offset_of!(super::PrefetchJobs, n), 128);
     }
 
     /// `MoeJobs` likewise: seven pairs of 8-byte fields, then two pairs of

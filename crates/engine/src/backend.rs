@@ -76,12 +76,45 @@ impl OffloadCounters {
     }
 }
 
+/// A sequence's one-token decode step on a backend that records steps: its
+/// buffers (the embedded row and two scratch rows, at fixed addresses so a
+/// recording can replay on them) and its recording. Kept in the sequence's
+/// state by the backend ([`Backend::take_step`], [`Backend::put_step`]);
+/// driven by [`crate::forward::decode_step`].
+pub struct DecodeStep<B: Backend + ?Sized> {
+    /// The embedded row, updated in place by the layers.
+    pub h: B::Buf,
+    /// Scratch row.
+    pub x: B::Buf,
+    /// Scratch row.
+    pub y: B::Buf,
+    /// The recorded step, once recorded.
+    pub graph: Option<B::Graph>,
+    /// Steps run call by call so far (the first one is, so everything the
+    /// step needs is loaded before recording).
+    pub eager_steps: usize,
+    /// Recording failed once: this sequence's steps run call by call.
+    pub no_graph: bool,
+}
+
+/// The error of the recording calls on a backend that records no steps.
+fn not_recording() -> crate::EngineError {
+    crate::EngineError::Device {
+        backend: "engine",
+        op: "record a step".into(),
+        msg: "this backend does not record steps".into(),
+    }
+}
+
 /// A compute backend.
 pub trait Backend: Sync {
     /// Row-major f32 rows on the backend's device.
     type Buf;
     /// One sequence's state (KV cache, conv and delta-rule states, position).
     type State;
+    /// A recorded decode step ([`Backend::begin_recording`]); `()` for a
+    /// backend that records none.
+    type Graph;
 
     /// A name for tables and logs.
     fn name(&self) -> String;
@@ -206,19 +239,34 @@ pub trait Backend: Sync {
     fn offload_counters(&self) -> Option<OffloadCounters> {
         None
     }
-    /// One decode step (one sequence, one token, the state's position
-    /// advanced by one) run by the backend itself, e.g. recorded once and
-    /// replayed; `None` leaves it to the generic path. It must compute what
-    /// the generic path computes: embed, [`crate::forward::layers_one`], the
-    /// logits `want` asks for.
-    fn step_one(
-        &self,
-        _model: &Model,
-        _st: &mut Self::State,
-        _token: u32,
-        _want: crate::forward::Logits,
-    ) -> Option<Result<Vec<f32>>> {
+    /// Whether one-token steps are recorded once and replayed (see
+    /// [`crate::forward::decode_step`]); `false` (the default) runs each
+    /// step's calls one by one.
+    fn records_steps(&self) -> bool {
+        false
+    }
+    /// The buffers and recording of a sequence's decode step, kept in its
+    /// state between steps (`None` before the first).
+    fn take_step(&self, _st: &mut Self::State) -> Option<DecodeStep<Self>> {
         None
+    }
+    /// Keep a sequence's decode step in its state for the next one.
+    fn put_step(&self, _st: &mut Self::State, _step: DecodeStep<Self>) {}
+    /// Record the calls that follow on `st` instead of running them, until
+    /// [`Backend::end_recording`]. Only called when
+    /// [`Backend::records_steps`] is true.
+    fn begin_recording(&self, _st: &mut Self::State) -> Result<()> {
+        Err(not_recording())
+    }
+    /// End a recording: the recorded calls as one replayable step. Called
+    /// after every [`Backend::begin_recording`], also when a recorded call
+    /// failed.
+    fn end_recording(&self, _st: &mut Self::State) -> Result<Self::Graph> {
+        Err(not_recording())
+    }
+    /// Run a recorded step on `st` (at its current position).
+    fn replay(&self, _st: &mut Self::State, _g: &Self::Graph) -> Result<()> {
+        Err(not_recording())
     }
     /// Final norm and LM head for `rows` of `h`, to host logits.
     fn logits(&self, model: &Model, h: &Self::Buf, rows: &[usize]) -> Result<Vec<f32>>;

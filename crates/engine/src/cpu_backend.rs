@@ -12,6 +12,7 @@ use samesum_quant::dequant;
 
 impl Backend for Cpu {
     type Buf = Vec<f32>;
+    type Graph = ();
     type State = SeqState;
 
     fn name(&self) -> String {

@@ -7,7 +7,7 @@
 //! residual; then the final norm and the LM head for the rows whose logits are
 //! wanted.
 
-use crate::backend::{Backend, Norm};
+use crate::backend::{Backend, DecodeStep, Norm};
 use crate::error::{EngineError, Result};
 use crate::model::Model;
 use crate::model::weights::Mixer;
@@ -94,9 +94,9 @@ pub fn forward_batch<B: Backend>(
     }
     if let [seg] = &mut *segs
         && let [token] = seg.tokens
-        && let Some(r) = b.step_one(model, seg.state, *token, seg.want)
+        && b.records_steps()
     {
-        return Ok(vec![r?]);
+        return Ok(vec![decode_step(model, b, seg.state, *token, seg.want)?]);
     }
     let tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
     let mut h = b.alloc(m * d)?;
@@ -157,10 +157,82 @@ pub fn forward_batch<B: Backend>(
     Ok(out)
 }
 
+/// One token of one sequence on a backend that records steps
+/// ([`Backend::records_steps`]): the first step runs call by call (loading
+/// what the step needs), the second is recorded and replayed, later ones
+/// replay the recording. The recording holds the same calls with the same
+/// arguments (the backend reads the position from the state at replay), so
+/// every step computes the bytes of [`layers_one`] on its row.
+pub fn decode_step<B: Backend>(
+    model: &Model,
+    b: &B,
+    st: &mut B::State,
+    token: u32,
+    want: Logits,
+) -> Result<Vec<f32>> {
+    let d = model.hp.n_embd;
+    let mut step = match b.take_step(st) {
+        Some(s) => s,
+        None => DecodeStep {
+            h: b.alloc(d)?,
+            x: b.alloc(d)?,
+            y: b.alloc(d)?,
+            graph: None,
+            eager_steps: 0,
+            no_graph: false,
+        },
+    };
+    let out = run_decode_step(model, b, st, &mut step, token, want);
+    b.put_step(st, step);
+    out
+}
+
+fn run_decode_step<B: Backend>(
+    model: &Model,
+    b: &B,
+    st: &mut B::State,
+    s: &mut DecodeStep<B>,
+    token: u32,
+    want: Logits,
+) -> Result<Vec<f32>> {
+    b.embed(model, &[token], &mut s.h)?;
+    if let Some(g) = &s.graph {
+        b.replay(st, g)?;
+    } else if s.eager_steps == 0 || s.no_graph {
+        layers_one(model, b, st, &mut s.h, &mut s.x, &mut s.y)?;
+        s.eager_steps += 1;
+    } else {
+        b.begin_recording(st)?;
+        let ran = layers_one(model, b, st, &mut s.h, &mut s.x, &mut s.y);
+        // End the recording whatever happened, so the backend runs calls again.
+        let recorded = b.end_recording(st);
+        match ran.and(recorded) {
+            Ok(g) => {
+                b.replay(st, &g)?;
+                s.graph = Some(g);
+            }
+            Err(err) => {
+                // Nothing ran while recording: run the step call by call,
+                // and keep this sequence's steps so from now on.
+                eprintln!(
+                    "warning: recording the decode step failed ({err}); this sequence decodes without recorded steps"
+                );
+                s.no_graph = true;
+                layers_one(model, b, st, &mut s.h, &mut s.x, &mut s.y)?;
+            }
+        }
+    }
+    b.advance(st, 1);
+    match want {
+        Logits::None => Ok(Vec::new()),
+        _ => b.logits(model, &s.h, &[0]),
+    }
+}
+
 /// The layer stack over one sequence's rows: `h` (the embedded rows) is
 /// updated in place, `x` and `y` are scratch of the same size. This is what
-/// [`forward_batch`] runs for a single sequence; a backend that records a
-/// decode step ([`Backend::step_one`]) runs exactly this.
+/// [`forward_batch`] runs for a single sequence, and what [`decode_step`]
+/// records.
 pub fn layers_one<B: Backend>(
     model: &Model,
     b: &B,

@@ -93,10 +93,10 @@ impl Cuda {
         l: usize,
         a: &AttentionW,
         x: &CudaSlice<f32>,
+        xq: Option<&CudaSlice<u8>>,
         st: &mut CudaState,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        let pre = self.take_norm_q8k(x);
         let hp = &model.hp;
         let d = &self.dev;
         let (hq, hkv, hd) = (hp.n_head, hp.n_head_kv, hp.head_dim);
@@ -105,11 +105,8 @@ impl Cuda {
         let mut qg = d.scratch::<f32>(m * a.q.rows)?;
         let mut k = d.scratch::<f32>(m * kvw)?;
         let mut v = d.scratch::<f32>(m * kvw)?;
-        let xin = Input::with_q8k(x, m, pre);
+        let xin = Input::with_given_q8k(x, m, xq);
         self.mm_group(&xin, &mut [(&a.q, &mut qg), (&a.k, &mut k), (&a.v, &mut v)])?;
-        if self.prefetches(m) {
-            self.prefetch_after_mixer_input(model, l, &a.o)?;
-        }
         self.sync_pos(st)?;
         let (ck, cv) = st.kv[l].as_mut().ok_or_else(|| CudaError::Driver {
             op: "attention".into(),

@@ -38,10 +38,10 @@ impl Cuda {
         l: usize,
         dn: &DeltaNetW,
         x: &CudaSlice<f32>,
+        xq: Option<&CudaSlice<u8>>,
         st: &mut CudaState,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        let pre = self.take_norm_q8k(x);
         let hp = &model.hp;
         let d = &self.dev;
         let s = hp.ssm.ok_or_else(|| CudaError::Driver {
@@ -60,7 +60,7 @@ impl Cuda {
         let ratio = hv / hk;
         let mut qkv = d.scratch::<f32>(m * cd)?;
         let mut z = d.scratch::<f32>(m * vd)?;
-        let xin = Input::with_q8k(x, m, pre);
+        let xin = Input::with_given_q8k(x, m, xq);
         let mut b = d.scratch::<f32>(m * hv)?;
         let mut a = d.scratch::<f32>(m * hv)?;
         // The common layout (split projections): all four in one group.
@@ -138,9 +138,6 @@ impl Cuda {
                 self.mm(beta, &xin, None, &mut b)?;
                 self.mm(alpha, &xin, None, &mut a)?;
             }
-        }
-        if self.prefetches(m) {
-            self.prefetch_after_mixer_input(model, l, &dn.out)?;
         }
         let (conv_state, s_state) = st.linear[l].as_mut().ok_or_else(|| CudaError::Driver {
             op: "delta_net".into(),

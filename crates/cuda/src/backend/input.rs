@@ -34,6 +34,9 @@ pub(super) struct Input<'a> {
     pub(super) cols: usize,
     pub(super) q8k: std::cell::OnceCell<CudaSlice<u8>>,
     pub(super) q80: std::cell::OnceCell<CudaSlice<u8>>,
+    /// The rows' Q8_K blocks as their producer wrote them (borrowed; taken
+    /// before `q8k`).
+    pub(super) given_q8k: Option<&'a CudaSlice<u8>>,
     /// For rows placed by the expert plan: the plan's padding (each
     /// expert's rows start at a multiple of it, so a tensor-core tile of up
     /// to this many rows holds one expert); 16 otherwise.
@@ -42,16 +45,6 @@ pub(super) struct Input<'a> {
     /// routed call's padding and unused places, with `LIVE_ROWS`): the
     /// kernels that can may leave their outputs unwritten.
     pub(super) live: bool,
-}
-
-/// A norm's output rows as Q8_K blocks, written by the norm kernel itself.
-pub(super) struct NormQ8k {
-    /// Device address and length of the f32 rows they quantize.
-    pub(super) addr: u64,
-    pub(super) len: usize,
-    /// The device's launch count right after the norm.
-    pub(super) seq: u64,
-    pub(super) q: CudaSlice<u8>,
 }
 
 impl<'a> Input<'a> {
@@ -72,6 +65,7 @@ impl<'a> Input<'a> {
             cols: x.len() / m.max(1),
             q8k: std::cell::OnceCell::new(),
             q80: std::cell::OnceCell::new(),
+            given_q8k: None,
             tile: TC_ROWS,
             live: false,
         }
@@ -101,6 +95,7 @@ impl<'a> Input<'a> {
             cols,
             q8k: cell,
             q80: std::cell::OnceCell::new(),
+            given_q8k: None,
             tile: TC_ROWS,
             live: false,
         }
@@ -119,8 +114,22 @@ impl<'a> Input<'a> {
         })
     }
 
+    /// f32 rows with the Q8_K blocks their producer wrote, if it did.
+    pub(super) fn with_given_q8k(
+        x: &'a CudaSlice<f32>,
+        m: usize,
+        q: Option<&'a CudaSlice<u8>>,
+    ) -> Self {
+        let mut me = Input::new(x, m);
+        me.given_q8k = q;
+        me
+    }
+
     /// The rows as Q8_K blocks (304 bytes each), quantized once.
     pub(super) fn q8k(&self, d: &Device) -> Result<&CudaSlice<u8>> {
+        if let Some(q) = self.given_q8k {
+            return Ok(q);
+        }
         if self.q8k.get().is_none() {
             let (m, cols) = (self.m, self.cols());
             let nb = cols / 256;

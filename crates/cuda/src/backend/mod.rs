@@ -14,7 +14,7 @@ use crate::error::{CudaError, Result};
 use crate::tier::{RESERVE, TierSizes, plan as tier_plan};
 use crate::tiered::{Tier, TierStats};
 use cudarc::driver::CudaSlice;
-use samesum_engine::backend::{Backend, Norm};
+use samesum_engine::backend::{Backend, DecodeStep, Norm};
 use samesum_engine::model::Matrix;
 use samesum_engine::model::weights::{AttentionW, DeltaBa, DeltaInput, DeltaNetW, Mixer, MoeW};
 use samesum_engine::{Arch, EngineError, KvType, Model};
@@ -24,6 +24,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 mod attention;
+mod buf;
 mod delta_net;
 mod graphs;
 mod input;
@@ -32,6 +33,7 @@ mod moe;
 mod norm;
 mod ops;
 
+pub use buf::CudaBuf;
 use input::*;
 pub use moe::plan_reference;
 
@@ -434,21 +436,6 @@ pub struct Cuda {
     /// Each lane's marks: `lane_marks[lane][layer]`, the event its layer's
     /// launches ended with (see `Backend::lane_mark`).
     lane_marks: Mutex<[Vec<Option<cudarc::driver::CudaEvent>>; 2]>,
-    /// Decode steps pull weights that a later kernel of the step reads into
-    /// L2 ahead of it, from the second stream (`l2_prefetch`): the layer's
-    /// output projection, router and shared expert while the mixer's short
-    /// kernels run, the next layer's input projections while the experts
-    /// run. Nothing is computed or written, so the bytes are the same
-    /// (`SAMESUM_CUDA_PREFETCH`). Resident mode, one-row calls, not while
-    /// profiling.
-    prefetch: bool,
-    /// With `prefetch`, a prefetch instruction a 128-byte line
-    /// (`SAMESUM_CUDA_PREFETCH_LINES=1`) instead of one bulk prefetch a 16
-    /// KB piece (default): a comparison arm.
-    prefetch_lines: bool,
-    /// The second stream's last prefetch, joined into the main stream at
-    /// the end of the step (a recorded step must join every fork).
-    prefetch_done: Mutex<Option<cudarc::driver::CudaEvent>>,
     /// Decode-sized MoE calls run the routed and shared experts in the same
     /// launches (`mm_*_moe_*`, `mm_f32_multi`; the routed experts alone
     /// where there is no shared expert), the routed pairs reading their
@@ -456,9 +443,6 @@ pub struct Cuda {
     /// off with `SAMESUM_CUDA_MOE_JOINT=0`: separate launches and the
     /// gather, the same bytes).
     moe_joint: bool,
-    /// Each lane's last norm's Q8_K rows, valid while no kernel has run
-    /// since on that lane.
-    norm_q8k: Mutex<[Option<NormQ8k>; 2]>,
     /// Decode-sized quantized calls (one row, or up to 16 rows with experts)
     /// on the one-row kernels (`mm_*_1`: a warp per weight row and activation
     /// row; default, off with `SAMESUM_CUDA_ROW=0`: the 16-row tile kernels,
@@ -680,15 +664,9 @@ const SWITCHES: &[Switch] = &[
     ),
     ("OVERLAP", |c| c.overlap, |c, on| c.overlap = on),
     ("WAVE", |c| c.wave, |c, on| c.wave = on),
-    ("PREFETCH", |c| c.prefetch, |c, on| c.prefetch = on),
     ("GN_FOLD", |c| c.gn_fold, |c, on| c.gn_fold = on),
     ("LANE16", |c| c.lane16, |c, on| c.lane16 = on),
     ("ROUTER_1W", |c| c.router_1w, |c, on| c.router_1w = on),
-    (
-        "PREFETCH_LINES",
-        |c| c.prefetch_lines,
-        |c, on| c.prefetch_lines = on,
-    ),
     ("ATT_Q4", |c| c.att_q4, |c, on| c.att_q4 = on),
     ("ATT_TC", |c| c.att_tc, |c, on| c.att_tc = on),
     ("ATT_VFULL", |c| c.att_vfull, |c, on| c.att_vfull = on),
@@ -768,21 +746,8 @@ pub struct CudaState {
     other_pos_dev_val: Option<usize>,
     /// Attention grids sized for the whole context (while recording a step).
     whole_ctx: bool,
-    /// One-token steps run eagerly so far (the first warms the caches).
-    eager_steps: usize,
-    /// Recording failed once for this state: its steps stay eager.
-    no_graph: bool,
-    /// The recorded one-token step and the row buffers it was recorded on.
-    step: Option<Step>,
-}
-
-/// A one-token step recorded as a CUDA graph, on its own row buffers (the
-/// graph has their addresses baked in).
-struct Step {
-    h: CudaSlice<f32>,
-    x: CudaSlice<f32>,
-    y: CudaSlice<f32>,
-    graph: Option<cudarc::driver::CudaGraph>,
+    /// The sequence's decode step: its row buffers and recorded graph.
+    step: Option<samesum_engine::backend::DecodeStep<Cuda>>,
 }
 
 fn matrices(model: &Model) -> Vec<&Matrix> {
@@ -1053,7 +1018,6 @@ impl Cuda {
             moe_norm: env_switch("SAMESUM_CUDA_MOE_NORM", true),
             att_one: env_switch("SAMESUM_CUDA_ATT_ONE", false),
             att_last: Mutex::new(""),
-            norm_q8k: Mutex::new([None, None]),
             block_route: env_switch("SAMESUM_CUDA_BLOCK_ROUTE", false),
             small_plan: env_switch("SAMESUM_CUDA_SMALL_PLAN", true),
             row_kernels: env_switch("SAMESUM_CUDA_ROW", true),
@@ -1063,9 +1027,6 @@ impl Cuda {
             overlap: env_switch("SAMESUM_CUDA_OVERLAP", true),
             wave: env_switch("SAMESUM_CUDA_WAVE", true),
             lane_marks: Mutex::new([Vec::new(), Vec::new()]),
-            prefetch: env_switch("SAMESUM_CUDA_PREFETCH", false),
-            prefetch_lines: env_switch("SAMESUM_CUDA_PREFETCH_LINES", false),
-            prefetch_done: Mutex::new(None),
             att_q4: env_switch("SAMESUM_CUDA_ATT_Q4", true),
             att_tc: env_switch("SAMESUM_CUDA_ATT_TC", false),
             att_vfull: env_switch("SAMESUM_CUDA_ATT_VFULL", true),
@@ -1124,6 +1085,12 @@ impl Cuda {
                     w.name
                 ),
             })
+    }
+
+    /// Whether attention takes the opt-in tensor-core passes
+    /// ([`CudaOptions::fast_attention`]).
+    pub fn fast_attention(&self) -> bool {
+        self.att_tc && self.att_tc_acc
     }
 
     /// Record one-token steps as CUDA graphs (`true`, the default unless

@@ -552,15 +552,18 @@ impl Cuda {
 
     /// [`Backend::moe_add_rms_norm`], with `prenorm` (see [`PreNorm`]) the
     /// post-mixer norm run in the router launch.
+    /// The MoE of `x` into `y`, then `h += y` and `x` = RMSNorm(h) with
+    /// weight `which` (the trait's `moe_add_rms_norm`); with `prenorm`, the
+    /// router launch first runs the post-mixer norm into `x`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn moe_then_norm(
         &self,
         model: &Model,
         mw: &MoeW,
         which: Norm,
-        h: &mut CudaSlice<f32>,
-        x: &mut CudaSlice<f32>,
-        y: &mut CudaSlice<f32>,
+        h: &mut CudaBuf,
+        x: &mut CudaBuf,
+        y: &mut CudaBuf,
         prenorm: Option<&PreNorm>,
     ) -> R<()> {
         let w = which.weight(model);
@@ -572,23 +575,30 @@ impl Cuda {
             && w.len().is_multiple_of(256)
             && h.len() == x.len()
             && y.len() == x.len();
+        let xq = if prenorm.is_some() {
+            None
+        } else {
+            x.q8k.as_ref()
+        };
         if fits {
             let d = &self.dev;
             let an = AfterNorm {
-                acc: crate::device::addr(d, h),
+                acc: crate::device::addr(d, &h.rows),
                 w: self.vec(w).map_err(e)?,
-                out: crate::device::addr(d, x),
+                out: crate::device::addr(d, &x.rows),
                 eps: model.hp.eps,
             };
+            // The combine's launch writes `x` and its Q8_K rows.
             if let Some(q) = self
-                .moe_rows_then(model, mw, x, y, Some(&an), prenorm)
+                .moe_rows_then(model, mw, &x.rows, xq, y.write(), Some(&an), prenorm)
                 .map_err(e)?
             {
-                self.keep_norm_q8k(x, q);
+                h.q8k = None;
+                x.q8k = Some(q);
                 return Ok(());
             }
         } else {
-            self.moe_rows_then(model, mw, x, y, None, prenorm)
+            self.moe_rows_then(model, mw, &x.rows, xq, y.write(), None, prenorm)
                 .map_err(e)?;
         }
         self.add_rms_norm(model, which, h, y, x)
@@ -599,9 +609,11 @@ impl Cuda {
         model: &Model,
         mw: &MoeW,
         x: &CudaSlice<f32>,
+        xq: Option<&CudaSlice<u8>>,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        self.moe_rows_then(model, mw, x, y, None, None).map(|_| ())
+        self.moe_rows_then(model, mw, x, xq, y, None, None)
+            .map(|_| ())
     }
 
     /// `moe_rows`, and where `after` is given and the call takes the
@@ -617,21 +629,23 @@ impl Cuda {
         model: &Model,
         mw: &MoeW,
         x: &CudaSlice<f32>,
+        xq: Option<&CudaSlice<u8>>,
         y: &mut CudaSlice<f32>,
         after: Option<&AfterNorm>,
         prenorm: Option<&PreNorm>,
     ) -> Result<Option<CudaSlice<u8>>> {
         // With `prenorm` the router launch writes x and its Q8_K rows.
+        let written;
         let pre = match prenorm {
-            Some(_) => Some(
-                self.dev
-                    .scratch::<u8>(x.len() / model.hp.n_embd * (model.hp.n_embd / 256) * 304)?,
-            ),
-            None => self.take_norm_q8k(x),
+            Some(_) => {
+                written = self
+                    .dev
+                    .scratch::<u8>(x.len() / model.hp.n_embd * (model.hp.n_embd / 256) * 304)?;
+                Some(&written)
+            }
+            None => xq,
         };
-        let prenorm_q = prenorm
-            .and(pre.as_ref())
-            .map(|q| crate::device::addr(&self.dev, q));
+        let prenorm_q = prenorm.and(pre).map(|q| crate::device::addr(&self.dev, q));
         let hp = &model.hp;
         let d = &self.dev;
         let (dm, e, k, f, fs) = (
@@ -653,7 +667,7 @@ impl Cuda {
         };
         let cap = n + e.min(n) * (pad - 1);
         let mut logits = d.scratch::<f32>(m * e)?;
-        let xin = Input::with_q8k(x, m, pre);
+        let xin = Input::with_given_q8k(x, m, pre);
         // Decode-sized calls with a shared expert of the routed experts'
         // shape run both in the same launches (`mm_*_moe_*`: router and
         // input gate, the GLUs, one quantization of both GLU outputs, the
@@ -801,28 +815,8 @@ impl Cuda {
             Some(p) => p,
             None => self.route_plan(&mut logits, &mut ids, &mut wts, m, e, k, pad, cap)?,
         };
-        // This MoE's layer (its index picks the tier's expert slots and the
-        // next layer's weights to prefetch).
+        // This MoE's layer (its index picks the tier's expert slots).
         let layer = model.w.layers.iter().position(|l| std::ptr::eq(&l.moe, mw));
-        if self.prefetches(m)
-            && let Some(next) = layer.and_then(|l| model.w.layers.get(l + 1))
-        {
-            // The next layer's input projections, while the experts run.
-            match &next.mixer {
-                Mixer::Attention(a) => self.prefetch_mats(&[&a.q, &a.k, &a.v])?,
-                Mixer::Linear(dn) => {
-                    let mut mats: Vec<&Matrix> = match &dn.input {
-                        DeltaInput::Split { qkv, z } => vec![qkv, z],
-                        DeltaInput::Fused { ssm_in } => vec![ssm_in],
-                    };
-                    match &dn.ba {
-                        DeltaBa::Split { beta, alpha } => mats.extend([beta, alpha]),
-                        DeltaBa::Fused(ba) => mats.push(ba),
-                    }
-                    self.prefetch_mats(&mats)?;
-                }
-            }
-        }
         let capi = cap as i32;
         // The shared expert's outputs (written on the second stream when it
         // runs beside the routed experts: prefill-sized calls, resident

@@ -3,26 +3,6 @@
 use super::*;
 
 impl Cuda {
-    /// Keep a norm's Q8_K rows for the next op (see `take_norm_q8k`).
-    pub(super) fn keep_norm_q8k(&self, out: &CudaSlice<f32>, q: CudaSlice<u8>) {
-        let kept = NormQ8k {
-            addr: crate::device::addr(&self.dev, out),
-            len: out.len(),
-            seq: self.dev.launch_count(),
-            q,
-        };
-        self.norm_q8k.lock().unwrap_or_else(|p| p.into_inner())[self.dev.lane()] = Some(kept);
-    }
-
-    pub(super) fn take_norm_q8k(&self, x: &CudaSlice<f32>) -> Option<CudaSlice<u8>> {
-        let kept =
-            self.norm_q8k.lock().unwrap_or_else(|p| p.into_inner())[self.dev.lane()].take()?;
-        (kept.seq == self.dev.launch_count()
-            && kept.len == x.len()
-            && kept.addr == crate::device::addr(&self.dev, x))
-        .then_some(kept.q)
-    }
-
     /// RMSNorm of host rows (`x.len() / w.len()` of them) through
     /// `rms_norm_on`'s choice of kernel (for tests).
     #[doc(hidden)]

@@ -3,30 +3,30 @@
 use super::*;
 
 impl Backend for Cuda {
-    type Buf = CudaSlice<f32>;
+    type Buf = CudaBuf;
+    type Graph = cudarc::driver::CudaGraph;
     type State = CudaState;
 
     fn name(&self) -> String {
         // The opt-in attention (a different function) shows in the name, so
         // that benchmark tables and logs say which arm ran.
-        match (self.att_tc, self.att_tc_acc) {
-            (true, true) => with_note(&self.dev.name, "fast attention"),
-            (true, false) => with_note(&self.dev.name, "ATT_TC"),
-            _ if self.att_ulp => with_note(&self.dev.name, "ATT_ULP probe"),
-            _ => self.dev.name.clone(),
+        if self.fast_attention() {
+            with_note(&self.dev.name, "fast attention")
+        } else {
+            self.dev.name.clone()
         }
     }
 
-    fn alloc(&self, n: usize) -> R<CudaSlice<f32>> {
-        self.dev.zeros::<f32>(n).map_err(e)
+    fn alloc(&self, n: usize) -> R<CudaBuf> {
+        Ok(CudaBuf::new(self.dev.zeros::<f32>(n).map_err(e)?))
     }
 
-    fn upload(&self, host: &[f32]) -> R<CudaSlice<f32>> {
-        self.dev.upload(host).map_err(e)
+    fn upload(&self, host: &[f32]) -> R<CudaBuf> {
+        Ok(CudaBuf::new(self.dev.upload(host).map_err(e)?))
     }
 
-    fn download(&self, buf: &CudaSlice<f32>) -> R<Vec<f32>> {
-        self.dev.download(buf, buf.len()).map_err(e)
+    fn download(&self, buf: &CudaBuf) -> R<Vec<f32>> {
+        self.dev.download(&buf.rows, buf.len()).map_err(e)
     }
 
     fn new_state(&self, model: &Model, ctx: usize, kv: KvType) -> R<CudaState> {
@@ -71,8 +71,6 @@ impl Backend for Cuda {
             other_pos_dev: self.dev.zeros::<i32>(1).map_err(e)?,
             other_pos_dev_val: None,
             whole_ctx: false,
-            eager_steps: 0,
-            no_graph: false,
             step: None,
         })
     }
@@ -119,7 +117,7 @@ impl Backend for Cuda {
     }
 
     fn lanes(&self) -> usize {
-        if self.wave && self.tier.is_none() && !self.dev.profiling() {
+        if self.tier.is_none() && !self.dev.profiling() {
             2
         } else {
             1
@@ -164,31 +162,25 @@ impl Backend for Cuda {
         }
     }
 
-    fn rows(&self, x: &CudaSlice<f32>, width: usize, r0: usize, n: usize) -> R<CudaSlice<f32>> {
+    fn rows(&self, x: &CudaBuf, width: usize, r0: usize, n: usize) -> R<CudaBuf> {
         let mut out = self.dev.scratch::<f32>(n * width).map_err(e)?;
-        let src = x.slice(r0 * width..(r0 + n) * width);
+        let src = x.rows.slice(r0 * width..(r0 + n) * width);
         self.dev
             .current()
             .memcpy_dtod(&src, &mut out)
             .map_err(|x| e(drv("copy rows", x)))?;
-        Ok(out)
+        Ok(CudaBuf::new(out))
     }
 
-    fn set_rows(
-        &self,
-        dst: &mut CudaSlice<f32>,
-        width: usize,
-        r0: usize,
-        src: &CudaSlice<f32>,
-    ) -> R<()> {
-        let mut d = dst.slice_mut(r0 * width..r0 * width + src.len());
+    fn set_rows(&self, dst: &mut CudaBuf, width: usize, r0: usize, src: &CudaBuf) -> R<()> {
+        let mut d = dst.write().slice_mut(r0 * width..r0 * width + src.len());
         self.dev
             .current()
-            .memcpy_dtod(src, &mut d)
+            .memcpy_dtod(&src.rows, &mut d)
             .map_err(|x| e(drv("copy rows", x)))
     }
 
-    fn embed(&self, model: &Model, tokens: &[u32], out: &mut CudaSlice<f32>) -> R<()> {
+    fn embed(&self, model: &Model, tokens: &[u32], out: &mut CudaBuf) -> R<()> {
         // Every forward call starts here: its size picks the launch mode.
         self.dev.rows_in_call(tokens.len());
         let w = &model.w;
@@ -204,7 +196,7 @@ impl Backend for Cuda {
             let row = w.token_embd.row(model.bytes(), 0, t as usize);
             dequant::dequantize(w.token_embd.ty, row, &mut host[r * d..(r + 1) * d])?;
         }
-        let mut dst = out.slice_mut(0..host.len());
+        let mut dst = out.write().slice_mut(0..host.len());
         self.dev
             .current()
             .memcpy_htod(&host, &mut dst)
@@ -215,11 +207,12 @@ impl Backend for Cuda {
         &self,
         model: &Model,
         which: Norm,
-        acc: &mut CudaSlice<f32>,
-        x: &CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
+        acc: &mut CudaBuf,
+        x: &CudaBuf,
+        out: &mut CudaBuf,
     ) -> R<()> {
         let w = which.weight(model);
+        let (acc, x) = (acc.write(), &x.rows);
         if acc.len() != x.len() || out.len() < acc.len() || !acc.len().is_multiple_of(w.len()) {
             return Err(e(CudaError::Driver {
                 op: "add_rms_norm".into(),
@@ -235,7 +228,9 @@ impl Backend for Cuda {
         let wd = self.vec(w).map_err(e)?;
         let (rows, width, eps) = (acc.len() / w.len(), w.len() as i32, model.hp.eps);
         let layer_norm = !matches!(which, Norm::Output);
-        if self.norm_quant && layer_norm && w.len().is_multiple_of(256) && out.len() == acc.len() {
+        // A layer norm of Q8_K width also writes its rows as Q8_K blocks,
+        // which the matmuls that read `out` next take.
+        if layer_norm && w.len().is_multiple_of(256) && out.len() == acc.len() {
             let mut q = self
                 .dev
                 .scratch::<u8>(rows * w.len() / 256 * 304)
@@ -247,13 +242,13 @@ impl Backend for Cuda {
                 acc,
                 x,
                 wd,
-                out,
+                &mut out.rows,
                 &mut q,
                 &width,
                 &eps
             )
             .map_err(e)?;
-            self.keep_norm_q8k(out, q);
+            out.q8k = Some(q);
             return Ok(());
         }
         launch!(
@@ -263,26 +258,21 @@ impl Backend for Cuda {
             acc,
             x,
             wd,
-            out,
+            out.write(),
             &width,
             &eps
         )
         .map_err(e)
     }
 
-    fn rms_norm(
-        &self,
-        model: &Model,
-        which: Norm,
-        x: &CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
-    ) -> R<()> {
+    fn rms_norm(&self, model: &Model, which: Norm, x: &CudaBuf, out: &mut CudaBuf) -> R<()> {
         let w = which.weight(model);
+        let x = &x.rows;
         let rows = x.len() / w.len();
-        // Only the layer norms: their next op (attention, delta net, MoE)
-        // takes the Q8_K rows at once, so they never outlive a captured step.
+        // A layer norm of Q8_K width also writes its rows as Q8_K blocks,
+        // which the matmuls that read `out` next take.
         let layer_norm = !matches!(which, Norm::Output);
-        if self.norm_quant && layer_norm && w.len().is_multiple_of(256) && out.len() == x.len() {
+        if layer_norm && w.len().is_multiple_of(256) && out.len() == x.len() {
             let wd = self.vec(w).map_err(e)?;
             let (width, eps) = (w.len() as i32, model.hp.eps);
             let mut q = self
@@ -295,22 +285,23 @@ impl Backend for Cuda {
                 cfg((rows as u32, 1, 1), 256, 0),
                 x,
                 wd,
-                out,
+                &mut out.rows,
                 &mut q,
                 &width,
                 &eps
             )
             .map_err(e)?;
-            self.keep_norm_q8k(out, q);
+            out.q8k = Some(q);
             return Ok(());
         }
-        self.rms_norm_rows(x, w, rows, model.hp.eps, out).map_err(e)
+        self.rms_norm_rows(x, w, rows, model.hp.eps, out.write())
+            .map_err(e)
     }
 
-    fn add(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> R<()> {
+    fn add(&self, acc: &mut CudaBuf, x: &CudaBuf) -> R<()> {
         let len = acc.len();
         let n = len as i64;
-        launch!(self.dev, "add_inplace", cfg1(len), acc, x, &n).map_err(e)
+        launch!(self.dev, "add_inplace", cfg1(len), acc.write(), &x.rows, &n).map_err(e)
     }
 
     fn attention(
@@ -318,11 +309,12 @@ impl Backend for Cuda {
         model: &Model,
         l: usize,
         a: &AttentionW,
-        x: &CudaSlice<f32>,
+        x: &CudaBuf,
         st: &mut CudaState,
-        y: &mut CudaSlice<f32>,
+        y: &mut CudaBuf,
     ) -> R<()> {
-        self.attention_rows(model, l, a, x, st, y).map_err(e)
+        self.attention_rows(model, l, a, &x.rows, x.q8k.as_ref(), st, y.write())
+            .map_err(e)
     }
 
     fn delta_net(
@@ -330,15 +322,17 @@ impl Backend for Cuda {
         model: &Model,
         l: usize,
         dn: &DeltaNetW,
-        x: &CudaSlice<f32>,
+        x: &CudaBuf,
         st: &mut CudaState,
-        y: &mut CudaSlice<f32>,
+        y: &mut CudaBuf,
     ) -> R<()> {
-        self.delta_rows(model, l, dn, x, st, y).map_err(e)
+        self.delta_rows(model, l, dn, &x.rows, x.q8k.as_ref(), st, y.write())
+            .map_err(e)
     }
 
-    fn moe(&self, model: &Model, mw: &MoeW, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>) -> R<()> {
-        self.moe_rows(model, mw, x, y).map_err(e)
+    fn moe(&self, model: &Model, mw: &MoeW, x: &CudaBuf, y: &mut CudaBuf) -> R<()> {
+        self.moe_rows(model, mw, &x.rows, x.q8k.as_ref(), y.write())
+            .map_err(e)
     }
 
     fn moe_add_rms_norm(
@@ -346,51 +340,11 @@ impl Backend for Cuda {
         model: &Model,
         mw: &MoeW,
         which: Norm,
-        h: &mut CudaSlice<f32>,
-        x: &mut CudaSlice<f32>,
-        y: &mut CudaSlice<f32>,
+        h: &mut CudaBuf,
+        x: &mut CudaBuf,
+        y: &mut CudaBuf,
     ) -> R<()> {
         self.moe_then_norm(model, mw, which, h, x, y, None)
-    }
-
-    fn add_rms_norm_moe_add_rms_norm(
-        &self,
-        model: &Model,
-        mw: &MoeW,
-        which: Norm,
-        next: Norm,
-        h: &mut CudaSlice<f32>,
-        x: &mut CudaSlice<f32>,
-        y: &mut CudaSlice<f32>,
-    ) -> R<()> {
-        let hp = &model.hp;
-        let w = which.weight(model);
-        // `NORM_ROUTER`: one decode row whose routing folds into the router
-        // launch, a layer norm of Q8_K width the launch's blocks can hold.
-        let d = hp.n_embd;
-        let fits = self.norm_router
-            && self.norm_quant
-            && self.tier.is_none()
-            && !matches!(which, Norm::Output)
-            && x.len() == d
-            && h.len() == d
-            && y.len() == d
-            && w.len() == d
-            && d.is_multiple_of(256)
-            && d <= 2048
-            && self.route_folds(mw, 1, hp.n_expert_used, hp.n_expert);
-        if fits {
-            let pre = PreNorm {
-                acc: crate::device::addr(&self.dev, h),
-                inc: crate::device::addr(&self.dev, y),
-                w: self.vec(w).map_err(e)?,
-                eps: hp.eps,
-            };
-            return self.moe_then_norm(model, mw, next, h, x, y, Some(&pre));
-        }
-        // Otherwise the trait's default: the norm's own launch, then the MoE.
-        self.add_rms_norm(model, which, h, y, x)?;
-        self.moe_add_rms_norm(model, mw, next, h, x, y)
     }
 
     fn offload_counters(&self) -> Option<samesum_engine::backend::OffloadCounters> {
@@ -405,20 +359,28 @@ impl Backend for Cuda {
         })
     }
 
-    fn step_one(
-        &self,
-        model: &Model,
-        st: &mut CudaState,
-        token: u32,
-        want: samesum_engine::Logits,
-    ) -> Option<R<Vec<f32>>> {
-        if !self.graphs || self.tier.is_some() || self.dev.profiling() {
-            return None;
-        }
-        // A one-row step (captured graphs keep the launch mode they were
-        // captured with).
-        self.dev.rows_in_call(1);
-        Some(self.graph_step(model, st, token, want))
+    fn records_steps(&self) -> bool {
+        self.graphs && self.tier.is_none() && !self.dev.profiling()
+    }
+
+    fn take_step(&self, st: &mut CudaState) -> Option<DecodeStep<Cuda>> {
+        st.step.take()
+    }
+
+    fn put_step(&self, st: &mut CudaState, step: DecodeStep<Cuda>) {
+        st.step = Some(step);
+    }
+
+    fn begin_recording(&self, st: &mut CudaState) -> R<()> {
+        self.begin_record(st).map_err(e)
+    }
+
+    fn end_recording(&self, st: &mut CudaState) -> R<cudarc::driver::CudaGraph> {
+        self.end_record(st).map_err(e)
+    }
+
+    fn replay(&self, st: &mut CudaState, g: &cudarc::driver::CudaGraph) -> R<()> {
+        self.replay_step(st, g).map_err(e)
     }
 
     fn take_report(&self) -> R<Option<String>> {
@@ -440,7 +402,8 @@ impl Backend for Cuda {
         Ok(Some(s))
     }
 
-    fn logits(&self, model: &Model, h: &CudaSlice<f32>, rows: &[usize]) -> R<Vec<f32>> {
+    fn logits(&self, model: &Model, h: &CudaBuf, rows: &[usize]) -> R<Vec<f32>> {
+        let h = &h.rows;
         let d = model.hp.n_embd;
         let w = &model.w;
         let n = rows.len();
