@@ -49,9 +49,7 @@ __device__ __forceinline__ u32 ld_u32(const u8* p) {
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
-#ifndef SAMESUM_PDL_AT_EXIT
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 #endif
 }
 
@@ -148,8 +146,7 @@ __device__ __forceinline__ void q8k_block_regs(const float (&v)[8], u8* ob, int 
 // memory rather than shuffled from registers: the same bytes, in the code
 // its callers were measured with (built on q8k_block_regs, gated_norm_q8k
 // and rms_norm_q8k took 48 registers instead of 32 and 40, and
-// gated_norm_q8k went from 4.04 to 4.89 ms at qwen35moe pp4096; H200,
-// session 19).
+// gated_norm_q8k went from 4.04 to 4.89 ms at qwen35moe pp4096 on an H200).
 __device__ __forceinline__ void q8k_block(const float* xb, u8* ob, int lane) {
     float v[8];
     float amax = 0.0f;

@@ -190,22 +190,15 @@ fn numbers(line: &str) -> Vec<u32> {
         .collect()
 }
 
-/// The options every module is compiled with. `SAMESUM_CUDA_PDL_AT_EXIT=1`
-/// (for comparisons) compiles the kernels without their early
-/// `griddepcontrol.launch_dependents`, so a kernel's dependents launch only
-/// as its blocks exit; what every kernel computes is unchanged.
+/// The options every module is compiled with.
 pub fn options(arch: &str) -> Vec<String> {
-    let mut o: Vec<String> = vec![
+    vec![
         format!("--gpu-architecture={arch}"),
         "-std=c++17".into(),
         "-default-device".into(),
         "-Xptxas".into(),
         "-v".into(),
-    ];
-    if std::env::var("SAMESUM_CUDA_PDL_AT_EXIT").as_deref() == Ok("1") {
-        o.push("-DSAMESUM_PDL_AT_EXIT".into());
-    }
-    o
+    ]
 }
 
 fn cache_dir() -> Option<PathBuf> {

@@ -68,12 +68,7 @@ pub struct Device {
     /// The rows of the current forward call (see [`Device::rows_in_call`]).
     /// (One a lane.)
     call_rows: [std::sync::atomic::AtomicUsize; 2],
-    /// `SAMESUM_CUDA_PDL_PREFILL=1`: keep programmatic dependent launch in
-    /// prefill-sized calls too (for comparisons).
-    pdl_prefill: std::sync::atomic::AtomicBool,
-    /// Kernels launched so far on each lane: a result kept on the side (the
-    /// Q8_K copy of a norm's output) is valid only while no kernel has run
-    /// since on its lane.
+    /// Kernels launched so far on each lane (tests count launches).
     launches: [std::sync::atomic::AtomicU64; 2],
 }
 
@@ -223,23 +218,15 @@ impl Device {
         } else {
             format!("sm_{maj}{min}")
         };
-        // Stream priorities of the two prefill lanes (`SAMESUM_CUDA_WAVE_PRIO`:
-        // unset or `same`, both the default; `lead`, lane 0's streams
-        // first; `follow`, lane 1's first), for comparisons: which lane's
-        // blocks the scheduler starts first never changes what they compute.
-        let (low, high) = cudarc::driver::result::stream::get_priority_range()
+        // Every stream at the lowest priority: which lane's blocks the
+        // scheduler starts first never changes what they compute.
+        let (low, _high) = cudarc::driver::result::stream::get_priority_range()
             .map_err(|e| drv("cuCtxGetStreamPriorityRange", e))?;
-        let prio = std::env::var("SAMESUM_CUDA_WAVE_PRIO").unwrap_or_default();
-        let (p0, p1) = match prio.as_str() {
-            "lead" => (high, low),
-            "follow" => (low, high),
-            _ => (low, low),
-        };
         let new = |p: i32| {
             ctx.new_stream_with_priority(p)
                 .map_err(|e| drv("cuStreamCreateWithPriority", e))
         };
-        let stream = new(p0)?;
+        let stream = new(low)?;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
         let mut funcs = HashMap::new();
         let mut resources = Vec::new();
@@ -286,8 +273,8 @@ impl Device {
         }
         let prof = (std::env::var("SAMESUM_CUDA_PROFILE").as_deref() == Ok("1"))
             .then(|| Mutex::new(Vec::new()));
-        let side = new(p0)?;
-        let lane1 = (new(p1)?, new(p1)?);
+        let side = new(low)?;
+        let lane1 = (new(low)?, new(low)?);
         Ok(Device {
             ctx,
             stream,
@@ -307,9 +294,6 @@ impl Device {
                 std::sync::atomic::AtomicUsize::new(1),
                 std::sync::atomic::AtomicUsize::new(1),
             ],
-            pdl_prefill: std::sync::atomic::AtomicBool::new(
-                std::env::var("SAMESUM_CUDA_PDL_PREFILL").as_deref() == Ok("1"),
-            ),
         })
     }
 
@@ -319,8 +303,8 @@ impl Device {
     /// the next kernel's blocks become resident as soon as this kernel's last
     /// blocks have started and wait on the SMs until it ends; in prefill,
     /// whose kernels run for hundreds of microseconds in one or a few waves,
-    /// that cost qwen35moe pp4096 10% (H200, session 17: 12,980 against
-    /// 14,485 tok/s without). Decode keeps it (~1% faster, session 12).
+    /// that cost qwen35moe pp4096 10% (H200: 12,980 against
+    /// 14,485 tok/s without). Decode keeps it (~1% faster).
     /// Which launches use it never changes what they compute.
     pub(crate) fn rows_in_call(&self, m: usize) {
         self.call_rows[self.lane()].store(m, std::sync::atomic::Ordering::Relaxed);
@@ -343,16 +327,7 @@ impl Device {
     /// Whether the next launch uses programmatic dependent launch.
     pub fn uses_pdl(&self) -> bool {
         use std::sync::atomic::Ordering::Relaxed;
-        self.pdl_allowed()
-            && (self.call_rows[self.lane()].load(Relaxed) <= PDL_MAX_ROWS
-                || self.pdl_prefill.load(Relaxed))
-    }
-
-    /// Use programmatic dependent launch in prefill-sized calls as well (as
-    /// `SAMESUM_CUDA_PDL_PREFILL=1`), for comparisons.
-    pub fn set_pdl_prefill(&self, on: bool) {
-        self.pdl_prefill
-            .store(on, std::sync::atomic::Ordering::Relaxed);
+        self.pdl_allowed() && self.call_rows[self.lane()].load(Relaxed) <= PDL_MAX_ROWS
     }
 
     /// Launch `name` with `cfg` and `args` on the stream.
@@ -670,9 +645,9 @@ pub(crate) fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> cudarc::drive
 
 /// Threads of a lane-row matmul block (`mm_q4_k_lane_*`): a warp per
 /// 256-block of the row up to 16 (LANE_CH in matmul.cu), so a warp computes
-/// one block (two for a GLU) per 16 and short rows leave no warp idle
-/// (session 12: at four warps, the out projections' 64 blocks of 16-block
-/// rows took 11.6 us against the warp-row kernel's 6.6).
+/// one block (two for a GLU) per 16 and short rows leave no warp idle (at
+/// four warps, the out projections' 64 blocks of 16-block rows took 11.6 us
+/// against the warp-row kernel's 6.6 on an H200).
 pub(crate) fn lane_threads(nb: i32) -> u32 {
     32 * nb.clamp(1, 16) as u32
 }

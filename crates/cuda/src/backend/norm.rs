@@ -27,7 +27,8 @@ impl Cuda {
     }
 
     /// RMSNorm of `rows` rows of `width` with the weights at `wd`: a warp a
-    /// row up to 256 wide (with the `SMALL_NORM` switch on), else a block.
+    /// row up to 256 wide (the head norms), else a block a row; the same
+    /// arithmetic either way.
     pub(super) fn rms_norm_on(
         &self,
         x: &CudaSlice<f32>,
@@ -37,7 +38,7 @@ impl Cuda {
         eps: f32,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        let small = self.small_norm && width <= 256;
+        let small = width <= 256;
         let width = width as i32;
         if small {
             let ri = rows as i32;

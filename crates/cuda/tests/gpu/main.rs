@@ -313,8 +313,8 @@ fn batched_forward_equals_replay_on_the_gpu() {
     }
 }
 
-/// Batched prefill two chunks at a time on two lanes (`WAVE`, the second
-/// chunk's layer l beside the first chunk's later layers) against the same
+/// Batched prefill two chunks at a time on two lanes (the second chunk's
+/// layer l beside the first chunk's later layers) against the same
 /// chunks one after the other on one lane and against replay: every logit
 /// and the state byte-equal, on every tiny shape, chunk sizes that pair
 /// evenly (64 over 256 tokens), oddly (100 and 7 over 300: a last chunk
@@ -327,14 +327,15 @@ fn chunk_pairs_on_two_lanes_equal_one_lane_and_replay() {
     use samesum_engine::forward_chunks;
     for shape in SHAPES {
         let (_d, model) = synth(shape, GgmlType::Q4_K, 37);
-        let (wave, one) = switch_arms(&model, "WAVE");
-        assert_eq!(wave.lanes(), 2, "{shape}: WAVE on gives two lanes");
-        assert_eq!(one.lanes(), 1, "{shape}: WAVE off gives one lane");
+        // Chunks one at a time through `forward` use one lane.
+        let wave = Cuda::new(0, &model, false).unwrap();
+        let one = &wave;
+        assert_eq!(wave.lanes(), 2, "{shape}: two lanes");
         let mut rng = Rng::new(41);
         let toks: Vec<u32> = (0..300)
             .map(|_| rng.below(model.w.n_vocab as u64) as u32)
             .collect();
-        let replay = all_logits(&one, &model, &toks, 1);
+        let replay = all_logits(one, &model, &toks, 1);
         for (n, chunk) in [(256usize, 64usize), (300, 100), (300, 7), (130, 128)] {
             let toks = &toks[..n];
             let before = wave.device().lane_launch_count(1);
@@ -348,7 +349,7 @@ fn chunk_pairs_on_two_lanes_equal_one_lane_and_replay() {
             let mut st1 = one.new_state(&model, n, KvType::F32).unwrap();
             let mut serial = Vec::new();
             for c in &pieces {
-                serial.extend(forward(&model, &one, &mut st1, c, Logits::All).unwrap());
+                serial.extend(forward(&model, one, &mut st1, c, Logits::All).unwrap());
             }
             assert_eq!(paired.len(), serial.len());
             if let Some(i) = paired
@@ -544,75 +545,6 @@ fn decode_switch_changes_no_byte(
     }
 }
 
-/// Decode's L2 prefetch (`PREFETCH`: weights pulled into L2 from the
-/// second stream ahead of the kernels that read them) against none: the
-/// same logits bytes at every replayed position, with the step recorded as
-/// a graph (the prefetches fork from and join the recorded stream) and
-/// eager, on every tiny shape; and the prefetch arm did launch more kernels.
-#[test]
-fn decode_prefetch_changes_no_byte() {
-    if !gpu() {
-        return;
-    }
-    decode_switch_changes_no_byte("PREFETCH", (37, 5, 40), &[1], |shape, on, off| {
-        let (a, b) = (on.device().launch_count(), off.device().launch_count());
-        assert!(
-            a > b,
-            "{shape}: the prefetch arm launched {a} kernels, the other {b}"
-        );
-    });
-}
-
-#[test]
-fn decode_fusions_equal_the_separate_kernels() {
-    if !gpu() {
-        return;
-    }
-    for (shape, quant) in SHAPES
-        .iter()
-        .flat_map(|s| [(*s, GgmlType::Q4_K), (*s, GgmlType::Q8_0)])
-    {
-        let (_d, model) = synth(shape, quant, 19);
-        let mut fused = Cuda::new(0, &model, false).unwrap();
-        fused.set_graphs(false);
-        fused.set_block_route(true);
-        let mut apart = Cuda::new(0, &model, false).unwrap();
-        apart.set_graphs(false);
-        apart.set_row_kernels(false);
-        apart.set_fused_glu(false);
-        apart.set_small_plan(false);
-        apart.set_quantized_gather(false);
-        apart.set_grouped_projections(false);
-        apart.set_norm_quant(false);
-        apart.set_block_route(false);
-        apart.set_overlap(false);
-        apart.set_moe_joint(false);
-        apart.device().set_pdl(false);
-        let mut rng = Rng::new(23);
-        let toks: Vec<u32> = (0..200)
-            .map(|_| rng.below(model.w.n_vocab as u64) as u32)
-            .collect();
-        for chunk in [1usize, 7] {
-            let (p, q) = (
-                all_logits(&fused, &model, &toks, chunk),
-                all_logits(&apart, &model, &toks, chunk),
-            );
-            assert_eq!(p.len(), q.len());
-            if let Some(i) = p
-                .iter()
-                .zip(&q)
-                .position(|(a, b)| a.to_bits() != b.to_bits())
-            {
-                panic!(
-                    "{shape} {quant:?} chunk {chunk}: fused kernels differ from separate ones at position {}",
-                    i / model.w.n_vocab
-                );
-            }
-        }
-        eprintln!("{shape} {quant:?}: decode fusions == separate kernels (replay and chunks of 7)");
-    }
-}
-
 #[test]
 fn graph_replayed_steps_equal_eager_steps() {
     if !gpu() {
@@ -651,30 +583,11 @@ fn graph_replayed_steps_equal_eager_steps() {
             );
         }
         eprintln!("{shape}: 300 graph-replayed steps == eager steps without PDL");
-        // Batched prefill (chunks of 64 rows: the wide kernels) with and
-        // without programmatic dependent launch (which prefill-sized calls
-        // use only when asked).
-        graphs.device().set_pdl_prefill(true);
-        let batched = |b: &Cuda| {
-            let mut st = b.new_state(&model, 400, KvType::F32).unwrap();
-            let mut out = Vec::new();
-            for c in toks.chunks(64) {
-                out.extend(forward(&model, b, &mut st, c, Logits::All).unwrap());
-            }
-            out
-        };
-        let (p, q) = (batched(&graphs), batched(&eager));
-        assert!(
-            same_bits(&p, &q),
-            "{shape}: batched prefill with PDL differs from without"
-        );
-        eprintln!("{shape}: batched prefill with PDL == without");
     }
 }
 
 /// Prefill-sized forward calls launch without programmatic dependent launch
-/// (it slowed them: docs/gpu-notes.md, session 17), one-row calls with it,
-/// and `set_pdl_prefill` keeps it for every call.
+/// (it slowed qwen35moe pp4096 by 10% on an H200), one-row calls with it.
 #[test]
 fn programmatic_dependent_launch_is_for_small_calls() {
     if !gpu() {
@@ -703,30 +616,6 @@ fn programmatic_dependent_launch_is_for_small_calls() {
     )
     .unwrap();
     assert!(cuda.device().uses_pdl(), "a {n}-row call did not use PDL");
-    cuda.device().set_pdl_prefill(true);
-    forward(&model, &cuda, &mut st, &toks[..big], Logits::Last).unwrap();
-    assert!(cuda.device().uses_pdl(), "set_pdl_prefill did not keep PDL");
-}
-
-/// Every kernel switch is settable and readable by name (what `samesum
-/// agree --variant NAME=0|1` uses), and an unknown name is an error naming
-/// the known ones.
-#[test]
-fn switches_are_set_and_read_by_name() {
-    if !gpu() {
-        return;
-    }
-    let (_d, model) = synth("tiny-qwen3moe", GgmlType::Q4_K, 5);
-    let mut cuda = Cuda::new(0, &model, false).unwrap();
-    for name in Cuda::switch_names() {
-        for on in [false, true] {
-            cuda.set_switch(name, on).unwrap();
-            assert_eq!(cuda.switch(name).unwrap(), on, "{name} = {on}");
-        }
-    }
-    let e = cuda.set_switch("SIDEWAYS", true).unwrap_err().to_string();
-    assert!(e.contains("SIDEWAYS") && e.contains("ATT_Q4"), "{e}");
-    assert!(cuda.switch("sideways").is_err());
 }
 
 /// Kernels launched by `cuda` (graphs off) for every position's logits of
