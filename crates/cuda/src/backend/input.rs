@@ -13,17 +13,6 @@ pub(super) struct AfterNorm<'a> {
     pub(super) eps: f32,
 }
 
-/// The post-mixer norm run inside a decode MoE's router launch
-/// (`NORM_ROUTER`, `mm_f32_multi_route_norm`): `acc += inc`, then the
-/// RMSNorm of `acc` with weight `w` into the MoE's input rows (f32 and
-/// Q8_K), as add_rms_norm_q8k computes it.
-pub(super) struct PreNorm<'a> {
-    pub(super) acc: u64,
-    pub(super) inc: u64,
-    pub(super) w: &'a CudaSlice<f32>,
-    pub(super) eps: f32,
-}
-
 /// The input rows of one or more matmuls and their quantized forms, made on
 /// first use: matmuls that share an input quantize it once (one launch, not
 /// one per matrix).
@@ -42,8 +31,8 @@ pub(super) struct Input<'a> {
     /// to this many rows holds one expert); 16 otherwise.
     pub(super) tile: usize,
     /// Rows with no expert (id -1) are read by no one downstream (a wide
-    /// routed call's padding and unused places, with `LIVE_ROWS`): the
-    /// kernels that can may leave their outputs unwritten.
+    /// routed call's padding and unused places): the kernels that can may
+    /// leave their outputs unwritten.
     pub(super) live: bool,
 }
 

@@ -1,11 +1,144 @@
-//! Matmuls: the per-format kernels, the tensor-core jobs and groups, the
-//! fused GLU, chosen by shape and format.
+//! Matmuls: each call's kernel chosen by [`MatmulKernel::select`] from the
+//! weights' format and rows, the call's rows and whether they name experts;
+//! the fused GLU, a layer's one-row input projections in one launch, and
+//! several matrices' wide calls in one tensor-core launch.
 
 use super::*;
 
+/// The kernel of one matmul call. Every one computes each output element
+/// with the same operations in the same order (kernels/matmul_dp4a.cu), so
+/// the choice changes the speed only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum MatmulKernel {
+    /// Float weights, a warp per weight row and 16-row tile (`mm_f32`,
+    /// `mm_f16`, `mm_bf16`): calls of up to 16 rows and expert calls, and
+    /// the reference the float tile kernels are tested against.
+    FloatRows,
+    /// Float weights, wide calls of one matrix: 4 weight rows x 16
+    /// activation rows a warp (`mm_f32_tile`, `mm_f16_tile`, `mm_bf16_tile`).
+    FloatTile,
+    /// f32 weights of at most `MFF_ROWS` rows (a shared expert's input
+    /// gate), wide calls: a warp an activation row (`mm_f32_few`).
+    FloatFew,
+    /// f32 weights, wide calls: 8 weight rows x 16 activation rows a warp,
+    /// the operands staged by cp.async (`mm_f32_tile_w8`).
+    FloatWide,
+    /// Quantized weights, a warp per weight row and 16-row tile (`mm_q4_k`,
+    /// `mm_q5_k`, `mm_q6_k`, `mm_q8_0`): calls of 2 to 16 rows of one
+    /// matrix, and the reference the other quantized kernels are tested
+    /// against.
+    Tile,
+    /// Q6_K and Q8_0 wide calls: four weight rows a warp (`mm_q6_k_r4`,
+    /// `mm_q8_0_r4`).
+    Tile4,
+    /// One row, or up to 16 that each name an expert: a warp per (weight
+    /// row, activation row) (`mm_q5_k_1`, `mm_q6_k8_1`, `mm_q8_0_1`).
+    Row,
+    /// Q4_K calls of the `Row` kind: a lane per weight row, `rows` of them a
+    /// block (`mm_q4_k_lane_1`: 32; `mm_q4_k_lane16_1`: 16, for matrices of
+    /// at most `LANE16_ROWS` rows, twice the blocks).
+    Lane { rows: usize },
+    /// Q4_K and Q5_K wide calls on tensor cores, `tile` activation rows a
+    /// block (see [`tc_tile`]). `live`: a routed call whose rows with no
+    /// expert no one reads, left unwritten (the 32-row Q4_K kernel's
+    /// `_live` form).
+    TensorCore { tile: usize, live: bool },
+}
+
+impl MatmulKernel {
+    /// The kernel for `w` on `input`, whose rows name experts or not.
+    /// `aligned`: whether f32 weights and rows start on 16-byte boundaries
+    /// (asked only of wide f32 calls whose rows are whole 16-byte pieces).
+    pub(super) fn select(
+        w: &Matrix,
+        input: &Input,
+        experts: bool,
+        aligned: impl FnOnce() -> bool,
+    ) -> Self {
+        let m = input.m;
+        let wide = m > 16;
+        match w.ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+                if !wide || experts {
+                    Self::FloatRows
+                } else if w.ty == GgmlType::F32 && w.cols.is_multiple_of(4) && aligned() {
+                    if w.rows <= MFF_ROWS {
+                        Self::FloatFew
+                    } else {
+                        Self::FloatWide
+                    }
+                } else {
+                    Self::FloatTile
+                }
+            }
+            GgmlType::Q4_K | GgmlType::Q5_K if wide => {
+                let tile = tc_tile(m, input.tile, experts);
+                Self::TensorCore {
+                    tile,
+                    live: w.ty == GgmlType::Q4_K && tile == 32 && input.live && experts,
+                }
+            }
+            _ if wide => Self::Tile4,
+            GgmlType::Q4_K if m == 1 || experts => Self::Lane {
+                rows: if w.rows <= LANE16_ROWS { 16 } else { 32 },
+            },
+            _ if m == 1 || experts => Self::Row,
+            _ => Self::Tile,
+        }
+    }
+
+    /// The kernel's name for weights of format `ty`, `None` where it has no
+    /// form for them.
+    fn name(self, ty: GgmlType) -> Option<&'static str> {
+        use GgmlType::{BF16, F16, F32, Q4_K, Q5_K, Q6_K, Q8_0};
+        Some(match (self, ty) {
+            (Self::FloatRows, F32) => "mm_f32",
+            (Self::FloatRows, F16) => "mm_f16",
+            (Self::FloatRows, BF16) => "mm_bf16",
+            (Self::FloatTile, F32) => "mm_f32_tile",
+            (Self::FloatTile, F16) => "mm_f16_tile",
+            (Self::FloatTile, BF16) => "mm_bf16_tile",
+            (Self::FloatFew, F32) => "mm_f32_few",
+            (Self::FloatWide, F32) => "mm_f32_tile_w8",
+            (Self::Tile, Q4_K) => "mm_q4_k",
+            (Self::Tile, Q5_K) => "mm_q5_k",
+            (Self::Tile, Q6_K) => "mm_q6_k",
+            (Self::Tile, Q8_0) => "mm_q8_0",
+            (Self::Tile4, Q6_K) => "mm_q6_k_r4",
+            (Self::Tile4, Q8_0) => "mm_q8_0_r4",
+            (Self::Row, Q5_K) => "mm_q5_k_1",
+            // Eight lanes a block: both nibbles of a ql byte in one lane.
+            (Self::Row, Q6_K) => "mm_q6_k8_1",
+            (Self::Row, Q8_0) => "mm_q8_0_1",
+            (Self::Lane { rows: 16 }, Q4_K) => "mm_q4_k_lane16_1",
+            (Self::Lane { rows: 32 }, Q4_K) => "mm_q4_k_lane_1",
+            (Self::TensorCore { tile: 16, .. }, Q4_K) => "mm_tc_q4_k_async",
+            (Self::TensorCore { tile: 16, .. }, Q5_K) => "mm_tc_q5_k_async",
+            (Self::TensorCore { tile: 32, live }, Q4_K) if live => "mm_tc_q4_k_async32g_live",
+            (Self::TensorCore { tile: 32, .. }, Q4_K) => "mm_tc_q4_k_async32g",
+            (Self::TensorCore { tile: 32, .. }, Q5_K) => "mm_tc_q5_k_async32",
+            _ => return None,
+        })
+    }
+}
+
+/// Activation rows per tile of a wide tensor-core call of `m` rows: 32
+/// where there are at least `TC_ROWS32_MIN` rows per matrix (for an expert
+/// call, where its plan padded each expert's rows to `plan_tile` = 32, see
+/// [`Cuda::tc_pad`]), else 16.
+fn tc_tile(m: usize, plan_tile: usize, experts: bool) -> usize {
+    let enough = if experts {
+        plan_tile == 32
+    } else {
+        m >= TC_ROWS32_MIN
+    };
+    if enough { 32 } else { TC_ROWS }
+}
+
 impl Cuda {
-    /// `silu(gate . x) * (up . x)` for `m` host rows through
-    /// [`Cuda::glu_on`]'s choice of kernels (for tests).
+    /// `silu(gate . x) * (up . x)` for `m` host rows (`mats`: each row's
+    /// expert, -1 for none), on [`Cuda::glu_on`]'s kernels or (`reference`)
+    /// on two reference matmuls and `silu_mul`, for tests.
     #[doc(hidden)]
     pub fn glu_host(
         &self,
@@ -14,6 +147,7 @@ impl Cuda {
         x: &[f32],
         m: usize,
         mats: Option<&[i32]>,
+        reference: bool,
     ) -> Result<Vec<f32>> {
         let xd = self.dev.upload(x)?;
         let md = match mats {
@@ -22,15 +156,17 @@ impl Cuda {
         };
         let mut y = self.dev.upload(&vec![f32::NAN; m * gate.rows])?;
         let (bg, bu) = (self.wptr(gate)?, self.wptr(up)?);
-        self.glu_on(
-            gate,
-            up,
-            [bg, bu],
-            &Input::new(&xd, m),
-            md.as_ref(),
-            &mut y,
-            false,
-        )?;
+        let input = Input::new(&xd, m);
+        if reference {
+            let mut u = self.dev.upload(&vec![f32::NAN; m * up.rows])?;
+            let k = MatmulKernel::Tile;
+            self.matmul_with(gate, bg, &input, md.as_ref(), &mut y, Some(k))?;
+            self.matmul_with(up, bu, &input, md.as_ref(), &mut u, Some(k))?;
+            let n = (m * gate.rows) as i64;
+            launch!(self.dev, "silu_mul", cfg1(m * gate.rows), &mut y, &u, &n)?;
+        } else {
+            self.glu_on(gate, up, [bg, bu], &input, md.as_ref(), &mut y, false)?;
+        }
         self.dev.download(&y, m * gate.rows)
     }
 
@@ -38,11 +174,9 @@ impl Cuda {
     /// id give 0): in one launch for decode-sized calls where gate and up
     /// share a format and shape, else two matmuls and `silu_mul`. The same
     /// bytes either way: each product is the matmul's, then silu_mul's
-    /// expression. With `quant`, where the two matmuls ran, `y`'s Q8_K
-    /// blocks too (`silu_mul_q8k`, with the `SILU_Q8K` switch on and rows a
-    /// multiple of 256 wide), for the next matmul's input; where they are
-    /// returned with `SILU_REGS` on, `y` keeps the gate's outputs and the
-    /// blocks alone hold the GLU's (every K-quant matmul reads them).
+    /// expression. With `quant`, where the two matmuls ran and rows are a
+    /// multiple of 256 wide, `y`'s Q8_K blocks too (`silu_mul_q8k_w`), for
+    /// the next matmul's input.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn glu_on(
         &self,
@@ -55,9 +189,7 @@ impl Cuda {
         quant: bool,
     ) -> Result<Option<CudaSlice<u8>>> {
         let m = input.m;
-        let fused = self.glu
-            && self.row_kernels
-            && m > 0
+        let fused = m > 0
             && m <= 16
             && (m == 1 || mats.is_some())
             && gate.ty == up.ty
@@ -65,7 +197,7 @@ impl Cuda {
                 == (up.rows, up.cols, up.row_bytes, up.n_mats)
             && input.cols() == gate.cols;
         let kernel = match gate.ty {
-            GgmlType::Q4_K => "mm_q4_k_glu_1",
+            GgmlType::Q4_K => "mm_q4_k_lane_glu_1",
             GgmlType::Q5_K => "mm_q5_k_glu_1",
             GgmlType::Q6_K => "mm_q6_k_glu_1",
             GgmlType::Q8_0 => "mm_q8_0_glu_1",
@@ -74,57 +206,40 @@ impl Cuda {
         if !fused || kernel.is_empty() {
             let mut u = self.dev.scratch::<f32>(m * up.rows)?;
             // Gate and up in one tensor-core launch where each would take
-            // the same kernel alone (TC_JOBS), else one each.
+            // the same kernel alone, else one each.
             if !self.tc_jobs_on(&[gate, up], &bases, input, mats, &mut [&mut *y, &mut u])? {
-                self.matmul_on(gate, bases[0], input, mats, y, self.tensor_cores)?;
-                self.matmul_on(up, bases[1], input, mats, &mut u, self.tensor_cores)?;
+                self.matmul_on(gate, bases[0], input, mats, y)?;
+                self.matmul_on(up, bases[1], input, mats, &mut u)?;
             }
-            if quant && self.silu_q8k && gate.rows.is_multiple_of(256) {
+            if quant && gate.rows.is_multiple_of(256) {
+                // A warp per 256-block of the products. Rows with no expert
+                // that no one reads (`live`) are left unwritten.
                 let mut q = self.dev.scratch::<u8>(m * gate.rows / 256 * 304)?;
                 let width = gate.rows as i32;
                 let warps = cfg(((m * gate.rows / 256).div_ceil(4) as u32, 1, 1), 128, 0);
                 let mi = m as i32;
-                match mats.filter(|_| input.live && !self.silu_regs) {
-                    Some(ids) if self.silu_warp => {
-                        launch!(
-                            self.dev,
-                            "silu_mul_q8k_wl",
-                            warps,
-                            y,
-                            &u,
-                            &mut q,
-                            &width,
-                            &mi,
-                            ids
-                        )?;
-                    }
-                    _ if self.silu_warp => {
-                        launch!(
-                            self.dev,
-                            if self.silu_regs {
-                                "silu_mul_q8k_wr"
-                            } else {
-                                "silu_mul_q8k_w"
-                            },
-                            warps,
-                            y,
-                            &u,
-                            &mut q,
-                            &width,
-                            &mi
-                        )?;
-                    }
-                    _ => {
-                        launch!(
-                            self.dev,
-                            "silu_mul_q8k",
-                            cfg((m as u32, 1, 1), 256, 0),
-                            y,
-                            &u,
-                            &mut q,
-                            &width
-                        )?;
-                    }
+                match mats.filter(|_| input.live) {
+                    Some(ids) => launch!(
+                        self.dev,
+                        "silu_mul_q8k_wl",
+                        warps,
+                        y,
+                        &u,
+                        &mut q,
+                        &width,
+                        &mi,
+                        ids
+                    )?,
+                    None => launch!(
+                        self.dev,
+                        "silu_mul_q8k_w",
+                        warps,
+                        y,
+                        &u,
+                        &mut q,
+                        &width,
+                        &mi
+                    )?,
                 }
                 return Ok(Some(q));
             }
@@ -143,13 +258,12 @@ impl Cuda {
         let row_bytes = gate.row_bytes as i32;
         let mats_ptr: u64 = mats.map_or(0, |s| crate::device::addr(d, s));
         let (rows, mi) = (gate.rows as i32, m as i32);
-        let (kernel, c) = if self.lane_rows && gate.ty == GgmlType::Q4_K {
-            ("mm_q4_k_lane_glu_1", lane_cfg(gate.rows, m, nb))
+        // Q4_K on the lane kernel (a lane per weight row), the others a warp
+        // per (weight row, activation row).
+        let c = if gate.ty == GgmlType::Q4_K {
+            lane_cfg(gate.rows, m, nb)
         } else {
-            (
-                kernel,
-                cfg((gate.rows.div_ceil(4) as u32, m as u32, 1), 128, 0),
-            )
+            cfg((gate.rows.div_ceil(4) as u32, m as u32, 1), 128, 0)
         };
         launch!(
             d, kernel, c, &bases[0], &bases[1], &stride, &row_bytes, &mats_ptr, a, y, &rows, &mi,
@@ -159,10 +273,11 @@ impl Cuda {
     }
 
     /// One matmul call on host data, for the kernel tests: `m` rows of `x`
-    /// against `w` (`mats` per row, -1 for none), on the tensor-core kernels
-    /// where they apply or (with `tensor_cores` false) on the dp4a kernels.
-    /// The output starts NaN-poisoned; with `LIVE_ROWS` on and `mats`
-    /// given, rows of id -1 may stay so.
+    /// against `w` on the default kernels. `mats`: each row's expert (-1
+    /// for none), the rows placed as the expert plan places them, padded to
+    /// `pad` (16 or 32) rows an expert; the rows of id -1 are then read by
+    /// no one, so on the 32-row Q4_K tensor-core kernel they stay as they
+    /// start, NaN.
     #[doc(hidden)]
     pub fn matmul_host(
         &self,
@@ -170,30 +285,58 @@ impl Cuda {
         x: &[f32],
         m: usize,
         mats: Option<&[i32]>,
-        tensor_cores: bool,
+        pad: usize,
     ) -> Result<Vec<f32>> {
         let xd = self.dev.upload(x)?;
+        let input = Input::new(&xd, m);
+        let input = match mats {
+            Some(_) => input.padded(pad).live(true),
+            None => input,
+        };
+        self.matmul_host_on(w, &input, mats, None)
+    }
+
+    /// [`Cuda::matmul_host`] on the reference kernel ([`MatmulKernel::Tile`]
+    /// for quantized weights, [`MatmulKernel::FloatRows`] for float ones),
+    /// every row of id -1 written as zeros.
+    #[doc(hidden)]
+    pub fn matmul_reference_host(
+        &self,
+        w: &Matrix,
+        x: &[f32],
+        m: usize,
+        mats: Option<&[i32]>,
+    ) -> Result<Vec<f32>> {
+        let xd = self.dev.upload(x)?;
+        let k = match w.ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => MatmulKernel::FloatRows,
+            _ => MatmulKernel::Tile,
+        };
+        self.matmul_host_on(w, &Input::new(&xd, m), mats, Some(k))
+    }
+
+    fn matmul_host_on(
+        &self,
+        w: &Matrix,
+        input: &Input,
+        mats: Option<&[i32]>,
+        kernel: Option<MatmulKernel>,
+    ) -> Result<Vec<f32>> {
+        let m = input.m;
         let md = match mats {
             Some(v) => Some(self.dev.upload(v)?),
             None => None,
         };
         let mut y = self.dev.upload(&vec![f32::NAN; m * w.rows])?;
         let base = self.wptr(w)?;
-        self.matmul_on(
-            w,
-            base,
-            &Input::new(&xd, m).live(self.live_rows && mats.is_some()),
-            md.as_ref(),
-            &mut y,
-            tensor_cores,
-        )?;
+        self.matmul_with(w, base, input, md.as_ref(), &mut y, kernel)?;
         self.dev.download(&y, m * w.rows)
     }
 
-    /// `ws` on `m` host rows in one tensor-core launch (`TC_JOBS`; `mats`:
-    /// expert ids laid out in tiles of 32 by the plan, shared by every
-    /// matrix): `None` when that launch does not apply (see `tc_jobs_on`),
-    /// for tests.
+    /// `ws` on `m` host rows in one tensor-core launch (`mats`: expert ids
+    /// laid out by the plan in tiles of 32, shared by every matrix, their
+    /// rows of id -1 read by no one): `None` where that launch does not
+    /// apply (see `tc_jobs_on`), for tests.
     #[doc(hidden)]
     pub fn tc_jobs_host(
         &self,
@@ -215,8 +358,10 @@ impl Cuda {
             .iter()
             .map(|w| self.wptr(w))
             .collect::<Result<Vec<_>>>()?;
-        // Expert ids come laid out as the plan pads them for 32-row tiles.
-        let input = Input::new(&xd, m).padded(if mats.is_some() { 32 } else { TC_ROWS });
+        let input = match mats {
+            Some(_) => Input::new(&xd, m).padded(32).live(true),
+            None => Input::new(&xd, m),
+        };
         let mut refs: Vec<&mut CudaSlice<f32>> = ys.iter_mut().collect();
         if !self.tc_jobs_on(ws, &bases, &input, md.as_ref(), &mut refs)? {
             return Ok(None);
@@ -238,14 +383,7 @@ impl Cuda {
         mats: Option<&CudaSlice<i32>>,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        self.matmul_on(
-            w,
-            self.wptr(w)?,
-            &Input::new(x, m),
-            mats,
-            y,
-            self.tensor_cores,
-        )
+        self.matmul_on(w, self.wptr(w)?, &Input::new(x, m), mats, y)
     }
 
     /// [`Self::matmul`] on a shared input (quantized once for all its matmuls).
@@ -256,63 +394,25 @@ impl Cuda {
         mats: Option<&CudaSlice<i32>>,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        self.matmul_on(w, self.wptr(w)?, x, mats, y, self.tensor_cores)
+        self.matmul_on(w, self.wptr(w)?, x, mats, y)
     }
 
-    /// The tensor-core kernel and tile rows for `w` on `input` (expert
-    /// stacks or not), or `None` where the call takes the dp4a kernels:
-    /// calls of up to 16 rows, formats other than Q4_K/Q5_K, tensor cores
-    /// off, and (with `tc_small`) plain matrices under one tile's 128 rows.
-    pub(super) fn tc_kernel_for(
-        &self,
-        w: &Matrix,
-        input: &Input,
-        experts: bool,
-        tensor_cores: bool,
-    ) -> Option<(&'static str, usize)> {
-        // A plain matrix of fewer rows than a tensor-core tile's 128 (a
-        // delta net's beta and alpha: 32) would run a few blocks, each
-        // mostly unused rows: the dp4a kernels spread it over the GPU.
-        let small = self.tc_small && !experts && w.rows < TQ_WROWS;
-        if input.m <= 16
-            || !tensor_cores
-            || small
-            || !matches!(w.ty, GgmlType::Q4_K | GgmlType::Q5_K)
-        {
-            return None;
-        }
-        let tile = self.tc_tile(input.m, input.tile, experts);
-        let q4 = w.ty == GgmlType::Q4_K;
-        let g = self.tc_occ3 && self.tc_mins && self.tc_groups;
-        let k = match (self.tc_kernel, tile) {
-            (TcKernel::Plain, _) if q4 => "mm_tc_q4_k",
-            (TcKernel::Plain, _) => "mm_tc_q5_k",
-            (TcKernel::Pipelined, _) if q4 => "mm_tc_q4_k_pipe",
-            (TcKernel::Pipelined, _) => "mm_tc_q5_k_pipe",
-            (_, 32) if q4 && g && self.tc_w8 => "mm_tc_q4_k_async32w",
-            (_, 32) if q4 && g => "mm_tc_q4_k_async32g",
-            (_, 32) if q4 && self.tc_occ3 && self.tc_mins => "mm_tc_q4_k_async32m",
-            (_, 32) if q4 && self.tc_occ3 => "mm_tc_q4_k_async32",
-            (_, 32) if q4 => "mm_tc_q4_k_async32_b2",
-            (_, 32) => "mm_tc_q5_k_async32",
-            _ if q4 => "mm_tc_q4_k_async",
-            _ => "mm_tc_q5_k_async",
-        };
-        Some((k, tile))
-    }
-
-    /// Would a wide call of `w` take `mm_tc_q4_k_async32g` (the kernel
-    /// whose several-matrix form `tc_jobs_on` launches)?
-    pub(super) fn takes_tc32g(&self, w: &Matrix, input: &Input, experts: bool) -> bool {
-        self.tc_kernel_for(w, input, experts, self.tensor_cores)
-            .is_some_and(|(k, _)| k == "mm_tc_q4_k_async32g")
+    /// Would a call of `w` on `input` take the 32-row Q4_K tensor-core
+    /// kernel (the kernel whose several-matrix form `tc_jobs_on` launches)?
+    fn takes_tc32(w: &Matrix, input: &Input, experts: bool) -> bool {
+        w.ty == GgmlType::Q4_K
+            && matches!(
+                MatmulKernel::select(w, input, experts, || false),
+                MatmulKernel::TensorCore { tile: 32, .. }
+            )
     }
 
     /// `ys[i] = ws[i] . x` (with `bases[i]` the matrices' device addresses)
     /// for 2 to 4 Q4_K matrices of one width, row size and stack layout in
-    /// one tensor-core launch (`mm_tc_q4_k_async32g_jobs`, `TC_JOBS`) when
-    /// each would take `mm_tc_q4_k_async32g` alone: every output is that
-    /// kernel's. Returns false, launching nothing, otherwise.
+    /// one tensor-core launch (`mm_tc_q4_k_async32g_jobs`, or `_jobs_live`
+    /// for routed rows read only where they name an expert) when each would
+    /// take `mm_tc_q4_k_async32g` alone: every output is that kernel's.
+    /// Returns false, launching nothing, otherwise.
     pub(super) fn tc_jobs_on(
         &self,
         ws: &[&Matrix],
@@ -321,7 +421,7 @@ impl Cuda {
         mats: Option<&CudaSlice<i32>>,
         ys: &mut [&mut CudaSlice<f32>],
     ) -> Result<bool> {
-        let Some(first) = ws.first().filter(|_| self.tc_jobs) else {
+        let Some(first) = ws.first() else {
             return Ok(false);
         };
         let same = ws.iter().all(|w| {
@@ -336,7 +436,7 @@ impl Cuda {
             && input.cols() == first.cols
             && ws
                 .iter()
-                .all(|w| self.takes_tc32g(w, input, mats.is_some()))
+                .all(|w| Self::takes_tc32(w, input, mats.is_some()))
             && ys.iter().zip(ws).all(|(y, w)| y.len() >= input.m * w.rows);
         if !ok {
             return Ok(false);
@@ -363,11 +463,10 @@ impl Cuda {
         );
         launch!(
             d,
-            match (input.live && mats.is_some(), self.tc_wsmem) {
-                (true, false) => "mm_tc_q4_k_async32g_jobs_live",
-                (false, false) => "mm_tc_q4_k_async32g_jobs",
-                (true, true) => "mm_tc_q4_k_async32g_jobs_live_ws",
-                (false, true) => "mm_tc_q4_k_async32g_jobs_ws",
+            if input.live && mats.is_some() {
+                "mm_tc_q4_k_async32g_jobs_live"
+            } else {
+                "mm_tc_q4_k_async32g_jobs"
             },
             ct,
             &mj,
@@ -382,9 +481,11 @@ impl Cuda {
     }
 
     /// `ys[i] = ws[i] . x` for up to four matrices sharing the input: one
-    /// launch (`mm_*_multi_1`) for one-row calls where every matrix has one
-    /// format, width and row size, else one matmul each. The same bytes
-    /// either way: each row is the one-row kernel's.
+    /// launch (`mm_q4_k_lane_multi_1`, `mm_*_multi_1`) for one-row calls
+    /// where every matrix has one format, width and row size; for wide
+    /// calls, the matrices that take the 32-row Q4_K tensor-core kernel in
+    /// one launch where there are two or more; else one matmul each. The
+    /// same bytes either way: each row is the single matmul's.
     pub(super) fn mm_group(
         &self,
         input: &Input,
@@ -392,15 +493,14 @@ impl Cuda {
     ) -> Result<()> {
         let first = jobs.first().map(|(w, _)| (w.ty, w.cols, w.row_bytes));
         let kernel = match first.map(|f| f.0) {
-            Some(GgmlType::Q4_K) => "mm_q4_k_multi_1",
+            // A lane per weight row.
+            Some(GgmlType::Q4_K) => "mm_q4_k_lane_multi_1",
             Some(GgmlType::Q5_K) => "mm_q5_k_multi_1",
             Some(GgmlType::Q6_K) => "mm_q6_k_multi_1",
             Some(GgmlType::Q8_0) => "mm_q8_0_multi_1",
             _ => "",
         };
-        let grouped = self.row_kernels
-            && self.multi
-            && input.m == 1
+        let grouped = input.m == 1
             && !kernel.is_empty()
             && (2..=4).contains(&jobs.len())
             && jobs.iter().all(|(w, y)| {
@@ -408,30 +508,26 @@ impl Cuda {
             })
             && input.cols() == jobs[0].0.cols;
         if !grouped {
-            // Wide calls: the matrices the tensor-core kernel would take one
-            // by one, in one launch where there are two or more (TC_JOBS).
+            // The input's width fixes every matrix's columns, and Q4_K
+            // fixes their row size: tc_jobs_on's shape checks hold.
             let mut rest: Vec<usize> = (0..jobs.len()).collect();
-            if self.tc_jobs {
-                // The input's width fixes every matrix's columns, and Q4_K
-                // fixes their row size: tc_jobs_on's shape checks hold.
-                let tc: Vec<usize> = (0..jobs.len())
-                    .filter(|&i| self.takes_tc32g(jobs[i].0, input, false))
+            let tc: Vec<usize> = (0..jobs.len())
+                .filter(|&i| Self::takes_tc32(jobs[i].0, input, false))
+                .collect();
+            if tc.len() >= 2 {
+                let ws: Vec<&Matrix> = tc.iter().map(|&i| jobs[i].0).collect();
+                let bases = ws
+                    .iter()
+                    .map(|w| self.wptr(w))
+                    .collect::<Result<Vec<_>>>()?;
+                let mut ys: Vec<&mut CudaSlice<f32>> = jobs
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(i, _)| tc.contains(i))
+                    .map(|(_, (_, y))| &mut **y)
                     .collect();
-                if tc.len() >= 2 {
-                    let ws: Vec<&Matrix> = tc.iter().map(|&i| jobs[i].0).collect();
-                    let bases = ws
-                        .iter()
-                        .map(|w| self.wptr(w))
-                        .collect::<Result<Vec<_>>>()?;
-                    let mut ys: Vec<&mut CudaSlice<f32>> = jobs
-                        .iter_mut()
-                        .enumerate()
-                        .filter(|(i, _)| tc.contains(i))
-                        .map(|(_, (_, y))| &mut **y)
-                        .collect();
-                    if self.tc_jobs_on(&ws, &bases, input, None, &mut ys)? {
-                        rest.retain(|i| !tc.contains(i));
-                    }
+                if self.tc_jobs_on(&ws, &bases, input, None, &mut ys)? {
+                    rest.retain(|i| !tc.contains(i));
                 }
             }
             for i in rest {
@@ -447,7 +543,7 @@ impl Cuda {
         } else {
             input.q8k(d)?
         };
-        let lane = self.lane_rows && ty == GgmlType::Q4_K;
+        let lane = ty == GgmlType::Q4_K;
         let per = if lane { 32 } else { 4 };
         let mut mj = crate::device::MmJobs::default();
         let mut blocks = 0u32;
@@ -460,11 +556,7 @@ impl Cuda {
         mj.nj = jobs.len() as i32;
         let nb = (cols / if ty == GgmlType::Q8_0 { 32 } else { 256 }) as i32;
         let (rb, mi) = (row_bytes as i32, 1i32);
-        let (kernel, threads) = if lane {
-            ("mm_q4_k_lane_multi_1", lane_threads(nb))
-        } else {
-            (kernel, 128)
-        };
+        let threads = if lane { lane_threads(nb) } else { 128 };
         launch!(
             d,
             kernel,
@@ -478,10 +570,10 @@ impl Cuda {
     }
 
     /// Matmuls of `ws` on host rows through [`Cuda::mm_group`] (`grouped`) or
-    /// one at a time, for tests.
+    /// one matmul each, for tests.
     #[doc(hidden)]
     pub fn mm_group_host(
-        &mut self,
+        &self,
         ws: &[&Matrix],
         x: &[f32],
         m: usize,
@@ -492,47 +584,31 @@ impl Cuda {
             .iter()
             .map(|w| self.dev.upload(&vec![f32::NAN; m * w.rows]))
             .collect::<Result<Vec<_>>>()?;
-        let was = self.multi;
-        self.multi = grouped;
-        let mut jobs: Vec<(&Matrix, &mut CudaSlice<f32>)> =
-            ws.iter().copied().zip(ys.iter_mut()).collect();
-        let r = self.mm_group(&Input::new(&xd, m), &mut jobs);
-        self.multi = was;
-        r?;
+        let input = Input::new(&xd, m);
+        if grouped {
+            let mut jobs: Vec<(&Matrix, &mut CudaSlice<f32>)> =
+                ws.iter().copied().zip(ys.iter_mut()).collect();
+            self.mm_group(&input, &mut jobs)?;
+        } else {
+            for (w, y) in ws.iter().zip(ys.iter_mut()) {
+                self.mm(w, &input, None, y)?;
+            }
+        }
         ws.iter()
             .zip(&ys)
             .map(|(w, y)| self.dev.download(y, m * w.rows))
             .collect()
     }
 
-    /// Tensor-core tile rows for a call with (`enough`) or without
-    /// `TC_ROWS32_MIN` rows per matrix: 32 on the async kernel where `Async32`
-    /// forces it or, by default, where there are enough; 16 otherwise.
-    pub(super) fn tc_rows(&self, enough: bool) -> usize {
-        match self.tc_kernel {
-            TcKernel::Async32 => 32,
-            TcKernel::Async if self.tc_rows32_auto && enough => 32,
-            _ => TC_ROWS,
-        }
-    }
-
-    /// Rows per tile of a wide tensor-core call of `m` rows: for an expert
-    /// call, what its plan padded to (`plan_tile`, from `tc_pad`).
-    pub(super) fn tc_tile(&self, m: usize, plan_tile: usize, experts: bool) -> usize {
-        self.tc_rows(if experts {
-            plan_tile == 32
-        } else {
-            m >= TC_ROWS32_MIN
-        })
-    }
-
     /// The expert plan's padding for `n` (token, expert) pairs over `e`
-    /// experts in a wide call: the tensor-core tile its calls will take.
+    /// experts in a wide call: the tensor-core tile its calls will take
+    /// (32 with at least `TC_ROWS32_MIN` pairs an expert on average, else 16).
     pub(super) fn tc_pad(&self, n: usize, e: usize) -> usize {
-        self.tc_rows(n >= TC_ROWS32_MIN * e)
+        if n >= TC_ROWS32_MIN * e { 32 } else { TC_ROWS }
     }
 
-    /// A matmul reading `w`'s stacked matrices at device address `base`.
+    /// A matmul reading `w`'s stacked matrices at device address `base`, on
+    /// the kernel [`MatmulKernel::select`] picks.
     pub(super) fn matmul_on(
         &self,
         w: &Matrix,
@@ -540,7 +616,20 @@ impl Cuda {
         input: &Input,
         mats: Option<&CudaSlice<i32>>,
         y: &mut CudaSlice<f32>,
-        tensor_cores: bool,
+    ) -> Result<()> {
+        self.matmul_with(w, base, input, mats, y, None)
+    }
+
+    /// [`Cuda::matmul_on`] on `kernel` where given (the tests' reference
+    /// kernel), else on the selected one.
+    fn matmul_with(
+        &self,
+        w: &Matrix,
+        base: u64,
+        input: &Input,
+        mats: Option<&CudaSlice<i32>>,
+        y: &mut CudaSlice<f32>,
+        kernel: Option<MatmulKernel>,
     ) -> Result<()> {
         let m = input.m;
         if input.cols() != w.cols {
@@ -563,187 +652,96 @@ impl Cuda {
         let row_bytes = w.row_bytes as i32;
         let mats_ptr: u64 = mats.map_or(0, |s| crate::device::addr(d, s));
         let (rows, mi, cols) = (w.rows as i32, m as i32, w.cols as i32);
-        let grid = ((w.rows.div_ceil(4)) as u32, m.div_ceil(16) as u32, 1);
-        let c = cfg(grid, 128, 0);
-        // Calls of more than one 16-row tile take four weight rows per warp
-        // (same per-element arithmetic, activations read once for the four).
-        let wide = m > 16;
-        // One activation row, or a few rows that each name an expert: a warp
-        // per (weight row, activation row), same per-element arithmetic.
-        let one_row = self.row_kernels && !wide && (m == 1 || mats.is_some());
-        // One row against a matrix of many rows (the output head), with
-        // `HEAD_R4`: four weight rows a warp (the wide kernel, the same
-        // per-element arithmetic), four times the loads in flight a warp.
-        // With `HEAD_X4` (first if both are on): mm_row's arithmetic four
-        // rows a warp, double buffered (`mm_*_1x4`).
-        let head = one_row && m == 1 && mats.is_none() && w.rows >= HEAD_R4_ROWS;
-        let head_x4 = head && self.head_x4;
-        let head_r4 = head && self.head_r4 && !head_x4;
-        let cx4 = cfg((w.rows.div_ceil(16) as u32, m as u32, 1), 128, 0);
-        let c1 = cfg((w.rows.div_ceil(4) as u32, m as u32, 1), 128, 0);
-        let c4 = cfg(
+        let unsupported = || CudaError::Unsupported {
+            tensor: w.name.clone(),
+            ty: format!("{:?}", w.ty),
+        };
+        if !FORMATS.contains(&w.ty) {
+            return Err(unsupported());
+        }
+        // A warp per weight row and 16-row tile (also the float rows kernel's
+        // launch), four weight rows a warp, a warp per (weight row, row).
+        let tile = cfg(
+            (w.rows.div_ceil(4) as u32, m.div_ceil(16) as u32, 1),
+            128,
+            0,
+        );
+        let tile4 = cfg(
             (w.rows.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
             128,
             0,
         );
-        macro_rules! mm {
-            ($k:literal, $k4:literal, $k1:literal, $kx4:literal, $a:expr, $n:expr) => {
-                if one_row && self.lane_rows && w.ty == GgmlType::Q4_K {
-                    let (kl, cl) = if self.lane16 && w.rows <= LANE16_ROWS {
-                        ("mm_q4_k_lane16_1", lane_cfg_rows(w.rows, m, *$n, 16))
-                    } else {
-                        ("mm_q4_k_lane_1", lane_cfg(w.rows, m, *$n))
+        let row = cfg((w.rows.div_ceil(4) as u32, m as u32, 1), 128, 0);
+        if matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+            let x = input.f32_rows()?;
+            let k = kernel.unwrap_or_else(|| {
+                MatmulKernel::select(w, input, mats.is_some(), || {
+                    // 16-byte pieces: whole ones a row, aligned.
+                    wptr.is_multiple_of(16) && addr(d, x).is_multiple_of(16)
+                })
+            });
+            let name = k.name(w.ty).ok_or_else(unsupported)?;
+            return match k {
+                MatmulKernel::FloatRows => launch!(
+                    d, name, tile, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi, &cols
+                ),
+                _ => {
+                    let c = match k {
+                        MatmulKernel::FloatFew => cfg((m.div_ceil(4) as u32, 1, 1), 128, 0),
+                        // 8 weight rows x 16 activation rows a warp, 4 warps
+                        // a block sharing the activation rows.
+                        MatmulKernel::FloatWide => cfg(
+                            (w.rows.div_ceil(32) as u32, m.div_ceil(16) as u32, 1),
+                            128,
+                            MFW_SMEM,
+                        ),
+                        // 4 weight rows x 16 activation rows a warp.
+                        _ => tile4,
                     };
-                    launch!(
-                        d, kl, cl, &wptr, &stride, &row_bytes, &mats_ptr, $a, y, &rows, &mi, $n
-                    )
-                } else if head_x4 {
-                    launch!(
-                        d, $kx4, cx4, &wptr, &stride, &row_bytes, &mats_ptr, $a, y, &rows, &mi, $n
-                    )
-                } else if one_row && !head_r4 {
-                    launch!(
-                        d, $k1, c1, &wptr, &stride, &row_bytes, &mats_ptr, $a, y, &rows, &mi, $n
-                    )
-                } else if wide || head_r4 {
-                    launch!(
-                        d, $k4, c4, &wptr, &stride, &row_bytes, &mats_ptr, $a, y, &rows, &mi, $n
-                    )
-                } else {
-                    launch!(
-                        d, $k, c, &wptr, &stride, &row_bytes, &mats_ptr, $a, y, &rows, &mi, $n
-                    )
+                    launch!(d, name, c, &wptr, &row_bytes, x, y, &rows, &mi, &cols)
                 }
             };
         }
-        match w.ty {
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
-                let (k, kt) = match w.ty {
-                    GgmlType::F32 => ("mm_f32", "mm_f32_tile"),
-                    GgmlType::F16 => ("mm_f16", "mm_f16_tile"),
-                    _ => ("mm_bf16", "mm_bf16_tile"),
+        let (a, nbi) = if w.ty == GgmlType::Q8_0 {
+            (input.q80(d)?, (w.cols / 32) as i32)
+        } else {
+            (input.q8k(d)?, (w.cols / 256) as i32)
+        };
+        let k = kernel.unwrap_or_else(|| MatmulKernel::select(w, input, mats.is_some(), || false));
+        let name = k.name(w.ty).ok_or_else(unsupported)?;
+        let (c, label) = match k {
+            MatmulKernel::Tile4 => (tile4, name),
+            MatmulKernel::Row => (row, name),
+            MatmulKernel::Lane { rows: rb } => (lane_cfg_rows(w.rows, m, nbi, rb), name),
+            MatmulKernel::TensorCore { tile, .. } => {
+                // The async kernels' two stages of shared memory (see
+                // TaLayout in matmul_tc.cu).
+                let c = cfg(
+                    (w.rows.div_ceil(128) as u32, m.div_ceil(tile) as u32, 1),
+                    128,
+                    tc_async_smem(w.ty == GgmlType::Q5_K, tile),
+                );
+                // Profiles split the tensor-core launches by kind and
+                // reduction length (the K loop's blocks against the tile's
+                // fixed costs).
+                let label = match (mats.is_some(), nbi) {
+                    _ if !d.profiling() => name,
+                    (true, 2) => "mm_tc (experts, K 512)",
+                    (true, 8) => "mm_tc (experts, K 2048)",
+                    (true, _) => "mm_tc (experts, other K)",
+                    (false, 2) => "mm_tc (dense, K 512)",
+                    (false, 8) if w.rows < TQ_WROWS => "mm_tc (dense, K 2048, < 128 rows)",
+                    (false, 8) => "mm_tc (dense, K 2048)",
+                    (false, 16) => "mm_tc (dense, K 4096)",
+                    (false, _) => "mm_tc (dense, other K)",
                 };
-                let x = input.f32_rows()?;
-                let wide_tiles = wide
-                    && mats.is_none()
-                    && self.float_tiles
-                    && self.float_wide
-                    && w.ty == GgmlType::F32
-                    // 16-byte pieces: whole ones a row, aligned.
-                    && w.cols.is_multiple_of(4)
-                    && wptr.is_multiple_of(16)
-                    && addr(d, x).is_multiple_of(16);
-                if wide_tiles {
-                    let (kernel, cw) = if w.rows <= MFF_ROWS {
-                        // A matrix of a few rows (a shared expert's input
-                        // gate: one) would leave most of a 32-row tile's
-                        // work unused: a warp an activation row.
-                        ("mm_f32_few", cfg((m.div_ceil(4) as u32, 1, 1), 128, 0))
-                    } else {
-                        // 8 weight rows x 16 activation rows a warp, 4 warps
-                        // a block sharing the activation rows (MFW_* in
-                        // matmul.cu).
-                        let grid = (w.rows.div_ceil(32) as u32, m.div_ceil(16) as u32, 1);
-                        ("mm_f32_tile_w8", cfg(grid, 128, MFW_SMEM))
-                    };
-                    return launch!(d, kernel, cw, &wptr, &row_bytes, x, y, &rows, &mi, &cols);
-                }
-                if wide && mats.is_none() && self.float_tiles {
-                    // Tiles of 4 weight rows x 16 activation rows per warp
-                    // (MFT_W, MFT_R in matmul.cu), 4 warps a block.
-                    let ct = cfg(
-                        (w.rows.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
-                        128,
-                        0,
-                    );
-                    return launch!(d, kt, ct, &wptr, &row_bytes, x, y, &rows, &mi, &cols);
-                }
-                launch!(
-                    d, k, c, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi, &cols
-                )
+                (c, label)
             }
-            GgmlType::Q8_0 => {
-                let nbi = (w.cols / 32) as i32;
-                let a = input.q80(d)?;
-                mm!("mm_q8_0", "mm_q8_0_r4", "mm_q8_0_1", "mm_q8_0_1x4", a, &nbi)
-            }
-            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
-                let nbi = (w.cols / 256) as i32;
-                let a = input.q8k(d)?;
-                if let Some((k, tile)) = self.tc_kernel_for(w, input, mats.is_some(), tensor_cores)
-                {
-                    // Rows with no expert that no one reads: left unwritten.
-                    let k = match k {
-                        "mm_tc_q4_k_async32g" if input.live && mats.is_some() => {
-                            if self.tc_wsmem {
-                                "mm_tc_q4_k_async32g_live_ws"
-                            } else {
-                                "mm_tc_q4_k_async32g_live"
-                            }
-                        }
-                        "mm_tc_q4_k_async32g" if self.tc_wsmem => "mm_tc_q4_k_async32g_ws",
-                        _ => k,
-                    };
-                    // The async kernels' two stages of shared memory (see
-                    // TaLayout in matmul.cu).
-                    let smem = match self.tc_kernel {
-                        TcKernel::Async | TcKernel::Async32 => {
-                            tc_async_smem(w.ty == GgmlType::Q5_K, tile)
-                        }
-                        _ => 0,
-                    };
-                    // 8 warps a block for the 8-warp kernel, 4 for the others.
-                    let threads = if k == "mm_tc_q4_k_async32w" { 256 } else { 128 };
-                    let ct = cfg(
-                        (w.rows.div_ceil(128) as u32, m.div_ceil(tile) as u32, 1),
-                        threads,
-                        smem,
-                    );
-                    // Profiles split the tensor-core launches by kind and
-                    // reduction length (the K loop's blocks against the
-                    // tile's fixed costs).
-                    let label = match (mats.is_some(), nbi) {
-                        _ if !d.profiling() => k,
-                        (true, 2) => "mm_tc (experts, K 512)",
-                        (true, 8) => "mm_tc (experts, K 2048)",
-                        (true, _) => "mm_tc (experts, other K)",
-                        (false, 2) => "mm_tc (dense, K 512)",
-                        (false, 8) if w.rows < TQ_WROWS => "mm_tc (dense, K 2048, < 128 rows)",
-                        (false, 8) => "mm_tc (dense, K 2048)",
-                        (false, 16) => "mm_tc (dense, K 4096)",
-                        (false, _) => "mm_tc (dense, other K)",
-                    };
-                    return launch_as!(
-                        d, k, label, ct, &wptr, &stride, &row_bytes, &mats_ptr, a, y, &rows, &mi,
-                        &nbi
-                    );
-                }
-                match w.ty {
-                    GgmlType::Q4_K => {
-                        mm!("mm_q4_k", "mm_q4_k_r4", "mm_q4_k_1", "mm_q4_k_1x4", a, &nbi)
-                    }
-                    GgmlType::Q5_K => {
-                        mm!("mm_q5_k", "mm_q5_k_r4", "mm_q5_k_1", "mm_q5_k_1x4", a, &nbi)
-                    }
-                    // `Q6_LANES8`: one-row calls eight lanes a block.
-                    _ if self.q6_lanes8 => {
-                        mm!(
-                            "mm_q6_k",
-                            "mm_q6_k_r4",
-                            "mm_q6_k8_1",
-                            "mm_q6_k_1x4",
-                            a,
-                            &nbi
-                        )
-                    }
-                    _ => mm!("mm_q6_k", "mm_q6_k_r4", "mm_q6_k_1", "mm_q6_k_1x4", a, &nbi),
-                }
-            }
-            other => Err(CudaError::Unsupported {
-                tensor: w.name.clone(),
-                ty: format!("{other:?}"),
-            }),
-        }
+            _ => (tile, name),
+        };
+        launch_as!(
+            d, name, label, c, &wptr, &stride, &row_bytes, &mats_ptr, a, y, &rows, &mi, &nbi
+        )
     }
 }
 
