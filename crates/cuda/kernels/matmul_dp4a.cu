@@ -256,7 +256,7 @@ struct FmtQ6K {
     }
 };
 
-// Q6_K with 8 lanes a block (`Q6_LANES8`, one-row calls): part s (n = s / 4,
+// Q6_K with 8 lanes a block (one-row calls): part s (n = s / 4,
 // u = s % 4) takes the 16 ql bytes 64 n + 16 u .. + 15 whole, both nibbles:
 // the low ones are group 8 n + u of FmtQ6K (elements 128 n + 16 u + i), the
 // high ones group 8 n + u + 4 (elements + 64), and the 16 qh bytes both
@@ -428,7 +428,7 @@ __device__ void mm_blocks(const u8* W, i64 mat_stride, int row_bytes, const int*
 // buffering), so a row of two groups (2,048 Q4_K columns) waits on memory
 // once. The per-element arithmetic is mm_blocks's: exact integer terms per
 // block, then the float steps in block order.
-template <class F, int NW, bool ROWS = false>
+template <class F, int NW>
 //
 // `amap` (optional) names each row's input row: row r reads A's row amap[r]
 // (a decode MoE's placed pairs reading their token's row in place of a
@@ -436,32 +436,19 @@ template <class F, int NW, bool ROWS = false>
 __device__ void mm_row(const u8* W, const u8* W2, i64 mat_stride, int row_bytes, const int* mats,
                        const u8* A, float* Y, int rows, int m, int nb, int jb, const int* amap = nullptr) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    // ROWS: the warp's NW consecutive rows of W from j, each its own output.
-    int j = (jb * WARPS + warp) * (ROWS ? NW : 1);
+    int j = jb * WARPS + warp;
     int r = blockIdx.y;
     if (j >= rows || r >= m) return;
     const int L = F::LANES, G = 32 / F::LANES;
     int g = lane / L, s = lane % L;
     int mat = mats ? mats[r] : 0;
     if (mat < 0) {
-        if constexpr (ROWS) {
-            if (lane == 0)
-                for (int w = 0; w < NW; w++)
-                    if (j + w < rows) Y[(i64)r * rows + j + w] = 0.0f;
-        } else {
-            if (lane == 0) Y[(i64)r * rows + j] = 0.0f;
-        }
+        if (lane == 0) Y[(i64)r * rows + j] = 0.0f;
         return;
     }
     const u8* wr[NW];
-    if constexpr (ROWS) {
-        // Rows past the matrix's end load its last row and store nothing.
-#pragma unroll
-        for (int w = 0; w < NW; w++) wr[w] = W + mat * mat_stride + (i64)min(j + w, rows - 1) * row_bytes;
-    } else {
-        wr[0] = W + mat * mat_stride + (i64)j * row_bytes;
-        if (NW == 2) wr[NW - 1] = W2 + mat * mat_stride + (i64)j * row_bytes;
-    }
+    wr[0] = W + mat * mat_stride + (i64)j * row_bytes;
+    if (NW == 2) wr[NW - 1] = W2 + mat * mat_stride + (i64)j * row_bytes;
     const u8* ar = A + (i64)(amap ? amap[r] : r) * nb * F::ABYTES;
     F f[NW], fn[NW];
     typename F::A x = typename F::A(), xn = typename F::A();
@@ -498,15 +485,8 @@ __device__ void mm_row(const u8* W, const u8* W2, i64 mat_stride, int row_bytes,
         }
         x = xn;
     }
-    if constexpr (ROWS) {
-        if (lane == 0)
-#pragma unroll
-            for (int w = 0; w < NW; w++)
-                if (j + w < rows) Y[(i64)r * rows + j + w] = acc[w];
-    } else {
-        // NW = 2: the gate and up rows of a GLU, combined as silu_mul does.
-        if (lane == 0) Y[(i64)r * rows + j] = NW == 2 ? silu(acc[0]) * acc[NW - 1] : acc[0];
-    }
+    // NW = 2: the gate and up rows of a GLU, combined as silu_mul does.
+    if (lane == 0) Y[(i64)r * rows + j] = NW == 2 ? silu(acc[0]) * acc[NW - 1] : acc[0];
 }
 
 #define MM_ROW_KERNEL(name, F)                                                                \
@@ -514,24 +494,6 @@ __device__ void mm_row(const u8* W, const u8* W2, i64 mat_stride, int row_bytes,
         name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
              int rows, int m, int nb) { pdl_wait();                                           \
         mm_row<F, 1>(W, nullptr, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x); \
-    }
-
-// mm_row with four consecutive weight rows a warp (`HEAD_X4`: decode's
-// output head, one activation row against tens of thousands of rows): each
-// row's arithmetic is mm_row's, and the four rows' next groups are loaded
-// before this group's arithmetic, so a warp has eight groups' loads in
-// flight where mm_row has two.
-#define ROW4 4
-
-// The one-row kernels four rows a warp: a block per 16 weight rows (grid x),
-// blockIdx.y the input row. MINB: blocks an SM the registers must allow
-// (Q6_K and Q8_0 at 5, 20 warps: 96 and 56 registers without spills; Q4_K
-// and Q5_K unbounded, as they spill at 96).
-#define MM_ROW4_KERNEL(name, F, MINB)                                                         \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)                            \
-        name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, \
-             int rows, int m, int nb) { pdl_wait();                                           \
-        mm_row<F, ROW4, true>(W, nullptr, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x); \
     }
 
 // y = silu(Wg . x) * (Wu . x) for decode-sized calls: each product exactly as
@@ -637,22 +599,14 @@ MM_MOE_KERNEL(mm_q5_k_moe_glu_1, FmtQ5K, 2)
 MM_MOE_KERNEL(mm_q6_k_moe_glu_1, FmtQ6K, 2)
 MM_MOE_KERNEL(mm_q8_0_moe_glu_1, FmtQ8_0, 2)
 
-MM_MULTI_KERNEL(mm_q4_k_multi_1, FmtQ4K)
 MM_MULTI_KERNEL(mm_q5_k_multi_1, FmtQ5K)
 MM_MULTI_KERNEL(mm_q6_k_multi_1, FmtQ6K)
 MM_MULTI_KERNEL(mm_q8_0_multi_1, FmtQ8_0)
 
-MM_ROW_KERNEL(mm_q4_k_1, FmtQ4K)
 MM_ROW_KERNEL(mm_q5_k_1, FmtQ5K)
-MM_ROW_KERNEL(mm_q6_k_1, FmtQ6K)
-// Q6_K one-row calls eight lanes a block (`Q6_LANES8`): the same bytes.
+// Q6_K one-row calls eight lanes a block: the same bytes.
 MM_ROW_KERNEL(mm_q6_k8_1, FmtQ6K8)
 MM_ROW_KERNEL(mm_q8_0_1, FmtQ8_0)
-MM_ROW4_KERNEL(mm_q4_k_1x4, FmtQ4K, 1)
-MM_ROW4_KERNEL(mm_q5_k_1x4, FmtQ5K, 1)
-MM_ROW4_KERNEL(mm_q6_k_1x4, FmtQ6K, 5)
-MM_ROW4_KERNEL(mm_q8_0_1x4, FmtQ8_0, 5)
-MM_GLU_KERNEL(mm_q4_k_glu_1, FmtQ4K)
 MM_GLU_KERNEL(mm_q5_k_glu_1, FmtQ5K)
 MM_GLU_KERNEL(mm_q6_k_glu_1, FmtQ6K)
 MM_GLU_KERNEL(mm_q8_0_glu_1, FmtQ8_0)
