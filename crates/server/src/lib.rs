@@ -8,25 +8,16 @@
 //! model thread's next step.
 
 pub mod api;
+pub mod backend;
 pub mod http;
 pub mod metrics;
 pub mod scheduler;
 
+pub use backend::Device;
 use samesum_engine::tokenizer::Tokenizer;
 use samesum_engine::{KvType, Model};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-
-/// Which backend the model thread uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Device {
-    /// The CPU backend with this many threads (0: all cores).
-    Cpu(usize),
-    /// CUDA device N, with its placement and attention options (a VRAM
-    /// budget for tier mode, `None`: resident when the model fits, tier mode
-    /// by itself when it does not).
-    Cuda(usize, samesum_cuda::CudaOptions),
-}
 
 /// Server settings.
 #[derive(Clone, Debug)]
@@ -101,23 +92,17 @@ pub async fn serve(
     std::thread::Builder::new()
         .name("samesum-model".into())
         .spawn(move || {
-            use samesum_engine::Backend;
-            match device {
-                Device::Cpu(threads) => {
-                    let b = samesum_engine::cpu::Cpu::new(threads);
-                    let _ = ready_tx.send(Ok(b.name()));
-                    scheduler::run(&model, &tok2, &b, rx, &cfg, &m2);
-                }
-                Device::Cuda(n, opts) => {
-                    match samesum_cuda::Cuda::with_options(n, &model, true, opts) {
-                        Ok(b) => {
-                            let _ = ready_tx.send(Ok(b.name()));
-                            scheduler::run(&model, &tok2, &b, rx, &cfg, &m2);
-                        }
-                        Err(e) => {
-                            let _ = ready_tx.send(Err(e.to_string()));
-                        }
+            let t = std::time::Instant::now();
+            match backend::AnyBackend::open(device, &model, true) {
+                Ok(b) => {
+                    if let Some(p) = b.placement(t.elapsed().as_secs_f64()) {
+                        tracing::info!("{p}");
                     }
+                    let _ = ready_tx.send(Ok(b.name()));
+                    with_backend!(&b, |b| scheduler::run(&model, &tok2, b, rx, &cfg, &m2));
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.to_string()));
                 }
             }
         })?;
