@@ -72,7 +72,7 @@ __device__ __forceinline__ void pick_cas(float* v, int* id, int a, int b) {
 // pick_before order, written out so every index is a constant and the
 // entries stay in registers (its loop form was left rolled, with the entries
 // in local memory, where route_plan_small inlines it); the networks are
-// checked on every 0/1 input by a host test (backend.rs, topk_tests).
+// checked on every 0/1 input by a host test (backend/moe.rs, topk_tests).
 template <int U>
 __device__ __forceinline__ void sort_picks(float* v, int* id) {
     static_assert(U == 4 || U == 8, "networks for 4 and 8 entries");
@@ -301,7 +301,7 @@ extern "C" __global__ void route(float* logits, int* ids, float* wts, int m, int
     route_row(logits, ids, wts, r, e, k, lane);
 }
 
-// The expert plan, three parallel deterministic kernels.
+// The expert plan of wide calls, two deterministic kernels.
 // 1. Histogram of the (token, slot) pairs per expert (integer atomics: the
 //    counts do not depend on their order); counts must be zeroed first. Also
 //    marks every placed row unused (-1) up to `cap`, for the placement.
@@ -318,79 +318,18 @@ extern "C" __global__ void plan_count(const int* ids, int n, int* counts, int* p
     if (e >= 0) atomicAdd(&counts[e], 1);
 }
 
-// 2. Exclusive scan of the counts, each rounded up to a multiple of `pad` (the
-//    matmul's row tile), in one block: a Hillis-Steele scan over 1024-expert
-//    pieces carried in order.
-extern "C" __global__ void plan_scan(const int* counts, int* offsets, int e, int pad) {
-    pdl_wait();
-    __shared__ int buf[1024];
-    __shared__ int carry;
-    int t = threadIdx.x;
-    if (t == 0) carry = 0;
-    __syncthreads();
-    for (int base = 0; base < e; base += 1024) {
-        int v = base + t < e ? (counts[base + t] + pad - 1) / pad * pad : 0;
-        buf[t] = v;
-        __syncthreads();
-        for (int o = 1; o < 1024; o *= 2) {
-            int add = t >= o ? buf[t - o] : 0;
-            __syncthreads();
-            buf[t] += add;
-            __syncthreads();
-        }
-        if (base + t < e) offsets[base + t] = carry + buf[t] - v;
-        __syncthreads();
-        if (t == 1023) carry += buf[1023];
-        __syncthreads();
-    }
-}
-
-// 3. Stable placement, one block per expert: pair p of expert e goes to
-//    offsets[e] + (pairs before p with expert e), counted in order over tiles
-//    of 256 pairs with warp ballots. Writes the placed pair's token row, its
-//    expert, and each pair's place (-1 for skipped ids, by block 0).
+// 2. Placement, one block of 256 threads per expert. The block first sums
+//    the padded counts (each rounded up to a multiple of `pad`, the
+//    matmul's row tile) of the experts below its own: its offset (an
+//    integer sum, the same whatever the order). It then places its pairs in
+//    passes of 256 x PW_RUN: thread t takes the PW_RUN consecutive pairs
+//    from base + t PW_RUN (their ids in 16-byte loads where the run is whole
+//    and aligned), and its hits go, in pair order, after the hits of the
+//    threads before it (a warp scan of the counts, then the warps' totals).
+//    So pair p of expert e lands at offsets[e] + (pairs before p with expert
+//    e), with two block barriers a pass. Writes the placed pair's token row,
+//    its expert, and each pair's place (-1 for skipped ids, by block 0).
 //    plan_count has filled placed_row and placed_mat with -1.
-extern "C" __global__ void plan_place(const int* ids, int n, int k, const int* offsets, int* placed_row,
-                                      int* placed_mat, int* slot) {
-    pdl_wait();
-    __shared__ int wsum[8];
-    int e = blockIdx.x, t = threadIdx.x, lane = t % 32, warp = t / 32;
-    int carry = 0;
-    for (int base = 0; base < n; base += 256) {
-        int p = base + t;
-        int id = p < n ? ids[p] : -2;
-        if (e == 0 && p < n && id < 0) slot[p] = -1;
-        bool hit = id == e;
-        unsigned b = __ballot_sync(0xffffffffu, hit);
-        if (lane == 0) wsum[warp] = __popc(b);
-        __syncthreads();
-        int before = carry + __popc(b & ((1u << lane) - 1u)), total = 0;
-        for (int w = 0; w < 8; w++) {
-            if (w < warp) before += wsum[w];
-            total += wsum[w];
-        }
-        if (hit) {
-            int dst = offsets[e] + before;
-            placed_row[dst] = p / k;
-            placed_mat[dst] = e;
-            slot[p] = dst;
-        }
-        carry += total;
-        __syncthreads();
-    }
-}
-
-// plan_scan and plan_place in one launch for wide calls (`PLAN_WIDE`), one
-// block of 256 threads per expert, as plan_place. The block first sums the
-// padded counts of the experts below its own: plan_scan's offset (an integer
-// sum, the same whatever the order). It then places its pairs in passes of
-// 256 x PW_RUN: thread t takes the PW_RUN consecutive pairs from base +
-// t PW_RUN (their ids in 16-byte loads where the run is whole and aligned),
-// and its hits go, in pair order, after the hits of the threads before it
-// (a warp scan of the counts, then the warps' totals). So pair p of expert e
-// lands at offsets[e] + (pairs before p with expert e), as plan_place puts
-// it, with two block barriers a pass in place of two per 256 pairs. The
-// same places, rows, experts and slots as plan_scan then plan_place.
 #define PW_RUN 32
 extern "C" __global__ void __launch_bounds__(256)
     plan_place_wide(const int* ids, int n, int k, const int* counts, int pad, int* placed_row, int* placed_mat,
@@ -454,10 +393,10 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// The whole plan in one launch for small calls (n <= 256 pairs, e <= 2048
-// experts; decode is n = k): one block does what plan_count, plan_scan and
-// plan_place do (and the zeroing of the counts before them), with the same
-// results: every expert's padded count, their exclusive scan as offsets (an
+// The whole plan by one block for small calls (n <= 256 pairs, e <= 2048
+// experts; decode is n = k): the counts zeroed, then what plan_count and
+// plan_place_wide do, with the same results: every expert's padded count,
+// their exclusive scan as offsets (an
 // integer sum: the same whatever the order), and pair p of expert e placed
 // at offsets[e] + (pairs before p with expert e). Unused places stay -1.
 #define PLAN_SMALL_PAIRS 256
@@ -517,18 +456,12 @@ __device__ __forceinline__ void plan_small_block(const int* ids, int n, int k, i
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-    plan_small(const int* ids, int n, int k, int e, int pad, int* placed_row, int* placed_mat, int* slot, int cap) {
-    pdl_wait();
-    plan_small_block(ids, n, k, e, pad, placed_row, placed_mat, slot, cap);
-}
-
 // Decode-sized routing and plan in one launch of one 256-thread block: up to
 // `block_rows` rows are routed one at a time by the whole block
 // (route_row_block_u); one row (with k <= 32) by warp 0 alone, which also
 // plans it (plan_warp); more by warp w taking rows w, w + 8, ...; every way
 // exactly as `route` does; then (after a block barrier, which makes the ids
-// visible to the block) the block plans them exactly as `plan_small` does.
+// visible to the block) the block plans them (plan_small_block).
 extern "C" __global__ void __launch_bounds__(256, 1)
     route_plan_small(float* logits, int* ids, float* wts, int m, int e, int k, int pad, int* placed_row,
                      int* placed_mat, int* slot, int cap, int block_rows) {
@@ -568,24 +501,15 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 }
 
 // One row's routing and plan (decode of one sequence; e <= 1024, k <= 32) by
-// one warp, in compact code: the softmax and the k argmax rounds of
-// route_row's rolled-loop path, over the row held in shared memory, then
-// plan_warp. The same results as `route` and route_plan_small (the argmax
-// rounds are route_row's definition; its sorted-lane shortcut picks the
-// same). Its own small kernel: ncu (session 12) had route_plan_small, a
-// ~20,000-instruction kernel whose one-row path ran 1,074 distinct
-// instructions on 150 code lines, at ~215 cycles a line, waiting on
-// instruction fetch. Compact code alone gave 12.6 -> 11.1 us; loads and
-// rounds four entries a step and the plan's sum over the pairs only, 8.3.
-extern "C" __global__ void __launch_bounds__(32)
-    route_plan_one(float* logits, int* ids, float* wts, int e, int k, int pad, int* placed_row, int* placed_mat,
-                   int* slot, int cap) {
-    pdl_wait();
-    route_one_warp(logits, ids, wts, e, k, pad, placed_row, placed_mat, slot, cap, threadIdx.x);
-}
-
-// route_plan_one with the row in registers (route_one_warp_r, `ROUTE_REGS`):
-// the same bytes.
+// one warp, in compact code (route_one_warp_r: the row in registers for
+// e <= 256, else route_one_warp over the row in shared memory): the softmax
+// and the k argmax rounds of route_row's rolled-loop path, then plan_warp.
+// The same results as `route` and route_plan_small (the argmax rounds are
+// route_row's definition; its sorted-lane shortcut picks the same). Its own
+// small kernel: route_plan_small's one-row path ran 1,074 distinct
+// instructions of a ~20,000-instruction kernel, waiting on instruction fetch
+// (ncu); compact code with loads and rounds four entries a step and the
+// plan's sum over the pairs only took the one-row routing from 12.6 to 8.3 us.
 extern "C" __global__ void __launch_bounds__(32)
     route_plan_one_r(float* logits, int* ids, float* wts, int e, int k, int pad, int* placed_row, int* placed_mat,
                      int* slot, int cap) {
@@ -619,11 +543,11 @@ extern "C" __global__ void moe_combine(const float* out, const int* slot, const 
     y[i] = moe_combine_elem(out, slot, wts, ys, sg, r, c, k, d, shared);
 }
 
-// moe_combine four columns a thread (d a multiple of 4; `COMBINE_VEC`, wide
-// calls): a row's slots and weights read once, each slot's four columns by
-// one 16-byte load, the loads of four slots issued before their sums. Each
-// column's sum is moe_combine_elem's: the same terms in slot order, then
-// the shared expert's, so the same bytes.
+// moe_combine four columns a thread (d a multiple of 4, row buffers 16-byte
+// aligned; wide calls): a row's slots and weights read once, each slot's
+// four columns by one 16-byte load, the loads of four slots issued before
+// their sums. Each column's sum is moe_combine_elem's: the same terms in
+// slot order, then the shared expert's, so the same bytes.
 extern "C" __global__ void moe_combine4(const float* out, const int* slot, const float* wts, const float* ys,
                                         const float* gi, float* y, int m, int k, int d, int shared) {
     pdl_wait();
@@ -667,8 +591,8 @@ extern "C" __global__ void moe_combine4(const float* out, const int* slot, const
 }
 
 // moe_combine of row r (a block a row), then add_rms_norm_q8k's work on it:
-// acc += y, xn = RMSNorm(acc) and its Q8_K blocks (MOE_NORM: a decode MoE
-// layer's last step and the next layer's input norm in one launch).
+// acc += y, xn = RMSNorm(acc) and its Q8_K blocks (a decode MoE layer's last
+// step and the next layer's input norm in one launch).
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     moe_combine_add_rms_norm_q8k(const float* out, const int* slot, const float* wts, const float* ys,
                                  const float* gi, float* y, int k, int shared, float* acc, const float* w,
@@ -681,8 +605,8 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     if (k <= 8) {
         // Up to 8 slots: every slot's loads of the thread's eight columns
         // (and the shared expert's) issued before any sum, so the row waits
-        // on memory once, not once a slot (session 13: 9.4 us against 3.2 +
-        // 3.9 apart, slot by slot); each column's sum still in slot order,
+        // on memory once, not once a slot (9.4 us against 3.2 + 3.9 apart,
+        // slot by slot); each column's sum still in slot order,
         // then the shared expert's term, as moe_combine.
         if (t < k) {
             ss[t] = slot[(i64)r * k + t];

@@ -40,47 +40,49 @@ pub fn plan_reference(
     (row, mat, slot)
 }
 
-impl Cuda {
-    /// Whether a MoE call of `m` rows routes in its router's launch
-    /// (`ROUTE_FOLD`: one decode row, the one-warp routing's limits).
-    pub(super) fn route_folds(&self, mw: &MoeW, m: usize, k: usize, e: usize) -> bool {
-        self.route_fold
-            && m == 1
-            && self.route_one
-            && self.small_plan
-            && !self.block_route
-            && k <= 32
-            && e <= 1024
-            && m * k <= PLAN_SMALL_PAIRS
-            && mw.router.ty == GgmlType::F32
-    }
+/// How a MoE call routes its rows (softmax, top k, weights renormalized)
+/// and plans their pairs, by the call's shape: every way the same ids,
+/// weights, softmaxed logits and places.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Routing {
+    /// One decode row of an f32 router: the router's launch routes and
+    /// plans it too (`mm_f32_multi_route_rd`), one launch fewer a layer.
+    InRouter,
+    /// One decode row of a router in another format: one warp
+    /// (`route_plan_one_r`, the router launch's routing code on its own).
+    OneWarp,
+    /// Up to [`PLAN_SMALL_PAIRS`] pairs in one block (`route_plan_small`).
+    Small,
+    /// Wide calls: `route`, then the plan's `plan_count` and
+    /// `plan_place_wide` (see [`Cuda::plan`]).
+    Wide,
+}
 
-    /// The kernels that route one decode row: the router launch that routes
-    /// it too (`ROUTE_FOLD`) and the routing launch on its own, as the
-    /// switches `ROUTE_REGS` and `ROUTER_DEEP` pick them.
-    #[doc(hidden)]
-    pub fn route_kernels(&self) -> (&'static str, &'static str) {
-        let fused = match (self.route_regs, self.router_deep) {
-            (false, false) => "mm_f32_multi_route",
-            (true, false) => "mm_f32_multi_route_r",
-            (false, true) => "mm_f32_multi_route_d",
-            (true, true) => "mm_f32_multi_route_rd",
-        };
-        let one = if self.route_regs {
-            "route_plan_one_r"
+impl Routing {
+    /// The routing of `m` rows, `k` experts each of `e`; `f32_router`: the
+    /// router is an f32 matrix (its launch can route).
+    pub(super) fn select(m: usize, k: usize, e: usize, f32_router: bool) -> Self {
+        if m == 1 && k <= 32 && e <= 1024 {
+            if f32_router {
+                Routing::InRouter
+            } else {
+                Routing::OneWarp
+            }
+        } else if m * k <= PLAN_SMALL_PAIRS && e <= PLAN_SMALL_EXPERTS {
+            Routing::Small
         } else {
-            "route_plan_one"
-        };
-        (fused, one)
+            Routing::Wide
+        }
     }
+}
 
+impl Cuda {
     /// The expert plan of `n` (token, k) pairs (`ids`, -1 for skipped):
     /// each expert's rows padded to `pad`, placed in token order. Returns the
     /// placed pairs' token rows and experts (`cap` places, -1 where unused)
-    /// and each pair's place (-1 for skipped ids). `small` (up to 256 pairs)
-    /// runs it as one launch, otherwise as histogram, scan and placement:
-    /// the same results.
-    #[allow(clippy::too_many_arguments)]
+    /// and each pair's place (-1 for skipped ids): a histogram
+    /// (`plan_count`), then `plan_place_wide`, a block per expert, which sums
+    /// the padded counts below its expert and places its pairs.
     pub(super) fn plan(
         &self,
         ids: &CudaSlice<i32>,
@@ -89,30 +91,12 @@ impl Cuda {
         e: usize,
         pad: usize,
         cap: usize,
-        small: bool,
     ) -> Result<(CudaSlice<i32>, CudaSlice<i32>, CudaSlice<i32>)> {
         let d = &self.dev;
-        let (ei, ki, ni, padi, capi) = (e as i32, k as i32, n as i32, pad as i32, cap as i32);
+        let (ki, ni, padi, capi) = (k as i32, n as i32, pad as i32, cap as i32);
         let mut placed_row = d.scratch::<i32>(cap)?;
         let mut placed_mat = d.scratch::<i32>(cap)?;
         let mut slot = d.scratch::<i32>(n)?;
-        if small && n <= PLAN_SMALL_PAIRS && e <= PLAN_SMALL_EXPERTS {
-            launch!(
-                d,
-                "plan_small",
-                cfg((1, 1, 1), 256, 0),
-                ids,
-                &ni,
-                &ki,
-                &ei,
-                &padi,
-                &mut placed_row,
-                &mut placed_mat,
-                &mut slot,
-                &capi
-            )?;
-            return Ok((placed_row, placed_mat, slot));
-        }
         let mut counts = d.zeros::<i32>(e)?;
         launch!(
             d,
@@ -125,40 +109,15 @@ impl Cuda {
             &mut placed_mat,
             &capi
         )?;
-        if self.plan_wide {
-            launch!(
-                d,
-                "plan_place_wide",
-                cfg((e as u32, 1, 1), 256, 0),
-                ids,
-                &ni,
-                &ki,
-                &counts,
-                &padi,
-                &mut placed_row,
-                &mut placed_mat,
-                &mut slot
-            )?;
-            return Ok((placed_row, placed_mat, slot));
-        }
-        let mut offsets = d.scratch::<i32>(e)?;
         launch!(
             d,
-            "plan_scan",
-            cfg((1, 1, 1), 1024, 0),
-            &counts,
-            &mut offsets,
-            &ei,
-            &padi
-        )?;
-        launch!(
-            d,
-            "plan_place",
+            "plan_place_wide",
             cfg((e as u32, 1, 1), 256, 0),
             ids,
             &ni,
             &ki,
-            &offsets,
+            &counts,
+            &padi,
             &mut placed_row,
             &mut placed_mat,
             &mut slot
@@ -167,12 +126,12 @@ impl Cuda {
     }
 
     /// Route `m` rows of router logits (softmax in place, top `k` ids and
-    /// weights) and plan their pairs: one launch for decode-sized calls
-    /// (`route_plan_small`, with the small plan on), else `route` then
-    /// [`Cuda::plan`]. The same results either way.
+    /// weights) and plan their pairs, the way `how` names
+    /// ([`Routing::InRouter`] is the router launch's, not this).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn route_plan(
         &self,
+        how: Routing,
         logits: &mut CudaSlice<f32>,
         ids: &mut CudaSlice<i32>,
         wts: &mut CudaSlice<f32>,
@@ -191,18 +150,18 @@ impl Cuda {
             });
         }
         let (mi, ei, ki, padi, capi) = (m as i32, e as i32, k as i32, pad as i32, cap as i32);
-        if self.small_plan && n <= PLAN_SMALL_PAIRS && e <= PLAN_SMALL_EXPERTS {
-            // With block routing on, up to 4 rows are routed one at a time by
-            // the whole block.
-            let block_rows: i32 = if self.block_route { 4 } else { 0 };
-            let mut placed_row = d.scratch::<i32>(cap)?;
-            let mut placed_mat = d.scratch::<i32>(cap)?;
-            let mut slot = d.scratch::<i32>(n)?;
-            if self.route_one && m == 1 && k <= 32 && e <= 1024 && block_rows == 0 {
-                let name = self.route_kernels().1;
+        match how {
+            Routing::InRouter => Err(CudaError::Driver {
+                op: "route".into(),
+                msg: "this routing runs in the router launch".into(),
+            }),
+            Routing::OneWarp => {
+                let mut placed_row = d.scratch::<i32>(cap)?;
+                let mut placed_mat = d.scratch::<i32>(cap)?;
+                let mut slot = d.scratch::<i32>(n)?;
                 launch!(
                     d,
-                    name,
+                    "route_plan_one_r",
                     cfg((1, 1, 1), 32, 0),
                     logits,
                     ids,
@@ -215,65 +174,79 @@ impl Cuda {
                     &mut slot,
                     &capi
                 )?;
-                return Ok((placed_row, placed_mat, slot));
+                Ok((placed_row, placed_mat, slot))
             }
-            launch!(
-                d,
-                "route_plan_small",
-                cfg((1, 1, 1), 256, 0),
-                logits,
-                ids,
-                wts,
-                &mi,
-                &ei,
-                &ki,
-                &padi,
-                &mut placed_row,
-                &mut placed_mat,
-                &mut slot,
-                &capi,
-                &block_rows
-            )?;
-            return Ok((placed_row, placed_mat, slot));
+            Routing::Small => {
+                // A warp a row (the kernel's whole-block routing of up to
+                // `block_rows` rows is not taken).
+                let block_rows: i32 = 0;
+                let mut placed_row = d.scratch::<i32>(cap)?;
+                let mut placed_mat = d.scratch::<i32>(cap)?;
+                let mut slot = d.scratch::<i32>(n)?;
+                launch!(
+                    d,
+                    "route_plan_small",
+                    cfg((1, 1, 1), 256, 0),
+                    logits,
+                    ids,
+                    wts,
+                    &mi,
+                    &ei,
+                    &ki,
+                    &padi,
+                    &mut placed_row,
+                    &mut placed_mat,
+                    &mut slot,
+                    &capi,
+                    &block_rows
+                )?;
+                Ok((placed_row, placed_mat, slot))
+            }
+            Routing::Wide => {
+                launch!(
+                    d,
+                    "route",
+                    cfg((m.div_ceil(4) as u32, 1, 1), 128, 0),
+                    logits,
+                    ids,
+                    wts,
+                    &mi,
+                    &ei,
+                    &ki
+                )?;
+                self.plan(ids, n, k, e, pad, cap)
+            }
         }
-        launch!(
-            d,
-            "route",
-            cfg((m.div_ceil(4) as u32, 1, 1), 128, 0),
-            logits,
-            ids,
-            wts,
-            &mi,
-            &ei,
-            &ki
-        )?;
-        self.plan(ids, n, k, e, pad, cap, self.small_plan)
     }
 
     /// Routing and plan on host logits, for the kernel tests: (softmaxed
-    /// logits, ids, weights, placed rows, placed experts, slots), through the
-    /// one-launch kernel (`small`) or `route` and the three-kernel plan.
+    /// logits, ids, weights, placed rows, placed experts, slots), through
+    /// the launch the shape takes outside a router launch
+    /// (`route_plan_one_r` for one row, `route_plan_small`, or `route` and
+    /// the plan), or with `wide` through `route` and the plan whatever the
+    /// shape.
     #[doc(hidden)]
     #[allow(clippy::type_complexity)]
     pub fn route_plan_host(
-        &mut self,
+        &self,
         logits: &[f32],
         m: usize,
         k: usize,
         pad: usize,
-        small: bool,
+        wide: bool,
     ) -> Result<(Vec<f32>, Vec<i32>, Vec<f32>, Vec<i32>, Vec<i32>, Vec<i32>)> {
         let e = logits.len() / m.max(1);
         let n = m * k;
         let cap = n + e.min(n) * (pad - 1);
-        let was = self.small_plan;
-        self.small_plan = small;
+        let how = if wide {
+            Routing::Wide
+        } else {
+            Routing::select(m, k, e, false)
+        };
         let mut lg = self.dev.upload(logits)?;
         let mut ids = self.dev.upload(&vec![i32::MIN; n])?;
         let mut wts = self.dev.upload(&vec![f32::NAN; n])?;
-        let r = self.route_plan(&mut lg, &mut ids, &mut wts, m, e, k, pad, cap);
-        self.small_plan = was;
-        let (pr, pm, sl) = r?;
+        let (pr, pm, sl) = self.route_plan(how, &mut lg, &mut ids, &mut wts, m, e, k, pad, cap)?;
         Ok((
             self.dev.download(&lg, m * e)?,
             self.dev.download(&ids, n)?,
@@ -284,9 +257,8 @@ impl Cuda {
         ))
     }
 
-    /// The expert plan on host data, for the kernel tests: (placed rows,
-    /// placed experts, slots), through the one-launch kernel (`small`) or
-    /// the three-kernel path.
+    /// The expert plan ([`Cuda::plan`]) on host data, for the kernel tests:
+    /// (placed rows, placed experts, slots).
     #[doc(hidden)]
     pub fn plan_host(
         &self,
@@ -294,12 +266,11 @@ impl Cuda {
         k: usize,
         e: usize,
         pad: usize,
-        small: bool,
     ) -> Result<(Vec<i32>, Vec<i32>, Vec<i32>)> {
         let n = ids.len();
         let cap = n + e.min(n) * (pad - 1);
         let idd = self.dev.upload(ids)?;
-        let (r, m, sl) = self.plan(&idd, n, k, e, pad, cap, small)?;
+        let (r, m, sl) = self.plan(&idd, n, k, e, pad, cap)?;
         Ok((
             self.dev.download(&r, cap)?,
             self.dev.download(&m, cap)?,
@@ -406,7 +377,8 @@ impl Cuda {
             rows: [f as i32, f as i32],
             m: [cap as i32, ms as i32],
         };
-        let lane = |t: GgmlType| self.lane_rows && t == GgmlType::Q4_K;
+        // Q4_K takes the lane-row kernels.
+        let lane = |t: GgmlType| t == GgmlType::Q4_K;
         let moe_cfg = |t: GgmlType, rows: usize, nb: i32| {
             if lane(t) {
                 cfg(
@@ -429,50 +401,23 @@ impl Cuda {
             f / 256 * 304
         };
         let gin = Input::new(&g, cap + ms);
-        // The lane GLU can write its outputs' Q8_K rows itself (its last
-        // block per 256 columns quantizes them): no quantize launch.
-        let glu_q = self.glu_q8k
-            && lane(mw.gate.ty)
-            && k_quant(mw.down.ty)
-            && f.is_multiple_of(256)
-            && f <= 4096
-            && cap.max(ms) <= 32;
-        let qin = self.down_qin && !glu_q && lane(mw.down.ty) && f.is_multiple_of(256);
-        let ga = if glu_q {
-            let gq = d.scratch::<u8>((cap + ms) * row_q)?;
-            let (q0, q1) = (addr(d, &gq), addr(d, &gq) + (cap * row_q) as u64);
-            let c0 = self.dev.lane() * COUNTERS + GLU_COUNTERS;
-            let cnt = self.counters.slice(c0..c0 + 1024);
-            launch!(
-                d,
-                "mm_q4_k_lane_moe_glu_q8k_1",
-                moe_cfg(mw.gate.ty, f, nbg),
-                &jobs,
-                &rb,
-                &nbg,
-                &q0,
-                &q1,
-                &cnt
-            )?;
-            let _ = gin.q8k.set(gq);
-            q0
-        } else {
-            launch!(
-                d,
-                if lane(mw.gate.ty) {
-                    "mm_q4_k_lane_moe_glu_1"
-                } else {
-                    kname(mw.gate.ty, true)
-                },
-                moe_cfg(mw.gate.ty, f, nbg),
-                &jobs,
-                &rb,
-                &nbg
-            )?;
-            // One quantization of both, then both down projections (with
-            // `DOWN_QIN`, the down launch quantizes the rows it reads).
-            if qin { gp } else { quant(&gin, mw.down.ty)? }
-        };
+        // On lane rows the down launch quantizes the rows it reads.
+        let qin = lane(mw.down.ty) && f.is_multiple_of(256);
+        launch!(
+            d,
+            if lane(mw.gate.ty) {
+                "mm_q4_k_lane_moe_glu_1"
+            } else {
+                kname(mw.gate.ty, true)
+            },
+            moe_cfg(mw.gate.ty, f, nbg),
+            &jobs,
+            &rb,
+            &nbg
+        )?;
+        // One quantization of both GLU outputs (unless the down launch
+        // quantizes them), then both down projections.
+        let ga = if qin { gp } else { quant(&gin, mw.down.ty)? };
         let oe = d.scratch::<f32>(cap * dm)?;
         let ys = d.scratch::<f32>((ms * dm).max(1))?;
         jobs.wg = [
@@ -550,11 +495,11 @@ impl Cuda {
         Ok(None)
     }
 
-    /// [`Backend::moe_add_rms_norm`], with `prenorm` (see [`PreNorm`]) the
-    /// post-mixer norm run in the router launch.
     /// The MoE of `x` into `y`, then `h += y` and `x` = RMSNorm(h) with
-    /// weight `which` (the trait's `moe_add_rms_norm`); with `prenorm`, the
-    /// router launch first runs the post-mixer norm into `x`.
+    /// weight `which` (the trait's `moe_add_rms_norm`). Where the call takes
+    /// the decode launches (`moe_joint_rows`) and the norm is a layer norm
+    /// of Q8_K width, the combine's launch runs the norm and writes `x`'s
+    /// Q8_K rows. `_prenorm` is never given (`None`).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn moe_then_norm(
         &self,
@@ -564,22 +509,16 @@ impl Cuda {
         h: &mut CudaBuf,
         x: &mut CudaBuf,
         y: &mut CudaBuf,
-        prenorm: Option<&PreNorm>,
+        _prenorm: Option<std::convert::Infallible>,
     ) -> R<()> {
         let w = which.weight(model);
         // The fused norm is add_rms_norm_q8k's (a layer norm of Q8_K width).
-        let fits = self.moe_norm
-            && self.norm_quant
-            && !matches!(which, Norm::Output)
+        let fits = !matches!(which, Norm::Output)
             && w.len() == model.hp.n_embd
             && w.len().is_multiple_of(256)
             && h.len() == x.len()
             && y.len() == x.len();
-        let xq = if prenorm.is_some() {
-            None
-        } else {
-            x.q8k.as_ref()
-        };
+        let xq = x.q8k.as_ref();
         if fits {
             let d = &self.dev;
             let an = AfterNorm {
@@ -590,7 +529,7 @@ impl Cuda {
             };
             // The combine's launch writes `x` and its Q8_K rows.
             if let Some(q) = self
-                .moe_rows_then(model, mw, &x.rows, xq, y.write(), Some(&an), prenorm)
+                .moe_rows_then(model, mw, &x.rows, xq, y.write(), Some(&an))
                 .map_err(e)?
             {
                 h.q8k = None;
@@ -598,7 +537,7 @@ impl Cuda {
                 return Ok(());
             }
         } else {
-            self.moe_rows_then(model, mw, &x.rows, xq, y.write(), None, prenorm)
+            self.moe_rows_then(model, mw, &x.rows, xq, y.write(), None)
                 .map_err(e)?;
         }
         self.add_rms_norm(model, which, h, y, x)
@@ -612,18 +551,13 @@ impl Cuda {
         xq: Option<&CudaSlice<u8>>,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        self.moe_rows_then(model, mw, x, xq, y, None, None)
-            .map(|_| ())
+        self.moe_rows_then(model, mw, x, xq, y, None).map(|_| ())
     }
 
     /// `moe_rows`, and where `after` is given and the call takes the
     /// decode launches (`moe_joint_rows`), the next norm in the combine's
     /// launch: then the norm's Q8_K rows are returned (else `None`, and the
-    /// caller runs the norm). With `prenorm` (one decode row whose routing
-    /// folds into the router launch, see [`Cuda::route_folds`]), the router
-    /// launch first runs that norm and writes `x` and its Q8_K rows; an
-    /// error if the routing would not fold.
-    #[allow(clippy::too_many_arguments)]
+    /// caller runs the norm).
     pub(super) fn moe_rows_then(
         &self,
         model: &Model,
@@ -632,20 +566,7 @@ impl Cuda {
         xq: Option<&CudaSlice<u8>>,
         y: &mut CudaSlice<f32>,
         after: Option<&AfterNorm>,
-        prenorm: Option<&PreNorm>,
     ) -> Result<Option<CudaSlice<u8>>> {
-        // With `prenorm` the router launch writes x and its Q8_K rows.
-        let written;
-        let pre = match prenorm {
-            Some(_) => {
-                written = self
-                    .dev
-                    .scratch::<u8>(x.len() / model.hp.n_embd * (model.hp.n_embd / 256) * 304)?;
-                Some(&written)
-            }
-            None => xq,
-        };
-        let prenorm_q = prenorm.and(pre).map(|q| crate::device::addr(&self.dev, q));
         let hp = &model.hp;
         let d = &self.dev;
         let (dm, e, k, f, fs) = (
@@ -660,14 +581,10 @@ impl Cuda {
         // Wide calls pad each expert's rows to the tensor-core tile, so a tile
         // holds one expert; `cap` bounds the padded total (at most min(e, n)
         // experts have rows). Rows past the real ones stay unused (-1).
-        let pad = if n > 16 && self.tensor_cores {
-            self.tc_pad(n, e)
-        } else {
-            1
-        };
+        let pad = if n > 16 { self.tc_pad(n, e) } else { 1 };
         let cap = n + e.min(n) * (pad - 1);
         let mut logits = d.scratch::<f32>(m * e)?;
-        let xin = Input::with_given_q8k(x, m, pre);
+        let xin = Input::with_given_q8k(x, m, xq);
         // Decode-sized calls with a shared expert of the routed experts'
         // shape run both in the same launches (`mm_*_moe_*`: router and
         // input gate, the GLUs, one quantization of both GLU outputs, the
@@ -675,10 +592,7 @@ impl Cuda {
         // Without a shared expert the routed experts alone take those
         // launches (`routed_only`). Either way the routed pairs read their
         // token's quantized row in place, with no gather.
-        let joint_ok = self.moe_joint
-            && self.tier.is_none()
-            && self.row_kernels
-            && self.glu
+        let joint_ok = self.tier.is_none()
             && cap <= 16
             && (mw.up.ty, mw.up.cols, mw.up.row_bytes)
                 == (mw.gate.ty, mw.gate.cols, mw.gate.row_bytes)
@@ -712,16 +626,9 @@ impl Cuda {
         let mut ids = d.scratch::<i32>(n)?;
         let mut wts = d.scratch::<f32>(n)?;
         let (mi, ki) = (m as i32, k as i32);
-        // One decode row: the router's launch routes it too, as
-        // route_plan_one would (see route_plan's conditions).
-        let fold = self.route_folds(mw, m, k, e);
-        if prenorm.is_some() && !fold {
-            return Err(CudaError::Driver {
-                op: "moe".into(),
-                msg: "the post-mixer norm in the router launch needs the routing folded into it"
-                    .into(),
-            });
-        }
+        let routing = Routing::select(m, k, e, mw.router.ty == GgmlType::F32);
+        // One decode row: the router's launch routes and plans it too.
+        let fold = routing == Routing::InRouter;
         let mut folded = None;
         if joint.is_some() || fold {
             let gi = d.scratch::<f32>(m)?;
@@ -745,53 +652,25 @@ impl Cuda {
                 let (ei, padi, capi) = (e as i32, pad as i32, cap as i32);
                 let c0 = self.dev.lane() * COUNTERS;
                 let counter = self.counters.slice(c0..c0 + 1);
-                // The two router launches differ in the arguments before the
-                // row width (the input row, or the norm's), not after.
-                macro_rules! route_launch {
-                    ($name:expr, $cfg:expr, $($head:expr),+) => {
-                        launch!(
-                            d,
-                            $name,
-                            $cfg,
-                            &mj,
-                            &rb,
-                            $($head,)+
-                            &ci,
-                            &mut ids,
-                            &mut wts,
-                            &ei,
-                            &ki,
-                            &padi,
-                            &mut placed_row,
-                            &mut placed_mat,
-                            &mut slot,
-                            &capi,
-                            &counter
-                        )
-                    };
-                }
-                if let (Some(pn), Some(qo)) = (prenorm, prenorm_q) {
-                    let xo = crate::device::addr(d, x);
-                    route_launch!(
-                        "mm_f32_multi_route_norm",
-                        cfg((blocks, 1, 1), 128, 0),
-                        &pn.acc,
-                        &pn.inc,
-                        pn.w,
-                        &xo,
-                        &qo,
-                        &pn.eps
-                    )?;
-                } else {
-                    let kernel = self.route_kernels().0;
-                    if self.router_1w && kernel == "mm_f32_multi_route_rd" {
-                        // A warp (a router row) a block.
-                        let blocks1 = (e + r1 as usize) as u32;
-                        route_launch!("mm_f32_multi_route_rd1", cfg((blocks1, 1, 1), 32, 0), x)?;
-                    } else {
-                        route_launch!(kernel, cfg((blocks, 1, 1), 128, 0), x)?;
-                    }
-                }
+                launch!(
+                    d,
+                    "mm_f32_multi_route_rd",
+                    cfg((blocks, 1, 1), 128, 0),
+                    &mj,
+                    &rb,
+                    x,
+                    &ci,
+                    &mut ids,
+                    &mut wts,
+                    &ei,
+                    &ki,
+                    &padi,
+                    &mut placed_row,
+                    &mut placed_mat,
+                    &mut slot,
+                    &capi,
+                    &counter
+                )?;
                 folded = Some((placed_row, placed_mat, slot));
             } else {
                 launch!(
@@ -813,7 +692,7 @@ impl Cuda {
         }
         let (placed_row, placed_mat, slot) = match folded {
             Some(p) => p,
-            None => self.route_plan(&mut logits, &mut ids, &mut wts, m, e, k, pad, cap)?,
+            None => self.route_plan(routing, &mut logits, &mut ids, &mut wts, m, e, k, pad, cap)?,
         };
         // This MoE's layer (its index picks the tier's expert slots).
         let layer = model.w.layers.iter().position(|l| std::ptr::eq(&l.moe, mw));
@@ -824,7 +703,7 @@ impl Cuda {
         let mut ys = d.scratch::<f32>(if mw.shared.is_some() { m * dm } else { 1 })?;
         let mut gi = d.scratch::<f32>(m.max(1))?;
         let side_done = match &mw.shared {
-            Some(sh) if self.overlap && m > 16 && self.tier.is_none() && !d.profiling() => {
+            Some(sh) if m > 16 && self.tier.is_none() && !d.profiling() => {
                 // The token rows' quantized form, made on the main stream
                 // before the fork (it is read on both streams).
                 match sh.gate.ty {
@@ -903,8 +782,7 @@ impl Cuda {
         // function of the row alone; the shared expert reuses them), else
         // the f32 rows are gathered.
         let dmi = dm as i32;
-        let gather_quantized =
-            self.quantized_gather && k_quant(mw.gate.ty) && k_quant(mw.up.ty) && dm % 256 == 0;
+        let gather_quantized = k_quant(mw.gate.ty) && k_quant(mw.up.ty) && dm % 256 == 0;
         let xe;
         let xein = if gather_quantized {
             let xq = xin.q8k(d)?;
@@ -913,11 +791,7 @@ impl Cuda {
             let wi = words as i32;
             launch!(
                 d,
-                if self.live_rows {
-                    "gather_words_live"
-                } else {
-                    "gather_words"
-                },
+                "gather_words_live",
                 cfg1(cap * words),
                 xq,
                 &placed_row,
@@ -925,9 +799,7 @@ impl Cuda {
                 &wi,
                 &capi
             )?;
-            Input::quantized(xeq, cap, dm)
-                .padded(pad)
-                .live(self.live_rows)
+            Input::quantized(xeq, cap, dm).padded(pad).live(true)
         } else {
             let mut rows = d.scratch::<f32>(cap * dm)?;
             launch!(
@@ -941,10 +813,9 @@ impl Cuda {
                 &capi
             )?;
             xe = rows;
-            Input::new(&xe, cap).padded(pad).live(self.live_rows)
+            Input::new(&xe, cap).padded(pad).live(true)
         };
         let mut ge = d.scratch::<f32>(cap * f)?;
-        let tc = self.tensor_cores;
         let gq = self.glu_on(
             &mw.gate,
             &mw.up,
@@ -955,10 +826,8 @@ impl Cuda {
             k_quant(mw.down.ty),
         )?;
         let mut oe = d.scratch::<f32>(cap * dm)?;
-        let gin = Input::with_q8k(&ge, cap, gq)
-            .padded(pad)
-            .live(self.live_rows);
-        self.matmul_on(&mw.down, bases[2], &gin, Some(mats), &mut oe, tc)?;
+        let gin = Input::with_q8k(&ge, cap, gq).padded(pad).live(true);
+        self.matmul_on(&mw.down, bases[2], &gin, Some(mats), &mut oe)?;
         if let Some((t, b, l)) = staged {
             t.staged_read(d, model, b, l)?;
         }
@@ -970,16 +839,17 @@ impl Cuda {
             self.shared_expert(sh, &xin, m, fs, &mut ys, &mut gi)?;
         }
         let shared = mw.shared.is_some().then_some((&ys, &gi));
-        self.moe_combine_on(&oe, &slot, &wts, shared, y, m, k, dm)?;
+        self.moe_combine_on(&oe, &slot, &wts, shared, y, m, k, dm, false)?;
         Ok(None)
     }
 
     /// A wide call's MoE combine: `y[r] = sum over s < k, slot[r k + s] >= 0,
     /// in s order, of wts[r k + s] * out[slot[r k + s]]`, then, with a shared
     /// expert `(ys, gi)`, `+ sigmoid(gi[r]) * ys[r]`; on `moe_combine4` (four
-    /// columns a thread) with `COMBINE_VEC`, `d` a multiple of 4 and the
-    /// three row buffers 16-byte aligned, else `moe_combine`. The same bytes
-    /// either way.
+    /// columns a thread) where `d` is a multiple of 4 and the three row
+    /// buffers are 16-byte aligned, else (and with `column`, the reference
+    /// the tests compare against) on `moe_combine`, a thread a column. The
+    /// same bytes either way.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn moe_combine_on(
         &self,
@@ -991,6 +861,7 @@ impl Cuda {
         m: usize,
         k: usize,
         d: usize,
+        column: bool,
     ) -> Result<()> {
         let dev = &self.dev;
         // Without a shared expert the kernel reads neither pointer.
@@ -1004,7 +875,7 @@ impl Cuda {
         };
         let (mi, ki, di, sh) = (m as i32, k as i32, d as i32, shared.is_some() as i32);
         // 16-byte loads and stores: whole rows of them, from aligned bases.
-        let vec = self.combine_vec
+        let vec = !column
             && d.is_multiple_of(4)
             && [addr(dev, out), addr(dev, ys), addr(dev, &*y)]
                 .iter()
@@ -1028,7 +899,8 @@ impl Cuda {
 
     /// `moe_combine_on` of host rows (for tests): `out` holds the expert
     /// rows (`d` wide), `slot` and `wts` `k` a row for `m` rows, `shared`
-    /// the shared expert's rows and gate inputs. The output starts as NaN.
+    /// the shared expert's rows and gate inputs; `column`: on `moe_combine`
+    /// whatever the width. The output starts as NaN.
     #[doc(hidden)]
     #[allow(clippy::too_many_arguments)]
     pub fn moe_combine_host(
@@ -1040,6 +912,7 @@ impl Cuda {
         m: usize,
         k: usize,
         d: usize,
+        column: bool,
     ) -> Result<Vec<f32>> {
         // Sizes and slots that would send the kernel out of its buffers are
         // an error naming what disagrees.
@@ -1081,12 +954,13 @@ impl Cuda {
             m,
             k,
             d,
+            column,
         )?;
         dev.download(&y, m * d)
     }
 }
 
-/// Host checks of the decode routing kernel's shortcuts (ops.cu): the
+/// Host checks of the decode routing kernel's shortcuts (moe.cu): the
 /// sorting networks of `sort_picks`, read from the kernel source, sort every
 /// 0/1 input (so every input); the top k from each lane's sorted entries
 /// picks what the argmax rounds pick, in the same order, ties included; and
