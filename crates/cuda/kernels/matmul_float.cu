@@ -29,7 +29,7 @@ __device__ void mm_float(const u8* W, i64 mat_stride, int row_bytes, const int* 
             // chain of dependent fmas per lane; without the batch every
             // step waits for its own load), and the next batch's loads
             // issued before this batch's fmas. The chain is lane l's over
-            // elements l, l + 32, ... in order, as before.
+            // elements l, l + 32, ... in order, whatever U.
             float wv[U], xv[U], wn[U], xn[U];
 #pragma unroll
             for (int u = 0; u < U; u++) {
@@ -212,10 +212,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 // outputs, so a loaded weight serves MFT_R rows and an activation MFT_W
 // rows. Each output's arithmetic is mm_float's: lane l's fmas over elements
 // l, l + 32, ... in order (none past the row's end), then the same
-// butterfly; only the loads are shared. 16 activation rows a warp (8 before
-// session 11): each launch reads the weights from L2 once per 16 rows of
-// activations instead of per 8 (a 2,048-row prefill chunk against a 256-row
-// router read ~768 MB from L2 at 4 x 8, ~512 MB at 4 x 16); 168 registers.
+// butterfly; only the loads are shared. 16 activation rows a warp: each
+// launch reads the weights from L2 once per 16 rows of activations instead
+// of per 8 (a 2,048-row prefill chunk against a 256-row router read ~768 MB
+// from L2 at 4 x 8, ~512 MB at 4 x 16); 168 registers.
 #define MFT_W 4
 #define MFT_R 16
 
@@ -376,8 +376,7 @@ __device__ __forceinline__ void fold_half(float (&v)[MFW_J * MFW_R], int lane) {
     }
 }
 
-// Three blocks an SM: 168 registers at most (NVRTC, session 21: 164-168,
-// no spills).
+// Three blocks an SM: 168 registers at most (NVRTC: 164-168, no spills).
 extern "C" __global__ void __launch_bounds__(128, 3)
     mm_f32_tile_w8(const u8* W, int row_bytes, const float* X, float* Y, int rows, int m, int cols) {
     pdl_wait();
@@ -389,8 +388,8 @@ extern "C" __global__ void __launch_bounds__(128, 3)
     constexpr int PR = MFW_KC / 4;  // 16-byte pieces a staged row
     // A thread copies piece pq = tid % PR of staged rows pr + 4i (pr = tid
     // / PR): its sources are a base and a stride worked out once, here, not
-    // a division, a clamp and a product a piece at every step (ncu, session
-    // 21: that arithmetic was ~30% of the kernel's instructions).
+    // a division, a clamp and a product a piece at every step (under ncu
+    // that arithmetic was ~30% of the kernel's instructions).
     static_assert(128 / PR == 4 && (4 * MFW_J) % 4 == 0 && MFW_R % 4 == 0, "four staged rows a pass");
     // Rows past the matrix's end copy nothing (zeros; their outputs are
     // not stored), as does a piece past the row's end. `full`: the block's

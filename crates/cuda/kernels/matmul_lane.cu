@@ -107,11 +107,11 @@ __device__ __forceinline__ void gn_q8k_block(const float* o, const float* z, con
 // the block's threads copy the chunk's activation blocks into shared memory
 // beside those loads, and only then does any arithmetic wait on memory.
 // Integer terms per (row, block) are exact, so where they are computed does
-// not change them; warp 0's float steps run in block order as before.
+// not change them; warp 0's float steps run in block order, as mm_row's.
 // QIN: A holds f32 rows (nb * 256 wide), and the block quantizes the
 // chunk's blocks of its row into shared memory itself (q8k_block,
 // quantize_q8k's code, a warp a block): the bytes a quantize_q8k launch
-// would have written, with no launch (`DOWN_QIN`).
+// would have written, with no launch.
 // GN: A holds the delta net's f32 output rows o (nb * 256 wide, heads of
 // gdv values) and the block takes the gated norm of each chunk block first
 // (gn_q8k_block: gated_norm_q8k's arithmetic, then quantize_q8k's), the
@@ -235,8 +235,8 @@ __device__ void mm_lane(const u8* W, const u8* W2, i64 mat_stride, int row_bytes
     }
 }
 
-// The lane-row forms of mm_q4_k_1, _glu_1, _multi_1, _moe_1 and _moe_glu_1:
-// the same arguments, a block per 32 rows (grid x), blockIdx.y the input row,
+// The lane-row forms of the one-row kernels (mm_*_1, _glu_1, _multi_1, _moe_1
+// and _moe_glu_1): the same arguments, a block per 32 rows (grid x), blockIdx.y the input row,
 // 32 x min(16, nb) threads. The one-matrix kernels are held to 80 registers
 // (three blocks of eight warps an SM); pdl_wait is in mm_lane.
 extern "C" __global__ void __maxnreg__(80)
@@ -245,9 +245,10 @@ extern "C" __global__ void __maxnreg__(80)
     mm_lane<1>(W, nullptr, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x, nullptr, mats == nullptr);
 }
 
-// mm_q4_k_lane_1 with 16 rows a block (`LANE16`: a matrix of few rows,
-// e.g. decode's output projections, 2,048 rows in 64 blocks of 32, on twice
-// the SMs). The same per-row arithmetic.
+// mm_q4_k_lane_1 with 16 rows a block (a matrix of few rows, e.g. decode's
+// output projections, 2,048 rows in 64 blocks of 32, on twice the SMs:
+// 6.54 -> 5.67 us a launch on an H200, qwen35moe tg128 +0.65%). The same
+// per-row arithmetic.
 extern "C" __global__ void __maxnreg__(80)
     mm_q4_k_lane16_1(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, int rows,
                      int m, int nb) {
@@ -294,8 +295,8 @@ extern "C" __global__ void __maxnreg__(80) mm_q4_k_lane_moe_1(MoeJobs jobs, int 
 }
 
 // mm_q4_k_lane_moe_1 on f32 input rows, quantized by each block as
-// quantize_q8k would (`DOWN_QIN`: decode's down projections without the
-// GLU outputs' quantize launch).
+// quantize_q8k would (decode's down projections without the GLU outputs'
+// quantize launch).
 extern "C" __global__ void __maxnreg__(80) mm_q4_k_lane_moe_qin_1(MoeJobs jobs, int row_bytes, int nb) {
     mm_lane_moe<1, true>(jobs, row_bytes, nb);
 }
