@@ -499,8 +499,7 @@ impl Cuda {
     /// weight `which` (the trait's `moe_add_rms_norm`). Where the call takes
     /// the decode launches (`moe_joint_rows`) and the norm is a layer norm
     /// of Q8_K width, the combine's launch runs the norm and writes `x`'s
-    /// Q8_K rows. `_prenorm` is never given (`None`).
-    #[allow(clippy::too_many_arguments)]
+    /// Q8_K rows.
     pub(super) fn moe_then_norm(
         &self,
         model: &Model,
@@ -509,7 +508,6 @@ impl Cuda {
         h: &mut CudaBuf,
         x: &mut CudaBuf,
         y: &mut CudaBuf,
-        _prenorm: Option<std::convert::Infallible>,
     ) -> R<()> {
         let w = which.weight(model);
         // The fused norm is add_rms_norm_q8k's (a layer norm of Q8_K width).

@@ -344,7 +344,7 @@ impl Backend for Cuda {
         x: &mut CudaBuf,
         y: &mut CudaBuf,
     ) -> R<()> {
-        self.moe_then_norm(model, mw, which, h, x, y, None)
+        self.moe_then_norm(model, mw, which, h, x, y)
     }
 
     fn offload_counters(&self) -> Option<samesum_engine::backend::OffloadCounters> {
