@@ -19,11 +19,11 @@ extern "C" __global__ void conv_rows(const float* x, const float* taps, const fl
     out[i] = silu(acc);
 }
 
-// conv_rows with a thread per channel and CONV_TR consecutive rows
-// (`SAMESUM_CUDA_CONV_TILE`, default; kc = 4, the models' conv): the rows'
-// inputs are loaded together, each once (conv_rows loads each input kc
-// times, one dependent load after another), and a row's taps are slid along
-// in registers. Each output is conv_rows's: the same kc fmas from 0 in tap
+// conv_rows with a thread per channel and CONV_TR consecutive rows (calls
+// of more than 16 rows with kc = 4, the models' conv): the rows' inputs are
+// loaded together, each once (conv_rows loads each input kc times, one
+// dependent load after another), and a row's taps are slid along in
+// registers. Each output is conv_rows's: the same kc fmas from 0 in tap
 // order, then silu, so the same bytes.
 #define CONV_TR 16
 extern "C" __global__ void __launch_bounds__(128)
@@ -103,8 +103,10 @@ extern "C" __global__ void conv_shift(const float* x, float* state, int m, int c
 
 // A head's f64 sum of squares in index order, by lane 0, from a copy of the
 // head in shared memory (read four values per load; the adds stay in order).
-// `v` is 16-byte aligned; returns the sum to every lane. (As before session
-// 17; the kernels' `_lane0` forms keep it for comparisons.)
+// `v` is 16-byte aligned; returns the sum to every lane. Decode-sized calls
+// (conv_l2_one, gated_norm_q8k_lane0) take it: there sumsq_in_order's lane
+// squares measured slower (qwen35moe tg128 302.5 against 315-319 tok/s on
+// an H200).
 __device__ __forceinline__ double sumsq_lane0(const float* v, int n, int lane) {
     double s = 0.0;
     if (lane == 0) {
@@ -127,7 +129,7 @@ __device__ __forceinline__ double sumsq_lane0(const float* v, int n, int lane) {
 // sumsq_lane0 adds), then lane 0 adds them in index order, as sumsq_lane0
 // does: the same sum. sumsq_lane0's lane 0 converted all n values itself,
 // and the f32-to-f64 conversion issues at a quarter of the f64 add's rate:
-// the bound of l2norm_qk and gated_norm_q8k (~4 us of conversions per 1,000
+// the bound of the warp-a-head norms (~4 us of conversions per 1,000
 // heads an SM).
 __device__ __forceinline__ double sumsq_in_order(const float* v, int n, int lane, double* sq) {
     for (int i = lane; i < n; i += 32) {
@@ -158,10 +160,11 @@ __device__ __forceinline__ double sumsq_in_order(const float* v, int n, int lane
 // sums the squares in f64 in index order (as the CPU does), then every lane
 // scales its values.
 #define L2_WARPS 4
-template <bool LANES>
-__device__ __forceinline__ void l2norm_qk_k(const float* conv, float* qk, int m, int cd, int hk, int dk, float eps) {
+extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
+    l2norm_qk(const float* conv, float* qk, int m, int cd, int hk, int dk, float eps) {
+    pdl_wait();
     __shared__ __align__(16) float stage[L2_WARPS][256];
-    __shared__ __align__(16) double sqs[LANES ? L2_WARPS : 1][256];
+    __shared__ __align__(16) double sqs[L2_WARPS][256];
     int t = blockIdx.x * L2_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (t >= m * 2 * hk) return;
     int r = t / (2 * hk), h = t % (2 * hk);
@@ -176,7 +179,7 @@ __device__ __forceinline__ void l2norm_qk_k(const float* conv, float* qk, int m,
     }
     double s;
     if (dk <= 256) {
-        s = LANES ? sumsq_in_order(v, dk, lane, sqs[LANES ? threadIdx.x / 32 : 0]) : sumsq_lane0(v, dk, lane);
+        s = sumsq_in_order(v, dk, lane, sqs[threadIdx.x / 32]);
     } else {
         s = 0.0;
         if (lane == 0)
@@ -187,22 +190,8 @@ __device__ __forceinline__ void l2norm_qk_k(const float* conv, float* qk, int m,
     for (int i = lane; i < dk; i += 32) dst[i] = v[i] * scale;
 }
 
-extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
-    l2norm_qk(const float* conv, float* qk, int m, int cd, int hk, int dk, float eps) {
-    pdl_wait();
-    l2norm_qk_k<true>(conv, qk, m, cd, hk, dk, eps);
-}
-
-// l2norm_qk with lane 0 squaring every value (`SAMESUM_CUDA_SQ_LANES=0`):
-// the same bytes.
-extern "C" __global__ void __launch_bounds__(L2_WARPS * 32)
-    l2norm_qk_lane0(const float* conv, float* qk, int m, int cd, int hk, int dk, float eps) {
-    pdl_wait();
-    l2norm_qk_k<false>(conv, qk, m, cd, hk, dk, eps);
-}
-
-// The lane-a-head kernels (`HEAD_SUMS`): heads a block, loads issued
-// together a thread.
+// The lane-a-head kernels (calls of more than 16 rows): heads a block,
+// loads issued together a thread.
 #define HS_HEADS 32
 #define HS_BATCH 8
 
@@ -220,12 +209,12 @@ __device__ __forceinline__ double sumsq_one_lane(const float* v, int n) {
     return s;
 }
 
-// l2norm_qk with a lane a head (`SAMESUM_CUDA_HEAD_SUMS`; dk <= 256): a block
-// of 128 threads takes 32 of the m * 2hk heads, stages them (dynamic shared
-// memory, 32 rows of dk + 1 floats; a thread's loads of its column in the
-// 32 heads issued together), and lane l of warp 0 adds head l's squares in
-// f64 in index order, as sumsq_in_order's lane 0 adds one head's: the same
-// sums, then l2norm_qk's scale and products.
+// l2norm_qk with a lane a head (dk <= 256): a block of 128 threads takes 32 of
+// the m * 2hk heads, stages them (dynamic shared memory, 32 rows of dk + 1
+// floats; a thread's loads of its column in the 32 heads issued together), and
+// lane l of warp 0 adds head l's squares in f64 in index order, as
+// sumsq_in_order's lane 0 adds one head's: the same sums, then l2norm_qk's
+// scale and products.
 extern "C" __global__ void __launch_bounds__(128, 6)
     l2norm_qk_h(const float* conv, float* qk, int m, int cd, int hk, int dk, float eps) {
     pdl_wait();
@@ -266,10 +255,10 @@ extern "C" __global__ void __launch_bounds__(128, 6)
 }
 
 // One decode row's conv, state shift and q/k head norms in one launch
-// (CONV_L2; key head dims up to 256), blocks of 128 threads: block h < 2 hk
+// (key head dims up to 256), blocks of 128 threads: block h < 2 hk
 // takes q/k head h, a thread a channel (conv_channel, as conv_small), the
 // head's outputs staged in shared memory and normed as l2norm_qk does
-// (sumsq_in_order by warp 0, then the scale); the other blocks take the
+// (sumsq_lane0 by warp 0, then the scale); the other blocks take the
 // value channels, a thread each.
 extern "C" __global__ void __launch_bounds__(128)
     conv_l2_one(const float* x, const float* taps, float* state, float* out, float* qk, int cd, int kc, int hk,
@@ -282,8 +271,7 @@ extern "C" __global__ void __launch_bounds__(128)
         for (int i = t; i < dk; i += 128) sv[i] = conv_channel(x, taps, state, out, 1, cd, kc, h * dk + i);
         __syncthreads();
         if (t < 32) {
-            // Lane 0's squares (one row: the lanes' squares measured no
-            // faster here, see gated_norm_q8k's launch).
+            // Lane 0's squares (one row: see sumsq_lane0).
             double s = sumsq_lane0(sv, dk, t);
             if (t == 0) scale_s = 1.0f / sqrtf((float)s + eps);
         }
@@ -375,15 +363,16 @@ extern "C" __global__ void __launch_bounds__(DCOLS)
         for (int i = 0; i < dk; i++) G[(i64)i * dv + j] = S[i * DCOLS + t];
 }
 
-// Gated delta rule for the key head dims the models use (16..256): the same
-// recurrence, with each state column split over 8 lanes so that a row's two
-// dot products are eight short chains plus a fixed butterfly instead of one
-// chain of dk. Block (n, c): columns 16c..16c+15 of value head n, 8 lanes per
-// column; lane p keeps S[p + 8q][j] (q < dk/8) in registers for all rows of
-// the call. Per row: S *= decay; kv = sum over lanes (fixed xor 4, 2, 1
-// butterfly) of each lane's fma chain in q order; delta = (v - kv) * beta;
-// S += k * delta; o likewise. Every operation is an explicit intrinsic, the
-// order depends only on dk: a one-row call computes the same bytes.
+// Gated delta rule at key head dims 16 and 32 (delta_cols_async below takes 64,
+// 128 and 256, delta_rows the others): the same recurrence, with each state
+// column split over 8 lanes so that a row's two dot products are eight short
+// chains plus a fixed butterfly instead of one chain of dk. Block (n, c):
+// columns 16c..16c+15 of value head n, 8 lanes per column; lane p keeps
+// S[p + 8q][j] (q < dk/8) in registers for all rows of the call. Per row:
+// S *= decay; kv = sum over lanes (fixed xor 4, 2, 1 butterfly) of each
+// lane's fma chain in q order; delta = (v - kv) * beta; S += k * delta; o
+// likewise. Every operation is an explicit intrinsic, the order depends only
+// on dk: a one-row call computes the same bytes.
 #define DC_COLS 16
 #define DC_PARTS 8
 #define DC_ROWS 16
@@ -489,13 +478,10 @@ __device__ void delta_cols(const float* qk, const float* conv, const float* b, c
 
 DELTA_COLS(delta_cols_16, 16)
 DELTA_COLS(delta_cols_32, 32)
-DELTA_COLS(delta_cols_64, 64)
-DELTA_COLS(delta_cols_128, 128)
-DELTA_COLS(delta_cols_256, 256)
 
 // The same rule in the same order (delta_cols: each value, product and sum
 // as there), with the staging moved off the rows' path. Nsight Compute had
-// delta_cols_128 at 1.9 warps a scheduler (its 256 blocks are the whole
+// delta_cols at dk 128 at 1.9 warps a scheduler (its 256 blocks are the whole
 // parallelism the order allows) with 41% of its stall cycles waiting on the
 // staging's global loads. Here the next group of rows comes into shared
 // memory by cp.async (and its b and a into registers) while this group's
@@ -506,19 +492,19 @@ DELTA_COLS(delta_cols_256, 256)
 // ... of each row's k and of its q, and scales its own q's in shared memory
 // once they land (the same multiply as delta_cols). RG rows a group.
 //
-// PIPE = 1: after row r's state update, one loop over the state values runs
+// PIPE = 0 (head dim 256, 8-row groups): each row's decay, k dot, update and
+// output dot in turn, as delta_cols.
+//
+// PIPE = 1 (head dims 64 and 128, calls of fewer than 16 rows): after row r's state update, one loop over the state values runs
 // row r's output dot beside row r + 1's decay and k dot (two independent
 // chains a thread), then both butterflies. Every value goes through the
 // same operations in the same order as PIPE = 0: the same bytes. (Not at
 // head dim 256: a thread's four 32-value arrays would spill.)
 //
-// PIPE = 2 (`DELTA_UNROLL`, the default for calls of 16 rows or more): a
-// full group's rows as PIPE = 1's, unrolled into straight-line code with
-// the outputs through shared memory, so its loads issue ahead of the chain
-// (H200, qwen35moe pp4096: 45.5 -> 37.9 ms). PIPE = 3 (`DELTA_XCHG`) and 4
-// (`DELTA_CARRY`) are measured variants of it, opt-in, no faster, and so is
-// PIPE = 5 (`DELTA_TRI`, three staging buffers; see delta_cols_async). A
-// partial group runs PIPE = 1's loop in all of them.
+// PIPE = 2 (calls of 16 rows or more): a full group's rows as PIPE = 1's,
+// unrolled into straight-line code with the outputs through shared memory,
+// so its loads issue ahead of the chain (H200, qwen35moe pp4096: 45.5 ->
+// 37.9 ms). A partial group runs PIPE = 1's loop.
 template <int DK>
 __device__ __forceinline__ void dc_load4(const float* src, float* dst) {
     const float4* v = reinterpret_cast<const float4*>(src);
@@ -529,7 +515,7 @@ __device__ __forceinline__ void dc_load4(const float* src, float* dst) {
     }
 }
 
-// The pipelined kernels' steps (delta_cols_async, PIPE >= 1), shared by the
+// The pipelined kernels' steps (delta_cols_async, PIPE 1 and 2), shared by the
 // row loop and the unrolled groups so both run the same operations.
 //
 // A group's first row: S *= decay, then the k dot over the 8 lanes.
@@ -590,19 +576,11 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
                                  int m, int hk, int hv, int dv, int tiled) {
     constexpr int SP = DK / DC_PARTS, PS = SP + 4, SEC = DC_PARTS * PS;
     constexpr int ROWF = 2 * SEC + DC_COLS, NT = DC_COLS * DC_PARTS;
-    // PIPE = 5 (`DELTA_TRI`): PIPE 2's rows with three staging buffers in
-    // turn, in dynamic shared memory (3 RG ROWF floats; backend.rs sizes the
-    // launch alike): group g + 1 is staged into the buffer group g - 2 used,
-    // which every thread left before the barrier ahead of group g - 1's rows,
-    // so a group starts without a barrier of its own.
-    constexpr int NB = PIPE == 5 ? 3 : 2;
-    __shared__ __align__(16) float st2[NB == 2 ? 2 : 1][NB == 2 ? RG * ROWF : 4];
-    extern __shared__ __align__(16) float dc_dyn[];
-    auto st = [&](int i) -> float* {
-        if constexpr (NB == 2) return st2[i];
-        else return dc_dyn + i * (RG * ROWF);
-    };
-    __shared__ float sb[NB][2 * RG];
+    // Staging buffer i is st(i): indexing st2 in place compiles to other
+    // register choices (the same results, other SASS).
+    __shared__ __align__(16) float st2[2][RG * ROWF];
+    auto st = [&](int i) -> float* { return st2[i]; };
+    __shared__ float sb[2][2 * RG];
     int n = blockIdx.x, tid = threadIdx.x;
     int c = tid / DC_PARTS, p = tid % DC_PARTS;
     int j = blockIdx.y * DC_COLS + c;
@@ -665,18 +643,11 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
         stage(0, 0, &nb, &na);
         if (tid < min(RG, m)) gates(0, tid, nb, na);
     }
-    // PIPE = 4 (`DELTA_CARRY`): a full group followed by a full group runs
-    // its last row with the next group's first k and decay, so the next
-    // group starts from the carried k row and k dot instead of its own
-    // first decay and k dot (the same operations, in the same order).
-    float ck[PIPE == 4 ? SP : 1], ckv = 0.0f;
-    bool carried = false;
     for (int g = 0; g < groups; g++) {
-        int r0 = g * RG, cnt = min(RG, m - r0), bi = NB == 2 ? g & 1 : g % 3;
-        int nx = NB == 2 ? bi ^ 1 : (bi == 2 ? 0 : bi + 1);  // group g + 1's buffer
+        int r0 = g * RG, cnt = min(RG, m - r0), bi = g & 1;
+        int nx = bi ^ 1;  // group g + 1's buffer
         bool more = g + 1 < groups;
-        bool carry_out = PIPE == 4 && cnt == RG && m - r0 - RG >= RG;
-        if (NB == 2 && g > 0) __syncthreads();  // group g - 1 is done with buffer nx
+        if (g > 0) __syncthreads();  // group g - 1 is done with buffer nx
         if (more) {
             stage(r0 + RG, nx, &nb, &na);
             cp_async_wait<1>();
@@ -695,87 +666,34 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
         __syncthreads();
         const float* sg = st(bi);
         float kk[SP], qq[SP];
-        if (PIPE >= 2 && cnt == RG) {
-            // `DELTA_UNROLL`: the pipelined rows of a full group as
-            // straight-line code, every shared-memory offset a constant, so
-            // the compiler can issue a row's v, beta, decay, q and next k
-            // loads ahead of the chain that needs them. The same operations
-            // in the same order as the PIPE = 1 loop below.
-            float kv = 0.0f;
-            if (PIPE == 4 && carried) {
-#pragma unroll
-                for (int q = 0; q < SP; q++) kk[q] = ck[PIPE == 4 ? q : 0];
-                kv = ckv;
-            } else {
-                dc_load4<DK>(sg + p * PS, kk);
-                kv = dc_decay_kdot<SP>(S, kk, sb[bi][RG]);
-            }
+        if (PIPE == 2 && cnt == RG) {
+            // The pipelined rows of a full group as straight-line code,
+            // every shared-memory offset a constant, so the compiler can
+            // issue a row's v, beta, decay, q and next k loads ahead of the
+            // chain that needs them. The same operations in the same order
+            // as the PIPE = 1 loop below.
+            dc_load4<DK>(sg + p * PS, kk);
+            float kv = dc_decay_kdot<SP>(S, kk, sb[bi][RG]);
             // Each row's outputs go to shared memory (a predicated store, no
             // branch in the row body) and the warp writes its 4 columns of
             // the group's rows out after the last row.
             __shared__ float so[RG * DC_COLS];
-            __shared__ __align__(16) float sx[2][NT];
 #pragma unroll
             for (int rr = 0; rr < RG; rr++) {
                 const float* kr = sg + rr * ROWF;
-                bool last = rr + 1 == RG;
-                if (PIPE == 4 && rr == 4 && carry_out) {
-                    // The next group's gates (its b and a were loaded with
-                    // its copies), worked out by every thread as `gates`
-                    // does and kept by the first RG: no branch, so their
-                    // latency hides among these rows' chains.
-                    float gb = sigmoid(nb);
-                    float gl = softplus(na + dt_bias[n]) * ssm_a[n];
-                    float gd = expf(gl);
-                    asm volatile("" ::"f"(gb), "f"(gd));
-                    if (tid < RG) {
-                        sb[nx][tid] = gb;
-                        sb[nx][RG + tid] = gd;
-                    }
-                }
-                if (PIPE == 4 && last && carry_out) {
-                    // The next group's copies and gates, for its first k
-                    // and decay in this row.
-                    cp_async_wait<0>();
-                    __syncthreads();
-                }
                 float delta = __fmul_rn(__fsub_rn(kr[2 * SEC + c], kv), sb[bi][rr]);
                 dc_load4<DK>(kr + SEC + p * PS, qq);
                 float acc = 0.0f;
-                if (!last || (PIPE == 4 && carry_out)) {
+                if (rr + 1 < RG) {
                     float kn[SP], kv2 = 0.0f;
-                    dc_load4<DK>((last ? st(nx) : kr + ROWF) + p * PS, kn);
-                    float dn = last ? sb[nx][RG] : sb[bi][RG + rr + 1];
-                    dc_step_next<SP>(S, kk, qq, kn, delta, dn, acc, kv2);
-                    if (PIPE == 3) {
-                        // `DELTA_XCHG`: the k dot's 8 partials through shared
-                        // memory (two slots by row parity, so a row's reads
-                        // end before the row after next writes), every lane
-                        // adding them as the butterfly's lane 0 does:
-                        // ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)).
-                        // The butterfly's other lanes add the same pairs with
-                        // the operands swapped: the same sums.
-                        sx[rr & 1][tid] = kv2;
-                        __syncwarp();
-                        const float4* xs = reinterpret_cast<const float4*>(&sx[rr & 1][tid & ~7]);
-                        float4 lo = xs[0], hi = xs[1];
-                        float t0 = __fadd_rn(lo.x, hi.x), t1 = __fadd_rn(lo.z, hi.z);
-                        float t2 = __fadd_rn(lo.y, hi.y), t3 = __fadd_rn(lo.w, hi.w);
-                        kv2 = __fadd_rn(__fadd_rn(t0, t1), __fadd_rn(t2, t3));
-                        acc = dc_lanes_sum(acc);
-                    } else {
-                        dc_lanes_sum2(acc, kv2);
-                    }
+                    dc_load4<DK>(kr + ROWF + p * PS, kn);
+                    dc_step_next<SP>(S, kk, qq, kn, delta, sb[bi][RG + rr + 1], acc, kv2);
+                    dc_lanes_sum2(acc, kv2);
                     kv = kv2;
                 } else {
                     acc = dc_step_last<SP>(S, kk, qq, delta);
                 }
                 if (p == 0) so[rr * DC_COLS + c] = acc;
-            }
-            if (PIPE == 4 && carry_out) {
-#pragma unroll
-                for (int q = 0; q < SP; q++) ck[PIPE == 4 ? q : 0] = kk[q];
-                ckv = kv;
             }
             __syncwarp();
             int lane = tid & 31, w4 = (tid >> 5) * (32 / DC_PARTS);
@@ -831,8 +749,7 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
                 if (live && p == 0) o[(i64)(r0 + rr) * vd + n * dv + j] = acc;
             }
         }
-        if (more && !carry_out && tid < min(RG, m - r0 - RG)) gates(nx, tid, nb, na);
-        carried = carry_out;
+        if (more && tid < min(RG, m - r0 - RG)) gates(nx, tid, nb, na);
     }
     if (live)
 #pragma unroll
@@ -846,19 +763,11 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
         delta_cols_async<DK, RG, PIPE>(qk, conv, b, a, dt_bias, ssm_a, state, o, m, hk, hv, dv, tiled); \
     }
 
-DELTA_COLS_ASYNC(delta_cols_async_64, 64, 16, 0)
-DELTA_COLS_ASYNC(delta_cols_async_128, 128, 16, 0)
 DELTA_COLS_ASYNC(delta_cols_async_256, 256, 8, 0)
 DELTA_COLS_ASYNC(delta_cols_async_pipe_64, 64, 16, 1)
 DELTA_COLS_ASYNC(delta_cols_async_pipe_128, 128, 16, 1)
 DELTA_COLS_ASYNC(delta_cols_async_unroll_64, 64, 16, 2)
 DELTA_COLS_ASYNC(delta_cols_async_unroll_128, 128, 16, 2)
-DELTA_COLS_ASYNC(delta_cols_async_xchg_64, 64, 16, 3)
-DELTA_COLS_ASYNC(delta_cols_async_xchg_128, 128, 16, 3)
-DELTA_COLS_ASYNC(delta_cols_async_carry_64, 64, 16, 4)
-DELTA_COLS_ASYNC(delta_cols_async_carry_128, 128, 16, 4)
-DELTA_COLS_ASYNC(delta_cols_async_tri_64, 64, 16, 5)
-DELTA_COLS_ASYNC(delta_cols_async_tri_128, 128, 16, 5)
 
 // The delta net's gated RMSNorm, one warp per (row, value head): the head is
 // read once, coalesced, into shared memory (head dims up to 256; larger ones
@@ -891,11 +800,14 @@ extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
     for (int i = lane; i < dv; i += 32) on[i] = ((on[i] * scale) * norm[i]) * silu(zn[i]);
 }
 
-// gated_norm, then the Q8_K blocks of what the block wrote (the out
+// gated_norm for decode-sized calls (lane 0 squaring every value, see
+// sumsq_lane0), then the Q8_K blocks of what the block wrote (the out
 // projection's input, quantized as quantize_q8k does it): the block's four
 // heads are dv * 4 consecutive values of one row (the launch checks that
 // 256 divides dv * 4 and a row's heads come in fours), so they are whole
-// blocks of 256; warp w quantizes blocks w, w + 4, ... of them.
+// blocks of 256; warp w quantizes blocks w, w + 4, ... of them. Only
+// LANES = false (lane 0's squares) is launched; the template stays as it is
+// because the kernel without it compiles to other SASS.
 template <bool LANES>
 __device__ __forceinline__ void gated_norm_q8k_k(float* o, const float* z, const float* norm, u8* q, int rows_heads,
                                                  int dv, float eps) {
@@ -922,32 +834,25 @@ __device__ __forceinline__ void gated_norm_q8k_k(float* o, const float* z, const
 }
 
 extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
-    gated_norm_q8k(float* o, const float* z, const float* norm, u8* q, int rows_heads, int dv, float eps) {
-    pdl_wait();
-    gated_norm_q8k_k<true>(o, z, norm, q, rows_heads, dv, eps);
-}
-
-// gated_norm_q8k with lane 0 squaring every value (`SAMESUM_CUDA_SQ_LANES=0`):
-// the same bytes.
-extern "C" __global__ void __launch_bounds__(GN_WARPS * 32)
     gated_norm_q8k_lane0(float* o, const float* z, const float* norm, u8* q, int rows_heads, int dv, float eps) {
     pdl_wait();
     gated_norm_q8k_k<false>(o, z, norm, q, rows_heads, dv, eps);
 }
 
-// gated_norm_q8k with a lane a head (`SAMESUM_CUDA_HEAD_SUMS`): a block of
-// 128 threads takes HS_HEADS heads (of a row or of consecutive rows, as the
-// launch's heads come), stages them in shared memory (dynamic: HS_HEADS
+// gated_norm_q8k_lane0 for calls of more than 16 rows, a lane a head: a
+// block of 128 threads takes HS_HEADS heads (of a row or of consecutive rows,
+// as the launch's heads come), stages them in shared memory (dynamic: HS_HEADS
 // rows of dv + 1 floats, so lane l's reads of head l fall in distinct
 // banks), and lane l of warp 0 adds head l's squares in f64 in index order,
 // as sumsq_in_order's lane 0 adds one head's: the same sum, with 32 heads'
 // sums in one warp's instructions where that took a warp a head. The scale,
 // the gating and the Q8_K blocks (warp w quantizes blocks w, w + 4, ...)
-// are gated_norm_q8k's. The launch checks dv <= 256, 256 | 4 dv and heads
-// in fours, so a block's heads are whole 256-blocks. A thread's loads of
-// its column in the 32 heads are issued together (the loops over heads
-// unrolled): session 21's first form loaded one head at a time, 32 memory
-// waits in a row, and was slower than the warp-a-head kernel.
+// are gated_norm_q8k_lane0's. The launch checks dv <= 256, 256 | 4 dv and
+// heads in fours, so a block's heads are whole 256-blocks. A thread's loads
+// of its column in the 32 heads are issued together (the loops over heads
+// unrolled): loading one head at a time, 32 memory waits in a row, was
+// slower than a warp a head (qwen35moe pp4096 on an H200: 5.51 ms against
+// 4.07; 2.91 ms with the loads together).
 extern "C" __global__ void __launch_bounds__(128, 8)
     gated_norm_q8k_h(float* o, const float* z, const float* norm, u8* q, int rows_heads, int dv, float eps) {
     pdl_wait();

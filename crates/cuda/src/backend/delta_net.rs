@@ -1,37 +1,106 @@
-//! The gated delta rule and the short causal conv of linear-attention layers.
+//! The linear-attention (delta-net) layer: the input projections and their
+//! split, the short causal conv with its state, the q/k head norms, the gated
+//! delta rule with its state, the gated norm and the output projection.
 
 use super::*;
 
-impl Cuda {
-    /// The delta-rule kernel a call of `m` rows at key head dim `dk` takes
-    /// with the current switches (`None`: the general `delta_rows`). Calls
-    /// of fewer than 16 rows (every decode step) have no full row group, so
-    /// they keep the pipelined loop's kernel.
-    pub fn delta_kernel(&self, dk: usize, m: usize) -> Option<&'static str> {
-        let unrolled = self.delta_async && self.delta_pipe && self.delta_unroll && m >= 16;
-        match (dk, self.delta_async, self.delta_pipe) {
-            (64, true, true) if unrolled && self.delta_tri => Some("delta_cols_async_tri_64"),
-            (128, true, true) if unrolled && self.delta_tri => Some("delta_cols_async_tri_128"),
-            (64, true, true) if unrolled && self.delta_carry => Some("delta_cols_async_carry_64"),
-            (128, true, true) if unrolled && self.delta_carry => Some("delta_cols_async_carry_128"),
-            (64, true, true) if unrolled && self.delta_xchg => Some("delta_cols_async_xchg_64"),
-            (128, true, true) if unrolled && self.delta_xchg => Some("delta_cols_async_xchg_128"),
-            (64, true, true) if unrolled => Some("delta_cols_async_unroll_64"),
-            (128, true, true) if unrolled => Some("delta_cols_async_unroll_128"),
-            (16, _, _) => Some("delta_cols_16"),
-            (32, _, _) => Some("delta_cols_32"),
-            (64, true, false) => Some("delta_cols_async_64"),
-            (128, true, false) => Some("delta_cols_async_128"),
-            (256, true, _) => Some("delta_cols_async_256"),
-            (64, true, true) => Some("delta_cols_async_pipe_64"),
-            (128, true, true) => Some("delta_cols_async_pipe_128"),
-            (64, false, _) => Some("delta_cols_64"),
-            (128, false, _) => Some("delta_cols_128"),
-            (256, false, _) => Some("delta_cols_256"),
-            _ => None,
+/// The causal conv's kernel for a call of `m` rows, `kc` taps, key heads of
+/// `dk`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Conv {
+    /// One row at key head dims up to 256 (every decode step): the conv, the
+    /// state shift and the q/k head norms in one launch (`conv_l2_one`).
+    OneRow,
+    /// Up to 16 rows: the conv and the state shift in one launch
+    /// (`conv_small`), then the head norms.
+    Small,
+    /// Wider calls with 4 taps (the models' conv): a thread a channel and 16
+    /// rows (`conv_tile`), then `conv_shift` and the head norms.
+    Tile,
+    /// Wider calls with other tap counts: a thread an output (`conv_rows`),
+    /// then `conv_shift` and the head norms.
+    Rows,
+}
+
+impl Conv {
+    fn select(m: usize, kc: usize, dk: usize) -> Self {
+        if m == 1 && dk <= 256 {
+            Conv::OneRow
+        } else if m <= 16 {
+            Conv::Small
+        } else if kc == 4 {
+            Conv::Tile
+        } else {
+            Conv::Rows
+        }
+    }
+}
+
+/// Whether the head norms of a call of `m` rows at head dim `dim` take a
+/// lane a head, 32 heads a block (`l2norm_qk_h`, `gated_norm_q8k_h`; launched
+/// with [`head_sums_cfg`]) rather than a warp a head: calls of more than 16
+/// rows (H200, qwen35moe pp4096: gated_norm_q8k 4.08 -> 2.91 ms, l2norm_qk
+/// 2.84 -> 1.64 ms). The same sums, so the same bytes.
+fn lane_a_head(m: usize, dim: usize) -> bool {
+    m > 16 && dim <= 256
+}
+
+/// The gated delta rule's kernel for a call of `m` rows at key head dim
+/// `dk`. Every one computes the same bytes as a one-row call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DeltaKernel {
+    /// `delta_cols_16`, `delta_cols_32`: eight lanes a state column, the
+    /// rows staged with plain loads.
+    Cols16,
+    Cols32,
+    /// `delta_cols_async_256`: the next 8-row group staged by cp.async while
+    /// this one runs.
+    Async256,
+    /// `delta_cols_async_pipe_64`, `_128`: as Async256 with 16-row groups,
+    /// each row's output dot beside the next row's k dot. Calls of fewer
+    /// than 16 rows (every decode step) have no full group.
+    Pipe64,
+    Pipe128,
+    /// `delta_cols_async_unroll_64`, `_128`: the pipelined kernel with full
+    /// 16-row groups as straight-line code (H200, qwen35moe pp4096: the
+    /// delta rule 45.53 -> 37.92 ms, bench 17,118 -> 17,474 tok/s).
+    Unroll64,
+    Unroll128,
+    /// `delta_rows`: a thread a state column, at the other key head dims
+    /// (up to 512).
+    Rows,
+}
+
+impl DeltaKernel {
+    fn select(dk: usize, m: usize) -> Self {
+        let full_groups = m >= 16;
+        match dk {
+            16 => DeltaKernel::Cols16,
+            32 => DeltaKernel::Cols32,
+            64 if full_groups => DeltaKernel::Unroll64,
+            64 => DeltaKernel::Pipe64,
+            128 if full_groups => DeltaKernel::Unroll128,
+            128 => DeltaKernel::Pipe128,
+            256 => DeltaKernel::Async256,
+            _ => DeltaKernel::Rows,
         }
     }
 
+    fn name(self) -> &'static str {
+        match self {
+            DeltaKernel::Cols16 => "delta_cols_16",
+            DeltaKernel::Cols32 => "delta_cols_32",
+            DeltaKernel::Async256 => "delta_cols_async_256",
+            DeltaKernel::Pipe64 => "delta_cols_async_pipe_64",
+            DeltaKernel::Pipe128 => "delta_cols_async_pipe_128",
+            DeltaKernel::Unroll64 => "delta_cols_async_unroll_64",
+            DeltaKernel::Unroll128 => "delta_cols_async_unroll_128",
+            DeltaKernel::Rows => "delta_rows",
+        }
+    }
+}
+
+impl Cuda {
     pub(super) fn delta_rows(
         &self,
         model: &Model,
@@ -154,14 +223,17 @@ impl Cuda {
         let (mi, cdi, kci) = (m as i32, cd as i32, kc as i32);
         let mut qk = d.scratch::<f32>(m * 2 * kd)?;
         let (hki, dki, eps) = (hk as i32, dk as i32, hp.eps);
-        if self.conv_l2 && m == 1 && self.small_plan && dk <= 256 {
-            // One decode row: the conv, the shift and the head norms in one
-            // launch (a block a q/k head, then a thread a value channel).
-            let blocks = 2 * hk + (cd - 2 * hk * dk).div_ceil(128);
-            launch!(
+        let conv_kernel = Conv::select(m, kc, dk);
+        match conv_kernel {
+            // A block a q/k head, then a thread a value channel.
+            Conv::OneRow => launch!(
                 d,
                 "conv_l2_one",
-                cfg((blocks as u32, 1, 1), 128, 0),
+                cfg(
+                    ((2 * hk + (cd - 2 * hk * dk).div_ceil(128)) as u32, 1, 1),
+                    128,
+                    0
+                ),
                 &qkv,
                 taps,
                 conv_state,
@@ -172,63 +244,59 @@ impl Cuda {
                 &hki,
                 &dki,
                 &eps
-            )?;
-        } else {
-            if m <= 16 && self.small_plan {
-                // Decode sizes: the conv and the state shift in one launch.
-                launch!(
-                    d,
-                    "conv_small",
-                    cfg1(cd),
-                    &qkv,
-                    taps,
-                    conv_state,
-                    &mut conv,
-                    &mi,
-                    &cdi,
-                    &kci
-                )?;
-            } else {
-                if self.conv_tile && kc == 4 {
-                    launch!(
-                        d,
-                        "conv_tile",
-                        cfg(
-                            (cd.div_ceil(128) as u32, m.div_ceil(CONV_TR) as u32, 1),
-                            128,
-                            0
-                        ),
-                        &qkv,
-                        taps,
-                        &*conv_state,
-                        &mut conv,
-                        &mi,
-                        &cdi
-                    )?;
-                } else {
-                    launch!(
-                        d,
-                        "conv_rows",
-                        cfg1(m * cd),
-                        &qkv,
-                        taps,
-                        &*conv_state,
-                        &mut conv,
-                        &mi,
-                        &cdi,
-                        &kci
-                    )?;
-                }
-                launch!(d, "conv_shift", cfg1(cd), &qkv, conv_state, &mi, &cdi, &kci)?;
-            }
-            // `HEAD_SUMS`: a lane a head, 32 heads a block.
-            let warps = cfg(((m * 2 * hk).div_ceil(4) as u32, 1, 1), 128, 0);
-            let (kernel, c) = if self.sq_lanes && self.head_sums && m > 16 && dk <= 256 {
+            )?,
+            Conv::Small => launch!(
+                d,
+                "conv_small",
+                cfg1(cd),
+                &qkv,
+                taps,
+                conv_state,
+                &mut conv,
+                &mi,
+                &cdi,
+                &kci
+            )?,
+            Conv::Tile => launch!(
+                d,
+                "conv_tile",
+                cfg(
+                    (cd.div_ceil(128) as u32, m.div_ceil(CONV_TR) as u32, 1),
+                    128,
+                    0
+                ),
+                &qkv,
+                taps,
+                &*conv_state,
+                &mut conv,
+                &mi,
+                &cdi
+            )?,
+            Conv::Rows => launch!(
+                d,
+                "conv_rows",
+                cfg1(m * cd),
+                &qkv,
+                taps,
+                &*conv_state,
+                &mut conv,
+                &mi,
+                &cdi,
+                &kci
+            )?,
+        }
+        if matches!(conv_kernel, Conv::Tile | Conv::Rows) {
+            // The state shift, after every row's conv has read the old state.
+            launch!(d, "conv_shift", cfg1(cd), &qkv, conv_state, &mi, &cdi, &kci)?;
+        }
+        if conv_kernel != Conv::OneRow {
+            let (kernel, c) = if lane_a_head(m, dk) {
                 ("l2norm_qk_h", head_sums_cfg(m * 2 * hk, dk))
-            } else if self.sq_lanes {
-                ("l2norm_qk", warps)
             } else {
-                ("l2norm_qk_lane0", warps)
+                (
+                    "l2norm_qk",
+                    cfg(((m * 2 * hk).div_ceil(4) as u32, 1, 1), 128, 0),
+                )
             };
             launch!(d, kernel, c, &conv, &mut qk, &mi, &cdi, &hki, &dki, &eps)?;
         }
@@ -245,39 +313,12 @@ impl Cuda {
             self.vec(&dn.a)?,
             self.vec(&dn.norm)?,
         );
-        let cols_kernel = self.delta_kernel(dk, m);
-        if let Some(kname) = cols_kernel {
-            // Eight lanes per state column (the kernel for the usual head
-            // dims). The three-buffer kernels stage in dynamic shared memory:
-            // 3 buffers of 16 rows of 2 (8 (dk / 8 + 4)) + 16 floats (ops.cu,
-            // delta_cols_async's ROWF).
-            let smem = if kname.starts_with("delta_cols_async_tri_") {
-                (3 * 16 * (2 * 8 * (dk / 8 + 4) + 16) * 4) as u32
-            } else {
-                0
-            };
-            launch!(
+        match DeltaKernel::select(dk, m) {
+            // A thread a state column, the columns and the staged rows in
+            // dynamic shared memory.
+            k @ DeltaKernel::Rows => launch!(
                 d,
-                kname,
-                cfg((hv as u32, dv.div_ceil(16) as u32, 1), 128, smem),
-                &qk,
-                &conv,
-                &b,
-                &a,
-                dtb,
-                sa,
-                s_state,
-                &mut o,
-                &mi,
-                &hki,
-                &hvi,
-                &dvi,
-                &tiled
-            )?;
-        } else {
-            launch!(
-                d,
-                "delta_rows",
+                k.name(),
                 cfg(
                     (hv as u32, dv.div_ceil(32) as u32, 1),
                     32,
@@ -297,73 +338,39 @@ impl Cuda {
                 &dki,
                 &dvi,
                 &tiled
-            )?;
+            )?,
+            // Eight lanes a state column, 16 columns a block.
+            k => launch!(
+                d,
+                k.name(),
+                cfg((hv as u32, dv.div_ceil(16) as u32, 1), 128, 0),
+                &qk,
+                &conv,
+                &b,
+                &a,
+                dtb,
+                sa,
+                s_state,
+                &mut o,
+                &mi,
+                &hki,
+                &hvi,
+                &dvi,
+                &tiled
+            )?,
         }
         let rh = (m * hv) as i32;
-        // `GN_FOLD`: one row, the output projection's blocks take the gated
-        // norm and its Q8_K blocks themselves.
-        if self.gn_fold
-            && m == 1
-            && self.gn_q8k
-            && self.row_kernels
-            && self.lane_rows
-            && dn.out.ty == GgmlType::Q4_K
-            && dn.out.cols == vd
-            && dv % 32 == 0
-            && 256 % dv == 0
-            && vd % 256 == 0
-        {
-            let nb = (vd / 256) as i32;
-            let (wptr, row_bytes, rows) = (
-                self.wptr(&dn.out)?,
-                dn.out.row_bytes as i32,
-                dn.out.rows as i32,
-            );
-            if y.len() < dn.out.rows {
-                return Err(CudaError::Driver {
-                    op: "delta_rows".into(),
-                    msg: format!(
-                        "{}: an output of {} for {} rows",
-                        dn.out.name,
-                        y.len(),
-                        dn.out.rows
-                    ),
-                });
-            }
-            launch!(
-                d,
-                "mm_q4_k_lane_gn_1",
-                lane_cfg(dn.out.rows, m, nb),
-                &wptr,
-                &row_bytes,
-                &o,
-                &z,
-                nw,
-                y,
-                &rows,
-                &mi,
-                &nb,
-                &dvi,
-                &eps
-            )?;
-            return Ok(());
-        }
         // With the out projection reading Q8_K rows, the norm writes them
         // too (four heads a block: whole 256-blocks of one row).
-        if self.gn_q8k && k_quant(dn.out.ty) && dv <= 256 && dv % 64 == 0 && hv % 4 == 0 {
+        if k_quant(dn.out.ty) && dv <= 256 && dv % 64 == 0 && hv % 4 == 0 {
             let mut q = d.scratch::<u8>(m * hv * dv / 256 * 304)?;
-            // Decode-sized calls keep lane 0's squares: with the lanes'
-            // squares in gated_norm_q8k and conv_l2_one, qwen35moe tg128 fell
-            // from 315-319 to 302.5 tok/s (H200, session 17; the only decode
-            // change specific to that model), while prefill gained 0.6%.
-            // `HEAD_SUMS`: a lane a head, 32 heads a block.
-            let warps = cfg(((m * hv).div_ceil(4) as u32, 1, 1), 128, 0);
-            let (kernel, c) = if self.sq_lanes && self.head_sums && m > 16 {
+            let (kernel, c) = if lane_a_head(m, dv) {
                 ("gated_norm_q8k_h", head_sums_cfg(m * hv, dv))
-            } else if self.sq_lanes && m > 16 {
-                ("gated_norm_q8k", warps)
             } else {
-                ("gated_norm_q8k_lane0", warps)
+                (
+                    "gated_norm_q8k_lane0",
+                    cfg(((m * hv).div_ceil(4) as u32, 1, 1), 128, 0),
+                )
             };
             launch!(d, kernel, c, &mut o, &z, nw, &mut q, &rh, &dvi, &eps)?;
             return self.mm(&dn.out, &Input::with_q8k(&o, m, Some(q)), None, y);
@@ -380,5 +387,65 @@ impl Cuda {
             &eps
         )?;
         self.matmul(&dn.out, &o, m, None, y)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Conv, DeltaKernel};
+    use crate::compile::{MODULES, kernels_defined};
+
+    /// Every delta-rule kernel the selection can name is defined in the ops
+    /// module; at head dims 64 and 128 calls with a full 16-row group take
+    /// the unrolled kernel and smaller ones (every decode step) the
+    /// pipelined loop; the other head dims take one kernel at every m.
+    #[test]
+    fn delta_kernels_are_defined_and_chosen_by_head_dim_and_rows() {
+        let ops = MODULES.iter().find(|(n, _)| *n == "ops").unwrap().1;
+        let defined = kernels_defined(ops);
+        for dk in [8, 16, 32, 48, 64, 96, 128, 192, 256, 512] {
+            for m in [1, 2, 15, 16, 17, 64, 300] {
+                let k = DeltaKernel::select(dk, m);
+                assert!(
+                    defined.iter().any(|n| n == k.name()),
+                    "dk {dk} m {m}: {} is not defined",
+                    k.name()
+                );
+                let one_kernel = match dk {
+                    16 => Some(DeltaKernel::Cols16),
+                    32 => Some(DeltaKernel::Cols32),
+                    256 => Some(DeltaKernel::Async256),
+                    64 | 128 => None,
+                    _ => Some(DeltaKernel::Rows),
+                };
+                match one_kernel {
+                    Some(want) => assert_eq!(k, want, "dk {dk} m {m}"),
+                    None => assert_eq!(
+                        k.name(),
+                        if m >= 16 {
+                            format!("delta_cols_async_unroll_{dk}")
+                        } else {
+                            format!("delta_cols_async_pipe_{dk}")
+                        },
+                        "dk {dk} m {m}"
+                    ),
+                }
+            }
+        }
+    }
+
+    /// One row takes the one-launch conv and head norms up to key head dim
+    /// 256; up to 16 rows the small conv; wider calls the tiled conv with
+    /// the models' 4 taps, the row conv otherwise.
+    #[test]
+    fn conv_kernel_by_rows_taps_and_head_dim() {
+        assert_eq!(Conv::select(1, 4, 128), Conv::OneRow);
+        assert_eq!(Conv::select(1, 4, 256), Conv::OneRow);
+        assert_eq!(Conv::select(1, 4, 512), Conv::Small);
+        assert_eq!(Conv::select(2, 4, 128), Conv::Small);
+        assert_eq!(Conv::select(16, 3, 128), Conv::Small);
+        assert_eq!(Conv::select(17, 4, 128), Conv::Tile);
+        assert_eq!(Conv::select(300, 4, 512), Conv::Tile);
+        assert_eq!(Conv::select(17, 3, 128), Conv::Rows);
     }
 }
