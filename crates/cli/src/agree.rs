@@ -1,17 +1,22 @@
-//! `samesum agree`: teacher-forced agreement between two arms of one backend,
-//! the measure a non-identical kernel variant needs before it may exist
-//! (docs/CAPABILITIES.md). Arm A is the backend as configured; arm B the same
-//! backend with `--variant` switches set (none: a same-arm control, which
-//! must agree everywhere). Per prompt, A's greedy continuation is the
-//! reference; both arms then read the prompt and the reference and predict
-//! each next token, and the share of positions where their argmax tokens
-//! agree is compared with `--bar`. With `--probe`, a third arm (the
-//! smallest change there is, e.g. one ulp on attention's output) runs on the
-//! same prompts, and arm B must agree about as often as it does: on models
-//! whose greedy tokens any change moves (random weights), that is the bar
-//! that can tell a careful reordering from a poor one.
+//! `samesum agree`: teacher-forced agreement between two arms, the measure a
+//! kernel variant that does not compute the same bytes needs before it may
+//! exist (docs/CAPABILITIES.md). Arm A is the backend's default; arm B the
+//! same device with the variant under test: `--attention fast` (CUDA's
+//! opt-in attention) or a CPU `--variant`; with neither, B is a same-arm
+//! control, which must agree everywhere. Per prompt, A's greedy continuation
+//! is the reference; both arms then read the prompt and the reference and
+//! predict each next token, and the share of positions where their argmax
+//! tokens agree is compared with `--bar`. With `--probe`, a third arm (the
+//! smallest change there is) runs on the same prompts, and arm B must agree
+//! about as often as it does: on models whose greedy tokens any change moves
+//! (random weights), that is the bar that can tell a careful reordering from
+//! a poor one.
+//!
+//! Arms that differ run one after the other, each on its own backend (a
+//! CUDA arm holds the model's weights; two would need twice the memory):
+//! arm A's rows are kept for the arms after it.
 
-use crate::device::Device;
+use crate::args::{Attention, BackendArgs, ChunkArgs, KvArgs, ModelArgs, ShapeArgs, ThreadsArgs};
 use anyhow::{Context, Result, bail};
 use samesum_engine::cpu::Cpu;
 use samesum_engine::identity::continue_greedy;
@@ -19,18 +24,18 @@ use samesum_engine::sample::argmax;
 use samesum_engine::tokenizer::Tokenizer;
 use samesum_engine::{Backend, KvType, Logits, Model, forward};
 use samesum_quant::rng::Rng;
+use samesum_server::backend::{AnyBackend, CudaOptions, Device};
+use samesum_server::with_backend;
 use std::path::PathBuf;
 use std::time::Instant;
 
 /// Arguments of `samesum agree`.
 #[derive(clap::Args)]
 pub(crate) struct Args {
-    /// GGUF model (default: a synthetic model of --shape, made on the fly).
-    #[arg(short, long)]
-    model: Option<PathBuf>,
-    /// Synthetic shape when no -m is given.
-    #[arg(long, default_value = "tiny-qwen3next")]
-    shape: String,
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    shape: ShapeArgs,
     /// Prompt lengths in tokens, comma-separated (random tokens seeded by
     /// --seed and the length, or --text).
     #[arg(long, value_delimiter = ',', default_value = "512,1024,8192")]
@@ -47,12 +52,12 @@ pub(crate) struct Args {
     /// Random prompts per length (seeds --seed, --seed + 1, ...).
     #[arg(long, default_value_t = 1)]
     seeds: usize,
-    /// A probe arm: switches that make the smallest change to a result
-    /// (on CUDA e.g. ATT_ULP=1), run on the same prompts; with it the verdict
-    /// is the probe bar: arm B's share of agreeing positions over all prompts
-    /// at least the probe's share less --probe-margin points.
-    #[arg(long, value_delimiter = ',')]
-    probe: Vec<String>,
+    /// A probe arm: arm A with these CPU variants (the smallest change to a
+    /// result), run on the same prompts; with it the verdict is the probe
+    /// bar: arm B's share of agreeing positions over all prompts at least
+    /// the probe's share less --probe-margin points.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    probe: Vec<Variant>,
     /// Points of agreement arm B may fall below the probe (the probe bar).
     #[arg(long, default_value_t = 5.0, allow_negative_numbers = true)]
     probe_margin: f64,
@@ -61,23 +66,71 @@ pub(crate) struct Args {
     /// length.
     #[arg(long, value_name = "FILE")]
     text: Option<PathBuf>,
-    /// Arm B's switches: on CUDA NAME=0|1 for a SAMESUM_CUDA_<NAME> switch
-    /// (e.g. ATT_Q4=0); on the CPU `reversed-topk` (the MoE's top-k summed in
-    /// reverse). None: a same-arm control.
-    #[arg(long, value_delimiter = ',')]
-    variant: Vec<String>,
-    /// Prompt rows per batched call (default: the device's).
-    #[arg(long)]
-    chunk: Option<usize>,
-    /// CPU worker threads (0: all cores).
-    #[arg(short = 't', long, default_value_t = 0)]
-    threads: usize,
-    /// KV cache type: f32 or f16.
-    #[arg(long, default_value = "f32")]
-    kv_type: String,
-    /// Backend: cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    /// Arm B's CPU variants (comma-separated). On CUDA, arm B's variant is
+    /// `--attention fast`. None: a same-arm control.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    variant: Vec<Variant>,
+    #[command(flatten)]
+    chunk: ChunkArgs,
+    #[command(flatten)]
+    threads: ThreadsArgs,
+    #[command(flatten)]
+    kv: KvArgs,
+    // `--attention` applies to arm B; arm A runs the default passes.
+    #[command(flatten)]
+    backend: BackendArgs,
+}
+
+/// A variant of the CPU backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Variant {
+    /// The MoE's top-k experts summed in reverse order.
+    ReversedTopk,
+}
+
+impl Variant {
+    fn name(self) -> &'static str {
+        match self {
+            Variant::ReversedTopk => "reversed-topk",
+        }
+    }
+}
+
+/// One arm: its device (with its options) and CPU variants.
+#[derive(Clone, Debug, PartialEq)]
+struct Arm {
+    device: Device,
+    variants: Vec<Variant>,
+}
+
+impl Arm {
+    /// Whether the arm's device has its variants (before the long runs).
+    fn check(&self) -> Result<()> {
+        match (self.device, self.variants.first()) {
+            (Device::Cuda(..), Some(v)) => bail!(
+                "{} is a CPU variant; on CUDA, arm B's variant is --attention fast",
+                v.name()
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    /// Open the arm's backend.
+    fn open(&self, model: &Model) -> Result<AnyBackend> {
+        self.check()?;
+        match self.device {
+            Device::Cpu(threads) => {
+                let mut cpu = Cpu::new(threads);
+                for v in &self.variants {
+                    cpu = match v {
+                        Variant::ReversedTopk => cpu.with_reversed_topk(),
+                    };
+                }
+                Ok(AnyBackend::Cpu(cpu))
+            }
+            Device::Cuda(..) => crate::args::open(self.device, model),
+        }
+    }
 }
 
 /// One prompt's outcome.
@@ -174,56 +227,54 @@ pub(crate) fn compare(a: &[f32], b: &[f32], reference: &[u32], n_vocab: usize) -
     }
 }
 
-/// A's reference, then A and each other arm teacher-forced, for one prompt:
-/// each arm's agreement with A.
-fn agree_arms<B: Backend>(
-    arm_a: &B,
-    others: &[&B],
-    model: &Model,
-    prompt: &[u32],
+/// Arm A's reference and rows, and the other arms' agreements with A, per
+/// prompt.
+struct Runs<'a> {
+    model: &'a Model,
+    prompts: &'a [Vec<u32>],
     r#gen: usize,
-    chunk: usize,
     kv: KvType,
-) -> Result<Vec<Agreement>> {
-    let reference = greedy(arm_a, model, prompt, r#gen, chunk, kv)?;
-    let la = teacher_forced(arm_a, model, prompt, &reference, chunk, kv)?;
-    let mut out = Vec::new();
-    for b in others {
-        let lb = teacher_forced(*b, model, prompt, &reference, chunk, kv)?;
-        out.push(compare(&la, &lb, &reference, model.w.n_vocab));
-    }
-    Ok(out)
+    /// Arm A's greedy tokens.
+    reference: Vec<Vec<u32>>,
+    /// Arm A's teacher-forced rows, kept for the arms that run after it.
+    rows_a: Vec<Vec<f32>>,
+    /// Arm B's agreement with A, and the probe's.
+    agreements: Vec<[Option<Agreement>; 2]>,
 }
 
-/// `NAME=0|1` switch settings of a CUDA arm.
-fn parse_switches(list: &[String], what: &str) -> Result<Vec<(String, bool)>> {
-    let mut out = Vec::new();
-    for v in list {
-        let (name, val) = v
-            .split_once('=')
-            .with_context(|| format!("{what} {v:?}: expected NAME=0 or NAME=1"))?;
-        let on = match val {
-            "1" => true,
-            "0" => false,
-            _ => bail!("{what} {v:?}: the value must be 0 or 1"),
-        };
-        out.push((name.to_string(), on));
-    }
-    Ok(out)
-}
-
-/// A CPU arm with the named variants.
-fn cpu_arm(threads: usize, list: &[String]) -> Result<Cpu> {
-    let mut arm = Cpu::new(threads);
-    for v in list {
-        match v.as_str() {
-            "reversed-topk" => arm = arm.with_reversed_topk(),
-            other => bail!(
-                "no CPU variant {other:?} (have: reversed-topk; CUDA switches need --device cuda)"
-            ),
+impl Runs<'_> {
+    /// One backend over every prompt: arm A's reference and rows first when
+    /// `with_a`, then the rows of the `arms` it runs (0: arm B, 1: the
+    /// probe), compared with A's. On the `last` backend, A's rows are freed
+    /// and `done` gets the prompt's agreements as each prompt is through.
+    fn phase<B: Backend>(
+        &mut self,
+        b: &B,
+        with_a: bool,
+        arms: &[usize],
+        chunk: usize,
+        last: bool,
+        done: &mut dyn FnMut(usize, &[Option<Agreement>; 2]),
+    ) -> Result<()> {
+        let (model, kv, n_vocab) = (self.model, self.kv, self.model.w.n_vocab);
+        for (i, p) in self.prompts.iter().enumerate() {
+            if with_a {
+                let reference = greedy(b, model, p, self.r#gen, chunk, kv)?;
+                self.rows_a[i] = teacher_forced(b, model, p, &reference, chunk, kv)?;
+                self.reference[i] = reference;
+            }
+            for &k in arms {
+                let rows = teacher_forced(b, model, p, &self.reference[i], chunk, kv)?;
+                let r = compare(&self.rows_a[i], &rows, &self.reference[i], n_vocab);
+                self.agreements[i][k] = Some(r);
+            }
+            if last {
+                self.rows_a[i] = Vec::new();
+                done(i, &self.agreements[i]);
+            }
         }
+        Ok(())
     }
-    Ok(arm)
 }
 
 /// Share of agreeing positions over several prompts.
@@ -238,11 +289,7 @@ fn random_prompt(len: usize, seed: u64, vocab: usize) -> Vec<u32> {
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
-    let kv = match a.kv_type.as_str() {
-        "f32" => KvType::F32,
-        "f16" => KvType::F16,
-        other => bail!("--kv-type {other:?} is not supported (f32, f16)"),
-    };
+    let kv = a.kv.kv();
     if a.r#gen == 0 {
         bail!("--gen must be at least 1");
     }
@@ -251,9 +298,6 @@ pub(crate) fn run(a: Args) -> Result<()> {
     }
     if !(0.0..=1.0).contains(&a.bar) {
         bail!("--bar {} is not a share between 0 and 1", a.bar);
-    }
-    if a.chunk == Some(0) {
-        bail!("--chunk must be at least 1");
     }
     if a.seeds == 0 {
         bail!("--seeds must be at least 1");
@@ -264,8 +308,35 @@ pub(crate) fn run(a: Args) -> Result<()> {
     if !a.probe_margin.is_finite() {
         bail!("--probe-margin must be a number of points");
     }
-    let dev = Device::parse(&a.device, None)?;
-    let (path, _tmp) = crate::synth::model_or_builtin(&a.model, &a.shape, "q4_k", None)?;
+    let device = a.backend.device(a.threads.threads)?;
+    // Arm A: the device with the default attention passes.
+    let base = match device {
+        Device::Cuda(n, opts) => Device::Cuda(
+            n,
+            CudaOptions {
+                fast_attention: false,
+                ..opts
+            },
+        ),
+        cpu => cpu,
+    };
+    let arm_a = Arm {
+        device: base,
+        variants: Vec::new(),
+    };
+    let arm_b = Arm {
+        device,
+        variants: a.variant.clone(),
+    };
+    let probing = !a.probe.is_empty();
+    let arm_p = probing.then(|| Arm {
+        device: base,
+        variants: a.probe.clone(),
+    });
+    for arm in std::iter::once(&arm_b).chain(&arm_p) {
+        arm.check()?;
+    }
+    let (path, _tmp) = a.model.path_or_synth(&a.shape.shape, "q4_k", None)?;
     let model = Model::load(&path).with_context(|| format!("loading {}", path.display()))?;
     let vocab = model.w.n_vocab;
     let text_tokens = match &a.text {
@@ -286,30 +357,34 @@ pub(crate) fn run(a: Args) -> Result<()> {
         None => random_prompt(len, seed, vocab),
     };
     // (length, seed) of each prompt, lengths first.
-    let prompts: Vec<(usize, u64)> = a
+    let specs: Vec<(usize, u64)> = a
         .lens
         .iter()
         .flat_map(|&len| (0..a.seeds as u64).map(move |s| (len, s)))
         .map(|(len, s)| (len, a.seed + s))
         .collect();
-    let probing = !a.probe.is_empty();
-    let control = a.variant.is_empty();
+    let prompts: Vec<Vec<u32>> = specs.iter().map(|&(len, s)| prompt_of(len, s)).collect();
+    let mut b_changes: Vec<&str> = a.variant.iter().map(|v| v.name()).collect();
+    if a.backend.attention() == Attention::Fast {
+        b_changes.push("--attention fast");
+    }
     println!(
         "teacher-forced agreement: {} ({}), arm B {}, {} positions per prompt, bar {:.2}%",
         path.display(),
         model.hp.arch.name(),
-        if control {
+        if b_changes.is_empty() {
             "= arm A (same-arm control)".to_string()
         } else {
-            format!("= arm A with {}", a.variant.join(", "))
+            format!("= arm A with {}", b_changes.join(", "))
         },
         a.r#gen,
         a.bar * 100.0
     );
     if probing {
+        let names: Vec<&str> = a.probe.iter().map(|v| v.name()).collect();
         println!(
             "probe arm = arm A with {}; probe bar: B's share at least the probe's less {} points",
-            a.probe.join(", "),
+            names.join(", "),
             a.probe_margin
         );
     }
@@ -319,7 +394,10 @@ pub(crate) fn run(a: Args) -> Result<()> {
     println!("|---:|---:|---:|---:|---:|---|---:|---:|");
     let t0 = Instant::now();
     let mut results: Vec<(Agreement, Option<Agreement>, bool)> = Vec::new();
-    let mut report = |len: usize, seed: u64, r: Agreement, p: Option<Agreement>| {
+    let mut report = |i: usize, arms: &[Option<Agreement>; 2]| {
+        let (len, seed) = specs[i];
+        let r = arms[0].clone().expect("arm B ran");
+        let p = arms[1].clone();
         let share = r.same as f64 / r.n as f64;
         let ok = share >= a.bar && r.a_self == r.n;
         println!(
@@ -338,66 +416,46 @@ pub(crate) fn run(a: Args) -> Result<()> {
         );
         results.push((r, p, ok));
     };
-    match dev {
-        Device::Cpu => {
-            let chunk = a.chunk.unwrap_or_else(|| dev.default_chunk(false));
-            let arm_a = Cpu::new(a.threads);
-            let arm_b = cpu_arm(a.threads, &a.variant)?;
-            let arm_p = if probing {
-                Some(cpu_arm(a.threads, &a.probe)?)
-            } else {
-                None
-            };
-            let others: Vec<&Cpu> = std::iter::once(&arm_b).chain(arm_p.as_ref()).collect();
-            for &(len, seed) in &prompts {
-                let p: Vec<u32> = prompt_of(len, seed);
-                let mut r = agree_arms(&arm_a, &others, &model, &p, a.r#gen, chunk, kv)?;
-                let probe = if probing { r.pop() } else { None };
-                report(len, seed, r.remove(0), probe);
-            }
+    // The arms by backend, arm A's first: an arm equal to A (the control,
+    // or a probe without variants) shares its backend.
+    let mut phases: Vec<(&Arm, Vec<usize>)> = vec![(&arm_a, Vec::new())];
+    for (k, arm) in std::iter::once(&arm_b).chain(&arm_p).enumerate() {
+        match phases.iter_mut().find(|(x, _)| *x == arm) {
+            Some((_, ks)) => ks.push(k),
+            None => phases.push((arm, vec![k])),
         }
-        Device::Cuda(n, budget) => {
-            let switches = parse_switches(&a.variant, "--variant")?;
-            let probe = parse_switches(&a.probe, "--probe")?;
-            let mut cuda = crate::device::cuda(n, budget, &model)?;
-            let chunk = a
-                .chunk
-                .unwrap_or_else(|| dev.default_chunk(cuda.offload_counters().is_some()));
-            // Every name checked (and its setting kept) before the long runs.
-            let mut was = Vec::new();
-            for (name, _) in switches.iter().chain(&probe) {
-                was.push((name.clone(), cuda.switch(name)?));
-            }
-            // An arm's teacher-forced rows with its switches set, then the
-            // settings put back (also when the run fails).
-            let arm = |cuda: &mut samesum_cuda::Cuda,
-                       set: &[(String, bool)],
-                       p: &[u32],
-                       reference: &[u32]|
-             -> Result<Vec<f32>> {
-                for (name, on) in set {
-                    cuda.set_switch(name, *on)?;
-                }
-                let rows = teacher_forced(&*cuda, &model, p, reference, chunk, kv);
-                for (name, w) in &was {
-                    cuda.set_switch(name, *w)?;
-                }
-                rows
-            };
-            for &(len, seed) in &prompts {
-                let p: Vec<u32> = prompt_of(len, seed);
-                let reference = greedy(&cuda, &model, &p, a.r#gen, chunk, kv)?;
-                let la = teacher_forced(&cuda, &model, &p, &reference, chunk, kv)?;
-                let lb = arm(&mut cuda, &switches, &p, &reference)?;
-                let lp = if probing {
-                    Some(arm(&mut cuda, &probe, &p, &reference)?)
-                } else {
-                    None
-                };
-                let rp = lp.map(|lp| compare(&la, &lp, &reference, vocab));
-                report(len, seed, compare(&la, &lb, &reference, vocab), rp);
-            }
-        }
+    }
+    let mut runs = Runs {
+        model: &model,
+        prompts: &prompts,
+        r#gen: a.r#gen,
+        kv,
+        reference: vec![Vec::new(); prompts.len()],
+        rows_a: vec![Vec::new(); prompts.len()],
+        agreements: vec![[None, None]; prompts.len()],
+    };
+    let mut chunk = None;
+    for (n, (arm, ks)) in phases.iter().enumerate() {
+        let mut names: Vec<&str> = if n == 0 { vec!["arm A"] } else { Vec::new() };
+        names.extend(ks.iter().map(|&k| ["arm B", "the probe"][k]));
+        eprintln!(
+            "running {} on {} prompts",
+            names.join(" and "),
+            prompts.len()
+        );
+        let backend = arm.open(&model)?;
+        // Every arm runs arm A's chunk (A's backend's default without --chunk).
+        let chunk = *chunk.get_or_insert_with(|| a.chunk.or_default(&backend));
+        let last = n + 1 == phases.len();
+        let with_a = n == 0;
+        with_backend!(&backend, |b| runs.phase(
+            b,
+            with_a,
+            ks,
+            chunk,
+            last,
+            &mut report
+        ))?;
     }
     let all: Vec<&Agreement> = results.iter().map(|(r, _, _)| r).collect();
     let n: usize = all.iter().map(|r| r.n).sum();

@@ -1,18 +1,18 @@
 //! `samesum bench`: llama-bench-style prompt-processing and generation speed.
 
-use crate::device::{Device, with_backend};
+use crate::args::{BackendArgs, ChunkArgs, KvArgs, ModelArgs, Prefill, ThreadsArgs};
 use anyhow::{Result, bail};
 use samesum_engine::{Backend, KvType, Logits, Model, forward, prefill};
 use samesum_quant::rng::Rng;
+use samesum_server::with_backend;
 use std::path::PathBuf;
 use std::time::Instant;
 
 /// Arguments of `samesum bench`.
 #[derive(clap::Args)]
 pub(crate) struct Args {
-    /// GGUF model (default: a tiny synthetic model made on the fly).
-    #[arg(short, long)]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Prompt lengths to measure (comma-separated; 0 skips).
     #[arg(
         short = 'p',
@@ -41,32 +41,17 @@ pub(crate) struct Args {
     /// Repetitions per test.
     #[arg(short = 'r', long, default_value_t = 5)]
     repetitions: usize,
-    /// Worker threads (default: all cores).
-    #[arg(short = 't', long, default_value_t = 0)]
-    threads: usize,
-    /// Prompt rows per forward call in the batched arm.
-    /// [default: 256 on the CPU, 2048 on CUDA, 512 on CUDA in tier mode]
-    #[arg(long)]
-    chunk: Option<usize>,
+    #[command(flatten)]
+    threads: ThreadsArgs,
+    #[command(flatten)]
+    chunk: ChunkArgs,
     /// Prefill arms to measure: batched, replay (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "batched")]
-    prefill: Vec<String>,
-    /// KV cache type: f32 or f16.
-    #[arg(long, default_value = "f32")]
-    kv_type: String,
-    /// Backend: cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Tier mode within this VRAM budget (e.g. 24G): routed experts in host
-    /// memory, a VRAM cache of them for decode, staged layers for prefill.
-    /// Without it, tier mode starts by itself when the model does not fit.
-    #[arg(long, value_name = "BYTES")]
-    vram_budget: Option<String>,
-    /// Attention passes on CUDA: `exact` (default) or `fast`, opt-in: tensor
-    /// cores, not the same bytes as `exact`, batched still equal to replay
-    /// (docs/CAPABILITIES.md: its agreement with `exact`).
-    #[arg(long, value_enum, default_value_t = crate::device::Attention::Exact)]
-    attention: crate::device::Attention,
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "batched")]
+    prefill: Vec<Prefill>,
+    #[command(flatten)]
+    kv: KvArgs,
+    #[command(flatten)]
+    backend: BackendArgs,
     /// Per-kernel time breakdown (CUDA events around every launch; slows the
     /// run). On CUDA it also launches everything on one stream (the prefill's
     /// shared expert does not run beside the routed experts) and decode
@@ -97,27 +82,20 @@ fn mean_sd(v: &[f64]) -> (f64, f64) {
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
-    let kv = match a.kv_type.as_str() {
-        "f32" => KvType::F32,
-        "f16" => KvType::F16,
-        other => bail!("--kv-type {other:?} is not supported (f32, f16)"),
-    };
-    let (path, _tmp) = crate::synth::model_or_builtin(&a.model, "tiny-qwen3next", "q8_0", None)?;
-    let dev = Device::parse(&a.device, a.vram_budget.as_deref())?.with_attention(a.attention)?;
-    if a.repetitions == 0 || a.chunk == Some(0) {
-        bail!("--repetitions and --chunk must be at least 1");
+    let kv = a.kv.kv();
+    let dev = a.backend.device(a.threads.threads)?;
+    if a.repetitions == 0 {
+        bail!("--repetitions must be at least 1");
     }
+    let (path, _tmp) = a.model.path_or_synth("tiny-qwen3next", "q8_0", None)?;
     if a.profile {
         // SAFETY: set before any thread of this process reads the environment.
         unsafe { std::env::set_var("SAMESUM_CUDA_PROFILE", "1") };
     }
     let model = crate::run::load_with_progress(&path)?;
-    with_backend!(dev, &model, a.threads, |b| {
-        let chunk = a
-            .chunk
-            .unwrap_or_else(|| dev.default_chunk(b.offload_counters().is_some()));
-        bench(b, &model, &path, &a, kv, chunk)
-    })
+    let backend = crate::args::open(dev, &model)?;
+    let chunk = a.chunk.or_default(&backend);
+    with_backend!(&backend, |b| bench(b, &model, &path, &a, kv, chunk))
 }
 
 /// Tier mode's counters over a test's timed runs (the untimed warm-up and
@@ -234,10 +212,9 @@ fn bench<B: Backend>(
     let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.below(vocab) as u32).collect() };
     let first = usize::from(a.no_warmup);
     for arm in &a.prefill {
-        let chunk = match arm.as_str() {
-            "batched" => batch_chunk,
-            "replay" => 1,
-            other => bail!("--prefill {other:?} is not supported (batched, replay)"),
+        let chunk = match arm {
+            Prefill::Batched => batch_chunk,
+            Prefill::Replay => 1,
         };
         for (&np, &depth) in tests(&a.n_prompt, &a.n_depth) {
             let mut rates = Vec::new();
@@ -259,7 +236,7 @@ fn bench<B: Backend>(
                 }
             }
             let report = b.take_report()?;
-            let name = if a.prefill.len() > 1 || arm != "batched" {
+            let name = if a.prefill.len() > 1 || *arm != Prefill::Batched {
                 format!("pp{np} {arm}{}", at(depth))
             } else {
                 format!("pp{np}{}", at(depth))

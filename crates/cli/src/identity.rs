@@ -1,7 +1,7 @@
 //! `samesum identity`: the identity gate. Replay vs batched prefill on a prompt
 //! set: logits bytes at every position, state after the prompt, greedy tokens.
 
-use crate::device::Device;
+use crate::args::{BackendArgs, KvArgs, ModelArgs, ShapeArgs, at_least_one};
 use anyhow::{Context, Result, bail};
 use samesum_engine::Backend;
 use samesum_engine::cpu::Cpu;
@@ -9,6 +9,8 @@ use samesum_engine::identity::{batched, replay};
 use samesum_engine::tokenizer::Tokenizer;
 use samesum_engine::{KvType, Model};
 use samesum_quant::rng::Rng;
+use samesum_server::backend::{AnyBackend, Device};
+use samesum_server::with_backend;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -17,12 +19,10 @@ const DEFAULT_PROMPTS: &str = include_str!("../../../tests/identity/prompts.json
 /// Arguments of `samesum identity`.
 #[derive(clap::Args)]
 pub(crate) struct Args {
-    /// GGUF model (default: a synthetic model of --shape, made on the fly).
-    #[arg(short, long)]
-    model: Option<PathBuf>,
-    /// Synthetic shape when no -m is given.
-    #[arg(long, default_value = "tiny-qwen3next")]
-    shape: String,
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    shape: ShapeArgs,
     /// Prompt set (JSON: [{"name", "text", "len"?} | {"name", "random", "seed"}]);
     /// default: the shipped set (tests/identity/prompts.json).
     #[arg(long)]
@@ -34,27 +34,15 @@ pub(crate) struct Args {
     #[arg(long, default_value_t = 64)]
     r#gen: usize,
     /// Chunk sizes of the batched arm (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "256")]
+    #[arg(long, value_delimiter = ',', default_value = "256", value_parser = at_least_one)]
     chunk: Vec<usize>,
-    /// Thread counts (comma-separated; 0: all cores).
+    /// CPU thread counts, one run each (comma-separated; 0: all cores).
     #[arg(short = 't', long, value_delimiter = ',', default_value = "0")]
     threads: Vec<usize>,
-    /// KV cache type: f32 or f16.
-    #[arg(long, default_value = "f32")]
-    kv_type: String,
-    /// Backend: cpu, cuda or cuda:N (threads apply to the CPU only).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Tier mode within this VRAM budget (e.g. 24G): routed experts in host
-    /// memory, a VRAM cache of them for decode, staged layers for prefill.
-    /// Without it, tier mode starts by itself when the model does not fit.
-    #[arg(long, value_name = "BYTES")]
-    vram_budget: Option<String>,
-    /// Attention passes on CUDA: `exact` (default) or `fast`, opt-in: tensor
-    /// cores, not the same bytes as `exact`, batched still equal to replay
-    /// (docs/CAPABILITIES.md: its agreement with `exact`).
-    #[arg(long, value_enum, default_value_t = crate::device::Attention::Exact)]
-    attention: crate::device::Attention,
+    #[command(flatten)]
+    kv: KvArgs,
+    #[command(flatten)]
+    backend: BackendArgs,
     /// Run a deliberately reordered batched MoE (top-k summed in reverse) to show
     /// that the gate catches it; the command must then fail.
     #[arg(long, hide = true)]
@@ -90,19 +78,12 @@ fn tokens_of(spec: &PromptSpec, tok: &Tokenizer, vocab: usize) -> Result<Vec<u32
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
-    let kv = match a.kv_type.as_str() {
-        "f32" => KvType::F32,
-        "f16" => KvType::F16,
-        other => bail!("--kv-type {other:?} is not supported (f32, f16)"),
-    };
-    if a.chunk.contains(&0) {
-        bail!("--chunk sizes must be at least 1");
-    }
-    let dev = Device::parse(&a.device, a.vram_budget.as_deref())?.with_attention(a.attention)?;
-    if a.negative_control && dev != Device::Cpu {
+    let kv = a.kv.kv();
+    let dev = a.backend.device(0)?;
+    if a.negative_control && !matches!(dev, Device::Cpu(_)) {
         bail!("--negative-control runs on the CPU backend only");
     }
-    let (path, _tmp) = crate::synth::model_or_builtin(&a.model, &a.shape, "q4_k", None)?;
+    let (path, _tmp) = a.model.path_or_synth(&a.shape.shape, "q4_k", None)?;
     let model = Model::load(&path)?;
     let tok = Tokenizer::from_metadata(model.file.metadata())?;
     let json = match &a.prompts {
@@ -130,7 +111,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         a.chunk,
         a.threads,
         a.r#gen,
-        a.kv_type
+        a.kv.name()
     );
     println!(
         "| prompt | tokens | chunk | threads | rows batched | logits | state | gen | verdict |"
@@ -138,30 +119,29 @@ pub(crate) fn run(a: Args) -> Result<()> {
     println!("|---|---:|---:|---:|---:|---|---|---|---|");
     let t0 = Instant::now();
     let (mut failed, mut void) = (0, 0);
-    let runs = match dev {
-        Device::Cpu => {
-            for &threads in &a.threads {
-                let cpu = Cpu::new(threads);
-                let cpu_batched = if a.negative_control {
-                    Cpu::new(threads).with_reversed_topk()
-                } else {
-                    Cpu::new(threads)
-                };
-                let label = cpu.threads().to_string();
-                let (f, v) = gate(&cpu, &cpu_batched, &label, &model, &prompts, &a, kv)?;
-                failed += f;
-                void += v;
-            }
-            a.threads.len()
-        }
-        Device::Cuda(n, budget) => {
-            let cuda = crate::device::cuda(n, budget, &model)?;
-            let (f, v) = gate(&cuda, &cuda, "gpu", &model, &prompts, &a, kv)?;
-            failed += f;
-            void += v;
-            1
-        }
+    // One run per CPU thread count, or one on the CUDA device.
+    let devices: Vec<Device> = match dev {
+        Device::Cpu(_) => a.threads.iter().map(|&t| Device::Cpu(t)).collect(),
+        cuda => vec![cuda],
     };
+    for &d in &devices {
+        let backend = crate::args::open(d, &model)?;
+        let (f, v) = match (&backend, d) {
+            (AnyBackend::Cpu(cpu), Device::Cpu(threads)) => {
+                let label = cpu.threads().to_string();
+                if a.negative_control {
+                    let reversed = Cpu::new(threads).with_reversed_topk();
+                    gate(cpu, &reversed, &label, &model, &prompts, &a, kv)?
+                } else {
+                    gate(cpu, cpu, &label, &model, &prompts, &a, kv)?
+                }
+            }
+            _ => with_backend!(&backend, |b| gate(b, b, "gpu", &model, &prompts, &a, kv))?,
+        };
+        failed += f;
+        void += v;
+    }
+    let runs = devices.len();
     let n = prompts.len() * a.chunk.len() * runs;
     println!(
         "\n{} of {n} runs equal, {failed} different, {void} void, in {:.1}s",

@@ -1,9 +1,9 @@
 //! The `samesum` binary: a thin layer of argument parsing over the library crates.
 
 mod agree;
+mod args;
 mod bench;
 mod bench_quant;
-mod device;
 mod identity;
 mod inspect;
 mod run;

@@ -1,11 +1,12 @@
 //! `samesum run`: generate text from a prompt, streaming it as it comes.
 
-use crate::device::{Device, with_backend};
+use crate::args::{BackendArgs, ChunkArgs, CtxArgs, KvArgs, ModelArgs, Prefill, ThreadsArgs};
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use samesum_engine::sample::{Sampler, SamplerConfig};
 use samesum_engine::tokenizer::Tokenizer;
 use samesum_engine::{Backend, KvType, Logits, Model, forward, forward_chunks};
+use samesum_server::with_backend;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -15,9 +16,8 @@ use std::time::Instant;
 /// Arguments of `samesum run`.
 #[derive(clap::Args)]
 pub(crate) struct Args {
-    /// GGUF model (default: a tiny synthetic model made on the fly).
-    #[arg(short, long)]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Prompt text.
     #[arg(
         short,
@@ -31,12 +31,10 @@ pub(crate) struct Args {
     /// Tokens to generate.
     #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
     n_predict: usize,
-    /// Context size in tokens.
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
-    ctx: usize,
-    /// Worker threads (default: all cores).
-    #[arg(short = 't', long, default_value_t = 0)]
-    threads: usize,
+    #[command(flatten)]
+    ctx: CtxArgs,
+    #[command(flatten)]
+    threads: ThreadsArgs,
     /// Temperature (0: greedy).
     #[arg(long, default_value_t = 0.8)]
     temp: f32,
@@ -64,51 +62,24 @@ pub(crate) struct Args {
     /// System message (chat mode).
     #[arg(long)]
     system: Option<String>,
-    /// KV cache type: f32 or f16.
-    #[arg(long, default_value = "f32")]
-    kv_type: String,
-    /// Prompt rows per forward call (batched prefill).
-    /// [default: 256 on the CPU, 2048 on CUDA, 512 on CUDA in tier mode]
-    #[arg(long)]
-    chunk: Option<usize>,
+    #[command(flatten)]
+    kv: KvArgs,
+    #[command(flatten)]
+    chunk: ChunkArgs,
     /// Prefill mode: batched (chunks of --chunk rows) or replay (one token per call).
-    #[arg(long, default_value = "batched")]
-    prefill: String,
+    #[arg(long, value_enum, default_value_t = Prefill::Batched)]
+    prefill: Prefill,
     /// Print the prompt's tokens before generating.
     #[arg(long)]
     verbose_prompt: bool,
-    /// Backend: cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Tier mode within this VRAM budget (e.g. 24G): routed experts in host
-    /// memory, a VRAM cache of them for decode, staged layers for prefill.
-    /// Without it, tier mode starts by itself when the model does not fit.
-    #[arg(long, value_name = "BYTES")]
-    vram_budget: Option<String>,
-    /// Attention passes on CUDA: `exact` (default) or `fast`, opt-in: tensor
-    /// cores, not the same bytes as `exact`, batched still equal to replay
-    /// (docs/CAPABILITIES.md: its agreement with `exact`).
-    #[arg(long, value_enum, default_value_t = crate::device::Attention::Exact)]
-    attention: crate::device::Attention,
+    #[command(flatten)]
+    backend: BackendArgs,
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
-    let kv = match a.kv_type.as_str() {
-        "f32" => KvType::F32,
-        "f16" => KvType::F16,
-        other => bail!("--kv-type {other:?} is not supported (f32, f16)"),
-    };
-    let dev = Device::parse(&a.device, a.vram_budget.as_deref())?.with_attention(a.attention)?;
-    if a.chunk == Some(0) {
-        bail!("--chunk must be at least 1");
-    }
-    let replay = match a.prefill.as_str() {
-        "batched" => false,
-        "replay" => true,
-        other => bail!("--prefill {other:?} is not supported (batched, replay)"),
-    };
-    let (path, _tmp) = crate::synth::model_or_builtin(
-        &a.model,
+    let kv = a.kv.kv();
+    let dev = a.backend.device(a.threads.threads)?;
+    let (path, _tmp) = a.model.path_or_synth(
         "tiny-qwen3next",
         "q8_0",
         Some(
@@ -150,12 +121,12 @@ pub(crate) fn run(a: Args) -> Result<()> {
             .collect();
         eprintln!("prompt tokens ({}): {}", prompt.len(), shown.join(" "));
     }
-    if prompt.len() + a.n_predict > a.ctx {
+    let ctx = a.ctx.ctx;
+    if prompt.len() + a.n_predict > ctx {
         bail!(
-            "the prompt ({} tokens) plus {} to generate does not fit the context of {} (raise -c)",
+            "the prompt ({} tokens) plus {} to generate does not fit the context of {ctx} (raise -c)",
             prompt.len(),
             a.n_predict,
-            a.ctx
         );
     }
     let stop = Arc::new(AtomicBool::new(false));
@@ -163,14 +134,14 @@ pub(crate) fn run(a: Args) -> Result<()> {
         let stop = stop.clone();
         let _ = ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst));
     }
-    with_backend!(dev, &model, a.threads, |b| {
-        let chunk = match (replay, a.chunk) {
-            (true, _) => 1,
-            (false, Some(c)) => c,
-            (false, None) => dev.default_chunk(b.offload_counters().is_some()),
-        };
-        generate(b, &model, &tok, &prompt, &a, kv, chunk, &stop)
-    })
+    let backend = crate::args::open(dev, &model)?;
+    let chunk = match a.prefill {
+        Prefill::Replay => 1,
+        Prefill::Batched => a.chunk.or_default(&backend),
+    };
+    with_backend!(&backend, |b| generate(
+        b, &model, &tok, &prompt, &a, kv, chunk, &stop
+    ))
 }
 
 /// Prefill `prompt` in chunks of `chunk` rows, then sample and stream tokens.
@@ -185,7 +156,7 @@ fn generate<B: Backend>(
     stop: &AtomicBool,
 ) -> Result<()> {
     eprintln!("backend: {}", b.name());
-    let mut st = b.new_state(model, a.ctx, kv)?;
+    let mut st = b.new_state(model, a.ctx.ctx, kv)?;
     let mut sampler = Sampler::new(SamplerConfig {
         temp: a.temp,
         top_k: a.top_k,

@@ -1,38 +1,23 @@
 //! `samesum serve`: the OpenAI-compatible server (see `samesum-server`).
 
-use crate::device::Device;
-use anyhow::{Context, Result, bail};
-use samesum_engine::KvType;
-use std::path::PathBuf;
+use crate::args::{BackendArgs, CtxArgs, KvArgs, ModelArgs, ThreadsArgs, at_least_one};
+use anyhow::{Context, Result};
 
 /// Arguments of `samesum serve`.
 #[derive(clap::Args)]
 pub(crate) struct Args {
-    /// GGUF model (default: the built-in tiny synthetic model, random weights).
-    #[arg(short, long)]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// Port (0: any free port; the chosen one is printed).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Backend: cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Tier mode within this VRAM budget (e.g. 24G): routed experts in host
-    /// memory, a VRAM cache of them for decode, staged layers for prefill.
-    /// Without it, tier mode starts by itself when the model does not fit.
-    #[arg(long, value_name = "BYTES")]
-    vram_budget: Option<String>,
-    /// Attention passes on CUDA: `exact` (default) or `fast`, opt-in: tensor
-    /// cores, not the same bytes as `exact`, batched still equal to replay
-    /// (docs/CAPABILITIES.md: its agreement with `exact`).
-    #[arg(long, value_enum, default_value_t = crate::device::Attention::Exact)]
-    attention: crate::device::Attention,
-    /// CPU worker threads (0: all cores).
-    #[arg(short = 't', long, default_value_t = 0)]
-    threads: usize,
+    #[command(flatten)]
+    backend: BackendArgs,
+    #[command(flatten)]
+    threads: ThreadsArgs,
     /// Requests decoded together at most.
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
@@ -42,34 +27,20 @@ pub(crate) struct Args {
     /// Largest request body in bytes (past it: 413).
     #[arg(long, default_value_t = 1 << 20)]
     max_body: usize,
-    /// Context per request (prompt + completion tokens).
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
-    ctx: usize,
+    #[command(flatten)]
+    ctx: CtxArgs,
     /// Prompt rows per scheduler step (shared by the requests still
-    /// prefilling); default 128 on the CPU, 512 on CUDA.
-    #[arg(long)]
+    /// prefilling). [default: 128 on the CPU, 512 on CUDA]
+    #[arg(long, value_parser = at_least_one)]
     chunk: Option<usize>,
-    /// KV cache type: f32 or f16.
-    #[arg(long, default_value = "f32")]
-    kv_type: String,
+    #[command(flatten)]
+    kv: KvArgs,
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
-    let kv = match a.kv_type.as_str() {
-        "f32" => KvType::F32,
-        "f16" => KvType::F16,
-        other => bail!("--kv-type {other:?} is not supported (f32, f16)"),
-    };
-    let parsed = Device::parse(&a.device, a.vram_budget.as_deref())?.with_attention(a.attention)?;
-    let chunk = match a.chunk {
-        Some(0) => bail!("--chunk must be at least 1"),
-        Some(c) => c,
-        None => parsed.serve_chunk(),
-    };
-    let device = match parsed {
-        Device::Cpu => samesum_server::Device::Cpu(a.threads),
-        Device::Cuda(n, budget) => samesum_server::Device::Cuda(n, budget),
-    };
+    let kv = a.kv.kv();
+    let device = a.backend.device(a.threads.threads)?;
+    let chunk = a.chunk.unwrap_or_else(|| device.serve_chunk());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -78,8 +49,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
-    let (path, _tmp) = crate::synth::model_or_builtin(
-        &a.model,
+    let (path, _tmp) = a.model.path_or_synth(
         "tiny-qwen3next",
         "q8_0",
         Some(
@@ -98,7 +68,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         max_batch: a.max_batch,
         max_queue: a.max_queue,
         max_body: a.max_body,
-        ctx: a.ctx,
+        ctx: a.ctx.ctx,
         prefill_chunk: chunk,
         kv,
         model_name: name,

@@ -1,0 +1,283 @@
+//! The argument groups several commands share (`#[command(flatten)]`): each
+//! flag is defined, documented and checked here once. Values are parsed when
+//! the command line is (a bad `--device`, `--vram-budget`, `--kv-type` or
+//! `--chunk` is clap's usage error); what depends on two flags is checked by
+//! the group's accessor.
+
+use anyhow::{Result, bail};
+use samesum_engine::{KvType, Model};
+use samesum_server::backend::{AnyBackend, CudaOptions, Device};
+use std::path::PathBuf;
+
+#[derive(clap::Args, Clone, Debug)]
+pub(crate) struct ModelArgs {
+    /// GGUF model (default: a synthetic model made on the fly, random
+    /// weights).
+    #[arg(short, long)]
+    pub(crate) model: Option<PathBuf>,
+}
+
+impl ModelArgs {
+    /// The model's path: `-m`, or a synthetic model of `shape` and `quant`
+    /// written to a temporary directory (kept while the guard lives), with
+    /// `note` printed first when given.
+    pub(crate) fn path_or_synth(
+        &self,
+        shape: &str,
+        quant: &str,
+        note: Option<&str>,
+    ) -> Result<(PathBuf, Option<tempfile::TempDir>)> {
+        crate::synth::model_or_builtin(&self.model, shape, quant, note)
+    }
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub(crate) struct ShapeArgs {
+    /// Synthetic shape when no -m is given.
+    #[arg(long, default_value = "tiny-qwen3next")]
+    pub(crate) shape: String,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub(crate) struct BackendArgs {
+    /// Backend: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: Device,
+    /// Tier mode within this VRAM budget (e.g. 24G): routed experts in host
+    /// memory, a VRAM cache of them for decode, staged layers for prefill.
+    /// Without it, tier mode starts by itself when the model does not fit.
+    #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
+    vram_budget: Option<u64>,
+    /// Attention passes on CUDA: `exact` (default) or `fast`, opt-in: tensor
+    /// cores, not the same bytes as `exact`, batched still equal to replay
+    /// (docs/CAPABILITIES.md: its agreement with `exact`).
+    #[arg(long, value_enum, default_value_t = Attention::Exact)]
+    attention: Attention,
+}
+
+/// `--attention`: which attention passes a CUDA backend runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Attention {
+    /// The default passes: CUDA cores, samesum's exact order.
+    #[default]
+    Exact,
+    /// Opt-in: the score and value passes on tensor cores (3xTF32 with fp32
+    /// accumulation). Not the same bytes as `exact` (another summation
+    /// order), one function for decode and prefill (batched still equals
+    /// replay); docs/CAPABILITIES.md has its agreement with `exact`.
+    Fast,
+}
+
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    samesum_cuda::tier::parse_bytes(s)
+}
+
+impl BackendArgs {
+    /// The device with `--vram-budget` and `--attention` applied and `threads`
+    /// CPU threads; both options apply to CUDA only.
+    pub(crate) fn device(&self, threads: usize) -> Result<Device> {
+        match self.device {
+            Device::Cpu(_) => {
+                if self.vram_budget.is_some() {
+                    bail!("--vram-budget applies to --device cuda, not the CPU");
+                }
+                if self.attention == Attention::Fast {
+                    bail!("--attention fast applies to --device cuda, not the CPU");
+                }
+                Ok(Device::Cpu(threads))
+            }
+            Device::Cuda(n, _) => Ok(Device::Cuda(
+                n,
+                CudaOptions {
+                    vram_budget: self.vram_budget,
+                    fast_attention: self.attention == Attention::Fast,
+                },
+            )),
+        }
+    }
+
+    /// `--attention`.
+    pub(crate) fn attention(&self) -> Attention {
+        self.attention
+    }
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub(crate) struct ThreadsArgs {
+    /// CPU worker threads (0: all cores).
+    #[arg(short = 't', long, default_value_t = 0)]
+    pub(crate) threads: usize,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub(crate) struct KvArgs {
+    /// KV cache type.
+    #[arg(long = "kv-type", value_enum, default_value_t = Kv::F32)]
+    kv_type: Kv,
+}
+
+/// `--kv-type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Kv {
+    /// 32-bit floats.
+    F32,
+    /// 16-bit floats.
+    F16,
+}
+
+impl KvArgs {
+    /// The KV cache type.
+    pub(crate) fn kv(&self) -> KvType {
+        match self.kv_type {
+            Kv::F32 => KvType::F32,
+            Kv::F16 => KvType::F16,
+        }
+    }
+
+    /// Its name as given on the command line.
+    pub(crate) fn name(&self) -> &'static str {
+        match self.kv_type {
+            Kv::F32 => "f32",
+            Kv::F16 => "f16",
+        }
+    }
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub(crate) struct ChunkArgs {
+    /// Prompt rows per batched forward call.
+    /// [default: 256 on the CPU, 2048 on CUDA, 512 on CUDA in tier mode]
+    #[arg(long, value_parser = at_least_one)]
+    chunk: Option<usize>,
+}
+
+impl ChunkArgs {
+    /// `--chunk`, or the backend's default.
+    pub(crate) fn or_default(&self, backend: &AnyBackend) -> usize {
+        self.chunk.unwrap_or_else(|| backend.default_chunk())
+    }
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub(crate) struct CtxArgs {
+    /// Context size in tokens (per request when serving: prompt and
+    /// completion).
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    pub(crate) ctx: usize,
+}
+
+/// A count of at least 1 (`--chunk`).
+pub(crate) fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// `--prefill`: how a prompt goes through the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Prefill {
+    /// Chunks of --chunk rows per forward call.
+    Batched,
+    /// One token per call.
+    Replay,
+}
+
+impl std::fmt::Display for Prefill {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Prefill::Batched => "batched",
+            Prefill::Replay => "replay",
+        })
+    }
+}
+
+/// Open `device` for `model` (CUDA: uploading its weights with a progress
+/// bar, then one line on where they went).
+pub(crate) fn open(device: Device, model: &Model) -> Result<AnyBackend> {
+    let t = std::time::Instant::now();
+    let b = AnyBackend::open(device, model, true)?;
+    if let Some(line) = b.placement(t.elapsed().as_secs_f64()) {
+        eprintln!("{line}");
+    }
+    Ok(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        backend: BackendArgs,
+        #[command(flatten)]
+        kv: KvArgs,
+        #[command(flatten)]
+        chunk: ChunkArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<Cmd, clap::Error> {
+        Cmd::try_parse_from(std::iter::once("t").chain(args.iter().copied()))
+    }
+
+    fn cuda(n: usize, budget: Option<u64>, fast: bool) -> Device {
+        Device::Cuda(
+            n,
+            CudaOptions {
+                vram_budget: budget,
+                fast_attention: fast,
+            },
+        )
+    }
+
+    #[test]
+    fn devices_take_their_options() {
+        let d = |args: &[&str]| parse(args).unwrap().backend.device(3).unwrap();
+        assert_eq!(d(&[]), Device::Cpu(3));
+        assert_eq!(d(&["--device", "CUDA:2"]), cuda(2, None, false));
+        assert_eq!(
+            d(&["--device", "cuda", "--vram-budget", "24G"]),
+            cuda(0, Some(24 << 30), false)
+        );
+        assert_eq!(
+            d(&["--device", "gpu", "--attention", "fast"]),
+            cuda(0, None, true)
+        );
+    }
+
+    #[test]
+    fn bad_values_are_usage_errors_naming_the_flag() {
+        for (args, flag) in [
+            (&["--device", "tpu"][..], "--device"),
+            (&["--device", "cuda:x"], "--device"),
+            (&["--vram-budget", "lots"], "--vram-budget"),
+            (&["--kv-type", "q8"], "--kv-type"),
+            (&["--chunk", "0"], "--chunk"),
+            (&["--attention", "quick"], "--attention"),
+        ] {
+            let e = parse(args).err().expect("an error").to_string();
+            assert!(e.contains(flag), "{args:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn cuda_options_on_the_cpu_are_errors() {
+        for (args, flag) in [
+            (&["--vram-budget", "24G"][..], "--vram-budget"),
+            (&["--attention", "fast"], "--attention fast"),
+        ] {
+            let e = parse(args).unwrap().backend.device(0).unwrap_err();
+            assert!(e.to_string().contains(flag), "{e}");
+        }
+    }
+
+    #[test]
+    fn kv_types_parse() {
+        assert_eq!(parse(&[]).unwrap().kv.kv(), KvType::F32);
+        let f16 = parse(&["--kv-type", "f16"]).unwrap().kv;
+        assert_eq!((f16.kv(), f16.name()), (KvType::F16, "f16"));
+    }
+}
