@@ -300,6 +300,29 @@ fn a_missing_or_unknown_device_is_a_plain_error() {
 }
 
 #[test]
+fn shared_flags_reject_bad_values_in_every_command() {
+    for cmd in ["run", "bench", "identity", "agree", "serve"] {
+        for (args, flag) in [
+            (&["--device", "tpu"][..], "--device"),
+            (&["--kv-type", "q8"], "--kv-type"),
+            (&["--vram-budget", "lots"], "--vram-budget"),
+            (&["--vram-budget", "24G"], "--vram-budget"),
+            (&["--attention", "fast"], "--attention"),
+            (&["--chunk", "0"], "--chunk"),
+        ] {
+            let mut all = vec![cmd];
+            all.extend_from_slice(args);
+            let (ok, _, err) = samesum(&all);
+            assert!(!ok, "{all:?} succeeded");
+            assert!(
+                err.starts_with("error: ") && err.contains(flag) && !err.contains("panicked"),
+                "{all:?}: {err}"
+            );
+        }
+    }
+}
+
+#[test]
 fn agree_passes_a_same_arm_control_and_fails_a_reordered_moe() {
     // The control: arm B is arm A, so every position agrees and the logits
     // are equal.
@@ -347,6 +370,8 @@ fn agree_passes_a_same_arm_control_and_fails_a_reordered_moe() {
         &["agree", "--probe", "sideways"],
         &["agree", "--seeds", "0"],
         &["agree", "--seeds", "2", "--text", t],
+        &["agree", "--attention", "fast"],
+        &["agree", "--device", "cuda", "--variant", "reversed-topk"],
     ] {
         let (ok, _, err) = samesum(args);
         assert!(!ok && err.starts_with("error: "), "{args:?}: {err}");
@@ -419,8 +444,8 @@ fn agree_holds_arm_b_to_a_probe_arm() {
 /// `samesum serve` outlives a streaming client that goes away mid-stream.
 /// The binary restores SIGPIPE's default for its other commands (so that
 /// `samesum inspect | head` ends quietly); a server that kept that default
-/// died on its next write to the closed socket (hyper writes with writev,
-/// which raises SIGPIPE), which CI's openai-client test caught.
+/// would die on its next write to the closed socket (hyper writes with
+/// writev, which raises SIGPIPE).
 #[test]
 fn serve_outlives_a_client_that_leaves_mid_stream() {
     use std::io::{BufRead, BufReader, Read, Write};
