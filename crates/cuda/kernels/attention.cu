@@ -13,44 +13,15 @@ __device__ __forceinline__ void rope_pair(float* head, int i, int n_rot, float t
     head[i + half] = b * cs + a * sn;
 }
 
-// NeoX RoPE on the first n_rot dims of each head of `m` rows at pos0 + r.
-extern "C" __global__ void rope(float* x, int m, int heads, int hd, int n_rot, float theta, const int* posp) {
-    pdl_wait();
-    int pos0 = *posp;
-    int half = n_rot / 2;
-    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= (i64)m * heads * half) return;
-    int i = (int)(t % half);
-    int h = (int)((t / half) % heads);
-    int r = (int)(t / ((i64)half * heads));
-    rope_pair(x + ((i64)r * heads + h) * hd, i, n_rot, theta, pos0 + r);
-}
-
-// Write m rows of k and v (kvw wide) to the cache at positions pos0.. (f32 or f16).
-extern "C" __global__ void kv_write(const float* k, const float* v, void* ck, void* cv, const int* posp, int m,
-                                    int kvw, int f16) {
-    pdl_wait();
-    int pos0 = *posp;
-    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (i64)m * kvw) return;
-    i64 at = (i64)pos0 * kvw + i;
-    if (f16) {
-        ((u16*)ck)[at] = f32_to_f16(k[i]);
-        ((u16*)cv)[at] = f32_to_f16(v[i]);
-    } else {
-        ((float*)ck)[at] = k[i];
-        ((float*)cv)[at] = v[i];
-    }
-}
-
 // An attention layer's head norms, RoPE and KV write in one launch, for
 // every m: a warp per (row, head), the q heads of all rows, then the k heads.
-// Each head is normed as rms_norm_small does (norm_small_row) into the warp's
-// shared row, roped there pair by pair as `rope` does (rope_pair), then
-// stored: q heads to `q` (m x hq x hd), k heads to the cache as kv_write
-// stores them, with the same head of v. q is read in place from the
-// projection's rows (`q_row` floats a row, `q_head` floats between heads:
-// the gated projection interleaves q and gate heads).
+// Each head (dim up to 256) is normed as rms_norm_small does
+// (norm_small_row) into the warp's shared row, roped there pair by pair
+// (rope_pair) at position pos0 + r, then stored: q heads to `q` (m x hq x
+// hd), k heads to the cache (f32, or halves with `f16`) at position pos0 + r
+// with the same head of v. q is read in place from the projection's rows
+// (`q_row` floats a row, `q_head` floats between heads: the gated projection
+// interleaves q and gate heads).
 extern "C" __global__ void __launch_bounds__(256)
     qk_norm_rope_kv(const float* qsrc, int q_row, int q_head, const float* k, const float* v, const float* qnw,
                     const float* knw, float* q, void* ck, void* cv, const int* posp, int m, int hq, int hkv, int hd,
@@ -103,15 +74,13 @@ __device__ __forceinline__ float kv_at(const void* c, i64 i, int f16) {
 #define ATT_T 256  // keys per tile: tile b holds positions [256 b, 256 b + 256)
 #define AP 16      // (row, head) pairs per block
 #define ATT_HD 256 // largest head dim
-#ifndef ATT_KB
 #define ATT_KB 2   // keys a step in the score pass for head dims over 128
-#endif
 static_assert(ATT_T % (ATT_WARPS * ATT_KB) == 0, "a score step's keys lie in one tile");
 
 // The value pass of attention_tiles for one thread: output dim t % hdp of
 // pairs t / hdp, t / hdp + G, ... (AP / G of them); each (pair, dim) is the
 // fma chain over the tile's keys in order, up to the pair's own position.
-template <int G, int FULL = 1>
+template <int G>
 __device__ __forceinline__ void tile_values(const void* cv, const float (*st)[ATT_T], float* pacc, int hdp, int kvw,
                                             int np, int gs, int g, int hq, int hd, int r0, int pos0, int j0,
                                             int jend, int b, int nb, int f16) {
@@ -132,7 +101,7 @@ __device__ __forceinline__ void tile_values(const void* cv, const float (*st)[AT
     // pair of this thread with a key in the tile sees, no key needs its
     // pair's bound checked (pairs with none compute what is never written):
     // the same fmas in the same order without a compare each.
-    int n = jend - j0, jj = 0, full = FULL ? n : 0;
+    int n = jend - j0, jj = 0, full = n;
 #pragma unroll
     for (int i = 0; i < P; i++)
         if (cnt[i] > 0) full = min(full, cnt[i]);
@@ -178,19 +147,6 @@ __device__ __forceinline__ void tile_values(const void* cv, const float (*st)[AT
     }
 }
 
-// The score pass of attention_tiles for one warp: keys warp, warp + 8, ...
-// of the tile. Lane l holds dims l, l + 32, ... (NC chunks of 32) and runs the
-// 16 pairs' fma chains over them (register r of lane l for pair r ^
-// qs_mask(l), q stored to match); the butterfly then runs for all 16 pairs at
-// once: at step o every lane keeps half of its pairs and adds the partner's
-// (lane ^ o) partial of the same pair, which is the one-pair butterfly's own +
-// partner add; lane l ends with pair l / 2. With NC <= 4 each lane keeps its
-// q values in registers (64 at most); with NC = 8 it reads them from shared
-// memory, and takes KB keys a step (warp, warp + 8, ...: each q value read
-// once for all of them, the keys' loads in flight together). The same terms
-// in the same order either way, and the running max over the warp's keys in
-// the same order. Returns the lane's running max (pair l / 2), writes the
-// scaled scores to st (-inf past a pair's last key).
 // One step of the pairs' butterfly: lanes with bit O2 keep pairs [W, 2W) of
 // their current set, the others [0, W), each adding the partner's partial.
 // Lane l's register r holds pair r ^ qs_mask(l) (q is stored so, see
@@ -219,27 +175,6 @@ __device__ __forceinline__ int qs_row(int p, int d) { return p ^ qs_mask(d & 31)
 // kernel spill.)
 __device__ __forceinline__ int qs_col(int d) { return (d >> 6) * 64 + (d & 31) * 2 + ((d >> 5) & 1); }
 
-// The butterfly as before session 10, for lanes holding pair r in register
-// r (attention_tiles_q4_checked): a select per value sent and kept.
-template <int O2, int W>
-__device__ __forceinline__ void pair_step_sel(float (&d)[AP], int lane) {
-    bool upper = (lane & O2) != 0;
-#pragma unroll
-    for (int i = 0; i < W; i++) {
-        float lo = d[i], hi = d[W + i];
-        float got = __shfl_xor_sync(0xffffffffu, upper ? lo : hi, O2);
-        d[i] = __fadd_rn(upper ? hi : lo, got);
-    }
-}
-
-__device__ __forceinline__ float pair_butterfly_sel(float (&d)[AP], int lane) {
-    pair_step_sel<16, 8>(d, lane);
-    pair_step_sel<8, 4>(d, lane);
-    pair_step_sel<4, 2>(d, lane);
-    pair_step_sel<2, 1>(d, lane);
-    return __fadd_rn(d[0], __shfl_xor_sync(0xffffffffu, d[0], 1));
-}
-
 // The 16 pairs' butterfly of one key's partial dot products (see
 // tile_scores): lane l returns pair l / 2's score.
 __device__ __forceinline__ float pair_butterfly(float (&d)[AP]) {
@@ -251,7 +186,20 @@ __device__ __forceinline__ float pair_butterfly(float (&d)[AP]) {
     return __fadd_rn(d[0], __shfl_xor_sync(0xffffffffu, d[0], 1));
 }
 
-template <int NC, int KB, bool REG, bool SEL = false>
+// The score pass of attention_tiles for one warp: keys warp, warp + 8, ...
+// of the tile. Lane l holds dims l, l + 32, ... (NC chunks of 32) and runs the
+// 16 pairs' fma chains over them (register r of lane l for pair r ^
+// qs_mask(l), q stored to match); the butterfly then runs for all 16 pairs at
+// once: at step o every lane keeps half of its pairs and adds the partner's
+// (lane ^ o) partial of the same pair, which is the one-pair butterfly's own +
+// partner add; lane l ends with pair l / 2. With REG (head dims up to 64)
+// each lane keeps its q values in registers; otherwise it reads them from
+// shared memory, and takes KB keys a step (warp, warp + 8, ...: each q value
+// read once for all of them, the keys' loads in flight together). The same
+// terms in the same order either way, and the running max over the warp's
+// keys in the same order. Returns the lane's running max (pair l / 2), writes
+// the scaled scores to st (-inf past a pair's last key).
+template <int NC, int KB, bool REG>
 __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*st)[ATT_T], const void* ck, int kvw,
                                              int g, int hd, int mylast, int j0, int jend, int np, float scale,
                                              int f16) {
@@ -287,7 +235,7 @@ __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*
 #pragma unroll
             for (int p = 0; p < AP; p++) d[u][p] = 0.0f;
         // Each (key, pair) chain runs over the chunks c in order.
-        if constexpr (REG || SEL || NC < 8) {
+        if constexpr (REG || NC < 8) {
 #pragma unroll
             for (int c = 0; c < NC; c++) {
                 if (lane + 32 * c < hd) {
@@ -325,7 +273,7 @@ __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*
         for (int u = 0; u < KB; u++) {
             int jj = jb + u * ATT_WARPS;  // < ATT_T: ATT_T is a multiple of ATT_WARPS * KB
             int j = j0 + jj;
-            float s = SEL ? pair_butterfly_sel(d[u], lane) : pair_butterfly(d[u]);
+            float s = pair_butterfly(d[u]);
             float v = -INFINITY;
             if (j < jend && mine < np && j <= mylast) {
                 v = __fmul_rn(s, scale);
@@ -337,11 +285,6 @@ __device__ __forceinline__ float tile_scores(const float (*qs)[ATT_HD], float (*
     return mx;
 }
 
-// The softmax pieces of a tile for pairs 0..np-1, shared by every
-// attention kernel: a pair's max over the warps' maxes, e = exp(s - max) in
-// place (thread t owning slot t of every pair; exp(-inf) = 0 in the slots past
-// the pair's keys), and each warp's sum of its slots by a butterfly. `st`
-// holds a pair's slots `sst` floats apart.
 // One pair's softmax step for this thread's slot: e = exp(s - mxp) in
 // place (0 where the pair has no key), then the warp's sum of its slots by
 // the fixed xor butterfly.
@@ -391,6 +334,10 @@ __device__ __forceinline__ float warp_sum_tree(const float* w) {
                      __fadd_rn(__fadd_rn(w[4], w[5]), __fadd_rn(w[6], w[7])));
 }
 
+// The softmax pieces of a tile for pairs 0..np-1: a pair's max over the
+// warps' maxes, e = exp(s - max) in place (thread t owning slot t of every
+// pair; exp(-inf) = 0 in the slots past the pair's keys), and each warp's sum
+// of its slots by a butterfly. `st` holds a pair's slots `sst` floats apart.
 __device__ __forceinline__ void tile_softmax(float* st, int sst, const float (*smax)[ATT_WARPS],
                                              float (*wsum)[ATT_WARPS], float* pmax, int np) {
     int t = threadIdx.x, warp = t / 32, lane = t % 32;
@@ -442,13 +389,9 @@ __device__ __forceinline__ void tile_write_pml(const float (*wsum)[ATT_WARPS], c
 // all of them), key tile b. Writes pml[(pair, b)] = (m_b, l_b) and
 // pacc[(pair, b)] = a_b for pairs with a key in the tile; `nb` tiles per pair.
 //
-// V = 1 (attention_tiles_q4) differs only in the score pass of head dims 65
-// to 128: q read from shared memory, four keys a step, instead of q in
-// registers one key a step: the same terms in the same order.
-// NEW = 0 (attention_tiles_q4_checked): the value pass checking every key
-// and the score pass's butterfly with selects over q stored unpermuted, as
-// before session 10, to show the session-10 forms compute the same bytes.
-template <int V, int NEW = 1>
+// attention_tiles_q4w runs this code for head dims other than 128 and 256;
+// attention_tiles runs it for every head dim, the reference the lean code
+// (below) gives the bytes of.
 __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck, const void* cv, float* pml,
                                                   float* pacc, int m, int hq, int hkv, int hd, const int* posp,
                                                   int rbase, float scale, int f16, int nb) {
@@ -473,19 +416,19 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
         if (p < np && d < hd) v = q[((i64)(r0 + p / gs) * hq + g * gs + p % gs) * hd + d];
         // Row p ^ qs_mask(d % 32) (see pair_step); above head dim 128, column
         // qs_col(d) (the score pass reads four chunks a load there).
-        qs[NEW ? qs_row(p, d) : p][NEW && hd > 128 ? qs_col(d) : d] = v;
+        qs[qs_row(p, d)][hd > 128 ? qs_col(d) : d] = v;
     }
     __syncthreads();
     // Scores, one warp per key (tile_scores); q in registers for head dims
-    // up to 128, read from shared memory for larger ones.
+    // up to 64, read from shared memory for larger ones (four keys a step up
+    // to 128, ATT_KB above).
     int mine = lane >> 1;
     float mx;
     int last = pos0 + r0 + mine / gs;
-    if (hd <= 32) mx = tile_scores<1, 1, true, !NEW>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-    else if (hd <= 64) mx = tile_scores<2, 1, true, !NEW>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-    else if (hd <= 128 && V == 0) mx = tile_scores<4, 1, true, !NEW>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-    else if (hd <= 128) mx = tile_scores<4, 4, false, !NEW>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
-    else mx = tile_scores<8, ATT_KB, false, !NEW>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    if (hd <= 32) mx = tile_scores<1, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    else if (hd <= 64) mx = tile_scores<2, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    else if (hd <= 128) mx = tile_scores<4, 4, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
+    else mx = tile_scores<8, ATT_KB, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
     if ((lane & 1) == 0) smax[mine][warp] = mx;
     __syncthreads();
     tile_softmax(&st[0][0], ATT_T, smax, wsum, pmax, np);
@@ -495,35 +438,31 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
     // thread works; each (pair, dim) is one thread's fma chain.
     int hdp = (hd + 31) / 32 * 32;
     switch (ATT_THREADS % hdp == 0 ? ATT_THREADS / hdp : 1) {
-    case 8: tile_values<8, NEW>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
-    case 4: tile_values<4, NEW>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
-    case 2: tile_values<2, NEW>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
-    default: tile_values<1, NEW>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
+    case 8: tile_values<8>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
+    case 4: tile_values<4>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
+    case 2: tile_values<2>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
+    default: tile_values<1>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
     }
     tile_write_pml(wsum, pmax, pml, np, gs, hq, g, r0, pos0, j0, b, nb);
 }
 
+// The reference kernel: attention_tiles_k at every head dim. Only the tests
+// launch it (Cuda::attention_host), to show the default kernels give its
+// bytes.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
                     int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
     pdl_wait();
-    attention_tiles_k<0>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+    attention_tiles_k(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
 }
 
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_tiles_q4(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
-                       int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
-    pdl_wait();
-    attention_tiles_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
-}
-
-// ---- attention_tiles_q4p: attention_tiles_q4's arithmetic in lean code
+// ---- attention_tiles_q4w and _q4w2: attention_tiles_k's arithmetic in lean code
 //
-// The same scores, softmax, value sums and partials as attention_tiles_q4,
+// The same scores, softmax, value sums and partials as attention_tiles_k,
 // term for term and in the same order (GPU test
-// `attention_at_the_real_models_head_shapes` compares the bytes), with less
-// work around the fmas (ncu, session 14: the q4 kernel issued ~3 instructions
-// per fma):
+// `attention_at_the_real_models_head_shapes` compares the bytes with
+// attention_tiles'), with less work around the fmas (under ncu the plain
+// kernel issued ~3 instructions per fma):
 // * the cache's element type fixed per instantiation (f32 or f16), not
 //   tested per load;
 // * K and V rows addressed from the tile's base with 32-bit offsets and no
@@ -533,14 +472,15 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // * the softmax's per-pair max taken once (thread p), its score rows 4
 //   floats longer (the score stores of a key fall on 8 banks, not one), and
 //   warps past the tile's keys skipped;
-// * the value pass's loads 8 keys ahead for head dims up to 128.
-// Head dims of 128 and 256 take these passes; others run attention_tiles_q4's.
+// * the value pass's loads 8 or 4 keys ahead, each thread taking four
+//   consecutive dims of several pairs (wide_values).
+// Head dims of 128 and 256 take these passes; others run attention_tiles_k's.
 #define ATT_S (ATT_T + 4)  // score row stride of the lean kernel
 
 __device__ __forceinline__ float kv_ld(const float* p) { return *p; }
 __device__ __forceinline__ float kv_ld(const u16* p) { return f16_to_f32(*p); }
 
-// The score pass of attention_tiles_q4 for head dims 128 (NC = 4, KB = 4,
+// The score pass of attention_tiles_k for head dims 128 (NC = 4, KB = 4,
 // q one chunk a load) and 256 (NC = 8, KB = ATT_KB, q two chunks a load):
 // tile_scores<NC, KB, false> with kt the tile's first key row of KV head g,
 // n its keys and mylast the lane's pair's last key, both relative to the
@@ -631,92 +571,6 @@ __device__ __forceinline__ void lean_scores_h(const float (*qs)[ATT_HD], float (
     }
 }
 
-// The value pass of attention_tiles_q4 (tile_values<G>): thread t's dim
-// t % hd for pairs t / hd, t / hd + G, ...; vt the tile's first value row
-// of KV head g; cnt0[p] pair p's keys in the tile (0 for none).
-template <int G, typename T>
-__device__ __forceinline__ void lean_values(const T* vt, const float (*st)[ATT_S], float* pacc, int kvw, int hd,
-                                            const int* cnt0, const int* pout, int n, int b, int nb) {
-    constexpr int P = AP / G;
-    int t = threadIdx.x, dim = t % hd, grp = t / hd;
-    if (grp >= G) return;
-    int cnt[P];
-    float acc[P];
-#pragma unroll
-    for (int i = 0; i < P; i++) {
-        cnt[i] = cnt0[grp + G * i];
-        acc[i] = 0.0f;
-    }
-    int jj = 0, full = n;
-#pragma unroll
-    for (int i = 0; i < P; i++)
-        if (cnt[i] > 0) full = min(full, cnt[i]);
-    const T* col = vt + dim;
-    if constexpr (G >= 2) {  // eight keys a step, the next eight loaded first
-        float nv[8];
-        if (full >= 8) {
-#pragma unroll
-            for (int u = 0; u < 8; u++) nv[u] = kv_ld(col + u * kvw);
-        }
-        for (; jj + 8 <= full; jj += 8) {
-            float v[8];
-#pragma unroll
-            for (int u = 0; u < 8; u++) v[u] = nv[u];
-            if (jj + 16 <= full) {
-                const T* r = col + (jj + 8) * kvw;
-#pragma unroll
-                for (int u = 0; u < 8; u++) nv[u] = kv_ld(r + u * kvw);
-            }
-#pragma unroll
-            for (int i = 0; i < P; i++) {
-                float4 s0 = *reinterpret_cast<const float4*>(&st[grp + G * i][jj]);
-                float4 s1 = *reinterpret_cast<const float4*>(&st[grp + G * i][jj + 4]);
-                acc[i] = __fmaf_rn(s0.x, v[0], acc[i]);
-                acc[i] = __fmaf_rn(s0.y, v[1], acc[i]);
-                acc[i] = __fmaf_rn(s0.z, v[2], acc[i]);
-                acc[i] = __fmaf_rn(s0.w, v[3], acc[i]);
-                acc[i] = __fmaf_rn(s1.x, v[4], acc[i]);
-                acc[i] = __fmaf_rn(s1.y, v[5], acc[i]);
-                acc[i] = __fmaf_rn(s1.z, v[6], acc[i]);
-                acc[i] = __fmaf_rn(s1.w, v[7], acc[i]);
-            }
-        }
-    }
-    for (; jj + 4 <= full; jj += 4) {
-        const T* r = col + jj * kvw;
-        float v0 = kv_ld(r), v1 = kv_ld(r + kvw), v2 = kv_ld(r + 2 * kvw), v3 = kv_ld(r + 3 * kvw);
-#pragma unroll
-        for (int i = 0; i < P; i++) {
-            float4 s4 = *reinterpret_cast<const float4*>(&st[grp + G * i][jj]);
-            acc[i] = __fmaf_rn(s4.x, v0, acc[i]);
-            acc[i] = __fmaf_rn(s4.y, v1, acc[i]);
-            acc[i] = __fmaf_rn(s4.z, v2, acc[i]);
-            acc[i] = __fmaf_rn(s4.w, v3, acc[i]);
-        }
-    }
-    for (; jj + 4 <= n; jj += 4) {
-        const T* r = col + jj * kvw;
-        float v0 = kv_ld(r), v1 = kv_ld(r + kvw), v2 = kv_ld(r + 2 * kvw), v3 = kv_ld(r + 3 * kvw);
-#pragma unroll
-        for (int i = 0; i < P; i++) {
-            float4 s4 = *reinterpret_cast<const float4*>(&st[grp + G * i][jj]);
-            if (jj < cnt[i]) acc[i] = __fmaf_rn(s4.x, v0, acc[i]);
-            if (jj + 1 < cnt[i]) acc[i] = __fmaf_rn(s4.y, v1, acc[i]);
-            if (jj + 2 < cnt[i]) acc[i] = __fmaf_rn(s4.z, v2, acc[i]);
-            if (jj + 3 < cnt[i]) acc[i] = __fmaf_rn(s4.w, v3, acc[i]);
-        }
-    }
-    for (; jj < n; jj++) {
-        float v = kv_ld(col + jj * kvw);
-#pragma unroll
-        for (int i = 0; i < P; i++)
-            if (jj < cnt[i]) acc[i] = __fmaf_rn(st[grp + G * i][jj], v, acc[i]);
-    }
-#pragma unroll
-    for (int i = 0; i < P; i++)
-        if (cnt[i] > 0) pacc[((i64)pout[grp + G * i] * nb + b) * hd + dim] = acc[i];
-}
-
 // Four consecutive values of a cache row as floats (16-byte aligned for f32,
 // 8-byte for f16).
 __device__ __forceinline__ float4 kv_ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
@@ -726,7 +580,7 @@ __device__ __forceinline__ float4 kv_ld4(const u16* p) {
                        f16_to_f32((u16)(h.y >> 16)));
 }
 
-// One key's fma into one pair's 4 dims (q4w's value pass).
+// One key's fma into one pair's 4 dims (wide_values).
 __device__ __forceinline__ void pair_fma4(float (&a)[4], float s, float4 v) {
     a[0] = __fmaf_rn(s, v.x, a[0]);
     a[1] = __fmaf_rn(s, v.y, a[1]);
@@ -741,12 +595,13 @@ __device__ __forceinline__ void wide_key(float (&acc)[P][4], const float (&s)[P]
     for (int i = 0; i < P; i++) pair_fma4(acc[i], s[i], v);
 }
 
-// The value pass of attention_tiles_q4 with a thread per four consecutive
-// dims and P consecutive pairs (q4w): thread t takes dims 4 (t % (hd / 4))
-// .. + 3 of pairs P (t / (hd / 4)) .. + P - 1, P = AP / (ATT_THREADS /
-// (hd / 4)) (2 at head dim 128, 4 at 256), so one float4 of a value row
-// serves 4 P fmas and one float4 of a pair's scores 16. Each (pair, dim) is
-// the same fma chain over the tile's keys in order as lean_values.
+// The value pass of attention_tiles_k (tile_values) with a thread per four
+// consecutive dims and P consecutive pairs: thread t takes dims 4 (t % (hd /
+// 4)) .. + 3 of pairs P (t / (hd / 4)) .. + P - 1, P = NP / (ATT_THREADS /
+// (hd / 4)) (2 at head dim 128, 4 at 256 for 16 pairs a block; twice that
+// for 32), so one float4 of a value row serves 4 P fmas and one float4 of a
+// pair's scores 16. Each (pair, dim) is the same fma chain over the tile's
+// keys in order as tile_values.
 template <int P, int K, typename T>
 __device__ __forceinline__ void wide_values(const T* vt, const float (*st)[ATT_S], float* pacc, int kvw, int hd,
                                             const int* cnt0, const int* pout, int n, int b, int nb) {
@@ -808,14 +663,13 @@ __device__ __forceinline__ void wide_values(const T* vt, const float (*st)[ATT_S
                 make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
 }
 
-// W: the value pass in wide_values (q4w) instead of lean_values (q4p). H:
-// halves of AP pairs a block (H = 2, attention_tiles_q4w2, takes W; its q
-// and score rows live in ATT_P32_SMEM bytes of dynamic shared memory).
-template <typename T, bool W = false, int H = 1, int KB2 = ATT_KB>
+// H: halves of AP pairs a block (H = 2, attention_tiles_q4w2: its q and
+// score rows live in ATT_P32_SMEM bytes of dynamic shared memory).
+template <typename T, int H = 1>
 __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, const T* cv, float* pml, float* pacc,
                                                  int m, int hq, int hkv, int hd, const int* posp, int rbase,
                                                  float scale, int nb) {
-    static_assert(H == 1 || (H == 2 && W), "two halves take the wide value pass");
+    static_assert(H == 1 || H == 2, "one or two halves of AP pairs");
     constexpr int NP = H * AP;  // pairs a block
     int pos0 = *posp + rbase;
     __shared__ __align__(16) float qs1[H == 1 ? AP : 1][ATT_HD];
@@ -848,8 +702,8 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
     // q rows as attention_tiles_k stores them (qs_row, qs_col), per half:
     // pair h * AP + p at row h * AP + (p ^ qs_mask(d % 32)), above head dim
     // 128 column qs_col(d). Every pair's value is loaded before any is
-    // stored, so the block waits on memory once, not once a pair (ncu,
-    // session 23: the loop storing each value as it came took 17% of
+    // stored, so the block waits on memory once, not once a pair (under
+    // ncu, the loop storing each value as it came took 17% of
     // attention_tiles_q4w2's samples).
     float qv[NP];
 #pragma unroll
@@ -870,7 +724,7 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
     }
     float mx[H];
     if (hd == 128) lean_scores_h<4, 4, H>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
-    else lean_scores_h<8, KB2, H>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
+    else lean_scores_h<8, ATT_KB, H>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
     if ((lane & 1) == 0)
 #pragma unroll
         for (int h = 0; h < H; h++) smax[h * AP + mine][warp] = mx[h];
@@ -900,10 +754,8 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
     // thread groups of hd / 4).
     if (H == 2 && hd == 128) wide_values<4, 8>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
     else if (H == 2) wide_values<8, 4>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
-    else if (W && hd == 128) wide_values<2, 8>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
-    else if (W) wide_values<4, 4>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
-    else if (hd == 128) lean_values<2>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
-    else lean_values<1>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
+    else if (hd == 128) wide_values<2, 8>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
+    else wide_values<4, 4>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
     if (t < np && pcnt[t] > 0) {
         float l = warp_sum_tree(wsum[t]);
         pml[((i64)pout[t] * nb + b) * 2] = pmax[t];
@@ -911,46 +763,38 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
     }
 }
 
-// The lean kernels' entry: head dims 128 and 256 (the real models') in lean
-// code, others in attention_tiles_q4's code.
-template <bool W>
+// The 16-pair kernel's entry: head dims 128 and 256 (the real models') in
+// lean code, others in attention_tiles_k's code.
 __device__ __forceinline__ void attention_lean_entry(const float* q, const void* ck, const void* cv, float* pml,
                                                      float* pacc, int m, int hq, int hkv, int hd, const int* posp,
                                                      int rbase, float scale, int f16, int nb) {
     if (hd != 128 && hd != 256)
-        attention_tiles_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+        attention_tiles_k(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
     else if (f16)
-        attention_lean_k<u16, W>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale,
-                                 nb);
+        attention_lean_k<u16>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, nb);
     else
-        attention_lean_k<float, W>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase,
-                                   scale, nb);
+        attention_lean_k<float>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase,
+                                scale, nb);
 }
 
-// attention_tiles_q4's bytes in lean code for head dims 128 and 256 (the
-// real models'); other head dims run attention_tiles_q4's code
-// (`SAMESUM_CUDA_ATT_Q4P`).
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_tiles_q4p(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
-                        int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
-    pdl_wait();
-    attention_lean_entry<false>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
-}
-
-// attention_tiles_q4p with a wider value pass (`SAMESUM_CUDA_ATT_Q4W`, the
-// default): each thread takes four consecutive dims of 2 (head dim 128, 8
-// keys a step) or 4 (256, 4 keys a step) pairs (wide_values). The same terms
-// in the same order: the same bytes as attention_tiles_q4. Measured on the
-// H200 (session 15, pp4096): qwen35moe (head dim 256) 70.5 -> 63.8 ms;
-// qwen3moe (128) 407 -> 409 ms, no change.
+// Attention at 16 pairs a block: calls of up to 16 pairs (decode) and the
+// shapes attention_tiles_q4w2 does not take. Head dims 128 and 256 in lean
+// code, each thread of the value pass taking four consecutive dims of 2
+// (head dim 128, 8 keys a step) or 4 (256, 4 keys a step) pairs
+// (wide_values); other head dims in attention_tiles_k's code. The same
+// terms in the same order: the same bytes as attention_tiles. Measured on
+// the H200 at pp4096: the lean code 490 -> 419 ms of attention (qwen3moe),
+// 82.4 -> 70.4 ms (qwen35moe) against attention_tiles_k, and its wide
+// value pass 70.5 -> 63.8 ms (qwen35moe, head dim 256; no change at 128)
+// against a thread a dim.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles_q4w(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
                         int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
     pdl_wait();
-    attention_lean_entry<true>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+    attention_lean_entry(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
 }
 
-// ---- 32 pairs a block (ATT_P32)
+// ---- 32 pairs a block
 //
 // attention_tiles_q4w with two 16-pair halves a block (4 rows at 8 query
 // heads a KV head): each key row of the tile is loaded once for both halves
@@ -959,169 +803,25 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // pair's score (its fma chains and butterfly, lean_scores_h's), max, exps,
 // sums and value chains are the 16-pair kernel's, so the same bytes
 // (attention_lean_k with H = 2). q and the scores live in dynamic shared
-// memory (ATT_P32_SMEM bytes; backend.rs sizes the launch alike).
+// memory (ATT_P32_SMEM bytes; backend/attention.rs sizes the launch alike).
 #define ATT_P32_SMEM (2 * AP * (ATT_HD + ATT_S) * 4)
 
-// attention_tiles_q4w at 32 pairs a block (`SAMESUM_CUDA_ATT_P32`): head
-// dims 128 and 256 with query groups dividing 16 (the launcher checks);
-// ATT_P32_SMEM bytes of dynamic shared memory. The same bytes.
+// attention_tiles_q4w at 32 pairs a block, for calls of more than 16 pairs:
+// head dims 128 and 256 with query groups dividing 16 (the launcher
+// checks); ATT_P32_SMEM bytes of dynamic shared memory. The same bytes.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles_q4w2(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
                          int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
     pdl_wait();
     if (f16)
-        attention_lean_k<u16, true, 2>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase,
-                                       scale, nb);
+        attention_lean_k<u16, 2>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase,
+                                 scale, nb);
     else
-        attention_lean_k<float, true, 2>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp,
-                                         rbase, scale, nb);
+        attention_lean_k<float, 2>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp,
+                                   rbase, scale, nb);
 }
 
-// attention_tiles_q4w2 with four keys a score step at head dims over 128
-// (`SAMESUM_CUDA_ATT_KB4`, opt-in until measured): each q value read from
-// shared memory serves four keys instead of two (the score pass's q loads
-// were ~15% of the kernel's instructions, session 23), at ~167 registers,
-// so one block an SM instead of two. Each score's chains and butterfly are
-// lean_scores_h's: the same bytes. Head dim 128 already takes four keys.
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_tiles_q4w2k4(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
-                           int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
-    pdl_wait();
-    if (f16)
-        attention_lean_k<u16, true, 2, 4>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase,
-                                          scale, nb);
-    else
-        attention_lean_k<float, true, 2, 4>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp,
-                                            rbase, scale, nb);
-}
-
-// attention_tiles_q4 as before session 10 (NEW = 0: every key of the value
-// pass bound-checked, the score butterfly with selects), kept to show the
-// session-10 forms compute the same bytes (`SAMESUM_CUDA_ATT_VFULL=0`).
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_tiles_q4_checked(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m,
-                               int hq, int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
-    pdl_wait();
-    attention_tiles_k<1, 0>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
-}
-
-// ---- Decode attention in compact code (ATT_ONE)
-//
-// attention_tiles_q4's tile for one row (m = 1: the gs pairs of KV head g at
-// position pos0), with its loops rolled: each block still takes one KV head
-// and one key tile, and each score, max, exp, sum and value chain is the
-// tile kernel's. Scores: a warp per key (keys warp, warp + 8, ...), lane l
-// over dims l, l + 32, ... in order (the chunk loop rolled), the 16 packed
-// pairs' butterfly (pair_butterfly, q stored permuted as the tile kernel
-// stores it); the running max is the same max whatever the keys' order.
-// Values: a thread per (dim, pair group), the chain over the keys in order
-// (the key loop rolled). ncu (session 12) had attention_tiles_q4 at 21.5 us
-// a decode launch with a context of one key, bound by fetching ~2,170
-// distinct instructions once each.
-template <int G>
-__device__ __forceinline__ void one_values(const void* cv, const float (*st)[ATT_T], float* pacc, int hdp, int kvw,
-                                           int np, int g, int gs, int hd, int n, int j0, int b, int nb, int f16) {
-    constexpr int P = AP / G;
-    int t = threadIdx.x, dim = t % hdp, grp = t / hdp;
-    if (dim >= hd || grp >= G) return;
-    float acc[P];
-#pragma unroll
-    for (int i = 0; i < P; i++) acc[i] = 0.0f;
-    const i64 at0 = (i64)j0 * kvw + g * hd + dim;
-    // Eight keys' values loaded together, then the chains key by key.
-#pragma unroll 1
-    for (int j8 = 0; j8 < n; j8 += 8) {
-        float v[8];
-#pragma unroll
-        for (int u = 0; u < 8; u++) v[u] = j8 + u < n ? kv_at(cv, at0 + (i64)(j8 + u) * kvw, f16) : 0.0f;
-#pragma unroll
-        for (int u = 0; u < 8; u++)
-            if (j8 + u < n)
-#pragma unroll
-                for (int i = 0; i < P; i++) acc[i] = __fmaf_rn(st[grp + G * i][j8 + u], v[u], acc[i]);
-    }
-#pragma unroll
-    for (int i = 0; i < P; i++) {
-        int p = grp + G * i;
-        if (p < np) pacc[(((i64)g * gs + p) * nb + b) * hd + dim] = acc[i];
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_one(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq, int hkv,
-                  int hd, const int* posp, int rbase, float scale, int f16, int nb) {
-    pdl_wait();
-    __shared__ __align__(16) float qs[AP][ATT_HD];
-    __shared__ __align__(16) float st[AP][ATT_T];
-    __shared__ float smax[AP][ATT_WARPS];
-    __shared__ float wsum[AP][ATT_WARPS];
-    __shared__ float pmax[AP];
-    int pos0 = *posp + rbase;
-    int t = threadIdx.x, warp = t / 32, lane = t % 32, mine = lane >> 1;
-    int gs = hq / hkv, np = gs;  // one row: pairs (row 0, head g * gs + p)
-    int g = blockIdx.x, b = blockIdx.z;
-    int j0 = b * ATT_T;
-    if (j0 > pos0) return;  // the whole block: the row's keys end before this tile
-    int jend = min(j0 + ATT_T, pos0 + 1);
-    int kvw = hkv * hd;
-    bool wide = hd > 128;
-#pragma unroll 1
-    for (int i = t; i < AP * ATT_HD; i += ATT_THREADS) {
-        int p = i / ATT_HD, d = i % ATT_HD;
-        float v = p < np && d < hd ? q[((i64)g * gs + p) * hd + d] : 0.0f;
-        qs[qs_row(p, d)][wide ? qs_col(d) : d] = v;
-    }
-    __syncthreads();
-    float mx = -INFINITY;
-    int nc = (hd + 31) / 32;
-#pragma unroll 1
-    for (int jj = warp; jj < ATT_T; jj += ATT_WARPS) {
-        int j = j0 + jj;
-        if (j >= jend) {  // uniform over the warp
-            if ((lane & 1) == 0) st[mine][jj] = -INFINITY;
-            continue;
-        }
-        const i64 base = (i64)j * kvw + g * hd;
-        // The key's chunks loaded together (one wait on memory a key), then
-        // each pair's chain over the chunks in order.
-        float kr[ATT_HD / 32];
-#pragma unroll
-        for (int c = 0; c < ATT_HD / 32; c++) kr[c] = c < nc && lane + 32 * c < hd ? kv_at(ck, base + lane + 32 * c, f16) : 0.0f;
-        float d[AP];
-#pragma unroll
-        for (int p = 0; p < AP; p++) d[p] = 0.0f;
-#pragma unroll
-        for (int c = 0; c < ATT_HD / 32; c++) {
-            int dd = lane + 32 * c;
-            if (c < nc && dd < hd) {
-                int col = wide ? qs_col(dd) : dd;
-#pragma unroll
-                for (int p = 0; p < AP; p++) d[p] = __fmaf_rn(qs[p][col], kr[c], d[p]);
-            }
-        }
-        float sc = pair_butterfly(d);
-        float v = -INFINITY;
-        if (mine < np) {  // j < jend <= pos0 + 1: the row sees every key here
-            v = __fmul_rn(sc, scale);
-            mx = fmaxf(mx, v);
-        }
-        if ((lane & 1) == 0) st[mine][jj] = v;
-    }
-    if ((lane & 1) == 0) smax[mine][warp] = mx;
-    __syncthreads();
-    tile_softmax(&st[0][0], ATT_T, smax, wsum, pmax, np);
-    __syncthreads();
-    int hdp = (hd + 31) / 32 * 32, n = jend - j0;
-    switch (ATT_THREADS % hdp == 0 ? ATT_THREADS / hdp : 1) {
-    case 8: one_values<8>(cv, st, pacc, hdp, kvw, np, g, gs, hd, n, j0, b, nb, f16); break;
-    case 4: one_values<4>(cv, st, pacc, hdp, kvw, np, g, gs, hd, n, j0, b, nb, f16); break;
-    case 2: one_values<2>(cv, st, pacc, hdp, kvw, np, g, gs, hd, n, j0, b, nb, f16); break;
-    default: one_values<1>(cv, st, pacc, hdp, kvw, np, g, gs, hd, n, j0, b, nb, f16); break;
-    }
-    tile_write_pml(wsum, pmax, pml, np, gs, hq, g, 0, pos0, j0, b, nb);
-}
-
-// ---- Attention on tensor cores (opt-in: attention_tiles_tc)
+// ---- Attention on tensor cores (opt-in, `--attention fast`: attention_tiles_tc_acc)
 //
 // The same tiles, partials and combine as attention_tiles, but both passes as
 // tf32 mma.sync.m16n8k8 with every operand split in two (x = hi + lo,
@@ -1167,11 +867,10 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], u32 a0, u32 a1, u32 a2, 
 }
 
 // d += a * b for one m16n8k8 step, both given as fp32 fragments (a: rows gr,
-// gr + 8 at slot c, then at slot c + 4; b: slots c, c + 4 of column gr).
-// ACC = 1 (attention_tiles_tc_acc): the step's three products go into a
-// zeroed accumulator, which is then added to d with fp32 adds, so the running
-// sums are not carried through the tensor core's own additions.
-template <int ACC>
+// gr + 8 at slot c, then at slot c + 4; b: slots c, c + 4 of column gr). The
+// step's three products go into a zeroed accumulator, which is then added to
+// d with fp32 adds, so the running sums are not carried through the tensor
+// core's own additions.
 __device__ __forceinline__ void mma_3xtf32(float (&d)[4], float2 ar0, float2 ar8, u32 bh0, u32 bh1, u32 bl0,
                                            u32 bl1) {
     u32 ah[4], al[4];
@@ -1179,18 +878,12 @@ __device__ __forceinline__ void mma_3xtf32(float (&d)[4], float2 ar0, float2 ar8
     tf32_split(ar8.x, ah[1], al[1]);
     tf32_split(ar0.y, ah[2], al[2]);
     tf32_split(ar8.y, ah[3], al[3]);
-    if (ACC) {
-        float e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma_tf32(e, al[0], al[1], al[2], al[3], bh0, bh1);
-        mma_tf32(e, ah[0], ah[1], ah[2], ah[3], bl0, bl1);
-        mma_tf32(e, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
+    float e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    mma_tf32(e, al[0], al[1], al[2], al[3], bh0, bh1);
+    mma_tf32(e, ah[0], ah[1], ah[2], ah[3], bl0, bl1);
+    mma_tf32(e, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
 #pragma unroll
-        for (int i = 0; i < 4; i++) d[i] = __fadd_rn(d[i], e[i]);
-    } else {
-        mma_tf32(d, al[0], al[1], al[2], al[3], bh0, bh1);
-        mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bl0, bl1);
-        mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
-    }
+    for (int i = 0; i < 4; i++) d[i] = __fadd_rn(d[i], e[i]);
 }
 
 // Two adjacent cache elements (i even) as floats.
@@ -1204,7 +897,6 @@ __device__ __forceinline__ float2 kv_at2(const void* c, i64 i, int f16) {
 
 // Head dims that are multiples of 32, up to ATT_HD; gs divides 32. Dynamic
 // shared memory: 32 q rows of hd + 8 floats, then 32 score rows of ATC_SS.
-template <int ACC>
 __device__ __forceinline__ void attention_tiles_tc_k(const float* q, const void* ck, const void* cv, float* pml,
                                                      float* pacc, int m, int hq, int hkv, int hd, const int* posp,
                                                      int rbase, float scale, int f16, int nb) {
@@ -1272,8 +964,8 @@ __device__ __forceinline__ void attention_tiles_tc_k(const float* q, const void*
                 float2 q8 = *reinterpret_cast<const float2*>(qa + 8 * qst);
                 float2 q16 = *reinterpret_cast<const float2*>(qa + 16 * qst);
                 float2 q24 = *reinterpret_cast<const float2*>(qa + 24 * qst);
-                mma_3xtf32<ACC>(d0, q0, q8, bh0, bh1, bl0, bl1);
-                mma_3xtf32<ACC>(d1, q16, q24, bh0, bh1, bl0, bl1);
+                mma_3xtf32(d0, q0, q8, bh0, bh1, bl0, bl1);
+                mma_3xtf32(d1, q16, q24, bh0, bh1, bl0, bl1);
             }
         }
         // d[i]: row gr (i < 2) or gr + 8, key column 2 c + (i & 1).
@@ -1344,8 +1036,8 @@ __device__ __forceinline__ void attention_tiles_tc_k(const float* q, const void*
                 p8 = make_float2(fmaxf(p8.x, 0.0f), fmaxf(p8.y, 0.0f));
                 p16 = make_float2(fmaxf(p16.x, 0.0f), fmaxf(p16.y, 0.0f));
                 p24 = make_float2(fmaxf(p24.x, 0.0f), fmaxf(p24.y, 0.0f));
-                mma_3xtf32<ACC>(d0, p0, p8, bh0, bh1, bl0, bl1);
-                mma_3xtf32<ACC>(d1, p16, p24, bh0, bh1, bl0, bl1);
+                mma_3xtf32(d0, p0, p8, bh0, bh1, bl0, bl1);
+                mma_3xtf32(d1, p16, p24, bh0, bh1, bl0, bl1);
             }
         }
 #pragma unroll
@@ -1362,30 +1054,17 @@ __device__ __forceinline__ void attention_tiles_tc_k(const float* q, const void*
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_tiles_tc(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
-                       int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
-    pdl_wait();
-    attention_tiles_tc_k<0>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
-}
-
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_tiles_tc_acc(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
                            int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
     pdl_wait();
-    attention_tiles_tc_k<1>(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+    attention_tiles_tc_k(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
 }
 
-// The tiles of each (row, head) pair folded in tile order (see
-// attention_tiles): a block per pair, a thread per output dim. ULP = 1
-// (attention_combine_ulp) is a sensitivity probe, not a user path: every
-// output one ulp up (its bits + 1), so `samesum agree` can show how far the
-// smallest change to attention moves a model's greedy tokens.
 // Output dim t of pair `pair` (of `tiles` key tiles): the tiles folded in
-// order, as attention_combine does.
-// Both loops take four tiles a step with the step's loads issued first
-// (ncu, session 16: the rolled loops waited on one load a tile, 8.7 of ~15
-// cycles an instruction on long scoreboard); the folds are the same, tile
-// by tile in order.
+// order (see attention_tiles). Both loops take four tiles a step with the
+// step's loads issued first (under ncu the rolled loops waited on one load a
+// tile, 8.7 of ~15 cycles an instruction on long scoreboard); the folds are
+// the same, tile by tile in order.
 __device__ __forceinline__ float combine_dim(const float* pml, const float* pacc, int pair, int t, int hd,
                                              int tiles, int nb) {
     const float* ml = pml + (i64)pair * nb * 2;
@@ -1425,7 +1104,8 @@ __device__ __forceinline__ float combine_dim(const float* pml, const float* pacc
     return __fdiv_rn(acc, l);
 }
 
-template <int ULP>
+// The tiles of each (row, head) pair folded in tile order: a block per pair,
+// a thread per output dim.
 __device__ __forceinline__ void attention_combine_k(const float* pml, const float* pacc, float* o, int m, int hq,
                                                     int hd, const int* posp, int rbase, int nb) {
     int pos0 = *posp + rbase;
@@ -1434,13 +1114,12 @@ __device__ __forceinline__ void attention_combine_k(const float* pml, const floa
     int tiles = (pos0 + r + 1 + ATT_T - 1) / ATT_T;
     if (t < hd) {
         float v = combine_dim(pml, pacc, pair, t, hd, tiles, nb);
-        if (ULP) v = __uint_as_float(__float_as_uint(v) + 1u);
         o[(i64)pair * hd + t] = v;
     }
 }
 
 // attention_combine that also writes the rows' Q8_K blocks for the out
-// projection (COMBINE_Q8K; hq * hd a multiple of 256): block (x, r) makes
+// projection (hq * hd a multiple of 256): block (x, r) makes
 // columns 256 x .. 256 x + 255 of row r, a thread a column (combine_dim),
 // then warp 0 quantizes them from shared memory as quantize_q8k does.
 extern "C" __global__ void __launch_bounds__(256)
@@ -1462,12 +1141,5 @@ extern "C" __global__ void __launch_bounds__(256)
 extern "C" __global__ void attention_combine(const float* pml, const float* pacc, float* o, int m, int hq, int hd,
                                              const int* posp, int rbase, int nb) {
     pdl_wait();
-    attention_combine_k<0>(pml, pacc, o, m, hq, hd, posp, rbase, nb);
+    attention_combine_k(pml, pacc, o, m, hq, hd, posp, rbase, nb);
 }
-
-extern "C" __global__ void attention_combine_ulp(const float* pml, const float* pacc, float* o, int m, int hq,
-                                                 int hd, const int* posp, int rbase, int nb) {
-    pdl_wait();
-    attention_combine_k<1>(pml, pacc, o, m, hq, hd, posp, rbase, nb);
-}
-

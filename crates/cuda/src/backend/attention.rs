@@ -1,77 +1,106 @@
-//! Attention over the KV cache: score and value passes, kernel choice.
+//! Attention over the KV cache: head norms, RoPE and the KV write, the score
+//! and value passes, the combine of the key tiles, and the kernel choice.
 
 use super::*;
 
-impl Cuda {
-    /// Run attention's score pass for head dims 65-128 through
-    /// `attention_tiles_q4` (`true`, the default unless
-    /// `SAMESUM_CUDA_ATT_Q4=0`) or `attention_tiles`, for comparisons.
-    #[doc(hidden)]
-    pub fn set_attention_q4(&mut self, on: bool) {
-        self.att_q4 = on;
+/// The score and value pass kernels (ops unit, kernels/attention.cu). Each
+/// takes a block per (KV head, row tile, key tile of 256 positions) and
+/// writes the tiles' partials, which `attention_combine` folds in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AttentionKernel {
+    /// `attention_tiles`: the plain tile kernel at every head dim, run only
+    /// by the tests, as the reference the default kernels give the bytes of.
+    Reference,
+    /// `attention_tiles_q4w`: 16 (row, head) pairs a block in static shared
+    /// memory; head dims 128 and 256 in lean code, others in the plain
+    /// tile kernel's code.
+    Pairs16,
+    /// `attention_tiles_q4w2`: `attention_tiles_q4w` at 32 pairs a block
+    /// (two 16-pair halves sharing each key and value row loaded), q and
+    /// the scores in dynamic shared memory.
+    Pairs32,
+    /// `attention_tiles_tc_acc`: both passes on tensor cores (3xTF32 mma,
+    /// each step's products added in fp32), the opt-in `--attention fast`:
+    /// a different summation order, so a different function.
+    TensorCores,
+}
+
+/// Pairs a block of the CUDA-core kernels (`AP` in attention.cu).
+const AP: usize = 16;
+/// Pairs a block of the tensor-core kernel (`ATC_P`).
+const ATC_P: usize = 32;
+/// Its score row stride in floats (`ATC_SS` = 256 + 8).
+const ATC_SS: usize = 256 + 8;
+/// `attention_tiles_q4w2`'s dynamic shared memory (`ATT_P32_SMEM`): 2 x 16
+/// pairs' q rows (`ATT_HD` = 256 floats) and score rows (`ATT_S` = 260).
+const P32_SMEM: usize = 2 * AP * (256 + 260) * 4;
+
+impl AttentionKernel {
+    /// The kernel for head dim `hd`, query groups of `gs` heads and a call
+    /// of `rows` rows, with or without fast attention. The 32-pair kernel
+    /// takes calls of more than 16 pairs at head dims 128 and 256: with
+    /// fewer (decode) its second half would be empty and its 66 KB of
+    /// shared memory cost decode attention 13 -> 23 us a launch (H200).
+    fn select(hd: usize, gs: usize, rows: usize, fast: bool) -> Self {
+        if fast && hd.is_multiple_of(32) && hd <= 256 && gs > 0 && ATC_P.is_multiple_of(gs) {
+            Self::TensorCores
+        } else if (hd == 128 || hd == 256) && gs > 0 && AP.is_multiple_of(gs) && rows * gs > AP {
+            Self::Pairs32
+        } else {
+            Self::Pairs16
+        }
     }
 
-    /// The attention kernel the switches pick for a head dim, a query-head
-    /// group size and a call of `rows` rows: its name, the (row, head) pairs
-    /// a block takes, and its dynamic shared memory in bytes. The
-    /// tensor-core kernel keeps 32 pairs' q and score rows in dynamic shared
-    /// memory; the CUDA-core ones take 16 pairs in static arrays, or 32 in
-    /// dynamic shared memory (`attention_tiles_q4w2`) for calls of more than
-    /// 16 pairs: with fewer (decode) its second half would be empty and its
-    /// 66 KB of shared memory cost decode attention 13 -> 23 us a launch
-    /// (H200, session 17).
-    #[doc(hidden)]
-    pub fn attention_kernel(
-        &self,
-        hd: usize,
-        gs: usize,
-        rows: usize,
-    ) -> (&'static str, usize, usize) {
-        // As in ops.cu: ATC_P pairs a block, q rows hd + 8 floats apart, score
-        // rows ATC_SS = 256 + 8 floats apart; AP pairs for the CUDA-core ones.
-        const ATC_P: usize = 32;
-        const ATC_SS: usize = 256 + 8;
-        const AP: usize = 16;
-        // attention_tiles_q4w2: 2 AP pairs, q and score rows (ATT_HD = 256
-        // and ATT_S = 260 floats) in dynamic shared memory (ATT_P32_SMEM).
-        const P32_SMEM: usize = 2 * AP * (256 + 260) * 4;
-        if self.att_tc && hd.is_multiple_of(32) && hd <= 256 && gs > 0 && ATC_P.is_multiple_of(gs) {
-            let name = if self.att_tc_acc {
-                "attention_tiles_tc_acc"
-            } else {
-                "attention_tiles_tc"
-            };
-            (name, ATC_P, ATC_P * (hd + 8 + ATC_SS) * 4)
-        } else if self.att_q4
-            && self.att_vfull
-            && self.att_q4p
-            && self.att_q4w
-            && self.att_p32
-            && (hd == 128 || hd == 256)
-            && gs > 0
-            && AP.is_multiple_of(gs)
-            && rows * gs > AP
-        {
-            let name = if self.att_kb4 && hd > 128 {
-                "attention_tiles_q4w2k4"
-            } else {
-                "attention_tiles_q4w2"
-            };
-            (name, 2 * AP, P32_SMEM)
-        } else if self.att_q4 {
-            let name = if self.att_vfull && self.att_q4p && self.att_q4w {
-                "attention_tiles_q4w"
-            } else if self.att_vfull && self.att_q4p {
-                "attention_tiles_q4p"
-            } else if self.att_vfull {
-                "attention_tiles_q4"
-            } else {
-                "attention_tiles_q4_checked"
-            };
-            (name, AP, 0)
-        } else {
-            ("attention_tiles", AP, 0)
+    fn name(self) -> &'static str {
+        match self {
+            Self::Reference => "attention_tiles",
+            Self::Pairs16 => "attention_tiles_q4w",
+            Self::Pairs32 => "attention_tiles_q4w2",
+            Self::TensorCores => "attention_tiles_tc_acc",
         }
+    }
+
+    /// The (row, head) pairs a block takes.
+    fn pairs(self) -> usize {
+        match self {
+            Self::Reference | Self::Pairs16 => AP,
+            Self::Pairs32 | Self::TensorCores => ATC_P,
+        }
+    }
+
+    /// Dynamic shared memory in bytes at head dim `hd`: the tensor-core
+    /// kernel keeps 32 pairs' q rows (hd + 8 floats apart) and score rows.
+    fn smem(self, hd: usize) -> usize {
+        match self {
+            Self::Reference | Self::Pairs16 => 0,
+            Self::Pairs32 => P32_SMEM,
+            Self::TensorCores => ATC_P * (hd + 8 + ATC_SS) * 4,
+        }
+    }
+}
+
+/// One attention call's score and value passes: `m` rows of q (`hq` heads
+/// of `hd`) at positions `*pos0 ..` over a cache of `hkv` KV heads (f32, or
+/// halves with `f16`), `nb` key tiles a pair.
+struct Pass<'a> {
+    q: &'a CudaSlice<f32>,
+    ck: &'a CudaSlice<u8>,
+    cv: &'a CudaSlice<u8>,
+    pos0: &'a CudaSlice<i32>,
+    m: usize,
+    hq: usize,
+    hkv: usize,
+    hd: usize,
+    nb: usize,
+    f16: bool,
+}
+
+impl Cuda {
+    /// The score and value pass kernel an attention call of `rows` rows
+    /// launches at head dim `hd` and query groups of `gs` heads (for tests).
+    #[doc(hidden)]
+    pub fn attention_kernel(&self, hd: usize, gs: usize, rows: usize) -> &'static str {
+        AttentionKernel::select(hd, gs, rows, self.fast_attention()).name()
     }
 
     /// The attention kernel the last attention call launched ("" before any).
@@ -85,6 +114,69 @@ impl Cuda {
     #[doc(hidden)]
     pub fn set_attention_partials(&mut self, bytes: usize) {
         self.attn_partials = bytes.max(1);
+    }
+
+    /// Attention of host rows, for the kernel tests: `q` holds `m` rows of
+    /// `hq` heads of `hd` (`heads` = (hq, hkv, hd)) at positions `pos ..`,
+    /// `k` and `v` the cache's `pos + m` positions of `hkv` heads (stored as
+    /// halves with `f16`). The score and value passes are the ones the
+    /// backend picks, or with `reference` the plain `attention_tiles`, in
+    /// row groups under the partials' cap; then `attention_combine`.
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_host(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        heads: (usize, usize, usize),
+        pos: usize,
+        f16: bool,
+        reference: bool,
+    ) -> Result<Vec<f32>> {
+        let (hq, hkv, hd) = heads;
+        attention_shape(hq, hkv, hd)?;
+        let (qw, kvw) = (hq * hd, hkv * hd);
+        let m = q.len() / qw;
+        if m == 0 || q.len() != m * qw || k.len() != (pos + m) * kvw || v.len() != k.len() {
+            return Err(CudaError::Driver {
+                op: "attention".into(),
+                msg: format!(
+                    "q of {} values ({hq} heads of {hd} a row), k of {} and v of {} \
+                     ({hkv} KV heads, {pos} positions before the rows)",
+                    q.len(),
+                    k.len(),
+                    v.len()
+                ),
+            });
+        }
+        let d = &self.dev;
+        let cache = |x: &[f32]| -> Vec<u8> {
+            if f16 {
+                x.iter()
+                    .flat_map(|&e| half::f16::from_f32(e).to_bits().to_ne_bytes())
+                    .collect()
+            } else {
+                x.iter().flat_map(|e| e.to_ne_bytes()).collect()
+            }
+        };
+        let (qd, ck, cv) = (d.upload(q)?, d.upload(&cache(k))?, d.upload(&cache(v))?);
+        let pos0 = d.upload(&[pos as i32])?;
+        let mut o = d.upload(&vec![f32::NAN; m * qw])?;
+        let pass = Pass {
+            q: &qd,
+            ck: &ck,
+            cv: &cv,
+            pos0: &pos0,
+            m,
+            hq,
+            hkv,
+            hd,
+            nb: (pos + m).div_ceil(256),
+            f16,
+        };
+        self.attend(&pass, &mut o, None, reference)?;
+        d.download(&o, m * qw)
     }
 
     pub(super) fn attention_rows(
@@ -114,7 +206,7 @@ impl Cuda {
         })?;
         let (mi, hqi, hkvi, hdi, nrot) =
             (m as i32, hq as i32, hkv as i32, hd as i32, hp.n_rot as i32);
-        let (kvwi, f16) = (kvw as i32, st.f16 as i32);
+        let f16 = st.f16 as i32;
         let pos0 = &st.pos_dev;
         let theta = hp.rope_theta;
         // The gate's columns of a gated projection (head h's q at 2 h hd,
@@ -131,99 +223,42 @@ impl Cuda {
         } else {
             None
         };
+        // The head norms, RoPE and the KV write in one launch, q read in
+        // place from the projection's rows (head dims up to 256, as
+        // `attention_shape` requires: a head fits the warp's shared row).
         let mut q = d.scratch::<f32>(m * qw)?;
-        if self.qk_fuse && self.small_norm && hd <= 256 {
-            let (q_row, q_head) = if a.gated {
-                (2 * qw as i32, 2 * hdi)
-            } else {
-                (qw as i32, hdi)
-            };
-            let (qn, kn) = (self.vec(&a.q_norm)?, self.vec(&a.k_norm)?);
-            let eps = hp.eps;
-            launch!(
-                d,
-                "qk_norm_rope_kv",
-                cfg(((m * (hq + hkv)).div_ceil(8) as u32, 1, 1), 256, 0),
-                &qg,
-                &q_row,
-                &q_head,
-                &k,
-                &v,
-                qn,
-                kn,
-                &mut q,
-                &mut *ck,
-                &mut *cv,
-                pos0,
-                &mi,
-                &hqi,
-                &hkvi,
-                &hdi,
-                &nrot,
-                &theta,
-                &eps,
-                &f16
-            )?;
+        let (q_row, q_head) = if a.gated {
+            (2 * qw as i32, 2 * hdi)
         } else {
-            let q_raw = if a.gated {
-                let mut q = d.scratch::<f32>(m * qw)?;
-                let mq = self.map((0, hq, hd, 0), || {
-                    (0..qw)
-                        .map(|c| ((c / hd) * 2 * hd + c % hd) as i32)
-                        .collect()
-                })?;
-                self.copy_cols(&qg, 2 * qw, &mut q, qw, mq, m)?;
-                q
-            } else {
-                qg
-            };
-            self.rms_norm_rows(&q_raw, &a.q_norm, m * hq, hp.eps, &mut q)?;
-            let mut kn = d.scratch::<f32>(m * kvw)?;
-            self.rms_norm_rows(&k, &a.k_norm, m * hkv, hp.eps, &mut kn)?;
-            launch!(
-                d,
-                "rope",
-                cfg1(m * hq * hp.n_rot / 2),
-                &mut q,
-                &mi,
-                &hqi,
-                &hdi,
-                &nrot,
-                &theta,
-                pos0
-            )?;
-            launch!(
-                d,
-                "rope",
-                cfg1(m * hkv * hp.n_rot / 2),
-                &mut kn,
-                &mi,
-                &hkvi,
-                &hdi,
-                &nrot,
-                &theta,
-                pos0
-            )?;
-            launch!(
-                d,
-                "kv_write",
-                cfg1(m * kvw),
-                &kn,
-                &v,
-                &mut *ck,
-                &mut *cv,
-                pos0,
-                &mi,
-                &kvwi,
-                &f16
-            )?;
-        }
+            (qw as i32, hdi)
+        };
+        let (qn, kn) = (self.vec(&a.q_norm)?, self.vec(&a.k_norm)?);
+        let eps = hp.eps;
+        launch!(
+            d,
+            "qk_norm_rope_kv",
+            cfg(((m * (hq + hkv)).div_ceil(8) as u32, 1, 1), 256, 0),
+            &qg,
+            &q_row,
+            &q_head,
+            &k,
+            &v,
+            qn,
+            kn,
+            &mut q,
+            &mut *ck,
+            &mut *cv,
+            pos0,
+            &mi,
+            &hqi,
+            &hkvi,
+            &hdi,
+            &nrot,
+            &theta,
+            &eps,
+            &f16
+        )?;
         let mut o = d.scratch::<f32>(m * qw)?;
-        let scale = 1.0f32 / (hd as f32).sqrt();
-        let gs = hq / hkv;
-        // One kernel for every m: fixed key tiles of 256 positions, a block
-        // per (KV head, row tile, key tile), then the tiles folded in order
-        // (ops.cu, attention_tiles).
         // A recorded step covers the whole context (blocks past a row's
         // position return at once), so its replays serve every position.
         let nb = if st.whole_ctx {
@@ -231,105 +266,30 @@ impl Cuda {
         } else {
             (st.pos + m).div_ceil(256)
         };
-        // The partials (a max, a sum and a head-dim row per pair and tile)
-        // grow with rows x context, so long contexts run the rows in groups
-        // that keep them under `attn_partials` bytes. Each pair's sums are
-        // the same whatever group it is in.
-        let per_row = hq * nb * (hd + 2) * 4;
-        let group = (self.attn_partials / per_row).clamp(1, m);
-        let group = m.div_ceil(m.div_ceil(group)); // groups of even size
         // Ungated attention into a K-quant out projection: the combine also
         // writes the rows' Q8_K blocks (no quantize launch).
-        let mut oq = if self.combine_q8k
-            && !self.att_ulp
-            && gate.is_none()
-            && k_quant(a.o.ty)
-            && qw.is_multiple_of(256)
-        {
+        let mut oq = if gate.is_none() && k_quant(a.o.ty) && qw.is_multiple_of(256) {
             Some(d.scratch::<u8>(m * qw / 256 * 304)?)
         } else {
             None
         };
-        let mut pml = d.scratch::<f32>(group * hq * nb * 2)?;
-        let mut pacc = d.scratch::<f32>(group * hq * nb * hd)?;
-        let nbi = nb as i32;
-        for r0 in (0..m).step_by(group) {
-            let mr = group.min(m - r0);
-            let (mri, r0i) = (mr as i32, r0 as i32);
-            let qg = q.slice(r0 * qw..(r0 + mr) * qw);
-            let (mut kernel, pairs, smem) = self.attention_kernel(hd, gs, mr);
-            // One row on the CUDA-core kernels: the same tile in compact code.
-            if self.att_one && mr == 1 && !kernel.starts_with("attention_tiles_tc") && hd <= 256 {
-                kernel = "attention_one";
-            }
-            *self.att_last.lock().unwrap_or_else(|p| p.into_inner()) = kernel;
-            launch!(
-                d,
-                kernel,
-                cfg(
-                    (hkv as u32, mr.div_ceil(pairs / gs) as u32, nb as u32),
-                    256,
-                    smem as u32
-                ),
-                &qg,
-                &*ck,
-                &*cv,
-                &mut pml,
-                &mut pacc,
-                &mri,
-                &hqi,
-                &hkvi,
-                &hdi,
-                pos0,
-                &r0i,
-                &scale,
-                &f16,
-                &nbi
-            )?;
-            let mut og = o.slice_mut(r0 * qw..(r0 + mr) * qw);
-            if let Some(oq) = oq.as_mut() {
-                let row_q = qw / 256 * 304;
-                let mut qg = oq.slice_mut(r0 * row_q..(r0 + mr) * row_q);
-                launch!(
-                    d,
-                    "attention_combine_q8k",
-                    cfg(((qw / 256) as u32, mr as u32, 1), 256, 0),
-                    &pml,
-                    &pacc,
-                    &mut og,
-                    &mut qg,
-                    &mri,
-                    &hqi,
-                    &hdi,
-                    pos0,
-                    &r0i,
-                    &nbi
-                )?;
-                continue;
-            }
-            launch!(
-                d,
-                if self.att_ulp {
-                    "attention_combine_ulp"
-                } else {
-                    "attention_combine"
-                },
-                cfg(((mr * hq) as u32, 1, 1), hd.div_ceil(32) as u32 * 32, 0),
-                &pml,
-                &pacc,
-                &mut og,
-                &mri,
-                &hqi,
-                &hdi,
-                pos0,
-                &r0i,
-                &nbi
-            )?;
-        }
+        let pass = Pass {
+            q: &q,
+            ck,
+            cv,
+            pos0,
+            m,
+            hq,
+            hkv,
+            hd,
+            nb,
+            f16: st.f16,
+        };
+        self.attend(&pass, &mut o, oq.as_mut(), false)?;
         if let Some(g) = gate {
             // With the out projection reading Q8_K rows, the gate writes
             // them too (a warp per 256-block).
-            if self.gn_q8k && k_quant(a.o.ty) && qw.is_multiple_of(256) {
+            if k_quant(a.o.ty) && qw.is_multiple_of(256) {
                 let mut q = d.scratch::<u8>(m * qw / 256 * 304)?;
                 let qwi = qw as i32;
                 launch!(
@@ -351,15 +311,117 @@ impl Cuda {
         }
         self.matmul(&a.o, &o, m, None, y)
     }
+
+    /// The score and value passes of one attention call, then the combine
+    /// into `o` (m x hq x hd; with `oq`, `attention_combine_q8k` also
+    /// writes the rows' Q8_K blocks). Fixed key tiles of 256 positions, a
+    /// block per (KV head, row tile, key tile), then the tiles folded in
+    /// order: the same bytes for every m (see attention_tiles).
+    fn attend(
+        &self,
+        p: &Pass,
+        o: &mut CudaSlice<f32>,
+        mut oq: Option<&mut CudaSlice<u8>>,
+        reference: bool,
+    ) -> Result<()> {
+        let d = &self.dev;
+        let (m, hq, hkv, hd, nb) = (p.m, p.hq, p.hkv, p.hd, p.nb);
+        let qw = hq * hd;
+        let scale = 1.0f32 / (hd as f32).sqrt();
+        let gs = hq / hkv;
+        // The partials (a max, a sum and a head-dim row per pair and tile)
+        // grow with rows x context, so long contexts run the rows in groups
+        // that keep them under `attn_partials` bytes. Each pair's sums are
+        // the same whatever group it is in.
+        let per_row = hq * nb * (hd + 2) * 4;
+        let group = (self.attn_partials / per_row).clamp(1, m);
+        let group = m.div_ceil(m.div_ceil(group)); // groups of even size
+        let mut pml = d.scratch::<f32>(group * hq * nb * 2)?;
+        let mut pacc = d.scratch::<f32>(group * hq * nb * hd)?;
+        let (hqi, hkvi, hdi, nbi, f16) =
+            (hq as i32, hkv as i32, hd as i32, nb as i32, p.f16 as i32);
+        for r0 in (0..m).step_by(group) {
+            let mr = group.min(m - r0);
+            let (mri, r0i) = (mr as i32, r0 as i32);
+            let qg = p.q.slice(r0 * qw..(r0 + mr) * qw);
+            let kernel = if reference {
+                AttentionKernel::Reference
+            } else {
+                AttentionKernel::select(hd, gs, mr, self.fast_attention())
+            };
+            *self.att_last.lock().unwrap_or_else(|p| p.into_inner()) = kernel.name();
+            launch!(
+                d,
+                kernel.name(),
+                cfg(
+                    (
+                        hkv as u32,
+                        mr.div_ceil(kernel.pairs() / gs) as u32,
+                        nb as u32
+                    ),
+                    256,
+                    kernel.smem(hd) as u32
+                ),
+                &qg,
+                p.ck,
+                p.cv,
+                &mut pml,
+                &mut pacc,
+                &mri,
+                &hqi,
+                &hkvi,
+                &hdi,
+                p.pos0,
+                &r0i,
+                &scale,
+                &f16,
+                &nbi
+            )?;
+            let mut og = o.slice_mut(r0 * qw..(r0 + mr) * qw);
+            if let Some(oq) = oq.as_mut() {
+                let row_q = qw / 256 * 304;
+                let mut qg = oq.slice_mut(r0 * row_q..(r0 + mr) * row_q);
+                launch!(
+                    d,
+                    "attention_combine_q8k",
+                    cfg(((qw / 256) as u32, mr as u32, 1), 256, 0),
+                    &pml,
+                    &pacc,
+                    &mut og,
+                    &mut qg,
+                    &mri,
+                    &hqi,
+                    &hdi,
+                    p.pos0,
+                    &r0i,
+                    &nbi
+                )?;
+                continue;
+            }
+            launch!(
+                d,
+                "attention_combine",
+                cfg(((mr * hq) as u32, 1, 1), hd.div_ceil(32) as u32 * 32, 0),
+                &pml,
+                &pacc,
+                &mut og,
+                &mri,
+                &hqi,
+                &hdi,
+                p.pos0,
+                &r0i,
+                &nbi
+            )?;
+        }
+        Ok(())
+    }
 }
 
-/// The score pass's 16-pair butterfly (ops.cu, `pair_butterfly`) simulated
-/// on the host in f32: lanes holding pair `r ^ ((lane >> 1) & 15)` in
-/// register `r` and exchanging with no select end with the same bits as
+/// The score pass's 16-pair butterfly (attention.cu, `pair_butterfly`)
+/// simulated on the host in f32: lanes holding pair `r ^ ((lane >> 1) & 15)`
+/// in register `r` and exchanging with no select end with the same bits as
 /// lanes holding pair `r` in register `r` and selecting what to send and
-/// keep (`pair_butterfly_sel`, the session-9 form). The device test compares
-/// the two kernels themselves; this one shows the layout is right on any
-/// machine, and that a wrong layout is caught.
+/// keep, the plain form of the butterfly; and a wrong layout is caught.
 #[cfg(test)]
 mod butterfly_tests {
     use samesum_quant::rng::Rng;
@@ -421,7 +483,7 @@ mod butterfly_tests {
         }
     }
 
-    /// ops.cu's `qs_col`: where dim d of a pair's q sits in its row (head
+    /// attention.cu's `qs_col`: where dim d of a pair's q sits in its row (head
     /// dims over 128).
     fn qs_col(d: usize) -> usize {
         (d >> 6) * 64 + (d & 31) * 2 + ((d >> 5) & 1)

@@ -1,8 +1,8 @@
-//! Attention on the GPU: head shapes, the KV cache types, the opt-in fast passes.
+//! Attention on the GPU: the real models' head shapes, the reference kernel,
+//! the f16 KV cache, row groups, the opt-in fast passes.
 
 use super::*;
 
-/// The two slices hold the same bits, element by element.
 /// A one-layer f32 model of tiny-qwen3moe's shape with attention of the
 /// given heads and head dim (the real models' attention shapes).
 fn attention_model(heads: u32, kv_heads: u32, head_dim: u32) -> (tempfile::TempDir, Model) {
@@ -16,11 +16,33 @@ fn attention_model(heads: u32, kv_heads: u32, head_dim: u32) -> (tempfile::TempD
     synth_shape(shape, GgmlType::F32, 4)
 }
 
-/// The attention kernel's paths by head dim (q in registers up to 128, in
-/// shared memory above; the value pass's thread groups depend on it too) at
-/// the real models' shapes, which the tiny models (head dim 64) do not reach:
-/// the row contract byte for byte and the CPU backend within the f32 bar;
-/// the score passes and the value passes' two forms byte-equal to each other.
+/// Random inputs for `Cuda::attention_host`: `m` rows of q at positions
+/// `pos ..` and the cache's k and v for positions `0 .. pos + m`, for
+/// `heads` = (query heads, KV heads, head dim).
+fn attention_inputs(
+    heads: (usize, usize, usize),
+    pos: usize,
+    m: usize,
+    seed: u64,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (hq, hkv, hd) = heads;
+    let mut rng = Rng::new(seed);
+    let mut fill = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.range(-2.0, 2.0)).collect() };
+    let q = fill(m * hq * hd);
+    let k = fill((pos + m) * hkv * hd);
+    let v = fill((pos + m) * hkv * hd);
+    (q, k, v)
+}
+
+/// The attention kernels' paths by head dim (lean code at 128 and 256, the
+/// plain tile kernel's otherwise; the value pass's thread groups) at
+/// the real models' shapes, which the tiny models (head dim 64) do not reach,
+/// with the default kernels and the fast (tensor-core) ones: the kernel each
+/// call size takes, the row contract byte for byte and the CPU backend
+/// within the f32 bar. The default kernels (16 and 32 pairs a block) give
+/// the bytes of the reference kernel (`attention_tiles`) with f32 and f16
+/// caches over one to three key tiles, and whole forward passes over 300
+/// tokens give the same bytes batched (chunks of 64 and 7) and replayed.
 #[test]
 fn attention_at_the_real_models_head_shapes() {
     if !gpu() {
@@ -32,31 +54,33 @@ fn attention_at_the_real_models_head_shapes() {
     // 256-thread block (96).
     for (heads, kv_heads, head_dim) in [(32, 4, 128), (16, 2, 256), (16, 1, 128), (6, 3, 96)] {
         let (_dir, model) = attention_model(heads, kv_heads, head_dim);
-        // Both score passes for head dims 65-128 (q in registers; q in
-        // shared memory four keys a step), and the tensor-core passes.
-        // And the tensor-core passes with each step's products added in fp32.
-        for (q4, tc, acc) in [
-            (false, false, false),
-            (true, false, false),
-            (false, true, false),
-            (false, true, true),
-        ] {
-            let mut cuda = Cuda::new(0, &model, false).unwrap();
-            cuda.set_attention_q4(q4);
-            cuda.set_switch("ATT_TC", tc).unwrap();
-            cuda.set_switch("ATT_TC_ACC", acc).unwrap();
-            let what =
-                format!("heads {heads}/{kv_heads} x {head_dim}, q4 {q4}, tc {tc}, acc {acc}");
-            // Every shape here has a tensor-core kernel: the switch reaches it.
-            let kernel = cuda
-                .attention_kernel(head_dim as usize, (heads / kv_heads) as usize, 64)
-                .0;
-            assert_eq!(
-                kernel.starts_with("attention_tiles_tc"),
-                tc,
-                "{what}: {kernel}"
-            );
-            assert_eq!(kernel.ends_with("_acc"), acc, "{what}: {kernel}");
+        let (hq, hkv, hd) = (heads as usize, kv_heads as usize, head_dim as usize);
+        let gs = hq / hkv;
+        // The 32-pair kernel takes head dims 128 and 256 with query groups
+        // dividing 16, for calls of more than 16 pairs.
+        let wide = (hd == 128 || hd == 256) && 16 % gs == 0;
+        for fast in [false, true] {
+            let opts = CudaOptions {
+                fast_attention: fast,
+                ..Default::default()
+            };
+            let cuda = Cuda::with_options(0, &model, false, opts).unwrap();
+            let what = format!("heads {heads}/{kv_heads} x {head_dim}, fast {fast}");
+            for rows in [1, 2, 3, 64] {
+                // Every shape here has a tensor-core kernel.
+                let want = if fast {
+                    "attention_tiles_tc_acc"
+                } else if wide && rows * gs > 16 {
+                    "attention_tiles_q4w2"
+                } else {
+                    "attention_tiles_q4w"
+                };
+                assert_eq!(
+                    cuda.attention_kernel(hd, gs, rows),
+                    want,
+                    "{what}, {rows} rows"
+                );
+            }
             if let Err(e) = block_ops_match(&cuda, &model, MS, 78) {
                 panic!("{what}: {e}");
             }
@@ -65,131 +89,95 @@ fn attention_at_the_real_models_head_shapes() {
             }
             eprintln!("{what}: row-invariant for m in {MS:?}, within 1e-5 of the CPU");
         }
-        // And the two score passes give the same bytes: whole forward passes
-        // over 300 tokens (4 key tiles, the last one partial), chunks of 64.
+        let cuda = Cuda::new(0, &model, false).unwrap();
+        let what = format!("heads {heads}/{kv_heads} x {head_dim}");
+        // The default kernels against the reference on the same rows and
+        // cache: decode rows, calls of 16 pairs or fewer and of more, one
+        // key tile or several (the last one partial).
+        for f16 in [false, true] {
+            for (i, (pos, m)) in [
+                (0, 1),
+                (0, 7),
+                (0, 64),
+                (300, 1),
+                (300, 3),
+                (250, 300),
+                (511, 40),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let (q, k, v) = attention_inputs((hq, hkv, hd), pos, m, 90 + i as u64);
+                let got = cuda
+                    .attention_host(&q, &k, &v, (hq, hkv, hd), pos, f16, false)
+                    .unwrap();
+                let kernel = cuda.last_attention_kernel();
+                let want = cuda
+                    .attention_host(&q, &k, &v, (hq, hkv, hd), pos, f16, true)
+                    .unwrap();
+                assert_eq!(cuda.last_attention_kernel(), "attention_tiles");
+                assert_eq!(got.len(), want.len());
+                assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite");
+                assert!(
+                    same_bits(&got, &want),
+                    "{what}, f16 {f16}, {m} rows at {pos}: {kernel} differs from attention_tiles"
+                );
+            }
+        }
+        eprintln!("{what}: the default kernels == attention_tiles (f32 and f16 caches)");
         let toks = test_tokens(&model, 13);
-        let mut a = Cuda::new(0, &model, false).unwrap();
-        a.set_attention_q4(false);
-        // The q4 score pass with the switches given, checked to reach `want`.
-        let q4_arm = |switches: &[(&str, bool)], want: &str| {
-            let mut c = Cuda::new(0, &model, false).unwrap();
-            c.set_attention_q4(true);
-            for &(name, on) in switches {
-                c.set_switch(name, on).unwrap();
+        for kv in [KvType::F32, KvType::F16] {
+            let replay = all_logits_kv(&cuda, &model, &toks, 1, kv);
+            assert!(replay.iter().all(|v| v.is_finite()), "{what}: non-finite");
+            for chunk in [64, 7] {
+                let batched = all_logits_kv(&cuda, &model, &toks, chunk, kv);
+                assert_eq!(batched.len(), replay.len());
+                assert!(
+                    same_bits(&batched, &replay),
+                    "{what} {kv:?} chunk {chunk}: batched != replay"
+                );
             }
-            let got = c
-                .attention_kernel(head_dim as usize, (heads / kv_heads) as usize, 64)
-                .0;
-            assert_eq!(got, want, "heads {heads}/{kv_heads} x {head_dim}");
-            c
-        };
-        let b = q4_arm(&[("ATT_Q4P", false)], "attention_tiles_q4");
-        // attention_tiles_q4's logits in chunks of 64, 7 and 1 (replay).
-        let want: Vec<(usize, Vec<f32>)> = [64, 7, 1]
-            .into_iter()
-            .map(|chunk| (chunk, all_logits(&b, &model, &toks, chunk)))
-            .collect();
-        let la = all_logits(&a, &model, &toks, 64);
-        assert!(
-            same_bits(&la, &want[0].1),
-            "heads {heads}/{kv_heads} x {head_dim}: the two score passes differ"
-        );
-        // And the session-10 forms (the value pass without per-key checks up
-        // to the keys every pair sees, the score butterfly without selects
-        // over permuted q rows; the default) give the bytes of the session-9
-        // kernel (every key checked, selects), in chunks of 64 and of 7.
-        let c = q4_arm(&[("ATT_VFULL", false)], "attention_tiles_q4_checked");
-        for (chunk, lb) in &want[..2] {
-            let lc = all_logits(&c, &model, &toks, *chunk);
-            assert!(
-                same_bits(lb, &lc),
-                "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}: the session-10 passes differ from the session-9 kernel"
-            );
         }
-        // attention_tiles_q4's f16-cache logits, for both lean arms below.
-        let want_f16: Vec<(usize, Vec<f32>)> = [64, 1]
-            .into_iter()
-            .map(|chunk| (chunk, all_logits_kv(&b, &model, &toks, chunk, KvType::F16)))
-            .collect();
-        // Each lean arm against q4: the row contract, then every chunk's
-        // logits with an f32 cache and with an f16 one.
-        let lean_arm = |arm: &Cuda, name: &str, seed: u64| {
-            if let Err(e) = block_ops_match(arm, &model, MS, seed) {
-                panic!("heads {heads}/{kv_heads} x {head_dim}, {name}: {e}");
-            }
-            for (chunk, lb) in &want {
-                let lp = all_logits(arm, &model, &toks, *chunk);
-                assert!(
-                    same_bits(lb, &lp),
-                    "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}: {name} differs from attention_tiles_q4"
-                );
-            }
-            for (chunk, lb) in &want_f16 {
-                let lp = all_logits_kv(arm, &model, &toks, *chunk, KvType::F16);
-                assert!(
-                    same_bits(lb, &lp),
-                    "heads {heads}/{kv_heads} x {head_dim} chunk {chunk}, f16 cache: {name} differs from attention_tiles_q4"
-                );
-            }
-        };
-        // The lean form (attention_tiles_q4p: typed cache loads, tile
-        // offsets, per-pair indices once a block, padded score rows, the
-        // value loads eight keys ahead) gives the bytes of the session-10
-        // one, batched in chunks of 64 and 7 and replayed; with an f16
-        // cache too (its own instantiation).
-        let p = q4_arm(
-            &[("ATT_Q4P", true), ("ATT_Q4W", false)],
-            "attention_tiles_q4p",
-        );
-        lean_arm(&p, "attention_tiles_q4p", 79);
-        // And the wide form (attention_tiles_q4w: four dims of several pairs
-        // a thread in the value pass; the default), the same way.
-        let w = q4_arm(
-            &[("ATT_Q4P", true), ("ATT_Q4W", true), ("ATT_P32", false)],
-            "attention_tiles_q4w",
-        );
-        lean_arm(&w, "attention_tiles_q4w", 83);
-        // And the wide form at 32 pairs a block (attention_tiles_q4w2, head
-        // dims 128 and 256 with query groups dividing 16; the others keep
-        // attention_tiles_q4w), the same way.
-        let gs = heads / kv_heads;
-        let want2 = if (head_dim == 128 || head_dim == 256) && 16 % gs == 0 {
-            "attention_tiles_q4w2"
-        } else {
-            "attention_tiles_q4w"
-        };
-        let w2 = q4_arm(
-            &[("ATT_Q4P", true), ("ATT_Q4W", true), ("ATT_P32", true)],
-            want2,
-        );
-        lean_arm(&w2, want2, 89);
         // Calls of at most 16 pairs (decode) take the 16-pair kernel.
-        if want2 == "attention_tiles_q4w2" {
-            let mut st = w2.new_state(&model, 400, KvType::F32).unwrap();
-            forward(&model, &w2, &mut st, &toks[..64], Logits::Last).unwrap();
-            assert_eq!(w2.last_attention_kernel(), want2, "a 64-row call");
-            forward(&model, &w2, &mut st, &toks[64..65], Logits::Last).unwrap();
+        if wide {
+            let mut st = cuda.new_state(&model, 400, KvType::F32).unwrap();
+            forward(&model, &cuda, &mut st, &toks[..64], Logits::Last).unwrap();
             assert_eq!(
-                w2.last_attention_kernel(),
+                cuda.last_attention_kernel(),
+                "attention_tiles_q4w2",
+                "{what}: a 64-row call"
+            );
+            forward(&model, &cuda, &mut st, &toks[64..65], Logits::Last).unwrap();
+            assert_eq!(
+                cuda.last_attention_kernel(),
                 "attention_tiles_q4w",
-                "a one-row call"
+                "{what}: a one-row call"
             );
-        }
-        // And four keys a score step above head dim 128 (`ATT_KB4`,
-        // attention_tiles_q4w2k4), the same way.
-        if want2 == "attention_tiles_q4w2" && head_dim > 128 {
-            let k4 = q4_arm(
-                &[
-                    ("ATT_Q4P", true),
-                    ("ATT_Q4W", true),
-                    ("ATT_P32", true),
-                    ("ATT_KB4", true),
-                ],
-                "attention_tiles_q4w2k4",
-            );
-            lean_arm(&k4, "attention_tiles_q4w2k4", 97);
         }
     }
+}
+
+/// Attention of host rows refuses the shapes the kernels do not take and
+/// inputs of the wrong sizes, naming them.
+#[test]
+fn attention_host_refuses_bad_shapes() {
+    if !gpu() {
+        return;
+    }
+    let (_d, model) = synth("tiny-qwen3moe", GgmlType::Q4_K, 3);
+    let cuda = Cuda::new(0, &model, false).unwrap();
+    let (q, k, v) = attention_inputs((4, 1, 512), 0, 1, 1);
+    let e = cuda
+        .attention_host(&q, &k, &v, (4, 1, 512), 0, false, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("head dims up to 256"), "{e}");
+    let (q, k, v) = attention_inputs((4, 1, 64), 3, 2, 1);
+    let e = cuda
+        .attention_host(&q, &k, &v, (4, 1, 64), 2, false, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("2 positions"), "{e}");
 }
 
 /// `CudaOptions::fast_attention` (`--attention fast`): the backend takes the
@@ -208,13 +196,10 @@ fn fast_attention_option_takes_the_tensor_core_passes() {
             ..Default::default()
         };
         let cuda = Cuda::with_options(0, &model, false, fast).unwrap();
-        assert_eq!(
-            cuda.attention_kernel(128, 8, 64).0,
-            "attention_tiles_tc_acc"
-        );
+        assert_eq!(cuda.attention_kernel(128, 8, 64), "attention_tiles_tc_acc");
         assert!(cuda.name().contains("fast attention"), "{}", cuda.name());
         let exact = Cuda::new(0, &model, false).unwrap();
-        assert_eq!(exact.attention_kernel(128, 8, 64).0, "attention_tiles_q4w2");
+        assert_eq!(exact.attention_kernel(128, 8, 64), "attention_tiles_q4w2");
         assert!(!exact.name().contains("fast attention"));
         let toks = test_tokens(&model, 3);
         let replay = all_logits(&cuda, &model, &toks, 1);
@@ -265,10 +250,9 @@ fn attention_distance(
 
 /// The f16 KV cache (`--kv-type f16`): attention layers within `F16_KV_TOL`
 /// of the CPU on halves, and several times closer to it than to the CPU on
-/// f32 (the CUDA-core and the tensor-core passes, at
-/// the real models' head shapes), and whole forward passes over 300 tokens
-/// (two key tiles) byte-equal batched (chunks of 64) and replayed, on every
-/// tiny shape.
+/// f32 (the default and the fast passes, at the real models' head shapes),
+/// and whole forward passes over 300 tokens (two key tiles) byte-equal
+/// batched (chunks of 64) and replayed, on every tiny shape.
 #[test]
 fn f16_kv_cache_on_the_gpu() {
     if !gpu() {
@@ -277,10 +261,13 @@ fn f16_kv_cache_on_the_gpu() {
     let cpu = Cpu::new(2);
     for (heads, kv_heads, head_dim) in [(32, 4, 128), (16, 2, 256)] {
         let (_dir, model) = attention_model(heads, kv_heads, head_dim);
-        for tc in [false, true] {
-            let mut cuda = Cuda::new(0, &model, false).unwrap();
-            cuda.set_switch("ATT_TC", tc).unwrap();
-            let what = format!("f16 KV, heads {heads}/{kv_heads} x {head_dim}, tc {tc}");
+        for fast in [false, true] {
+            let opts = CudaOptions {
+                fast_attention: fast,
+                ..Default::default()
+            };
+            let cuda = Cuda::with_options(0, &model, false, opts).unwrap();
+            let what = format!("f16 KV, heads {heads}/{kv_heads} x {head_dim}, fast {fast}");
             for m in [1, 64, 300] {
                 ops_close_kv(&model, &cuda, &cpu, m, 1e-5, &what, KvType::F16);
                 let same = attention_distance(&model, &cuda, &cpu, m, KvType::F16, KvType::F16);
@@ -336,86 +323,5 @@ fn attention_row_groups_equal_one_call() {
             );
         }
         eprintln!("{shape}: attention in row groups == one call");
-    }
-}
-
-/// An attention layer's head norms, RoPE and KV write in one launch
-/// (`qk_norm_rope_kv`) against rms_norm_small, rope (twice) and kv_write:
-/// the same logits bytes at every position (f32 and f16 caches; gated and
-/// ungated attention; the real models' head shapes), and fewer launches.
-#[test]
-fn fused_head_norms_rope_and_kv_write_equal_the_separate_kernels() {
-    if !gpu() {
-        return;
-    }
-    let mut models: Vec<(String, tempfile::TempDir, Model)> = SHAPES
-        .iter()
-        .map(|s| {
-            let (d, m) = synth(s, GgmlType::Q4_K, 37);
-            (s.to_string(), d, m)
-        })
-        .collect();
-    for (h, kv, hd) in [(32u32, 4u32, 128u32), (16, 2, 256)] {
-        let (d, m) = attention_model(h, kv, hd);
-        models.push((format!("attention {h}/{kv} x {hd}"), d, m));
-    }
-    for (what, _d, model) in &models {
-        for kv in [KvType::F32, KvType::F16] {
-            let what = format!("{what} {kv:?}");
-            let (on, off) = fusion_arms(model, "QK_FUSE", 5, kv, &what);
-            assert!(on < off, "{what}: {on} launches fused, {off} apart");
-            eprintln!(
-                "{what}: qk_norm_rope_kv == norms + rope + kv_write; launches {on} against {off}"
-            );
-        }
-    }
-}
-
-/// One decode row's attention tile in compact code (`attention_one`)
-/// against attention_tiles_q4: the same logits bytes at every position (300
-/// tokens: two key tiles), replayed and in chunks, f32 and f16 caches, on
-/// every tiny shape and the real models' head shapes; the compact kernel is
-/// the one a replayed step launched, and prefill chunks keep the tile kernel.
-#[test]
-fn compact_decode_attention_equals_the_tile_kernel() {
-    if !gpu() {
-        return;
-    }
-    let mut models: Vec<(String, tempfile::TempDir, Model)> = SHAPES
-        .iter()
-        .map(|s| {
-            let (d, m) = synth(s, GgmlType::Q4_K, 61);
-            (s.to_string(), d, m)
-        })
-        .collect();
-    for (h, kv, hd) in [
-        (32u32, 4u32, 128u32),
-        (16, 2, 256),
-        (16, 1, 128),
-        (4, 1, 256),
-    ] {
-        let (d, m) = attention_model(h, kv, hd);
-        models.push((format!("attention {h}/{kv} x {hd}"), d, m));
-    }
-    for (what, _d, model) in &models {
-        for kv in [KvType::F32, KvType::F16] {
-            let what = format!("{what} {kv:?}");
-            fusion_arms(model, "ATT_ONE", 31, kv, &what);
-            let (on, _off) = switch_arms(model, "ATT_ONE");
-            let toks = test_tokens(model, 31);
-            all_logits_kv(&on, model, &toks[..3], 3, kv);
-            assert_ne!(
-                on.last_attention_kernel(),
-                "attention_one",
-                "{what}: a 3-row chunk"
-            );
-            all_logits_kv(&on, model, &toks[..3], 1, kv);
-            assert_eq!(
-                on.last_attention_kernel(),
-                "attention_one",
-                "{what}: one row"
-            );
-            eprintln!("{what}: attention_one == attention_tiles_q4 (replay, chunks 64 and 7)");
-        }
     }
 }
