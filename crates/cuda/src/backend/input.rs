@@ -4,12 +4,14 @@ use super::*;
 
 /// The next layer's input norm run by a decode MoE's last launch
 /// (`moe_combine_add_rms_norm_q8k`): `acc` += the MoE's output, `out` =
-/// RMSNorm(acc) with weights `w`, and its Q8_K rows (device addresses: `out`
-/// is also the MoE's input, read by earlier launches).
+/// RMSNorm(acc) with weights `w`, and its Q8_K rows at `q` (device
+/// addresses: `out` and `q` are also the MoE's input, read by earlier
+/// launches).
 pub(super) struct AfterNorm<'a> {
     pub(super) acc: u64,
     pub(super) w: &'a CudaSlice<f32>,
     pub(super) out: u64,
+    pub(super) q: u64,
     pub(super) eps: f32,
 }
 

@@ -327,7 +327,7 @@ impl Cuda {
         y: &mut CudaSlice<f32>,
         k: usize,
         after: Option<&AfterNorm>,
-    ) -> Result<Option<CudaSlice<u8>>> {
+    ) -> Result<bool> {
         use crate::device::{MoeJobs, addr};
         let d = &self.dev;
         let (f, dm) = (mw.gate.rows, mw.down.rows);
@@ -455,7 +455,6 @@ impl Cuda {
         };
         let (mi, ki, dmi, shared) = (m as i32, k as i32, dm as i32, sh.is_some() as i32);
         if let Some(an) = after {
-            let mut q = d.scratch::<u8>(m * dm / 256 * 304)?;
             launch!(
                 d,
                 "moe_combine_add_rms_norm_q8k",
@@ -471,11 +470,11 @@ impl Cuda {
                 &an.acc,
                 an.w,
                 &an.out,
-                &mut q,
+                &an.q,
                 &dmi,
                 &an.eps
             )?;
-            return Ok(Some(q));
+            return Ok(true);
         }
         launch!(
             d,
@@ -492,7 +491,7 @@ impl Cuda {
             &dmi,
             &shared
         )?;
-        Ok(None)
+        Ok(false)
     }
 
     /// The MoE of `x` into `y`, then `h += y` and `x` = RMSNorm(h) with
@@ -516,26 +515,31 @@ impl Cuda {
             && w.len().is_multiple_of(256)
             && h.len() == x.len()
             && y.len() == x.len();
-        let xq = x.q8k.as_ref();
         if fits {
             let d = &self.dev;
+            // The storage of x's Q8_K rows, which the combine's launch
+            // writes when it runs the norm (the MoE reads the current ones
+            // first, in earlier launches).
+            let len = x.len();
+            let q = crate::device::addr(d, x.q8k_storage(d, len / 256 * 304).map_err(e)?);
             let an = AfterNorm {
                 acc: crate::device::addr(d, &h.rows),
                 w: self.vec(w).map_err(e)?,
                 out: crate::device::addr(d, &x.rows),
+                q,
                 eps: model.hp.eps,
             };
-            // The combine's launch writes `x` and its Q8_K rows.
-            if let Some(q) = self
-                .moe_rows_then(model, mw, &x.rows, xq, y.write(), Some(&an))
-                .map_err(e)?
-            {
-                h.q8k = None;
-                x.q8k = Some(q);
+            let fused = self
+                .moe_rows_then(model, mw, &x.rows, x.q8k(), y.write(), Some(&an))
+                .map_err(e)?;
+            if fused {
+                // The launch wrote h too (no Q8_K rows of it).
+                h.write();
+                x.q8k_written();
                 return Ok(());
             }
         } else {
-            self.moe_rows_then(model, mw, &x.rows, xq, y.write(), None)
+            self.moe_rows_then(model, mw, &x.rows, x.q8k(), y.write(), None)
                 .map_err(e)?;
         }
         self.add_rms_norm(model, which, h, y, x)
@@ -564,7 +568,7 @@ impl Cuda {
         xq: Option<&CudaSlice<u8>>,
         y: &mut CudaSlice<f32>,
         after: Option<&AfterNorm>,
-    ) -> Result<Option<CudaSlice<u8>>> {
+    ) -> Result<bool> {
         let hp = &model.hp;
         let d = &self.dev;
         let (dm, e, k, f, fs) = (
@@ -838,7 +842,7 @@ impl Cuda {
         }
         let shared = mw.shared.is_some().then_some((&ys, &gi));
         self.moe_combine_on(&oe, &slot, &wts, shared, y, m, k, dm, false)?;
-        Ok(None)
+        Ok(false)
     }
 
     /// A wide call's MoE combine: `y[r] = sum over s < k, slot[r k + s] >= 0,

@@ -231,25 +231,22 @@ impl Backend for Cuda {
         // A layer norm of Q8_K width also writes its rows as Q8_K blocks,
         // which the matmuls that read `out` next take.
         if layer_norm && w.len().is_multiple_of(256) && out.len() == acc.len() {
-            let mut q = self
-                .dev
-                .scratch::<u8>(rows * w.len() / 256 * 304)
+            let (out, q) = out
+                .write_with_q8k(&self.dev, rows * w.len() / 256 * 304)
                 .map_err(e)?;
-            launch!(
+            return launch!(
                 self.dev,
                 "add_rms_norm_q8k",
                 cfg((rows as u32, 1, 1), 256, 0),
                 acc,
                 x,
                 wd,
-                &mut out.rows,
-                &mut q,
+                out,
+                q,
                 &width,
                 &eps
             )
-            .map_err(e)?;
-            out.q8k = Some(q);
-            return Ok(());
+            .map_err(e);
         }
         launch!(
             self.dev,
@@ -275,24 +272,21 @@ impl Backend for Cuda {
         if layer_norm && w.len().is_multiple_of(256) && out.len() == x.len() {
             let wd = self.vec(w).map_err(e)?;
             let (width, eps) = (w.len() as i32, model.hp.eps);
-            let mut q = self
-                .dev
-                .scratch::<u8>(rows * w.len() / 256 * 304)
+            let (out, q) = out
+                .write_with_q8k(&self.dev, rows * w.len() / 256 * 304)
                 .map_err(e)?;
-            launch!(
+            return launch!(
                 self.dev,
                 "rms_norm_q8k",
                 cfg((rows as u32, 1, 1), 256, 0),
                 x,
                 wd,
-                &mut out.rows,
-                &mut q,
+                out,
+                q,
                 &width,
                 &eps
             )
-            .map_err(e)?;
-            out.q8k = Some(q);
-            return Ok(());
+            .map_err(e);
         }
         self.rms_norm_rows(x, w, rows, model.hp.eps, out.write())
             .map_err(e)
@@ -313,7 +307,7 @@ impl Backend for Cuda {
         st: &mut CudaState,
         y: &mut CudaBuf,
     ) -> R<()> {
-        self.attention_rows(model, l, a, &x.rows, x.q8k.as_ref(), st, y.write())
+        self.attention_rows(model, l, a, &x.rows, x.q8k(), st, y.write())
             .map_err(e)
     }
 
@@ -326,12 +320,12 @@ impl Backend for Cuda {
         st: &mut CudaState,
         y: &mut CudaBuf,
     ) -> R<()> {
-        self.delta_rows(model, l, dn, &x.rows, x.q8k.as_ref(), st, y.write())
+        self.delta_rows(model, l, dn, &x.rows, x.q8k(), st, y.write())
             .map_err(e)
     }
 
     fn moe(&self, model: &Model, mw: &MoeW, x: &CudaBuf, y: &mut CudaBuf) -> R<()> {
-        self.moe_rows(model, mw, &x.rows, x.q8k.as_ref(), y.write())
+        self.moe_rows(model, mw, &x.rows, x.q8k(), y.write())
             .map_err(e)
     }
 

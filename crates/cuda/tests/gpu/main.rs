@@ -5,7 +5,7 @@
 //! present, unless `SAMESUM_REQUIRE_GPU=1` (the GPU script sets it).
 
 use samesum_cuda::tier::{RESERVE, TierSizes};
-use samesum_cuda::{Cuda, CudaError, CudaOptions, TcKernel};
+use samesum_cuda::{Cuda, CudaError, CudaOptions};
 use samesum_engine::backend::{Backend, Norm};
 use samesum_engine::conformance::{block_ops_match, forward_rows_match};
 use samesum_engine::cpu::Cpu;
@@ -263,35 +263,6 @@ fn every_block_op_matches_the_cpu_backend() {
     }
 }
 
-/// On each shape (`label` names it; weights from `seeds.0`, the prompt from
-/// `seeds.1`), switch `switch` on and off give the same logits bytes at
-/// every position, the prompt fed in chunks of each of `chunks`; `what`
-/// says what the arms are.
-fn assert_switch_keeps_logits(
-    cases: Vec<shapes::Shape>,
-    label: impl Fn(&shapes::Shape) -> String,
-    seeds: (u64, u32),
-    switch: &str,
-    chunks: &[usize],
-    what: &str,
-) {
-    for shape in cases {
-        let name = label(&shape);
-        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, seeds.0);
-        let (on, off) = switch_arms(&model, switch);
-        let toks = test_tokens(&model, seeds.1);
-        assert_same_logits(
-            &on,
-            &off,
-            &model,
-            &toks,
-            chunks,
-            &format!("{name}: {what} differ"),
-        );
-        eprintln!("{name}: {what} equal, chunks {chunks:?}");
-    }
-}
-
 #[test]
 fn batched_forward_equals_replay_on_the_gpu() {
     if !gpu() {
@@ -508,43 +479,6 @@ fn tier_mode_equals_resident_mode() {
     }
 }
 
-/// [`switch_arms`] with decode steps recorded as graphs or not.
-fn graph_switch_arms(model: &Model, name: &str, graphs: bool) -> (Cuda, Cuda) {
-    let (mut on, mut off) = switch_arms(model, name);
-    on.set_graphs(graphs);
-    off.set_graphs(graphs);
-    (on, off)
-}
-
-/// Switch `name` on against off: the same logits bytes at every position
-/// of the first `n` tokens of `test_tokens(.., salt)` fed in chunks of
-/// each of `chunks` (1: replay), graphs on and off, on every tiny shape
-/// (weights from `seed`); `check` then asserts more of the two arms.
-fn decode_switch_changes_no_byte(
-    name: &str,
-    (seed, salt, n): (u64, u32, usize),
-    chunks: &[usize],
-    check: impl Fn(&str, &Cuda, &Cuda),
-) {
-    for shape in SHAPES {
-        let (_d, model) = synth(shape, GgmlType::Q4_K, seed);
-        let toks: Vec<u32> = test_tokens(&model, salt).into_iter().take(n).collect();
-        for graphs in [false, true] {
-            let (on, off) = graph_switch_arms(&model, name, graphs);
-            assert_same_logits(
-                &on,
-                &off,
-                &model,
-                &toks,
-                chunks,
-                &format!("{shape}: {name} differs (graphs {graphs})"),
-            );
-            check(shape, &on, &off);
-        }
-        eprintln!("{shape}: decode with {name} == without (graphs on and off)");
-    }
-}
-
 #[test]
 fn graph_replayed_steps_equal_eager_steps() {
     if !gpu() {
@@ -618,54 +552,3 @@ fn programmatic_dependent_launch_is_for_small_calls() {
     assert!(cuda.device().uses_pdl(), "a {n}-row call did not use PDL");
 }
 
-/// Kernels launched by `cuda` (graphs off) for every position's logits of
-/// `toks` in chunks of `chunk`.
-fn launches_for(cuda: &mut Cuda, model: &Model, toks: &[u32], chunk: usize) -> u64 {
-    cuda.set_graphs(false);
-    let before = cuda.device().launch_count();
-    all_logits(cuda, model, toks, chunk);
-    cuda.device().launch_count() - before
-}
-
-/// Switch `name` on against off on `model`: the same logits bytes at every
-/// position with a KV cache of `kv`, replayed and in chunks of 64 and 7, and
-/// batched equal to replay; returns the launches a replay of `toks[..n]`
-/// takes on and off (graphs off).
-fn fusion_arms(model: &Model, name: &str, salt: u32, kv: KvType, what: &str) -> (u64, u64) {
-    fusion_arms_with(model, name, &[], salt, kv, what)
-}
-
-/// `fusion_arms` with the switches of `base` set the same way in both arms
-/// first (a fusion whose launch another default fusion already removes is
-/// counted against the arms without that one).
-fn fusion_arms_with(
-    model: &Model,
-    name: &str,
-    base: &[(&str, bool)],
-    salt: u32,
-    kv: KvType,
-    what: &str,
-) -> (u64, u64) {
-    let (mut on, mut off) = switch_arms(model, name);
-    for &(b, v) in base {
-        on.set_switch(b, v).unwrap();
-        off.set_switch(b, v).unwrap();
-    }
-    let toks = test_tokens(model, salt);
-    let mut first: Option<Vec<f32>> = None;
-    for chunk in [1, 64, 7] {
-        let p = all_logits_kv(&on, model, &toks, chunk, kv);
-        let q = all_logits_kv(&off, model, &toks, chunk, kv);
-        assert!(p.iter().all(|v| v.is_finite()), "{what}: non-finite");
-        assert!(same_bits(&p, &q), "{what} chunk {chunk}: {name} on != off");
-        match &first {
-            None => first = Some(p),
-            Some(r) => assert!(same_bits(r, &p), "{what} chunk {chunk}: batched != replay"),
-        }
-    }
-    let short = &toks[..8];
-    (
-        launches_for(&mut on, model, short, 1),
-        launches_for(&mut off, model, short, 1),
-    )
-}
