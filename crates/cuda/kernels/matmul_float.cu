@@ -86,17 +86,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
     mm_float<0>(w, 0, row_bytes, nullptr, X, y, rows, m, cols, bx);
 }
 
-// mm_f32_multi for one row whose launch also routes and plans it
-// (ROUTE_FOLD): each block, once its outputs are stored, fences them and
-// counts itself in `counter`; the last block's first warp resets the counter
-// (for the next launch, graph replays included) and routes job 0's outputs
-// (the router logits) with route_plan_one's code (route_one_warp), so a
-// decode MoE layer needs no routing launch. The same logits, ids, weights
-// and plan as mm_f32_multi then route_plan_one. Variants: `_r` routes with
-// the row in registers (route_one_warp_r, `ROUTE_REGS`), `_d` loads 32
-// elements a lane a step in place of 16 (`ROUTER_DEEP`: a 2,048-wide row's
-// 64 loads a lane all issued before its first fma), `_rd` both; the same
-// bytes.
+// mm_f32_multi for one row whose launch also routes and plans it: each
+// block, once its outputs are stored, fences them and counts itself in
+// `counter`; the last block's first warp resets the counter (for the next
+// launch, graph replays included) and routes job 0's outputs (the router
+// logits) with the row in registers (route_one_warp_r), so a decode MoE
+// layer needs no routing launch. U = 32 elements a lane a step: a
+// 2,048-wide row's 64 loads a lane all issued before its first fma. The
+// same logits, ids, weights and plan as mm_f32_multi then a routing launch.
 #define MMF_ROUTE_KERNEL(name, U, ROUTE, WB)                                                            \
     extern "C" __global__ void __launch_bounds__(WB * 32)                                             \
         name(MmJobs jobs, int row_bytes, const float* X, int cols, int* ids, float* wts, int e, int k, \
@@ -120,91 +117,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
         ROUTE(jobs.y[0], ids, wts, e, k, pad, placed_row, placed_mat, slot, cap, threadIdx.x);         \
     }
 
-MMF_ROUTE_KERNEL(mm_f32_multi_route, MMF_U, route_one_warp, WARPS)
-MMF_ROUTE_KERNEL(mm_f32_multi_route_r, MMF_U, route_one_warp_r, WARPS)
-MMF_ROUTE_KERNEL(mm_f32_multi_route_d, 32, route_one_warp, WARPS)
 MMF_ROUTE_KERNEL(mm_f32_multi_route_rd, 32, route_one_warp_r, WARPS)
-// mm_f32_multi_route_rd with a warp (a router row) a block (`ROUTER_1W`):
-// 257 blocks on the H200's 132 SMs where 65 of four warps left half of them
-// idle. The same lane chains, so the same logits, ids and plan.
-MMF_ROUTE_KERNEL(mm_f32_multi_route_rd1, 32, route_one_warp_r, 1)
-
-// mm_f32_multi_route_rd with the layer's post-mixer norm in its prologue
-// (`NORM_ROUTER`, decode): every block adds the mixer's output row `inc` to
-// the residual row `acc` and takes the RMSNorm of the sum into shared
-// memory with add_rms_norm_q8k's arithmetic (norm_row: its thread u of 256
-// holds elements u + 256 j, j < 8, and sums their squares in f64 in j order;
-// thread t here is its threads t and t + 128, whose sums are the tree's
-// first level; then the tree's other levels, norm_tree_from), and runs the
-// router's rows from there. The last block, once every block has read the
-// residual, stores the sum into `acc`, the normed row into `xout` and its
-// Q8_K blocks into `qout` (q8k_block, as quantize_own_row), then routes.
-// The same bytes as add_rms_norm_q8k then mm_f32_multi_route_rd. cols: a
-// multiple of 256, at most 2,048.
-#define RN_MAX 2048
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-    mm_f32_multi_route_norm(MmJobs jobs, int row_bytes, float* acc, const float* inc, const float* nw, float* xout,
-                            u8* qout, float eps, int cols, int* ids, float* wts, int e, int k, int pad,
-                            int* placed_row, int* placed_mat, int* slot, int cap, int* counter) {
-    pdl_wait();
-    __shared__ __align__(16) float xs[RN_MAX];
-    __shared__ __align__(16) float vs[RN_MAX];
-    __shared__ double part[WARPS * 32];
-    static_assert(WARPS * 32 * 2 == NORM_THREADS, "two of norm_row's threads a thread");
-    int t = threadIdx.x;
-    double s2[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        int u = t + 128 * h;
-        float v[8], iv[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            int i = u + 256 * j;
-            v[j] = i < cols ? acc[i] : 0.0f;
-            iv[j] = i < cols ? inc[i] : 0.0f;
-        }
-        double s = 0.0;
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            int i = u + 256 * j;
-            if (i < cols) {
-                v[j] = v[j] + iv[j];
-                vs[i] = v[j];
-                s += (double)v[j] * (double)v[j];
-            }
-        }
-        s2[h] = s;
-    }
-    part[t] = s2[0] + s2[1];  // norm_tree's level 128
-    float mean = (float)(norm_tree_from(part, t, 64) / (double)cols);
-    float scale = 1.0f / sqrtf(mean + eps);
-    for (int i = t; i < cols; i += 128) xs[i] = (vs[i] * scale) * nw[i];
-    __syncthreads();
-    int c0 = (jobs.rows[0] + WARPS - 1) / WARPS;
-    int bx = blockIdx.x, j = 0;
-    if (jobs.nj > 1 && bx >= c0) bx -= c0, j = 1;
-    const u8* w = j == 0 ? jobs.w[0] : jobs.w[1];
-    float* y = j == 0 ? jobs.y[0] : jobs.y[1];
-    int rows = j == 0 ? jobs.rows[0] : jobs.rows[1];
-    mm_float<0, 32>(w, 0, row_bytes, nullptr, xs, y, rows, 1, cols, bx);
-    __shared__ int last;
-    __threadfence();  // this thread's stores reach L2 before the count
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)(gridDim.x * gridDim.y) - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    // Every block has read `acc` (each counted itself after its prologue).
-    for (int i = t; i < cols; i += 128) {
-        acc[i] = vs[i];
-        xout[i] = xs[i];
-    }
-    int warp = t / 32, lane = t % 32;
-    for (int b = warp; b < cols / 256; b += WARPS) q8k_block(xs + b * 256, qout + (i64)b * Q8K_BYTES, lane);
-    if (t >= 32) return;
-    if (t == 0) *counter = 0;
-    route_one_warp_r(jobs.y[0], ids, wts, e, k, pad, placed_row, placed_mat, slot, cap, t);
-}
 
 // Float weights against many f32 rows of one matrix (the routers and gates
 // in prefill): a warp computes a tile of MFT_W weight rows x MFT_R

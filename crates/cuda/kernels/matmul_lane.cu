@@ -67,39 +67,6 @@ __device__ __forceinline__ void q4k_lane_dot(const uint4 (&blk)[Q4K_WORDS], cons
     msum = ms;
 }
 
-// The delta net's gated norm of one 256-block of a row (whole heads of dv
-// values, dv a multiple of 32 dividing 256) and its Q8_K block, by one
-// warp: the bytes gated_norm_q8k_lane0 then quantize_q8k give. Lane h adds
-// head h's squares in f64 in index order, as sumsq_lane0's lane 0 adds one
-// head's (each square of an f32 is exact in f64, so fused or not the sum
-// is the same); then o = ((o * scale) * norm) * silu(z) into `sv` (shared)
-// and q8k_block of it.
-__device__ __forceinline__ void gn_q8k_block(const float* o, const float* z, const float* nw, int dv, float eps,
-                                             float* sv, u8* ob, int lane) {
-    for (int i = lane; i < 256; i += 32) sv[i] = o[i];
-    __syncwarp();
-    double s = 0.0;
-    if (lane < 256 / dv) {
-        const float* v = sv + lane * dv;
-        for (int i = 0; i + 4 <= dv; i += 4) {
-            float4 q = *(const float4*)(v + i);
-            s += (double)q.x * (double)q.x;
-            s += (double)q.y * (double)q.y;
-            s += (double)q.z * (double)q.z;
-            s += (double)q.w * (double)q.w;
-        }
-    }
-    for (int i = lane; i < 256; i += 32) {
-        int h = i / dv;  // the same for the whole warp (32 divides dv)
-        double sh = __shfl_sync(0xffffffffu, s, h);
-        float mean = (float)(sh / (double)dv);
-        float scale = 1.0f / sqrtf(mean + eps);
-        sv[i] = ((sv[i] * scale) * nw[i - h * dv]) * silu(z[i]);
-    }
-    __syncwarp();
-    q8k_block(sv, ob, lane);
-}
-
 // One block of 32 rows against one activation row. Per chunk of up to
 // LANE_CH blocks of K: each lane loads its rows' block first (both matrices
 // of a GLU; with `early`, the first chunk's before pdl_wait, as the weights
@@ -112,18 +79,11 @@ __device__ __forceinline__ void gn_q8k_block(const float* o, const float* z, con
 // chunk's blocks of its row into shared memory itself (q8k_block,
 // quantize_q8k's code, a warp a block): the bytes a quantize_q8k launch
 // would have written, with no launch.
-// GN: A holds the delta net's f32 output rows o (nb * 256 wide, heads of
-// gdv values) and the block takes the gated norm of each chunk block first
-// (gn_q8k_block: gated_norm_q8k's arithmetic, then quantize_q8k's), the
-// bytes a gated_norm_q8k launch would have written, with no launch
-// (`GN_FOLD`).
 // RB: rows a block (32, or 16 with lanes 16-31 idle: twice the blocks for
 // a matrix of few rows, each row's arithmetic unchanged).
-template <int NW, bool QOUT = false, bool QIN = false, bool GN = false, int RB = 32>
+template <int NW, bool QIN = false, int RB = 32>
 __device__ void mm_lane(const u8* W, const u8* W2, i64 mat_stride, int row_bytes, const int* mats,
-                        const u8* A, float* Y, int rows, int m, int nb, int jb, const int* amap, bool early,
-                        u8* Q = nullptr, int* cnt = nullptr, const float* gz = nullptr,
-                        const float* gw = nullptr, int gdv = 0, float geps = 0.0f) {
+                        const u8* A, float* Y, int rows, int m, int nb, int jb, const int* amap, bool early) {
     __shared__ int4 part[NW][LANE_CH][32];
     __shared__ __align__(16) u8 act[LANE_CH * Q8K_BYTES];
     int kw = blockDim.x / 32, w = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -162,14 +122,7 @@ __device__ void mm_lane(const u8* W, const u8* W2, i64 mat_stride, int row_bytes
 #pragma unroll
             for (int v = 0; v < NW; v++) q4k_lane_load(wr[v] + (i64)b * FmtQ4K::BYTES, q[v]);
         }
-        if constexpr (GN) {
-            __shared__ __align__(16) float gstage[LANE_CH][256];
-            const float* fr = (const float*)A + (i64)r * nb * 256;
-            const float* zr = gz + (i64)r * nb * 256;
-            for (int bb = w; bb < be - b0; bb += kw)
-                gn_q8k_block(fr + (i64)(b0 + bb) * 256, zr + (i64)(b0 + bb) * 256, gw, gdv, geps, gstage[bb],
-                             act + bb * Q8K_BYTES, lane);
-        } else if constexpr (QIN) {
+        if constexpr (QIN) {
             const float* fr = (const float*)A + (i64)(amap ? amap[r] : r) * nb * 256;
             for (int bb = w; bb < be - b0; bb += kw) q8k_block(fr + (i64)(b0 + bb) * 256, act + bb * Q8K_BYTES, lane);
         } else {
@@ -212,32 +165,11 @@ __device__ void mm_lane(const u8* W, const u8* W2, i64 mat_stride, int row_bytes
     }
     // NW = 2: the gate and up rows of a GLU, combined as mm_row does.
     if (w == 0 && live) Y[(i64)r * rows + j] = NW == 2 ? silu(acc[0]) * acc[NW - 1] : acc[0];
-    if (QOUT) {
-        // The row's Q8_K blocks (rows a multiple of 256): each block counts
-        // itself into its 256 columns' counter once its outputs are fenced;
-        // the eighth reads the 256 from L2 and quantizes them as
-        // quantize_q8k does (q8k_block), then resets the counter.
-        __shared__ int lastq;
-        __shared__ float xb[256];
-        __threadfence();
-        __syncthreads();
-        int* c = cnt + (i64)r * 16 + jb / 8;
-        if (threadIdx.x == 0) lastq = atomicAdd(c, 1) == 7;
-        __syncthreads();
-        if (!lastq || w != 0) return;
-        __threadfence();
-        if (lane == 0) *c = 0;
-        const float* yb = Y + (i64)r * rows + (jb / 8) * 256;
-#pragma unroll
-        for (int i = 0; i < 8; i++) xb[i * 32 + lane] = __ldcg(yb + i * 32 + lane);
-        __syncwarp();
-        q8k_block(xb, Q + ((i64)r * (rows / 256) + jb / 8) * Q8K_BYTES, lane);
-    }
 }
 
-// The lane-row forms of the one-row kernels (mm_*_1, _glu_1, _multi_1, _moe_1
-// and _moe_glu_1): the same arguments, a block per 32 rows (grid x), blockIdx.y the input row,
-// 32 x min(16, nb) threads. The one-matrix kernels are held to 80 registers
+// The lane-row forms of the one-row kernels (mm_*_1, _glu_1, _multi_1,
+// _moe_1 and _moe_glu_1): the same arguments, a block per 32 rows (grid x),
+// blockIdx.y the input row, 32 x min(16, nb) threads. The one-matrix kernels are held to 80 registers
 // (three blocks of eight warps an SM); pdl_wait is in mm_lane.
 extern "C" __global__ void __maxnreg__(80)
     mm_q4_k_lane_1(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, int rows,
@@ -252,8 +184,8 @@ extern "C" __global__ void __maxnreg__(80)
 extern "C" __global__ void __maxnreg__(80)
     mm_q4_k_lane16_1(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, int rows,
                      int m, int nb) {
-    mm_lane<1, false, false, false, 16>(W, nullptr, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x, nullptr,
-                                        mats == nullptr);
+    mm_lane<1, false, 16>(W, nullptr, mat_stride, row_bytes, mats, A, Y, rows, m, nb, blockIdx.x, nullptr,
+                          mats == nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1)
@@ -267,24 +199,13 @@ extern "C" __global__ void __maxnreg__(80) mm_q4_k_lane_multi_1(MmJobs jobs, int
     mm_lane<1>(j.w, nullptr, 0, row_bytes, nullptr, A, j.y, j.rows, m, nb, j.bx, nullptr, true);
 }
 
-// mm_q4_k_lane_1 on the delta net's f32 output rows O, each block taking
-// their gated norm (gate rows Z, weight nw, heads of dv) and Q8_K blocks
-// itself (`GN_FOLD`: decode's output projection without the
-// gated_norm_q8k launch). m rows (grid y), nb blocks of 256 a row.
-extern "C" __global__ void __maxnreg__(80)
-    mm_q4_k_lane_gn_1(const u8* W, int row_bytes, const float* O, const float* Z, const float* nw, float* Y, int rows,
-                      int m, int nb, int dv, float eps) {
-    mm_lane<1, false, false, true>(W, nullptr, 0, row_bytes, nullptr, (const u8*)O, Y, rows, m, nb, blockIdx.x, nullptr,
-                                   true, nullptr, nullptr, Z, nw, dv, eps);
-}
-
 // Expert ids and input rows come from the routing kernel: no loads before
 // the wait.
 template <int NW, bool QIN = false>
 __device__ __forceinline__ void mm_lane_moe(const MoeJobs& jobs, int row_bytes, int nb) {
     int c0 = (jobs.rows[0] + 31) / 32, bx = blockIdx.x, j = 0;
     if (bx >= c0) bx -= c0, j = 1;
-    mm_lane<NW, false, QIN>(j ? jobs.wg[1] : jobs.wg[0], j ? jobs.wu[1] : jobs.wu[0], j ? jobs.stride[1] : jobs.stride[0],
+    mm_lane<NW, QIN>(j ? jobs.wg[1] : jobs.wg[0], j ? jobs.wu[1] : jobs.wu[0], j ? jobs.stride[1] : jobs.stride[0],
                 row_bytes, j ? jobs.mats[1] : jobs.mats[0], j ? jobs.a[1] : jobs.a[0], j ? jobs.y[1] : jobs.y[0],
                 j ? jobs.rows[1] : jobs.rows[0], j ? jobs.m[1] : jobs.m[0], nb, bx,
                 j ? jobs.amap[1] : jobs.amap[0], false);
@@ -303,19 +224,6 @@ extern "C" __global__ void __maxnreg__(80) mm_q4_k_lane_moe_qin_1(MoeJobs jobs, 
 
 extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1) mm_q4_k_lane_moe_glu_1(MoeJobs jobs, int row_bytes, int nb) {
     mm_lane_moe<2>(jobs, row_bytes, nb);
-}
-
-// mm_q4_k_lane_moe_glu_1 that also writes its outputs' Q8_K rows for the
-// down projections (GLU_Q8K): job j's rows to q[j], its counters from
-// cnt + 512 j (16 a row, rows < 32, outputs a multiple of 256, at most 4096).
-extern "C" __global__ void __launch_bounds__(LANE_THREADS, 1)
-    mm_q4_k_lane_moe_glu_q8k_1(MoeJobs jobs, int row_bytes, int nb, u8* q0, u8* q1, int* cnt) {
-    int c0 = (jobs.rows[0] + 31) / 32, bx = blockIdx.x, j = 0;
-    if (bx >= c0) bx -= c0, j = 1;
-    mm_lane<2, true>(j ? jobs.wg[1] : jobs.wg[0], j ? jobs.wu[1] : jobs.wu[0], j ? jobs.stride[1] : jobs.stride[0],
-                     row_bytes, j ? jobs.mats[1] : jobs.mats[0], j ? jobs.a[1] : jobs.a[0], j ? jobs.y[1] : jobs.y[0],
-                     j ? jobs.rows[1] : jobs.rows[0], j ? jobs.m[1] : jobs.m[0], nb, bx,
-                     j ? jobs.amap[1] : jobs.amap[0], false, j ? q1 : q0, cnt + 512 * j);
 }
 
 MM_KERNEL(mm_q4_k, FmtQ4K, 1)
