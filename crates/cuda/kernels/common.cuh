@@ -188,7 +188,7 @@ __device__ __forceinline__ void q8k_block(const float* xb, u8* ob, int lane) {
 
 // ---------------------------------------------------------------- norms
 
-// The RMSNorm rows' threads (norm_row in ops.cu).
+// The RMSNorm rows' threads (norm_row in norm.cu).
 #define NORM_THREADS 256
 
 // The block's sum of `part` (one f64 per norm thread): a fixed tree, its last
@@ -214,8 +214,8 @@ __device__ __forceinline__ double norm_tree_from(double* part, int t, int o0) {
 __device__ __forceinline__ double norm_tree(double* part, int t) { return norm_tree_from(part, t, NORM_THREADS / 2); }
 
 // ---------------------------------------------------------------- routing
-// Shared by ops.cu (route, route_plan_*) and matmul.cu (the router launch
-// that routes its own row, mm_f32_multi_route).
+// Shared by moe.cu (route, route_plan_*) and matmul_float.cu (the router launch
+// that routes its own row, mm_f32_multi_route_rd).
 
 // The warp's largest (bv, best) pair, lowest id among equal values (a lane
 // with no candidate holds best = -1): a fixed xor butterfly; every lane ends
@@ -377,7 +377,7 @@ __device__ __forceinline__ void route_one_warp(float* logits, int* ids, float* w
     plan_warp(lane < k ? rids[lane] : -1, k, k, pad, placed_row, placed_mat, slot, cap, lane);
 }
 
-// route_one_warp with the row in registers (`ROUTE_REGS`), for e <= 256:
+// route_one_warp with the row in registers, for e <= 256:
 // lane l holds entries l, l + 32, ... (eight at most), so the softmax's
 // loops are unrolled without shared memory, and each argmax round is two
 // warp reductions (the largest value's key, then the lowest id holding it)

@@ -173,25 +173,13 @@ extern "C" __global__ void silu_mul(float* a, const float* b, i64 n) {
     if (i < n) a[i] = silu(a[i]) * b[i];
 }
 
-// silu_mul on rows of `width` (a multiple of 256), a block per row, then the
-// row's Q8_K blocks as quantize_q8k makes them (quantize_own_row): the GLU
-// output's quantization for the down projection without a launch of its own.
-extern "C" __global__ void __launch_bounds__(NORM_THREADS)
-    silu_mul_q8k(float* a, const float* b, u8* q, int width) {
-    pdl_wait();
-    i64 r = blockIdx.x;
-    float* ar = a + r * width;
-    const float* br = b + r * width;
-    for (int i = threadIdx.x; i < width; i += NORM_THREADS) ar[i] = silu(ar[i]) * br[i];
-    quantize_own_row(ar, q + r * (width / 256) * Q8K_BYTES, width);
-}
-
-// silu_mul_q8k with a warp per 256-block (`SAMESUM_CUDA_SILU_WARP`,
-// default): warp w of the launch takes block w % nb of row w / nb (nb =
-// width / 256), its 256 products (loads first), then its Q8_K block. The
-// same products and the same q8k_block, so the same bytes. The block-per-row
-// kernel gives a 512-wide routed GLU row 2 values a thread and then
-// quantizes it with 2 of its 8 warps.
+// silu_mul on rows of `width` (a multiple of 256) with the rows' Q8_K
+// blocks as quantize_q8k makes them (the GLU output's quantization for the
+// down projection without a launch of its own), a warp per 256-block: warp
+// w of the launch takes block w % nb of row w / nb (nb = width / 256), its
+// 256 products (loads first), then its Q8_K block (q8k_block). A block a row
+// would give a 512-wide routed GLU row 2 values a thread and then quantize
+// it with 2 of its 8 warps.
 // LIVE: rows whose expert id (`mats`) is negative (the expert plan's
 // padding, and the places past the last expert's rows) are skipped, their
 // products and Q8_K blocks left unwritten (see silu_mul_q8k_wl).
@@ -223,8 +211,8 @@ extern "C" __global__ void __launch_bounds__(128)
     silu_q8k_warp<false>(a, b, q, width, m, nullptr);
 }
 
-// silu_mul_q8k_w on the rows that have an expert only (`LIVE_ROWS`,
-// opt-in until measured): a wide routed call's rows are padded per expert
+// silu_mul_q8k_w on the rows that have an expert only: a wide routed
+// call's rows are padded per expert
 // to the tensor-core tile and sized for the worst case, so about a third of
 // them (qwen35moe, chunk 2,048: ~7,900 of 24,320) hold no pair. Nothing
 // reads their outputs: the down projection computes and stores only rows
@@ -235,33 +223,6 @@ extern "C" __global__ void __launch_bounds__(128)
     silu_mul_q8k_wl(float* a, const float* b, u8* q, int width, int m, const int* mats) {
     pdl_wait();
     silu_q8k_warp<true>(a, b, q, width, m, mats);
-}
-
-// silu_mul_q8k_w quantizing the products from registers, without storing
-// them (`SILU_REGS`, opt-in: H200, session 19, 4.72 ms against 4.44 at
-// qwen35moe pp4096, though the float rows' write, a third of the traffic,
-// goes): the next matmul reads the Q8_K blocks only. `a` keeps the gate's
-// outputs. The same products and q8k_block's arithmetic on them, so the
-// same Q8_K bytes.
-extern "C" __global__ void __launch_bounds__(128)
-    silu_mul_q8k_wr(const float* a, const float* b, u8* q, int width, int m) {
-    pdl_wait();
-    int nb = width / 256, lane = threadIdx.x % 32;
-    i64 w = (i64)blockIdx.x * 4 + threadIdx.x / 32;
-    if (w >= (i64)m * nb) return;
-    i64 r = w / nb;
-    int c = (int)(w % nb);
-    const float* ab = a + r * width + c * 256;
-    const float* bb = b + r * width + c * 256;
-    float av[8], bv[8], v[8];
-#pragma unroll
-    for (int t = 0; t < 8; t++) {
-        av[t] = ab[lane + 32 * t];
-        bv[t] = bb[lane + 32 * t];
-    }
-#pragma unroll
-    for (int t = 0; t < 8; t++) v[t] = silu(av[t]) * bv[t];
-    q8k_block_regs(v, q + (r * nb + c) * Q8K_BYTES, lane);
 }
 
 // sigmoid_mul on rows of `width` (a multiple of 256), then the rows' Q8_K
@@ -302,9 +263,9 @@ extern "C" __global__ void gather_rows(const float* src, const int* rows, float*
 }
 
 // dst row i = src row rows[i] for rows of `words` 16-byte words (quantized
-// activation rows); a negative index gives a zero row, or (ZERO false, the
-// `_live` kernel, `LIVE_ROWS`) leaves the row as it was: no kernel that
-// reads the rows of a wide routed call uses a row with no expert.
+// activation rows); a negative index leaves the row as it was (ZERO false,
+// the `_live` kernel launched; ZERO true would give a zero row): no kernel
+// that reads the rows of a wide routed call uses a row with no expert.
 template <bool ZERO>
 __device__ __forceinline__ void gather_words_k(const int4* src, const int* rows, int4* dst, int words, int n) {
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -316,11 +277,6 @@ __device__ __forceinline__ void gather_words_k(const int4* src, const int* rows,
     v.x = v.y = v.z = v.w = 0;
     if (s >= 0) v = src[(i64)s * words + c];
     dst[i] = v;
-}
-
-extern "C" __global__ void gather_words(const int4* src, const int* rows, int4* dst, int words, int n) {
-    pdl_wait();
-    gather_words_k<true>(src, rows, dst, words, n);
 }
 
 extern "C" __global__ void gather_words_live(const int4* src, const int* rows, int4* dst, int words, int n) {

@@ -4,14 +4,35 @@ use super::*;
 
 impl Cuda {
     /// RMSNorm of host rows (`x.len() / w.len()` of them) through
-    /// `rms_norm_on`'s choice of kernel (for tests).
+    /// `rms_norm_on`'s choice of kernel, or with `reference` through the
+    /// block-a-row kernel at every width (for tests).
     #[doc(hidden)]
-    pub fn rms_norm_host(&self, x: &[f32], w: &[f32], eps: f32) -> Result<Vec<f32>> {
+    pub fn rms_norm_host(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        eps: f32,
+        reference: bool,
+    ) -> Result<Vec<f32>> {
         let rows = x.len() / w.len().max(1);
         let xd = self.dev.upload(x)?;
         let wd = self.dev.upload(w)?;
         let mut y = self.dev.upload(&vec![f32::NAN; x.len()])?;
-        self.rms_norm_on(&xd, &wd, w.len(), rows, eps, &mut y)?;
+        if reference {
+            let width = w.len() as i32;
+            launch!(
+                self.dev,
+                "rms_norm",
+                cfg((rows as u32, 1, 1), 256, 0),
+                &xd,
+                &wd,
+                &mut y,
+                &width,
+                &eps
+            )?;
+        } else {
+            self.rms_norm_on(&xd, &wd, w.len(), rows, eps, &mut y)?;
+        }
         self.dev.download(&y, x.len())
     }
 

@@ -65,37 +65,6 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
 }
 
-/// Two backends on `model`: switch `name` on in the first, off in the second.
-fn switch_arms(model: &Model, name: &str) -> (Cuda, Cuda) {
-    let mut on = Cuda::new(0, model, false).unwrap();
-    on.set_switch(name, true).unwrap();
-    let mut off = Cuda::new(0, model, false).unwrap();
-    off.set_switch(name, false).unwrap();
-    (on, off)
-}
-
-/// The arms' logits at every position, the prompt fed in chunks of each of
-/// `chunks`, hold the same bits (`what` names the comparison); returns the
-/// first arm's logits per chunk size.
-fn assert_same_logits(
-    on: &Cuda,
-    off: &Cuda,
-    model: &Model,
-    toks: &[u32],
-    chunks: &[usize],
-    what: &str,
-) -> Vec<Vec<f32>> {
-    chunks
-        .iter()
-        .map(|&chunk| {
-            let p = all_logits(on, model, toks, chunk);
-            let q = all_logits(off, model, toks, chunk);
-            assert!(same_bits(&p, &q), "chunk {chunk}: {what}");
-            p
-        })
-        .collect()
-}
-
 fn repo() -> PathBuf {
     std::env::var_os("SAMESUM_REPO")
         .map(PathBuf::from)
@@ -551,4 +520,3 @@ fn programmatic_dependent_launch_is_for_small_calls() {
     .unwrap();
     assert!(cuda.device().uses_pdl(), "a {n}-row call did not use PDL");
 }
-
