@@ -104,7 +104,7 @@ macro_rules! scalar_arg {
 scalar_arg!(i32, u32, i64, u64, f32);
 
 /// Up to four matrices of one format against the same rows in one launch
-/// (`MmJobs` in kernels/matmul.cu: weight addresses, output addresses, row
+/// (`MmJobs` in kernels/matmul_dp4a.cu: weight addresses, output addresses, row
 /// counts, how many are used).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -116,7 +116,7 @@ pub(crate) struct MmJobs {
 }
 
 /// A decode MoE's routed and shared experts in one launch (`MoeJobs` in
-/// kernels/matmul.cu: per job the gate (or only) and up weight bases, the
+/// kernels/matmul_dp4a.cu: per job the gate (or only) and up weight bases, the
 /// matrix stride, the per-row expert ids (0: none), the quantized input
 /// rows, the outputs, each output row's input row (0: row r reads row r),
 /// the rows per matrix and the input rows).
@@ -644,7 +644,7 @@ pub(crate) fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> cudarc::drive
 }
 
 /// Threads of a lane-row matmul block (`mm_q4_k_lane_*`): a warp per
-/// 256-block of the row up to 16 (LANE_CH in matmul.cu), so a warp computes
+/// 256-block of the row up to 16 (LANE_CH in matmul_lane.cu), so a warp computes
 /// one block (two for a GLU) per 16 and short rows leave no warp idle (at
 /// four warps, the out projections' 64 blocks of 16-block rows took 11.6 us
 /// against the warp-row kernel's 6.6 on an H200).

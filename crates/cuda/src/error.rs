@@ -47,8 +47,6 @@ pub enum CudaError {
         "{tensor}: no CUDA kernel for {ty} weights (have: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K)"
     )]
     Unsupported { tensor: String, ty: String },
-    #[error("no CUDA switch named {name:?} (have: {known})")]
-    UnknownSwitch { name: String, known: String },
 }
 
 impl From<CudaError> for samesum_engine::EngineError {

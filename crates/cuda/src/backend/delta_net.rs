@@ -4,6 +4,21 @@
 
 use super::*;
 
+/// The lane-a-head kernels (`gated_norm_q8k_h`, `l2norm_qk_h`): `n` heads
+/// of `dim` values, HS_HEADS (delta_net.cu) a block of 128 threads, staged
+/// in rows of `dim + 1` floats.
+fn head_sums_cfg(n: usize, dim: usize) -> cudarc::driver::LaunchConfig {
+    const HS_HEADS: usize = 32;
+    cfg(
+        (n.div_ceil(HS_HEADS) as u32, 1, 1),
+        128,
+        (HS_HEADS * (dim + 1) * 4) as u32,
+    )
+}
+
+/// Rows a thread of `conv_tile` takes (CONV_TR in delta_net.cu).
+const CONV_TR: usize = 16;
+
 /// The causal conv's kernel for a call of `m` rows, `kc` taps, key heads of
 /// `dk`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

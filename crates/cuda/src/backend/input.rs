@@ -1,5 +1,6 @@
 //! Matmul input rows and their quantized forms, made once per call.
 
+use super::matmul::TC_ROWS;
 use super::*;
 
 /// The next layer's input norm run by a decode MoE's last launch

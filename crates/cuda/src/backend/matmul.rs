@@ -5,6 +5,43 @@
 
 use super::*;
 
+/// Activation rows per tile of the tensor-core matmuls (the async kernel's
+/// 32-row variant aside): the expert plan pads each expert's rows to a
+/// multiple of this in wide calls.
+pub(super) const TC_ROWS: usize = 16;
+
+/// Calls of at least this many rows per weight matrix (for expert calls, on
+/// average per expert) take the async kernel's 32-row tiles by default: each
+/// staged weight block then serves twice the rows. Below it the plan's
+/// padding to 32 would cost more rows than the tiles save (H200, qwen35moe
+/// at 16 rows per expert: pp512 10,128 -> 9,399 with 32-row tiles
+/// everywhere; at 64, pp4096 9,381 -> 9,540).
+const TC_ROWS32_MIN: usize = 64;
+
+/// The most rows a one-row Q4_K matmul may have to take 16 rows a block
+/// (4,096 rows are 128 blocks of 32: a wave of the H200's 132 SMs already).
+const LANE16_ROWS: usize = 4096;
+
+/// `mm_f32_tile_w8`'s two stages of shared memory: 32 weight rows and 16
+/// activation rows of 128 f32 columns each (MFW_SMEM in matmul_float.cu).
+const MFW_SMEM: u32 = 2 * (32 + 16) * 128 * 4;
+
+/// Float matrices of at most this many rows take `mm_f32_few` instead
+/// (MFF_ROWS in matmul_float.cu).
+const MFF_ROWS: usize = 8;
+
+/// The weight rows of a tensor-core tile (TQ_WROWS in matmul_tc.cu).
+const TQ_WROWS: usize = 128;
+
+/// Dynamic shared memory of the async tensor-core kernels: two stages of
+/// (128 weight rows at 160 bytes for Q4_K or 224 for Q5_K, `rows` activation
+/// rows at 352, rows x 4 packed bsums, rows scales), as `TaLayout` in
+/// matmul_tc.cu.
+const fn tc_async_smem(q5: bool, rows: usize) -> u32 {
+    let wst = if q5 { 224 } else { 160 };
+    (2 * (128 * wst + rows * 352 + rows * 4 * 4 + rows * 4)) as u32
+}
+
 /// The kernel of one matmul call. Every one computes each output element
 /// with the same operations in the same order (kernels/matmul_dp4a.cu), so
 /// the choice changes the speed only.
@@ -745,7 +782,7 @@ impl Cuda {
     }
 }
 
-/// `FmtQ6K::load` (matmul.cu) reads a group's 16 ql and 16 qh bytes with
+/// `FmtQ6K::load` (matmul_dp4a.cu) reads a group's 16 ql and 16 qh bytes with
 /// five aligned words each (`ld16_a2`) where it read two bytes at a time
 /// (`q6_word`): the same four words for every group, on blocks at both
 /// 2-byte alignments. A host model of both; the GPU tests compare the

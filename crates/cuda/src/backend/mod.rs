@@ -102,8 +102,7 @@ pub struct CudaOptions {
     /// memory as the budget when it does not.
     pub vram_budget: Option<u64>,
     /// Attention's score and value passes on tensor cores, with each step's
-    /// products added to the running sums in fp32 (`--attention fast`; the
-    /// switches `SAMESUM_CUDA_ATT_TC=1 SAMESUM_CUDA_ATT_TC_ACC=1`). Opt-in: a
+    /// products added to the running sums in fp32 (`--attention fast`). Opt-in: a
     /// different summation order from the default passes, so not the same
     /// bytes as the default, but one function for decode and prefill, so
     /// batched prefill still equals replay with it on. Measured against the
@@ -112,63 +111,8 @@ pub struct CudaOptions {
     pub fast_attention: bool,
 }
 
-/// Activation rows per tile of the tensor-core matmuls (the async kernel's
-/// 32-row variant aside): the expert plan pads each expert's rows to a
-/// multiple of this in wide calls.
-const TC_ROWS: usize = 16;
-
-/// Calls of at least this many rows per weight matrix (for expert calls, on
-/// average per expert) take the async kernel's 32-row tiles by default: each
-/// staged weight block then serves twice the rows. Below it the plan's
-/// padding to 32 would cost more rows than the tiles save (session 10,
-/// qwen35moe at 16 rows per expert: pp512 10,128 -> 9,399 with 32-row tiles
-/// everywhere; at 64, pp4096 9,381 -> 9,540).
-const TC_ROWS32_MIN: usize = 64;
-
-/// The most rows a one-row Q4_K matmul may have to take 16 rows a block
-/// with `LANE16` (4,096 rows are 128 blocks of 32: a wave of the H200's
-/// 132 SMs already).
-const LANE16_ROWS: usize = 4096;
-
-/// The lane-a-head kernels (`HEAD_SUMS`: `gated_norm_q8k_h`,
-/// `l2norm_qk_h`): `n` heads of `dim` values, HS_HEADS (ops.cu) a block of
-/// 128 threads, staged in rows of `dim + 1` floats.
-fn head_sums_cfg(n: usize, dim: usize) -> cudarc::driver::LaunchConfig {
-    const HS_HEADS: usize = 32;
-    cfg(
-        (n.div_ceil(HS_HEADS) as u32, 1, 1),
-        128,
-        (HS_HEADS * (dim + 1) * 4) as u32,
-    )
-}
-
-/// `mm_f32_tile_w8`'s two stages of shared memory: 32 weight rows and 16
-/// activation rows of 128 f32 columns each (MFW_SMEM in matmul.cu).
-const MFW_SMEM: u32 = 2 * (32 + 16) * 128 * 4;
-
-/// Float matrices of at most this many rows take `mm_f32_few` instead
-/// (MFF_ROWS in matmul.cu).
-const MFF_ROWS: usize = 8;
-
-/// The weight rows of a tensor-core tile (TQ_WROWS in matmul.cu).
-const TQ_WROWS: usize = 128;
-
-/// Dynamic shared memory of the async tensor-core kernels: two stages of
-/// (128 weight rows at 160 bytes for Q4_K or 224 for Q5_K, `rows` activation
-/// rows at 352, rows x 4 packed bsums, rows scales), as `TaLayout` in
-/// matmul.cu.
-const fn tc_async_smem(q5: bool, rows: usize) -> u32 {
-    let wst = if q5 { 224 } else { 160 };
-    (2 * (128 * wst + rows * 352 + rows * 4 * 4 + rows * 4)) as u32
-}
-
-/// Rows a thread of `conv_tile` takes (CONV_TR in kernels/ops.cu).
-const CONV_TR: usize = 16;
-/// The one-launch plan's limits (`plan_small` in ops.cu).
-const PLAN_SMALL_PAIRS: usize = 256;
 /// Device counters kept zeroed between launches (`Cuda::counters`).
 const COUNTERS: usize = 4096;
-const PLAN_SMALL_EXPERTS: usize = 2048;
 
 /// Most bytes of attention partials (per pair and key tile: max, sum and a
 /// head-dim row) one attention call allocates; longer contexts run the rows
@@ -277,8 +221,7 @@ impl Cuda {
         Ok(c)
     }
 
-    /// The backend with the model's weights placed (resident or tiered) and
-    /// every switch as the environment sets it (`SAMESUM_CUDA_*`).
+    /// The backend with the model's weights placed (resident or tiered).
     fn place(ordinal: usize, model: &Model, progress: bool, opts: CudaOptions) -> Result<Cuda> {
         for m in matrices(model) {
             if !FORMATS.contains(&m.ty) && !std::ptr::eq(m, &model.w.token_embd) {

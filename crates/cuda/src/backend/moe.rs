@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// The one-launch plan's limits (`plan_small_block` in moe.cu).
+const PLAN_SMALL_PAIRS: usize = 256;
+const PLAN_SMALL_EXPERTS: usize = 2048;
+
 /// The expert plan computed on the host, the reference the plan kernels are
 /// tested against (`plan_count`/`plan_scan`/`plan_place`, `plan_small`,
 /// `plan_warp`): each expert's pair count rounded up to `pad`, their
