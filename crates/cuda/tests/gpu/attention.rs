@@ -44,6 +44,7 @@ fn attention_inputs(
 /// caches over one to three key tiles, and whole forward passes over 300
 /// tokens give the same bytes batched (chunks of 64 and 7) and replayed.
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn attention_at_the_real_models_head_shapes() {
     if !gpu() {
         return;
@@ -160,6 +161,7 @@ fn attention_at_the_real_models_head_shapes() {
 /// Attention of host rows refuses the shapes the kernels do not take and
 /// inputs of the wrong sizes, naming them.
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn attention_host_refuses_bad_shapes() {
     if !gpu() {
         return;
@@ -185,6 +187,7 @@ fn attention_host_refuses_bad_shapes() {
 /// in its name, and batched prefill still equals replay byte for byte (300
 /// tokens, chunks of 64 and of 7, on every tiny shape).
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn fast_attention_option_takes_the_tensor_core_passes() {
     if !gpu() {
         return;
@@ -254,6 +257,7 @@ fn attention_distance(
 /// and whole forward passes over 300 tokens (two key tiles) byte-equal
 /// batched (chunks of 64) and replayed, on every tiny shape.
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn f16_kv_cache_on_the_gpu() {
     if !gpu() {
         return;
@@ -302,6 +306,7 @@ fn f16_kv_cache_on_the_gpu() {
 /// logits at every position byte-equal with the default cap, with one row
 /// per group, and with groups of a few rows, over 300 tokens (two key tiles).
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn attention_row_groups_equal_one_call() {
     if !gpu() {
         return;

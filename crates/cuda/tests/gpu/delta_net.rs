@@ -38,6 +38,7 @@ fn head_dim_label(shape: &shapes::Shape) -> String {
 /// 16 rows or more run the delta rule's full groups unrolled, smaller ones
 /// the pipelined loop.
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn delta_net_obeys_the_row_contract_at_every_head_dim() {
     if !gpu() {
         return;
@@ -59,6 +60,7 @@ fn delta_net_obeys_the_row_contract_at_every_head_dim() {
 /// at key and value head dims 64, 128 and 256 (the delta-net shapes' conv
 /// has 4 taps: `conv_tile`'s case in the wide calls).
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn batched_delta_net_equals_replay_at_every_head_dim() {
     if !gpu() {
         return;
@@ -89,6 +91,7 @@ fn batched_delta_net_equals_replay_at_every_head_dim() {
 /// f32 one: the sums of the wider heads run in other orders on the two
 /// backends, and a wrong kernel misses it by orders of magnitude.
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn delta_net_matches_the_cpu_backend_at_wide_head_dims() {
     if !gpu() {
         return;

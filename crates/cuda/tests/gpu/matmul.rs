@@ -55,6 +55,7 @@ fn padded_plan_rows(
 /// rows included), outputs NaN-poisoned; and the fused GLU kernels against
 /// two tile-kernel matmuls and silu_mul.
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn one_row_kernels_equal_the_tile_kernels() {
     if !gpu() {
         return;
@@ -147,6 +148,7 @@ fn one_row_kernels_equal_the_tile_kernels() {
 /// outputs. The forward passes (decode against prefill) cover the grouped
 /// projections and the MoE jobs.
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn lane_row_matmuls_equal_the_tile_kernels() {
     if !gpu() {
         return;
@@ -214,6 +216,7 @@ fn lane_row_matmuls_equal_the_tile_kernels() {
 /// v; delta-net qkv, z, beta, alpha) against one matmul each, byte for byte,
 /// every format, one row and a few rows.
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn grouped_input_projections_equal_separate_matmuls() {
     if !gpu() {
         return;
@@ -272,6 +275,7 @@ fn grouped_input_projections_equal_separate_matmuls() {
 /// routers of every tiny shape and a wider one (768 columns: the kernel's
 /// two-step loop ends on a half step), poisoned outputs.
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn float_tile_matmuls_equal_the_row_kernel_and_single_rows() {
     if !gpu() {
         return;
@@ -356,6 +360,7 @@ fn float_tile_matmuls_equal_the_row_kernel_and_single_rows() {
 /// and 32-row tiles (for expert stacks, rows placed as a plan padding to 16
 /// and to 32 places an expert).
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
     if !gpu() {
         return;
@@ -467,6 +472,7 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
 /// on the plan's layout (tiles of one expert ending in padding rows, which
 /// neither launch writes).
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn tensor_core_jobs_equal_one_launch_each() {
     if !gpu() {
         return;

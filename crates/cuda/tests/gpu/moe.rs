@@ -8,6 +8,7 @@ use super::*;
 /// for byte, with ties among the logits and some rows holding a NaN; and
 /// rows without a NaN against a host top k.
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn the_one_launch_route_and_plan_equal_the_separate_kernels() {
     if !gpu() {
         return;
@@ -125,6 +126,7 @@ fn the_one_launch_route_and_plan_equal_the_separate_kernels() {
 /// cut, n odd among them), crowded experts (a third of the cases put every
 /// pair on 4 experts), pads of 1, 16 and 32.
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn the_plan_equals_the_host_reference() {
     if !gpu() {
         return;
@@ -173,6 +175,7 @@ fn the_plan_equals_the_host_reference() {
 /// expert, also against a host reference (f32 fmas in slot order: the
 /// kernel's function, so a wrong order or a dropped term fails).
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn moe_combine_rows_equal_single_rows_and_the_column_kernel() {
     if !gpu() {
         return;
@@ -266,6 +269,7 @@ fn moe_combine_rows_equal_single_rows_and_the_column_kernel() {
 /// logit byte-equal (the row contract makes the chunk size no matter), on
 /// the shapes with a shared expert.
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn shared_expert_beside_the_routed_experts_equals_serial() {
     if !gpu() {
         return;

@@ -7,6 +7,7 @@ use super::*;
 /// rows of many widths and scales (a wrong tree order shows in some rows'
 /// last bits of the mean).
 #[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
 fn small_norms_equal_the_block_norm() {
     if !gpu() {
         return;
