@@ -1,13 +1,91 @@
 #!/usr/bin/env bash
-# The project's test command: Rust tests, then the oracles that need Python
-# (gguf-py, llama.cpp's reference) in a venv this script makes itself.
+# The project's test command: formatting, clippy, the Rust tests, then the
+# checks that run the built binaries with Python (gguf-py oracles, the
+# identity gate, the server against the official openai client and a load
+# test) and NVRTC (every CUDA kernel compiles), in venvs it makes itself.
 #
-#   scripts/test.sh            # everything
+#   scripts/test.sh          # everything; the identity gate on the prompts of up to 515 tokens
+#   scripts/test.sh --full   # ... on the whole prompt set (up to 4,096 tokens): for releases
 #   SAMESUM_SKIP_ORACLE=1 scripts/test.sh   # Rust tests only
+#   SAMESUM_SKIP_CUDA=1 scripts/test.sh     # without the NVRTC compile
 #   SAMESUM_LLAMA_CHECK=1 scripts/test.sh   # also build llama.cpp and run it on synth models
 #   LLAMA_SIMPLE=/path/to/llama-simple scripts/test.sh   # ... with a llama.cpp you built
+#
+# One cargo build serves every step: `cargo test --workspace` builds the
+# tests, the examples and the samesum binary with one feature resolution,
+# and later steps run those binaries (`cargo build -p X` or `cargo run -p X`
+# would resolve features for X alone and rebuild crates). The venvs, the
+# llama.cpp build and the NVRTC compile run in the background at the lowest
+# priority, on the cores the other steps leave idle.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+FULL=0
+for arg in "$@"; do
+    case "$arg" in
+    --full) FULL=1 ;;
+    *) echo "usage: scripts/test.sh [--full]" >&2; exit 2 ;;
+    esac
+done
+ORACLE=1 CUDA=1 LLAMA=0
+[[ "${SAMESUM_SKIP_ORACLE:-0}" == "1" ]] && ORACLE=0
+[[ "${SAMESUM_SKIP_CUDA:-0}" == "1" || $ORACLE == 0 ]] && CUDA=0
+[[ "${SAMESUM_LLAMA_CHECK:-0}" == "1" && -z "${LLAMA_SIMPLE:-}" && $ORACLE == 1 ]] && LLAMA=1
+TARGET="${CARGO_TARGET_DIR:-target}/release"
+BIN="$TARGET/samesum"
+VENV="${SAMESUM_VENV:-.venv-oracle}"
+CUDA_VENV="${SAMESUM_CUDA_VENV:-.venv-cuda}"
+PY="$VENV/bin/python"
+OUT="$(mktemp -d)"
+
+# Background jobs, each in its own process group (ended with the script).
+JOBS=() SERVER_PID=""
+stop_server() {
+    if [[ -n "$SERVER_PID" ]]; then
+        kill "$SERVER_PID" 2>/dev/null || true
+        wait "$SERVER_PID" 2>/dev/null || true
+    fi
+    SERVER_PID=""
+}
+cleanup() {
+    stop_server
+    for j in "${JOBS[@]}"; do kill -- "-$j" 2>/dev/null || true; done
+    rm -rf "$OUT"
+}
+trap cleanup EXIT
+background() { # log, command...: start it at nice 19 in a new process group; its pid in JOB
+    local log=$1
+    shift
+    setsid nice -n 19 "$@" > "$log" 2>&1 &
+    JOB=$!
+    JOBS+=("$JOB")
+}
+join() { # pid, log, what: wait for a background job, its log on failure
+    if ! wait "$1"; then
+        tail -40 "$2"
+        echo "$3 failed"
+        exit 1
+    fi
+}
+
+if [[ $ORACLE == 1 ]]; then
+    background "$OUT/venvs.log" bash -c '
+        set -euo pipefail
+        if [[ ! -x "$1/bin/python" ]]; then
+            python3 -m venv "$1"
+            "$1/bin/pip" install --quiet "gguf==0.19.0" "numpy>=1.26"
+        fi
+        "$1/bin/python" -c "import openai" 2>/dev/null || "$1/bin/pip" install --quiet "openai==3.57.0"
+        if [[ $3 == 1 && ! -x "$2/bin/python" ]]; then
+            python3 -m venv "$2"
+            "$2/bin/pip" install --quiet "nvidia-cuda-nvrtc==13.0.*"
+        fi' _ "$VENV" "$CUDA_VENV" "$CUDA"
+    VENVS_JOB=$JOB
+fi
+if [[ $LLAMA == 1 ]]; then
+    echo "== building llama.cpp's llama-simple in the background (cached in .cache/)"
+    background "$OUT/llama-build.log" bash -c 'scripts/llama-cpp.sh > "$1"' _ "$OUT/llama-path"
+    LLAMA_JOB=$JOB
+fi
 
 echo "== cargo fmt --check, cargo clippy -D warnings"
 cargo fmt --all -- --check
@@ -16,29 +94,29 @@ cargo clippy --workspace --all-targets --release --locked -- -D warnings
 echo "== cargo test (workspace)"
 cargo test --workspace --release --locked
 
-if [[ "${SAMESUM_SKIP_ORACLE:-0}" == "1" ]]; then
+if [[ $ORACLE == 0 ]]; then
     echo "== oracles skipped (SAMESUM_SKIP_ORACLE=1)"
     exit 0
 fi
+echo "== venvs: $VENV (gguf, numpy, openai)$([[ $CUDA == 1 ]] && echo ", $CUDA_VENV (NVRTC 13.0)")"
+join "$VENVS_JOB" "$OUT/venvs.log" "making the venvs"
 
-VENV="${SAMESUM_VENV:-.venv-oracle}"
-if [[ ! -x "$VENV/bin/python" ]]; then
-    echo "== creating $VENV (gguf, numpy)"
-    python3 -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet "gguf==0.19.0" "numpy>=1.26"
+if [[ $CUDA == 1 ]]; then
+    # No GPU here: NVRTC (from PyPI, pinned to the H200's CUDA 13.0) compiles
+    # every kernel for sm_90a, so a kernel that does not compile fails CI.
+    # --workspace: the build the tests above ran (no crate rebuilt).
+    NVRTC_LIB="$("$CUDA_VENV/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')"
+    background "$OUT/nvrtc.log" env LD_LIBRARY_PATH="$NVRTC_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        SAMESUM_REQUIRE_NVRTC=1 cargo test --workspace --release --locked -q --test kernels_compile \
+        -- --nocapture --test-threads=1
+    NVRTC_JOB=$JOB
 fi
-PY="$VENV/bin/python"
-"$PY" -c "import openai" 2>/dev/null || "$VENV/bin/pip" install --quiet "openai==3.57.0"
-OUT="$(mktemp -d)"
-trap 'rm -rf "$OUT"' EXIT
 
 echo "== oracle: dequantize/quantize bit-exact against gguf-py (10,000 random blocks per format + edge values)"
-cargo run --release --locked -q -p samesum-quant --example oracle_dump -- "$OUT/oracle" 10000
+"$TARGET/examples/oracle_dump" "$OUT/oracle" 10000
 "$PY" tests/oracle/check_dequant.py "$OUT/oracle"
 
 echo "== oracle: gguf-py reads what samesum synth writes"
-BIN=target/release/samesum
-cargo build --release --locked -q -p samesum
 for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
     for quant in q4_k q8_0 bf16 f32; do
         f="$OUT/$shape-$quant.gguf"
@@ -48,14 +126,24 @@ for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
     done
 done
 
-echo "== identity gate: replay vs batched on the shipped prompt set (tiny models, chunks 1/7/64/128/256, threads 1/2)"
+# The shipped prompts of up to 515 tokens cross every chunk boundary of the
+# gate: prompts of 1-3 tokens, one short of, equal to and one more than each
+# chunk size (6/7/8, 63/64/65, 127/128/129, 255/256/257) and than its
+# multiples (15/16/17, 131, 259, 512, 515), and natural text; each arm then
+# decodes 16 greedy tokens. --full adds the prompts of 1,000 to 4,096 tokens
+# and decodes 64.
+MAX_LEN=515 F16_MAX_LEN=515 GEN=16
+[[ $FULL == 1 ]] && MAX_LEN=4096 F16_MAX_LEN=1000 GEN=64
+echo "== identity gate: replay vs batched on the shipped prompts of up to $MAX_LEN tokens (tiny models, chunks 1/7/64/128/256, threads 1/2, $GEN tokens decoded)"
 for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
-    "$BIN" identity --shape "$shape" --chunk 1,7,64,128,256 --threads 1,2 --gen 64 > "$OUT/identity-$shape.md" \
+    "$BIN" identity --shape "$shape" --chunk 1,7,64,128,256 --threads 1,2 --gen "$GEN" --max-len "$MAX_LEN" \
+        > "$OUT/identity-$shape.md" \
         || { cat "$OUT/identity-$shape.md"; echo "identity gate failed on $shape"; exit 1; }
     tail -1 "$OUT/identity-$shape.md"
 done
-echo "== identity gate with an f16 KV cache (attention-only model)"
-"$BIN" identity --shape tiny-qwen3moe --kv-type f16 --chunk 7,256 --threads 2 --max-len 1000 --gen 16 > "$OUT/identity-f16.md" \
+echo "== identity gate with an f16 KV cache (attention-only model, prompts of up to $F16_MAX_LEN tokens)"
+"$BIN" identity --shape tiny-qwen3moe --kv-type f16 --chunk 7,256 --threads 2 --max-len "$F16_MAX_LEN" --gen 16 \
+    > "$OUT/identity-f16.md" \
     || { cat "$OUT/identity-f16.md"; echo "identity gate failed with an f16 KV cache"; exit 1; }
 tail -1 "$OUT/identity-f16.md"
 echo "== identity gate negative control: a reordered MoE combination must be caught"
@@ -65,15 +153,6 @@ fi
 tail -2 "$OUT/neg.md" | head -1
 
 echo "== samesum serve: the official openai client, then a load test (32 streaming clients, 200 requests)"
-SERVER_PID=""
-stop_server() {
-    if [[ -n "$SERVER_PID" ]]; then
-        kill "$SERVER_PID" 2>/dev/null || true
-        wait "$SERVER_PID" 2>/dev/null || true
-    fi
-    SERVER_PID=""
-}
-trap 'stop_server; rm -rf "$OUT"' EXIT
 "$BIN" serve --port 0 --max-batch 8 > "$OUT/serve.out" 2> "$OUT/serve.log" &
 SERVER_PID=$!
 for _ in $(seq 100); do grep -q "listening on" "$OUT/serve.out" 2>/dev/null && break; sleep 0.1; done
@@ -86,27 +165,18 @@ tail -1 "$OUT/openai.log"
 tail -2 "$OUT/load.log"
 stop_server
 
-if [[ "${SAMESUM_SKIP_CUDA:-0}" != "1" ]]; then
-    # No GPU here: NVRTC (from PyPI, pinned to the H200's CUDA 13.0) compiles
-    # every kernel for sm_90a, so a kernel that does not compile fails CI.
-    CUDA_VENV="${SAMESUM_CUDA_VENV:-.venv-cuda}"
-    if [[ ! -x "$CUDA_VENV/bin/python" ]]; then
-        echo "== creating $CUDA_VENV (NVRTC 13.0)"
-        python3 -m venv "$CUDA_VENV"
-        "$CUDA_VENV/bin/pip" install --quiet "nvidia-cuda-nvrtc==13.0.*"
-    fi
-    NVRTC_LIB="$("$CUDA_VENV/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')"
+if [[ $CUDA == 1 ]]; then
     echo "== CUDA kernels compile with NVRTC for sm_90a (registers and spills per kernel)"
-    LD_LIBRARY_PATH="$NVRTC_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" SAMESUM_REQUIRE_NVRTC=1 \
-        cargo test --release --locked -q -p samesum-cuda --test kernels_compile -- --nocapture --test-threads=1 2>&1 \
-        | grep -E "^(NVRTC|\||test result)"
+    join "$NVRTC_JOB" "$OUT/nvrtc.log" "the NVRTC compile"
+    grep -E "^(NVRTC|\||test result)" "$OUT/nvrtc.log"
 fi
 
-if [[ "${SAMESUM_LLAMA_CHECK:-0}" == "1" && -z "${LLAMA_SIMPLE:-}" ]]; then
-    echo "== building llama.cpp's llama-simple (cached in .cache/)"
-    LLAMA_SIMPLE="$(scripts/llama-cpp.sh)"
+if [[ $LLAMA == 1 ]]; then
+    echo "== llama.cpp's llama-simple (built in the background)"
+    join "$LLAMA_JOB" "$OUT/llama-build.log" "building llama.cpp"
+    LLAMA_SIMPLE="$(cat "$OUT/llama-path")"
 fi
-if [[ -n "${LLAMA_SIMPLE:-}" ]]; then
+if [[ -n "${LLAMA_SIMPLE:-}" && $ORACLE == 1 ]]; then
     echo "== llama.cpp loads and runs the synthetic models ($LLAMA_SIMPLE)"
     for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
         for quant in q4_k q8_0 bf16 f32; do
