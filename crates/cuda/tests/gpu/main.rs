@@ -17,13 +17,20 @@ use samesum_engine::{KvType, Logits, Model, forward};
 use samesum_gguf::GgmlType;
 use samesum_quant::rng::Rng;
 use samesum_synth::{SynthOptions, shapes, write_model};
-use std::path::PathBuf;
 
 mod attention;
 mod delta_net;
 mod matmul;
 mod moe;
 mod norm;
+
+// The engine's conformance bodies on the CUDA backend: the row contract of
+// every block op, batched prefill against replay, sequences batched together
+// against each alone, and the Hugging Face fixtures, per tiny architecture.
+samesum_engine::conformance_tests! {
+    #[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
+    backend = |model: &Model| gpu().then(|| Cuda::new(0, model, false).unwrap())
+}
 
 const MS: &[usize] = &[1, 2, 3, 5, 16, 17, 64, 100, 257];
 const SHAPES: &[&str] = &["tiny-qwen3moe", "tiny-qwen3next", "tiny-qwen35moe"];
@@ -66,38 +73,6 @@ fn test_tokens(model: &Model, salt: u32) -> Vec<u32> {
 
 fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
-}
-
-fn repo() -> PathBuf {
-    std::env::var_os("SAMESUM_REPO")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."))
-}
-
-#[test]
-#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
-fn every_block_op_obeys_the_row_contract_on_the_gpu() {
-    if !gpu() {
-        return;
-    }
-    for shape in SHAPES {
-        for quant in [
-            GgmlType::Q4_K,
-            GgmlType::Q5_K,
-            GgmlType::Q6_K,
-            GgmlType::Q8_0,
-            GgmlType::BF16,
-            GgmlType::F16,
-            GgmlType::F32,
-        ] {
-            let (_d, model) = synth(shape, quant, 9);
-            let cuda = Cuda::new(0, &model, false).unwrap();
-            if let Err(e) = block_ops_match(&cuda, &model, MS, 77) {
-                panic!("{shape} {quant:?}: {e}");
-            }
-            eprintln!("{shape} {quant:?}: every block op row-invariant for m in {MS:?}");
-        }
-    }
 }
 
 fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
@@ -237,28 +212,6 @@ fn every_block_op_matches_the_cpu_backend() {
     }
 }
 
-#[test]
-#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
-fn batched_forward_equals_replay_on_the_gpu() {
-    if !gpu() {
-        return;
-    }
-    for shape in SHAPES {
-        let (_d, model) = synth(shape, GgmlType::Q4_K, 11);
-        let cuda = Cuda::new(0, &model, false).unwrap();
-        let mut rng = Rng::new(8);
-        let toks: Vec<u32> = (0..300)
-            .map(|_| rng.below(model.w.n_vocab as u64) as u32)
-            .collect();
-        for chunk in [7, 64, 128] {
-            if let Err(dv) = forward_rows_match(&cuda, &model, &toks, chunk) {
-                panic!("{shape} chunk {chunk}: {dv:?}");
-            }
-        }
-        eprintln!("{shape}: 300 tokens, chunks 7/64/128 byte-equal to replay");
-    }
-}
-
 /// Batched prefill two chunks at a time on two lanes (the second chunk's
 /// layer l beside the first chunk's later layers) against the same
 /// chunks one after the other on one lane and against replay: every logit
@@ -325,45 +278,6 @@ fn chunk_pairs_on_two_lanes_equal_one_lane_and_replay() {
         eprintln!(
             "{shape}: chunk pairs on two lanes == one lane == replay (chunks 64, 100, 7, 128)"
         );
-    }
-}
-
-#[test]
-#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
-fn hugging_face_fixtures_on_the_gpu() {
-    if !gpu() {
-        return;
-    }
-    let dir = repo().join("tests/conformance/fixtures");
-    for name in ["qwen3moe", "qwen3moe-tied", "qwen3next", "qwen35moe"] {
-        let model = Model::load(dir.join(format!("{name}.gguf"))).unwrap();
-        let ps = samesum_engine::conformance::fixture_prompts(
-            &std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap(),
-        );
-        let raw = std::fs::read(dir.join(format!("{name}.logits"))).unwrap();
-        let reference: Vec<f32> = raw
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        let cuda = Cuda::new(0, &model, false).unwrap();
-        let v = model.w.n_vocab;
-        let (mut off, mut worst) = (0, 0f32);
-        for p in &ps {
-            let mut st = cuda.new_state(&model, 256, KvType::F32).unwrap();
-            let got = forward(&model, &cuda, &mut st, p, Logits::All).unwrap();
-            let want = &reference[off..off + p.len() * v];
-            off += p.len() * v;
-            let max_ref = want.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let mut max_diff = 0f32;
-            for (a, b) in got.iter().zip(want) {
-                assert!(a.is_finite(), "{name}: non-finite logit");
-                max_diff = max_diff.max((a - b).abs());
-            }
-            worst = worst.max(max_diff / max_ref);
-        }
-        assert_eq!(off, reference.len());
-        eprintln!("{name}: max|diff|/max|ref| = {worst:.2e} (bar 1e-4)");
-        assert!(worst <= 1e-4, "{name}: {worst:.3e} > 1e-4");
     }
 }
 
