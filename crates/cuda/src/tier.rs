@@ -1,4 +1,4 @@
-//! Tier mode's host-side plan (issue 8): which weights stay in VRAM (the
+//! Tier mode's host-side plan: which weights stay in VRAM (the
 //! trunk: attention / delta-net weights, norms, routers, shared experts,
 //! embeddings, head), how many routed-expert slots per layer the VRAM budget
 //! leaves after the trunk, the KV/activation reserve and the two prefill

@@ -1,4 +1,4 @@
-//! Tier mode on the device (issue 8): the routed experts live in page-locked
+//! Tier mode on the device: the routed experts live in page-locked
 //! host memory (the mapped file when page-locked memory runs out); decode
 //! reads them through a per-layer VRAM cache of expert slots, prefill through
 //! two staging buffers that a second stream fills one layer ahead.
