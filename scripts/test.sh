@@ -70,14 +70,14 @@ join() { # pid, log, what: wait for a background job, its log on failure
 if [[ $ORACLE == 1 ]]; then
     background "$OUT/venvs.log" bash -c '
         set -euo pipefail
-        if [[ ! -x "$1/bin/python" ]]; then
-            python3 -m venv "$1"
-            "$1/bin/pip" install --quiet "gguf==0.19.0" "numpy>=1.26"
-        fi
+        [[ -x "$1/bin/python" ]] || python3 -m venv "$1"
+        "$1/bin/python" -c "import gguf, numpy" 2>/dev/null \
+            || "$1/bin/pip" install --quiet "gguf==0.19.0" "numpy>=1.26"
         "$1/bin/python" -c "import openai" 2>/dev/null || "$1/bin/pip" install --quiet "openai==3.57.0"
-        if [[ $3 == 1 && ! -x "$2/bin/python" ]]; then
-            python3 -m venv "$2"
-            "$2/bin/pip" install --quiet "nvidia-cuda-nvrtc==13.0.*"
+        if [[ $3 == 1 ]]; then
+            [[ -x "$2/bin/python" ]] || python3 -m venv "$2"
+            "$2/bin/python" -c "import nvidia" 2>/dev/null \
+                || "$2/bin/pip" install --quiet "nvidia-cuda-nvrtc==13.0.*"
         fi' _ "$VENV" "$CUDA_VENV" "$CUDA"
     VENVS_JOB=$JOB
 fi
