@@ -8,14 +8,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=0.3.36            # vendors llama.cpp 0c1e570 (Oct 2026)
-CACHE="${SAMESUM_CACHE:-.cache}"
+mkdir -p "${SAMESUM_CACHE:-.cache}"
+CACHE="$(cd "${SAMESUM_CACHE:-.cache}" && pwd)"
 DEST="$CACHE/llama.cpp-$VERSION"
 BIN="$DEST/build/bin/llama-simple"
 if [[ -x "$BIN" ]]; then
-    echo "$PWD/$BIN"
+    echo "$BIN"
     exit 0
 fi
-mkdir -p "$CACHE"
 VENV="$CACHE/venv-llama-build"
 if [[ ! -x "$VENV/bin/cmake" ]]; then
     python3 -m venv "$VENV" >&2
@@ -29,8 +29,11 @@ fi
 rm -rf "$DEST.tmp" && mkdir -p "$DEST.tmp"
 tar xzf "$SDIST/llama_cpp_python-$VERSION.tar.gz" -C "$DEST.tmp"
 rm -rf "$DEST" && mv "$DEST.tmp/llama_cpp_python-$VERSION/vendor/llama.cpp" "$DEST" && rm -rf "$DEST.tmp"
-export PATH="$PWD/$VENV/bin:$PATH"
+export PATH="$VENV/bin:$PATH"
+# -O1: the check runs a few tokens of tiny models, and -O1 builds in about
+# half the time of -O3.
 cmake -S "$DEST" -B "$DEST/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+    -DCMAKE_C_FLAGS_RELEASE="-O1 -DNDEBUG" -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG" \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF >&2
 cmake --build "$DEST/build" -j"$(nproc)" --target llama-simple >&2
-echo "$PWD/$BIN"
+echo "$BIN"
