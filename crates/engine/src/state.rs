@@ -88,7 +88,7 @@ impl KvLayer {
 pub struct LinearState {
     /// The last `Kc - 1` conv inputs, oldest first: `conv[t * conv_dim + c]`.
     pub conv: Vec<f32>,
-    /// Recurrent state per value head, `s[(n * dk + i) * dv + j]` = S_n[i][j]
+    /// Recurrent state per value head, `s[(n * dk + i) * dv + j]` = `S_n[i][j]`
     /// (i: key index, j: value index).
     pub s: Vec<f32>,
 }
