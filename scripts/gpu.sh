@@ -6,7 +6,8 @@
 #
 # `run` writes its log under OUTDIR and ends with a summary. SAMESUM_GPU_STEPS
 # picks the steps, comma-separated (default compile,tests,identity,bigidentity,
-# bench,q3moe; a 10-minute limit per command takes about three of them):
+# bench,q3moe; together about 20 minutes on an H200, so split them across
+# runs where a command is time-limited):
 #   compile      kernels_compile with the machine's NVRTC (registers, spills)
 #   tests        the GPU tests, ignored ones included; SAMESUM_GPU_TESTS
 #                (space-separated) keeps those whose names contain one
