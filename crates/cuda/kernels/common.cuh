@@ -96,57 +96,14 @@ __device__ __forceinline__ int isum_lanes(int v, int w) {
 #define Q8K_BSUMS 256
 #define Q8K_D 288
 // One Q8_K block of 256 floats by one warp (lane = 0..31): ggml's
-// quantize_row_q8_K_ref. Lane l holds elements l, l + 32, ...; the max, the
-// first index reaching it, the element roundings and the integer block sums
-// do not depend on which lane holds which element, so any caller gets the
-// same bytes. From registers: lane l's v[i] is element i * 32 + l.
-__device__ __forceinline__ void q8k_block_regs(const float (&v)[8], u8* ob, int lane) {
-    float amax = 0.0f;
-    int first = 1 << 30;
-    for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(v[i]));
-    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    for (int i = 0; i < 8; i++) {
-        if (fabsf(v[i]) == amax && first == (1 << 30)) first = i * 32 + lane;
-    }
-    for (int o = 16; o > 0; o /= 2) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
-    i8* qs = (i8*)ob;
-    i16* bsums = (i16*)(ob + Q8K_BSUMS);
-    if (amax == 0.0f) {
-        for (int i = 0; i < 8; i++) qs[i * 32 + lane] = 0;
-        if (lane < 16) bsums[lane] = 0;
-        if (lane == 0) *(float*)(ob + Q8K_D) = 0.0f;
-        return;
-    }
-    // Element `first` (the lowest index of largest magnitude, signed) is
-    // register first / 32 of lane first % 32 (every lane holds the same
-    // `first`, so every lane takes part in the shuffle).
-    float own = v[0];
-    for (int i = 1; i < 8; i++)
-        if (i == first / 32) own = v[i];
-    float max = __shfl_sync(0xffffffffu, own, first % 32);
-    float iscale = -127.0f / max;
-    int q[8];
-    for (int i = 0; i < 8; i++) {
-        int t = __float2int_rn(iscale * v[i]);
-        q[i] = t > 127 ? 127 : t;
-        qs[i * 32 + lane] = (i8)q[i];
-    }
-    // bsums[g] = sum of elements 16g..16g+15: element i*32+lane lies in group
-    // 2i + lane/16; integer sums, so the order is free.
-    for (int i = 0; i < 8; i++) {
-        int s = q[i];
-        for (int o = 8; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if ((lane & 15) == 0) bsums[2 * i + lane / 16] = (i16)s;
-    }
-    if (lane == 0) *(float*)(ob + Q8K_D) = 1.0f / iscale;
-}
-
-// q8k_block_regs of a 256-block in memory, global or shared (element
-// i * 32 + lane read by `lane`), the block's largest element read back from
-// memory rather than shuffled from registers: the same bytes, in the code
-// its callers were measured with (built on q8k_block_regs, gated_norm_q8k
-// and rms_norm_q8k took 48 registers instead of 32 and 40, and
-// gated_norm_q8k went from 4.04 to 4.89 ms at qwen35moe pp4096 on an H200).
+// quantize_row_q8_K_ref, on a 256-block in memory, global or shared. Lane l
+// reads elements l, l + 32, ...; the max, the first index reaching it, the
+// element roundings and the integer block sums do not depend on which lane
+// holds which element, so any caller gets the same bytes. The block's
+// largest element is read back from memory rather than shuffled from
+// registers (a register form took gated_norm_q8k_h and rms_norm_q8k to more
+// registers, and the gated norm from 4.04 to 4.89 ms at qwen35moe pp4096 on
+// an H200).
 __device__ __forceinline__ void q8k_block(const float* xb, u8* ob, int lane) {
     float v[8];
     float amax = 0.0f;
@@ -309,7 +266,7 @@ __device__ __forceinline__ void plan_warp(int id, int n, int k, int pad, int* pl
 // one warp (lanes 0..31 of the caller), in compact code: the softmax and the
 // k argmax rounds of route_row's rolled-loop path over the row held in
 // shared memory, then plan_warp. The logits are read through L2 (another
-// block of the same launch may have written them: mm_f32_multi_route).
+// block of the same launch may have written them: mm_f32_multi_route_rd).
 __device__ __forceinline__ void route_one_warp(float* logits, int* ids, float* wts, int e, int k, int pad,
                                                int* placed_row, int* placed_mat, int* slot, int cap, int lane) {
     __shared__ float sv[1024];

@@ -425,7 +425,7 @@ __device__ void mm_blocks(const u8* W, i64 mat_stride, int row_bytes, const int*
 // own expert): one warp per (weight row, activation row), so a warp never
 // waits on one expert's loads before the next expert's. Group b0 + G's
 // weights and activations are loaded before group b0's arithmetic (double
-// buffering), so a row of two groups (2,048 Q4_K columns) waits on memory
+// buffering), so a row of two groups (2,048 Q5_K columns) waits on memory
 // once. The per-element arithmetic is mm_blocks's: exact integer terms per
 // block, then the float steps in block order.
 template <class F, int NW>
@@ -590,11 +590,9 @@ struct MoeJobs {
                       j ? jobs.m[1] : jobs.m[0], nb, bx, j ? jobs.amap[1] : jobs.amap[0]);    \
     }
 
-MM_MOE_KERNEL(mm_q4_k_moe_1, FmtQ4K, 1)
 MM_MOE_KERNEL(mm_q5_k_moe_1, FmtQ5K, 1)
 MM_MOE_KERNEL(mm_q6_k_moe_1, FmtQ6K, 1)
 MM_MOE_KERNEL(mm_q8_0_moe_1, FmtQ8_0, 1)
-MM_MOE_KERNEL(mm_q4_k_moe_glu_1, FmtQ4K, 2)
 MM_MOE_KERNEL(mm_q5_k_moe_glu_1, FmtQ5K, 2)
 MM_MOE_KERNEL(mm_q6_k_moe_glu_1, FmtQ6K, 2)
 MM_MOE_KERNEL(mm_q8_0_moe_glu_1, FmtQ8_0, 2)

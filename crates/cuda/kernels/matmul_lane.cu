@@ -211,13 +211,9 @@ __device__ __forceinline__ void mm_lane_moe(const MoeJobs& jobs, int row_bytes, 
                 j ? jobs.amap[1] : jobs.amap[0], false);
 }
 
-extern "C" __global__ void __maxnreg__(80) mm_q4_k_lane_moe_1(MoeJobs jobs, int row_bytes, int nb) {
-    mm_lane_moe<1>(jobs, row_bytes, nb);
-}
-
-// mm_q4_k_lane_moe_1 on f32 input rows, quantized by each block as
-// quantize_q8k would (decode's down projections without the GLU outputs'
-// quantize launch).
+// Decode's routed down projections on lane rows: the f32 GLU outputs
+// quantized by each block as quantize_q8k would (no quantize launch of
+// their own).
 extern "C" __global__ void __maxnreg__(80) mm_q4_k_lane_moe_qin_1(MoeJobs jobs, int row_bytes, int nb) {
     mm_lane_moe<1, true>(jobs, row_bytes, nb);
 }

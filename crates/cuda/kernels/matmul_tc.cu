@@ -462,8 +462,8 @@ TC_ASYNC_KERNEL(mm_tc_q5_k_async, 1)
 // blocks an SM: Q4_K takes 3 (168 registers: ptxas keeps 11 values a thread
 // in local memory, stored once and read back once per 256-wide block of K,
 // ~1% of the block's instructions, for 12 warps an SM instead of 8; ncu had
-// the 2-block kernel at 0.77 eligible warps of 1.96 a scheduler, waiting on
-// its own dependent steps); Q5_K, whose spills at 168 would be larger, 2.
+// a 2-block form at 0.77 eligible warps of 1.96 a scheduler, waiting on its
+// own dependent steps); Q5_K, whose spills at 168 would be larger, 2.
 // MS: the mins sums on tensor cores, GS: each matrix's groups of rows past
 // its last row skipped (see mm_tc_async_k; Q5_K's, at 2 blocks an SM, would
 // spill). H200, qwen35moe pp4096, the Q4_K kernel skipping the groups:

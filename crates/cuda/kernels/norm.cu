@@ -1,12 +1,11 @@
-// Row ops of the forward pass: norms, residual adds, RoPE, the KV cache,
-// attention, the causal conv, the gated delta rule, routing, the expert plan,
-// gather and combine. Each output row is computed from its own inputs (and, for
-// the sequential ops, the state its sequence's earlier rows wrote) with an
-// order of arithmetic fixed by the model's sizes, never by the call's row count.
+// Norms, residual adds, the GLU's silu_mul and row gathers. Each output row
+// is computed from its own inputs with an order of arithmetic fixed by the
+// model's sizes, never by the call's row count. (The "ops" compile unit is
+// this file, attention.cu, delta_net.cu and moe.cu, in that order.)
 
 // Values per thread kept in registers (rows up to 256 x 8 = 2,048 wide); wider
 // rows take the same loops through memory. NORM_THREADS and norm_tree are in
-// common.cuh (the decode router launch runs the same norm).
+// common.cuh.
 #define NORM_VPT 8
 
 // One row of RMSNorm (and, with `inc`, the residual add before it: acc[i] =

@@ -1,7 +1,6 @@
 //! The device: context, stream, the compiled kernels, and launch plumbing.
 //!
-//! One context and one stream per backend (event tracking off, as the H200
-//! notes advise). Every kernel is looked up once by name; every launch and
+//! One context and one stream per backend (event tracking off). Every kernel is looked up once by name; every launch and
 //! copy error becomes a [`CudaError::Driver`] naming the kernel or copy.
 //! Launches go through `cuLaunchKernelEx` (`Device::launch_raw`, the
 //! `launch!` macro) so that, on Hopper, each may use programmatic dependent
@@ -258,10 +257,8 @@ impl Device {
                 // SM: ask for the largest shared-memory split so the driver
                 // does not pick one that fits only 2.
                 if k.ends_with("_async32")
-                    || k.ends_with("_async32m")
                     || k.ends_with("_async32g")
                     || k.ends_with("_async32g_jobs")
-                    || k.ends_with("_async32w")
                 {
                     let _ = f.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
@@ -310,8 +307,9 @@ impl Device {
         self.call_rows[self.lane()].store(m, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Allow programmatic dependent launch (where the device has it) or not,
-    /// for comparisons; the kernels compute the same bytes either way.
+    /// Allow programmatic dependent launch (where the device has it) or not
+    /// (tests compare against launches without it); the kernels compute the
+    /// same bytes either way.
     pub fn set_pdl(&self, on: bool) {
         let (maj, _) = self.ctx.compute_capability().unwrap_or((0, 0));
         self.pdl
@@ -319,7 +317,7 @@ impl Device {
     }
 
     /// Whether launches may use programmatic dependent launch at all (the
-    /// device has it and it is not switched off).
+    /// device has it, and `SAMESUM_CUDA_PDL` is not `0`).
     pub fn pdl_allowed(&self) -> bool {
         self.pdl.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -393,11 +391,6 @@ impl Device {
         }
         .result()
         .map_err(|e| drv(name, e))
-    }
-
-    /// How many kernels have been launched on the current lane so far.
-    pub fn launch_count(&self) -> u64 {
-        self.launches[self.lane()].load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// How many kernels have been launched on lane `lane` so far.

@@ -210,25 +210,6 @@ pub trait Backend: Sync {
         self.moe(model, mw, x, y)?;
         self.add_rms_norm(model, which, h, y, x)
     }
-    /// A layer's second half on the mixer's output rows `y`: `h += y`, `x`
-    /// = RMSNorm(h) with weight `which` ([`Backend::add_rms_norm`]), then
-    /// [`Backend::moe_add_rms_norm`] with the next norm `next`; exactly those
-    /// two calls (a backend may run the first norm inside the MoE's first
-    /// launch, with the same arithmetic).
-    #[allow(clippy::too_many_arguments)]
-    fn add_rms_norm_moe_add_rms_norm(
-        &self,
-        model: &Model,
-        mw: &MoeW,
-        which: Norm,
-        next: Norm,
-        h: &mut Self::Buf,
-        x: &mut Self::Buf,
-        y: &mut Self::Buf,
-    ) -> Result<()> {
-        self.add_rms_norm(model, which, h, y, x)?;
-        self.moe_add_rms_norm(model, mw, next, h, x, y)
-    }
     /// Backend-specific measurements since the last call (a per-kernel time
     /// table on the GPU when profiling is on), as Markdown; `None` if it has none.
     fn take_report(&self) -> Result<Option<String>> {

@@ -558,11 +558,11 @@ pub fn block_ops_match<B: Backend>(
                 &b.download(&all).map_err(e)?,
                 &ones,
             )?;
-            // The MoE fused with the residual add and the next norm, and a
-            // layer's whole second half fused: row-invariant in both outputs
-            // (the residual and the normed rows), and byte-equal to the
-            // calls each stands for. `y` is scratch to both.
-            let (which, next) = (Norm::Ffn(l), Norm::Attn(l));
+            // The MoE fused with the residual add and the next norm:
+            // row-invariant in both outputs (the residual and the normed
+            // rows), and byte-equal to the calls it stands for. `y` is
+            // scratch.
+            let next = Norm::Attn(l);
             let h: Vec<f32> = (0..m * d).map(|_| rng.range(-2.0, 2.0)).collect();
             let moe_norm = |h: &[f32], x: &[f32]| -> Result<[Vec<f32>; 2], String> {
                 let (mut hb, mut xb) = (b.upload(h).map_err(e)?, b.upload(x).map_err(e)?);
@@ -579,29 +579,9 @@ pub fn block_ops_match<B: Backend>(
                     .map_err(e)?;
                 Ok([b.download(&hb).map_err(e)?, b.download(&out).map_err(e)?])
             };
-            let half = |h: &[f32], y: &[f32]| -> Result<[Vec<f32>; 2], String> {
-                let (mut hb, mut yb) = (b.upload(h).map_err(e)?, b.upload(y).map_err(e)?);
-                let mut xb = nan(y.len())?;
-                b.add_rms_norm_moe_add_rms_norm(
-                    model, &lw.moe, which, next, &mut hb, &mut xb, &mut yb,
-                )
-                .map_err(e)?;
-                Ok([b.download(&hb).map_err(e)?, b.download(&xb).map_err(e)?])
-            };
-            let half_apart = |h: &[f32], y: &[f32]| -> Result<[Vec<f32>; 2], String> {
-                let (mut hb, mut yb) = (b.upload(h).map_err(e)?, b.upload(y).map_err(e)?);
-                let mut xb = nan(y.len())?;
-                b.add_rms_norm(model, which, &mut hb, &yb, &mut xb)
-                    .map_err(e)?;
-                b.moe_add_rms_norm(model, &lw.moe, next, &mut hb, &mut xb, &mut yb)
-                    .map_err(e)?;
-                Ok([b.download(&hb).map_err(e)?, b.download(&xb).map_err(e)?])
-            };
             type Fused<'a> = &'a dyn Fn(&[f32], &[f32]) -> Result<[Vec<f32>; 2], String>;
-            let fused: [(&str, Fused<'_>, Fused<'_>); 2] = [
-                ("moe_add_rms_norm", &moe_norm, &moe_norm_apart),
-                ("add_rms_norm_moe_add_rms_norm", &half, &half_apart),
-            ];
+            let fused: [(&str, Fused<'_>, Fused<'_>); 1] =
+                [("moe_add_rms_norm", &moe_norm, &moe_norm_apart)];
             for (name, op, apart) in fused {
                 let [h_all, x_all] = op(&h, &x)?;
                 let mut ones = [Vec::with_capacity(m), Vec::with_capacity(m)];

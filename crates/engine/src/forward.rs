@@ -264,9 +264,10 @@ fn layer<B: Backend>(
     }
     mixer(model, b, l, &lw.mixer, x, st, y)?;
     if l + 1 < n_layers {
-        // The post-mixer norm, the MoE, and the residual add fused with
+        // The post-mixer norm, then the MoE and the residual add fused with
         // the next layer's input norm.
-        b.add_rms_norm_moe_add_rms_norm(model, &lw.moe, Norm::Ffn(l), Norm::Attn(l + 1), h, x, y)
+        b.add_rms_norm(model, Norm::Ffn(l), h, y, x)?;
+        b.moe_add_rms_norm(model, &lw.moe, Norm::Attn(l + 1), h, x, y)
     } else {
         b.add_rms_norm(model, Norm::Ffn(l), h, y, x)?;
         b.moe(model, &lw.moe, x, y)?;

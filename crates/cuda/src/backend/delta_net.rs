@@ -54,7 +54,7 @@ impl Conv {
 /// Whether the head norms of a call of `m` rows at head dim `dim` take a
 /// lane a head, 32 heads a block (`l2norm_qk_h`, `gated_norm_q8k_h`; launched
 /// with [`head_sums_cfg`]) rather than a warp a head: calls of more than 16
-/// rows (H200, qwen35moe pp4096: gated_norm_q8k 4.08 -> 2.91 ms, l2norm_qk
+/// rows (H200, qwen35moe pp4096: the gated norm 4.08 -> 2.91 ms, l2norm_qk
 /// 2.84 -> 1.64 ms). The same sums, so the same bytes.
 fn lane_a_head(m: usize, dim: usize) -> bool {
     m > 16 && dim <= 256

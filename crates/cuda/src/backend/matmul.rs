@@ -11,7 +11,7 @@ use super::*;
 pub(super) const TC_ROWS: usize = 16;
 
 /// Calls of at least this many rows per weight matrix (for expert calls, on
-/// average per expert) take the async kernel's 32-row tiles by default: each
+/// average per expert) take the async kernel's 32-row tiles: each
 /// staged weight block then serves twice the rows. Below it the plan's
 /// padding to 32 would cost more rows than the tiles save (H200, qwen35moe
 /// at 16 rows per expert: pp512 10,128 -> 9,399 with 32-row tiles

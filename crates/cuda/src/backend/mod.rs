@@ -80,8 +80,8 @@ pub struct Cuda {
     trunk: HashMap<usize, u64>,
     /// Tier mode's expert store, cache and staging.
     tier: Option<Tier>,
-    /// One-token steps recorded as CUDA graphs and replayed (default; off
-    /// with `SAMESUM_CUDA_GRAPHS=0`, the same launches one by one).
+    /// One-token steps recorded as CUDA graphs and replayed (unless
+    /// `SAMESUM_CUDA_GRAPHS=0`: the same launches one by one).
     graphs: bool,
 }
 
@@ -408,7 +408,8 @@ impl Cuda {
     }
 
     /// Record one-token steps as CUDA graphs (`true`, the default unless
-    /// `SAMESUM_CUDA_GRAPHS=0`) or launch them one by one, for comparisons.
+    /// `SAMESUM_CUDA_GRAPHS=0`) or launch them one by one (the graph test's
+    /// eager reference).
     #[doc(hidden)]
     pub fn set_graphs(&mut self, on: bool) {
         self.graphs = on;

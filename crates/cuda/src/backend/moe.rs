@@ -8,7 +8,7 @@ const PLAN_SMALL_PAIRS: usize = 256;
 const PLAN_SMALL_EXPERTS: usize = 2048;
 
 /// The expert plan computed on the host, the reference the plan kernels are
-/// tested against (`plan_count`/`plan_scan`/`plan_place`, `plan_small`,
+/// tested against (`plan_count` + `plan_place_wide`, `plan_small_block`,
 /// `plan_warp`): each expert's pair count rounded up to `pad`, their
 /// exclusive scan in expert order, pair t (token t / k) placed at its
 /// expert's offset plus the earlier pairs of that expert; ids of -1 are
@@ -181,9 +181,6 @@ impl Cuda {
                 Ok((placed_row, placed_mat, slot))
             }
             Routing::Small => {
-                // A warp a row (the kernel's whole-block routing of up to
-                // `block_rows` rows is not taken).
-                let block_rows: i32 = 0;
                 let mut placed_row = d.scratch::<i32>(cap)?;
                 let mut placed_mat = d.scratch::<i32>(cap)?;
                 let mut slot = d.scratch::<i32>(n)?;
@@ -201,8 +198,7 @@ impl Cuda {
                     &mut placed_row,
                     &mut placed_mat,
                     &mut slot,
-                    &capi,
-                    &block_rows
+                    &capi
                 )?;
                 Ok((placed_row, placed_mat, slot))
             }
@@ -346,15 +342,20 @@ impl Cuda {
                 },
             ))
         };
-        let kname = |t: GgmlType, glu: bool| match (t, glu) {
-            (GgmlType::Q4_K, true) => "mm_q4_k_moe_glu_1",
-            (GgmlType::Q5_K, true) => "mm_q5_k_moe_glu_1",
-            (GgmlType::Q6_K, true) => "mm_q6_k_moe_glu_1",
-            (_, true) => "mm_q8_0_moe_glu_1",
-            (GgmlType::Q4_K, false) => "mm_q4_k_moe_1",
-            (GgmlType::Q5_K, false) => "mm_q5_k_moe_1",
-            (GgmlType::Q6_K, false) => "mm_q6_k_moe_1",
-            (_, false) => "mm_q8_0_moe_1",
+        // Q4_K on the lane kernels (the down launch quantizing the rows it
+        // reads: a Q4_K row's width is a multiple of 256); the other formats
+        // a warp per (weight row, activation row).
+        let glu_kernel = match mw.gate.ty {
+            GgmlType::Q4_K => "mm_q4_k_lane_moe_glu_1",
+            GgmlType::Q5_K => "mm_q5_k_moe_glu_1",
+            GgmlType::Q6_K => "mm_q6_k_moe_glu_1",
+            _ => "mm_q8_0_moe_glu_1",
+        };
+        let down_kernel = match mw.down.ty {
+            GgmlType::Q4_K => "mm_q4_k_lane_moe_qin_1",
+            GgmlType::Q5_K => "mm_q5_k_moe_1",
+            GgmlType::Q6_K => "mm_q6_k_moe_1",
+            _ => "mm_q8_0_moe_1",
         };
         let nb = |w: &Matrix| (w.cols / if q8_0(w.ty) { 32 } else { 256 }) as i32;
         // Both GLUs: rows 0..cap the routed pairs, cap..cap+m the tokens
@@ -406,19 +407,8 @@ impl Cuda {
         };
         let gin = Input::new(&g, cap + ms);
         // On lane rows the down launch quantizes the rows it reads.
-        let qin = lane(mw.down.ty) && f.is_multiple_of(256);
-        launch!(
-            d,
-            if lane(mw.gate.ty) {
-                "mm_q4_k_lane_moe_glu_1"
-            } else {
-                kname(mw.gate.ty, true)
-            },
-            moe_cfg(mw.gate.ty, f, nbg),
-            &jobs,
-            &rb,
-            &nbg
-        )?;
+        let qin = lane(mw.down.ty);
+        launch!(d, glu_kernel, moe_cfg(mw.gate.ty, f, nbg), &jobs, &rb, &nbg)?;
         // One quantization of both GLU outputs (unless the down launch
         // quantizes them), then both down projections.
         let ga = if qin { gp } else { quant(&gin, mw.down.ty)? };
@@ -441,13 +431,7 @@ impl Cuda {
         let (rb, nbd) = (mw.down.row_bytes as i32, nb(&mw.down));
         launch!(
             d,
-            if qin {
-                "mm_q4_k_lane_moe_qin_1"
-            } else if lane(mw.down.ty) {
-                "mm_q4_k_lane_moe_1"
-            } else {
-                kname(mw.down.ty, false)
-            },
+            down_kernel,
             moe_cfg(mw.down.ty, dm, nbd),
             &jobs,
             &rb,
