@@ -1,5 +1,7 @@
 //! The argument groups several commands share (`#[command(flatten)]`): each
-//! flag is defined, documented and checked here once. Values are parsed when
+//! shared flag is defined, documented and checked here once (`identity`'s
+//! lists of chunks and threads, `serve`'s chunk and `inspect`'s VRAM budget
+//! mean something else there and are their own). Values are parsed when
 //! the command line is (a bad `--device`, `--vram-budget`, `--kv-type` or
 //! `--chunk` is clap's usage error); what depends on two flags is checked by
 //! the group's accessor.

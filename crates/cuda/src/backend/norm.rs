@@ -1,4 +1,6 @@
-//! RMSNorm and its fused forms (with a residual add, with Q8_K rows).
+//! RMSNorm: a warp a row up to 256 wide, a block a row above (the fused
+//! norm launches that also write Q8_K rows are in ops.rs and moe.rs);
+//! column copies.
 
 use super::*;
 
