@@ -179,6 +179,66 @@ __device__ __forceinline__ void route_row_u(float* logits, int* ids, float* wts,
     topk_row_u<U>(v, p, ids, wts, r, e, k, lane, sids);
 }
 
+// One row's routing by a whole 256-thread block (decode: one row, where a
+// lone warp's k argmax rounds were the kernel's critical path). Warp 0
+// computes the softmax exactly as route_row_u and copies it to shared
+// memory; then every entry's rank in the order "larger value first, lower id
+// among equals" is counted by its own thread, and the entry of rank s is the
+// s-th pick of the argmax rounds (the same ids in the same order; the weights
+// are the same values over the same k-order sum). A row holding a NaN (where
+// comparisons do not order) takes warp 0's argmax rounds instead, so the
+// result is route_row's for every input. Needs e <= 1024 and k <= 64.
+#define RB_MAX_E 1024
+template <int U>
+__device__ void route_row_block_u(float* logits, int* ids, float* wts, int r, int e, int k, float* sp, int* sid,
+                                  float* sv, int* flag) {
+    int t = threadIdx.x, warp = t / 32, lane = t % 32;
+    float* p = logits + (i64)r * e;
+    float v[U];
+    if (warp == 0) {
+        softmax_row_u<U>(p, v, e, lane);
+        bool nan = false;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int i = lane + 32 * u;
+            if (i < e) {
+                sp[i] = v[u];
+                nan |= v[u] != v[u];
+            }
+        }
+        nan = __any_sync(0xffffffffu, nan);
+        if (lane == 0) *flag = nan;
+    }
+    __syncthreads();
+    if (*flag) {
+        if (warp == 0) topk_row_u<U>(v, p, ids, wts, r, e, k, lane);
+        __syncthreads();
+        return;
+    }
+    for (int i = t; i < e; i += blockDim.x) {
+        float x = sp[i];
+        int rank = 0;
+        for (int j = 0; j < i; j++) rank += sp[j] >= x;  // equal and lower id: ahead
+        for (int j = i + 1; j < e; j++) rank += sp[j] > x;
+        if (rank < k) {
+            sid[rank] = i;
+            sv[rank] = x;
+        }
+    }
+    __syncthreads();
+    if (t == 0) {
+        float tot = 0.0f;
+        for (int s2 = 0; s2 < k; s2++) tot = tot + sv[s2];
+        sp[0] = fmaxf(tot, 6.103515625e-5f);  // sp is free again
+    }
+    __syncthreads();
+    if (t < k) {
+        ids[(i64)r * k + t] = sid[t];
+        wts[(i64)r * k + t] = sv[t] / sp[0];
+    }
+    __syncthreads();
+}
+
 // The same through memory, for more than 1,024 experts.
 __device__ __forceinline__ void route_row_mem(float* logits, int* ids, float* wts, int r, int e, int k, int lane,
                                               int* sids) {
@@ -396,17 +456,32 @@ __device__ __forceinline__ void plan_small_block(const int* ids, int n, int k, i
     }
 }
 
-// Decode-sized routing and plan in one launch of one 256-thread block: one
-// row (with k <= 32) by warp 0 alone, which also plans it (plan_warp); more
-// by warp w taking rows w, w + 8, ...; every way exactly as `route` does;
-// then (after a block barrier, which makes the ids visible to the block)
-// the block plans them (plan_small_block).
+// Decode-sized routing and plan in one launch of one 256-thread block: up to
+// `block_rows` rows are routed one at a time by the whole block
+// (route_row_block_u); one row (with k <= 32) by warp 0 alone, which also
+// plans it (plan_warp); more by warp w taking rows w, w + 8, ...; every way
+// exactly as `route` does; then (after a block barrier, which makes the ids
+// visible to the block) the block plans them (plan_small_block).
 extern "C" __global__ void __launch_bounds__(256, 1)
     route_plan_small(float* logits, int* ids, float* wts, int m, int e, int k, int pad, int* placed_row,
-                     int* placed_mat, int* slot, int cap) {
+                     int* placed_mat, int* slot, int cap, int block_rows) {
     pdl_wait();
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (m == 1 && k <= 32) {
+    if (m <= block_rows && e <= RB_MAX_E && k <= 64) {
+        // A row at a time by the whole block (same results as route_row).
+        __shared__ float sp[RB_MAX_E];
+        __shared__ int sid[64];
+        __shared__ float sv[64];
+        __shared__ int flag;
+        int n = (e + 31) / 32;
+        for (int r = 0; r < m; r++) {
+            if (n <= 8)
+                route_row_block_u<8>(logits, ids, wts, r, e, k, sp, sid, sv, &flag);
+            else
+                route_row_block_u<32>(logits, ids, wts, r, e, k, sp, sid, sv, &flag);
+        }
+        plan_small_block(ids, m * k, k, e, pad, placed_row, placed_mat, slot, cap);
+    } else if (m == 1 && k <= 32) {
         // One row (decode of one sequence): warp 0 routes it and plans its k
         // pairs (plan_warp) with no block barrier; the other warps have
         // nothing to do.
