@@ -5,7 +5,8 @@
 # test) and NVRTC (every CUDA kernel compiles), in venvs it makes itself.
 #
 #   scripts/test.sh          # everything; the identity gate on the prompts of up to 515 tokens
-#   scripts/test.sh --full   # ... on the whole prompt set (up to 4,096 tokens): for releases
+#   scripts/test.sh --full   # ... on the whole prompt set (up to 4,096 tokens), and the
+#                            # llama.cpp check below: for releases
 #   SAMESUM_SKIP_ORACLE=1 scripts/test.sh   # Rust tests only
 #   SAMESUM_SKIP_CUDA=1 scripts/test.sh     # without the NVRTC compile
 #   SAMESUM_LLAMA_CHECK=1 scripts/test.sh   # also build llama.cpp and run it on synth models
@@ -29,7 +30,7 @@ done
 ORACLE=1 CUDA=1 LLAMA=0
 [[ "${SAMESUM_SKIP_ORACLE:-0}" == "1" ]] && ORACLE=0
 [[ "${SAMESUM_SKIP_CUDA:-0}" == "1" || $ORACLE == 0 ]] && CUDA=0
-[[ "${SAMESUM_LLAMA_CHECK:-0}" == "1" && -z "${LLAMA_SIMPLE:-}" && $ORACLE == 1 ]] && LLAMA=1
+[[ ( "${SAMESUM_LLAMA_CHECK:-0}" == "1" || $FULL == 1 ) && -z "${LLAMA_SIMPLE:-}" && $ORACLE == 1 ]] && LLAMA=1
 TARGET="${CARGO_TARGET_DIR:-target}/release"
 BIN="$TARGET/samesum"
 VENV="${SAMESUM_VENV:-.venv-oracle}"
