@@ -18,7 +18,7 @@ pub enum EngineError {
     UnsupportedArch { found: String, supported: String },
     #[error("bad hyperparameter: {0}")]
     BadHParam(String),
-    #[error("the model's tensors do not match its architecture ({} problems):\n  {}", .0.len(), .0.join("\n  "))]
+    #[error("the model's tensors do not match its architecture ({} problems):\n  {}", .0.len(), first_problems(.0))]
     Tensors(Vec<String>),
     #[error("context full: position {pos} is past the context size {ctx}")]
     ContextFull { pos: usize, ctx: usize },
@@ -41,4 +41,15 @@ pub enum EngineError {
         op: String,
         msg: String,
     },
+}
+
+/// The first problems of a list, one a line, and how many more there are
+/// (a corrupt file can have millions).
+fn first_problems(p: &[String]) -> String {
+    const SHOWN: usize = 20;
+    let mut s = p[..p.len().min(SHOWN)].join("\n  ");
+    if p.len() > SHOWN {
+        s += &format!("\n  ... and {} more", p.len() - SHOWN);
+    }
+    s
 }

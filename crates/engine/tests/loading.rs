@@ -1,4 +1,5 @@
-//! Loading: one error listing every tensor problem, the recurrent-layer schedule
+//! Loading: one error listing the tensor problems, layer counts bounded by
+//! the file, the recurrent-layer schedule
 //! from `attention.recurrent_layers` over the interval rule, the legacy fused
 //! `ssm_in` layout of qwen3next, and unsupported architectures.
 
@@ -83,6 +84,34 @@ fn every_tensor_problem_is_listed_in_one_error() {
         e.contains("blk.0.ffn_up_exps.weight: expected dims [64, 32, 8], found [64, 16, 8]"),
         "{e}"
     );
+}
+
+/// A layer count the file cannot hold (a corrupt or hostile `block_count`)
+/// fails at once with the count named, before anything is sized by it; a
+/// count the tensor list could hold but does not gives one error whose
+/// message lists the first problems and how many more there are, not
+/// every missing tensor of every layer.
+#[test]
+fn layer_counts_are_bounded_by_the_file() {
+    let f = fixture("qwen3moe.gguf");
+    for count in [u32::MAX, 1_000_000] {
+        let mut meta = f.metadata().clone();
+        meta.set("qwen3moe.block_count", count);
+        let (_d, p) = write_tmp(&rewrite(&f, meta, |ts| ts));
+        let e = Model::load(&p).err().unwrap().to_string();
+        assert!(
+            e.contains(&format!("block_count {count}")) && e.contains("tensors the file holds"),
+            "{e}"
+        );
+    }
+    let n_tensors = f.tensors().len() as u32;
+    let mut meta = f.metadata().clone();
+    meta.set("qwen3moe.block_count", n_tensors);
+    let (_d, p) = write_tmp(&rewrite(&f, meta, |ts| ts));
+    let e = Model::load(&p).err().unwrap().to_string();
+    assert!(e.contains("problems"), "{e}");
+    assert!(e.contains("more"), "{e}");
+    assert!(e.lines().count() <= 23, "{} lines: {e}", e.lines().count());
 }
 
 #[test]

@@ -134,12 +134,20 @@ fn uint_or(m: &Metadata, key: &str, default: usize) -> Result<usize> {
 }
 
 impl HParams {
-    /// Read the hyperparameters of a GGUF file's metadata.
-    pub fn from_metadata(m: &Metadata) -> Result<HParams> {
+    /// Read the hyperparameters of a GGUF file's metadata; `n_tensors`, the
+    /// tensors the file holds, bounds the layer count (every layer has
+    /// tensors of its own), so a corrupt count fails here, before anything
+    /// is sized by it.
+    pub fn from_metadata(m: &Metadata, n_tensors: usize) -> Result<HParams> {
         let arch = Arch::from_gguf(m.get_str("general.architecture")?)?;
         let a = arch.name();
         let k = |s: &str| format!("{a}.{s}");
         let block_count = uint(m, &k("block_count"))?;
+        if block_count > n_tensors {
+            return Err(EngineError::BadHParam(format!(
+                "{a}.block_count {block_count} is more than the {n_tensors} tensors the file holds (every layer has its own)"
+            )));
+        }
         let nextn = uint_or(m, &k("nextn_predict_layers"), 0)?;
         let n_layer = block_count
             .checked_sub(nextn)

@@ -28,7 +28,7 @@ impl Model {
 
     /// Bind an already opened file.
     pub fn from_file(file: GgufFile) -> Result<Model> {
-        let hp = HParams::from_metadata(file.metadata())?;
+        let hp = HParams::from_metadata(file.metadata(), file.tensors().len())?;
         let w = Weights::bind(&file, &hp)?;
         Ok(Model { file, hp, w })
     }
