@@ -199,6 +199,9 @@ impl Tokenizer {
             EngineError::Template("the model has no tokenizer.chat_template (use --no-chat)".into())
         })?;
         let mut env = minijinja::Environment::new();
+        // A template comes with the model file: bound its work, so a loop
+        // that does not end (or runs for hours) is an error, not a hang.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
@@ -235,9 +238,22 @@ impl Tokenizer {
                     enable_thinking => false,
                 })
             })
-            .map_err(|e| EngineError::Template(e.to_string()))
+            .map_err(|e| {
+                EngineError::Template(if e.kind() == minijinja::ErrorKind::OutOfFuel {
+                    format!(
+                        "the chat template did not finish within {TEMPLATE_FUEL} steps (a loop that does not end?)"
+                    )
+                } else {
+                    e.to_string()
+                })
+            })
     }
 }
+
+/// The most template instructions one chat rendering may run: far above
+/// what the real Qwen templates take for long conversations with tools
+/// (thousands a message), far below a runaway loop's.
+pub const TEMPLATE_FUEL: u64 = 20_000_000;
 
 /// Incremental detokenization: text is released once it decodes to whole
 /// characters (a multi-byte character split across tokens waits for its end).

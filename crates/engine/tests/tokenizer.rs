@@ -139,3 +139,22 @@ fn stream_decoding_equals_the_full_decode_on_random_ids() {
     assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')));
     assert!(checked == 300);
 }
+
+/// A chat template whose loops would run for hours (it comes with the model
+/// file, so anyone can write one) fails with a clear error in bounded time
+/// instead of hanging; the model's own template still renders.
+#[test]
+fn a_runaway_chat_template_is_an_error_not_a_hang() {
+    let f = fixture("qwen3moe.gguf");
+    let mut tok = Tokenizer::from_metadata(f.metadata()).unwrap();
+    if tok.chat_template.is_some() {
+        assert!(tok.chat("Hello", None).is_ok());
+    }
+    tok.chat_template = Some(
+        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+            .into(),
+    );
+    // Without the bound this runs 10^10 iterations.
+    let e = tok.chat("Hello", None).unwrap_err().to_string();
+    assert!(e.contains("did not finish within"), "{e}");
+}
