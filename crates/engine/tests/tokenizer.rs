@@ -151,8 +151,7 @@ fn a_runaway_chat_template_is_an_error_not_a_hang() {
         assert!(tok.chat("Hello", None).is_ok());
     }
     tok.chat_template = Some(
-        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
-            .into(),
+        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}".into(),
     );
     // Without the bound this runs 10^10 iterations.
     let e = tok.chat("Hello", None).unwrap_err().to_string();
