@@ -120,8 +120,16 @@ impl Tokenizer {
                 )));
             }
         }
-        let id = |k: &str| m.get_uint(k).ok().map(|v| v as u32);
-        let eos = id("tokenizer.ggml.eos_token_id");
+        let n_tokens = tokens.len();
+        let id = |k: &str| -> Result<Option<u32>> {
+            match m.get_uint(k).ok() {
+                Some(v) if v as usize >= n_tokens => Err(err(format!(
+                    "{k} {v} is outside the vocabulary ({n_tokens} tokens)"
+                ))),
+                v => Ok(v.map(|v| v as u32)),
+            }
+        };
+        let eos = id("tokenizer.ggml.eos_token_id")?;
         let mut stop: Vec<u32> = eos.into_iter().collect();
         for (i, s) in &specials {
             if matches!(s.as_str(), "<|im_end|>" | "<|endoftext|>" | "<|eot_id|>")
@@ -133,7 +141,7 @@ impl Tokenizer {
         Ok(Tokenizer {
             inner,
             stop,
-            bos: id("tokenizer.ggml.bos_token_id"),
+            bos: id("tokenizer.ggml.bos_token_id")?,
             add_bos: m.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(false),
             chat_template: m.get_str("tokenizer.chat_template").ok().map(String::from),
             tokens,

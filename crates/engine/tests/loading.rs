@@ -1,5 +1,6 @@
 //! Loading: one error listing the tensor problems, layer counts bounded by
-//! the file, the recurrent-layer schedule
+//! the file, non-finite values, bad token ids and non-regular paths
+//! refused, the recurrent-layer schedule
 //! from `attention.recurrent_layers` over the interval rule, the legacy fused
 //! `ssm_in` layout of qwen3next, and unsupported architectures.
 
@@ -112,6 +113,72 @@ fn layer_counts_are_bounded_by_the_file() {
     assert!(e.contains("problems"), "{e}");
     assert!(e.contains("more"), "{e}");
     assert!(e.lines().count() <= 23, "{} lines: {e}", e.lines().count());
+}
+
+/// What a model file says is checked before it is trusted: a NaN norm
+/// weight, a non-finite epsilon and a bos/eos id outside the vocabulary are
+/// errors naming the value; a path that is not a regular file (a directory,
+/// a FIFO that would block the open) is a clear error too.
+#[test]
+fn non_finite_values_and_bad_ids_and_paths_are_refused() {
+    let f = fixture("qwen3moe.gguf");
+    let bytes = rewrite(&f, f.metadata().clone(), |mut ts| {
+        for t in ts.iter_mut() {
+            if t.0 == "blk.0.attn_norm.weight" {
+                assert_eq!(t.2, GgmlType::F32);
+                t.3[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
+            }
+        }
+        ts
+    });
+    let (_d, p) = write_tmp(&bytes);
+    let e = Model::load(&p).err().unwrap().to_string();
+    assert!(
+        e.contains("blk.0.attn_norm.weight: 1 values are NaN or infinite"),
+        "{e}"
+    );
+
+    let mut meta = f.metadata().clone();
+    meta.set("qwen3moe.attention.layer_norm_rms_epsilon", f32::NAN);
+    let (_d, p) = write_tmp(&rewrite(&f, meta, |ts| ts));
+    let e = Model::load(&p).err().unwrap().to_string();
+    assert!(e.contains("layer_norm_rms_epsilon NaN"), "{e}");
+
+    let n = f
+        .metadata()
+        .get_str_array("tokenizer.ggml.tokens")
+        .unwrap()
+        .len() as u32;
+    for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id"] {
+        let mut meta = f.metadata().clone();
+        meta.set(key, n + 5);
+        let (_d, p) = write_tmp(&rewrite(&f, meta, |ts| ts));
+        let g = GgufFile::open(&p).unwrap();
+        let e = samesum_engine::tokenizer::Tokenizer::from_metadata(g.metadata())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains(&format!("{key} {}", n + 5)) && e.contains("outside the vocabulary"),
+            "{e}"
+        );
+    }
+
+    let d = tempfile::tempdir().unwrap();
+    let e = Model::load(d.path()).err().unwrap().to_string();
+    assert!(e.contains("not a regular file"), "{e}");
+    #[cfg(unix)]
+    {
+        let fifo = d.path().join("fifo.gguf");
+        let ok = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            let e = Model::load(&fifo).err().unwrap().to_string();
+            assert!(e.contains("not a regular file"), "{e}");
+        }
+    }
 }
 
 #[test]

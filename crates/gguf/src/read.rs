@@ -357,6 +357,18 @@ impl GgufFile {
     /// Map `path` and validate it.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
+        // Only a regular file can be mapped: a FIFO would block the open,
+        // a directory or a device fails later with an obscure error.
+        let meta = std::fs::metadata(path).map_err(|e| GgufError::io(path, e))?;
+        if !meta.is_file() {
+            return Err(GgufError::io(
+                path,
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "not a regular file (a GGUF model is a file)",
+                ),
+            ));
+        }
         let file = std::fs::File::open(path).map_err(|e| GgufError::io(path, e))?;
         // SAFETY: the map is read-only; the file may change underneath only if another
         // process rewrites it, which the GGUF workflow does not do.

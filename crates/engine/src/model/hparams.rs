@@ -183,6 +183,11 @@ impl HParams {
             Some(_) => m.get_float(&k("rope.freq_base"))? as f32,
         };
         let eps = m.get_float(&k("attention.layer_norm_rms_epsilon"))? as f32;
+        if !(eps.is_finite() && eps > 0.0) || !(rope_theta.is_finite() && rope_theta > 0.0) {
+            return Err(EngineError::BadHParam(format!(
+                "layer_norm_rms_epsilon {eps} and rope.freq_base {rope_theta} must be finite and positive"
+            )));
+        }
         let n_ctx_train = uint_or(m, &k("context_length"), 4096)?;
         let n_expert = uint(m, &k("expert_count"))?;
         let n_expert_used = uint(m, &k("expert_used_count"))?;

@@ -270,7 +270,17 @@ impl<'a> Binder<'a> {
         }
         let mut v = vec![0f32; t.n_elements() as usize];
         match dequant::dequantize(t.ggml_type, self.file.data_of(t), &mut v) {
-            Ok(()) => Some(v),
+            Ok(()) => {
+                // Norm weights, conv taps and gates of a real model are
+                // finite; a NaN here would turn every output into noise.
+                let bad = v.iter().filter(|x| !x.is_finite()).count();
+                if bad > 0 {
+                    self.problems
+                        .push(format!("{name}: {bad} values are NaN or infinite"));
+                    return None;
+                }
+                Some(v)
+            }
             Err(e) => {
                 self.problems.push(format!("{name}: {e}"));
                 None
