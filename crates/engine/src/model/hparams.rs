@@ -183,7 +183,7 @@ impl HParams {
             Some(_) => m.get_float(&k("rope.freq_base"))? as f32,
         };
         let eps = m.get_float(&k("attention.layer_norm_rms_epsilon"))? as f32;
-        if !(eps.is_finite() && eps > 0.0) || !(rope_theta.is_finite() && rope_theta > 0.0) {
+        if !(eps.is_finite() && eps > 0.0 && rope_theta.is_finite() && rope_theta > 0.0) {
             return Err(EngineError::BadHParam(format!(
                 "layer_norm_rms_epsilon {eps} and rope.freq_base {rope_theta} must be finite and positive"
             )));
