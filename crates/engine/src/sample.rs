@@ -1,6 +1,12 @@
-//! Sampling: greedy, temperature, top-k, top-p, min-p and repetition penalty, in
-//! llama.cpp's order (penalties, top-k, top-p, min-p, temperature), seeded so the
-//! same seed gives the same tokens.
+//! Sampling: greedy, temperature, top-k, top-p, min-p and the repetition,
+//! presence and frequency penalties, in llama.cpp's order (penalties, top-k,
+//! top-p, min-p, temperature), seeded so the same seed gives the same tokens.
+//!
+//! The penalties follow llama.cpp's `penalties` sampler: over the last
+//! `repeat_last_n` tokens of the history, each token seen `count > 0` times has
+//! its logit divided by `repeat_penalty` (multiplied when it is not positive),
+//! then lowered by `count * frequency` and by `presence`. They act on a copy of
+//! the logits used for sampling; the model's logits are never changed.
 
 use samesum_quant::rng::Rng;
 
@@ -37,37 +43,79 @@ impl Default for SamplerConfig {
     }
 }
 
+/// OpenAI's presence and frequency penalties (llama.cpp's `presence_penalty`
+/// and `frequency_penalty`); both 0 (the default) leave sampling unchanged.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Penalties {
+    /// Subtracted once from the logit of every token seen in the window.
+    pub presence: f32,
+    /// Subtracted from the logit of every token seen in the window, times
+    /// its count there.
+    pub frequency: f32,
+}
+
+/// Apply llama.cpp's `penalties` sampler to `l`: over the last `last_n`
+/// tokens of `history`, each token seen `count > 0` times gets
+/// `l /= repeat` (`l *= repeat` when `l <= 0`), then
+/// `l -= count * p.frequency + p.presence`. Ids outside `l` are ignored.
+/// With `repeat == 1` and both penalties 0, `l` is untouched.
+pub fn apply_penalties(l: &mut [f32], history: &[u32], last_n: usize, repeat: f32, p: Penalties) {
+    if last_n == 0 || (repeat == 1.0 && p.presence == 0.0 && p.frequency == 0.0) {
+        return;
+    }
+    let start = history.len().saturating_sub(last_n);
+    let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+    for &t in &history[start..] {
+        if (t as usize) < l.len() {
+            *counts.entry(t).or_insert(0) += 1;
+        }
+    }
+    for (&t, &count) in &counts {
+        let v = &mut l[t as usize];
+        if repeat != 1.0 {
+            *v = if *v > 0.0 { *v / repeat } else { *v * repeat };
+        }
+        if p.presence != 0.0 || p.frequency != 0.0 {
+            *v -= count as f32 * p.frequency + p.presence;
+        }
+    }
+}
+
 /// A sampler: settings plus its random stream.
 pub struct Sampler {
     cfg: SamplerConfig,
+    penalties: Penalties,
     rng: Rng,
 }
 
 impl Sampler {
-    /// A sampler with `cfg`.
+    /// A sampler with `cfg` (no presence or frequency penalty).
     pub fn new(cfg: SamplerConfig) -> Self {
         let rng = Rng::new(cfg.seed);
-        Sampler { cfg, rng }
+        Sampler {
+            cfg,
+            penalties: Penalties::default(),
+            rng,
+        }
+    }
+
+    /// The same sampler with presence and frequency penalties.
+    pub fn with_penalties(mut self, p: Penalties) -> Self {
+        self.penalties = p;
+        self
     }
 
     /// Pick the next token from `logits`, given the tokens so far.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let mut l = logits.to_vec();
         let c = &self.cfg;
-        if c.repeat_penalty != 1.0 {
-            let start = history.len().saturating_sub(c.repeat_last_n);
-            let mut seen = std::collections::HashSet::new();
-            for &t in &history[start..] {
-                if (t as usize) < l.len() && seen.insert(t) {
-                    let v = &mut l[t as usize];
-                    *v = if *v > 0.0 {
-                        *v / c.repeat_penalty
-                    } else {
-                        *v * c.repeat_penalty
-                    };
-                }
-            }
-        }
+        apply_penalties(
+            &mut l,
+            history,
+            c.repeat_last_n,
+            c.repeat_penalty,
+            self.penalties,
+        );
         if c.temp <= 0.0 {
             return argmax(&l);
         }
@@ -178,5 +226,131 @@ mod tests {
         for _ in 0..20 {
             assert_eq!(m.sample(&logits, &[]), top);
         }
+    }
+
+    #[test]
+    fn penalties_follow_llama_cpp_arithmetic() {
+        let base = vec![2.0f32, -1.0, 0.5, 3.0, 0.0];
+        // Token 0 twice, 1 once, 3 once but outside the window of 4.
+        let history = [3, 0, 1, 0, 4];
+        let mut l = base.clone();
+        let p = Penalties {
+            presence: 0.5,
+            frequency: 0.25,
+        };
+        apply_penalties(&mut l, &history, 4, 2.0, p);
+        assert_eq!(l[0], 2.0 / 2.0 - (2.0 * 0.25 + 0.5));
+        assert_eq!(l[1], -2.0 - (0.25 + 0.5), "a negative logit is multiplied");
+        assert_eq!(l[2], 0.5, "not in the window");
+        assert_eq!(l[3], 3.0, "outside the last 4");
+        assert_eq!(l[4], 0.0 * 2.0 - (0.25 + 0.5));
+        // Presence and frequency alone (repeat 1).
+        let mut l = base.clone();
+        apply_penalties(
+            &mut l,
+            &history,
+            64,
+            1.0,
+            Penalties {
+                presence: 1.0,
+                frequency: 0.0,
+            },
+        );
+        assert_eq!(l, vec![1.0, -2.0, 0.5, 2.0, -1.0]);
+        let mut l = base.clone();
+        apply_penalties(
+            &mut l,
+            &history,
+            64,
+            1.0,
+            Penalties {
+                presence: 0.0,
+                frequency: 1.0,
+            },
+        );
+        assert_eq!(l, vec![0.0, -2.0, 0.5, 2.0, -1.0]);
+        // Negative penalties raise the logits (OpenAI allows -2..2).
+        let mut l = base.clone();
+        apply_penalties(
+            &mut l,
+            &history,
+            64,
+            1.0,
+            Penalties {
+                presence: -1.0,
+                frequency: 0.0,
+            },
+        );
+        assert_eq!(l[2], 0.5);
+        assert_eq!(l[0], 3.0);
+        // Nothing to do: untouched, bit for bit; window 0: untouched.
+        for (n, r, p) in [(64, 1.0, Penalties::default()), (0, 2.0, p)] {
+            let mut l = vec![-0.0f32, f32::NAN, 1.5];
+            apply_penalties(&mut l, &[0, 1, 2], n, r, p);
+            assert_eq!(l[0].to_bits(), (-0.0f32).to_bits());
+            assert!(l[1].is_nan());
+            assert_eq!(l[2], 1.5);
+        }
+        // Ids past the vocabulary are ignored.
+        let mut l = base.clone();
+        apply_penalties(&mut l, &[99], 64, 2.0, p);
+        assert_eq!(l, base);
+    }
+
+    #[test]
+    fn penalties_move_the_sampled_tokens() {
+        let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 100) as f32 / 10.0).collect();
+        let top = argmax(&logits);
+        // Greedy with a presence penalty avoids a token already seen.
+        let mut g = Sampler::new(SamplerConfig {
+            temp: 0.0,
+            ..Default::default()
+        })
+        .with_penalties(Penalties {
+            presence: 2.0,
+            frequency: 0.0,
+        });
+        assert_ne!(g.sample(&logits, &[top]), top);
+        // Greedy generation with a frequency penalty never repeats a
+        // token while the logits are this flat (0.1 apart).
+        let mut f = Sampler::new(SamplerConfig {
+            temp: 0.0,
+            ..Default::default()
+        })
+        .with_penalties(Penalties {
+            presence: 0.0,
+            frequency: 2.0,
+        });
+        let mut hist = Vec::new();
+        for _ in 0..10 {
+            let t = f.sample(&logits, &hist);
+            assert!(!hist.contains(&t));
+            hist.push(t);
+        }
+        // Seeded sampling with penalties is deterministic, and differs from
+        // sampling without them.
+        let run = |p: Penalties| {
+            let mut s = Sampler::new(SamplerConfig {
+                temp: 1.0,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.0,
+                seed: 7,
+                ..Default::default()
+            })
+            .with_penalties(p);
+            let mut hist = Vec::new();
+            for _ in 0..40 {
+                let t = s.sample(&logits, &hist);
+                hist.push(t);
+            }
+            hist
+        };
+        let p = Penalties {
+            presence: 1.5,
+            frequency: 1.5,
+        };
+        assert_eq!(run(p), run(p));
+        assert_ne!(run(p), run(Penalties::default()));
     }
 }
