@@ -87,6 +87,45 @@ a = client.chat.completions.create(model=model, messages=MSG, max_tokens=12, tem
 b = client.chat.completions.create(model=model, messages=MSG, max_tokens=12, temperature=0.9, seed=7).choices[0].message.content
 check("seed: reproducible", a == b, (a, b))
 
+# Content as an array of text parts reads as the joined text.
+rp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], max_tokens=8, temperature=0)
+rs_ = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0)
+check("content parts: same as the string", rp.choices[0].message.content == rs_.choices[0].message.content and rp.usage == rs_.usage, (rp, rs_))
+try:
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}], max_tokens=4)
+    check("content parts: an image is refused", False, "no error")
+except openai.BadRequestError as e:
+    check("content parts: an image is a 400 naming its type", "image_url" in str(e), e)
+
+# Fields that cannot change the result are accepted (and ignored).
+rx = client.chat.completions.create(
+    model=model, messages=MSG, max_tokens=16, temperature=0, n=1, user="u", store=False, metadata={"k": "v"},
+    stream_options=None, logit_bias={}, extra_body={"parallel_tool_calls": False, "service_tier": "auto"},
+)
+check("ignored fields: same text", rx.choices[0].message.content == c.message.content, (rx.choices[0].message.content, c.message.content))
+try:
+    client.chat.completions.create(model=model, messages=MSG, max_tokens=4, logit_bias={"42": 10})
+    check("logit_bias: non-empty refused", False, "no error")
+except openai.BadRequestError as e:
+    check("logit_bias: non-empty is a 400 naming it", "logit_bias" in str(e), e)
+
+# Presence and frequency penalties: reproducible with a seed, and they change the tokens.
+def penalized(**kw):
+    return client.completions.create(model=model, prompt="Once upon a time", max_tokens=24, temperature=0.8, seed=11, extra_body={"ignore_eos": True}, **kw).choices[0].text
+p0 = penalized()
+p1 = penalized(presence_penalty=1.5, frequency_penalty=1.5)
+check("penalties: reproducible", p1 == penalized(presence_penalty=1.5, frequency_penalty=1.5), p1)
+check("penalties: change the tokens", p1 != p0, (p0, p1))
+
+# The model object, and a 404 for another id.
+m = client.models.retrieve(model)
+check("models retrieve", m.id == model and m.object == "model", m)
+try:
+    client.models.retrieve("no-such-model")
+    check("models retrieve: unknown id", False, "no error")
+except openai.NotFoundError as e:
+    check("models retrieve: unknown id is a 404", e.status_code == 404, e)
+
 # Errors come back as OpenAI errors.
 try:
     client.chat.completions.create(model=model, messages=MSG, max_tokens=-1)

@@ -1,11 +1,31 @@
 //! The OpenAI-compatible request bodies, their validation, and the error
 //! object every failure is reported with.
 //!
-//! Parsing is strict where a mistake would silently change the result (wrong
-//! types, unknown fields of a message, unsupported options such as `n > 1`),
-//! and accepts the OpenAI fields that have no effect here (`user`,
-//! `stream_options`, penalties at 0).
+//! The policy, field by field:
+//! - Fields that change the result are parsed strictly: a wrong type or an
+//!   out-of-range value is a 400 naming the field.
+//! - Known fields whose feature is not implemented are a 400 naming the field
+//!   when they would change the result (`n > 1`, `best_of > 1`, a non-empty
+//!   `logit_bias`, `tools`, `tool_choice: "required"`, `functions`,
+//!   `response_format` other than text, `modalities` other than text,
+//!   `audio`, `echo`, `suffix`), and accepted when they are the no-op value
+//!   (`n: 1`, `best_of: 1`, `logit_bias: {}`, `tools: []`,
+//!   `tool_choice: "none"`/`"auto"`, `response_format: {"type": "text"}`).
+//! - Any other field (`user`, `store`, `metadata`, `service_tier`,
+//!   `parallel_tool_calls`, `stream_options`, ...) cannot change the tokens
+//!   and is ignored; unknown names are logged at debug level.
+//!
+//! Sampling fields beyond OpenAI's, as llama-server names them: `top_k`,
+//! `min_p`, `repeat_penalty`, `repeat_last_n` (the window of the three
+//! penalties, default 64; 0: off), `ignore_eos`. `presence_penalty` and
+//! `frequency_penalty` (-2 to 2) follow llama.cpp's penalties sampler (see
+//! `samesum_engine::sample`).
+//!
+//! A message's `content` is a string or an array of content parts; the text
+//! parts are concatenated in order, and any other part type (`image_url`,
+//! `input_audio`, ...) is a 400 naming the type.
 
+use samesum_engine::sample::Penalties;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -59,17 +79,93 @@ pub enum Stop {
     Many(Vec<String>),
 }
 
-/// One chat message (strict: only `role`, `content`, `name`).
+/// One chat message.
 #[derive(Deserialize, Debug, Clone)]
-#[serde(deny_unknown_fields)]
 pub struct Message {
-    /// `system`, `user` or `assistant`.
+    /// `system`, `developer`, `user` or `assistant`.
     pub role: String,
-    /// The text.
-    pub content: String,
+    /// A string, an array of content parts, or null (an empty turn).
+    #[serde(default)]
+    pub content: Value,
     /// Ignored (allowed by the API).
     #[allow(dead_code)]
     pub name: Option<String>,
+    /// Refused unless empty (tool calls are not supported).
+    pub tool_calls: Option<Value>,
+    /// Refused unless null (function calls are not supported).
+    pub function_call: Option<Value>,
+    /// Refused unless null (audio is not supported).
+    pub audio: Option<Value>,
+    /// Any other field: ignored (`refusal`, ...).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, Value>,
+}
+
+impl Message {
+    /// The text of message `i`: the string, or its text parts in order.
+    pub fn text(&self, i: usize) -> Result<String, ApiError> {
+        let at = |f: &str| Some(format!("messages[{i}].{f}"));
+        if self.tool_calls.as_ref().is_some_and(|v| !is_empty(v)) {
+            return Err(ApiError::bad(
+                at("tool_calls"),
+                "tool_calls in messages are not supported (no function calling)",
+            ));
+        }
+        for (f, v) in [
+            ("function_call", &self.function_call),
+            ("audio", &self.audio),
+        ] {
+            if v.as_ref().is_some_and(|v| !v.is_null()) {
+                return Err(ApiError::bad(
+                    at(f),
+                    format!("{f} in messages is not supported"),
+                ));
+            }
+        }
+        match &self.content {
+            Value::String(s) => Ok(s.clone()),
+            Value::Null => Ok(String::new()),
+            Value::Array(parts) => {
+                let mut text = String::new();
+                for (j, p) in parts.iter().enumerate() {
+                    let pat = |f: &str| at(&format!("content[{j}]{f}"));
+                    let ty = p.get("type").and_then(Value::as_str).ok_or_else(|| {
+                        ApiError::bad(
+                            pat(""),
+                            "a content part must be an object with a string \"type\"",
+                        )
+                    })?;
+                    if ty != "text" {
+                        return Err(ApiError::bad(
+                            pat(".type"),
+                            format!(
+                                "content part type {ty:?} is not supported (only \"text\" parts)"
+                            ),
+                        ));
+                    }
+                    let t = p.get("text").and_then(Value::as_str).ok_or_else(|| {
+                        ApiError::bad(pat(".text"), "a text part needs a string \"text\"")
+                    })?;
+                    text.push_str(t);
+                }
+                Ok(text)
+            }
+            _ => Err(ApiError::bad(
+                at("content"),
+                "content must be a string or an array of content parts",
+            )),
+        }
+    }
+}
+
+/// Null, an empty array or an empty object.
+fn is_empty(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        _ => false,
+    }
 }
 
 /// The sampling and length fields both endpoints share (OpenAI's names).
@@ -86,20 +182,30 @@ pub struct Common {
     pub repeat_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    pub repeat_last_n: Option<i64>,
     pub seed: Option<u64>,
     pub stop: Option<Stop>,
     pub stream: Option<bool>,
     pub n: Option<u64>,
+    pub best_of: Option<u64>,
     pub ignore_eos: Option<bool>,
+    pub logit_bias: Option<Value>,
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
+    pub response_format: Option<Value>,
+    pub modalities: Option<Value>,
+    pub audio: Option<Value>,
 }
 
 /// Defines a request struct with the endpoint's own fields plus the shared
-/// ones (serde cannot deny unknown fields through `flatten`).
+/// ones (a flattened `Common` would hide the field names from the errors'
+/// paths).
 macro_rules! request {
     ($(#[$doc:meta])* $name:ident { $($(#[$fdoc:meta])* $f:ident : $t:ty),* $(,)? }) => {
         $(#[$doc])*
         #[derive(Deserialize, Debug, Clone)]
-        #[serde(deny_unknown_fields)]
         #[allow(missing_docs)]
         pub struct $name {
             $($(#[$fdoc])* pub $f: $t,)*
@@ -113,17 +219,36 @@ macro_rules! request {
             pub repeat_penalty: Option<f32>,
             pub presence_penalty: Option<f32>,
             pub frequency_penalty: Option<f32>,
+            /// The penalties' window (llama.cpp's; -1: the whole context).
+            pub repeat_last_n: Option<i64>,
             pub seed: Option<u64>,
             pub stop: Option<Stop>,
             pub stream: Option<bool>,
-            /// Accepted and ignored (usage is always reported).
-            pub stream_options: Option<Value>,
             pub n: Option<u64>,
+            pub best_of: Option<u64>,
             /// Keep generating past the model's end-of-text tokens (llama.cpp's
             /// server option; for benchmarks).
             pub ignore_eos: Option<bool>,
-            /// Accepted and ignored.
-            pub user: Option<String>,
+            /// Accepted when empty.
+            pub logit_bias: Option<Value>,
+            /// Accepted when empty.
+            pub tools: Option<Value>,
+            /// Accepted when `none` or `auto`.
+            pub tool_choice: Option<Value>,
+            /// Accepted when empty.
+            pub functions: Option<Value>,
+            /// Accepted when `none` or `auto`.
+            pub function_call: Option<Value>,
+            /// Accepted when `{"type": "text"}`.
+            pub response_format: Option<Value>,
+            /// Accepted when `["text"]`.
+            pub modalities: Option<Value>,
+            /// Accepted when null.
+            pub audio: Option<Value>,
+            /// Every other field (`user`, `store`, `stream_options`, ...):
+            /// ignored.
+            #[serde(flatten)]
+            pub extra: serde_json::Map<String, Value>,
         }
 
         impl $name {
@@ -140,11 +265,29 @@ macro_rules! request {
                     repeat_penalty: self.repeat_penalty,
                     presence_penalty: self.presence_penalty,
                     frequency_penalty: self.frequency_penalty,
+                    repeat_last_n: self.repeat_last_n,
                     seed: self.seed,
                     stop: self.stop.clone(),
                     stream: self.stream,
                     n: self.n,
+                    best_of: self.best_of,
                     ignore_eos: self.ignore_eos,
+                    logit_bias: self.logit_bias.clone(),
+                    tools: self.tools.clone(),
+                    tool_choice: self.tool_choice.clone(),
+                    functions: self.functions.clone(),
+                    function_call: self.function_call.clone(),
+                    response_format: self.response_format.clone(),
+                    modalities: self.modalities.clone(),
+                    audio: self.audio.clone(),
+                }
+            }
+
+            /// Log the names of the ignored fields (debug level).
+            pub fn log_ignored(&self) {
+                if !self.extra.is_empty() {
+                    let names: Vec<&str> = self.extra.keys().map(String::as_str).collect();
+                    tracing::debug!(fields = ?names, "ignored request fields");
                 }
             }
         }
@@ -195,6 +338,10 @@ pub struct Settings {
     pub min_p: f32,
     /// Repetition penalty (1: off).
     pub repeat_penalty: f32,
+    /// Presence and frequency penalties (0: off).
+    pub penalties: Penalties,
+    /// The penalties' window in tokens (`None`: the whole context).
+    pub repeat_last_n: Option<usize>,
     /// Seed (`None`: drawn per request).
     pub seed: Option<u64>,
     /// Stop strings.
@@ -254,19 +401,26 @@ impl Common {
                 format!("n = {n} is not supported (only 1 choice per request)"),
             ));
         }
-        for (name, v) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
-            if let Some(x) = v
-                && x != 0.0
-            {
+        if let Some(n) = self.best_of
+            && n != 1
+        {
+            return Err(ApiError::bad(
+                Some("best_of".into()),
+                format!("best_of = {n} is not supported (only 1)"),
+            ));
+        }
+        self.unsupported()?;
+        let repeat_last_n = match self.repeat_last_n {
+            None => Some(64),
+            Some(-1) => None,
+            Some(n) if (0..=1 << 20).contains(&n) => Some(n as usize),
+            Some(n) => {
                 return Err(ApiError::bad(
-                    Some(name.into()),
-                    format!("{name} is not supported (use repeat_penalty)"),
+                    Some("repeat_last_n".into()),
+                    format!("repeat_last_n must be -1 (the context) or 0 to 1048576, got {n}"),
                 ));
             }
-        }
+        };
         let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
             (Some(a), _) | (None, Some(a)) => {
                 if a > u32::MAX as u64 {
@@ -307,6 +461,11 @@ impl Common {
             top_k: top_k as usize,
             min_p: finite("min_p", self.min_p, 0.0, 1.0, 0.0)?,
             repeat_penalty: finite("repeat_penalty", self.repeat_penalty, 0.0, 10.0, 1.0)?,
+            penalties: Penalties {
+                presence: finite("presence_penalty", self.presence_penalty, -2.0, 2.0, 0.0)?,
+                frequency: finite("frequency_penalty", self.frequency_penalty, -2.0, 2.0, 0.0)?,
+            },
+            repeat_last_n,
             seed: self.seed,
             stop,
             stream: self.stream.unwrap_or(false),
@@ -316,15 +475,80 @@ impl Common {
     }
 }
 
+impl Common {
+    /// A 400 for each known field whose feature is not implemented, unless
+    /// it holds the value that changes nothing.
+    fn unsupported(&self) -> Result<(), ApiError> {
+        let refuse = |f: &str, why: &str| Err(ApiError::bad(Some(f.into()), format!("{f}: {why}")));
+        if let Some(v) = &self.logit_bias {
+            if !v.is_object() && !v.is_null() {
+                return refuse("logit_bias", "must be an object of token ids to biases");
+            }
+            if !is_empty(v) {
+                return refuse("logit_bias", "a non-empty logit_bias is not supported");
+            }
+        }
+        for f in ["tools", "functions"] {
+            let v = if f == "tools" {
+                &self.tools
+            } else {
+                &self.functions
+            };
+            if v.as_ref().is_some_and(|v| !is_empty(v)) {
+                return refuse(f, "function calling is not supported");
+            }
+        }
+        for f in ["tool_choice", "function_call"] {
+            let v = if f == "tool_choice" {
+                &self.tool_choice
+            } else {
+                &self.function_call
+            };
+            match v.as_ref() {
+                None | Some(Value::Null) => {}
+                Some(Value::String(s)) if s == "none" || s == "auto" => {}
+                Some(_) => {
+                    return refuse(
+                        f,
+                        "function calling is not supported (only \"none\" or \"auto\")",
+                    );
+                }
+            }
+        }
+        match self.response_format.as_ref() {
+            None | Some(Value::Null) => {}
+            Some(v) if v.get("type").and_then(Value::as_str) == Some("text") => {}
+            Some(v) => {
+                let ty = v.get("type").and_then(Value::as_str).unwrap_or("?");
+                return refuse(
+                    "response_format",
+                    &format!("type {ty:?} is not supported (only \"text\")"),
+                );
+            }
+        }
+        match self.modalities.as_ref() {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(a)) if a.iter().all(|m| m == "text") => {}
+            Some(_) => return refuse("modalities", "only [\"text\"] is supported"),
+        }
+        if self.audio.as_ref().is_some_and(|v| !v.is_null()) {
+            return refuse("audio", "audio output is not supported");
+        }
+        Ok(())
+    }
+}
+
 impl ChatRequest {
-    /// Validate the messages and settings.
-    pub fn check(&self) -> Result<Settings, ApiError> {
+    /// Validate the messages and settings; returns the messages as
+    /// `(role, text)` with `developer` read as `system`.
+    pub fn check(&self) -> Result<(Vec<(String, String)>, Settings), ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::bad(
                 Some("messages".into()),
                 "messages must not be empty",
             ));
         }
+        let mut msgs = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.iter().enumerate() {
             if !matches!(
                 m.role.as_str(),
@@ -338,6 +562,12 @@ impl ChatRequest {
                     ),
                 ));
             }
+            let role = if m.role == "developer" {
+                "system"
+            } else {
+                m.role.as_str()
+            };
+            msgs.push((role.to_string(), m.text(i)?));
         }
         let lp = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
             (false, Some(_)) => {
@@ -355,7 +585,7 @@ impl ChatRequest {
             (true, n) => Some(n.unwrap_or(0) as usize),
             (false, None) => None,
         };
-        self.common().settings(lp)
+        Ok((msgs, self.common().settings(lp)?))
     }
 }
 
@@ -410,11 +640,16 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("max_tokens"), "{}", e.message);
         let e = parse::<ChatRequest>(br#"{"messages": [], "temperature": "hot"}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("temperature"), "{}", e.message);
-        let e = parse::<ChatRequest>(
-            br#"{"messages": [{"role": "user", "content": "x", "colour": 1}]}"#,
-        )
-        .unwrap_err();
-        assert!(e.message.contains("colour"), "{}", e.message);
+        let e = parse::<ChatRequest>(br#"{"messages": [{"role": "user", "content": 3}]}"#)
+            .unwrap()
+            .check()
+            .unwrap_err();
+        assert_eq!(
+            e.param.as_deref(),
+            Some("messages[0].content"),
+            "{}",
+            e.message
+        );
         let e = parse::<ChatRequest>(b"\xff\xfe").unwrap_err();
         assert!(e.message.contains("UTF-8"));
         let r =
@@ -471,8 +706,11 @@ mod tests {
             br#"{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": "x", "user": "u", "stream": true}"#,
         )
         .unwrap();
-        let s = r.check().unwrap();
+        let (m, s) = r.check().unwrap();
+        assert_eq!(m, vec![("user".to_string(), "hi".to_string())]);
         assert_eq!(s.stop, vec!["x".to_string()]);
+        assert_eq!(s.penalties, Penalties::default());
+        assert_eq!(s.repeat_last_n, Some(64));
         assert!(s.stream);
         assert_eq!(s.max_tokens, None);
         let c = parse::<CompletionRequest>(br#"{"prompt": ["a"], "logprobs": 2}"#).unwrap();
@@ -480,5 +718,124 @@ mod tests {
         assert_eq!(p, "a");
         assert_eq!(s.max_tokens, Some(16));
         assert_eq!(s.logprobs, Some(2));
+    }
+
+    fn chat(body: &str) -> Result<(Vec<(String, String)>, Settings), ApiError> {
+        parse::<ChatRequest>(body.as_bytes()).and_then(|r| r.check())
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored_and_no_op_values_accepted() {
+        let (m, s) = chat(
+            r#"{"messages": [{"role": "user", "content": "hi", "refusal": null}],
+                "store": false, "parallel_tool_calls": false, "user": "u", "metadata": {"a": "b"},
+                "service_tier": "auto", "stream_options": {"include_usage": true},
+                "logit_bias": {}, "n": 1, "best_of": 1, "tools": [], "tool_choice": "none",
+                "response_format": {"type": "text"}, "modalities": ["text"], "prediction": null}"#,
+        )
+        .unwrap();
+        assert_eq!(m[0].1, "hi");
+        assert_eq!(s.temperature, 1.0);
+        let r = parse::<ChatRequest>(
+            br#"{"messages": [{"role": "user", "content": "hi"}], "store": true}"#,
+        )
+        .unwrap();
+        assert!(r.extra.contains_key("store"));
+        let c = parse::<CompletionRequest>(
+            br#"{"prompt": "x", "best_of": 1, "logit_bias": {}, "user": "u", "store": 1}"#,
+        )
+        .unwrap();
+        assert!(c.check().is_ok());
+    }
+
+    #[test]
+    fn unsupported_fields_are_refused_by_name() {
+        let base = r#""messages": [{"role": "user", "content": "hi"}]"#;
+        for (field, val) in [
+            ("n", "2"),
+            ("logit_bias", r#"{"15": -100}"#),
+            ("logit_bias", "[]"),
+            ("best_of", "3"),
+            (
+                "tools",
+                r#"[{"type": "function", "function": {"name": "f"}}]"#,
+            ),
+            ("tool_choice", r#""required""#),
+            ("functions", r#"[{"name": "f"}]"#),
+            ("function_call", r#"{"name": "f"}"#),
+            ("response_format", r#"{"type": "json_object"}"#),
+            ("modalities", r#"["text", "audio"]"#),
+            ("audio", r#"{"voice": "x"}"#),
+            ("presence_penalty", "2.5"),
+            ("frequency_penalty", "-3"),
+            ("repeat_last_n", "-2"),
+        ] {
+            let e = chat(&format!("{{{base}, \"{field}\": {val}}}")).unwrap_err();
+            assert_eq!(e.status, 400);
+            assert_eq!(e.param.as_deref(), Some(field), "{field}: {}", e.message);
+            assert!(e.message.contains(field), "{}", e.message);
+        }
+    }
+
+    #[test]
+    fn content_parts_are_concatenated_and_other_parts_refused() {
+        let (m, _) = chat(
+            r#"{"messages": [{"role": "system", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+                              {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                              {"role": "assistant", "content": null, "tool_calls": []},
+                              {"role": "developer", "content": []}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            m,
+            vec![
+                ("system".into(), "be brief".into()),
+                ("user".into(), "Hi".into()),
+                ("assistant".into(), String::new()),
+                ("system".into(), String::new()),
+            ]
+        );
+        let e = chat(
+            r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].content[1].type"));
+        assert!(e.message.contains("image_url"), "{}", e.message);
+        for (body, param) in [
+            (
+                r#"[{"type": "input_audio"}]"#,
+                "messages[0].content[0].type",
+            ),
+            (r#"[{"text": "a"}]"#, "messages[0].content[0]"),
+            (r#"[{"type": "text"}]"#, "messages[0].content[0].text"),
+            (r#"[3]"#, "messages[0].content[0]"),
+        ] {
+            let e = chat(&format!(
+                r#"{{"messages": [{{"role": "user", "content": {body}}}]}}"#
+            ))
+            .unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{}", e.message);
+        }
+        let e = chat(
+            r#"{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].tool_calls"));
+    }
+
+    #[test]
+    fn penalties_and_window_are_read() {
+        let (_, s) = chat(
+            r#"{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5, "frequency_penalty": -1, "repeat_last_n": -1}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            s.penalties,
+            Penalties {
+                presence: 0.5,
+                frequency: -1.0
+            }
+        );
+        assert_eq!(s.repeat_last_n, None);
     }
 }

@@ -1,19 +1,33 @@
 //! The HTTP side: routes, request checks, queueing, and the responses
 //! (JSON, or server-sent events ending with `data: [DONE]`).
+//!
+//! Routes:
+//! - `POST /v1/chat/completions`, `POST /v1/completions` (fields: [`api`]).
+//! - `GET /v1/models`, and `GET /v1/models/{id}`: the model object, or a 404
+//!   with OpenAI's error object for another id.
+//! - `POST /tokenize`: `{"content": "...", "add_special": false,
+//!   "with_pieces": false}` gives `{"tokens": [ids]}`, or with `with_pieces`
+//!   `{"tokens": [{"id": id, "piece": "..."}]}` (llama-server's shape;
+//!   special tokens in the text are recognized; `add_special` prepends BOS
+//!   when the model asks for it).
+//! - `POST /detokenize`: `{"tokens": [ids]}` gives `{"content": "..."}`
+//!   (special tokens are left out, as in the completions' text).
+//! - `GET /health`, `GET /metrics` (Prometheus text).
 
 use crate::api::{self, ApiError, ChatRequest, CompletionRequest, Settings};
 use crate::metrics::Metrics;
 use crate::scheduler::{Event, Job, TokenLogprob, Usage};
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use samesum_engine::sample::SamplerConfig;
 use samesum_engine::tokenizer::Tokenizer;
+use serde::Deserialize;
 use serde_json::{Value, json};
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -48,6 +62,9 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -71,7 +88,7 @@ fn error(app: &App, e: ApiError) -> Response {
 async fn not_found() -> Response {
     let e = ApiError {
         status: 404,
-        message: "no such endpoint (try /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)".into(),
+        message: "no such endpoint (try /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /metrics)".into(),
         kind: "invalid_request_error",
         param: None,
         code: None,
@@ -98,12 +115,115 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
+fn model_object(app: &App) -> Value {
+    json!({"id": app.model_name, "object": "model", "created": now_secs(), "owned_by": "samesum"})
+}
+
 async fn models(State(app): State<Arc<App>>) -> Response {
-    axum::Json(json!({
-        "object": "list",
-        "data": [{"id": app.model_name, "object": "model", "created": now_secs(), "owned_by": "samesum"}],
-    }))
-    .into_response()
+    axum::Json(json!({"object": "list", "data": [model_object(&app)]})).into_response()
+}
+
+async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    if id == app.model_name {
+        return axum::Json(model_object(&app)).into_response();
+    }
+    let e = ApiError {
+        status: 404,
+        message: format!(
+            "the model {id:?} does not exist (this server serves {:?})",
+            app.model_name
+        ),
+        kind: "invalid_request_error",
+        param: Some("model".into()),
+        code: Some("model_not_found"),
+    };
+    (StatusCode::NOT_FOUND, axum::Json(e.body())).into_response()
+}
+
+/// `POST /tokenize` (llama-server's fields).
+#[derive(Deserialize)]
+struct TokenizeRequest {
+    content: String,
+    #[serde(default)]
+    add_special: bool,
+    #[serde(default)]
+    with_pieces: bool,
+}
+
+/// `POST /detokenize`.
+#[derive(Deserialize)]
+struct DetokenizeRequest {
+    tokens: Vec<u32>,
+}
+
+async fn tokenize(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> Response {
+    let run = || -> Result<Value, ApiError> {
+        let b = body(&app, b)?;
+        let req: TokenizeRequest = api::parse(&b)?;
+        let mut ids = app
+            .tok
+            .encode(&req.content)
+            .map_err(|e| ApiError::bad(Some("content".into()), e.to_string()))?;
+        if !req.add_special
+            && app.tok.add_bos
+            && app.tok.bos.is_some()
+            && ids.first() == app.tok.bos.as_ref()
+        {
+            ids.remove(0);
+        }
+        if !req.with_pieces {
+            return Ok(json!({"tokens": ids}));
+        }
+        let mut out = Vec::with_capacity(ids.len());
+        for &id in &ids {
+            let piece = app
+                .tok
+                .decode(&[id])
+                .map_err(|e| ApiError::bad(Some("content".into()), e.to_string()))?;
+            // A special token decodes to nothing; its piece is its text.
+            let piece = if piece.is_empty() {
+                app.tok.token(id).to_string()
+            } else {
+                piece
+            };
+            out.push(json!({"id": id, "piece": piece}));
+        }
+        Ok(json!({"tokens": out}))
+    };
+    match run() {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => error(&app, e),
+    }
+}
+
+async fn detokenize(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> Response {
+    let run = || -> Result<Value, ApiError> {
+        let b = body(&app, b)?;
+        let req: DetokenizeRequest = api::parse(&b)?;
+        if let Some((i, &t)) = req
+            .tokens
+            .iter()
+            .enumerate()
+            .find(|&(_, &t)| t as usize >= app.tok.len())
+        {
+            return Err(ApiError::bad(
+                Some(format!("tokens[{i}]")),
+                format!(
+                    "token id {t} is outside the vocabulary of {} tokens",
+                    app.tok.len()
+                ),
+            ));
+        }
+        let content = app
+            .tok
+            .decode(&req.tokens)
+            .map_err(|e| ApiError::bad(Some("tokens".into()), e.to_string()))?;
+        Ok(json!({"content": content}))
+    };
+    match run() {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => error(&app, e),
+    }
 }
 
 fn body(app: &App, b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
@@ -185,9 +305,10 @@ fn submit(
             top_p: s.top_p,
             min_p: s.min_p,
             repeat_penalty: s.repeat_penalty,
-            repeat_last_n: 64,
+            repeat_last_n: s.repeat_last_n.unwrap_or(usize::MAX),
             seed,
         },
+        penalties: s.penalties,
         stop: s.stop.clone(),
         logprobs: s.logprobs,
         ignore_eos: s.ignore_eos,
@@ -268,21 +389,9 @@ async fn chat(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> 
     let run = || -> Result<(Vec<u32>, Settings), ApiError> {
         let b = body(&app, b)?;
         let req: ChatRequest = api::parse(&b)?;
-        let s = req.check()?;
-        let msgs: Vec<(&str, &str)> = req
-            .messages
-            .iter()
-            .map(|m| {
-                (
-                    if m.role == "developer" {
-                        "system"
-                    } else {
-                        m.role.as_str()
-                    },
-                    m.content.as_str(),
-                )
-            })
-            .collect();
+        req.log_ignored();
+        let (msgs, s) = req.check()?;
+        let msgs: Vec<(&str, &str)> = msgs.iter().map(|(r, t)| (r.as_str(), t.as_str())).collect();
         let text = app
             .tok
             .chat_messages(&msgs)
@@ -303,6 +412,7 @@ async fn completions(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejectio
     let run = || -> Result<(Vec<u32>, Settings), ApiError> {
         let b = body(&app, b)?;
         let req: CompletionRequest = api::parse(&b)?;
+        req.log_ignored();
         let (prompt, s) = req.check()?;
         let ids = app
             .tok

@@ -10,7 +10,7 @@
 
 use crate::metrics::Metrics;
 use samesum_engine::backend::Backend;
-use samesum_engine::sample::{Sampler, SamplerConfig};
+use samesum_engine::sample::{Penalties, Sampler, SamplerConfig};
 use samesum_engine::tokenizer::{StreamDecoder, Tokenizer};
 use samesum_engine::{KvType, Logits, Model, Segment, forward_batch};
 use std::sync::Arc;
@@ -76,6 +76,8 @@ pub struct Job {
     pub max_new: usize,
     /// Sampling.
     pub sampler: SamplerConfig,
+    /// Presence and frequency penalties.
+    pub penalties: Penalties,
     /// Stop strings.
     pub stop: Vec<String>,
     /// Log-probabilities with this many alternatives.
@@ -299,7 +301,8 @@ pub fn run<B: Backend>(
                         sampler: Sampler::new(SamplerConfig {
                             seed,
                             ..job.sampler.clone()
-                        }),
+                        })
+                        .with_penalties(job.penalties),
                         history: job.prompt.clone(),
                         job,
                         state,

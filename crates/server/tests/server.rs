@@ -303,16 +303,38 @@ fn bad_input_is_a_4xx_with_an_error_object_and_the_server_stays_up() {
             "temperature",
         ),
         (
-            "unknown message field",
-            br#"{"messages": [{"role": "user", "content": "x", "mood": "happy"}]}"#.to_vec(),
+            "a non-text content part",
+            br#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}"#.to_vec(),
             400,
-            "mood",
+            "image_url",
         ),
         (
-            "unknown field",
-            br#"{"messages": [{"role": "user", "content": "x"}], "colour": 1}"#.to_vec(),
+            "non-empty logit_bias",
+            br#"{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"42": 5}}"#
+                .to_vec(),
             400,
-            "colour",
+            "logit_bias",
+        ),
+        (
+            "tools",
+            br#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}"#
+                .to_vec(),
+            400,
+            "tools",
+        ),
+        (
+            "response_format json",
+            br#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}"#
+                .to_vec(),
+            400,
+            "response_format",
+        ),
+        (
+            "presence_penalty out of range",
+            br#"{"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}"#
+                .to_vec(),
+            400,
+            "presence_penalty",
         ),
         (
             "negative max_tokens",
@@ -599,4 +621,164 @@ fn a_long_prefill_does_not_stall_a_running_stream() {
     );
     drop(s);
     let _ = reader.join();
+}
+
+/// What OpenAI clients send beyond the core fields: unknown fields ignored,
+/// no-op values accepted, content-part arrays read as their text.
+#[test]
+fn openai_client_fields_are_accepted() {
+    let s = start(2, 8, 256);
+    let (st, plain) = post(
+        s.addr,
+        "/v1/chat/completions",
+        &chat_body("Hi there", json!({"temperature": 0})),
+    );
+    assert_eq!(st, 200, "{plain}");
+    let extra = json!({
+        "temperature": 0, "store": false, "parallel_tool_calls": false, "user": "u",
+        "metadata": {"k": "v"}, "service_tier": "auto", "stream_options": {"include_usage": true},
+        "logit_bias": {}, "n": 1, "tools": [], "tool_choice": "none",
+        "response_format": {"type": "text"}, "some_future_field": [1, 2],
+    });
+    let (st, v) = post(
+        s.addr,
+        "/v1/chat/completions",
+        &chat_body("Hi there", extra),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"], plain["choices"][0]["message"]);
+    // The same text as parts, split anywhere, gives the same tokens.
+    let mut parts = chat_body("", json!({"temperature": 0}));
+    parts["messages"][0]["content"] =
+        json!([{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]);
+    parts["messages"][0]["name"] = json!("me");
+    let (st, v) = post(s.addr, "/v1/chat/completions", &parts);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"], plain["choices"][0]["message"]);
+    assert_eq!(v["usage"], plain["usage"]);
+    // A non-text part is refused, naming its type and where it is.
+    parts["messages"][0]["content"][1] = json!({"type": "input_audio", "input_audio": {}});
+    let (st, v) = post(s.addr, "/v1/chat/completions", &parts);
+    assert_eq!(st, 400, "{v}");
+    assert_eq!(v["error"]["param"], "messages[0].content[1].type");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("input_audio")
+    );
+    // Completions: best_of 1, n 1, logit_bias {} and unknown fields.
+    let (st, a) = post(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "Once", "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(st, 200, "{a}");
+    let (st, b) = post(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "Once", "max_tokens": 4, "temperature": 0, "best_of": 1, "n": 1, "logit_bias": {}, "store": true}),
+    );
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    for (field, val) in [
+        ("best_of", json!(2)),
+        ("logit_bias", json!({"1": -100})),
+        ("n", json!(2)),
+    ] {
+        let mut body = json!({"prompt": "Once", "max_tokens": 4});
+        body[field] = val;
+        let (st, v) = post(s.addr, "/v1/completions", &body);
+        assert_eq!(st, 400, "{v}");
+        assert_eq!(v["error"]["param"], field);
+    }
+}
+
+/// Presence and frequency penalties change the sampled tokens, the same way
+/// each time for a seed.
+#[test]
+fn penalties_change_sampled_tokens_deterministically() {
+    let s = start(2, 8, 256);
+    let complete = |extra: Value| {
+        let mut body =
+            json!({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0.8, "seed": 11});
+        for (k, x) in extra.as_object().unwrap() {
+            body[k] = x.clone();
+        }
+        let (st, v) = post(s.addr, "/v1/completions", &body);
+        assert_eq!(st, 200, "{v}");
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let plain = complete(json!({}));
+    assert_eq!(
+        plain,
+        complete(json!({"presence_penalty": 0, "frequency_penalty": 0}))
+    );
+    let pen = json!({"presence_penalty": 1.5, "frequency_penalty": 1.5});
+    let a = complete(pen.clone());
+    assert_eq!(a, complete(pen));
+    assert_ne!(a, plain);
+    let b = complete(json!({"frequency_penalty": 2, "repeat_last_n": -1}));
+    assert_eq!(
+        b,
+        complete(json!({"frequency_penalty": 2, "repeat_last_n": -1}))
+    );
+    assert_ne!(b, plain);
+    // A window of 0 turns the penalties off.
+    assert_eq!(
+        plain,
+        complete(json!({"presence_penalty": 2, "repeat_last_n": 0}))
+    );
+}
+
+#[test]
+fn model_tokenize_and_detokenize_endpoints() {
+    let s = start(2, 8, 256);
+    let (st, _, b) = request(s.addr, "GET", "/v1/models/tiny", b"");
+    assert_eq!(st, 200);
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(v["id"], "tiny");
+    assert_eq!(v["object"], "model");
+    let (st, _, b) = request(s.addr, "GET", "/v1/models/gpt-4o", b"");
+    assert_eq!(st, 404);
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(v["error"]["code"], "model_not_found");
+    assert!(v["error"]["message"].as_str().unwrap().contains("gpt-4o"));
+    assert!(v["error"]["type"].is_string());
+
+    let (st, v) = post(s.addr, "/tokenize", &json!({"content": "Hello world"}));
+    assert_eq!(st, 200, "{v}");
+    let ids: Vec<u64> = v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    assert!(!ids.is_empty());
+    let (st, p) = post(
+        s.addr,
+        "/tokenize",
+        &json!({"content": "Hello world", "with_pieces": true, "add_special": true}),
+    );
+    assert_eq!(st, 200, "{p}");
+    let pieces = p["tokens"].as_array().unwrap();
+    let tail: Vec<u64> = pieces[pieces.len() - ids.len()..]
+        .iter()
+        .map(|t| t["id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(tail, ids, "add_special only prepends");
+    let joined: String = pieces[pieces.len() - ids.len()..]
+        .iter()
+        .map(|t| t["piece"].as_str().unwrap())
+        .collect();
+    assert_eq!(joined, "Hello world");
+    let (st, v) = post(s.addr, "/detokenize", &json!({"tokens": ids}));
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["content"], "Hello world");
+    let (st, v) = post(s.addr, "/detokenize", &json!({"tokens": [1u64 << 31]}));
+    assert_eq!(st, 400, "{v}");
+    assert_eq!(v["error"]["param"], "tokens[0]");
+    let (st, v) = post(s.addr, "/tokenize", &json!({"text": "x"}));
+    assert_eq!(st, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("content"));
 }
