@@ -42,9 +42,26 @@ pub(crate) struct ShapeArgs {
 
 #[derive(clap::Args, Clone, Debug)]
 pub(crate) struct BackendArgs {
-    /// Backend: cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    device: Device,
+    /// Backend: cpu, cuda or cuda:N. [default: cpu; with -ngl above 0, cuda
+    /// when a CUDA device is present]
+    #[arg(long)]
+    device: Option<Device>,
+    /// GPU layers, as llama.cpp's -ngl (which samesum also takes). samesum
+    /// puts the whole model on one device, never part of its layers: N above
+    /// 0 (or `all`, `auto`, -1) means the GPU (cuda when no --device is given
+    /// and a CUDA device is present, else a note and the CPU), 0 the CPU. A
+    /// model larger than the GPU's memory runs in tier mode (--vram-budget).
+    #[arg(long = "n-gpu-layers", value_name = "N", value_parser = parse_gpu_layers,
+          allow_negative_numbers = true)]
+    n_gpu_layers: Option<GpuLayers>,
+    /// Flash attention, as llama.cpp's -fa (which samesum also takes):
+    /// accepted, changes nothing. samesum has one exact attention per device
+    /// (on CUDA already tiled, flash-style, with a running max; on the CPU a
+    /// softmax of each row); `on` and `off` print a note saying so. The
+    /// tensor-core passes are `--attention fast`, opt-in: -fa never turns
+    /// them on.
+    #[arg(long = "flash-attn", value_enum, value_name = "on|off|auto")]
+    flash_attn: Option<FlashAttn>,
     /// Tier mode within this VRAM budget (e.g. 24G): routed experts in host
     /// memory, a VRAM cache of them for decode, staged layers for prefill.
     /// Without it, tier mode starts by itself when the model does not fit.
@@ -55,6 +72,59 @@ pub(crate) struct BackendArgs {
     /// (docs/CAPABILITIES.md: its agreement with `exact`).
     #[arg(long, value_enum, default_value_t = Attention::Exact)]
     attention: Attention,
+}
+
+/// `--n-gpu-layers`: a count of layers, or all of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GpuLayers {
+    /// `all`, `auto` or a negative count (llama.cpp's spellings of "as many
+    /// as fit").
+    All,
+    /// A count of layers (0: none).
+    Count(u64),
+}
+
+impl GpuLayers {
+    /// Whether it asks for the GPU.
+    fn wants_gpu(self) -> bool {
+        self != GpuLayers::Count(0)
+    }
+}
+
+impl std::fmt::Display for GpuLayers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GpuLayers::All => f.write_str("all"),
+            GpuLayers::Count(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+fn parse_gpu_layers(s: &str) -> Result<GpuLayers, String> {
+    let s = s.trim();
+    if s.eq_ignore_ascii_case("all") || s.eq_ignore_ascii_case("auto") {
+        return Ok(GpuLayers::All);
+    }
+    match s.parse::<i64>() {
+        Ok(n) if n < 0 => Ok(GpuLayers::All),
+        Ok(n) => Ok(GpuLayers::Count(n as u64)),
+        Err(_) => Err(format!(
+            "expected a layer count, `all` or `auto`, not {s:?}"
+        )),
+    }
+}
+
+/// `--flash-attn`: llama.cpp's spellings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum FlashAttn {
+    /// Flash attention on (a note: samesum's attention is already so on CUDA).
+    #[value(alias = "1")]
+    On,
+    /// Flash attention off (a note: there is no other attention to fall back to).
+    #[value(alias = "0")]
+    Off,
+    /// The device's choice (no note).
+    Auto,
 }
 
 /// `--attention`: which attention passes a CUDA backend runs.
@@ -76,9 +146,47 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 
 impl BackendArgs {
     /// The device with `--vram-budget` and `--attention` applied and `threads`
-    /// CPU threads; both options apply to CUDA only.
+    /// CPU threads; both options apply to CUDA only. `--n-gpu-layers` picks
+    /// the device when `--device` is not given (and must agree with it when
+    /// it is); `--flash-attn` prints a note (see its help).
     pub(crate) fn device(&self, threads: usize) -> Result<Device> {
-        match self.device {
+        self.device_with(threads, samesum_cuda::device_count)
+    }
+
+    /// [`Self::device`] with `cuda_devices` counting the CUDA devices.
+    fn device_with(&self, threads: usize, cuda_devices: impl Fn() -> usize) -> Result<Device> {
+        match self.flash_attn {
+            Some(FlashAttn::On) => eprintln!(
+                "note: -fa on changes nothing: samesum's exact attention is already tiled, \
+                 flash-style, on CUDA (--attention fast is the opt-in tensor-core option)"
+            ),
+            Some(FlashAttn::Off) => eprintln!(
+                "note: -fa off changes nothing: samesum has one exact attention per device"
+            ),
+            Some(FlashAttn::Auto) | None => {}
+        }
+        let cuda0 = Device::Cuda(0, CudaOptions::default());
+        let device = match (self.device, self.n_gpu_layers) {
+            (Some(d), None) => d,
+            (None, None) => Device::Cpu(0),
+            (Some(Device::Cpu(_)), Some(n)) if n.wants_gpu() => {
+                bail!("--n-gpu-layers {n} asks for the GPU, but --device cpu was given")
+            }
+            (Some(Device::Cuda(..)), Some(GpuLayers::Count(0))) => {
+                bail!("--n-gpu-layers 0 means the CPU, but --device cuda was given")
+            }
+            (Some(d), Some(_)) => d,
+            (None, Some(n)) if n.wants_gpu() => {
+                if cuda_devices() > 0 {
+                    cuda0
+                } else {
+                    eprintln!("note: --n-gpu-layers {n}: no CUDA device found; running on the CPU");
+                    Device::Cpu(0)
+                }
+            }
+            (None, Some(_)) => Device::Cpu(0),
+        };
+        match device {
             Device::Cpu(_) => {
                 if self.vram_budget.is_some() {
                     bail!("--vram-budget applies to --device cuda, not the CPU");
@@ -166,6 +274,23 @@ pub(crate) struct CtxArgs {
     /// completion).
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
     pub(crate) ctx: usize,
+}
+
+impl CtxArgs {
+    /// A warning (stderr) when `-c` is above the context `model` was trained
+    /// on (`{arch}.context_length`, when the file has it): it still runs, but
+    /// positions past the trained length are outside what the model learned.
+    pub(crate) fn warn_past_training(&self, model: &Model) {
+        let key = format!("{}.context_length", model.hp.arch.name());
+        let trained = model.hp.n_ctx_train;
+        if model.file.metadata().get(&key).is_some() && self.ctx > trained {
+            eprintln!(
+                "warning: -c {} is above the model's trained context of {trained} tokens \
+                 ({key}); positions past it may generate poorly",
+                self.ctx
+            );
+        }
+    }
 }
 
 /// A count of at least 1 (`--chunk`).
@@ -273,6 +398,39 @@ mod tests {
         ] {
             let e = parse(args).unwrap().backend.device(0).unwrap_err();
             assert!(e.to_string().contains(flag), "{e}");
+        }
+    }
+
+    #[test]
+    fn gpu_layers_pick_the_device_when_none_is_given() {
+        let d = |args: &[&str], gpus: usize| parse(args).unwrap().backend.device_with(3, || gpus);
+        for n in ["1", "99", "all", "auto", "-1"] {
+            assert_eq!(d(&["--n-gpu-layers", n], 1).unwrap(), cuda(0, None, false));
+            assert_eq!(d(&["--n-gpu-layers", n], 0).unwrap(), Device::Cpu(3));
+        }
+        assert_eq!(d(&["--n-gpu-layers", "0"], 1).unwrap(), Device::Cpu(3));
+        // The CUDA options go with the device -ngl picked.
+        assert_eq!(
+            d(&["--n-gpu-layers", "99", "--vram-budget", "24G"], 1).unwrap(),
+            cuda(0, Some(24 << 30), false)
+        );
+        // A given --device stands, and must agree with -ngl.
+        assert_eq!(
+            d(&["--n-gpu-layers", "5", "--device", "cuda:1"], 2).unwrap(),
+            cuda(1, None, false)
+        );
+        assert!(d(&["--n-gpu-layers", "5", "--device", "cpu"], 1).is_err());
+        assert!(d(&["--n-gpu-layers", "0", "--device", "cuda"], 1).is_err());
+    }
+
+    #[test]
+    fn flash_attn_never_switches_on_fast_attention() {
+        for v in ["on", "off", "auto", "1", "0"] {
+            let b = parse(&["--flash-attn", v, "--device", "cuda"])
+                .unwrap()
+                .backend;
+            assert_eq!(b.attention(), Attention::Exact);
+            assert_eq!(b.device(0).unwrap(), cuda(0, None, false));
         }
     }
 

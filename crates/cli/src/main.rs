@@ -11,6 +11,7 @@ mod serve;
 mod synth;
 
 use clap::{Parser, Subcommand};
+use std::ffi::OsString;
 use std::process::ExitCode;
 
 /// samesum: Mixture-of-Experts inference from GGUF, where batched prefill computes
@@ -45,8 +46,57 @@ enum Command {
     Serve(serve::Args),
 }
 
+/// llama.cpp's multi-letter single-dash flags, as the long flags clap
+/// parses (a short flag is one letter there).
+const LLAMA_FLAGS: [(&str, &str); 3] = [
+    ("-ngl", "--n-gpu-layers"),
+    ("-fa", "--flash-attn"),
+    ("-np", "--parallel"),
+];
+
+/// Flags whose value is free text, which is never rewritten.
+const TEXT_FLAGS: [&str; 4] = ["-p", "--prompt", "--system", "--text"];
+
+/// The command line with llama.cpp's `-ngl`, `-fa` and `-np` (alone or as
+/// `-ngl=N`) spelled as their long flags; other arguments, and the values of
+/// text flags and everything after `--`, as given.
+fn llama_spellings(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
+    let mut out: Vec<OsString> = Vec::new();
+    let mut verbatim = false;
+    for arg in args {
+        let after_text_flag = out
+            .last()
+            .and_then(|p| p.to_str())
+            .is_some_and(|p| TEXT_FLAGS.contains(&p));
+        if verbatim || after_text_flag {
+            out.push(arg);
+            continue;
+        }
+        if arg == "--" {
+            verbatim = true;
+            out.push(arg);
+            continue;
+        }
+        let mut arg = arg;
+        if let Some(s) = arg.to_str() {
+            let (flag, value) = match s.split_once('=') {
+                Some((f, v)) => (f, Some(v)),
+                None => (s, None),
+            };
+            if let Some((_, long)) = LLAMA_FLAGS.iter().find(|(short, _)| *short == flag) {
+                arg = match value {
+                    Some(v) => format!("{long}={v}").into(),
+                    None => (*long).into(),
+                };
+            }
+        }
+        out.push(arg);
+    }
+    out
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(llama_spellings(std::env::args_os()));
     // Die quietly on a closed pipe (`samesum inspect | head`), as Unix tools
     // do; but not the server, which keeps Rust's default of ignoring SIGPIPE:
     // a streaming client that leaves makes the next write to its socket
@@ -76,5 +126,53 @@ fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spell(args: &[&str]) -> Vec<String> {
+        llama_spellings(args.iter().map(OsString::from))
+            .into_iter()
+            .map(|a| a.into_string().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn llama_flags_become_long_flags() {
+        assert_eq!(
+            spell(&["samesum", "run", "-ngl", "99", "-fa", "on", "-n", "-1"]),
+            [
+                "samesum",
+                "run",
+                "--n-gpu-layers",
+                "99",
+                "--flash-attn",
+                "on",
+                "-n",
+                "-1"
+            ]
+        );
+        assert_eq!(
+            spell(&["samesum", "serve", "-np=4", "-ngl=0"]),
+            ["samesum", "serve", "--parallel=4", "--n-gpu-layers=0"]
+        );
+        // Text values and everything after `--` stay as given.
+        assert_eq!(
+            spell(&[
+                "samesum", "run", "-p", "-fa", "--system", "-np", "--", "-ngl"
+            ]),
+            [
+                "samesum", "run", "-p", "-fa", "--system", "-np", "--", "-ngl"
+            ]
+        );
+    }
+
+    #[test]
+    fn the_command_line_parses() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
     }
 }

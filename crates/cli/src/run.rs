@@ -28,34 +28,39 @@ pub(crate) struct Args {
     /// Read the prompt from a file instead.
     #[arg(short = 'f', long = "file")]
     prompt_file: Option<PathBuf>,
-    /// Tokens to generate.
-    #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
-    n_predict: usize,
+    /// Tokens to generate (-1: until a stop token or the end of the
+    /// context).
+    #[arg(short = 'n', long = "n-predict", default_value = "128", value_name = "N",
+          allow_negative_numbers = true, value_parser = parse_n_predict)]
+    n_predict: NPredict,
     #[command(flatten)]
     ctx: CtxArgs,
     #[command(flatten)]
     threads: ThreadsArgs,
-    /// Temperature (0: greedy).
-    #[arg(long, default_value_t = 0.8)]
+    /// Temperature (0: greedy; a negative value is greedy too, with a
+    /// warning).
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     temp: f32,
     /// Top-k (0: off).
     #[arg(long, default_value_t = 40)]
     top_k: usize,
-    /// Top-p (1: off).
-    #[arg(long, default_value_t = 0.95)]
+    /// Top-p, in (0, 1] (1: off; outside, a warning).
+    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true)]
     top_p: f32,
-    /// Min-p (0: off).
-    #[arg(long, default_value_t = 0.05)]
+    /// Min-p, in [0, 1] (0: off; outside, a warning).
+    #[arg(long, default_value_t = 0.05, allow_negative_numbers = true)]
     min_p: f32,
     /// Repetition penalty (1: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     repeat_penalty: f32,
     /// Tokens the repetition penalty looks back over.
     #[arg(long, default_value_t = 64)]
     repeat_last_n: usize,
-    /// Random seed.
-    #[arg(short, long, default_value_t = 0)]
-    seed: u64,
+    /// Sampling seed (-1 or absent: a random one; the seed used is printed
+    /// on stderr, so --seed repeats the run).
+    #[arg(short, long, value_name = "N", allow_negative_numbers = true,
+          value_parser = parse_seed)]
+    seed: Option<Seed>,
     /// Raw completion: do not wrap the prompt in the chat template.
     #[arg(long)]
     no_chat: bool,
@@ -74,6 +79,76 @@ pub(crate) struct Args {
     verbose_prompt: bool,
     #[command(flatten)]
     backend: BackendArgs,
+}
+
+/// `-n`: how many tokens to generate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum NPredict {
+    /// At most this many.
+    Tokens(usize),
+    /// Until a stop token or the end of the context (`-1`).
+    UntilEnd,
+}
+
+fn parse_n_predict(s: &str) -> Result<NPredict, String> {
+    match s.trim().parse::<i64>() {
+        Ok(-1) => Ok(NPredict::UntilEnd),
+        Ok(n) if n < 0 => Err(format!(
+            "{n} is not a token count: -1 means until a stop token or the end of the context"
+        )),
+        Ok(n) => Ok(NPredict::Tokens(n as usize)),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// `--seed`: a given seed, or `-1` for a random one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Seed {
+    /// This seed.
+    Fixed(u64),
+    /// A random seed (`-1`).
+    Random,
+}
+
+fn parse_seed(s: &str) -> Result<Seed, String> {
+    let s = s.trim();
+    if s == "-1" {
+        return Ok(Seed::Random);
+    }
+    s.parse::<u64>()
+        .map(Seed::Fixed)
+        .map_err(|e| format!("{e} (a seed is 0 or more, or -1 for a random one)"))
+}
+
+/// A seed from the process's hash keys (randomized per process) and the
+/// time: for sampling, not for secrets.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    if let Ok(t) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        h.write_u128(t.as_nanos());
+    }
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+/// Warnings (stderr) for sampling values outside their meaningful range;
+/// the sampler still runs with them as given.
+fn warn_sampling(a: &Args) {
+    if a.temp.is_nan() {
+        eprintln!("warning: --temp is NaN; give a number (0: greedy)");
+    } else if a.temp < 0.0 {
+        eprintln!(
+            "warning: --temp {} is negative; sampling is greedy, as --temp 0",
+            a.temp
+        );
+    }
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        eprintln!("warning: --top-p {} is outside (0, 1] (1: off)", a.top_p);
+    }
+    if !(0.0..=1.0).contains(&a.min_p) {
+        eprintln!("warning: --min-p {} is outside [0, 1] (0: off)", a.min_p);
+    }
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
@@ -122,13 +197,33 @@ pub(crate) fn run(a: Args) -> Result<()> {
         eprintln!("prompt tokens ({}): {}", prompt.len(), shown.join(" "));
     }
     let ctx = a.ctx.ctx;
-    if prompt.len() + a.n_predict > ctx {
-        bail!(
-            "the prompt ({} tokens) plus {} to generate does not fit the context of {ctx} (raise -c)",
-            prompt.len(),
-            a.n_predict,
-        );
-    }
+    a.ctx.warn_past_training(&model);
+    let n_predict = match a.n_predict {
+        NPredict::Tokens(n) => {
+            if prompt.len() + n > ctx {
+                bail!(
+                    "the prompt ({} tokens) plus {n} to generate does not fit the context of {ctx} (raise -c)",
+                    prompt.len(),
+                );
+            }
+            n
+        }
+        NPredict::UntilEnd => {
+            if prompt.len() >= ctx {
+                bail!(
+                    "the prompt ({} tokens) leaves no room to generate in the context of {ctx} (raise -c)",
+                    prompt.len(),
+                );
+            }
+            ctx - prompt.len()
+        }
+    };
+    warn_sampling(&a);
+    let seed = match a.seed {
+        Some(Seed::Fixed(s)) => s,
+        Some(Seed::Random) | None => random_seed(),
+    };
+    eprintln!("seed: {seed}");
     let stop = Arc::new(AtomicBool::new(false));
     {
         let stop = stop.clone();
@@ -139,8 +234,17 @@ pub(crate) fn run(a: Args) -> Result<()> {
         Prefill::Replay => 1,
         Prefill::Batched => a.chunk.or_default(&backend),
     };
+    let sampling = SamplerConfig {
+        temp: a.temp,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repeat_penalty: a.repeat_penalty,
+        repeat_last_n: a.repeat_last_n,
+        seed,
+    };
     with_backend!(&backend, |b| generate(
-        b, &model, &tok, &prompt, &a, kv, chunk, &stop
+        b, &model, &tok, &prompt, ctx, n_predict, sampling, kv, chunk, &stop
     ))
 }
 
@@ -150,22 +254,16 @@ fn generate<B: Backend>(
     model: &Model,
     tok: &Tokenizer,
     prompt: &[u32],
-    a: &Args,
+    ctx: usize,
+    n_predict: usize,
+    sampling: SamplerConfig,
     kv: KvType,
     chunk: usize,
     stop: &AtomicBool,
 ) -> Result<()> {
     eprintln!("backend: {}", b.name());
-    let mut st = b.new_state(model, a.ctx.ctx, kv)?;
-    let mut sampler = Sampler::new(SamplerConfig {
-        temp: a.temp,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        min_p: a.min_p,
-        repeat_penalty: a.repeat_penalty,
-        repeat_last_n: a.repeat_last_n,
-        seed: a.seed,
-    });
+    let mut st = b.new_state(model, ctx, kv)?;
+    let mut sampler = Sampler::new(sampling);
     let t_prompt = Instant::now();
     let mut logits = Vec::new();
     // Two chunks at a time (on the GPU the second runs beside the first).
@@ -190,7 +288,7 @@ fn generate<B: Backend>(
     let mut stream = tok.stream();
     let t_gen = Instant::now();
     let mut generated = 0usize;
-    while generated < a.n_predict && !stop.load(Ordering::SeqCst) && !logits.is_empty() {
+    while generated < n_predict && !stop.load(Ordering::SeqCst) && !logits.is_empty() {
         let next = sampler.sample(&logits, &history);
         if tok.stop.contains(&next) {
             break;
@@ -199,7 +297,7 @@ fn generate<B: Backend>(
         history.push(next);
         write!(out, "{}", stream.push(next)?)?;
         out.flush()?;
-        if generated == a.n_predict {
+        if generated == n_predict {
             break;
         }
         logits = forward(model, b, &mut st, &[next], Logits::Last)?;

@@ -18,8 +18,9 @@ pub(crate) struct Args {
     backend: BackendArgs,
     #[command(flatten)]
     threads: ThreadsArgs,
-    /// Requests decoded together at most.
-    #[arg(long, default_value_t = 8)]
+    /// Requests decoded together at most (also -np/--parallel, llama.cpp's
+    /// spellings).
+    #[arg(long, visible_alias = "parallel", default_value_t = 8)]
     max_batch: usize,
     /// Requests waiting at most; past it the server answers 503 with Retry-After.
     #[arg(long, default_value_t = 64)]
@@ -57,6 +58,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         ),
     )?;
     let model = crate::run::load_with_progress(&path)?;
+    a.ctx.warn_past_training(&model);
     let name = path
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())

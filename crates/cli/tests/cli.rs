@@ -309,6 +309,8 @@ fn shared_flags_reject_bad_values_in_every_command() {
             (&["--vram-budget", "24G"], "--vram-budget"),
             (&["--attention", "fast"], "--attention"),
             (&["--chunk", "0"], "--chunk"),
+            (&["-ngl", "many"], "--n-gpu-layers"),
+            (&["-fa", "yes"], "--flash-attn"),
         ] {
             let mut all = vec![cmd];
             all.extend_from_slice(args);
@@ -563,4 +565,183 @@ fn serve_outlives_a_client_that_leaves_mid_stream() {
     assert!(child.try_wait().unwrap().is_none());
     child.kill().unwrap();
     child.wait().unwrap();
+}
+
+/// The number after `key` in `text` (e.g. "generation: " -> 12).
+fn number_after(text: &str, key: &str) -> u64 {
+    let i = text
+        .find(key)
+        .unwrap_or_else(|| panic!("{key:?} in {text}"))
+        + key.len();
+    let digits: String = text[i..]
+        .chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect();
+    digits
+        .parse()
+        .unwrap_or_else(|_| panic!("a number after {key:?} in {text}"))
+}
+
+#[test]
+fn run_n_minus_one_generates_to_the_end_of_the_context() {
+    let base = [
+        "run",
+        "--no-chat",
+        "-p",
+        "The quick brown fox",
+        "--temp",
+        "0",
+        "--verbose-prompt",
+        "-c",
+        "48",
+    ];
+    let mut args = base.to_vec();
+    args.extend(["-n", "-1"]);
+    let (ok, _, err) = samesum(&args);
+    assert!(ok, "{err}");
+    let prompt = number_after(&err, "prompt tokens (");
+    let generated = number_after(&err, "generation: ");
+    // Greedy on the built-in model meets no stop token before the end.
+    assert_eq!(prompt + generated, 48, "{err}");
+    // Other negative counts are errors that say what -1 means.
+    let mut args = base.to_vec();
+    args.extend(["-n", "-2"]);
+    let (ok, _, err) = samesum(&args);
+    assert!(!ok && err.contains("-1 means until"), "{err}");
+    // A prompt that fills the context leaves nothing to generate.
+    let (ok, _, err) = samesum(&["run", "--no-chat", "-c", "2", "-n", "-1"]);
+    assert!(
+        !ok && err.contains("no room") && err.contains("-c"),
+        "{err}"
+    );
+}
+
+#[test]
+fn llama_cpp_gpu_layers_pick_the_device() {
+    // -ngl 0 is the CPU; -ngl above 0 with --device cpu contradicts it, and
+    // -ngl 0 with --device cuda too.
+    let (ok, _, err) = samesum(&["run", "-n", "2", "--temp", "0", "-ngl", "0"]);
+    assert!(ok && err.contains("backend: cpu"), "{err}");
+    let (ok, _, err) = samesum(&["run", "-n", "2", "-ngl", "99", "--device", "cpu"]);
+    assert!(
+        !ok && err.contains("--n-gpu-layers 99 asks for the GPU"),
+        "{err}"
+    );
+    let (ok, _, err) = samesum(&["run", "-n", "2", "--n-gpu-layers", "0", "--device", "cuda"]);
+    assert!(
+        !ok && err.contains("--n-gpu-layers 0 means the CPU"),
+        "{err}"
+    );
+    let (ok, _, err) = samesum(&["run", "-n", "2", "-ngl", "lots"]);
+    assert!(!ok && err.contains("--n-gpu-layers"), "{err}");
+    // Without a CUDA device, -ngl above 0 says so and runs on the CPU.
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        return;
+    }
+    for n in ["99", "all", "-1"] {
+        let (ok, _, err) = samesum(&["run", "-n", "2", "--temp", "0", "-ngl", n]);
+        assert!(ok, "{err}");
+        assert!(
+            err.contains("no CUDA device found; running on the CPU")
+                && err.contains("backend: cpu"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn llama_cpp_flash_attn_is_accepted_with_a_note() {
+    let (ok, out_default, err) = samesum(&["run", "-n", "6", "--temp", "0"]);
+    assert!(ok, "{err}");
+    assert!(!err.contains("-fa"), "{err}");
+    for (value, note) in [
+        ("on", "--attention fast is the opt-in"),
+        ("off", "one exact attention per device"),
+    ] {
+        let (ok, out, err) = samesum(&["run", "-n", "6", "--temp", "0", "-fa", value]);
+        assert!(ok && err.contains(note), "-fa {value}: {err}");
+        // It changes nothing: the same tokens as without it.
+        assert_eq!(out, out_default, "-fa {value}");
+    }
+    let (ok, out, err) = samesum(&["run", "-n", "6", "--temp", "0", "--flash-attn", "auto"]);
+    assert!(ok && !err.contains("note"), "{err}");
+    assert_eq!(out, out_default);
+    let (ok, _, err) = samesum(&["run", "-n", "2", "-fa", "yes"]);
+    assert!(!ok && err.contains("--flash-attn"), "{err}");
+}
+
+#[test]
+fn serve_takes_llama_cpp_parallel_as_max_batch() {
+    for flag in ["-np", "--parallel", "--max-batch"] {
+        let (ok, _, err) = samesum(&["serve", "--port", "0", flag, "0"]);
+        assert!(!ok && err.contains("--max-batch"), "{flag}: {err}");
+    }
+    let (ok, out, _) = samesum(&["serve", "--help"]);
+    assert!(ok && out.contains("--parallel"), "{out}");
+}
+
+#[test]
+fn run_without_a_seed_draws_one_and_prints_it() {
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/conformance/fixtures/qwen3next.gguf"
+    );
+    let args = [
+        "run",
+        "-m",
+        fixture,
+        "--no-chat",
+        "-p",
+        "The quick brown fox",
+        "-n",
+        "12",
+        "--temp",
+        "1.0",
+    ];
+    let (ok, out, err) = samesum(&args);
+    assert!(ok, "{err}");
+    let seed = number_after(&err, "seed: ");
+    let (ok, _, err2) = samesum(&[&args[..], &["--seed", "-1"]].concat());
+    assert!(ok, "{err2}");
+    assert_ne!(
+        seed,
+        number_after(&err2, "seed: "),
+        "two random seeds alike"
+    );
+    // The printed seed repeats the run.
+    let s = seed.to_string();
+    let (ok, again, err) = samesum(&[&args[..], &["--seed", &s]].concat());
+    assert!(ok, "{err}");
+    assert_eq!(number_after(&err, "seed: "), seed);
+    assert_eq!(again, out);
+    let (ok, _, err) = samesum(&[&args[..], &["-s", "-2"]].concat());
+    assert!(!ok && err.contains("--seed"), "{err}");
+}
+
+#[test]
+fn out_of_range_values_are_warnings() {
+    // -n 0: the warnings come before generation, which these values need not survive.
+    for (args, warning) in [
+        (&["--top-p", "1.5"][..], "--top-p 1.5 is outside (0, 1]"),
+        (&["--top-p", "0"], "--top-p 0 is outside (0, 1]"),
+        (&["--min-p", "-0.1"], "--min-p -0.1 is outside [0, 1]"),
+        (&["--temp", "-1"], "--temp -1 is negative"),
+        (&["--temp", "NaN"], "--temp is NaN"),
+        (
+            &["-c", "8192"],
+            "-c 8192 is above the model's trained context of 4096",
+        ),
+    ] {
+        let mut all = vec!["run", "-n", "0"];
+        all.extend_from_slice(args);
+        let (ok, _, err) = samesum(&all);
+        assert!(ok, "{args:?}: {err}");
+        assert!(
+            err.contains(&format!("warning: {warning}")),
+            "{args:?}: {err}"
+        );
+    }
+    // The defaults warn about nothing.
+    let (ok, _, err) = samesum(&["run", "-n", "0"]);
+    assert!(ok && !err.contains("warning"), "{err}");
 }
