@@ -271,18 +271,25 @@ impl ChunkArgs {
 #[derive(clap::Args, Clone, Debug)]
 pub(crate) struct CtxArgs {
     /// Context size in tokens (per request when serving: prompt and
-    /// completion).
+    /// completion; 0: the model's trained context, as llama.cpp's -c 0;
+    /// above it, a warning).
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
-    pub(crate) ctx: usize,
+    ctx: usize,
 }
 
 impl CtxArgs {
-    /// A warning (stderr) when `-c` is above the context `model` was trained
-    /// on (`{arch}.context_length`, when the file has it): it still runs, but
-    /// positions past the trained length are outside what the model learned.
-    pub(crate) fn warn_past_training(&self, model: &Model) {
+    /// The context for `model`: `-c`, or with `-c 0` the context the model
+    /// was trained on (`{arch}.context_length`, 4096 when the file lacks
+    /// it), printed. A `-c` above the trained context (when the file has
+    /// it) is a warning (stderr): it still runs, but positions past the
+    /// trained length are outside what the model learned.
+    pub(crate) fn for_model(&self, model: &Model) -> usize {
         let key = format!("{}.context_length", model.hp.arch.name());
         let trained = model.hp.n_ctx_train;
+        if self.ctx == 0 {
+            eprintln!("context: {trained} tokens (-c 0: the model's trained context)");
+            return trained;
+        }
         if model.file.metadata().get(&key).is_some() && self.ctx > trained {
             eprintln!(
                 "warning: -c {} is above the model's trained context of {trained} tokens \
@@ -290,6 +297,7 @@ impl CtxArgs {
                 self.ctx
             );
         }
+        self.ctx
     }
 }
 

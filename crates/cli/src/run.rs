@@ -196,8 +196,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
             .collect();
         eprintln!("prompt tokens ({}): {}", prompt.len(), shown.join(" "));
     }
-    let ctx = a.ctx.ctx;
-    a.ctx.warn_past_training(&model);
+    let ctx = a.ctx.for_model(&model);
     let n_predict = match a.n_predict {
         NPredict::Tokens(n) => {
             if prompt.len() + n > ctx {

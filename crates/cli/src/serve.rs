@@ -58,7 +58,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         ),
     )?;
     let model = crate::run::load_with_progress(&path)?;
-    a.ctx.warn_past_training(&model);
+    let ctx = a.ctx.for_model(&model);
     let name = path
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
@@ -70,7 +70,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         max_batch: a.max_batch,
         max_queue: a.max_queue,
         max_body: a.max_body,
-        ctx: a.ctx.ctx,
+        ctx,
         prefill_chunk: chunk,
         kv,
         model_name: name,

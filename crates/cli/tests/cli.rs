@@ -741,6 +741,11 @@ fn out_of_range_values_are_warnings() {
             "{args:?}: {err}"
         );
     }
+    // -c 0 is the model's trained context.
+    let (ok, _, err) = samesum(&["run", "-n", "2", "-c", "0", "--temp", "0"]);
+    assert!(ok && err.contains("context: 4096 tokens (-c 0"), "{err}");
+    let (ok, _, err) = samesum(&["serve", "-c", "0", "-np", "0"]);
+    assert!(!ok && err.contains("context: 4096 tokens (-c 0"), "{err}");
     // The defaults warn about nothing.
     let (ok, _, err) = samesum(&["run", "-n", "0"]);
     assert!(ok && !err.contains("warning"), "{err}");
