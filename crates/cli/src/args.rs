@@ -255,9 +255,10 @@ impl KvArgs {
 
 #[derive(clap::Args, Clone, Debug)]
 pub(crate) struct ChunkArgs {
-    /// Prompt rows per batched forward call.
+    /// Prompt rows per batched forward call (also -ub/--ubatch-size,
+    /// llama.cpp's spellings; any size computes the same bytes).
     /// [default: 256 on the CPU, 2048 on CUDA, 512 on CUDA in tier mode]
-    #[arg(long, value_parser = at_least_one)]
+    #[arg(long, visible_alias = "ubatch-size", value_parser = at_least_one)]
     chunk: Option<usize>,
 }
 

@@ -48,16 +48,17 @@ enum Command {
 
 /// llama.cpp's multi-letter single-dash flags, as the long flags clap
 /// parses (a short flag is one letter there).
-const LLAMA_FLAGS: [(&str, &str); 3] = [
+const LLAMA_FLAGS: [(&str, &str); 4] = [
     ("-ngl", "--n-gpu-layers"),
     ("-fa", "--flash-attn"),
     ("-np", "--parallel"),
+    ("-ub", "--ubatch-size"),
 ];
 
 /// Flags whose value is free text, which is never rewritten.
 const TEXT_FLAGS: [&str; 4] = ["-p", "--prompt", "--system", "--text"];
 
-/// The command line with llama.cpp's `-ngl`, `-fa` and `-np` (alone or as
+/// The command line with llama.cpp's `-ngl`, `-fa`, `-np` and `-ub` (alone or as
 /// `-ngl=N`) spelled as their long flags; other arguments, and the values of
 /// text flags and everything after `--`, as given.
 fn llama_spellings(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
@@ -156,8 +157,15 @@ mod tests {
             ]
         );
         assert_eq!(
-            spell(&["samesum", "serve", "-np=4", "-ngl=0"]),
-            ["samesum", "serve", "--parallel=4", "--n-gpu-layers=0"]
+            spell(&["samesum", "serve", "-np=4", "-ngl=0", "-ub", "8"]),
+            [
+                "samesum",
+                "serve",
+                "--parallel=4",
+                "--n-gpu-layers=0",
+                "--ubatch-size",
+                "8"
+            ]
         );
         // Text values and everything after `--` stay as given.
         assert_eq!(

@@ -671,6 +671,30 @@ fn llama_cpp_flash_attn_is_accepted_with_a_note() {
 }
 
 #[test]
+fn llama_cpp_ubatch_size_is_the_chunk() {
+    let base = [
+        "run",
+        "-n",
+        "8",
+        "--temp",
+        "0",
+        "--no-chat",
+        "-p",
+        "The quick brown fox jumps",
+    ];
+    let (ok, out, err) = samesum(&base);
+    assert!(ok, "{err}");
+    for flag in ["-ub", "--ubatch-size", "--chunk"] {
+        let (ok, o, err) = samesum(&[&base[..], &[flag, "3"]].concat());
+        assert!(ok, "{flag}: {err}");
+        // Any chunk computes the same tokens.
+        assert_eq!(o, out, "{flag}");
+        let (ok, _, err) = samesum(&[&base[..], &[flag, "0"]].concat());
+        assert!(!ok && err.contains("--chunk"), "{flag}: {err}");
+    }
+}
+
+#[test]
 fn serve_takes_llama_cpp_parallel_as_max_batch() {
     for flag in ["-np", "--parallel", "--max-batch"] {
         let (ok, _, err) = samesum(&["serve", "--port", "0", flag, "0"]);
