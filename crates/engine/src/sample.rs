@@ -1,6 +1,7 @@
-//! Sampling: greedy, temperature, top-k, top-p, min-p and the repetition,
-//! presence and frequency penalties, in llama.cpp's order (penalties, top-k,
-//! top-p, min-p, temperature), seeded so the same seed gives the same tokens.
+//! Sampling: greedy, temperature, top-k, top-p, min-p, a logit bias and the
+//! repetition, presence and frequency penalties, in llama.cpp's order (logit
+//! bias, penalties, top-k, top-p, min-p, temperature), seeded so the same seed
+//! gives the same tokens.
 //!
 //! The penalties follow llama.cpp's `penalties` sampler: over the last
 //! `repeat_last_n` tokens of the history, each token seen `count > 0` times has
@@ -85,6 +86,7 @@ pub fn apply_penalties(l: &mut [f32], history: &[u32], last_n: usize, repeat: f3
 pub struct Sampler {
     cfg: SamplerConfig,
     penalties: Penalties,
+    logit_bias: Vec<(u32, f32)>,
     rng: Rng,
 }
 
@@ -95,6 +97,7 @@ impl Sampler {
         Sampler {
             cfg,
             penalties: Penalties::default(),
+            logit_bias: Vec::new(),
             rng,
         }
     }
@@ -105,10 +108,23 @@ impl Sampler {
         self
     }
 
+    /// The same sampler adding `bias` to the logit of `token` for each
+    /// `(token, bias)` (OpenAI's `logit_bias`; ids outside the logits are
+    /// ignored), before the penalties, as llama.cpp does.
+    pub fn with_logit_bias(mut self, bias: Vec<(u32, f32)>) -> Self {
+        self.logit_bias = bias;
+        self
+    }
+
     /// Pick the next token from `logits`, given the tokens so far.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let mut l = logits.to_vec();
         let c = &self.cfg;
+        for &(t, b) in &self.logit_bias {
+            if let Some(v) = l.get_mut(t as usize) {
+                *v += b;
+            }
+        }
         apply_penalties(
             &mut l,
             history,
@@ -352,5 +368,31 @@ mod tests {
         };
         assert_eq!(run(p), run(p));
         assert_ne!(run(p), run(Penalties::default()));
+    }
+
+    #[test]
+    fn logit_bias_moves_and_bans_tokens() {
+        let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 100) as f32 / 10.0).collect();
+        let top = argmax(&logits);
+        let greedy = || {
+            Sampler::new(SamplerConfig {
+                temp: 0.0,
+                ..Default::default()
+            })
+        };
+        // -100 bans the top token; +100 makes token 5 the choice.
+        let mut s = greedy().with_logit_bias(vec![(top, -100.0)]);
+        assert_ne!(s.sample(&logits, &[]), top);
+        let mut s = greedy().with_logit_bias(vec![(5, 100.0), (1000, 5.0)]);
+        assert_eq!(s.sample(&logits, &[]), 5);
+        // Applied before the penalties: the presence penalty lowers the
+        // biased logit.
+        let mut s = greedy()
+            .with_logit_bias(vec![(5, 100.0)])
+            .with_penalties(Penalties {
+                presence: 200.0,
+                frequency: 0.0,
+            });
+        assert_ne!(s.sample(&logits, &[5]), 5);
     }
 }
