@@ -5,11 +5,11 @@
 //! - Fields that change the result are parsed strictly: a wrong type or an
 //!   out-of-range value is a 400 naming the field.
 //! - Known fields whose feature is not implemented are a 400 naming the field
-//!   when they would change the result (`n > 1`, `best_of > 1`, a non-empty
-//!   `logit_bias`, `tools`, `tool_choice: "required"`, `functions`,
+//!   when they would change the result (`n > 1`, `best_of > 1`,
+//!   `tools`, `tool_choice: "required"`, `functions`,
 //!   `response_format` other than text, `modalities` other than text,
 //!   `audio`, `echo`, `suffix`), and accepted when they are the no-op value
-//!   (`n: 1`, `best_of: 1`, `logit_bias: {}`, `tools: []`,
+//!   (`n: 1`, `best_of: 1`, `tools: []`,
 //!   `tool_choice: "none"`/`"auto"`, `response_format: {"type": "text"}`).
 //! - Any other field (`user`, `store`, `metadata`, `service_tier`,
 //!   `parallel_tool_calls`, `stream_options`, ...) cannot change the tokens
@@ -19,7 +19,9 @@
 //! `min_p`, `repeat_penalty`, `repeat_last_n` (the window of the three
 //! penalties, default 64; 0: off), `ignore_eos`. `presence_penalty` and
 //! `frequency_penalty` (-2 to 2) follow llama.cpp's penalties sampler (see
-//! `samesum_engine::sample`).
+//! `samesum_engine::sample`). `logit_bias` is OpenAI's object of token ids
+//! (as strings) to biases from -100 to 100, added to the logits before the
+//! penalties, as llama.cpp does; an id outside the vocabulary is a 400.
 //!
 //! A message's `content` is a string or an array of content parts; the text
 //! parts are concatenated in order, and any other part type (`image_url`,
@@ -229,7 +231,7 @@ macro_rules! request {
             /// Keep generating past the model's end-of-text tokens (llama.cpp's
             /// server option; for benchmarks).
             pub ignore_eos: Option<bool>,
-            /// Accepted when empty.
+            /// Token ids (as strings) to biases.
             pub logit_bias: Option<Value>,
             /// Accepted when empty.
             pub tools: Option<Value>,
@@ -340,6 +342,8 @@ pub struct Settings {
     pub repeat_penalty: f32,
     /// Presence and frequency penalties (0: off).
     pub penalties: Penalties,
+    /// `(token, bias)` added to the logits, by increasing token id.
+    pub logit_bias: Vec<(u32, f32)>,
     /// The penalties' window in tokens (`None`: the whole context).
     pub repeat_last_n: Option<usize>,
     /// Seed (`None`: drawn per request).
@@ -466,6 +470,7 @@ impl Common {
                 frequency: finite("frequency_penalty", self.frequency_penalty, -2.0, 2.0, 0.0)?,
             },
             repeat_last_n,
+            logit_bias: self.logit_bias()?,
             seed: self.seed,
             stop,
             stream: self.stream.unwrap_or(false),
@@ -480,14 +485,6 @@ impl Common {
     /// it holds the value that changes nothing.
     fn unsupported(&self) -> Result<(), ApiError> {
         let refuse = |f: &str, why: &str| Err(ApiError::bad(Some(f.into()), format!("{f}: {why}")));
-        if let Some(v) = &self.logit_bias {
-            if !v.is_object() && !v.is_null() {
-                return refuse("logit_bias", "must be an object of token ids to biases");
-            }
-            if !is_empty(v) {
-                return refuse("logit_bias", "a non-empty logit_bias is not supported");
-            }
-        }
         for f in ["tools", "functions"] {
             let v = if f == "tools" {
                 &self.tools
@@ -535,6 +532,36 @@ impl Common {
             return refuse("audio", "audio output is not supported");
         }
         Ok(())
+    }
+}
+
+impl Common {
+    /// `logit_bias` as `(token, bias)` by increasing id.
+    fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {
+        let bad =
+            |why: String| ApiError::bad(Some("logit_bias".into()), format!("logit_bias: {why}"));
+        let map = match &self.logit_bias {
+            None | Some(Value::Null) => return Ok(Vec::new()),
+            Some(Value::Object(m)) => m,
+            Some(_) => return Err(bad("must be an object of token ids to biases".into())),
+        };
+        let mut out = Vec::with_capacity(map.len());
+        for (k, v) in map {
+            let id: u32 = k
+                .parse()
+                .map_err(|_| bad(format!("the key {k:?} is not a token id")))?;
+            let b = v
+                .as_f64()
+                .filter(|b| (-100.0..=100.0).contains(b))
+                .ok_or_else(|| {
+                    bad(format!(
+                        "the bias of token {k} must be a number from -100 to 100, got {v}"
+                    ))
+                })?;
+            out.push((id, b as f32));
+        }
+        out.sort_by_key(|&(id, _)| id);
+        Ok(out)
     }
 }
 
@@ -753,7 +780,9 @@ mod tests {
         let base = r#""messages": [{"role": "user", "content": "hi"}]"#;
         for (field, val) in [
             ("n", "2"),
-            ("logit_bias", r#"{"15": -100}"#),
+            ("logit_bias", r#"{"x": -100}"#),
+            ("logit_bias", r#"{"15": 101}"#),
+            ("logit_bias", r#"{"15": "a"}"#),
             ("logit_bias", "[]"),
             ("best_of", "3"),
             (
@@ -837,5 +866,10 @@ mod tests {
             }
         );
         assert_eq!(s.repeat_last_n, None);
+        let (_, s) = chat(
+            r#"{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"20": 1.5, "3": -100}}"#,
+        )
+        .unwrap();
+        assert_eq!(s.logit_bias, vec![(3, -100.0), (20, 1.5)]);
     }
 }

@@ -276,6 +276,19 @@ fn submit(
             code: Some("context_length_exceeded"),
         });
     }
+    if let Some(&(t, _)) = s
+        .logit_bias
+        .iter()
+        .find(|&&(t, _)| t as usize >= app.tok.len())
+    {
+        return Err(ApiError::bad(
+            Some("logit_bias".into()),
+            format!(
+                "logit_bias: token id {t} is outside the vocabulary of {} tokens",
+                app.tok.len()
+            ),
+        ));
+    }
     if s.max_tokens == Some(0) {
         return Err(ApiError::bad(
             Some("max_tokens".into()),
@@ -309,6 +322,7 @@ fn submit(
             seed,
         },
         penalties: s.penalties,
+        logit_bias: s.logit_bias.clone(),
         stop: s.stop.clone(),
         logprobs: s.logprobs,
         ignore_eos: s.ignore_eos,

@@ -78,6 +78,8 @@ pub struct Job {
     pub sampler: SamplerConfig,
     /// Presence and frequency penalties.
     pub penalties: Penalties,
+    /// `(token, bias)` added to the logits before sampling.
+    pub logit_bias: Vec<(u32, f32)>,
     /// Stop strings.
     pub stop: Vec<String>,
     /// Log-probabilities with this many alternatives.
@@ -302,7 +304,8 @@ pub fn run<B: Backend>(
                             seed,
                             ..job.sampler.clone()
                         })
-                        .with_penalties(job.penalties),
+                        .with_penalties(job.penalties)
+                        .with_logit_bias(job.logit_bias.clone()),
                         history: job.prompt.clone(),
                         job,
                         state,

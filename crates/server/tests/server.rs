@@ -309,8 +309,8 @@ fn bad_input_is_a_4xx_with_an_error_object_and_the_server_stays_up() {
             "image_url",
         ),
         (
-            "non-empty logit_bias",
-            br#"{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"42": 5}}"#
+            "logit_bias outside the vocabulary",
+            br#"{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999999": 5}}"#
                 .to_vec(),
             400,
             "logit_bias",
@@ -683,7 +683,7 @@ fn openai_client_fields_are_accepted() {
     assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
     for (field, val) in [
         ("best_of", json!(2)),
-        ("logit_bias", json!({"1": -100})),
+        ("logit_bias", json!({"one": -100})),
         ("n", json!(2)),
     ] {
         let mut body = json!({"prompt": "Once", "max_tokens": 4});
@@ -781,4 +781,45 @@ fn model_tokenize_and_detokenize_endpoints() {
     let (st, v) = post(s.addr, "/tokenize", &json!({"text": "x"}));
     assert_eq!(st, 400, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("content"));
+}
+
+/// `logit_bias` bans a token with -100 and forces one with +100.
+#[test]
+fn logit_bias_bans_and_forces_tokens() {
+    let s = start(2, 8, 256);
+    let complete = |prompt: &str, n: u64, bias: Value| {
+        let body = json!({"prompt": prompt, "max_tokens": n, "temperature": 0, "logit_bias": bias, "ignore_eos": true});
+        let (st, v) = post(s.addr, "/v1/completions", &body);
+        assert_eq!(st, 200, "{v}");
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    // A prompt whose greedy first token is a whole token of its own text.
+    let (prompt, first, id) = [
+        "Once upon a time",
+        "Hello",
+        "The",
+        "1 2 3",
+        "a",
+        "x y",
+        "Why",
+    ]
+    .iter()
+    .find_map(|p| {
+        let first = complete(p, 1, json!({}));
+        let (_, v) = post(s.addr, "/tokenize", &json!({"content": first}));
+        let ids = v["tokens"].as_array().unwrap().clone();
+        (ids.len() == 1 && !first.contains('\u{FFFD}')).then(|| (*p, first, ids[0].clone()))
+    })
+    .expect("a prompt whose first token round-trips");
+    let banned = complete(prompt, 1, json!({ id.to_string(): -100 }));
+    assert_ne!(banned, first);
+    let (_, v) = post(s.addr, "/tokenize", &json!({"content": " the"}));
+    let the = v["tokens"][0].as_u64().unwrap();
+    let forced = complete(prompt, 4, json!({ the.to_string(): 100 }));
+    let (_, v) = post(
+        s.addr,
+        "/detokenize",
+        &json!({"tokens": [the, the, the, the]}),
+    );
+    assert_eq!(forced, v["content"].as_str().unwrap());
 }
