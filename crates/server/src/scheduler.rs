@@ -2,8 +2,10 @@
 //!
 //! Requests arrive through a bounded queue. Each step takes every running
 //! request's next rows (one decode row each, plus at most `prefill_chunk`
-//! prompt rows shared among the requests still prefilling, oldest first) and
-//! runs them in one forward call. A request joins or leaves between steps; one
+//! prompt rows shared among the requests still prefilling, shortest
+//! remaining prompt first, so a short request's first token does not wait
+//! for a long prompt; one passed over for [`AGING_STEPS`] steps goes first,
+//! so none waits forever) and runs them in one forward call. A request joins or leaves between steps; one
 //! whose client went away is dropped at the next step, in the middle of a
 //! prefill too. By the row contract, each request's logits (so its tokens and
 //! log-probabilities) are the same bytes whatever else runs beside it.
@@ -117,6 +119,26 @@ struct Running<S> {
     next: Option<u32>,
     started: Instant,
     prefilled: Option<Instant>,
+    /// Steps in a row this request was prefilling and got no rows.
+    passed_over: usize,
+}
+
+/// Steps a prefilling request may be passed over by shorter ones before it
+/// goes first.
+pub const AGING_STEPS: usize = 8;
+
+/// The order in which prefilling requests, given as (prompt rows left,
+/// steps passed over), get this step's prompt rows: those passed over for
+/// [`AGING_STEPS`] or more first (the longest waiting first), then the
+/// shortest remaining prompt first; ties in arrival order.
+fn prefill_order(reqs: &[(usize, usize)]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..reqs.len()).collect();
+    order.sort_by_key(|&k| {
+        let (left, passed) = reqs[k];
+        let aged = passed >= AGING_STEPS;
+        (!aged, if aged { usize::MAX - passed } else { 0 }, left, k)
+    });
+    order
 }
 
 /// Log-softmax value of `t` and the `n` most likely tokens.
@@ -317,6 +339,7 @@ pub fn run<B: Backend>(
                         next: None,
                         started: Instant::now(),
                         prefilled: None,
+                        passed_over: 0,
                     });
                 }
                 Err(e) => {
@@ -343,16 +366,38 @@ pub fn run<B: Backend>(
         let mut budget = cfg.prefill_chunk.max(1);
         let mut plan: Vec<(usize, usize)> = Vec::new(); // (running index, rows)
         let mut prefill_rows = 0;
+        let mut prefilling = Vec::new();
         for (i, r) in running.iter().enumerate() {
             if r.next.is_some() {
                 plan.push((i, 1));
-            } else if r.fed < r.job.prompt.len() && budget > 0 {
-                let n = (r.job.prompt.len() - r.fed).min(budget);
-                budget -= n;
-                prefill_rows += n;
-                plan.push((i, n));
+            } else if r.fed < r.job.prompt.len() {
+                prefilling.push(i);
             }
         }
+        let order = prefill_order(
+            &prefilling
+                .iter()
+                .map(|&i| {
+                    (
+                        running[i].job.prompt.len() - running[i].fed,
+                        running[i].passed_over,
+                    )
+                })
+                .collect::<Vec<_>>(),
+        );
+        for i in order.into_iter().map(|k| prefilling[k]) {
+            let r = &mut running[i];
+            if budget == 0 {
+                r.passed_over += 1;
+                continue;
+            }
+            let n = (r.job.prompt.len() - r.fed).min(budget);
+            budget -= n;
+            prefill_rows += n;
+            r.passed_over = 0;
+            plan.push((i, n));
+        }
+        plan.sort_unstable();
         m.max_step_requests.max(plan.len() as u64);
         let t0 = Instant::now();
         let tokens: Vec<Vec<u32>> = plan
@@ -462,6 +507,24 @@ pub fn run<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::pending_prefix;
+
+    #[test]
+    fn prefill_goes_to_the_shortest_prompt_unless_one_waited_too_long() {
+        use super::{AGING_STEPS, prefill_order};
+        // Shortest remaining first, ties in arrival order.
+        assert_eq!(
+            prefill_order(&[(6000, 0), (5, 0), (40, 0), (5, 0)]),
+            [1, 3, 2, 0]
+        );
+        // Passed over AGING_STEPS times: first, however long.
+        assert_eq!(prefill_order(&[(6000, AGING_STEPS), (5, 0)]), [0, 1]);
+        assert_eq!(prefill_order(&[(6000, AGING_STEPS - 1), (5, 0)]), [1, 0]);
+        // Among the aged, the longest waiting first.
+        assert_eq!(
+            prefill_order(&[(10, AGING_STEPS), (20, AGING_STEPS + 3), (1, 0)]),
+            [1, 0, 2]
+        );
+    }
 
     #[test]
     fn held_back_text_is_a_stop_prefix() {

@@ -623,6 +623,70 @@ fn a_long_prefill_does_not_stall_a_running_stream() {
     let _ = reader.join();
 }
 
+/// A short request that arrives while a long prompt is prefilling is
+/// prefilled first (shortest remaining prompt first): it finishes before the
+/// long request's first token, where oldest-first would make it wait for the
+/// whole long prefill. Both still get the bytes they get alone.
+#[test]
+fn a_short_request_does_not_wait_for_a_long_prefill() {
+    let s = start_with(4, 8, 16384, 1 << 20);
+    let addr = s.addr;
+    let long_prompt = "alpha beta gamma delta ".repeat(400);
+    let alone = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "Hello there", "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(alone.0, 200, "{}", alone.1);
+    let (first_tx, first_rx) = std::sync::mpsc::channel::<std::time::Instant>();
+    let long = std::thread::spawn(move || {
+        let body = json!({"prompt": long_prompt, "max_tokens": 2, "stream": true}).to_string();
+        let mut c = TcpStream::connect(addr).unwrap();
+        write!(
+            c,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        let mut sent = false;
+        while let Ok(n) = c.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            seen.extend_from_slice(&buf[..n]);
+            if !sent && String::from_utf8_lossy(&seen).contains("data: {") {
+                let _ = first_tx.send(std::time::Instant::now());
+                sent = true;
+            }
+            if String::from_utf8_lossy(&seen).contains("[DONE]") {
+                break;
+            }
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let (st, v) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "Hello there", "max_tokens": 4, "temperature": 0}),
+    );
+    let short_done = std::time::Instant::now();
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(
+        v["choices"][0]["text"], alone.1["choices"][0]["text"],
+        "{v}"
+    );
+    let long_first = first_rx
+        .recv_timeout(Duration::from_secs(300))
+        .expect("the long request's first token");
+    assert!(
+        short_done < long_first,
+        "the short request finished after the long request's first token"
+    );
+    long.join().unwrap();
+}
+
 /// What OpenAI clients send beyond the core fields: unknown fields ignored,
 /// no-op values accepted, content-part arrays read as their text.
 #[test]
