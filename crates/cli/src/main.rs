@@ -123,6 +123,7 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.downcast_ref::<run::Interrupted>().is_some() => ExitCode::from(130),
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

@@ -275,13 +275,24 @@ fn generate<B: Backend>(
             Logits::None
         }
     };
+    let mut fed = 0usize;
     for (p, pair) in pieces.chunks(2).enumerate() {
         if stop.load(Ordering::SeqCst) {
             break;
         }
         logits = forward_chunks(model, b, &mut st, pair, |j| want(2 * p + j))?;
+        fed += pair.iter().map(|c| c.len()).sum::<usize>();
     }
     let prompt_s = t_prompt.elapsed().as_secs_f64();
+    if fed < prompt.len() {
+        // Interrupted during the prefill: say how far it got, no more.
+        eprintln!(
+            "[interrupted] prompt: {fed} of {} tokens in {prompt_s:.2}s ({:.1} tok/s); nothing generated",
+            prompt.len(),
+            fed as f64 / prompt_s.max(1e-9)
+        );
+        return Err(Interrupted.into());
+    }
     let mut history = prompt.to_vec();
     let mut out = std::io::stdout().lock();
     let mut stream = tok.stream();
@@ -306,7 +317,8 @@ fn generate<B: Backend>(
     write!(out, "{}", stream.flush()?)?;
     writeln!(out)?;
     let gen_s = t_gen.elapsed().as_secs_f64();
-    if stop.load(Ordering::SeqCst) {
+    let interrupted = stop.load(Ordering::SeqCst);
+    if interrupted {
         eprintln!("[interrupted]");
     }
     eprintln!(
@@ -318,8 +330,24 @@ fn generate<B: Backend>(
         gen_s,
         generated as f64 / gen_s.max(1e-9)
     );
+    if interrupted {
+        return Err(Interrupted.into());
+    }
     Ok(())
 }
+
+/// `run` stopped by Ctrl-C (SIGINT): the process exits with 130, as a shell
+/// reports a command killed by SIGINT.
+#[derive(Debug)]
+pub(crate) struct Interrupted;
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("interrupted")
+    }
+}
+
+impl std::error::Error for Interrupted {}
 
 /// Open and bind the model, touching every page of the mapping once with a
 /// progress bar, so the first token does not pay for page faults.

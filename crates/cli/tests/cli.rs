@@ -774,3 +774,74 @@ fn out_of_range_values_are_warnings() {
     let (ok, _, err) = samesum(&["run", "-n", "0"]);
     assert!(ok && !err.contains("warning"), "{err}");
 }
+
+/// Ctrl-C during a prefill: `run` says how far the prompt got (no made-up
+/// throughput for the whole prompt) and exits with 130, as a shell reports
+/// a command stopped by SIGINT.
+#[cfg(unix)]
+#[test]
+fn run_interrupted_during_the_prefill_reports_how_far_it_got_and_exits_130() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let prompt = dir.path().join("p.txt");
+    std::fs::write(
+        &prompt,
+        "the quick brown fox jumps over the lazy dog ".repeat(250),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_samesum"))
+        .args([
+            "run",
+            "--no-chat",
+            "--prefill",
+            "replay",
+            "-c",
+            "8192",
+            "-n",
+            "4",
+            "--temp",
+            "0",
+            "-t",
+            "1",
+            "-f",
+        ])
+        .arg(&prompt)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The backend line comes right before the prefill (of 6,002 tokens one
+    // at a time: seconds); interrupt a moment after it.
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    loop {
+        let mut line = String::new();
+        assert!(err.read_line(&mut line).unwrap() > 0, "ended early: {seen}");
+        seen += &line;
+        if line.starts_with("backend:") {
+            break;
+        }
+    }
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let ok = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
+    seen += &rest;
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "{seen}");
+    let line = seen
+        .lines()
+        .find(|l| l.contains("[interrupted] prompt:"))
+        .unwrap_or_else(|| panic!("no prefill report: {seen}"));
+    // "prompt: N of M tokens": fewer fed than the prompt holds.
+    let nums: Vec<usize> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    assert!(nums.len() >= 2 && nums[0] < nums[1], "{line}");
+}
