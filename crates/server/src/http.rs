@@ -157,7 +157,9 @@ struct DetokenizeRequest {
 }
 
 async fn tokenize(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> Response {
-    let run = || -> Result<Value, ApiError> {
+    let a = app.clone();
+    let run = move || -> Result<Value, ApiError> {
+        let app = a;
         let b = body(&app, b)?;
         let req: TokenizeRequest = api::parse(&b)?;
         let mut ids = app
@@ -190,14 +192,16 @@ async fn tokenize(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>)
         }
         Ok(json!({"tokens": out}))
     };
-    match run() {
+    match off_http(run).await {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => error(&app, e),
     }
 }
 
 async fn detokenize(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> Response {
-    let run = || -> Result<Value, ApiError> {
+    let a = app.clone();
+    let run = move || -> Result<Value, ApiError> {
+        let app = a;
         let b = body(&app, b)?;
         let req: DetokenizeRequest = api::parse(&b)?;
         if let Some((i, &t)) = req
@@ -220,7 +224,7 @@ async fn detokenize(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection
             .map_err(|e| ApiError::bad(Some("tokens".into()), e.to_string()))?;
         Ok(json!({"content": content}))
     };
-    match run() {
+    match off_http(run).await {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => error(&app, e),
     }
@@ -399,8 +403,27 @@ enum Kind {
     Completion,
 }
 
+/// Run request parsing, chat templating and tokenizing on tokio's blocking
+/// pool, off the threads that answer HTTP: a large prompt or a slow
+/// template never holds up `/health` or other requests.
+async fn off_http<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(ApiError {
+            status: 500,
+            message: format!("preparing the request failed: {e}"),
+            kind: "server_error",
+            param: None,
+            code: None,
+        })
+    })
+}
+
 async fn chat(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> Response {
-    let run = || -> Result<(Vec<u32>, Settings), ApiError> {
+    let a = app.clone();
+    let run = move || -> Result<(Vec<u32>, Settings), ApiError> {
+        let app = a;
         let b = body(&app, b)?;
         let req: ChatRequest = api::parse(&b)?;
         req.log_ignored();
@@ -416,14 +439,16 @@ async fn chat(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> 
             .map_err(|e| ApiError::bad(Some("messages".into()), e.to_string()))?;
         Ok((ids, s))
     };
-    match run() {
+    match off_http(run).await {
         Ok((ids, s)) => respond(app, Kind::Chat, ids, s).await,
         Err(e) => error(&app, e),
     }
 }
 
 async fn completions(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> Response {
-    let run = || -> Result<(Vec<u32>, Settings), ApiError> {
+    let a = app.clone();
+    let run = move || -> Result<(Vec<u32>, Settings), ApiError> {
+        let app = a;
         let b = body(&app, b)?;
         let req: CompletionRequest = api::parse(&b)?;
         req.log_ignored();
@@ -434,7 +459,7 @@ async fn completions(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejectio
             .map_err(|e| ApiError::bad(Some("prompt".into()), e.to_string()))?;
         Ok((ids, s))
     };
-    match run() {
+    match off_http(run).await {
         Ok((ids, s)) => respond(app, Kind::Completion, ids, s).await,
         Err(e) => error(&app, e),
     }
