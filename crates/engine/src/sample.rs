@@ -260,43 +260,25 @@ mod tests {
         assert_eq!(l[2], 0.5, "not in the window");
         assert_eq!(l[3], 3.0, "outside the last 4");
         assert_eq!(l[4], 0.0 * 2.0 - (0.25 + 0.5));
-        // Presence and frequency alone (repeat 1).
-        let mut l = base.clone();
-        apply_penalties(
-            &mut l,
-            &history,
-            64,
-            1.0,
-            Penalties {
-                presence: 1.0,
-                frequency: 0.0,
-            },
-        );
-        assert_eq!(l, vec![1.0, -2.0, 0.5, 2.0, -1.0]);
-        let mut l = base.clone();
-        apply_penalties(
-            &mut l,
-            &history,
-            64,
-            1.0,
-            Penalties {
-                presence: 0.0,
-                frequency: 1.0,
-            },
-        );
-        assert_eq!(l, vec![0.0, -2.0, 0.5, 2.0, -1.0]);
+        // Presence and frequency alone (repeat 1), and negative ones.
+        let alone = |presence, frequency| {
+            let mut l = base.clone();
+            apply_penalties(
+                &mut l,
+                &history,
+                64,
+                1.0,
+                Penalties {
+                    presence,
+                    frequency,
+                },
+            );
+            l
+        };
+        assert_eq!(alone(1.0, 0.0), vec![1.0, -2.0, 0.5, 2.0, -1.0]);
+        assert_eq!(alone(0.0, 1.0), vec![0.0, -2.0, 0.5, 2.0, -1.0]);
         // Negative penalties raise the logits (OpenAI allows -2..2).
-        let mut l = base.clone();
-        apply_penalties(
-            &mut l,
-            &history,
-            64,
-            1.0,
-            Penalties {
-                presence: -1.0,
-                frequency: 0.0,
-            },
-        );
+        let l = alone(-1.0, 0.0);
         assert_eq!(l[2], 0.5);
         assert_eq!(l[0], 3.0);
         // Nothing to do: untouched, bit for bit; window 0: untouched.

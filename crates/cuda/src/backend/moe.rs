@@ -154,15 +154,17 @@ impl Cuda {
             });
         }
         let (mi, ei, ki, padi, capi) = (m as i32, e as i32, k as i32, pad as i32, cap as i32);
+        // The plan's outputs: placed rows and experts, each pair's slot.
+        let places = || -> Result<(CudaSlice<i32>, CudaSlice<i32>, CudaSlice<i32>)> {
+            Ok((d.scratch(cap)?, d.scratch(cap)?, d.scratch(n)?))
+        };
         match how {
             Routing::InRouter => Err(CudaError::Driver {
                 op: "route".into(),
                 msg: "this routing runs in the router launch".into(),
             }),
             Routing::OneWarp => {
-                let mut placed_row = d.scratch::<i32>(cap)?;
-                let mut placed_mat = d.scratch::<i32>(cap)?;
-                let mut slot = d.scratch::<i32>(n)?;
+                let (mut placed_row, mut placed_mat, mut slot) = places()?;
                 launch!(
                     d,
                     "route_plan_one_r",
@@ -185,9 +187,7 @@ impl Cuda {
                 // rows by the whole block measured no faster (H200, tg128
                 // 247.05 -> 244.31), so none take it.
                 let block_rows: i32 = 0;
-                let mut placed_row = d.scratch::<i32>(cap)?;
-                let mut placed_mat = d.scratch::<i32>(cap)?;
-                let mut slot = d.scratch::<i32>(n)?;
+                let (mut placed_row, mut placed_mat, mut slot) = places()?;
                 launch!(
                     d,
                     "route_plan_small",
