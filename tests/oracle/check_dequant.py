@@ -16,9 +16,21 @@ from gguf.quants import dequantize, quantize
 from gguf.constants import GGML_QUANT_SIZES
 
 
+# Formats the dump must contain: a format that silently dropped out of the dump
+# would otherwise go unchecked.
+REQUIRED = (
+    "f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k "
+    "iq4_nl iq4_xs mxfp4 iq2_xxs iq2_xs iq2_s iq3_xxs iq3_s"
+).split()
+
+
 def main(d: Path) -> int:
     failures = 0
     checked = 0
+    missing = [name for name in REQUIRED if not (d / f"{name}.blocks").exists()]
+    for name in missing:
+        print(f"dequantize {name:>7}: MISSING from the dump")
+    failures += len(missing)
     for blocks_path in sorted(d.glob("*.blocks")):
         name = blocks_path.stem
         qtype = Q[name.upper()]

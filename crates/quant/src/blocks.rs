@@ -75,6 +75,21 @@ block!(
     /// IQ3_S: 256 weights; 9-bit grid indices (4 magnitudes each), explicit sign
     /// bits, a 4-bit scale per 32 weights.
     BlockIq3S, 110, { /** super scale */ d: f16, /** low 8 bits of grid indices */ qs: [u8; 64], /** ninth bits */ qh: [u8; 8], /** sign bits */ signs: [u8; 32], /** 4-bit scales */ scales: [u8; 4] });
+block!(
+    /// IQ2_XXS: 256 weights in 8 groups of 32. Per group two little-endian u32
+    /// (four u16 here): the first holds four 8-bit grid indices (8 magnitudes
+    /// each), the second four 7-bit sign indices and a 4-bit scale in its top bits.
+    BlockIq2Xxs, 66, { /** super scale */ d: f16, /** grid indices, sign indices and scales */ qs: [u16; 32] });
+block!(
+    /// IQ3_XXS: 256 weights in 8 groups of 32; 8-bit grid indices (4 magnitudes
+    /// each), then per group a little-endian u32 of four 7-bit sign indices and a
+    /// 4-bit scale in its top bits. ggml declares one `qs[96]`; split here.
+    BlockIq3Xxs, 98, { /** super scale */ d: f16, /** grid indices, 8 per group */ qs: [u8; 64], /** per group a u32 of sign indices and scale */ scales_signs: [u8; 32] });
+block!(
+    /// IQ2_S: 256 weights; 10-bit grid indices (8 magnitudes each), explicit sign
+    /// bits, a 4-bit scale per 16 weights. ggml declares `qs[64]` holding the low
+    /// index bits then the signs; split here.
+    BlockIq2S, 82, { /** super scale */ d: f16, /** low 8 bits of grid indices */ qs: [u8; 32], /** sign bits, one per weight */ signs: [u8; 32], /** high 2 bits of grid indices, four per byte */ qh: [u8; 8], /** 4-bit scales */ scales: [u8; 8] });
 
 /// f16 to f32, exactly, as the F16C instruction converts (NaNs come out quiet).
 ///
@@ -175,6 +190,23 @@ pub fn iq4xs_scales(b: &BlockIq4Xs) -> [i8; 8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn i_quant_blocks_have_ggml_sizes() {
+        use samesum_gguf::GgmlType as T;
+        use std::mem::size_of;
+        for (ty, size) in [
+            (T::IQ2_XXS, size_of::<BlockIq2Xxs>()),
+            (T::IQ2_XS, size_of::<BlockIq2Xs>()),
+            (T::IQ2_S, size_of::<BlockIq2S>()),
+            (T::IQ3_XXS, size_of::<BlockIq3Xxs>()),
+            (T::IQ3_S, size_of::<BlockIq3S>()),
+            (T::IQ4_XS, size_of::<BlockIq4Xs>()),
+        ] {
+            assert_eq!(size, ty.type_size(), "{ty}");
+            assert_eq!(ty.block_size(), QK_K, "{ty}");
+        }
+    }
 
     #[test]
     fn f16_conversion_is_exact_for_every_value() {

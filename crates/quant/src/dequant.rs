@@ -6,7 +6,7 @@
 
 use crate::blocks::*;
 use crate::error::{QuantError, Result};
-use crate::iq_tables::{IQ2XS_GRID, IQ3S_GRID, KSIGNS_IQ2XS};
+use crate::iq_tables::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
 use crate::{cast_blocks, check_lengths};
 use samesum_gguf::GgmlType;
 
@@ -32,7 +32,10 @@ pub fn can_dequantize(ty: GgmlType) -> bool {
             | IQ4_NL
             | IQ4_XS
             | MXFP4
+            | IQ2_XXS
             | IQ2_XS
+            | IQ2_S
+            | IQ3_XXS
             | IQ3_S
     )
 }
@@ -74,6 +77,9 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
         MXFP4 => each(cast_blocks::<BlockMxfp4>(ty, src)?, dst, mxfp4),
         IQ2_XS => each(cast_blocks::<BlockIq2Xs>(ty, src)?, dst, iq2_xs),
         IQ3_S => each(cast_blocks::<BlockIq3S>(ty, src)?, dst, iq3_s),
+        IQ2_XXS => each(cast_blocks::<BlockIq2Xxs>(ty, src)?, dst, iq2_xxs),
+        IQ3_XXS => each(cast_blocks::<BlockIq3Xxs>(ty, src)?, dst, iq3_xxs),
+        IQ2_S => each(cast_blocks::<BlockIq2S>(ty, src)?, dst, iq2_s),
         other => {
             return Err(QuantError::Unsupported {
                 ty: other,
@@ -302,6 +308,87 @@ pub fn iq3_s(b: &BlockIq3S, y: &mut [f32; 256]) {
                     -1.0
                 };
                 y[el] = db * grid[i] as f32 * sign;
+            }
+        }
+    }
+}
+
+/// `±1.0` for bit `i` of sign byte `signs` (set means negative).
+#[inline]
+fn sign(signs: u8, i: usize) -> f32 {
+    if (signs >> i) & 1 == 0 { 1.0 } else { -1.0 }
+}
+
+/// The two little-endian u32 words of IQ2_XXS group `ib` (0..8): four grid
+/// indices, then four sign indices with the scale in the top 4 bits.
+#[inline]
+pub fn iq2_xxs_words(b: &BlockIq2Xxs, ib: usize) -> (u32, u32) {
+    let q = &b.qs[4 * ib..4 * ib + 4];
+    (
+        q[0] as u32 | (q[1] as u32) << 16,
+        q[2] as u32 | (q[3] as u32) << 16,
+    )
+}
+
+/// The sign-and-scale word of IQ3_XXS group `ib` (0..8).
+#[inline]
+pub fn iq3_xxs_word(b: &BlockIq3Xxs, ib: usize) -> u32 {
+    let s = &b.scales_signs[4 * ib..4 * ib + 4];
+    u32::from_le_bytes([s[0], s[1], s[2], s[3]])
+}
+
+/// The 10-bit grid index of IQ2_S element group `m` (0..32, 8 weights each).
+#[inline]
+pub fn iq2_s_index(b: &BlockIq2S, m: usize) -> usize {
+    b.qs[m] as usize | ((((b.qh[m / 4] >> (2 * (m % 4))) & 3) as usize) << 8)
+}
+
+/// IQ2_XXS block: `((d * (0.5 + sc)) * 0.25 * grid) * sign`, as gguf-py evaluates it.
+pub fn iq2_xxs(b: &BlockIq2Xxs, y: &mut [f32; 256]) {
+    let d = f16_to_f32(b.d);
+    for ib in 0..8 {
+        let (grids, aux) = iq2_xxs_words(b, ib);
+        let db = d * (0.5 + (aux >> 28) as f32) * 0.25;
+        for l in 0..4 {
+            let grid = IQ2XXS_GRID[((grids >> (8 * l)) & 0xff) as usize].to_le_bytes();
+            let signs = KSIGNS_IQ2XS[((aux >> (7 * l)) & 127) as usize];
+            for i in 0..8 {
+                y[ib * 32 + l * 8 + i] = db * grid[i] as f32 * sign(signs, i);
+            }
+        }
+    }
+}
+
+/// IQ3_XXS block: `((d * (0.5 + sc)) * 0.5 * grid) * sign`, as gguf-py evaluates it.
+pub fn iq3_xxs(b: &BlockIq3Xxs, y: &mut [f32; 256]) {
+    let d = f16_to_f32(b.d);
+    for ib in 0..8 {
+        let aux = iq3_xxs_word(b, ib);
+        let db = d * (0.5 + (aux >> 28) as f32) * 0.5;
+        for l in 0..4 {
+            let signs = KSIGNS_IQ2XS[((aux >> (7 * l)) & 127) as usize];
+            for h in 0..2 {
+                let grid = IQ3XXS_GRID[b.qs[ib * 8 + l * 2 + h] as usize].to_le_bytes();
+                for i in 0..4 {
+                    let j = h * 4 + i;
+                    y[ib * 32 + l * 8 + j] = db * grid[i] as f32 * sign(signs, j);
+                }
+            }
+        }
+    }
+}
+
+/// IQ2_S block: `((d * (0.5 + sc)) * 0.25 * grid) * sign`, as gguf-py evaluates it.
+pub fn iq2_s(b: &BlockIq2S, y: &mut [f32; 256]) {
+    let d = f16_to_f32(b.d);
+    for k in 0..16 {
+        let sc = (b.scales[k / 2] >> (4 * (k % 2))) & 0x0F;
+        let db = d * (0.5 + sc as f32) * 0.25;
+        for h in 0..2 {
+            let m = 2 * k + h;
+            let grid = IQ2S_GRID[iq2_s_index(b, m)].to_le_bytes();
+            for i in 0..8 {
+                y[m * 8 + i] = db * grid[i] as f32 * sign(b.signs[m], i);
             }
         }
     }

@@ -4,6 +4,12 @@
 //! `IQ3S_GRID[i]` the 4 magnitudes (odd, 1..=15) of IQ3_S grid point `i`;
 //! `KSIGNS_IQ2XS[i]` the 8 sign bits for 7-bit sign index `i` (the eighth bit makes
 //! the number of minus signs even). Generated from gguf-py 0.19.0's tables.
+//!
+//! The grids of IQ2_XXS, IQ3_XXS and IQ2_S live in [`grids`], one packed integer
+//! per point as ggml keeps them (byte `j` is element `j`'s magnitude).
+
+mod grids;
+pub use grids::{IQ2S_GRID, IQ2XXS_GRID, IQ3XXS_GRID};
 
 /// IQ2_XS grid: 512 points of 8 magnitudes.
 pub const IQ2XS_GRID: [[u8; 8]; 512] = [
@@ -1047,3 +1053,63 @@ pub const KSIGNS_IQ2XS: [u8; 128] = [
     105, 106, 235, 108, 237, 238, 111, 240, 113, 114, 243, 116, 245, 246, 119, 120, 249, 250, 123,
     252, 125, 126, 255,
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Σ_i Σ_j byte_j(grid[i]) · (i+1) · (j+1)`: a position-weighted checksum
+    /// that a dropped, repeated or byte-swapped entry changes.
+    fn weighted_sum(points: impl Iterator<Item = Vec<u8>>) -> u64 {
+        points
+            .enumerate()
+            .flat_map(|(i, p)| {
+                p.into_iter()
+                    .enumerate()
+                    .map(move |(j, b)| b as u64 * (i as u64 + 1) * (j as u64 + 1))
+            })
+            .sum()
+    }
+
+    fn check(points: Vec<Vec<u8>>, magnitudes: &[u8], checksum: u64) {
+        let n = points.len();
+        let mut sorted = points.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), n, "grid points are not distinct");
+        for p in &points {
+            assert!(p.iter().all(|b| magnitudes.contains(b)), "{p:?}");
+        }
+        assert_eq!(weighted_sum(points.into_iter()), checksum);
+    }
+
+    #[test]
+    fn packed_grids_hold_ggml_values() {
+        assert_eq!(IQ2XXS_GRID[0], 0x0808080808080808);
+        assert_eq!(IQ2XXS_GRID[1], 0x080808080808082b);
+        assert_eq!(IQ2XXS_GRID[255], 0x2b2b2b1908081908);
+        assert_eq!(IQ3XXS_GRID[0], 0x04040404);
+        assert_eq!(IQ3XXS_GRID[1], 0x04040414);
+        assert_eq!(IQ3XXS_GRID[255], 0x3e341c04);
+        assert_eq!(IQ2S_GRID[0], 0x0808080808080808);
+        assert_eq!(IQ2S_GRID[1], 0x080808080808082b);
+        assert_eq!(IQ2S_GRID[1023], 0x2b2b2b2b2b2b2b2b);
+        let bytes8 = |g: &[u64]| g.iter().map(|v| v.to_le_bytes().to_vec()).collect();
+        let bytes4 = |g: &[u32]| g.iter().map(|v| v.to_le_bytes().to_vec()).collect();
+        check(bytes8(&IQ2XXS_GRID), &[8, 25, 43], 25_268_190);
+        check(
+            bytes4(&IQ3XXS_GRID),
+            &[4, 12, 20, 28, 36, 44, 52, 62],
+            9_809_562,
+        );
+        check(bytes8(&IQ2S_GRID), &[8, 25, 43], 425_950_849);
+    }
+
+    #[test]
+    fn sign_table_has_even_parity_and_the_index_in_its_low_bits() {
+        for (i, &s) in KSIGNS_IQ2XS.iter().enumerate() {
+            assert_eq!(s & 0x7f, i as u8);
+            assert_eq!(s.count_ones() % 2, 0, "{i}");
+        }
+    }
+}

@@ -35,7 +35,7 @@ pub fn random_weight_blocks(ty: GgmlType, n_blocks: usize, rng: &mut Rng) -> Opt
                     put(2, scale(rng, true));
                 }
             }
-            IQ4_XS | IQ2_XS | IQ3_S => put(0, scale(rng, true)),
+            IQ4_XS | IQ2_XXS | IQ2_XS | IQ2_S | IQ3_XXS | IQ3_S => put(0, scale(rng, true)),
             Q2_K => {
                 put(80, scale(rng, true));
                 put(82, scale(rng, true));

@@ -134,7 +134,7 @@ fn dot_rejects_mismatched_rows() {
         dot::dot(GgmlType::Q4_K, &w, &act).is_err(),
         "wrong activation type accepted"
     );
-    assert!(ActRow::quantize(GgmlType::IQ2_XXS, &[0.0; 256]).is_err());
+    assert!(ActRow::quantize(GgmlType::IQ1_S, &[0.0; 256]).is_err());
 }
 
 #[test]

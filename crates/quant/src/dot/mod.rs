@@ -2,7 +2,8 @@
 //!
 //! The activation row is quantized once per row into the weight format's partner
 //! ([`act_type`]): Q8_0 for Q4_0/Q5_0/Q8_0/IQ4_NL/MXFP4, Q8_1 for Q4_1/Q5_1, Q8_K for
-//! the K-quants and IQ4_XS, and plain f32 for F32/F16/BF16 weights.
+//! the K-quants and the 256-element i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+//! IQ3_S, IQ4_XS), and plain f32 for F32/F16/BF16 weights.
 //!
 //! [`dot_with`] runs a chosen kernel family; [`dot`] the best one this CPU has.
 //! Every family returns the same bits as the scalar reference ([`scalar`]).
@@ -25,7 +26,9 @@ pub fn act_type(weight: GgmlType) -> Option<GgmlType> {
         F32 | F16 | BF16 => F32,
         Q4_0 | Q5_0 | Q8_0 | IQ4_NL | MXFP4 => Q8_0,
         Q4_1 | Q5_1 => Q8_1,
-        Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS | IQ2_XS | IQ3_S => Q8_K,
+        Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS | IQ2_XXS | IQ2_XS | IQ2_S | IQ3_XXS | IQ3_S => {
+            Q8_K
+        }
         _ => return None,
     })
 }
@@ -48,7 +51,10 @@ pub const DOT_FORMATS: &[GgmlType] = &[
     GgmlType::IQ4_NL,
     GgmlType::IQ4_XS,
     GgmlType::MXFP4,
+    GgmlType::IQ2_XXS,
     GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
+    GgmlType::IQ3_XXS,
     GgmlType::IQ3_S,
 ];
 
@@ -231,6 +237,9 @@ pub fn dot_rows_with(
         (T::IQ4_XS, ActRow::Q8K(a)) => each_row!(scalar::iq4_xs_q8_k, a),
         (T::IQ2_XS, ActRow::Q8K(a)) => each_row!(scalar::iq2_xs_q8_k, a),
         (T::IQ3_S, ActRow::Q8K(a)) => each_row!(scalar::iq3_s_q8_k, a),
+        (T::IQ2_XXS, ActRow::Q8K(a)) => each_row!(scalar::iq2_xxs_q8_k, a),
+        (T::IQ3_XXS, ActRow::Q8K(a)) => each_row!(scalar::iq3_xxs_q8_k, a),
+        (T::IQ2_S, ActRow::Q8K(a)) => each_row!(scalar::iq2_s_q8_k, a),
         _ => {
             return Err(QuantError::Unsupported {
                 ty: weight,

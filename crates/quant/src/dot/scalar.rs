@@ -10,7 +10,8 @@
 //! the lanes reduce by the fixed tree of [`reduce64`].
 
 use crate::blocks::*;
-use crate::iq_tables::{IQ2XS_GRID, IQ3S_GRID, KSIGNS_IQ2XS};
+use crate::dequant::{iq2_s_index, iq2_xxs_words, iq3_xxs_word};
+use crate::iq_tables::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
 
 /// Reduce 16 lanes: halves added (i, i+8), then (i, i+4), (i, i+2), (0, 1).
 #[inline]
@@ -404,5 +405,95 @@ pub fn iq3_s_q8_k(w: &[BlockIq3S], a: &[BlockQ8K]) -> f32 {
             sumi += (2 * sc + 1) * s;
         }
         combine(acc, f16_to_f32(w.d), a.d, sumi)
+    })
+}
+
+/// `Σ_i ±grid[i]·a[i]` over one group of 8 (bit `i` of `signs` set means minus).
+#[inline]
+fn signed_dot8(grid: [u8; 8], signs: u8, a: &[i8]) -> i32 {
+    let mut s = 0i32;
+    for i in 0..8 {
+        let v = grid[i] as i32 * a[i] as i32;
+        s += if (signs >> i) & 1 == 0 { v } else { -v };
+    }
+    s
+}
+
+/// Integer sum of an IQ2_XXS block with a Q8_K block: `Σ_ib (2 sc_ib + 1) ·
+/// Σ grid·sign·a` over the 8 groups of 32.
+#[inline]
+pub fn sumi_iq2_xxs(w: &BlockIq2Xxs, a: &BlockQ8K) -> i32 {
+    let mut sumi = 0i32;
+    for ib in 0..8 {
+        let (grids, aux) = iq2_xxs_words(w, ib);
+        let mut s = 0i32;
+        for l in 0..4 {
+            let grid = IQ2XXS_GRID[((grids >> (8 * l)) & 0xff) as usize].to_le_bytes();
+            let signs = KSIGNS_IQ2XS[((aux >> (7 * l)) & 127) as usize];
+            let off = ib * 32 + l * 8;
+            s += signed_dot8(grid, signs, &a.qs[off..off + 8]);
+        }
+        sumi += (2 * (aux >> 28) as i32 + 1) * s;
+    }
+    sumi
+}
+
+/// IQ2_XXS · Q8_K: `acc + ((dw*da) * 0.125) * sumi` per block.
+pub fn iq2_xxs_q8_k(w: &[BlockIq2Xxs], a: &[BlockQ8K]) -> f32 {
+    w.iter().zip(a).fold(0.0, |acc, (w, a)| {
+        acc + ((f16_to_f32(w.d) * a.d) * 0.125) * (sumi_iq2_xxs(w, a) as f32)
+    })
+}
+
+/// Integer sum of an IQ3_XXS block with a Q8_K block: `Σ_ib (2 sc_ib + 1) ·
+/// Σ grid·sign·a` over the 8 groups of 32.
+#[inline]
+pub fn sumi_iq3_xxs(w: &BlockIq3Xxs, a: &BlockQ8K) -> i32 {
+    let mut sumi = 0i32;
+    for ib in 0..8 {
+        let aux = iq3_xxs_word(w, ib);
+        let mut s = 0i32;
+        for l in 0..4 {
+            let g0 = IQ3XXS_GRID[w.qs[ib * 8 + 2 * l] as usize].to_le_bytes();
+            let g1 = IQ3XXS_GRID[w.qs[ib * 8 + 2 * l + 1] as usize].to_le_bytes();
+            let grid = [g0[0], g0[1], g0[2], g0[3], g1[0], g1[1], g1[2], g1[3]];
+            let signs = KSIGNS_IQ2XS[((aux >> (7 * l)) & 127) as usize];
+            let off = ib * 32 + l * 8;
+            s += signed_dot8(grid, signs, &a.qs[off..off + 8]);
+        }
+        sumi += (2 * (aux >> 28) as i32 + 1) * s;
+    }
+    sumi
+}
+
+/// IQ3_XXS · Q8_K: `acc + ((dw*da) * 0.25) * sumi` per block.
+pub fn iq3_xxs_q8_k(w: &[BlockIq3Xxs], a: &[BlockQ8K]) -> f32 {
+    w.iter().zip(a).fold(0.0, |acc, (w, a)| {
+        acc + ((f16_to_f32(w.d) * a.d) * 0.25) * (sumi_iq3_xxs(w, a) as f32)
+    })
+}
+
+/// Integer sum of an IQ2_S block with a Q8_K block: `Σ_k (2 sc_k + 1) ·
+/// Σ grid·sign·a` over the 16 groups of 16.
+#[inline]
+pub fn sumi_iq2_s(w: &BlockIq2S, a: &BlockQ8K) -> i32 {
+    let mut sumi = 0i32;
+    for k in 0..16 {
+        let sc = ((w.scales[k / 2] >> (4 * (k % 2))) & 0x0F) as i32;
+        let mut s = 0i32;
+        for h in 0..2 {
+            let m = 2 * k + h;
+            let grid = IQ2S_GRID[iq2_s_index(w, m)].to_le_bytes();
+            s += signed_dot8(grid, w.signs[m], &a.qs[m * 8..m * 8 + 8]);
+        }
+        sumi += (2 * sc + 1) * s;
+    }
+    sumi
+}
+
+/// IQ2_S · Q8_K: `acc + ((dw*da) * 0.125) * sumi` per block.
+pub fn iq2_s_q8_k(w: &[BlockIq2S], a: &[BlockQ8K]) -> f32 {
+    w.iter().zip(a).fold(0.0, |acc, (w, a)| {
+        acc + ((f16_to_f32(w.d) * a.d) * 0.125) * (sumi_iq2_s(w, a) as f32)
     })
 }
