@@ -516,3 +516,236 @@ TC_JOBS_KERNEL(mm_tc_q4_k_async32g_jobs, true)
 // mm_tc_q4_k_async32g_jobs leaving rows with no matrix unwritten (as
 // mm_tc_q4_k_async32g_live).
 TC_JOBS_KERNEL(mm_tc_q4_k_async32g_jobs_live, false)
+
+// ---------------------------------------------------------------- tensor cores, Q6_K
+//
+// Wide Q6_K calls on int8 mma.sync m16n8k16: a Q6_K group (16 values, one
+// signed 8-bit scale) is one k16 product of the values minus 32 (signed
+// bytes, as FmtQ6K unpacks them) and the activations; its exact dot times
+// the group's scale goes into the block's integer sum, and the block's float
+// step is step_plain: FmtQ6K's integer and float step, so the bytes of the
+// dp4a kernels (decode takes FmtQ6K8, whose parts sum to the same integer).
+// A block computes 128 weight rows (32 a warp: two m16 tiles) against R
+// activation rows (R / 8 n8 tiles), two stages of cp.async copies as above.
+//
+// A 210-byte block starts 2-byte aligned, so each row's block is copied as
+// T6_WORDS aligned words from the word holding its first byte, and every
+// word of the block is read back as two aligned words funnel-shifted by the
+// block's offset in its first word (0 or 2 bytes). The copy may read up to
+// 2 bytes past a tensor's last block (the device copy of the file is
+// allocated with slack for that).
+
+#define T6_WORDS 53
+#define T6_WST 240  // a row's stride: a warp's 8 rows x 4 words fall in distinct banks
+
+template <int R>
+struct T6Layout {
+    static constexpr int A_OFF = TQ_WROWS * T6_WST;
+    static constexpr int STAGE = A_OFF + R * TA_AST;
+};
+
+// Issue the copies of weight block b of the tile's 128 rows (row r's block
+// from `wrow0[r]`, already clamped to the matrix) and activation block b of
+// its R rows (rows from `nr` on zero-filled) into `stage`.
+template <int R>
+__device__ __forceinline__ void t6_issue(u8* stage, const u8* wt, int row_bytes, int wrow0, int rows, const u8* at,
+                                         i64 arow, int nr, int b, int tid) {
+    for (int c = tid; c < TQ_WROWS * T6_WORDS; c += 128) {
+        int r = c / T6_WORDS, w = c - r * T6_WORDS;
+        int j = min(wrow0 + r, rows - 1) - wrow0;
+        const u8* src = wt + (i64)j * row_bytes + (i64)b * 210;
+        const u8* al = (const u8*)((unsigned long long)src & ~3ull);
+        cp_async4(stage + r * T6_WST + 4 * w, al + 4 * w);
+    }
+    for (int c = tid; c < R * (Q8K_BYTES / 16); c += 128) {
+        int t = c / (Q8K_BYTES / 16), q = c % (Q8K_BYTES / 16);
+        bool ok = t < nr;
+        const u8* src = at + (ok ? t * arow + (i64)b * Q8K_BYTES + q * 16 : 0);
+        cp_async16(stage + T6Layout<R>::A_OFF + t * TA_AST + q * 16, src, ok);
+    }
+}
+
+// One m16n8k16 int8 product into fresh int32 sums.
+__device__ __forceinline__ void mma_s8_k16(int* c, u32 a0, u32 a1, u32 b0) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0), "r"(0), "r"(0), "r"(0), "r"(0));
+}
+
+// The word at byte `off` (a multiple of 4) of a block copied `sh` bytes
+// into its row of shared memory.
+__device__ __forceinline__ u32 t6_word(const u8* row, int off, u32 sh) {
+    const u32* p = (const u32*)(row + off);
+    return __funnelshift_r(p[0], p[1], 8 * sh);
+}
+
+// One matrix `cur` of a tile over its rows `live` (as tc_async_matrix).
+template <int R>
+__device__ __forceinline__ void t6_matrix(u8* dsm, const u8* W, i64 mat_stride, int row_bytes, int cur, int wrow0,
+                                          int rows, float* Y, const u8* at, i64 arow, int r0, int nr, int nb,
+                                          u32 live, int tid, int warp, int gq, int tq) {
+    typedef T6Layout<R> L;
+    constexpr int N = R / 8;
+    float acc[2][N][4];
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int n = 0; n < N; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
+    const u8* wt = W + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
+    // This thread's rows' offsets in their first words at block 0 (a block
+    // moves it by 210 = 2 mod 4 bytes).
+    u32 sh0[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int j = min(wrow0 + warp * 32 + gq + 8 * i, rows - 1) - wrow0;
+        sh0[i] = (u32)((unsigned long long)(wt + (i64)j * row_bytes) & 3ull);
+    }
+    t6_issue<R>(dsm, wt, row_bytes, wrow0, rows, at, arow, nr, 0, tid);
+    cp_async_commit();
+    for (int b = 0; b < nb; b++) {
+        u8* st = dsm + (b & 1) * L::STAGE;
+        if (b + 1 < nb) {
+            t6_issue<R>(dsm + ((b + 1) & 1) * L::STAGE, wt, row_bytes, wrow0, rows, at, arow, nr, b + 1, tid);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const u8* wrow = st + (warp * 32 + gq) * T6_WST;
+        const u8* sq = st + L::A_OFF;
+        u32 sh[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) sh[i] = (sh0[i] + 2 * (u32)b) & 3;
+        int isum[2][N][4];
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int n = 0; n < N; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) isum[a][n][c] = 0;
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            // Half hf of the block (elements 128 hf ..): ql words at
+            // 64 hf + 16 u + 4 tq, qh words at 128 + 32 hf + 16 u + 4 tq,
+            // the scales of groups 8 hf .. 8 hf + 7.
+            u32 ql[4][4], qh[4][2], sc[4][2];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const u8* rw = wrow + 8 * i * T6_WST;
+#pragma unroll
+                for (int u = 0; u < 4; u++) ql[i][u] = t6_word(rw, 64 * hf + 16 * u + 4 * tq, sh[i]);
+#pragma unroll
+                for (int u = 0; u < 2; u++) qh[i][u] = t6_word(rw, 128 + 32 * hf + 16 * u + 4 * tq, sh[i]);
+#pragma unroll
+                for (int u = 0; u < 2; u++) sc[i][u] = t6_word(rw, 192 + 8 * hf + 4 * u, sh[i]);
+            }
+#pragma unroll
+            for (int h = 0; h < 8; h++) {
+                const int g = 8 * hf + h;
+                u32 av[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    av[i] = __vsub4(((ql[i][h % 4] >> (4 * (h / 4))) & 0x0F0F0F0Fu) |
+                                        (((qh[i][h % 2] >> (2 * (h / 2))) & 0x03030303u) << 4),
+                                    0x20202020u);
+                u32 bq[N];
+#pragma unroll
+                for (int n = 0; n < N; n++) bq[n] = *(const u32*)(sq + (n * 8 + gq) * TA_AST + 16 * g + 4 * tq);
+#pragma unroll
+                for (int a = 0; a < 2; a++) {
+                    const int sc0 = (int)(i8)(sc[2 * a][h / 4] >> (8 * (h % 4)));
+                    const int sc1 = (int)(i8)(sc[2 * a + 1][h / 4] >> (8 * (h % 4)));
+#pragma unroll
+                    for (int n = 0; n < N; n++) {
+                        int d[4];
+                        mma_s8_k16(d, av[2 * a], av[2 * a + 1], bq[n]);
+                        isum[a][n][0] += sc0 * d[0];
+                        isum[a][n][1] += sc0 * d[1];
+                        isum[a][n][2] += sc1 * d[2];
+                        isum[a][n][3] += sc1 * d[3];
+                    }
+                }
+            }
+        }
+        float dw[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) dw[i] = f16_to_f32((u16)(t6_word(wrow + 8 * i * T6_WST, 208, sh[i]) & 0xffffu));
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int n = 0; n < N; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                    float da = *(const float*)(sq + t * TA_AST + Q8K_D);
+                    acc[a][n][c] = step_plain(acc[a][n][c], dw[i], da, isum[a][n][c]);
+                }
+        // Stage b & 1 is refilled by the next iteration's copies.
+        __syncthreads();
+    }
+    float* yo = Y + (i64)r0 * rows + wrow0 + warp * 32 + gq;
+    int wbase = wrow0 + warp * 32;
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int n = 0; n < N; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                if (wbase + 8 * i + gq < rows && ((live >> t) & 1u)) yo[(i64)t * rows + 8 * i] = acc[a][n][c];
+            }
+}
+
+// The Q6_K tile kernel: as mm_tc_async_k (rows with no matrix get zeros,
+// each matrix of the tile computed once, ascending), with 2 *
+// T6Layout<R>::STAGE bytes of dynamic shared memory.
+template <int R>
+__device__ void mm_tc_q6_k_k(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,
+                             int rows, int m, int nb) {
+    extern __shared__ __align__(16) u8 dsm[];
+    __shared__ int smat[R];
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    int r0 = blockIdx.y * R;
+    if (r0 >= m) return;
+    int nr = min(R, m - r0);
+    for (int t = tid; t < R; t += blockDim.x) smat[t] = t < nr ? (mats ? mats[r0 + t] : 0) : -1;
+    __syncthreads();
+    int gq = lane >> 2, tq = lane & 3;
+    int wrow0 = blockIdx.x * TQ_WROWS;
+    i64 arow = (i64)nb * Q8K_BYTES;
+    static_assert(R <= 32, "a lane a tile row");
+    const int vmat = lane < R ? smat[lane] : -1;
+    const int col = wrow0 + tid;
+    for (u32 zero = __ballot_sync(0xffffffffu, lane < nr && vmat < 0); zero; zero &= zero - 1) {
+        int t = __ffs(zero) - 1;
+        if (col < rows) Y[(i64)(r0 + t) * rows + col] = 0.0f;
+    }
+    const u8* at = A + r0 * arow;
+    int prev = -1;
+    for (;;) {
+        const int cur = __reduce_min_sync(0xffffffffu, vmat > prev ? vmat : 0x7fffffff);
+        if (cur == 0x7fffffff) break;
+        prev = cur;
+        const u32 live = __ballot_sync(0xffffffffu, vmat == cur);
+        t6_matrix<R>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, Y, at, arow, r0, nr, nb, live, tid, warp, gq,
+                     tq);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128, 2)
+    mm_tc_q6_k(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, int rows, int m,
+               int nb) {
+    pdl_wait();
+    mm_tc_q6_k_k<TQ_ROWS>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);
+}
+
+extern "C" __global__ void __launch_bounds__(128, 2)
+    mm_tc_q6_k32(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, int rows, int m,
+                 int nb) {
+    pdl_wait();
+    mm_tc_q6_k_k<32>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);
+}

@@ -150,7 +150,9 @@ impl Tier {
                     None
                 };
                 host.push(copy.unwrap_or(HostCopy::Mapped(m.offset)));
-                pools.push(dev.scratch::<u8>(plan.slots * one[i])?);
+                // 16 bytes of slack: the Q6_K tensor-core copies read up to 2
+                // bytes past a slot's last block.
+                pools.push(dev.scratch::<u8>(plan.slots * one[i] + 16)?);
                 done += whole[i] as u64;
                 bar.set_position(done);
             }

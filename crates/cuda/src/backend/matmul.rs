@@ -42,6 +42,13 @@ const fn tc_async_smem(q5: bool, rows: usize) -> u32 {
     (2 * (128 * wst + rows * 352 + rows * 4 * 4 + rows * 4)) as u32
 }
 
+/// Dynamic shared memory of the Q6_K tensor-core kernels for tiles of
+/// `rows` activation rows: two stages of 128 weight rows (240 bytes each)
+/// and the rows' Q8_K blocks (352 bytes each); see T6Layout in matmul_tc.cu.
+const fn tc_q6_smem(rows: usize) -> u32 {
+    (2 * (128 * 240 + rows * 352)) as u32
+}
+
 /// The kernel of one matmul call. Every one computes each output element
 /// with the same operations in the same order (kernels/matmul_dp4a.cu), so
 /// the choice changes the speed only.
@@ -108,7 +115,7 @@ impl MatmulKernel {
                     Self::FloatTile
                 }
             }
-            GgmlType::Q4_K | GgmlType::Q5_K if wide => {
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K if wide => {
                 let tile = tc_tile(m, input.tile, experts);
                 Self::TensorCore {
                     tile,
@@ -154,6 +161,8 @@ impl MatmulKernel {
             (Self::TensorCore { tile: 32, live }, Q4_K) if live => "mm_tc_q4_k_async32g_live",
             (Self::TensorCore { tile: 32, .. }, Q4_K) => "mm_tc_q4_k_async32g",
             (Self::TensorCore { tile: 32, .. }, Q5_K) => "mm_tc_q5_k_async32",
+            (Self::TensorCore { tile: 16, .. }, Q6_K) => "mm_tc_q6_k",
+            (Self::TensorCore { tile: 32, .. }, Q6_K) => "mm_tc_q6_k32",
             _ => return None,
         })
     }
@@ -756,7 +765,11 @@ impl Cuda {
                 let c = cfg(
                     (w.rows.div_ceil(128) as u32, m.div_ceil(tile) as u32, 1),
                     128,
-                    tc_async_smem(w.ty == GgmlType::Q5_K, tile),
+                    if w.ty == GgmlType::Q6_K {
+                        tc_q6_smem(tile)
+                    } else {
+                        tc_async_smem(w.ty == GgmlType::Q5_K, tile)
+                    },
                 );
                 // Profiles split the tensor-core launches by kind and
                 // reduction length (the K loop's blocks against the tile's

@@ -41,6 +41,11 @@ type R<T> = samesum_engine::Result<T>;
 /// A column map's description: (kind, sizes...).
 type MapKey = (u8, usize, usize, usize);
 
+/// Bytes allocated past the weights on the device: the Q6_K tensor-core
+/// kernels copy a 210-byte block as the aligned words that hold it, which
+/// reads up to 2 bytes past a tensor's last block.
+const FILE_SLACK: usize = 16;
+
 /// Weight formats with a CUDA matmul kernel.
 pub const FORMATS: &[GgmlType] = &[
     GgmlType::F32,
@@ -295,7 +300,8 @@ impl Cuda {
         }
         let size = |m: &Matrix| (m.rows * m.row_bytes * m.n_mats).next_multiple_of(256);
         let trunk_bytes: usize = trunk_mats.iter().map(|m| size(m)).sum();
-        let mut file = dev.scratch::<u8>(trunk_bytes)?;
+        // FILE_SLACK: the Q6_K tensor-core copies' overread.
+        let mut file = dev.scratch::<u8>(trunk_bytes + FILE_SLACK)?;
         let file_ptr = addr(&dev, &file);
         let bar = upload_bar(progress, trunk_bytes as u64, "trunk to VRAM");
         let mut trunk = HashMap::new();
@@ -361,7 +367,7 @@ impl Cuda {
     /// Resident mode: the whole file on the device.
     fn resident(dev: Device, model: &Model, progress: bool) -> Result<Cuda> {
         let bytes = model.bytes();
-        let mut file = dev.scratch::<u8>(bytes.len())?;
+        let mut file = dev.scratch::<u8>(bytes.len() + FILE_SLACK)?;
         let bar = upload_bar(progress, bytes.len() as u64, "uploading weights");
         const PIECE: usize = 64 << 20;
         let mut at = 0;

@@ -375,7 +375,7 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
         layers: 1,
         ..shapes::by_name("tiny-qwen3moe").unwrap()
     });
-    for quant in [GgmlType::Q4_K, GgmlType::Q5_K] {
+    for quant in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
         for sh in &shapes_ {
             let shape = format!("{} x{}", sh.name, sh.hidden);
             let dir = tempfile::tempdir().unwrap();
