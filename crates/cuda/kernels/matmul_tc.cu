@@ -575,7 +575,7 @@ __device__ __forceinline__ void mma_s8_k16(int* c, u32 a0, u32 a1, u32 b0) {
 
 // The word at byte `off` (a multiple of 4) of a block copied `sh` bytes
 // into its row of shared memory.
-__device__ __forceinline__ u32 t6_word(const u8* row, int off, u32 sh) {
+__device__ __forceinline__ u32 tc_word(const u8* row, int off, u32 sh) {
     const u32* p = (const u32*)(row + off);
     return __funnelshift_r(p[0], p[1], 8 * sh);
 }
@@ -637,11 +637,11 @@ __device__ __forceinline__ void t6_matrix(u8* dsm, const u8* W, i64 mat_stride, 
             for (int i = 0; i < 4; i++) {
                 const u8* rw = wrow + 8 * i * T6_WST;
 #pragma unroll
-                for (int u = 0; u < 4; u++) ql[i][u] = t6_word(rw, 64 * hf + 16 * u + 4 * tq, sh[i]);
+                for (int u = 0; u < 4; u++) ql[i][u] = tc_word(rw, 64 * hf + 16 * u + 4 * tq, sh[i]);
 #pragma unroll
-                for (int u = 0; u < 2; u++) qh[i][u] = t6_word(rw, 128 + 32 * hf + 16 * u + 4 * tq, sh[i]);
+                for (int u = 0; u < 2; u++) qh[i][u] = tc_word(rw, 128 + 32 * hf + 16 * u + 4 * tq, sh[i]);
 #pragma unroll
-                for (int u = 0; u < 2; u++) sc[i][u] = t6_word(rw, 192 + 8 * hf + 4 * u, sh[i]);
+                for (int u = 0; u < 2; u++) sc[i][u] = tc_word(rw, 192 + 8 * hf + 4 * u, sh[i]);
             }
 #pragma unroll
             for (int h = 0; h < 8; h++) {
@@ -673,7 +673,7 @@ __device__ __forceinline__ void t6_matrix(u8* dsm, const u8* W, i64 mat_stride, 
         }
         float dw[4];
 #pragma unroll
-        for (int i = 0; i < 4; i++) dw[i] = f16_to_f32((u16)(t6_word(wrow + 8 * i * T6_WST, 208, sh[i]) & 0xffffu));
+        for (int i = 0; i < 4; i++) dw[i] = f16_to_f32((u16)(tc_word(wrow + 8 * i * T6_WST, 208, sh[i]) & 0xffffu));
 #pragma unroll
         for (int a = 0; a < 2; a++)
 #pragma unroll
@@ -700,11 +700,141 @@ __device__ __forceinline__ void t6_matrix(u8* dsm, const u8* W, i64 mat_stride, 
             }
 }
 
-// The Q6_K tile kernel: as mm_tc_async_k (rows with no matrix get zeros,
-// each matrix of the tile computed once, ascending), with 2 *
-// T6Layout<R>::STAGE bytes of dynamic shared memory.
+// ---------------------------------------------------------------- tensor cores, Q8_0
+//
+// Wide Q8_0 calls on int8 mma.sync m16n8k32: a Q8_0 block (32 values, an
+// f16 scale) is one k32 product against the activations' Q8_0 block, and
+// its float step is step_plain: FmtQ8_0's integer and float step, so the
+// bytes of the dp4a kernels. A stage holds T8_KB blocks of K (256 values).
+// A 34-byte block starts 2-byte aligned; T8_KB of them are 272 bytes, so a
+// row's offset in its first word is the same at every stage: rows are
+// copied as aligned words, fragments read back funnel-shifted (as Q6_K).
+// Activation blocks (36 bytes: 32 quants, then d as f32) are word aligned.
+
+#define T8_KB 8
+#define T8_WST 336  // 84 words: a warp's 8 rows start in banks 0, 20, 8, 28, ...
+#define T8_AST 304  // 76 words: 8 rows x 4 lanes' words in distinct banks
+
 template <int R>
-__device__ void mm_tc_q6_k_k(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,
+struct T8Layout {
+    static constexpr int A_OFF = TQ_WROWS * T8_WST;
+    static constexpr int STAGE = A_OFF + R * T8_AST;
+};
+
+// Copies of blocks b0 .. b0 + kb - 1 of the tile's 128 weight rows and of
+// its R activation rows (rows from `nr` on zero-filled) into `stage`.
+template <int R>
+__device__ __forceinline__ void t8_issue(u8* stage, const u8* wt, int row_bytes, int wrow0, int rows, const u8* at,
+                                         i64 arow, int nr, int b0, int kb, int tid) {
+    for (int c = tid; c < TQ_WROWS * 69; c += 128) {
+        int r = c / 69, w = c - r * 69;
+        int j = min(wrow0 + r, rows - 1) - wrow0;
+        const u8* src = wt + (i64)j * row_bytes + (i64)b0 * 34;
+        unsigned long long sa = (unsigned long long)src;
+        // Words holding bytes [src, src + 34 kb).
+        int words = (int)(((sa & 3ull) + 34 * kb + 3) / 4);
+        if (w < words) cp_async4(stage + r * T8_WST + 4 * w, (const u8*)(sa & ~3ull) + 4 * w);
+    }
+    for (int c = tid; c < R * 72; c += 128) {
+        int t = c / 72, w = c - t * 72;
+        if (w < 9 * kb) {
+            u8* dst = stage + T8Layout<R>::A_OFF + t * T8_AST + 4 * w;
+            if (t < nr)
+                cp_async4(dst, at + t * arow + (i64)b0 * 36 + 4 * w);
+            else
+                *(u32*)dst = 0u;
+        }
+    }
+}
+
+template <int R>
+__device__ __forceinline__ void t8_matrix(u8* dsm, const u8* W, i64 mat_stride, int row_bytes, int cur, int wrow0,
+                                          int rows, float* Y, const u8* at, i64 arow, int r0, int nr, int nb,
+                                          u32 live, int tid, int warp, int gq, int tq) {
+    typedef T8Layout<R> L;
+    constexpr int N = R / 8;
+    float acc[2][N][4];
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int n = 0; n < N; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
+    const u8* wt = W + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
+    u32 sh[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int j = min(wrow0 + warp * 32 + gq + 8 * i, rows - 1) - wrow0;
+        sh[i] = (u32)((unsigned long long)(wt + (i64)j * row_bytes) & 3ull);
+    }
+    const int stages = (nb + T8_KB - 1) / T8_KB;
+    t8_issue<R>(dsm, wt, row_bytes, wrow0, rows, at, arow, nr, 0, min(T8_KB, nb), tid);
+    cp_async_commit();
+    for (int s = 0; s < stages; s++) {
+        u8* st = dsm + (s & 1) * L::STAGE;
+        if (s + 1 < stages) {
+            int b1 = (s + 1) * T8_KB;
+            t8_issue<R>(dsm + ((s + 1) & 1) * L::STAGE, wt, row_bytes, wrow0, rows, at, arow, nr, b1,
+                        min(T8_KB, nb - b1), tid);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const u8* wrow = st + (warp * 32 + gq) * T8_WST;
+        const u8* sq = st + L::A_OFF;
+        const int kb = min(T8_KB, nb - s * T8_KB);
+#pragma unroll 2
+        for (int kk = 0; kk < kb; kk++) {
+            u32 aw[4][2];
+            float dw[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const u8* rw = wrow + 8 * i * T8_WST;
+                aw[i][0] = tc_word(rw, 34 * kk + 2 + 4 * tq, sh[i]);
+                aw[i][1] = tc_word(rw, 34 * kk + 18 + 4 * tq, sh[i]);
+                dw[i] = f16_to_f32((u16)(tc_word(rw, 34 * kk, sh[i]) & 0xffffu));
+            }
+#pragma unroll
+            for (int n = 0; n < N; n++) {
+                const u8* ar = sq + (n * 8 + gq) * T8_AST + 36 * kk;
+                const u32 b0 = *(const u32*)(ar + 4 * tq), b1 = *(const u32*)(ar + 16 + 4 * tq);
+#pragma unroll
+                for (int a = 0; a < 2; a++) {
+                    int d[4];
+                    mma_s8(d, aw[2 * a][0], aw[2 * a + 1][0], aw[2 * a][1], aw[2 * a + 1][1], b0, b1);
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                        float da = *(const float*)(sq + t * T8_AST + 36 * kk + 32);
+                        acc[a][n][c] = step_plain(acc[a][n][c], dw[i], da, d[c]);
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    float* yo = Y + (i64)r0 * rows + wrow0 + warp * 32 + gq;
+    int wbase = wrow0 + warp * 32;
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int n = 0; n < N; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                if (wbase + 8 * i + gq < rows && ((live >> t) & 1u)) yo[(i64)t * rows + 8 * i] = acc[a][n][c];
+            }
+}
+
+// The Q6_K and Q8_0 tile kernels (FMT 6 or 8): as mm_tc_async_k, rows with
+// no matrix get zeros and each matrix of the tile is computed once,
+// ascending; 2 * T6Layout<R>::STAGE or 2 * T8Layout<R>::STAGE bytes of
+// dynamic shared memory. `nb`: weight blocks a row (256 or 32 values);
+// activation rows are nb Q8_K or nb Q8_0 blocks.
+template <int FMT, int R>
+__device__ void mm_tc_rows_k(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,
                              int rows, int m, int nb) {
     extern __shared__ __align__(16) u8 dsm[];
     __shared__ int smat[R];
@@ -716,7 +846,7 @@ __device__ void mm_tc_q6_k_k(const u8* W, i64 mat_stride, int row_bytes, const i
     __syncthreads();
     int gq = lane >> 2, tq = lane & 3;
     int wrow0 = blockIdx.x * TQ_WROWS;
-    i64 arow = (i64)nb * Q8K_BYTES;
+    i64 arow = (i64)nb * (FMT == 6 ? Q8K_BYTES : 36);
     static_assert(R <= 32, "a lane a tile row");
     const int vmat = lane < R ? smat[lane] : -1;
     const int col = wrow0 + tid;
@@ -731,21 +861,24 @@ __device__ void mm_tc_q6_k_k(const u8* W, i64 mat_stride, int row_bytes, const i
         if (cur == 0x7fffffff) break;
         prev = cur;
         const u32 live = __ballot_sync(0xffffffffu, vmat == cur);
-        t6_matrix<R>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, Y, at, arow, r0, nr, nb, live, tid, warp, gq,
-                     tq);
+        if constexpr (FMT == 6)
+            t6_matrix<R>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, Y, at, arow, r0, nr, nb, live, tid, warp,
+                         gq, tq);
+        else
+            t8_matrix<R>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, Y, at, arow, r0, nr, nb, live, tid, warp,
+                         gq, tq);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128, 2)
-    mm_tc_q6_k(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, int rows, int m,
-               int nb) {
-    pdl_wait();
-    mm_tc_q6_k_k<TQ_ROWS>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);
-}
+#define TC_ROWS_KERNEL(name, FMT, R)                                                                      \
+    extern "C" __global__ void __launch_bounds__(128, 2)                                                  \
+        name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, int rows, int m, \
+             int nb) {                                                                                    \
+        pdl_wait();                                                                                       \
+        mm_tc_rows_k<FMT, R>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);                          \
+    }
 
-extern "C" __global__ void __launch_bounds__(128, 2)
-    mm_tc_q6_k32(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y, int rows, int m,
-                 int nb) {
-    pdl_wait();
-    mm_tc_q6_k_k<32>(W, mat_stride, row_bytes, mats, A, Y, rows, m, nb);
-}
+TC_ROWS_KERNEL(mm_tc_q6_k, 6, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_q6_k32, 6, 32)
+TC_ROWS_KERNEL(mm_tc_q8_0, 8, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_q8_0_32, 8, 32)

@@ -254,13 +254,14 @@ impl Device {
                     227 * 1024 - fixed,
                 );
                 // The 32-row tensor-core kernels run 3 blocks of ~66 KB an
-                // SM (the Q6_K ones 2 of ~82 KB): ask for the largest
+                // SM (the Q6_K and Q8_0 ones 2 of 84-105 KB): ask for the largest
                 // shared-memory split so the driver does not pick one that
                 // fits fewer.
                 if k.ends_with("_async32")
                     || k.ends_with("_async32g")
                     || k.ends_with("_async32g_jobs")
                     || k.starts_with("mm_tc_q6_k")
+                    || k.starts_with("mm_tc_q8_0")
                 {
                     let _ = f.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,

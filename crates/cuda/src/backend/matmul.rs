@@ -42,11 +42,16 @@ const fn tc_async_smem(q5: bool, rows: usize) -> u32 {
     (2 * (128 * wst + rows * 352 + rows * 4 * 4 + rows * 4)) as u32
 }
 
-/// Dynamic shared memory of the Q6_K tensor-core kernels for tiles of
-/// `rows` activation rows: two stages of 128 weight rows (240 bytes each)
-/// and the rows' Q8_K blocks (352 bytes each); see T6Layout in matmul_tc.cu.
-const fn tc_q6_smem(rows: usize) -> u32 {
-    (2 * (128 * 240 + rows * 352)) as u32
+/// Dynamic shared memory of the Q6_K and Q8_0 tensor-core kernels for
+/// tiles of `rows` activation rows: two stages of 128 weight rows and the
+/// activation rows (Q6_K: 240 and 352 bytes a row, T6Layout in
+/// matmul_tc.cu; Q8_0: 336 and 304, T8Layout).
+const fn tc_rows_smem(q8_0: bool, rows: usize) -> u32 {
+    if q8_0 {
+        (2 * (128 * 336 + rows * 304)) as u32
+    } else {
+        (2 * (128 * 240 + rows * 352)) as u32
+    }
 }
 
 /// The kernel of one matmul call. Every one computes each output element
@@ -115,7 +120,7 @@ impl MatmulKernel {
                     Self::FloatTile
                 }
             }
-            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K if wide => {
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0 if wide => {
                 let tile = tc_tile(m, input.tile, experts);
                 Self::TensorCore {
                     tile,
@@ -163,6 +168,8 @@ impl MatmulKernel {
             (Self::TensorCore { tile: 32, .. }, Q5_K) => "mm_tc_q5_k_async32",
             (Self::TensorCore { tile: 16, .. }, Q6_K) => "mm_tc_q6_k",
             (Self::TensorCore { tile: 32, .. }, Q6_K) => "mm_tc_q6_k32",
+            (Self::TensorCore { tile: 16, .. }, Q8_0) => "mm_tc_q8_0",
+            (Self::TensorCore { tile: 32, .. }, Q8_0) => "mm_tc_q8_0_32",
             _ => return None,
         })
     }
@@ -765,8 +772,8 @@ impl Cuda {
                 let c = cfg(
                     (w.rows.div_ceil(128) as u32, m.div_ceil(tile) as u32, 1),
                     128,
-                    if w.ty == GgmlType::Q6_K {
-                        tc_q6_smem(tile)
+                    if matches!(w.ty, GgmlType::Q6_K | GgmlType::Q8_0) {
+                        tc_rows_smem(w.ty == GgmlType::Q8_0, tile)
                     } else {
                         tc_async_smem(w.ty == GgmlType::Q5_K, tile)
                     },

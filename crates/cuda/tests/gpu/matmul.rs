@@ -354,8 +354,8 @@ fn float_tile_matmuls_equal_the_row_kernel_and_single_rows() {
     eprintln!("float tile matmul cases equal: {checked}");
 }
 
-/// The tensor-core matmul tiles against the dp4a tile kernels and against
-/// one-row calls, byte for byte: expert stacks and plain matrices, rows of
+/// The tensor-core matmul tiles (Q4_K, Q5_K, Q6_K, Q8_0) against the dp4a
+/// tile kernels and against one-row calls, byte for byte: expert stacks and plain matrices, rows of
 /// several experts in one tile (unsorted, with unused -1 rows), many m, 16-
 /// and 32-row tiles (for expert stacks, rows placed as a plan padding to 16
 /// and to 32 places an expert).
@@ -375,8 +375,20 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
         layers: 1,
         ..shapes::by_name("tiny-qwen3moe").unwrap()
     });
-    for quant in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
-        for sh in &shapes_ {
+    // Q8_0 rows of 800 columns: 25 blocks, the last stage of the
+    // tensor-core kernel's K loop a partial one.
+    let q8_tail = shapes::Shape {
+        hidden: 800,
+        ..shapes::by_name("tiny-qwen3moe").unwrap()
+    };
+    for quant in [
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+    ] {
+        let extra = (quant == GgmlType::Q8_0).then_some(&q8_tail);
+        for sh in shapes_.iter().chain(extra) {
             let shape = format!("{} x{}", sh.name, sh.hidden);
             let dir = tempfile::tempdir().unwrap();
             let p = dir.path().join("m.gguf");
