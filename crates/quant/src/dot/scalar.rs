@@ -85,6 +85,13 @@ pub fn combine(acc: f32, dw: f32, da: f32, sumi: i32) -> f32 {
     acc + (dw * da) * (sumi as f32)
 }
 
+/// Combine one block of an i-quant whose sums carry a fixed power-of-two factor
+/// `k` (ggml's 0.125 or 0.25): `acc + ((dw * da) * k) * sumi`.
+#[inline]
+pub fn combine_scaled(acc: f32, dw: f32, da: f32, k: f32, sumi: i32) -> f32 {
+    acc + ((dw * da) * k) * (sumi as f32)
+}
+
 /// Combine one block with mins: `(acc + (d*da)*sumi) - (dmin*da)*summ`.
 #[inline]
 pub fn combine_min(acc: f32, d: f32, dmin: f32, da: f32, sumi: i32, summ: i32) -> f32 {
@@ -441,7 +448,7 @@ pub fn sumi_iq2_xxs(w: &BlockIq2Xxs, a: &BlockQ8K) -> i32 {
 /// IQ2_XXS · Q8_K: `acc + ((dw*da) * 0.125) * sumi` per block.
 pub fn iq2_xxs_q8_k(w: &[BlockIq2Xxs], a: &[BlockQ8K]) -> f32 {
     w.iter().zip(a).fold(0.0, |acc, (w, a)| {
-        acc + ((f16_to_f32(w.d) * a.d) * 0.125) * (sumi_iq2_xxs(w, a) as f32)
+        combine_scaled(acc, f16_to_f32(w.d), a.d, 0.125, sumi_iq2_xxs(w, a))
     })
 }
 
@@ -469,7 +476,7 @@ pub fn sumi_iq3_xxs(w: &BlockIq3Xxs, a: &BlockQ8K) -> i32 {
 /// IQ3_XXS · Q8_K: `acc + ((dw*da) * 0.25) * sumi` per block.
 pub fn iq3_xxs_q8_k(w: &[BlockIq3Xxs], a: &[BlockQ8K]) -> f32 {
     w.iter().zip(a).fold(0.0, |acc, (w, a)| {
-        acc + ((f16_to_f32(w.d) * a.d) * 0.25) * (sumi_iq3_xxs(w, a) as f32)
+        combine_scaled(acc, f16_to_f32(w.d), a.d, 0.25, sumi_iq3_xxs(w, a))
     })
 }
 
@@ -494,6 +501,6 @@ pub fn sumi_iq2_s(w: &BlockIq2S, a: &BlockQ8K) -> i32 {
 /// IQ2_S · Q8_K: `acc + ((dw*da) * 0.125) * sumi` per block.
 pub fn iq2_s_q8_k(w: &[BlockIq2S], a: &[BlockQ8K]) -> f32 {
     w.iter().zip(a).fold(0.0, |acc, (w, a)| {
-        acc + ((f16_to_f32(w.d) * a.d) * 0.125) * (sumi_iq2_s(w, a) as f32)
+        combine_scaled(acc, f16_to_f32(w.d), a.d, 0.125, sumi_iq2_s(w, a))
     })
 }

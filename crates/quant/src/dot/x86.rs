@@ -5,9 +5,11 @@
 //! and add (no FMA).
 
 use super::ActRow;
-use super::scalar::{self, combine, combine_min};
+use super::scalar::{self, combine, combine_min, combine_scaled};
 use crate::blocks::*;
+use crate::dequant::{iq2_s_index, iq2_xxs_words, iq3_xxs_word};
 use crate::error::Result;
+use crate::iq_tables::{IQ2S_GRID, IQ2XXS_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
 use crate::isa::Isa;
 use samesum_gguf::GgmlType;
 use std::arch::x86_64::*;
@@ -23,6 +25,9 @@ pub(super) const AVX2_FORMATS: &[GgmlType] = &[
     GgmlType::Q5_K,
     GgmlType::Q6_K,
     GgmlType::IQ4_XS,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_S,
+    GgmlType::IQ3_XXS,
 ];
 
 /// Formats with AVX-512 kernels (the others use the AVX2 kernel on AVX-512 CPUs).
@@ -94,6 +99,9 @@ pub(super) fn dot_rows(
             (_, T::Q5_K, ActRow::Q8K(a)) => each_row!(q5_k_avx2, a),
             (_, T::Q6_K, ActRow::Q8K(a)) => each_row!(q6_k_avx2, a),
             (_, T::IQ4_XS, ActRow::Q8K(a)) => each_row!(iq4_xs_avx2, a),
+            (_, T::IQ2_XXS, ActRow::Q8K(a)) => each_row!(iq2_xxs_avx2, a),
+            (_, T::IQ2_S, ActRow::Q8K(a)) => each_row!(iq2_s_avx2, a),
+            (_, T::IQ3_XXS, ActRow::Q8K(a)) => each_row!(iq3_xxs_avx2, a),
             _ => return Ok(false),
         }
     };
@@ -588,6 +596,125 @@ unsafe fn iq4_xs_avx2(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
             hsum_i32(v)
         };
         acc = combine(acc, f16_to_f32(w.d), a.d, sumi);
+    }
+    acc
+}
+
+/// Byte masks of 32 sign bits: byte `i` is all ones where bit `i` of `s` is set.
+#[inline(always)]
+unsafe fn sign_masks(s: u32) -> __m256i {
+    unsafe {
+        let spread = _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        );
+        let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let b = _mm256_shuffle_epi8(_mm256_set1_epi32(s as i32), spread);
+        _mm256_cmpeq_epi8(_mm256_and_si256(b, bits), bits)
+    }
+}
+
+/// `Σ ±grid·scale·a` over 32 elements, in 8 i32 lanes: `grid` holds magnitudes
+/// below 64, bit `i` of `signs` negates element `i`, elements 0..16 take
+/// `scale_lo` and 16..32 `scale_hi` (odd, below 32). Exact: the signed, scaled
+/// grid values fit i16 (|g·scale| < 2048) and each product pair fits i32.
+#[inline(always)]
+unsafe fn signed_grid_dot(
+    grid: __m256i,
+    signs: u32,
+    a: __m256i,
+    scale_lo: i16,
+    scale_hi: i16,
+) -> __m256i {
+    unsafe {
+        let m = sign_masks(signs);
+        let g = _mm256_sub_epi8(_mm256_xor_si256(grid, m), m);
+        let g0 = _mm256_mullo_epi16(
+            _mm256_cvtepi8_epi16(_mm256_castsi256_si128(g)),
+            _mm256_set1_epi16(scale_lo),
+        );
+        let g1 = _mm256_mullo_epi16(
+            _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(g)),
+            _mm256_set1_epi16(scale_hi),
+        );
+        let a0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(a));
+        let a1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(a));
+        _mm256_add_epi32(_mm256_madd_epi16(g0, a0), _mm256_madd_epi16(g1, a1))
+    }
+}
+
+/// Four sign bytes from four 7-bit indices into [`KSIGNS_IQ2XS`] (the low 28
+/// bits of `aux`), byte `l` for index `l`.
+#[inline(always)]
+fn ksigns4(aux: u32) -> u32 {
+    (0..4).fold(0u32, |s, l| {
+        s | (KSIGNS_IQ2XS[((aux >> (7 * l)) & 127) as usize] as u32) << (8 * l)
+    })
+}
+
+#[target_feature(enable = "avx2")]
+unsafe fn iq2_xxs_avx2(w: &[BlockIq2Xxs], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (w, a) in w.iter().zip(a) {
+        let sumi = unsafe {
+            let mut v = _mm256_setzero_si256();
+            for ib in 0..8 {
+                let (grids, aux) = iq2_xxs_words(w, ib);
+                let g = |l: u32| IQ2XXS_GRID[((grids >> (8 * l)) & 0xff) as usize] as i64;
+                let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
+                let ls = (2 * (aux >> 28) + 1) as i16;
+                let q = load256(&a.qs[ib * 32..]);
+                v = _mm256_add_epi32(v, signed_grid_dot(grid, ksigns4(aux), q, ls, ls));
+            }
+            hsum_i32(v)
+        };
+        acc = combine_scaled(acc, f16_to_f32(w.d), a.d, 0.125, sumi);
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2")]
+unsafe fn iq3_xxs_avx2(w: &[BlockIq3Xxs], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (w, a) in w.iter().zip(a) {
+        let sumi = unsafe {
+            let mut v = _mm256_setzero_si256();
+            for ib in 0..8 {
+                let aux = iq3_xxs_word(w, ib);
+                let g = |m: usize| IQ3XXS_GRID[w.qs[ib * 8 + m] as usize] as i32;
+                let grid = _mm256_set_epi32(g(7), g(6), g(5), g(4), g(3), g(2), g(1), g(0));
+                let ls = (2 * (aux >> 28) + 1) as i16;
+                let q = load256(&a.qs[ib * 32..]);
+                v = _mm256_add_epi32(v, signed_grid_dot(grid, ksigns4(aux), q, ls, ls));
+            }
+            hsum_i32(v)
+        };
+        acc = combine_scaled(acc, f16_to_f32(w.d), a.d, 0.25, sumi);
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2")]
+unsafe fn iq2_s_avx2(w: &[BlockIq2S], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (w, a) in w.iter().zip(a) {
+        let sumi = unsafe {
+            let mut v = _mm256_setzero_si256();
+            for ib in 0..8 {
+                let g = |l: usize| IQ2S_GRID[iq2_s_index(w, 4 * ib + l)] as i64;
+                let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
+                let s = &w.signs[4 * ib..4 * ib + 4];
+                let signs = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                let sc = w.scales[ib];
+                let (lo, hi) = (2 * (sc & 0x0F) as i16 + 1, 2 * (sc >> 4) as i16 + 1);
+                let q = load256(&a.qs[ib * 32..]);
+                v = _mm256_add_epi32(v, signed_grid_dot(grid, signs, q, lo, hi));
+            }
+            hsum_i32(v)
+        };
+        acc = combine_scaled(acc, f16_to_f32(w.d), a.d, 0.125, sumi);
     }
     acc
 }
