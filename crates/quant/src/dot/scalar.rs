@@ -384,7 +384,7 @@ pub fn iq2_xs_q8_k(w: &[BlockIq2Xs], a: &[BlockQ8K]) -> f32 {
             }
             sumi += (2 * sc + 1) * s;
         }
-        acc + ((f16_to_f32(w.d) * a.d) * 0.125) * (sumi as f32)
+        combine_scaled(acc, f16_to_f32(w.d), a.d, 0.125, sumi)
     })
 }
 

@@ -9,7 +9,7 @@ use super::scalar::{self, combine, combine_min, combine_scaled};
 use crate::blocks::*;
 use crate::dequant::{iq2_s_index, iq2_xxs_words, iq3_xxs_word};
 use crate::error::Result;
-use crate::iq_tables::{IQ2S_GRID, IQ2XXS_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
+use crate::iq_tables::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
 use crate::isa::Isa;
 use samesum_gguf::GgmlType;
 use std::arch::x86_64::*;
@@ -26,8 +26,10 @@ pub(super) const AVX2_FORMATS: &[GgmlType] = &[
     GgmlType::Q6_K,
     GgmlType::IQ4_XS,
     GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
     GgmlType::IQ2_S,
     GgmlType::IQ3_XXS,
+    GgmlType::IQ3_S,
 ];
 
 /// Formats with AVX-512 kernels (the others use the AVX2 kernel on AVX-512 CPUs).
@@ -102,6 +104,8 @@ pub(super) fn dot_rows(
             (_, T::IQ2_XXS, ActRow::Q8K(a)) => each_row!(iq2_xxs_avx2, a),
             (_, T::IQ2_S, ActRow::Q8K(a)) => each_row!(iq2_s_avx2, a),
             (_, T::IQ3_XXS, ActRow::Q8K(a)) => each_row!(iq3_xxs_avx2, a),
+            (_, T::IQ2_XS, ActRow::Q8K(a)) => each_row!(iq2_xs_avx2, a),
+            (_, T::IQ3_S, ActRow::Q8K(a)) => each_row!(iq3_s_avx2, a),
             _ => return Ok(false),
         }
     };
@@ -715,6 +719,57 @@ unsafe fn iq2_s_avx2(w: &[BlockIq2S], a: &[BlockQ8K]) -> f32 {
             hsum_i32(v)
         };
         acc = combine_scaled(acc, f16_to_f32(w.d), a.d, 0.125, sumi);
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2")]
+unsafe fn iq2_xs_avx2(w: &[BlockIq2Xs], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (w, a) in w.iter().zip(a) {
+        let sumi = unsafe {
+            let mut v = _mm256_setzero_si256();
+            for ib in 0..8 {
+                let q2 = &w.qs[4 * ib..4 * ib + 4];
+                let g = |l: usize| i64::from_le_bytes(IQ2XS_GRID[(q2[l] & 511) as usize]);
+                let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
+                let signs = (0..4).fold(0u32, |s, l| {
+                    s | (KSIGNS_IQ2XS[(q2[l] >> 9) as usize] as u32) << (8 * l)
+                });
+                let sc = w.scales[ib];
+                let (lo, hi) = (2 * (sc & 0x0F) as i16 + 1, 2 * (sc >> 4) as i16 + 1);
+                let q = load256(&a.qs[ib * 32..]);
+                v = _mm256_add_epi32(v, signed_grid_dot(grid, signs, q, lo, hi));
+            }
+            hsum_i32(v)
+        };
+        acc = combine_scaled(acc, f16_to_f32(w.d), a.d, 0.125, sumi);
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2")]
+unsafe fn iq3_s_avx2(w: &[BlockIq3S], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (w, a) in w.iter().zip(a) {
+        let sumi = unsafe {
+            let mut v = _mm256_setzero_si256();
+            for ib in 0..8 {
+                let g = |m: usize| {
+                    let e = ib * 8 + m;
+                    let idx = w.qs[e] as usize | ((((w.qh[ib] >> m) & 1) as usize) << 8);
+                    i32::from_le_bytes(IQ3S_GRID[idx])
+                };
+                let grid = _mm256_set_epi32(g(7), g(6), g(5), g(4), g(3), g(2), g(1), g(0));
+                let s = &w.signs[4 * ib..4 * ib + 4];
+                let signs = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                let ls = 2 * ((w.scales[ib / 2] >> (4 * (ib % 2))) & 0x0F) as i16 + 1;
+                let q = load256(&a.qs[ib * 32..]);
+                v = _mm256_add_epi32(v, signed_grid_dot(grid, signs, q, ls, ls));
+            }
+            hsum_i32(v)
+        };
+        acc = combine(acc, f16_to_f32(w.d), a.d, sumi);
     }
     acc
 }
