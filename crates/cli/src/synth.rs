@@ -1,10 +1,25 @@
 //! `samesum synth`: write a synthetic model, with a progress bar.
 
 use anyhow::{Context, Result, bail};
+use clap::builder::{PossibleValue, PossibleValuesParser};
 use indicatif::{ProgressBar, ProgressStyle};
 use samesum_gguf::GgmlType;
+use samesum_synth::mix::{self, Mix};
 use samesum_synth::{SynthOptions, shapes, write_model};
 use std::path::{Path, PathBuf};
+
+/// `--mix`'s values, each with the line on where its layout comes from
+/// (`mxfp4` also answers to llama.cpp's name for it, `mxfp4_moe`).
+fn mix_values() -> PossibleValuesParser {
+    PossibleValuesParser::new(mix::ALL.iter().map(|m| {
+        let v = PossibleValue::new(m.name()).help(m.about());
+        if m.name() == "mxfp4" {
+            v.alias("mxfp4_moe")
+        } else {
+            v
+        }
+    }))
+}
 
 /// Arguments of `samesum synth`.
 #[derive(clap::Args)]
@@ -16,9 +31,25 @@ pub(crate) struct Args {
     /// Number of trunk layers (default: the shape's).
     #[arg(long)]
     layers: Option<u32>,
-    /// Storage type of weight matrices: q4_k, q5_k, q6_k, q8_0, q4_0, bf16, f16, f32.
-    #[arg(long, default_value = "q8_0")]
-    quant: String,
+    /// One storage type for every weight matrix: q4_k, q5_k, q6_k, q8_0,
+    /// q4_0, bf16, f16, f32 (q4_k keeps a q6_K output head, as llama.cpp's
+    /// Q4_K files do). [default: q8_0]
+    #[arg(long, conflicts_with = "mix")]
+    quant: Option<String>,
+    /// Per-tensor types as real quantized files of this kind have them,
+    /// instead of --quant.
+    ///
+    /// The llama.cpp presets apply llama-quantize's type selection to the
+    /// shape (by tensor role, layer, attention head ratio, expert count and
+    /// row length), and write llama.cpp's file type number as
+    /// general.file_type. The i-quant presets (iq*) assume an importance
+    /// matrix, as published i-quant files are made with one; the others
+    /// assume none. Norms, the expert router and the delta net's conv stay
+    /// f32. The tiny shapes have 8 experts, for which llama-quantize raises
+    /// attn_v and attn_k to Q8_0 and attn_output to Q5_K. ud-q4_k_xl approximates the dynamic UD-Q4_K_XL uploads' published
+    /// layout; it is not a llama-quantize file type.
+    #[arg(long, value_name = "PRESET", value_parser = mix_values(), ignore_case = true)]
+    mix: Option<String>,
     /// Random seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -30,7 +61,7 @@ pub(crate) struct Args {
     force: bool,
 }
 
-/// Parse a shape/quant/layers triple into options.
+/// Parse a shape/quant/layers triple into options (one type throughout).
 pub(crate) fn options(
     shape: &str,
     quant: &str,
@@ -102,15 +133,37 @@ pub(crate) fn model_or_builtin(
     Ok((p, Some(dir)))
 }
 
+/// Options from the command line: `--mix` if given, else `--quant`.
+fn options_of(a: &Args) -> Result<SynthOptions> {
+    let quant = a.quant.as_deref().unwrap_or("q8_0");
+    let opts = options(&a.shape, quant, a.layers, a.seed)?;
+    Ok(match &a.mix {
+        None => opts,
+        Some(name) => {
+            let Some(m) = Mix::from_name(name) else {
+                bail!(
+                    "unknown --mix {name:?} (known: {})",
+                    mix::names().join(", ")
+                );
+            };
+            opts.with_mix(m)
+        }
+    })
+}
+
 pub(crate) fn run(a: Args) -> Result<()> {
-    let opts = options(&a.shape, &a.quant, a.layers, a.seed)?;
+    let opts = options_of(&a)?;
     if a.output.exists() && !a.force {
         bail!("{} exists (use --force to overwrite)", a.output.display());
     }
     let t = std::time::Instant::now();
     let s = write(&opts, &a.output)?;
+    let storage = match opts.mix {
+        Some(m) => format!("mix {m}"),
+        None => opts.quant.name().to_string(),
+    };
     eprintln!(
-        "wrote {}: {} {} layers, {} tensors, {:.1} MiB of tensor data, vocab {}, in {:.1}s",
+        "wrote {}: {} {} layers, {storage}, {} tensors, {:.1} MiB of tensor data, vocab {}, in {:.1}s",
         a.output.display(),
         opts.shape.name,
         opts.shape.layers,
@@ -120,4 +173,49 @@ pub(crate) fn run(a: Args) -> Result<()> {
         t.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        synth: Args,
+    }
+
+    fn parse(args: &[&str]) -> Result<Args, clap::Error> {
+        Cli::try_parse_from(["synth"].iter().chain(args)).map(|c| c.synth)
+    }
+
+    #[test]
+    fn mix_and_quant_are_exclusive() {
+        let e = parse(&["--mix", "q4_k_m", "--quant", "q8_0", "-o", "x.gguf"])
+            .err()
+            .expect("--mix with --quant must be refused");
+        assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict);
+        let msg = e.to_string();
+        assert!(
+            msg.contains("--quant") && msg.contains("--mix"),
+            "unclear error: {msg}"
+        );
+    }
+
+    #[test]
+    fn mix_selects_the_preset_and_quant_keeps_its_default() {
+        let a = parse(&["--mix", "Q4_K_M", "-o", "x.gguf"]).unwrap();
+        let o = options_of(&a).unwrap();
+        assert_eq!(o.mix, Mix::from_name("q4_k_m"));
+        let a = parse(&["--mix", "mxfp4_moe", "-o", "x.gguf"]).unwrap();
+        assert_eq!(options_of(&a).unwrap().mix, Mix::from_name("mxfp4"));
+        let a = parse(&["--quant", "q4_k", "-o", "x.gguf"]).unwrap();
+        let o = options_of(&a).unwrap();
+        assert_eq!((o.quant, o.mix), (GgmlType::Q4_K, None));
+        let a = parse(&["-o", "x.gguf"]).unwrap();
+        assert_eq!(options_of(&a).unwrap().quant, GgmlType::Q8_0);
+        let e = parse(&["--mix", "q4_k", "-o", "x.gguf"]).err().unwrap();
+        assert_eq!(e.kind(), clap::error::ErrorKind::InvalidValue);
+    }
 }

@@ -9,12 +9,17 @@
 //! let summary = write_model(&opts, "tiny.gguf".as_ref(), &mut |_done, _total| {}).unwrap();
 //! println!("{} tensors, {} bytes", summary.tensors, summary.bytes);
 //! ```
+//!
+//! With a [`mix::Mix`] each tensor gets the type a real quantized file of that
+//! kind gives it (llama-quantize's rules), instead of one type throughout.
 
 pub mod fill;
+pub mod mix;
 pub mod plan;
 pub mod shapes;
 pub mod vocab;
 
+use mix::Mix;
 use samesum_gguf::{GgmlType, GgufError, GgufWriter, Value, ValueType};
 use samesum_quant::rng::Rng;
 use shapes::{Arch, Shape};
@@ -48,8 +53,12 @@ pub const QUANT_CHOICES: &[GgmlType] = &[
 pub struct SynthOptions {
     /// The model shape.
     pub shape: Shape,
-    /// Storage type of the weight matrices.
+    /// Storage type of the weight matrices (one of [`QUANT_CHOICES`]), when
+    /// no `mix` is set.
     pub quant: GgmlType,
+    /// A per-tensor type layout; when set it decides every tensor's type and
+    /// `quant` is not used.
+    pub mix: Option<Mix>,
     /// Random seed.
     pub seed: u64,
 }
@@ -57,7 +66,18 @@ pub struct SynthOptions {
 impl SynthOptions {
     /// Options for `shape`, stored as `quant`, from `seed`.
     pub fn new(shape: Shape, quant: GgmlType, seed: u64) -> Self {
-        SynthOptions { shape, quant, seed }
+        SynthOptions {
+            shape,
+            quant,
+            mix: None,
+            seed,
+        }
+    }
+
+    /// Store the tensors as `mix` lays them out instead of as one type.
+    pub fn with_mix(mut self, mix: Mix) -> Self {
+        self.mix = Some(mix);
+        self
     }
 
     /// Override the number of trunk layers.
@@ -93,10 +113,10 @@ pub fn file_type(ty: GgmlType) -> u32 {
     }
 }
 
-/// Build the writer (metadata + tensor directory) for `opts`.
-pub fn describe(opts: &SynthOptions) -> Result<(GgufWriter, Vec<plan::TensorPlan>), SynthError> {
+/// The tensor list of `opts` (names, dims, types, fills), checked.
+pub fn tensor_plan(opts: &SynthOptions) -> Result<Vec<plan::TensorPlan>, SynthError> {
     let s = &opts.shape;
-    if !QUANT_CHOICES.contains(&opts.quant) {
+    if opts.mix.is_none() && !QUANT_CHOICES.contains(&opts.quant) {
         return Err(SynthError::Invalid(format!(
             "--quant {} is not supported (choose one of: {})",
             opts.quant,
@@ -113,6 +133,23 @@ pub fn describe(opts: &SynthOptions) -> Result<(GgufWriter, Vec<plan::TensorPlan
             s.layers
         )));
     }
+    let vocab_size = s.vocab.unwrap_or(vocab::TINY_VOCAB) as u64;
+    Ok(match opts.mix {
+        None => plan::tensors(s, vocab_size, opts.quant),
+        Some(m) => {
+            // The converter's output (matrices in a float type, F32 here), then
+            // the types llama-quantize would give it.
+            let mut p = plan::tensors(s, vocab_size, GgmlType::F32);
+            mix::apply(s, m, &mut p)?;
+            p
+        }
+    })
+}
+
+/// Build the writer (metadata + tensor directory) for `opts`.
+pub fn describe(opts: &SynthOptions) -> Result<(GgufWriter, Vec<plan::TensorPlan>), SynthError> {
+    let plan = tensor_plan(opts)?;
+    let s = &opts.shape;
     let vocab_size = s.vocab.unwrap_or(vocab::TINY_VOCAB);
     let v = vocab::build(vocab_size);
     let a = s.arch.gguf_name();
@@ -124,8 +161,9 @@ pub fn describe(opts: &SynthOptions) -> Result<(GgufWriter, Vec<plan::TensorPlan
         "general.name",
         format!("samesum synthetic {} (seed {})", s.name, opts.seed),
     );
-    w.set("general.file_type", file_type(opts.quant));
-    if opts.quant.block_size() > 1 {
+    let ftype = opts.mix.map_or(file_type(opts.quant), Mix::file_type);
+    w.set("general.file_type", ftype);
+    if plan.iter().any(|t| t.ty.block_size() > 1) {
         w.set("general.quantization_version", 2u32);
     }
     w.set(k("block_count"), s.layers);
@@ -201,7 +239,6 @@ pub fn describe(opts: &SynthOptions) -> Result<(GgufWriter, Vec<plan::TensorPlan
     w.set("tokenizer.ggml.add_bos_token", false);
     w.set("tokenizer.chat_template", vocab::CHAT_TEMPLATE);
 
-    let plan = plan::tensors(s, vocab_size as u64, opts.quant);
     for t in &plan {
         w.add_tensor(t.name.clone(), &t.dims, t.ty)?;
     }
