@@ -133,7 +133,7 @@ fn bad_input_is_a_plain_error() {
         vec!["inspect", bad.to_str().unwrap()],
         vec!["inspect", "/nonexistent/file.gguf"],
         vec!["synth", "--shape", "nope", "-o", "/tmp/x.gguf"],
-        vec!["synth", "--quant", "iq2_xxs", "-o", "/tmp/x.gguf"],
+        vec!["synth", "--quant", "iq1_s", "-o", "/tmp/x.gguf"],
         vec!["synth", "--layers", "0", "-o", "/tmp/x.gguf"],
         vec!["bench-quant", "--row", "100"],
     ] {

@@ -226,6 +226,4 @@ MM_KERNEL(mm_q4_k, FmtQ4K, 1)
 MM_KERNEL(mm_q5_k, FmtQ5K, 1)
 MM_KERNEL(mm_q6_k, FmtQ6K, 1)
 MM_KERNEL(mm_q8_0, FmtQ8_0, 1)
-MM_KERNEL(mm_q6_k_r4, FmtQ6K, 4)
-MM_KERNEL(mm_q8_0_r4, FmtQ8_0, 4)
 

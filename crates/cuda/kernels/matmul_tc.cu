@@ -573,11 +573,11 @@ __device__ __forceinline__ void mma_s8_k16(int* c, u32 a0, u32 a1, u32 b0) {
         : "r"(a0), "r"(a1), "r"(b0), "r"(0), "r"(0), "r"(0), "r"(0));
 }
 
-// The word at byte `off` (a multiple of 4) of a block copied `sh` bytes
-// into its row of shared memory.
-__device__ __forceinline__ u32 tc_word(const u8* row, int off, u32 sh) {
-    const u32* p = (const u32*)(row + off);
-    return __funnelshift_r(p[0], p[1], 8 * sh);
+// The 4 bytes at byte `o` (any) of a row of shared memory copied as
+// aligned words: the two words holding them, funnel-shifted.
+__device__ __forceinline__ u32 tc_word(const u8* row, u32 o) {
+    const u32* p = (const u32*)(row + (o & ~3u));
+    return __funnelshift_r(p[0], p[1], 8 * (o & 3u));
 }
 
 // One matrix `cur` of a tile over its rows `live` (as tc_async_matrix).
@@ -637,11 +637,11 @@ __device__ __forceinline__ void t6_matrix(u8* dsm, const u8* W, i64 mat_stride, 
             for (int i = 0; i < 4; i++) {
                 const u8* rw = wrow + 8 * i * T6_WST;
 #pragma unroll
-                for (int u = 0; u < 4; u++) ql[i][u] = tc_word(rw, 64 * hf + 16 * u + 4 * tq, sh[i]);
+                for (int u = 0; u < 4; u++) ql[i][u] = tc_word(rw, sh[i] + 64 * hf + 16 * u + 4 * tq);
 #pragma unroll
-                for (int u = 0; u < 2; u++) qh[i][u] = tc_word(rw, 128 + 32 * hf + 16 * u + 4 * tq, sh[i]);
+                for (int u = 0; u < 2; u++) qh[i][u] = tc_word(rw, sh[i] + 128 + 32 * hf + 16 * u + 4 * tq);
 #pragma unroll
-                for (int u = 0; u < 2; u++) sc[i][u] = tc_word(rw, 192 + 8 * hf + 4 * u, sh[i]);
+                for (int u = 0; u < 2; u++) sc[i][u] = tc_word(rw, sh[i] + 192 + 8 * hf + 4 * u);
             }
 #pragma unroll
             for (int h = 0; h < 8; h++) {
@@ -673,7 +673,7 @@ __device__ __forceinline__ void t6_matrix(u8* dsm, const u8* W, i64 mat_stride, 
         }
         float dw[4];
 #pragma unroll
-        for (int i = 0; i < 4; i++) dw[i] = f16_to_f32((u16)(tc_word(wrow + 8 * i * T6_WST, 208, sh[i]) & 0xffffu));
+        for (int i = 0; i < 4; i++) dw[i] = f16_to_f32((u16)(tc_word(wrow + 8 * i * T6_WST, sh[i] + 208) & 0xffffu));
 #pragma unroll
         for (int a = 0; a < 2; a++)
 #pragma unroll
@@ -700,16 +700,19 @@ __device__ __forceinline__ void t6_matrix(u8* dsm, const u8* W, i64 mat_stride, 
             }
 }
 
-// ---------------------------------------------------------------- tensor cores, Q8_0
+// ---------------------------------------------------------------- tensor cores, 32-value blocks
 //
-// Wide Q8_0 calls on int8 mma.sync m16n8k32: a Q8_0 block (32 values, an
-// f16 scale) is one k32 product against the activations' Q8_0 block, and
-// its float step is step_plain: FmtQ8_0's integer and float step, so the
-// bytes of the dp4a kernels. A stage holds T8_KB blocks of K (256 values).
-// A 34-byte block starts 2-byte aligned; T8_KB of them are 272 bytes, so a
-// row's offset in its first word is the same at every stage: rows are
-// copied as aligned words, fragments read back funnel-shifted (as Q6_K).
-// Activation blocks (36 bytes: 32 quants, then d as f32) are word aligned.
+// Wide calls of the formats with 32-value blocks and Q8_0 activations (Q8_0,
+// and Q4_0, Q5_0, IQ4_NL, MXFP4 through Nib32) on int8 mma.sync m16n8k32:
+// a block is one k32 product of its values as signed bytes against the
+// activations' Q8_0 block, and its float step is step_plain: the row
+// kernels' integer and float step (FmtQ8_0, FmtNib32), so their bytes. A
+// stage holds T8_KB blocks of K. Blocks are 34, 18, 17 or 22 bytes, so a
+// row's start is only byte aligned, but T8_KB blocks are a whole number of
+// words: a row's offset in its first word is the same at every stage. Rows
+// are copied as aligned words and fragments read back funnel-shifted (as
+// Q6_K). Activation blocks (36 bytes: 32 quants, then d as f32) are word
+// aligned.
 
 #define T8_KB 8
 #define T8_WST 336  // 84 words: a warp's 8 rows start in banks 0, 20, 8, 28, ...
@@ -721,18 +724,47 @@ struct T8Layout {
     static constexpr int STAGE = A_OFF + R * T8_AST;
 };
 
+// KIND 8: Q8_0; 0-3: Nib32<KIND>.
+template <int KIND>
+struct Blk32 {
+    static constexpr int BYTES = KIND == 8 ? 34 : Nib32<(KIND & 3)>::BYTES;
+    // The values at k = 4 tq.. (lo) and 16 + 4 tq.. (hi) of the block at
+    // byte o of a row in shared memory, as signed bytes; its scale.
+    static __device__ __forceinline__ void values(const u8* row, u32 o, int tq, u32& lo, u32& hi) {
+        if constexpr (KIND == 8) {
+            lo = tc_word(row, o + 2 + 4 * tq);
+            hi = tc_word(row, o + 18 + 4 * tq);
+        } else {
+            typedef Nib32<KIND> N;
+            u32 w = tc_word(row, o + N::QS + 4 * tq);
+            u32 qh = KIND == 3 ? tc_word(row, o + 2) : 0u;
+            lo = N::values(w, qh, tq, 0);
+            hi = N::values(w, qh, tq, 1);
+        }
+    }
+    static __device__ __forceinline__ float scale(const u8* row, u32 o) {
+        u32 w = tc_word(row, o);
+        if constexpr (KIND == 2) {
+            u32 e = w & 0xffu;
+            return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+        }
+        return f16_to_f32((u16)(w & 0xffffu));
+    }
+};
+
 // Copies of blocks b0 .. b0 + kb - 1 of the tile's 128 weight rows and of
 // its R activation rows (rows from `nr` on zero-filled) into `stage`.
-template <int R>
+template <int KIND, int R>
 __device__ __forceinline__ void t8_issue(u8* stage, const u8* wt, int row_bytes, int wrow0, int rows, const u8* at,
                                          i64 arow, int nr, int b0, int kb, int tid) {
-    for (int c = tid; c < TQ_WROWS * 69; c += 128) {
-        int r = c / 69, w = c - r * 69;
+    constexpr int BY = Blk32<KIND>::BYTES;
+    constexpr int WMAX = (3 + BY * T8_KB + 3) / 4;
+    for (int c = tid; c < TQ_WROWS * WMAX; c += 128) {
+        int r = c / WMAX, w = c - r * WMAX;
         int j = min(wrow0 + r, rows - 1) - wrow0;
-        const u8* src = wt + (i64)j * row_bytes + (i64)b0 * 34;
-        unsigned long long sa = (unsigned long long)src;
-        // Words holding bytes [src, src + 34 kb).
-        int words = (int)(((sa & 3ull) + 34 * kb + 3) / 4);
+        unsigned long long sa = (unsigned long long)(wt + (i64)j * row_bytes + (i64)b0 * BY);
+        // Words holding bytes [src, src + BY kb).
+        int words = (int)(((sa & 3ull) + BY * kb + 3) / 4);
         if (w < words) cp_async4(stage + r * T8_WST + 4 * w, (const u8*)(sa & ~3ull) + 4 * w);
     }
     for (int c = tid; c < R * 72; c += 128) {
@@ -747,11 +779,12 @@ __device__ __forceinline__ void t8_issue(u8* stage, const u8* wt, int row_bytes,
     }
 }
 
-template <int R>
+template <int KIND, int R>
 __device__ __forceinline__ void t8_matrix(u8* dsm, const u8* W, i64 mat_stride, int row_bytes, int cur, int wrow0,
                                           int rows, float* Y, const u8* at, i64 arow, int r0, int nr, int nb,
                                           u32 live, int tid, int warp, int gq, int tq) {
     typedef T8Layout<R> L;
+    typedef Blk32<KIND> B;
     constexpr int N = R / 8;
     float acc[2][N][4];
 #pragma unroll
@@ -768,14 +801,14 @@ __device__ __forceinline__ void t8_matrix(u8* dsm, const u8* W, i64 mat_stride, 
         sh[i] = (u32)((unsigned long long)(wt + (i64)j * row_bytes) & 3ull);
     }
     const int stages = (nb + T8_KB - 1) / T8_KB;
-    t8_issue<R>(dsm, wt, row_bytes, wrow0, rows, at, arow, nr, 0, min(T8_KB, nb), tid);
+    t8_issue<KIND, R>(dsm, wt, row_bytes, wrow0, rows, at, arow, nr, 0, min(T8_KB, nb), tid);
     cp_async_commit();
     for (int s = 0; s < stages; s++) {
         u8* st = dsm + (s & 1) * L::STAGE;
         if (s + 1 < stages) {
             int b1 = (s + 1) * T8_KB;
-            t8_issue<R>(dsm + ((s + 1) & 1) * L::STAGE, wt, row_bytes, wrow0, rows, at, arow, nr, b1,
-                        min(T8_KB, nb - b1), tid);
+            t8_issue<KIND, R>(dsm + ((s + 1) & 1) * L::STAGE, wt, row_bytes, wrow0, rows, at, arow, nr, b1,
+                              min(T8_KB, nb - b1), tid);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -792,9 +825,9 @@ __device__ __forceinline__ void t8_matrix(u8* dsm, const u8* W, i64 mat_stride, 
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const u8* rw = wrow + 8 * i * T8_WST;
-                aw[i][0] = tc_word(rw, 34 * kk + 2 + 4 * tq, sh[i]);
-                aw[i][1] = tc_word(rw, 34 * kk + 18 + 4 * tq, sh[i]);
-                dw[i] = f16_to_f32((u16)(tc_word(rw, 34 * kk, sh[i]) & 0xffffu));
+                const u32 o = sh[i] + B::BYTES * kk;
+                B::values(rw, o, tq, aw[i][0], aw[i][1]);
+                dw[i] = B::scale(rw, o);
             }
 #pragma unroll
             for (int n = 0; n < N; n++) {
@@ -828,11 +861,139 @@ __device__ __forceinline__ void t8_matrix(u8* dsm, const u8* W, i64 mat_stride, 
             }
 }
 
-// The Q6_K and Q8_0 tile kernels (FMT 6 or 8): as mm_tc_async_k, rows with
-// no matrix get zeros and each matrix of the tile is computed once,
-// ascending; 2 * T6Layout<R>::STAGE or 2 * T8Layout<R>::STAGE bytes of
-// dynamic shared memory. `nb`: weight blocks a row (256 or 32 values);
-// activation rows are nb Q8_K or nb Q8_0 blocks.
+// ---------------------------------------------------------------- tensor cores, IQ4_XS
+//
+// Wide IQ4_XS calls on int8 mma.sync m16n8k32: sub-block s (32 values) is
+// one k32 product of its table values against the Q8_K activations, its
+// exact dot times the sub-block's scale into the block's integer sum, then
+// step_plain: FmtIQ4XS's integer and float step, so its bytes. The values
+// at k = 4 tq.. and 16 + 4 tq.. of a sub-block are the low and high nibbles
+// of one qs word. 136-byte blocks are 8-byte aligned: 8-byte copies.
+
+#define TX_WST 144  // 36 words: a warp's 8 rows x 4 words in distinct banks
+
+template <int R>
+struct TxLayout {
+    static constexpr int A_OFF = TQ_WROWS * TX_WST;
+    static constexpr int STAGE = A_OFF + R * TA_AST;
+};
+
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+template <int R>
+__device__ __forceinline__ void tx_issue(u8* stage, const u8* wt, int row_bytes, int wrow0, int rows, const u8* at,
+                                         i64 arow, int nr, int b, int tid) {
+    for (int c = tid; c < TQ_WROWS * 17; c += 128) {
+        int r = c / 17, q = c - r * 17;
+        int j = min(wrow0 + r, rows - 1) - wrow0;
+        cp_async8(stage + r * TX_WST + 8 * q, wt + (i64)j * row_bytes + (i64)b * 136 + 8 * q);
+    }
+    for (int c = tid; c < R * (Q8K_BYTES / 16); c += 128) {
+        int t = c / (Q8K_BYTES / 16), q = c % (Q8K_BYTES / 16);
+        bool ok = t < nr;
+        const u8* src = at + (ok ? t * arow + (i64)b * Q8K_BYTES + q * 16 : 0);
+        cp_async16(stage + TxLayout<R>::A_OFF + t * TA_AST + q * 16, src, ok);
+    }
+}
+
+template <int R>
+__device__ __forceinline__ void tx_matrix(u8* dsm, const u8* W, i64 mat_stride, int row_bytes, int cur, int wrow0,
+                                          int rows, float* Y, const u8* at, i64 arow, int r0, int nr, int nb,
+                                          u32 live, int tid, int warp, int gq, int tq) {
+    typedef TxLayout<R> L;
+    constexpr int N = R / 8;
+    float acc[2][N][4];
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int n = 0; n < N; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
+    const u8* wt = W + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
+    tx_issue<R>(dsm, wt, row_bytes, wrow0, rows, at, arow, nr, 0, tid);
+    cp_async_commit();
+    for (int b = 0; b < nb; b++) {
+        u8* st = dsm + (b & 1) * L::STAGE;
+        if (b + 1 < nb) {
+            tx_issue<R>(dsm + ((b + 1) & 1) * L::STAGE, wt, row_bytes, wrow0, rows, at, arow, nr, b + 1, tid);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const u8* wrow = st + (warp * 32 + gq) * TX_WST;
+        const u8* sq = st + L::A_OFF;
+        int isum[2][N][4];
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int n = 0; n < N; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) isum[a][n][c] = 0;
+#pragma unroll 2
+        for (int sb = 0; sb < 8; sb++) {
+            u32 lo[4], hi[4];
+            int sc[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const u8* rw = wrow + 8 * i * TX_WST;
+                u32 w = *(const u32*)(rw + 8 + 16 * sb + 4 * tq);
+                lo[i] = iq4nl_lut(w & 0x0F0F0F0Fu);
+                hi[i] = iq4nl_lut((w >> 4) & 0x0F0F0F0Fu);
+                sc[i] = iq4xs_scale(rw, sb);
+            }
+#pragma unroll
+            for (int n = 0; n < N; n++) {
+                const u8* ar = sq + (n * 8 + gq) * TA_AST + 32 * sb;
+                const u32 b0 = *(const u32*)(ar + 4 * tq), b1 = *(const u32*)(ar + 16 + 4 * tq);
+#pragma unroll
+                for (int a = 0; a < 2; a++) {
+                    int d[4];
+                    mma_s8(d, lo[2 * a], lo[2 * a + 1], hi[2 * a], hi[2 * a + 1], b0, b1);
+                    isum[a][n][0] += sc[2 * a] * d[0];
+                    isum[a][n][1] += sc[2 * a] * d[1];
+                    isum[a][n][2] += sc[2 * a + 1] * d[2];
+                    isum[a][n][3] += sc[2 * a + 1] * d[3];
+                }
+            }
+        }
+        float dw[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) dw[i] = f16_to_f32(*(const u16*)(wrow + 8 * i * TX_WST));
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int n = 0; n < N; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                    float da = *(const float*)(sq + t * TA_AST + Q8K_D);
+                    acc[a][n][c] = step_plain(acc[a][n][c], dw[i], da, isum[a][n][c]);
+                }
+        __syncthreads();
+    }
+    float* yo = Y + (i64)r0 * rows + wrow0 + warp * 32 + gq;
+    int wbase = wrow0 + warp * 32;
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int n = 0; n < N; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                if (wbase + 8 * i + gq < rows && ((live >> t) & 1u)) yo[(i64)t * rows + 8 * i] = acc[a][n][c];
+            }
+}
+
+// The tile kernels of the formats above (FMT 6: Q6_K, 4: IQ4_XS, 8: Q8_0,
+// 0-3: the Nib32 kinds): as mm_tc_async_k, rows with no matrix get zeros
+// and each matrix of the tile is computed once, ascending; two stages of
+// dynamic shared memory (T6Layout, TxLayout or T8Layout). `nb`: weight
+// blocks a row; activation rows are nb Q8_K blocks (Q6_K, IQ4_XS) or nb
+// Q8_0 blocks.
 template <int FMT, int R>
 __device__ void mm_tc_rows_k(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const u8* A, float* Y,
                              int rows, int m, int nb) {
@@ -846,7 +1007,7 @@ __device__ void mm_tc_rows_k(const u8* W, i64 mat_stride, int row_bytes, const i
     __syncthreads();
     int gq = lane >> 2, tq = lane & 3;
     int wrow0 = blockIdx.x * TQ_WROWS;
-    i64 arow = (i64)nb * (FMT == 6 ? Q8K_BYTES : 36);
+    i64 arow = (i64)nb * (FMT == 6 || FMT == 4 ? Q8K_BYTES : 36);
     static_assert(R <= 32, "a lane a tile row");
     const int vmat = lane < R ? smat[lane] : -1;
     const int col = wrow0 + tid;
@@ -864,9 +1025,12 @@ __device__ void mm_tc_rows_k(const u8* W, i64 mat_stride, int row_bytes, const i
         if constexpr (FMT == 6)
             t6_matrix<R>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, Y, at, arow, r0, nr, nb, live, tid, warp,
                          gq, tq);
-        else
-            t8_matrix<R>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, Y, at, arow, r0, nr, nb, live, tid, warp,
+        else if constexpr (FMT == 4)
+            tx_matrix<R>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, Y, at, arow, r0, nr, nb, live, tid, warp,
                          gq, tq);
+        else
+            t8_matrix<FMT, R>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, Y, at, arow, r0, nr, nb, live, tid,
+                              warp, gq, tq);
     }
 }
 
@@ -882,3 +1046,13 @@ TC_ROWS_KERNEL(mm_tc_q6_k, 6, TQ_ROWS)
 TC_ROWS_KERNEL(mm_tc_q6_k32, 6, 32)
 TC_ROWS_KERNEL(mm_tc_q8_0, 8, TQ_ROWS)
 TC_ROWS_KERNEL(mm_tc_q8_0_32, 8, 32)
+TC_ROWS_KERNEL(mm_tc_iq4_xs, 4, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_iq4_xs32, 4, 32)
+TC_ROWS_KERNEL(mm_tc_q4_0, 0, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_q4_0_32, 0, 32)
+TC_ROWS_KERNEL(mm_tc_iq4_nl, 1, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_iq4_nl32, 1, 32)
+TC_ROWS_KERNEL(mm_tc_mxfp4, 2, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_mxfp4_32, 2, 32)
+TC_ROWS_KERNEL(mm_tc_q5_0, 3, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_q5_0_32, 3, 32)

@@ -25,6 +25,7 @@ pub const MODULES: &[(&str, &str)] = &[
         "matmul",
         concat!(
             include_str!("../kernels/matmul_dp4a.cu"),
+            include_str!("../kernels/matmul_nib.cu"),
             include_str!("../kernels/matmul_lane.cu"),
             include_str!("../kernels/matmul_tc.cu"),
             include_str!("../kernels/matmul_float.cu"),

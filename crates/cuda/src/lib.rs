@@ -12,7 +12,7 @@ mod error;
 pub mod tier;
 mod tiered;
 
-pub use backend::{Cuda, CudaBuf, CudaOptions, CudaState};
+pub use backend::{Cuda, CudaBuf, CudaOptions, CudaState, FORMATS};
 pub use device::{PDL_MAX_ROWS, device_count, driver_present};
 pub use error::{CudaError, Result};
 pub use tiered::TierStats;

@@ -36,13 +36,27 @@ pub enum SynthError {
     Invalid(String),
 }
 
-/// Storage types `synth --quant` accepts.
+/// Storage types `synth --quant` accepts (every weight format the CPU
+/// runs).
 pub const QUANT_CHOICES: &[GgmlType] = &[
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
     GgmlType::Q8_0,
     GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
+    GgmlType::MXFP4,
+    GgmlType::IQ3_S,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ2_S,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_XXS,
     GgmlType::BF16,
     GgmlType::F16,
     GgmlType::F32,
@@ -104,11 +118,24 @@ pub fn file_type(ty: GgmlType) -> u32 {
         GgmlType::F32 => 0,
         GgmlType::F16 => 1,
         GgmlType::Q4_0 => 2,
+        GgmlType::Q4_1 => 3,
         GgmlType::Q8_0 => 7,
+        GgmlType::Q5_0 => 8,
+        GgmlType::Q5_1 => 9,
+        GgmlType::Q2_K => 10,
+        GgmlType::Q3_K => 11,
         GgmlType::Q4_K => 15,
         GgmlType::Q5_K => 17,
         GgmlType::Q6_K => 18,
+        GgmlType::IQ2_XXS => 19,
+        GgmlType::IQ2_XS => 20,
+        GgmlType::IQ3_XXS => 23,
+        GgmlType::IQ4_NL => 25,
+        GgmlType::IQ3_S => 26,
+        GgmlType::IQ2_S => 28,
+        GgmlType::IQ4_XS => 30,
         GgmlType::BF16 => 32,
+        GgmlType::MXFP4 => 38,
         _ => 0,
     }
 }

@@ -175,7 +175,7 @@ fn weights_have_sane_statistics() {
 
 #[test]
 fn bad_options_are_errors() {
-    let mut o = opts("tiny-qwen3moe", GgmlType::IQ2_XXS);
+    let mut o = opts("tiny-qwen3moe", GgmlType::IQ1_S);
     assert!(describe(&o).is_err());
     o.quant = GgmlType::Q8_0;
     o.shape.layers = 0;

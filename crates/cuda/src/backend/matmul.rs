@@ -42,16 +42,89 @@ const fn tc_async_smem(q5: bool, rows: usize) -> u32 {
     (2 * (128 * wst + rows * 352 + rows * 4 * 4 + rows * 4)) as u32
 }
 
-/// Dynamic shared memory of the Q6_K and Q8_0 tensor-core kernels for
-/// tiles of `rows` activation rows: two stages of 128 weight rows and the
-/// activation rows (Q6_K: 240 and 352 bytes a row, T6Layout in
-/// matmul_tc.cu; Q8_0: 336 and 304, T8Layout).
-const fn tc_rows_smem(q8_0: bool, rows: usize) -> u32 {
-    if q8_0 {
-        (2 * (128 * 336 + rows * 304)) as u32
-    } else {
-        (2 * (128 * 240 + rows * 352)) as u32
-    }
+/// Dynamic shared memory of format `t`'s tensor-core kernels for tiles of
+/// `rows` activation rows: two stages of 128 weight rows and the activation
+/// rows (matmul_tc.cu: Q4_K and Q5_K as above; Q6_K 240 and 352 bytes a
+/// row, T6Layout; IQ4_XS 144 and 352, TxLayout; the 32-value formats 336
+/// and 304, T8Layout).
+fn tc_smem(t: GgmlType, rows: usize) -> u32 {
+    let (w, a) = match t {
+        GgmlType::Q4_K | GgmlType::Q5_K => return tc_async_smem(t == GgmlType::Q5_K, rows),
+        GgmlType::Q6_K => (240, 352),
+        GgmlType::IQ4_XS => (144, 352),
+        _ => (336, 304),
+    };
+    (2 * (128 * w + rows * a)) as u32
+}
+
+/// A quantized format's row kernels (kernels/matmul_dp4a.cu,
+/// matmul_nib.cu) and tensor-core kernels (matmul_tc.cu): one family, the
+/// same bytes from every member. Q4_K's one-row kernels are its lane
+/// kernels (a lane per weight row, launched as such).
+pub(super) struct QuantKernels {
+    /// Wide calls, 16 activation rows a tile.
+    pub tc16: &'static str,
+    /// Wide calls, 32 activation rows a tile.
+    pub tc32: &'static str,
+    /// Calls of 2 to 16 rows of one matrix.
+    pub tile: &'static str,
+    /// One-row calls and rows naming experts.
+    pub row: &'static str,
+    /// `silu(gate . x) * (up . x)`, decode-sized.
+    pub glu: &'static str,
+    /// Up to four matrices on one row.
+    pub multi: &'static str,
+    /// A decode MoE's routed and shared experts: plain and GLU.
+    pub moe: &'static str,
+    pub moe_glu: &'static str,
+}
+
+macro_rules! quant_kernels {
+    ($p:literal, $tc16:literal, $tc32:literal, $row:literal) => {
+        QuantKernels {
+            tc16: $tc16,
+            tc32: $tc32,
+            tile: concat!("mm_", $p),
+            row: $row,
+            glu: concat!("mm_", $p, "_glu_1"),
+            multi: concat!("mm_", $p, "_multi_1"),
+            moe: concat!("mm_", $p, "_moe_1"),
+            moe_glu: concat!("mm_", $p, "_moe_glu_1"),
+        }
+    };
+}
+
+/// The kernels of quantized format `t` (every format in [`super::FORMATS`]
+/// but the float ones).
+pub(super) fn quant_kernels(t: GgmlType) -> Option<QuantKernels> {
+    use GgmlType::*;
+    Some(match t {
+        Q4_K => QuantKernels {
+            tc16: "mm_tc_q4_k_async",
+            tc32: "mm_tc_q4_k_async32g",
+            tile: "mm_q4_k",
+            row: "mm_q4_k_lane_1", // never chosen as `Row` (see `select`)
+            glu: "mm_q4_k_lane_glu_1",
+            multi: "mm_q4_k_lane_multi_1",
+            moe: "mm_q4_k_lane_moe_qin_1",
+            moe_glu: "mm_q4_k_lane_moe_glu_1",
+        },
+        Q5_K => quant_kernels!(
+            "q5_k",
+            "mm_tc_q5_k_async",
+            "mm_tc_q5_k_async32",
+            "mm_q5_k_1"
+        ),
+        // Eight lanes a block on one row: both nibbles of a ql byte in one lane.
+        Q6_K => quant_kernels!("q6_k", "mm_tc_q6_k", "mm_tc_q6_k32", "mm_q6_k8_1"),
+        Q8_0 => quant_kernels!("q8_0", "mm_tc_q8_0", "mm_tc_q8_0_32", "mm_q8_0_1"),
+        Q4_0 => quant_kernels!("q4_0", "mm_tc_q4_0", "mm_tc_q4_0_32", "mm_q4_0_1"),
+        Q5_0 => quant_kernels!("q5_0", "mm_tc_q5_0", "mm_tc_q5_0_32", "mm_q5_0_1"),
+        IQ4_NL => quant_kernels!("iq4_nl", "mm_tc_iq4_nl", "mm_tc_iq4_nl32", "mm_iq4_nl_1"),
+        MXFP4 => quant_kernels!("mxfp4", "mm_tc_mxfp4", "mm_tc_mxfp4_32", "mm_mxfp4_1"),
+        IQ4_XS => quant_kernels!("iq4_xs", "mm_tc_iq4_xs", "mm_tc_iq4_xs32", "mm_iq4_xs_1"),
+        _ => return None,
+    })
 }
 
 /// The kernel of one matmul call. Every one computes each output element
@@ -77,9 +150,6 @@ pub(super) enum MatmulKernel {
     /// matrix, and the reference the other quantized kernels are tested
     /// against.
     Tile,
-    /// Q6_K and Q8_0 wide calls: four weight rows a warp (`mm_q6_k_r4`,
-    /// `mm_q8_0_r4`).
-    Tile4,
     /// One row, or up to 16 that each name an expert: a warp per (weight
     /// row, activation row) (`mm_q5_k_1`, `mm_q6_k8_1`, `mm_q8_0_1`).
     Row,
@@ -120,14 +190,13 @@ impl MatmulKernel {
                     Self::FloatTile
                 }
             }
-            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0 if wide => {
+            _ if wide => {
                 let tile = tc_tile(m, input.tile, experts);
                 Self::TensorCore {
                     tile,
                     live: w.ty == GgmlType::Q4_K && tile == 32 && input.live && experts,
                 }
             }
-            _ if wide => Self::Tile4,
             GgmlType::Q4_K if m == 1 || experts => Self::Lane {
                 rows: if w.rows <= LANE16_ROWS { 16 } else { 32 },
             },
@@ -139,7 +208,7 @@ impl MatmulKernel {
     /// The kernel's name for weights of format `ty`, `None` where it has no
     /// form for them.
     fn name(self, ty: GgmlType) -> Option<&'static str> {
-        use GgmlType::{BF16, F16, F32, Q4_K, Q5_K, Q6_K, Q8_0};
+        use GgmlType::{BF16, F16, F32, Q4_K};
         Some(match (self, ty) {
             (Self::FloatRows, F32) => "mm_f32",
             (Self::FloatRows, F16) => "mm_f16",
@@ -149,27 +218,15 @@ impl MatmulKernel {
             (Self::FloatTile, BF16) => "mm_bf16_tile",
             (Self::FloatFew, F32) => "mm_f32_few",
             (Self::FloatWide, F32) => "mm_f32_tile_w8",
-            (Self::Tile, Q4_K) => "mm_q4_k",
-            (Self::Tile, Q5_K) => "mm_q5_k",
-            (Self::Tile, Q6_K) => "mm_q6_k",
-            (Self::Tile, Q8_0) => "mm_q8_0",
-            (Self::Tile4, Q6_K) => "mm_q6_k_r4",
-            (Self::Tile4, Q8_0) => "mm_q8_0_r4",
-            (Self::Row, Q5_K) => "mm_q5_k_1",
-            // Eight lanes a block: both nibbles of a ql byte in one lane.
-            (Self::Row, Q6_K) => "mm_q6_k8_1",
-            (Self::Row, Q8_0) => "mm_q8_0_1",
             (Self::Lane { rows: 16 }, Q4_K) => "mm_q4_k_lane16_1",
             (Self::Lane { rows: 32 }, Q4_K) => "mm_q4_k_lane_1",
-            (Self::TensorCore { tile: 16, .. }, Q4_K) => "mm_tc_q4_k_async",
-            (Self::TensorCore { tile: 16, .. }, Q5_K) => "mm_tc_q5_k_async",
             (Self::TensorCore { tile: 32, live }, Q4_K) if live => "mm_tc_q4_k_async32g_live",
-            (Self::TensorCore { tile: 32, .. }, Q4_K) => "mm_tc_q4_k_async32g",
-            (Self::TensorCore { tile: 32, .. }, Q5_K) => "mm_tc_q5_k_async32",
-            (Self::TensorCore { tile: 16, .. }, Q6_K) => "mm_tc_q6_k",
-            (Self::TensorCore { tile: 32, .. }, Q6_K) => "mm_tc_q6_k32",
-            (Self::TensorCore { tile: 16, .. }, Q8_0) => "mm_tc_q8_0",
-            (Self::TensorCore { tile: 32, .. }, Q8_0) => "mm_tc_q8_0_32",
+            (Self::Tile, t) => quant_kernels(t)?.tile,
+            // Q4_K's one-row calls take the lane kernels (their own launch).
+            (Self::Row, Q4_K) => return None,
+            (Self::Row, t) => quant_kernels(t)?.row,
+            (Self::TensorCore { tile: 16, .. }, t) => quant_kernels(t)?.tc16,
+            (Self::TensorCore { tile: 32, .. }, t) => quant_kernels(t)?.tc32,
             _ => return None,
         })
     }
@@ -249,13 +306,7 @@ impl Cuda {
             && (gate.rows, gate.cols, gate.row_bytes, gate.n_mats)
                 == (up.rows, up.cols, up.row_bytes, up.n_mats)
             && input.cols() == gate.cols;
-        let kernel = match gate.ty {
-            GgmlType::Q4_K => "mm_q4_k_lane_glu_1",
-            GgmlType::Q5_K => "mm_q5_k_glu_1",
-            GgmlType::Q6_K => "mm_q6_k_glu_1",
-            GgmlType::Q8_0 => "mm_q8_0_glu_1",
-            _ => "",
-        };
+        let kernel = quant_kernels(gate.ty).map_or("", |k| k.glu);
         if !fused || kernel.is_empty() {
             let mut u = self.dev.scratch::<f32>(m * up.rows)?;
             // Gate and up in one tensor-core launch where each would take
@@ -301,12 +352,12 @@ impl Cuda {
             return Ok(None);
         }
         let d = &self.dev;
-        let a = if gate.ty == GgmlType::Q8_0 {
+        let a = if q8_0_act(gate.ty) {
             input.q80(d)?
         } else {
             input.q8k(d)?
         };
-        let nb = (gate.cols / if gate.ty == GgmlType::Q8_0 { 32 } else { 256 }) as i32;
+        let nb = (gate.cols / gate.ty.block_size()) as i32;
         let stride = (gate.rows * gate.row_bytes) as i64;
         let row_bytes = gate.row_bytes as i32;
         let mats_ptr: u64 = mats.map_or(0, |s| crate::device::addr(d, s));
@@ -545,14 +596,10 @@ impl Cuda {
         jobs: &mut [(&Matrix, &mut CudaSlice<f32>)],
     ) -> Result<()> {
         let first = jobs.first().map(|(w, _)| (w.ty, w.cols, w.row_bytes));
-        let kernel = match first.map(|f| f.0) {
-            // A lane per weight row.
-            Some(GgmlType::Q4_K) => "mm_q4_k_lane_multi_1",
-            Some(GgmlType::Q5_K) => "mm_q5_k_multi_1",
-            Some(GgmlType::Q6_K) => "mm_q6_k_multi_1",
-            Some(GgmlType::Q8_0) => "mm_q8_0_multi_1",
-            _ => "",
-        };
+        // Q4_K's: a lane per weight row.
+        let kernel = first
+            .and_then(|f| quant_kernels(f.0))
+            .map_or("", |k| k.multi);
         let grouped = input.m == 1
             && !kernel.is_empty()
             && (2..=4).contains(&jobs.len())
@@ -591,7 +638,7 @@ impl Cuda {
         }
         let d = &self.dev;
         let (ty, cols, row_bytes) = first.expect("jobs is not empty");
-        let a = if ty == GgmlType::Q8_0 {
+        let a = if q8_0_act(ty) {
             input.q80(d)?
         } else {
             input.q8k(d)?
@@ -607,7 +654,7 @@ impl Cuda {
             blocks += w.rows.div_ceil(per) as u32;
         }
         mj.nj = jobs.len() as i32;
-        let nb = (cols / if ty == GgmlType::Q8_0 { 32 } else { 256 }) as i32;
+        let nb = (cols / ty.block_size()) as i32;
         let (rb, mi) = (row_bytes as i32, 1i32);
         let threads = if lane { lane_threads(nb) } else { 128 };
         launch!(
@@ -755,15 +802,15 @@ impl Cuda {
                 }
             };
         }
-        let (a, nbi) = if w.ty == GgmlType::Q8_0 {
-            (input.q80(d)?, (w.cols / 32) as i32)
+        let nbi = (w.cols / w.ty.block_size()) as i32;
+        let a = if q8_0_act(w.ty) {
+            input.q80(d)?
         } else {
-            (input.q8k(d)?, (w.cols / 256) as i32)
+            input.q8k(d)?
         };
         let k = kernel.unwrap_or_else(|| MatmulKernel::select(w, input, mats.is_some(), || false));
         let name = k.name(w.ty).ok_or_else(unsupported)?;
         let (c, label) = match k {
-            MatmulKernel::Tile4 => (tile4, name),
             MatmulKernel::Row => (row, name),
             MatmulKernel::Lane { rows: rb } => (lane_cfg_rows(w.rows, m, nbi, rb), name),
             MatmulKernel::TensorCore { tile, .. } => {
@@ -772,11 +819,7 @@ impl Cuda {
                 let c = cfg(
                     (w.rows.div_ceil(128) as u32, m.div_ceil(tile) as u32, 1),
                     128,
-                    if matches!(w.ty, GgmlType::Q6_K | GgmlType::Q8_0) {
-                        tc_rows_smem(w.ty == GgmlType::Q8_0, tile)
-                    } else {
-                        tc_async_smem(w.ty == GgmlType::Q5_K, tile)
-                    },
+                    tc_smem(w.ty, tile),
                 );
                 // Profiles split the tensor-core launches by kind and
                 // reduction length (the K loop's blocks against the tile's
@@ -868,5 +911,42 @@ mod q6_load_tests {
         let wrong = ld16_a2(&m, 210 + 2);
         let right = ld16_a2(&m, 210);
         assert_ne!(wrong, right);
+    }
+}
+
+/// Every kernel the host names for a quantized format is one the matmul
+/// module defines (a misspelled or missing name would fail only at launch,
+/// on a GPU).
+#[cfg(test)]
+mod kernel_name_tests {
+    use super::{FORMATS, GgmlType, quant_kernels};
+
+    #[test]
+    fn every_quantized_format_names_defined_kernels() {
+        let (_, src) = crate::compile::MODULES
+            .iter()
+            .find(|(n, _)| *n == "matmul")
+            .expect("the matmul module");
+        let defined = crate::compile::kernels_defined(src);
+        let mut checked = 0;
+        for &t in FORMATS {
+            let Some(k) = quant_kernels(t) else {
+                assert!(
+                    matches!(t, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16),
+                    "{t:?} has no kernels"
+                );
+                continue;
+            };
+            for name in [
+                k.tc16, k.tc32, k.tile, k.row, k.glu, k.multi, k.moe, k.moe_glu,
+            ] {
+                assert!(
+                    defined.iter().any(|d| d == name),
+                    "{t:?}: {name} is not defined"
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked >= 8 * 9, "only {checked} names checked");
     }
 }

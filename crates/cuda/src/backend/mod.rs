@@ -52,9 +52,14 @@ pub const FORMATS: &[GgmlType] = &[
     GgmlType::F16,
     GgmlType::BF16,
     GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q5_0,
+    GgmlType::IQ4_NL,
+    GgmlType::MXFP4,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
+    GgmlType::IQ4_XS,
 ];
 
 /// The CUDA backend for one model.
@@ -458,7 +463,19 @@ impl Cuda {
 
 /// Formats whose matmuls read Q8_K activation rows.
 fn k_quant(t: GgmlType) -> bool {
-    matches!(t, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K)
+    matches!(
+        t,
+        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS
+    )
+}
+
+/// Formats whose matmuls read Q8_0 activation rows (their blocks are 32
+/// values).
+fn q8_0_act(t: GgmlType) -> bool {
+    matches!(
+        t,
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::IQ4_NL | GgmlType::MXFP4
+    )
 }
 
 fn e(err: CudaError) -> EngineError {

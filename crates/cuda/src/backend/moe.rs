@@ -1,6 +1,7 @@
 //! Mixture of experts: router, top-k, the expert plan, routed and shared
 //! experts, the weighted combine.
 
+use super::matmul::quant_kernels;
 use super::*;
 
 /// The one-launch plan's limits (`plan_small_block` in moe.cu).
@@ -336,7 +337,7 @@ impl Cuda {
         use crate::device::{MoeJobs, addr};
         let d = &self.dev;
         let (f, dm) = (mw.gate.rows, mw.down.rows);
-        let q8_0 = |t: GgmlType| t == GgmlType::Q8_0;
+        let q8_0 = q8_0_act;
         let quant = |input: &Input, t: GgmlType| -> Result<u64> {
             Ok(addr(
                 d,
@@ -350,19 +351,9 @@ impl Cuda {
         // Q4_K on the lane kernels (the down launch quantizing the rows it
         // reads: a Q4_K row's width is a multiple of 256); the other formats
         // a warp per (weight row, activation row).
-        let glu_kernel = match mw.gate.ty {
-            GgmlType::Q4_K => "mm_q4_k_lane_moe_glu_1",
-            GgmlType::Q5_K => "mm_q5_k_moe_glu_1",
-            GgmlType::Q6_K => "mm_q6_k_moe_glu_1",
-            _ => "mm_q8_0_moe_glu_1",
-        };
-        let down_kernel = match mw.down.ty {
-            GgmlType::Q4_K => "mm_q4_k_lane_moe_qin_1",
-            GgmlType::Q5_K => "mm_q5_k_moe_1",
-            GgmlType::Q6_K => "mm_q6_k_moe_1",
-            _ => "mm_q8_0_moe_1",
-        };
-        let nb = |w: &Matrix| (w.cols / if q8_0(w.ty) { 32 } else { 256 }) as i32;
+        let glu_kernel = quant_kernels(mw.gate.ty).map_or("", |k| k.moe_glu);
+        let down_kernel = quant_kernels(mw.down.ty).map_or("", |k| k.moe);
+        let nb = |w: &Matrix| (w.cols / w.ty.block_size()) as i32;
         // Both GLUs: rows 0..cap the routed pairs, cap..cap+m the tokens
         // (a second job only with a shared expert).
         let ms = if sh.is_some() { m } else { 0 };
@@ -591,14 +582,8 @@ impl Cuda {
             && cap <= 16
             && (mw.up.ty, mw.up.cols, mw.up.row_bytes)
                 == (mw.gate.ty, mw.gate.cols, mw.gate.row_bytes)
-            && matches!(
-                mw.gate.ty,
-                GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0
-            )
-            && matches!(
-                mw.down.ty,
-                GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0
-            );
+            && quant_kernels(mw.gate.ty).is_some()
+            && quant_kernels(mw.down.ty).is_some();
         let joint = match &mw.shared {
             Some(sh)
                 if joint_ok
@@ -701,14 +686,10 @@ impl Cuda {
             Some(sh) if m > 16 && self.tier.is_none() && !d.profiling() => {
                 // The token rows' quantized form, made on the main stream
                 // before the fork (it is read on both streams).
-                match sh.gate.ty {
-                    GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
-                        xin.q8k(d)?;
-                    }
-                    GgmlType::Q8_0 => {
-                        xin.q80(d)?;
-                    }
-                    _ => {}
+                if k_quant(sh.gate.ty) {
+                    xin.q8k(d)?;
+                } else if q8_0_act(sh.gate.ty) {
+                    xin.q80(d)?;
                 }
                 let ((), ev) =
                     d.on_side(|| self.shared_expert(sh, &xin, m, fs, &mut ys, &mut gi))?;

@@ -202,6 +202,13 @@ fn every_block_op_matches_the_cpu_backend() {
             (GgmlType::F16, 1e-2),
             (GgmlType::Q8_0, 1e-2),
             (GgmlType::Q4_K, 1e-2),
+            (GgmlType::Q5_K, 1e-2),
+            (GgmlType::Q6_K, 1e-2),
+            (GgmlType::Q4_0, 1e-2),
+            (GgmlType::Q5_0, 1e-2),
+            (GgmlType::IQ4_NL, 1e-2),
+            (GgmlType::IQ4_XS, 1e-2),
+            (GgmlType::MXFP4, 1e-2),
         ] {
             let (_d, model) = synth(shape, quant, 3);
             let cuda = Cuda::new(0, &model, false).unwrap();

@@ -61,12 +61,11 @@ fn one_row_kernels_equal_the_tile_kernels() {
         return;
     }
     let (mut checked, mut glu_checked) = (0, 0);
-    for quant in [
-        GgmlType::Q4_K,
-        GgmlType::Q5_K,
-        GgmlType::Q6_K,
-        GgmlType::Q8_0,
-    ] {
+    for quant in samesum_cuda::FORMATS
+        .iter()
+        .copied()
+        .filter(|t| !matches!(t, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16))
+    {
         for shape in SHAPES {
             let (_d, model) = synth(shape, quant, 13);
             let cuda = Cuda::new(0, &model, false).unwrap();
@@ -78,10 +77,7 @@ fn one_row_kernels_equal_the_tile_kernels() {
             }
             let mut rng = Rng::new(31);
             for w in mats {
-                if !matches!(
-                    w.ty,
-                    GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0
-                ) {
+                if matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
                     continue;
                 }
                 for m in 1..=16 {
@@ -223,12 +219,11 @@ fn grouped_input_projections_equal_separate_matmuls() {
     }
     use samesum_engine::model::weights::{DeltaBa, DeltaInput};
     let mut groups = 0;
-    for quant in [
-        GgmlType::Q4_K,
-        GgmlType::Q5_K,
-        GgmlType::Q6_K,
-        GgmlType::Q8_0,
-    ] {
+    for quant in samesum_cuda::FORMATS
+        .iter()
+        .copied()
+        .filter(|t| !matches!(t, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16))
+    {
         for shape in SHAPES {
             let (_d, model) = synth(shape, quant, 29);
             let cuda = Cuda::new(0, &model, false).unwrap();
@@ -354,7 +349,7 @@ fn float_tile_matmuls_equal_the_row_kernel_and_single_rows() {
     eprintln!("float tile matmul cases equal: {checked}");
 }
 
-/// The tensor-core matmul tiles (Q4_K, Q5_K, Q6_K, Q8_0) against the dp4a
+/// The tensor-core matmul tiles of every quantized format against the dp4a
 /// tile kernels and against one-row calls, byte for byte: expert stacks and plain matrices, rows of
 /// several experts in one tile (unsorted, with unused -1 rows), many m, 16-
 /// and 32-row tiles (for expert stacks, rows placed as a plan padding to 16
@@ -375,19 +370,18 @@ fn tensor_core_matmuls_equal_the_dp4a_kernels_and_single_rows() {
         layers: 1,
         ..shapes::by_name("tiny-qwen3moe").unwrap()
     });
-    // Q8_0 rows of 800 columns: 25 blocks, the last stage of the
-    // tensor-core kernel's K loop a partial one.
+    // Rows of 800 columns for the 32-value formats: 25 blocks, the last
+    // stage of the tensor-core kernel's K loop a partial one.
     let q8_tail = shapes::Shape {
         hidden: 800,
         ..shapes::by_name("tiny-qwen3moe").unwrap()
     };
-    for quant in [
-        GgmlType::Q4_K,
-        GgmlType::Q5_K,
-        GgmlType::Q6_K,
-        GgmlType::Q8_0,
-    ] {
-        let extra = (quant == GgmlType::Q8_0).then_some(&q8_tail);
+    for quant in samesum_cuda::FORMATS
+        .iter()
+        .copied()
+        .filter(|t| !matches!(t, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16))
+    {
+        let extra = (quant.block_size() == 32).then_some(&q8_tail);
         for sh in shapes_.iter().chain(extra) {
             let shape = format!("{} x{}", sh.name, sh.hidden);
             let dir = tempfile::tempdir().unwrap();
