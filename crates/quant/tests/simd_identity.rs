@@ -217,3 +217,137 @@ fn dot_rows_multi_equals_one_dot_per_pair() {
         }
     }
 }
+
+/// `dot_rows_multi_with(isa)` against the scalar reference of every pair, bit
+/// for bit, on `rows` weight rows of `w`.
+fn assert_multi_matches_scalar(
+    isa: Isa,
+    ty: GgmlType,
+    w: &[u8],
+    rows: usize,
+    acts: &[ActRow],
+    what: &str,
+) {
+    let rb = w.len() / rows;
+    let mut out = vec![f32::NAN; rows * acts.len()];
+    dot::dot_rows_multi_with(isa, ty, w, acts, &mut out).unwrap();
+    for j in 0..rows {
+        for (r, a) in acts.iter().enumerate() {
+            let reference = dot::dot_with(Isa::Scalar, ty, &w[j * rb..(j + 1) * rb], a).unwrap();
+            let got = out[r * rows + j];
+            assert_eq!(
+                got.to_bits(),
+                reference.to_bits(),
+                "{ty} {isa} {what}: weight row {j} act {r}: {got} vs scalar {reference}"
+            );
+        }
+    }
+}
+
+#[test]
+fn multi_row_kernels_equal_scalar_bitwise() {
+    let mut rng = Rng::new(29);
+    let mut covered = Vec::new();
+    for isa in Isa::available() {
+        for &ty in dot::multi_accelerated(isa) {
+            let bs = ty.block_size();
+            // 32-element formats: lengths with every tail of the 8-block groups.
+            let lens: Vec<usize> = if bs == 32 {
+                vec![32, 7 * 32, 256, 9 * 32, 512 + 3 * 32, 1024]
+            } else {
+                vec![256, 512, 1280]
+            };
+            for &n in &lens {
+                // Odd row counts pair the last weight row with itself; activation
+                // counts below, at and past the 8-row groups.
+                for rows in [1usize, 2, 3, 6] {
+                    for nr in [1usize, 2, 5, 8, 9, 16, 19] {
+                        let w = random_weight_blocks(ty, rows * n / bs, &mut rng).unwrap();
+                        let acts: Vec<ActRow> =
+                            (0..nr).map(|_| random_act(ty, n, &mut rng)).collect();
+                        assert_multi_matches_scalar(isa, ty, &w, rows, &acts, &format!("n={n}"));
+                    }
+                }
+            }
+            covered.push(ty);
+        }
+    }
+    if Isa::available().contains(&Isa::Avx512) {
+        for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+            assert!(covered.contains(&ty), "{ty}: no multi-row kernel tested");
+        }
+    }
+    eprintln!("multi-row kernels tested: {covered:?}");
+}
+
+#[test]
+fn multi_row_kernels_handle_extreme_values() {
+    // Weight quant bytes all 0x00 / 0xFF / 0x80 / 0x7F / 0x88 (every quant at an
+    // end of its range) against activations of all -128 or all 127, with the
+    // scales at extremes too: the largest f16 super-scales and scale bytes.
+    let mut rng = Rng::new(31);
+    for isa in Isa::available() {
+        for &ty in dot::multi_accelerated(isa) {
+            let bs = ty.block_size();
+            let n = if bs == 32 { 11 * 32 } else { 3 * 256 };
+            let rows = 3;
+            for fill in [0u8, 0xFF, 0x80, 0x7F, 0x88] {
+                for act_fill in [-128i8, 127, fill as i8] {
+                    let mut w = random_weight_blocks(ty, rows * n / bs, &mut rng).unwrap();
+                    let ts = ty.type_size();
+                    // The f16 super-scale(s): keep the generator's, or the largest.
+                    let d_at: &[usize] = match ty {
+                        GgmlType::Q6_K => &[208],
+                        GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+                        _ => &[0],
+                    };
+                    for (i, b) in w.chunks_exact_mut(ts).enumerate() {
+                        let saved: Vec<(usize, [u8; 2])> =
+                            d_at.iter().map(|&o| (o, [b[o], b[o + 1]])).collect();
+                        b.fill(fill);
+                        for (o, v) in saved {
+                            let v = if i % 2 == 0 {
+                                v
+                            } else {
+                                half::f16::from_f32(if i % 4 == 1 { 65504.0 } else { -65504.0 })
+                                    .to_le_bytes()
+                            };
+                            b[o..o + 2].copy_from_slice(&v);
+                        }
+                    }
+                    let acts: Vec<ActRow> = (0..9)
+                        .map(|_| match dot::act_type(ty).unwrap() {
+                            GgmlType::Q8_0 => ActRow::Q8_0(
+                                (0..n / 32)
+                                    .map(|_| {
+                                        let mut b = random_q8_0(&mut rng);
+                                        b.qs = [act_fill; 32];
+                                        b
+                                    })
+                                    .collect(),
+                            ),
+                            _ => ActRow::Q8K(
+                                (0..n / 256)
+                                    .map(|_| {
+                                        let mut b = random_q8_k(&mut rng);
+                                        b.qs = [act_fill; 256];
+                                        b.bsums = [16 * act_fill as i16; 16];
+                                        b
+                                    })
+                                    .collect(),
+                            ),
+                        })
+                        .collect();
+                    assert_multi_matches_scalar(
+                        isa,
+                        ty,
+                        &w,
+                        rows,
+                        &acts,
+                        &format!("fill={fill:#x} act={act_fill}"),
+                    );
+                }
+            }
+        }
+    }
+}

@@ -11,6 +11,8 @@
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_multi;
 
 use crate::blocks::*;
 use crate::error::{QuantError, Result};
@@ -253,8 +255,8 @@ pub fn dot_rows_with(
 /// Dot products of `n` consecutive weight rows with several activation rows:
 /// `out[r * n + j]` = weight row `j` · `acts[r]`. Every value is
 /// bit-identical to [`dot_rows`] of that row pair; kernels that share the
-/// unpacking of a weight block across activation rows (Q4_K on AVX-512) are used
-/// where they exist.
+/// unpacking of a weight block across activation rows ([`multi_accelerated`])
+/// are used where they exist.
 pub fn dot_rows_multi(weight: GgmlType, w: &[u8], acts: &[ActRow], out: &mut [f32]) -> Result<()> {
     dot_rows_multi_with(Isa::best(), weight, w, acts, out)
 }
@@ -284,48 +286,26 @@ pub fn dot_rows_multi_with(
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512
         && isa.supported()
-        && weight == GgmlType::Q4_K
-        && n.is_multiple_of(256)
         && n > 0
+        && x86_multi::dot_rows_multi(weight, w, acts, n, rows, out)?
     {
-        let blocks: &[BlockQ4K] = cast(weight, w)?;
-        let nb = n / 256;
-        let wrow = |j: usize| &blocks[j * nb..(j + 1) * nb];
-        let (mut tmp, mut tmp1) = ([0f32; 8], [0f32; 8]);
-        // Groups of 8 activation rows outside, weight rows inside: a group's
-        // activations stay in L1 while every weight row of the tile passes by.
-        // (No allocation per call: this runs once per tile of every matmul.)
-        for (g, group) in acts.chunks(8).enumerate() {
-            let mut per: [&[BlockQ8K]; 8] = [&[]; 8];
-            for (p, a) in per.iter_mut().zip(group) {
-                *p = match a {
-                    ActRow::Q8K(b) => b,
-                    other => {
-                        return Err(QuantError::ActivationType {
-                            weight,
-                            act: other.act_type(),
-                            expected: GgmlType::Q8_K,
-                        });
-                    }
-                };
-            }
-            let per = &per[..group.len()];
-            for j in (0..rows).step_by(2) {
-                let j1 = (j + 1).min(rows - 1);
-                // SAFETY: AVX-512 F/BW support was checked just above.
-                unsafe { x86::q4_k_avx512_multi2(wrow(j), wrow(j1), per, &mut tmp, &mut tmp1) };
-                for i in 0..group.len() {
-                    out[(g * 8 + i) * rows + j] = tmp[i];
-                    out[(g * 8 + i) * rows + j1] = tmp1[i];
-                }
-            }
-        }
         return Ok(());
     }
     for (a, o) in acts.iter().zip(out.chunks_exact_mut(rows)) {
         dot_rows_with(isa, weight, w, a, o)?;
     }
     Ok(())
+}
+
+/// Which weight formats have a multi-row kernel in family `isa` (one weight
+/// block unpacked once for several activation rows); [`dot_rows_multi_with`]
+/// runs the others one activation row at a time.
+pub fn multi_accelerated(isa: Isa) -> &'static [GgmlType] {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => x86_multi::MULTI_FORMATS,
+        _ => &[],
+    }
 }
 
 /// Which weight formats family `isa` accelerates (the rest run the scalar kernel).

@@ -255,13 +255,13 @@ unsafe fn dot_i8(a: __m256i, b: __m256i) -> __m256i {
 }
 
 #[inline(always)]
-unsafe fn load256(p: &[i8]) -> __m256i {
+pub(super) unsafe fn load256(p: &[i8]) -> __m256i {
     debug_assert!(p.len() >= 32);
     unsafe { _mm256_loadu_si256(p.as_ptr() as *const __m256i) }
 }
 
 #[inline(always)]
-unsafe fn load256u(p: &[u8]) -> __m256i {
+pub(super) unsafe fn load256u(p: &[u8]) -> __m256i {
     debug_assert!(p.len() >= 32);
     unsafe { _mm256_loadu_si256(p.as_ptr() as *const __m256i) }
 }
@@ -270,7 +270,7 @@ unsafe fn load256u(p: &[u8]) -> __m256i {
 
 /// Horizontal sums of 8 vectors: lane `k` of the result is the sum of `v[k]`.
 #[inline(always)]
-unsafe fn hsum8(v: &[__m256i; 8]) -> __m256i {
+pub(super) unsafe fn hsum8(v: &[__m256i; 8]) -> __m256i {
     unsafe {
         let h01 = _mm256_hadd_epi32(v[0], v[1]);
         let h23 = _mm256_hadd_epi32(v[2], v[3]);
@@ -419,7 +419,7 @@ unsafe fn q4_k_avx2(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
 
 /// `IDX_K4[c]`: i16 lane `t` takes scale `2c + t / 16` (the two sub-blocks of
 /// nibble chunk `c`, low nibbles first).
-static IDX_K4: [[i16; 32]; 4] = {
+pub(super) static IDX_K4: [[i16; 32]; 4] = {
     let mut t = [[0i16; 32]; 4];
     let mut c = 0;
     while c < 4 {
@@ -435,7 +435,7 @@ static IDX_K4: [[i16; 32]; 4] = {
 
 /// `IDX_PAIRS`: i16 lane `t` takes entry `t / 2` (each min twice, against the two
 /// 16-element sums of its 32-element group).
-static IDX_PAIRS: [i16; 32] = {
+pub(super) static IDX_PAIRS: [i16; 32] = {
     let mut t = [0i16; 32];
     let mut l = 0;
     while l < 32 {
@@ -778,7 +778,7 @@ unsafe fn iq3_s_avx2(w: &[BlockIq3S], a: &[BlockQ8K]) -> f32 {
 
 /// Two 256-bit halves into one 512-bit register (`lo` in the low half).
 #[inline(always)]
-unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
+pub(super) unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
     unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi) }
 }
 
@@ -976,102 +976,4 @@ unsafe fn iq4_xs_avx512(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
         acc = combine(acc, f16_to_f32(w.d), a.d, sumi);
     }
     acc
-}
-
-// ---------------------------------------------------------------- several rows
-
-/// Two Q4_K weight rows against up to 8 activation rows (pass the same row
-/// twice for an odd one out): each weight block is unpacked once for all the
-/// activation rows, and each activation block is loaded once for both weight
-/// rows. Per (weight row, activation row, block)
-/// the arithmetic is exactly that of [`q4_k_avx512`].
-#[target_feature(enable = "avx512f,avx512bw,avx2")]
-pub(super) unsafe fn q4_k_avx512_multi2(
-    w0: &[BlockQ4K],
-    w1: &[BlockQ4K],
-    acts: &[&[BlockQ8K]],
-    out0: &mut [f32],
-    out1: &mut [f32],
-) {
-    let nr = acts.len().min(8);
-    unsafe {
-        let m4 = _mm256_set1_epi8(0x0F);
-        let idx: [__m512i; 4] =
-            std::array::from_fn(|c| _mm512_loadu_si512(IDX_K4[c].as_ptr() as *const _));
-        let pairs = _mm512_loadu_si512(IDX_PAIRS.as_ptr() as *const _);
-        let mut acc = [_mm256_setzero_ps(); 2];
-        for b in 0..w0.len().min(w1.len()) {
-            let mut qz = [[_mm512_setzero_si512(); 4]; 2];
-            let mut scl = [[_mm512_setzero_si512(); 4]; 2];
-            let mut m2 = [_mm256_setzero_si256(); 2];
-            let mut dd = [(0f32, 0f32); 2];
-            for (t, wb) in [&w0[b], &w1[b]].into_iter().enumerate() {
-                // The eight scales and mins a byte each (upper 8 bytes zero).
-                let (sc, mn) = scales_mins_k4(&wb.scales);
-                let scv =
-                    _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_cvtsi64_si128(sc as i64)));
-                let mnv =
-                    _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_cvtsi64_si128(mn as i64)));
-                m2[t] = _mm512_castsi512_si256(_mm512_permutexvar_epi16(pairs, mnv));
-                for c in 0..4 {
-                    let q = load256u(&wb.qs[c * 32..]);
-                    qz[t][c] = join(
-                        _mm256_and_si256(q, m4),
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4),
-                    );
-                    scl[t][c] = _mm512_permutexvar_epi16(idx[c], scv);
-                }
-                dd[t] = (f16_to_f32(wb.d), f16_to_f32(wb.dmin));
-            }
-            let mut vs = [[_mm256_setzero_si256(); 8]; 2];
-            let mut ms = [[_mm256_setzero_si256(); 8]; 2];
-            for r in 0..nr {
-                let a = &acts[r][b];
-                let mut v0 = _mm512_setzero_si512();
-                let mut v1 = _mm512_setzero_si512();
-                for c in 0..4 {
-                    let az = _mm512_loadu_si512(a.qs[64 * c..].as_ptr() as *const _);
-                    v0 = _mm512_add_epi32(
-                        v0,
-                        _mm512_madd_epi16(_mm512_maddubs_epi16(qz[0][c], az), scl[0][c]),
-                    );
-                    v1 = _mm512_add_epi32(
-                        v1,
-                        _mm512_madd_epi16(_mm512_maddubs_epi16(qz[1][c], az), scl[1][c]),
-                    );
-                }
-                vs[0][r] = _mm256_add_epi32(
-                    _mm512_castsi512_si256(v0),
-                    _mm512_extracti64x4_epi64::<1>(v0),
-                );
-                vs[1][r] = _mm256_add_epi32(
-                    _mm512_castsi512_si256(v1),
-                    _mm512_extracti64x4_epi64::<1>(v1),
-                );
-                let bs = _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i);
-                ms[0][r] = _mm256_madd_epi16(m2[0], bs);
-                ms[1][r] = _mm256_madd_epi16(m2[1], bs);
-            }
-            let ad = |r: usize| if r < nr { acts[r][b].d } else { 0.0 };
-            let da = _mm256_setr_ps(ad(0), ad(1), ad(2), ad(3), ad(4), ad(5), ad(6), ad(7));
-            for t in 0..2 {
-                let (d, dmin) = dd[t];
-                let sumi = _mm256_cvtepi32_ps(hsum8(&vs[t]));
-                let summ = _mm256_cvtepi32_ps(hsum8(&ms[t]));
-                acc[t] = _mm256_add_ps(
-                    acc[t],
-                    _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), da), sumi),
-                );
-                acc[t] = _mm256_sub_ps(
-                    acc[t],
-                    _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), da), summ),
-                );
-            }
-        }
-        let mut res = [0f32; 8];
-        _mm256_storeu_ps(res.as_mut_ptr(), acc[0]);
-        out0[..nr].copy_from_slice(&res[..nr]);
-        _mm256_storeu_ps(res.as_mut_ptr(), acc[1]);
-        out1[..nr].copy_from_slice(&res[..nr]);
-    }
 }
