@@ -273,7 +273,13 @@ fn multi_row_kernels_equal_scalar_bitwise() {
         }
     }
     if Isa::available().contains(&Isa::Avx512) {
-        for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+        for ty in [
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+            GgmlType::Q8_0,
+            GgmlType::IQ4_XS,
+        ] {
             assert!(covered.contains(&ty), "{ty}: no multi-row kernel tested");
         }
     }

@@ -10,8 +10,8 @@
 //! [`super::dot_rows`].
 
 use super::ActRow;
-
-use super::x86::{IDX_K4, IDX_PAIRS, hsum8, join, load256u};
+use super::scalar;
+use super::x86::{IDX_K4, IDX_PAIRS, hsum8, join, load256, load256u};
 use crate::blocks::*;
 use crate::error::{QuantError, Result};
 use samesum_gguf::GgmlType;
@@ -36,7 +36,13 @@ macro_rules! arr {
 }
 
 /// Formats with a multi-row AVX-512 kernel.
-pub(super) const MULTI_FORMATS: &[GgmlType] = &[GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K];
+pub(super) const MULTI_FORMATS: &[GgmlType] = &[
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::IQ4_XS,
+];
 
 /// Activation block types, taken out of an [`ActRow`].
 trait ActBlock: Sized {
@@ -49,6 +55,16 @@ impl ActBlock for BlockQ8K {
     fn blocks(a: &ActRow) -> Option<&[Self]> {
         match a {
             ActRow::Q8K(b) => Some(b),
+            _ => None,
+        }
+    }
+}
+
+impl ActBlock for BlockQ8_0 {
+    const TYPE: GgmlType = GgmlType::Q8_0;
+    fn blocks(a: &ActRow) -> Option<&[Self]> {
+        match a {
+            ActRow::Q8_0(b) => Some(b),
             _ => None,
         }
     }
@@ -72,9 +88,11 @@ pub(super) fn dot_rows_multi(
 ) -> Result<bool> {
     use GgmlType as T;
     match weight {
+        T::Q8_0 => drive::<BlockQ8_0, BlockQ8_0>(weight, w, acts, n, rows, out, q8_0_multi2),
         T::Q4_K => drive::<BlockQ4K, BlockQ8K>(weight, w, acts, n, rows, out, q4_k_multi2),
         T::Q5_K => drive::<BlockQ5K, BlockQ8K>(weight, w, acts, n, rows, out, q5_k_multi2),
         T::Q6_K => drive::<BlockQ6K, BlockQ8K>(weight, w, acts, n, rows, out, q6_k_multi2),
+        T::IQ4_XS => drive::<BlockIq4Xs, BlockQ8K>(weight, w, acts, n, rows, out, iq4_xs_multi2),
         _ => return Ok(false),
     }?;
     Ok(true)
@@ -454,5 +472,153 @@ unsafe fn q6_k_multi2(
             ),
         };
         core2(&f, w0, w1, acts, out0, out1)
+    }
+}
+
+/// IQ4_XS: a block's 256 table values times their sub-block's scale, as i16
+/// (|value · scale| ≤ 127 · 32), 32 elements a register.
+#[derive(Clone, Copy)]
+struct Iq4Block {
+    v: [__m512i; 8],
+    d: f32,
+}
+
+struct Iq4 {
+    table: __m256i,
+    m4: __m128i,
+}
+
+impl Format for Iq4 {
+    type W = BlockIq4Xs;
+    type U = Iq4Block;
+    const MINS: bool = false;
+    #[inline(always)]
+    unsafe fn unpack(&self, w: &BlockIq4Xs) -> Iq4Block {
+        let sc = iq4xs_scales(w);
+        unsafe {
+            Iq4Block {
+                // Sub-block ib: element j in the low nibble of qs[16ib + j],
+                // element j + 16 in the high one.
+                v: arr!(ib in 8 => {
+                    let q = _mm_loadu_si128(w.qs[ib * 16..].as_ptr() as *const __m128i);
+                    let idx = _mm256_set_m128i(
+                        _mm_and_si128(_mm_srli_epi16::<4>(q), self.m4),
+                        _mm_and_si128(q, self.m4),
+                    );
+                    _mm512_mullo_epi16(
+                        _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(self.table, idx)),
+                        _mm512_set1_epi16(sc[ib] as i16),
+                    )
+                }),
+                d: f16_to_f32(w.d),
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn row(&self, u: &[Iq4Block; 2], a: &BlockQ8K) -> [(__m256i, __m256i); 2] {
+        unsafe {
+            let mut v = [_mm512_setzero_si512(); 2];
+            for ib in 0..8 {
+                let az = _mm512_cvtepi8_epi16(load256(&a.qs[ib * 32..]));
+                for t in 0..2 {
+                    v[t] = _mm512_add_epi32(v[t], _mm512_madd_epi16(u[t].v[ib], az));
+                }
+            }
+            let z = _mm256_setzero_si256();
+            [(fold(v[0]), z), (fold(v[1]), z)]
+        }
+    }
+    #[inline(always)]
+    fn scales(u: &Iq4Block) -> (f32, f32) {
+        (u.d, 0.0)
+    }
+}
+
+/// Two IQ4_XS weight rows against up to 8 activation rows; per pair exactly
+/// [`super::scalar::iq4_xs_q8_k`] (the scale applied before the sum instead of after:
+/// the same exact integer).
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn iq4_xs_multi2(
+    w0: &[BlockIq4Xs],
+    w1: &[BlockIq4Xs],
+    acts: &[&[BlockQ8K]],
+    out0: &mut [f32; 8],
+    out1: &mut [f32; 8],
+) {
+    unsafe {
+        let f = Iq4 {
+            table: _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                KVALUES_IQ4NL.as_ptr() as *const __m128i
+            )),
+            m4: _mm_set1_epi8(0x0F),
+        };
+        core2(&f, w0, w1, acts, out0, out1)
+    }
+}
+
+// ---------------------------------------------------------------- Q8_0
+
+/// Two Q8_0 weight rows against up to 8 activation rows; per pair exactly
+/// [`scalar::q8_0_q8_0`]: block `b`'s term in lane `b % 8` (eight blocks per
+/// vector step, one vector per activation row), the tail through the scalar
+/// term, then [`super::scalar::reduce8`].
+#[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
+unsafe fn q8_0_multi2(
+    w0: &[BlockQ8_0],
+    w1: &[BlockQ8_0],
+    acts: &[&[BlockQ8_0]],
+    out0: &mut [f32; 8],
+    out1: &mut [f32; 8],
+) {
+    let nr = acts.len().min(8);
+    let nb = w0.len().min(w1.len());
+    let ws = [w0, w1];
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); 8]; 2];
+        let groups = nb / 8;
+        for g in 0..groups {
+            let blk = 8 * g;
+            let mut wt = [[_mm512_setzero_si512(); 8]; 2];
+            let mut dw = [_mm256_setzero_ps(); 2];
+            for t in 0..2 {
+                let mut bits = [0u16; 8];
+                for k in 0..8 {
+                    let b = &ws[t][blk + k];
+                    wt[t][k] = _mm512_cvtepi8_epi16(load256(&b.qs));
+                    bits[k] = b.d.to_bits();
+                }
+                dw[t] = _mm256_cvtph_ps(_mm_loadu_si128(bits.as_ptr() as *const __m128i));
+            }
+            for r in 0..nr {
+                let a = &acts[r][blk..blk + 8];
+                let mut v = [[_mm256_setzero_si256(); 8]; 2];
+                let mut bits = [0u16; 8];
+                for k in 0..8 {
+                    let az = _mm512_cvtepi8_epi16(load256(&a[k].qs));
+                    v[0][k] = fold(_mm512_madd_epi16(wt[0][k], az));
+                    v[1][k] = fold(_mm512_madd_epi16(wt[1][k], az));
+                    bits[k] = a[k].d.to_bits();
+                }
+                let da = _mm256_cvtph_ps(_mm_loadu_si128(bits.as_ptr() as *const __m128i));
+                for t in 0..2 {
+                    let s = _mm256_cvtepi32_ps(hsum8(&v[t]));
+                    acc[t][r] =
+                        _mm256_add_ps(acc[t][r], _mm256_mul_ps(_mm256_mul_ps(dw[t], da), s));
+                }
+            }
+        }
+        for (t, out) in [out0, out1].into_iter().enumerate() {
+            for r in 0..nr {
+                let mut lanes = [0f32; 8];
+                _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t][r]);
+                for b in groups * 8..nb {
+                    let (w, a) = (&ws[t][b], &acts[r][b]);
+                    let term =
+                        scalar::term(f16_to_f32(w.d), f16_to_f32(a.d), scalar::sumi_q8_0(w, a));
+                    lanes[b % 8] = lanes[b % 8] + term;
+                }
+                out[r] = scalar::reduce8(&lanes);
+            }
+        }
     }
 }
