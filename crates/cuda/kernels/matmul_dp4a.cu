@@ -33,22 +33,25 @@ extern "C" __global__ void quantize_q8k(const float* x, u8* out, int cols, int m
     q8k_block(x + (i64)r * cols + blk * 256, out + ((i64)r * nb + blk) * Q8K_BYTES, threadIdx.x);
 }
 
-// One thread per (row, 32-block): ggml's quantize_row_q8_0_ref (d rounded to
-// f16, quants rounded half away from zero).
+// A warp per (row, 32-block), a lane a value: ggml's quantize_row_q8_0_ref
+// (d from the block's largest magnitude, a maximum that is the same in any
+// order, rounded to f16; quants rounded half away from zero). Launch with
+// whole warps a block of threads.
 extern "C" __global__ void quantize_q8_0(const float* x, u8* out, int cols, int m) {
     pdl_wait();
     int nb = cols / 32;
-    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    i64 t = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
     if (t >= (i64)m * nb) return;
     int r = (int)(t / nb), blk = (int)(t % nb);
-    const float* xb = x + (i64)r * cols + blk * 32;
-    u8* ob = out + t * Q8A_BYTES;
-    float amax = 0.0f;
-    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+    float v = x[(i64)r * cols + blk * 32 + lane];
+    float amax = fabsf(v);
+    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     float d = amax / 127.0f;
     float id = d != 0.0f ? 1.0f / d : 0.0f;
-    for (int i = 0; i < 32; i++) ((i8*)ob)[i] = (i8)roundf(xb[i] * id);
-    *(float*)(ob + 32) = f16_to_f32(f32_to_f16(d));
+    u8* ob = out + t * Q8A_BYTES;
+    ((i8*)ob)[lane] = (i8)roundf(v * id);
+    if (lane == 0) *(float*)(ob + 32) = f16_to_f32(f32_to_f16(d));
 }
 
 // ---------------------------------------------------------------- formats
@@ -316,29 +319,37 @@ struct FmtQ6K8 {
     }
 };
 
-// Q8_0: d (f16), qs[32]; part s = values 4s..4s+3.
+// Q8_0: d (f16), qs[32]; part s = values 16s..16s+15 (two lanes a block, so
+// a warp's pass reads 16 consecutive blocks).
 struct Act80 {
-    int x;
+    u32 x[4];
     float da;
 };
 
 struct FmtQ8_0 {
-    enum { ELEMS = 32, BYTES = 34, LANES = 8, ABYTES = Q8A_BYTES };
+    enum { ELEMS = 32, BYTES = 34, LANES = 2, ABYTES = Q8A_BYTES };
     typedef Act80 A;
-    u32 q;
+    u32 q[4];
     float d, dmin;
     static __device__ A act(const u8* a, int s) {
         A r;
-        r.x = ((const int*)a)[s];  // 36-byte blocks: 4-byte aligned
+        const u32* x = (const u32*)(a + 16 * s);  // 36-byte blocks: 4-byte aligned
+#pragma unroll
+        for (int i = 0; i < 4; i++) r.x[i] = x[i];
         r.da = *(const float*)(a + 32);
         return r;
     }
     __device__ void load(const u8* b, int s) {
-        q = ld_u32_a2(b + 2 + 4 * s);  // 34-byte blocks: 2-byte aligned
+        ld16_a2(b + 2 + 16 * s, q);  // 34-byte blocks: 2-byte aligned
         d = f16_to_f32(ld_u16(b));
         dmin = 0.0f;
     }
-    __device__ int iprod(const A& x) const { return __dp4a((int)q, x.x, 0); }
+    __device__ int iprod(const A& x) const {
+        int t = __dp4a((int)q[0], (int)x.x[0], 0);
+        t = __dp4a((int)q[1], (int)x.x[1], t);
+        t = __dp4a((int)q[2], (int)x.x[2], t);
+        return __dp4a((int)q[3], (int)x.x[3], t);
+    }
     __device__ int mprod(const A&) const { return 0; }
     static __device__ float step(float acc, float d, float, float da, int is, int) {
         return step_plain(acc, d, da, is);

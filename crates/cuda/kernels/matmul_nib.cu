@@ -65,23 +65,30 @@ struct Nib32 {
     }
 };
 
-// The row kernels' form: part s = values 4s..4s+3 against the activation
-// block's word s (as FmtQ8_0).
+// The row kernels' form: part s = values 16s..16s+15 (the low nibbles of
+// the 16 qs bytes for s = 0, their high nibbles for s = 1) against the
+// activation block's words 4s..4s+3 (as FmtQ8_0: two lanes a block).
 template <int KIND>
 struct FmtNib32 {
     typedef Nib32<KIND> N;
-    enum { ELEMS = 32, BYTES = N::BYTES, LANES = 8, ABYTES = Q8A_BYTES };
+    enum { ELEMS = 32, BYTES = N::BYTES, LANES = 2, ABYTES = Q8A_BYTES };
     typedef Act80 A;
-    u32 q;
+    u32 q[4];
     float d, dmin;
     static __device__ A act(const u8* a, int s) { return FmtQ8_0::act(a, s); }
     __device__ void load(const u8* b, int s) {
-        u32 w = ld_u32_a1(b + N::QS + 4 * (s & 3));
-        q = N::values(w, KIND == 3 ? ld_u32_a1(b + 2) : 0u, s & 3, s >> 2);
+        u32 qh = KIND == 3 ? ld_u32_a1(b + 2) : 0u;
+#pragma unroll
+        for (int j = 0; j < 4; j++) q[j] = N::values(ld_u32_a1(b + N::QS + 4 * j), qh, j, s);
         d = N::scale(b);
         dmin = 0.0f;
     }
-    __device__ int iprod(const A& x) const { return __dp4a((int)q, x.x, 0); }
+    __device__ int iprod(const A& x) const {
+        int t = __dp4a((int)q[0], (int)x.x[0], 0);
+        t = __dp4a((int)q[1], (int)x.x[1], t);
+        t = __dp4a((int)q[2], (int)x.x[2], t);
+        return __dp4a((int)q[3], (int)x.x[3], t);
+    }
     __device__ int mprod(const A&) const { return 0; }
     static __device__ float step(float acc, float d, float, float da, int is, int) {
         return step_plain(acc, d, da, is);

@@ -529,13 +529,13 @@ TC_JOBS_KERNEL(mm_tc_q4_k_async32g_jobs_live, false)
 // activation rows (R / 8 n8 tiles), two stages of cp.async copies as above.
 //
 // A 210-byte block starts 2-byte aligned, so each row's block is copied as
-// T6_WORDS aligned words from the word holding its first byte, and every
+// the T6_PIECES (or fewer) aligned 16-byte pieces that hold it, and every
 // word of the block is read back as two aligned words funnel-shifted by the
-// block's offset in its first word (0 or 2 bytes). The copy may read up to
-// 2 bytes past a tensor's last block (the device copy of the file is
-// allocated with slack for that).
+// block's offset in its first piece. The copy may read up to 15 bytes before
+// a block and after it (inside the tensor, the file before it, or the slack
+// the device copy of the weights is allocated with).
 
-#define T6_WORDS 53
+#define T6_PIECES 14
 #define T6_WST 240  // a row's stride: a warp's 8 rows x 4 words fall in distinct banks
 
 template <int R>
@@ -550,12 +550,13 @@ struct T6Layout {
 template <int R>
 __device__ __forceinline__ void t6_issue(u8* stage, const u8* wt, int row_bytes, int wrow0, int rows, const u8* at,
                                          i64 arow, int nr, int b, int tid) {
-    for (int c = tid; c < TQ_WROWS * T6_WORDS; c += 128) {
-        int r = c / T6_WORDS, w = c - r * T6_WORDS;
+    for (int c = tid; c < TQ_WROWS * T6_PIECES; c += 128) {
+        int r = c / T6_PIECES, q = c - r * T6_PIECES;
         int j = min(wrow0 + r, rows - 1) - wrow0;
-        const u8* src = wt + (i64)j * row_bytes + (i64)b * 210;
-        const u8* al = (const u8*)((unsigned long long)src & ~3ull);
-        cp_async4(stage + r * T6_WST + 4 * w, al + 4 * w);
+        unsigned long long sa = (unsigned long long)(wt + (i64)j * row_bytes + (i64)b * 210);
+        // The 16-byte pieces holding bytes [sa, sa + 210).
+        if (q < (int)(((sa & 15ull) + 210 + 15) / 16))
+            cp_async16(stage + r * T6_WST + 16 * q, (const u8*)(sa & ~15ull) + 16 * q, true);
     }
     for (int c = tid; c < R * (Q8K_BYTES / 16); c += 128) {
         int t = c / (Q8K_BYTES / 16), q = c % (Q8K_BYTES / 16);
@@ -595,13 +596,13 @@ __device__ __forceinline__ void t6_matrix(u8* dsm, const u8* W, i64 mat_stride, 
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
     const u8* wt = W + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
-    // This thread's rows' offsets in their first words at block 0 (a block
-    // moves it by 210 = 2 mod 4 bytes).
+    // This thread's rows' offsets in their first 16-byte pieces at block 0
+    // (a block moves it by 210 bytes).
     u32 sh0[4];
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         int j = min(wrow0 + warp * 32 + gq + 8 * i, rows - 1) - wrow0;
-        sh0[i] = (u32)((unsigned long long)(wt + (i64)j * row_bytes) & 3ull);
+        sh0[i] = (u32)((unsigned long long)(wt + (i64)j * row_bytes) & 15ull);
     }
     t6_issue<R>(dsm, wt, row_bytes, wrow0, rows, at, arow, nr, 0, tid);
     cp_async_commit();
@@ -619,7 +620,7 @@ __device__ __forceinline__ void t6_matrix(u8* dsm, const u8* W, i64 mat_stride, 
         const u8* sq = st + L::A_OFF;
         u32 sh[4];
 #pragma unroll
-        for (int i = 0; i < 4; i++) sh[i] = (sh0[i] + 2 * (u32)b) & 3;
+        for (int i = 0; i < 4; i++) sh[i] = (sh0[i] + 210u * (u32)b) & 15u;
         int isum[2][N][4];
 #pragma unroll
         for (int a = 0; a < 2; a++)
@@ -708,11 +709,10 @@ __device__ __forceinline__ void t6_matrix(u8* dsm, const u8* W, i64 mat_stride, 
 // activations' Q8_0 block, and its float step is step_plain: the row
 // kernels' integer and float step (FmtQ8_0, FmtNib32), so their bytes. A
 // stage holds T8_KB blocks of K. Blocks are 34, 18, 17 or 22 bytes, so a
-// row's start is only byte aligned, but T8_KB blocks are a whole number of
-// words: a row's offset in its first word is the same at every stage. Rows
-// are copied as aligned words and fragments read back funnel-shifted (as
-// Q6_K). Activation blocks (36 bytes: 32 quants, then d as f32) are word
-// aligned.
+// row's start is only byte aligned: a stage of a row is copied as the
+// aligned 16-byte pieces that hold it and fragments read back
+// funnel-shifted (as Q6_K). Activation blocks (36 bytes: 32 quants, then d
+// as f32) are word aligned.
 
 #define T8_KB 8
 #define T8_WST 336  // 84 words: a warp's 8 rows start in banks 0, 20, 8, 28, ...
@@ -758,14 +758,15 @@ template <int KIND, int R>
 __device__ __forceinline__ void t8_issue(u8* stage, const u8* wt, int row_bytes, int wrow0, int rows, const u8* at,
                                          i64 arow, int nr, int b0, int kb, int tid) {
     constexpr int BY = Blk32<KIND>::BYTES;
-    constexpr int WMAX = (3 + BY * T8_KB + 3) / 4;
-    for (int c = tid; c < TQ_WROWS * WMAX; c += 128) {
-        int r = c / WMAX, w = c - r * WMAX;
+    constexpr int PMAX = (15 + BY * T8_KB + 15) / 16;
+    static_assert(PMAX * 16 <= T8_WST, "a row's pieces fit its stride");
+    for (int c = tid; c < TQ_WROWS * PMAX; c += 128) {
+        int r = c / PMAX, q = c - r * PMAX;
         int j = min(wrow0 + r, rows - 1) - wrow0;
         unsigned long long sa = (unsigned long long)(wt + (i64)j * row_bytes + (i64)b0 * BY);
-        // Words holding bytes [src, src + BY kb).
-        int words = (int)(((sa & 3ull) + BY * kb + 3) / 4);
-        if (w < words) cp_async4(stage + r * T8_WST + 4 * w, (const u8*)(sa & ~3ull) + 4 * w);
+        // The 16-byte pieces holding bytes [sa, sa + BY kb).
+        if (q < (int)(((sa & 15ull) + BY * kb + 15) / 16))
+            cp_async16(stage + r * T8_WST + 16 * q, (const u8*)(sa & ~15ull) + 16 * q, true);
     }
     for (int c = tid; c < R * 72; c += 128) {
         int t = c / 72, w = c - t * 72;
@@ -794,11 +795,13 @@ __device__ __forceinline__ void t8_matrix(u8* dsm, const u8* W, i64 mat_stride, 
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
     const u8* wt = W + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
-    u32 sh[4];
+    // This thread's rows' offsets in their first 16-byte pieces at stage 0
+    // (a stage moves it by T8_KB blocks).
+    u32 sh0[4];
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         int j = min(wrow0 + warp * 32 + gq + 8 * i, rows - 1) - wrow0;
-        sh[i] = (u32)((unsigned long long)(wt + (i64)j * row_bytes) & 3ull);
+        sh0[i] = (u32)((unsigned long long)(wt + (i64)j * row_bytes) & 15ull);
     }
     const int stages = (nb + T8_KB - 1) / T8_KB;
     t8_issue<KIND, R>(dsm, wt, row_bytes, wrow0, rows, at, arow, nr, 0, min(T8_KB, nb), tid);
@@ -818,6 +821,9 @@ __device__ __forceinline__ void t8_matrix(u8* dsm, const u8* W, i64 mat_stride, 
         const u8* wrow = st + (warp * 32 + gq) * T8_WST;
         const u8* sq = st + L::A_OFF;
         const int kb = min(T8_KB, nb - s * T8_KB);
+        u32 sh[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) sh[i] = (sh0[i] + (u32)(B::BYTES * T8_KB) * (u32)s) & 15u;
 #pragma unroll 2
         for (int kk = 0; kk < kb; kk++) {
             u32 aw[4][2];
@@ -833,16 +839,16 @@ __device__ __forceinline__ void t8_matrix(u8* dsm, const u8* W, i64 mat_stride, 
             for (int n = 0; n < N; n++) {
                 const u8* ar = sq + (n * 8 + gq) * T8_AST + 36 * kk;
                 const u32 b0 = *(const u32*)(ar + 4 * tq), b1 = *(const u32*)(ar + 16 + 4 * tq);
+                // The d of this thread's two activation rows, 8 n + 2 tq (+ 1).
+                const u8* dr = sq + (8 * n + 2 * tq) * T8_AST + 36 * kk + 32;
+                const float da[2] = {*(const float*)dr, *(const float*)(dr + T8_AST)};
 #pragma unroll
                 for (int a = 0; a < 2; a++) {
                     int d[4];
                     mma_s8(d, aw[2 * a][0], aw[2 * a + 1][0], aw[2 * a][1], aw[2 * a + 1][1], b0, b1);
 #pragma unroll
-                    for (int c = 0; c < 4; c++) {
-                        int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
-                        float da = *(const float*)(sq + t * T8_AST + 36 * kk + 32);
-                        acc[a][n][c] = step_plain(acc[a][n][c], dw[i], da, d[c]);
-                    }
+                    for (int c = 0; c < 4; c++)
+                        acc[a][n][c] = step_plain(acc[a][n][c], dw[2 * a + c / 2], da[c % 2], d[c]);
                 }
             }
         }

@@ -43,9 +43,7 @@ pub enum CudaError {
         slots_mib: u64,
         used: usize,
     },
-    #[error(
-        "{tensor}: no CUDA kernel for {ty} weights (have: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K)"
-    )]
+    #[error("{tensor}: no CUDA kernel for {ty} weights (have: {})", crate::backend::format_names())]
     Unsupported { tensor: String, ty: String },
 }
 

@@ -150,8 +150,9 @@ impl Tier {
                     None
                 };
                 host.push(copy.unwrap_or(HostCopy::Mapped(m.offset)));
-                // 16 bytes of slack: the Q6_K tensor-core copies read up to 2
-                // bytes past a slot's last block.
+                // 16 bytes of slack: the tensor-core copies of formats whose
+                // blocks are not 16-byte aligned read up to 15 bytes past a
+                // slot's last block.
                 pools.push(dev.scratch::<u8>(plan.slots * one[i] + 16)?);
                 done += whole[i] as u64;
                 bar.set_position(done);
@@ -168,9 +169,10 @@ impl Tier {
             });
         }
         bar.finish_and_clear();
+        // Slack as for the pools.
         let stage = [
-            dev.scratch::<u8>(stage_bytes)?,
-            dev.scratch::<u8>(stage_bytes)?,
+            dev.scratch::<u8>(stage_bytes + 16)?,
+            dev.scratch::<u8>(stage_bytes + 16)?,
         ];
         let copy = dev
             .ctx

@@ -151,7 +151,8 @@ impl<'a> Input<'a> {
             launch!(
                 d,
                 "quantize_q8_0",
-                cfg1(m * nb),
+                // A warp a block.
+                cfg1(32 * m * nb),
                 self.f32_rows()?,
                 &mut a,
                 &ci,

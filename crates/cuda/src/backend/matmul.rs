@@ -669,6 +669,16 @@ impl Cuda {
         )
     }
 
+    /// `m` host rows quantized to Q8_0 blocks as the matmuls read them (32
+    /// quants, then d as f32: 36 bytes a block), for tests.
+    #[doc(hidden)]
+    pub fn quantize_q8_0_host(&self, x: &[f32], m: usize) -> Result<Vec<u8>> {
+        let xd = self.dev.upload(x)?;
+        let input = Input::new(&xd, m);
+        let q = input.q80(&self.dev)?;
+        self.dev.download(q, m * (x.len() / m) / 32 * 36)
+    }
+
     /// Matmuls of `ws` on host rows through [`Cuda::mm_group`] (`grouped`) or
     /// one matmul each, for tests.
     #[doc(hidden)]

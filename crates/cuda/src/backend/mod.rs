@@ -41,9 +41,10 @@ type R<T> = samesum_engine::Result<T>;
 /// A column map's description: (kind, sizes...).
 type MapKey = (u8, usize, usize, usize);
 
-/// Bytes allocated past the weights on the device: the Q6_K tensor-core
-/// kernels copy a 210-byte block as the aligned words that hold it, which
-/// reads up to 2 bytes past a tensor's last block.
+/// Bytes allocated past the weights on the device: the tensor-core kernels
+/// of formats whose blocks are not 16-byte aligned (Q6_K, the 32-value
+/// formats) copy a block as the aligned 16-byte pieces that hold it, which
+/// reads up to 15 bytes past a tensor's last block.
 const FILE_SLACK: usize = 16;
 
 /// Weight formats with a CUDA matmul kernel.
@@ -61,6 +62,15 @@ pub const FORMATS: &[GgmlType] = &[
     GgmlType::Q6_K,
     GgmlType::IQ4_XS,
 ];
+
+/// [`FORMATS`] as ggml names them, for messages.
+pub(crate) fn format_names() -> String {
+    FORMATS
+        .iter()
+        .map(|t| t.name().to_uppercase())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 /// The CUDA backend for one model.
 pub struct Cuda {
@@ -305,7 +315,7 @@ impl Cuda {
         }
         let size = |m: &Matrix| (m.rows * m.row_bytes * m.n_mats).next_multiple_of(256);
         let trunk_bytes: usize = trunk_mats.iter().map(|m| size(m)).sum();
-        // FILE_SLACK: the Q6_K tensor-core copies' overread.
+        // FILE_SLACK: the tensor-core copies' overread.
         let mut file = dev.scratch::<u8>(trunk_bytes + FILE_SLACK)?;
         let file_ptr = addr(&dev, &file);
         let bar = upload_bar(progress, trunk_bytes as u64, "trunk to VRAM");
@@ -485,6 +495,20 @@ fn e(err: CudaError) -> EngineError {
 #[cfg(test)]
 mod tests {
     use super::attention_shape;
+
+    /// A weight with no CUDA kernel is named with its type and the formats
+    /// that have one.
+    #[test]
+    fn an_unsupported_weight_names_tensor_type_and_the_formats_there_are() {
+        let e = crate::CudaError::Unsupported {
+            tensor: "blk.3.ffn_down_exps.weight".into(),
+            ty: "IQ2_XXS".into(),
+        }
+        .to_string();
+        for want in ["blk.3.ffn_down_exps.weight", "IQ2_XXS", "Q6_K", "IQ4_XS", "MXFP4"] {
+            assert!(e.contains(want), "{e}");
+        }
+    }
 
     #[test]
     fn attention_shapes_beyond_the_kernel_are_refused_with_the_shape_named() {

@@ -552,3 +552,38 @@ fn tensor_core_jobs_equal_one_launch_each() {
     }
     eprintln!("tensor-core joint launch cases equal: {checked}");
 }
+
+/// The Q8_0 activation blocks the matmuls read equal the CPU's
+/// quantization (ggml's reference rule) bit for bit: quants and d, on
+/// random rows with zero blocks, tiny and huge magnitudes and ties.
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
+fn q8_0_activations_equal_the_cpu_quantization() {
+    if !gpu() {
+        return;
+    }
+    let (_d, model) = synth("tiny-qwen3moe", GgmlType::Q8_0, 7);
+    let cuda = Cuda::new(0, &model, false).unwrap();
+    let mut rng = Rng::new(17);
+    let (m, cols) = (37, 256);
+    let mut x: Vec<f32> = (0..m * cols).map(|_| rng.normal() * 3.0).collect();
+    x[..32].fill(0.0);
+    for (i, v) in x[32..64].iter_mut().enumerate() {
+        *v = (i as f32 - 16.0) * 0.5; // halves: ties in the rounding
+    }
+    for v in &mut x[64..96] {
+        *v *= 1e-30;
+    }
+    for v in &mut x[96..128] {
+        *v *= 1e30;
+    }
+    let gpu_q = cuda.quantize_q8_0_host(&x, m).unwrap();
+    for (b, chunk) in x.chunks_exact(32).enumerate() {
+        let want = samesum_quant::quantize::q8_0(chunk.try_into().unwrap());
+        let got = &gpu_q[b * 36..(b + 1) * 36];
+        let qs: Vec<u8> = want.qs.iter().map(|&q| q as u8).collect();
+        assert_eq!(&got[..32], &qs[..], "block {b}: quants");
+        let d = f32::from_le_bytes(got[32..36].try_into().unwrap());
+        assert_eq!(d.to_bits(), want.d.to_f32().to_bits(), "block {b}: d");
+    }
+}
