@@ -357,3 +357,86 @@ fn multi_row_kernels_handle_extreme_values() {
         }
     }
 }
+
+/// `dot_rows_with(isa)` against the scalar reference of every row, bit for bit.
+fn assert_rows_match_scalar(
+    isa: Isa,
+    ty: GgmlType,
+    w: &[u8],
+    rows: usize,
+    act: &ActRow,
+    what: &str,
+) {
+    let rb = w.len() / rows;
+    let mut out = vec![f32::NAN; rows];
+    dot::dot_rows_with(isa, ty, w, act, &mut out).unwrap();
+    for (j, got) in out.iter().enumerate() {
+        let reference = dot::dot_with(Isa::Scalar, ty, &w[j * rb..(j + 1) * rb], act).unwrap();
+        assert_eq!(
+            got.to_bits(),
+            reference.to_bits(),
+            "{ty} {isa} {what}: row {j} of {rows}: {got} vs scalar {reference}"
+        );
+    }
+}
+
+#[test]
+fn eight_row_kernels_equal_scalar_bitwise() {
+    // Row counts at, past and between multiples of 8: the eight-row kernels
+    // (one weight row per lane) take whole groups, the one-row kernels the rest.
+    let mut rng = Rng::new(37);
+    for isa in Isa::available() {
+        for &ty in DOT_FORMATS {
+            let bs = ty.block_size();
+            for n in [bs.max(256), 4 * bs.max(256)] {
+                for rows in [8usize, 9, 16, 23] {
+                    let w = random_weight_blocks(ty, rows * n / bs, &mut rng).unwrap();
+                    let act = random_act(ty, n, &mut rng);
+                    assert_rows_match_scalar(isa, ty, &w, rows, &act, &format!("n={n}"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn eight_row_kernels_handle_extreme_values() {
+    let mut rng = Rng::new(41);
+    for isa in Isa::available() {
+        for &ty in dot::multi_accelerated(isa) {
+            if ty.block_size() != 256 {
+                continue;
+            }
+            let (n, rows) = (2 * 256, 11);
+            for fill in [0u8, 0xFF, 0x80, 0x7F, 0x88] {
+                for act_fill in [-128i8, 127] {
+                    let mut w = random_weight_blocks(ty, rows * n / 256, &mut rng).unwrap();
+                    let keep: &[usize] = match ty {
+                        GgmlType::Q6_K => &[208, 209],
+                        GgmlType::Q4_K | GgmlType::Q5_K => &[0, 1, 2, 3],
+                        _ => &[0, 1],
+                    };
+                    for b in w.chunks_exact_mut(ty.type_size()) {
+                        let saved: Vec<(usize, u8)> = keep.iter().map(|&i| (i, b[i])).collect();
+                        b.fill(fill);
+                        for (i, v) in saved {
+                            b[i] = v;
+                        }
+                    }
+                    let act = ActRow::Q8K(
+                        (0..n / 256)
+                            .map(|_| {
+                                let mut b = random_q8_k(&mut rng);
+                                b.qs = [act_fill; 256];
+                                b.bsums = [16 * act_fill as i16; 16];
+                                b
+                            })
+                            .collect(),
+                    );
+                    let what = format!("fill={fill:#x} act={act_fill}");
+                    assert_rows_match_scalar(isa, ty, &w, rows, &act, &what);
+                }
+            }
+        }
+    }
+}

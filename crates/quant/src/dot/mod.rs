@@ -208,6 +208,16 @@ pub fn dot_rows_with(
         return Ok(());
     }
     #[cfg(target_arch = "x86_64")]
+    let (w, out) = if isa == Isa::Avx512 && out.len() >= 8 {
+        // Eight weight rows at a time where a kernel shares each activation
+        // block among them (one weight row per float lane); the rest below.
+        let done = x86_multi::dot_rows8(weight, w, act, per_row, out)?;
+        let rb = w.len() / out.len();
+        (&w[done * rb..], &mut out[done..])
+    } else {
+        (w, out)
+    };
+    #[cfg(target_arch = "x86_64")]
     if isa != Isa::Scalar && x86::dot_rows(isa, weight, w, act, per_row, out)? {
         return Ok(());
     }

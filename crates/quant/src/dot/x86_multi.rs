@@ -98,6 +98,52 @@ pub(super) fn dot_rows_multi(
     Ok(true)
 }
 
+/// `out[j]` = weight row `j` of `w` · `act` for the first `8 * k` rows with the
+/// eight-row kernel of `weight`; returns how many rows it did (0 when `weight`
+/// has none). The caller has checked AVX-512 support and lengths (`per_row`
+/// blocks a row).
+pub(super) fn dot_rows8(
+    weight: GgmlType,
+    w: &[u8],
+    act: &ActRow,
+    per_row: usize,
+    out: &mut [f32],
+) -> Result<usize> {
+    use GgmlType as T;
+    let ActRow::Q8K(a) = act else {
+        return Ok(0);
+    };
+    match weight {
+        T::Q4_K => drive8::<BlockQ4K>(weight, w, a, per_row, out, q4_k_rows8),
+        T::Q5_K => drive8::<BlockQ5K>(weight, w, a, per_row, out, q5_k_rows8),
+        T::Q6_K => drive8::<BlockQ6K>(weight, w, a, per_row, out, q6_k_rows8),
+        T::IQ4_XS => drive8::<BlockIq4Xs>(weight, w, a, per_row, out, iq4_xs_rows8),
+        _ => Ok(0),
+    }
+}
+
+fn drive8<W: bytemuck::Pod>(
+    weight: GgmlType,
+    w: &[u8],
+    a: &[BlockQ8K],
+    nb: usize,
+    out: &mut [f32],
+    kernel: unsafe fn(&[&[W]; 8], &[BlockQ8K], &mut [f32; 8]),
+) -> Result<usize> {
+    let blocks: &[W] = crate::cast_blocks(weight, w)?;
+    let a = &a[..nb];
+    let mut done = 0;
+    for (rows, o) in blocks.chunks_exact(8 * nb).zip(out.chunks_exact_mut(8)) {
+        let w: [&[W]; 8] = arr!(ib in 8 => &rows[ib * nb..(ib + 1) * nb]);
+        let o: &mut [f32; 8] = o.try_into().expect("chunks of 8");
+        // SAFETY: AVX-512 F/BW support was checked by the caller; every row
+        // has `nb` blocks.
+        unsafe { kernel(&w, a, o) };
+        done += 8;
+    }
+    Ok(done)
+}
+
 fn drive<W: bytemuck::Pod, A: ActBlock>(
     weight: GgmlType,
     w: &[u8],
@@ -156,21 +202,30 @@ unsafe fn act_scales(acts: &[&[BlockQ8K]], b: usize) -> __m256 {
 
 // ---------------------------------------------------------------- 256-element formats
 
-/// A 256-element weight format for the shared two-row loop [`core2`]. Every
-/// method is `inline(always)` (closures here would be compiled apart from
-/// their caller and pass every vector through memory).
+/// A 256-element weight format for the shared loops [`core2`] and [`core8`].
+/// Every method is `inline(always)` (closures here would be compiled apart
+/// from their caller and pass every vector through memory).
 trait Format {
     type W;
     /// One weight block, unpacked.
     type U: Copy;
+    /// One activation block, loaded.
+    type A: Copy;
     /// Whether the block has mins (`acc - (dmin*da)*summ` after each block).
     const MINS: bool;
     unsafe fn unpack(&self, w: &Self::W) -> Self::U;
-    /// For both unpacked weight blocks, 8-lane partial sums whose totals are
-    /// `sumi` and (with `MINS`) `summ` against activation block `a`.
-    unsafe fn row(&self, u: &[Self::U; 2], a: &BlockQ8K) -> [(__m256i, __m256i); 2];
+    unsafe fn load(&self, a: &BlockQ8K) -> Self::A;
+    /// 8-lane partial sums whose totals are the exact `sumi` and (with
+    /// `MINS`) `summ` of one weight block against one activation block.
+    unsafe fn dot(&self, u: &Self::U, a: &Self::A) -> (__m256i, __m256i);
     /// Block scales (`d`, and `dmin` with `MINS`).
     fn scales(u: &Self::U) -> (f32, f32);
+}
+
+/// f16 to f32 by F16C (the bits of [`f16_to_f32`]).
+#[inline(always)]
+unsafe fn h2f(h: half::f16) -> f32 {
+    unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h.to_bits() as i32))) }
 }
 
 /// The shared two-row loop: per block, in order, the reference's
@@ -193,11 +248,9 @@ unsafe fn core2<F: Format>(
             let mut vs = [[_mm256_setzero_si256(); 8]; 2];
             let mut ms = [[_mm256_setzero_si256(); 8]; 2];
             for r in 0..nr {
-                let [(v0, m0), (v1, m1)] = f.row(&u, &acts[r][b]);
-                vs[0][r] = v0;
-                vs[1][r] = v1;
-                ms[0][r] = m0;
-                ms[1][r] = m1;
+                let a = f.load(&acts[r][b]);
+                (vs[0][r], ms[0][r]) = f.dot(&u[0], &a);
+                (vs[1][r], ms[1][r]) = f.dot(&u[1], &a);
             }
             let da = act_scales(&acts[..nr], b);
             for t in 0..2 {
@@ -221,6 +274,46 @@ unsafe fn core2<F: Format>(
     }
 }
 
+/// The shared eight-row loop (eight weight rows, one activation row: decode):
+/// the same per-block steps as [`core2`], one weight row per lane.
+#[inline(always)]
+unsafe fn core8<F: Format>(f: &F, w: &[&[F::W]; 8], a: &[BlockQ8K], out: &mut [f32; 8]) {
+    let size = std::mem::size_of::<F::W>();
+    // The eight rows are one contiguous run of `8 * nb` blocks (see `drive8`),
+    // read in an interleaved order the hardware prefetcher follows poorly: each
+    // block step fetches the same block of the next run instead (prefetches
+    // never fault, past the end of the weights included).
+    let next = w[0].as_ptr().cast::<u8>().wrapping_add(8 * a.len() * size);
+    unsafe {
+        let mut acc = _mm256_setzero_ps();
+        for (b, ab) in a.iter().enumerate() {
+            let x = f.load(ab);
+            let mut vs = [_mm256_setzero_si256(); 8];
+            let mut ms = [_mm256_setzero_si256(); 8];
+            let (mut d, mut dmin) = ([0f32; 8], [0f32; 8]);
+            for t in 0..8 {
+                let p = next.wrapping_add((t * a.len() + b) * size);
+                for line in (0..size).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast());
+                }
+                let u = f.unpack(&w[t][b]);
+                (vs[t], ms[t]) = f.dot(&u, &x);
+                (d[t], dmin[t]) = F::scales(&u);
+            }
+            let da = _mm256_set1_ps(ab.d);
+            let sumi = _mm256_cvtepi32_ps(hsum8(&vs));
+            let d = _mm256_loadu_ps(d.as_ptr());
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(d, da), sumi));
+            if F::MINS {
+                let summ = _mm256_cvtepi32_ps(hsum8(&ms));
+                let dmin = _mm256_loadu_ps(dmin.as_ptr());
+                acc = _mm256_sub_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dmin, da), summ));
+            }
+        }
+        _mm256_storeu_ps(out.as_mut_ptr(), acc);
+    }
+}
+
 /// A Q4_K/Q5_K/Q6_K block: quants (below 64) of elements `64c..64c+64` in
 /// order, the i16 scale of each `maddubs` pair sum of `q[c]`, and 16 i16
 /// factors against the activation's 16 `bsums` (each min twice, or Q6_K's
@@ -234,30 +327,42 @@ struct KBlock {
     dmin: f32,
 }
 
-/// The K-quant row step: `Σ_c madd(maddubs(q_c, a_c), sc_c)` folded to 8 lanes,
-/// and `madd(m, bsums)`. With `Q6`, the second is folded into the first as
+/// A Q8_K block loaded for the K-quant dot: quants in 4 registers of 64, bsums.
+#[derive(Clone, Copy)]
+struct KAct {
+    q: [__m512i; 4],
+    bsums: __m256i,
+}
+
+#[inline(always)]
+unsafe fn k_load(a: &BlockQ8K) -> KAct {
+    unsafe {
+        KAct {
+            q: arr!(c in 4 => _mm512_loadu_si512(a.qs[64 * c..].as_ptr() as *const _)),
+            bsums: _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i),
+        }
+    }
+}
+
+/// The K-quant dot: `Σ_c madd(maddubs(q_c, a_c), sc_c)` folded to 8 lanes, and
+/// `madd(m, bsums)`. With `Q6`, the second is folded into the first as
 /// `sumi − 32·Σ sc·bsum` (ggml's −32 offset of the Q6_K quants).
 #[inline(always)]
-unsafe fn k_row<const Q6: bool>(u: &[KBlock; 2], a: &BlockQ8K) -> [(__m256i, __m256i); 2] {
+unsafe fn k_dot<const Q6: bool>(u: &KBlock, a: &KAct) -> (__m256i, __m256i) {
     unsafe {
-        let az = arr!(c in 4 => _mm512_loadu_si512(a.qs[64 * c..].as_ptr() as *const _));
-        let bs = _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i);
-        arr!(t in 2 => {
-            let u = &u[t];
-            let mut v = _mm512_madd_epi16(_mm512_maddubs_epi16(u.q[0], az[0]), u.sc[0]);
-            for c in 1..4 {
-                v = _mm512_add_epi32(
-                    v,
-                    _mm512_madd_epi16(_mm512_maddubs_epi16(u.q[c], az[c]), u.sc[c]),
-                );
-            }
-            let m = _mm256_madd_epi16(u.m, bs);
-            if Q6 {
-                (_mm256_sub_epi32(fold(v), _mm256_slli_epi32::<5>(m)), m)
-            } else {
-                (fold(v), m)
-            }
-        })
+        let mut v = _mm512_madd_epi16(_mm512_maddubs_epi16(u.q[0], a.q[0]), u.sc[0]);
+        for c in 1..4 {
+            v = _mm512_add_epi32(
+                v,
+                _mm512_madd_epi16(_mm512_maddubs_epi16(u.q[c], a.q[c]), u.sc[c]),
+            );
+        }
+        let m = _mm256_madd_epi16(u.m, a.bsums);
+        if Q6 {
+            (_mm256_sub_epi32(fold(v), _mm256_slli_epi32::<5>(m)), m)
+        } else {
+            (fold(v), m)
+        }
     }
 }
 
@@ -313,18 +418,23 @@ impl<W, const HIGH: bool> K4<W, HIGH> {
 impl Format for K4<BlockQ4K, false> {
     type W = BlockQ4K;
     type U = KBlock;
+    type A = KAct;
     const MINS: bool = true;
     #[inline(always)]
     unsafe fn unpack(&self, w: &BlockQ4K) -> KBlock {
         KBlock {
-            d: f16_to_f32(w.d),
-            dmin: f16_to_f32(w.dmin),
+            d: unsafe { h2f(w.d) },
+            dmin: unsafe { h2f(w.dmin) },
             ..unsafe { self.common(&w.scales, &w.qs) }
         }
     }
     #[inline(always)]
-    unsafe fn row(&self, u: &[KBlock; 2], a: &BlockQ8K) -> [(__m256i, __m256i); 2] {
-        unsafe { k_row::<false>(u, a) }
+    unsafe fn load(&self, a: &BlockQ8K) -> KAct {
+        unsafe { k_load(a) }
+    }
+    #[inline(always)]
+    unsafe fn dot(&self, u: &KBlock, a: &KAct) -> (__m256i, __m256i) {
+        unsafe { k_dot::<false>(u, a) }
     }
     #[inline(always)]
     fn scales(u: &KBlock) -> (f32, f32) {
@@ -335,6 +445,7 @@ impl Format for K4<BlockQ4K, false> {
 impl Format for K4<BlockQ5K, true> {
     type W = BlockQ5K;
     type U = KBlock;
+    type A = KAct;
     const MINS: bool = true;
     #[inline(always)]
     unsafe fn unpack(&self, w: &BlockQ5K) -> KBlock {
@@ -351,45 +462,23 @@ impl Format for K4<BlockQ5K, true> {
                 let k = _mm512_test_epi8_mask(qh, bits);
                 u.q[c] = _mm512_mask_add_epi8(u.q[c], k, u.q[c], self.sixteen);
             }
-            u.d = f16_to_f32(w.d);
-            u.dmin = f16_to_f32(w.dmin);
+            u.d = h2f(w.d);
+            u.dmin = h2f(w.dmin);
             u
         }
     }
     #[inline(always)]
-    unsafe fn row(&self, u: &[KBlock; 2], a: &BlockQ8K) -> [(__m256i, __m256i); 2] {
-        unsafe { k_row::<false>(u, a) }
+    unsafe fn load(&self, a: &BlockQ8K) -> KAct {
+        unsafe { k_load(a) }
+    }
+    #[inline(always)]
+    unsafe fn dot(&self, u: &KBlock, a: &KAct) -> (__m256i, __m256i) {
+        unsafe { k_dot::<false>(u, a) }
     }
     #[inline(always)]
     fn scales(u: &KBlock) -> (f32, f32) {
         (u.d, u.dmin)
     }
-}
-
-/// Two Q4_K weight rows against up to 8 activation rows; per pair exactly
-/// [`super::scalar::q4_k_q8_k`].
-#[target_feature(enable = "avx512f,avx512bw,avx2")]
-unsafe fn q4_k_multi2(
-    w0: &[BlockQ4K],
-    w1: &[BlockQ4K],
-    acts: &[&[BlockQ8K]],
-    out0: &mut [f32; 8],
-    out1: &mut [f32; 8],
-) {
-    unsafe { core2(&K4::<BlockQ4K, false>::new(), w0, w1, acts, out0, out1) }
-}
-
-/// Two Q5_K weight rows against up to 8 activation rows; per pair exactly
-/// [`super::scalar::q5_k_q8_k`].
-#[target_feature(enable = "avx512f,avx512bw,avx2")]
-unsafe fn q5_k_multi2(
-    w0: &[BlockQ5K],
-    w1: &[BlockQ5K],
-    acts: &[&[BlockQ8K]],
-    out0: &mut [f32; 8],
-    out1: &mut [f32; 8],
-) {
-    unsafe { core2(&K4::<BlockQ5K, true>::new(), w0, w1, acts, out0, out1) }
 }
 
 /// Q6_K: `ql[64n..64n+64]` holds elements `128n + (0..64)` in its low nibbles
@@ -402,9 +491,32 @@ struct Q6 {
     idx0: __m256i,
 }
 
+impl Q6 {
+    #[inline(always)]
+    unsafe fn new() -> Self {
+        unsafe {
+            Q6 {
+                m4: _mm512_set1_epi8(0x0F),
+                m2: _mm512_set1_epi8(0x03),
+                // Low half: elements l (qh bits 0-1), high half: l + 32 (bits 2-3);
+                // then l + 64 (bits 4-5) and l + 96 (bits 6-7).
+                sh_a: join(_mm256_setzero_si256(), _mm256_set1_epi16(2)),
+                sh_b: join(_mm256_set1_epi16(4), _mm256_set1_epi16(6)),
+                // Byte indices [g x8, g+1 x8 | g+2 x8, g+3 x8]: one scale per 16
+                // elements, i.e. per 8 pair sums, for the 64 elements of a register.
+                idx0: _mm256_setr_epi8(
+                    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                    3, 3, 3, 3, 3, 3,
+                ),
+            }
+        }
+    }
+}
+
 impl Format for Q6 {
     type W = BlockQ6K;
     type U = KBlock;
+    type A = KAct;
     const MINS: bool = false;
     #[inline(always)]
     unsafe fn unpack(&self, w: &BlockQ6K) -> KBlock {
@@ -431,47 +543,22 @@ impl Format for Q6 {
                     _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(scales, idx))
                 }),
                 m: _mm256_cvtepi8_epi16(s128),
-                d: f16_to_f32(w.d),
+                d: h2f(w.d),
                 dmin: 0.0,
             }
         }
     }
     #[inline(always)]
-    unsafe fn row(&self, u: &[KBlock; 2], a: &BlockQ8K) -> [(__m256i, __m256i); 2] {
-        unsafe { k_row::<true>(u, a) }
+    unsafe fn load(&self, a: &BlockQ8K) -> KAct {
+        unsafe { k_load(a) }
+    }
+    #[inline(always)]
+    unsafe fn dot(&self, u: &KBlock, a: &KAct) -> (__m256i, __m256i) {
+        unsafe { k_dot::<true>(u, a) }
     }
     #[inline(always)]
     fn scales(u: &KBlock) -> (f32, f32) {
         (u.d, 0.0)
-    }
-}
-
-/// Two Q6_K weight rows against up to 8 activation rows; per pair exactly
-/// [`super::scalar::q6_k_q8_k`].
-#[target_feature(enable = "avx512f,avx512bw,avx2")]
-unsafe fn q6_k_multi2(
-    w0: &[BlockQ6K],
-    w1: &[BlockQ6K],
-    acts: &[&[BlockQ8K]],
-    out0: &mut [f32; 8],
-    out1: &mut [f32; 8],
-) {
-    unsafe {
-        let f = Q6 {
-            m4: _mm512_set1_epi8(0x0F),
-            m2: _mm512_set1_epi8(0x03),
-            // Low half: elements l (qh bits 0-1), high half: l + 32 (bits 2-3);
-            // then l + 64 (bits 4-5) and l + 96 (bits 6-7).
-            sh_a: join(_mm256_setzero_si256(), _mm256_set1_epi16(2)),
-            sh_b: join(_mm256_set1_epi16(4), _mm256_set1_epi16(6)),
-            // Byte indices [g x8, g+1 x8 | g+2 x8, g+3 x8]: one scale per 16
-            // elements, i.e. per 8 pair sums, for the 64 elements of a register.
-            idx0: _mm256_setr_epi8(
-                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
-                3, 3, 3, 3,
-            ),
-        };
-        core2(&f, w0, w1, acts, out0, out1)
     }
 }
 
@@ -488,9 +575,24 @@ struct Iq4 {
     m4: __m128i,
 }
 
+impl Iq4 {
+    #[inline(always)]
+    unsafe fn new() -> Self {
+        unsafe {
+            Iq4 {
+                table: _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                    KVALUES_IQ4NL.as_ptr() as *const __m128i
+                )),
+                m4: _mm_set1_epi8(0x0F),
+            }
+        }
+    }
+}
+
 impl Format for Iq4 {
     type W = BlockIq4Xs;
     type U = Iq4Block;
+    type A = [__m512i; 8];
     const MINS: bool = false;
     #[inline(always)]
     unsafe fn unpack(&self, w: &BlockIq4Xs) -> Iq4Block {
@@ -510,22 +612,22 @@ impl Format for Iq4 {
                         _mm512_set1_epi16(sc[ib] as i16),
                     )
                 }),
-                d: f16_to_f32(w.d),
+                d: h2f(w.d),
             }
         }
     }
     #[inline(always)]
-    unsafe fn row(&self, u: &[Iq4Block; 2], a: &BlockQ8K) -> [(__m256i, __m256i); 2] {
+    unsafe fn load(&self, a: &BlockQ8K) -> [__m512i; 8] {
+        unsafe { arr!(ib in 8 => _mm512_cvtepi8_epi16(load256(&a.qs[ib * 32..]))) }
+    }
+    #[inline(always)]
+    unsafe fn dot(&self, u: &Iq4Block, a: &[__m512i; 8]) -> (__m256i, __m256i) {
         unsafe {
-            let mut v = [_mm512_setzero_si512(); 2];
-            for ib in 0..8 {
-                let az = _mm512_cvtepi8_epi16(load256(&a.qs[ib * 32..]));
-                for t in 0..2 {
-                    v[t] = _mm512_add_epi32(v[t], _mm512_madd_epi16(u[t].v[ib], az));
-                }
+            let mut v = _mm512_madd_epi16(u.v[0], a[0]);
+            for ib in 1..8 {
+                v = _mm512_add_epi32(v, _mm512_madd_epi16(u.v[ib], a[ib]));
             }
-            let z = _mm256_setzero_si256();
-            [(fold(v[0]), z), (fold(v[1]), z)]
+            (fold(v), _mm256_setzero_si256())
         }
     }
     #[inline(always)]
@@ -534,27 +636,53 @@ impl Format for Iq4 {
     }
 }
 
-/// Two IQ4_XS weight rows against up to 8 activation rows; per pair exactly
-/// [`super::scalar::iq4_xs_q8_k`] (the scale applied before the sum instead of after:
-/// the same exact integer).
-#[target_feature(enable = "avx512f,avx512bw,avx2")]
-unsafe fn iq4_xs_multi2(
-    w0: &[BlockIq4Xs],
-    w1: &[BlockIq4Xs],
-    acts: &[&[BlockQ8K]],
-    out0: &mut [f32; 8],
-    out1: &mut [f32; 8],
-) {
-    unsafe {
-        let f = Iq4 {
-            table: _mm256_broadcastsi128_si256(_mm_loadu_si128(
-                KVALUES_IQ4NL.as_ptr() as *const __m128i
-            )),
-            m4: _mm_set1_epi8(0x0F),
-        };
-        core2(&f, w0, w1, acts, out0, out1)
-    }
+/// The two-row (prefill) and eight-row (decode) kernels of a [`Format`].
+macro_rules! kernels {
+    ($w:ty, $multi2:ident, $rows8:ident, $name:literal, $make:expr) => {
+        #[doc = concat!("Two ", $name, " weight rows against up to 8 activation rows; per pair")]
+        #[doc = "exactly the scalar reference."]
+        #[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
+        unsafe fn $multi2(
+            w0: &[$w],
+            w1: &[$w],
+            acts: &[&[BlockQ8K]],
+            out0: &mut [f32; 8],
+            out1: &mut [f32; 8],
+        ) {
+            unsafe { core2(&$make, w0, w1, acts, out0, out1) }
+        }
+
+        #[doc = concat!("Eight ", $name, " weight rows against one activation row; per row")]
+        #[doc = "exactly the scalar reference."]
+        #[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
+        unsafe fn $rows8(w: &[&[$w]; 8], a: &[BlockQ8K], out: &mut [f32; 8]) {
+            unsafe { core8(&$make, w, a, out) }
+        }
+    };
 }
+
+kernels!(
+    BlockQ4K,
+    q4_k_multi2,
+    q4_k_rows8,
+    "Q4_K",
+    K4::<BlockQ4K, false>::new()
+);
+kernels!(
+    BlockQ5K,
+    q5_k_multi2,
+    q5_k_rows8,
+    "Q5_K",
+    K4::<BlockQ5K, true>::new()
+);
+kernels!(BlockQ6K, q6_k_multi2, q6_k_rows8, "Q6_K", Q6::new());
+kernels!(
+    BlockIq4Xs,
+    iq4_xs_multi2,
+    iq4_xs_rows8,
+    "IQ4_XS",
+    Iq4::new()
+);
 
 // ---------------------------------------------------------------- Q8_0
 
@@ -613,8 +741,7 @@ unsafe fn q8_0_multi2(
                 _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t][r]);
                 for b in groups * 8..nb {
                     let (w, a) = (&ws[t][b], &acts[r][b]);
-                    let term =
-                        scalar::term(f16_to_f32(w.d), f16_to_f32(a.d), scalar::sumi_q8_0(w, a));
+                    let term = scalar::term(h2f(w.d), f16_to_f32(a.d), scalar::sumi_q8_0(w, a));
                     lanes[b % 8] = lanes[b % 8] + term;
                 }
                 out[r] = scalar::reduce8(&lanes);
