@@ -10,7 +10,28 @@
 
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
+/// `[e(0), e(1), ...]` written out: `std::array::from_fn` is not compiled with
+/// the caller's target features, so its closure would not inline (every vector
+/// would go through memory).
+macro_rules! arr {
+    ($c:ident in 2 => $e:expr) => {
+        [{ let $c = 0usize; $e }, { let $c = 1usize; $e }]
+    };
+    ($c:ident in 4 => $e:expr) => {
+        [{ let $c = 0usize; $e }, { let $c = 1usize; $e }, { let $c = 2usize; $e }, { let $c = 3usize; $e }]
+    };
+    ($c:ident in 8 => $e:expr) => {
+        [
+            { let $c = 0usize; $e }, { let $c = 1usize; $e }, { let $c = 2usize; $e }, { let $c = 3usize; $e },
+            { let $c = 4usize; $e }, { let $c = 5usize; $e }, { let $c = 6usize; $e }, { let $c = 7usize; $e },
+        ]
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_kquant;
 #[cfg(target_arch = "x86_64")]
 mod x86_multi;
 
