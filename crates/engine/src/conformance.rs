@@ -28,16 +28,9 @@ pub use samesum_gguf::GgmlType;
 /// counts, and counts on both sides of 16, 64 and 256.
 pub const MS: &[usize] = &[1, 2, 3, 5, 16, 17, 64, 100, 257];
 
-/// The weight types the row contract is checked on.
-pub const ROW_CONTRACT_TYPES: [GgmlType; 7] = [
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-    GgmlType::Q8_0,
-    GgmlType::BF16,
-    GgmlType::F16,
-    GgmlType::F32,
-];
+/// The weight types the row contract is checked on unless the suite names
+/// its backend's own: every format the CPU runs.
+pub const ROW_CONTRACT_TYPES: &[GgmlType] = samesum_quant::dot::DOT_FORMATS;
 
 /// The weight types batched prefill is checked against replay on.
 pub const PREFILL_TYPES: [GgmlType; 3] = [GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::F32];
@@ -69,6 +62,7 @@ pub struct Suite<B, F> {
     shape: &'static str,
     write: WriteSynth,
     make: F,
+    formats: &'static [GgmlType],
     backend: PhantomData<fn() -> B>,
 }
 
@@ -80,8 +74,16 @@ impl<B: Backend, F: Fn(&Model) -> Option<B>> Suite<B, F> {
             shape,
             write,
             make,
+            formats: ROW_CONTRACT_TYPES,
             backend: PhantomData,
         }
+    }
+
+    /// The suite with the row contract checked on `formats` (the weight
+    /// formats the backend runs) in place of [`ROW_CONTRACT_TYPES`].
+    pub fn with_formats(mut self, formats: &'static [GgmlType]) -> Self {
+        self.formats = formats;
+        self
     }
 
     /// The synthetic model of this shape in `quant`, weights from `seed`
@@ -110,9 +112,10 @@ impl<B: Backend, F: Fn(&Model) -> Option<B>> Suite<B, F> {
     }
 
     /// Every block op obeys the row contract ([`block_ops_match`]) for
-    /// every m of [`MS`], with weights of each of [`ROW_CONTRACT_TYPES`].
+    /// every m of [`MS`], with weights of each of the suite's formats
+    /// (by default [`ROW_CONTRACT_TYPES`]: all uniform synthetic files).
     pub fn block_ops_obey_the_row_contract(&self) {
-        for quant in ROW_CONTRACT_TYPES {
+        for &quant in self.formats {
             let model = self.model(quant, 9);
             let Some(b) = self.backend(&model) else {
                 return;
@@ -657,7 +660,9 @@ pub fn fixture_prompts(json: &str) -> Vec<Vec<u32>> {
 /// for tests that need a device), then `backend =` an expression of type
 /// `impl Fn(&Model) -> Option<B>` where `B: Backend`: it makes the backend
 /// for a model, or gives `None` when the backend cannot start here (the
-/// test then says so and passes). The generated modules glob-import their
+/// test then says so and passes); optionally `, formats =` the weight
+/// formats the backend runs (a `&'static [GgmlType]`; default
+/// [`ROW_CONTRACT_TYPES`]), on which the row contract is checked. The generated modules glob-import their
 /// parent, so the expression may use the calling module's imports and
 /// functions. The calling crate needs `samesum-synth` as a (dev-)dependency,
 /// which writes the synthetic models.
@@ -673,17 +678,23 @@ pub fn fixture_prompts(json: &str) -> Vec<Vec<u32>> {
 /// use samesum_cuda::Cuda;
 /// samesum_engine::conformance_tests! {
 ///     #[ignore = "needs a CUDA device"]
-///     backend = |model| Some(Cuda::new(0, model, false).unwrap())
+///     backend = |model| Some(Cuda::new(0, model, false).unwrap()),
+///     formats = samesum_cuda::FORMATS
 /// }
 /// ```
 #[macro_export]
 macro_rules! conformance_tests {
     ($(#[$attr:meta])* backend = $make:expr $(;)?) => {
-        $crate::conformance_tests!(@shape tiny_qwen3moe, "tiny-qwen3moe", [$(#[$attr])*], $make);
-        $crate::conformance_tests!(@shape tiny_qwen3next, "tiny-qwen3next", [$(#[$attr])*], $make);
-        $crate::conformance_tests!(@shape tiny_qwen35moe, "tiny-qwen35moe", [$(#[$attr])*], $make);
+        $crate::conformance_tests!(
+            $(#[$attr])* backend = $make, formats = $crate::conformance::ROW_CONTRACT_TYPES
+        );
     };
-    (@shape $module:ident, $shape:literal, $attrs:tt, $make:expr) => {
+    ($(#[$attr:meta])* backend = $make:expr, formats = $formats:expr $(;)?) => {
+        $crate::conformance_tests!(@shape tiny_qwen3moe, "tiny-qwen3moe", [$(#[$attr])*], ($make, $formats));
+        $crate::conformance_tests!(@shape tiny_qwen3next, "tiny-qwen3next", [$(#[$attr])*], ($make, $formats));
+        $crate::conformance_tests!(@shape tiny_qwen35moe, "tiny-qwen35moe", [$(#[$attr])*], ($make, $formats));
+    };
+    (@shape $module:ident, $shape:literal, $attrs:tt, $mf:tt) => {
         mod $module {
             #[allow(unused_imports)]
             use super::*;
@@ -703,17 +714,19 @@ macro_rules! conformance_tests {
                 .expect("writing a synthetic model");
             }
 
-            $crate::conformance_tests!(@test $attrs, $shape, $make, block_ops_obey_the_row_contract);
-            $crate::conformance_tests!(@test $attrs, $shape, $make, batched_prefill_equals_replay);
-            $crate::conformance_tests!(@test $attrs, $shape, $make, sequences_batched_together_equal_each_alone);
-            $crate::conformance_tests!(@test $attrs, $shape, $make, matches_transformers);
+            $crate::conformance_tests!(@test $attrs, $shape, $mf, block_ops_obey_the_row_contract);
+            $crate::conformance_tests!(@test $attrs, $shape, $mf, batched_prefill_equals_replay);
+            $crate::conformance_tests!(@test $attrs, $shape, $mf, sequences_batched_together_equal_each_alone);
+            $crate::conformance_tests!(@test $attrs, $shape, $mf, matches_transformers);
         }
     };
-    (@test [$(#[$attr:meta])*], $shape:literal, $make:expr, $body:ident) => {
+    (@test [$(#[$attr:meta])*], $shape:literal, ($make:expr, $formats:expr), $body:ident) => {
         $(#[$attr])*
         #[test]
         fn $body() {
-            $crate::conformance::Suite::new($shape, write_synth, $make).$body();
+            $crate::conformance::Suite::new($shape, write_synth, $make)
+                .with_formats($formats)
+                .$body();
         }
     };
 }

@@ -25,11 +25,13 @@ mod moe;
 mod norm;
 
 // The engine's conformance bodies on the CUDA backend: the row contract of
-// every block op, batched prefill against replay, sequences batched together
+// every block op (on every format with a CUDA kernel), batched prefill
+// against replay, sequences batched together
 // against each alone, and the Hugging Face fixtures, per tiny architecture.
 samesum_engine::conformance_tests! {
     #[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
-    backend = |model: &Model| gpu().then(|| Cuda::new(0, model, false).unwrap())
+    backend = |model: &Model| gpu().then(|| Cuda::new(0, model, false).unwrap()),
+    formats = samesum_cuda::FORMATS
 }
 
 const MS: &[usize] = &[1, 2, 3, 5, 16, 17, 64, 100, 257];
