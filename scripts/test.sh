@@ -142,6 +142,18 @@ for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
         || { cat "$OUT/identity-$shape.md"; echo "identity gate failed on $shape"; exit 1; }
     tail -1 "$OUT/identity-$shape.md"
 done
+# The real files' quant mixes (every CPU format appears in one of them):
+# each tiny shape in turn, prompts of up to 130 tokens, two chunk sizes.
+echo "== identity gate on the quant mixes (synth --mix; prompts of up to 130 tokens, chunks 7/64, 8 tokens decoded)"
+i=0
+for mix in q4_k_m ud-q4_k_xl iq4_xs mxfp4 q2_k q3_k_m iq2_xxs iq2_m iq3_xxs; do
+    shape=(tiny-qwen3moe tiny-qwen3next tiny-qwen35moe); shape=${shape[$((i % 3))]}; i=$((i + 1))
+    "$BIN" synth --shape "$shape" --mix "$mix" --seed 5 -o "$OUT/mix-$mix.gguf" > /dev/null
+    "$BIN" identity -m "$OUT/mix-$mix.gguf" --chunk 7,64 --threads 2 --gen 8 --max-len 130 \
+        > "$OUT/identity-mix-$mix.md" \
+        || { cat "$OUT/identity-mix-$mix.md"; echo "identity gate failed on the $mix mix ($shape)"; exit 1; }
+    echo "$mix ($shape): $(tail -1 "$OUT/identity-mix-$mix.md")"
+done
 echo "== identity gate with an f16 KV cache (attention-only model, prompts of up to $F16_MAX_LEN tokens)"
 "$BIN" identity --shape tiny-qwen3moe --kv-type f16 --chunk 7,256 --threads 2 --max-len "$F16_MAX_LEN" --gen 16 \
     > "$OUT/identity-f16.md" \
