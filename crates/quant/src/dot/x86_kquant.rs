@@ -49,13 +49,13 @@ unsafe fn h2f(h: half::f16) -> f32 {
 
 /// Rows `a` and `b` interleaved by dword, their partial sums added.
 #[inline(always)]
-unsafe fn pair32(a: __m512i, b: __m512i) -> __m512i {
+pub(super) unsafe fn pair32(a: __m512i, b: __m512i) -> __m512i {
     unsafe { _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b)) }
 }
 
 /// Two row pairs interleaved by qword, their partial sums added.
 #[inline(always)]
-unsafe fn pair64(a: __m512i, b: __m512i) -> __m512i {
+pub(super) unsafe fn pair64(a: __m512i, b: __m512i) -> __m512i {
     unsafe { _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b)) }
 }
 

@@ -71,6 +71,7 @@ pub(super) fn dot_rows_multi(
 ) -> Result<bool> {
     use GgmlType as T;
     match weight {
+        T::Q8_0 if has_vnni() => drive_tile(weight, w, acts, n, rows, out, q8_0_tile_vnni),
         T::Q8_0 => drive::<BlockQ8_0, BlockQ8_0>(weight, w, acts, n, rows, out, q8_0_multi2),
         T::Q4_K => drive_tile(weight, w, acts, n, rows, out, k::q4_k_tile),
         T::Q5_K => drive_tile(weight, w, acts, n, rows, out, k::q5_k_tile),
@@ -128,16 +129,16 @@ fn drive8<W: bytemuck::Pod>(
 }
 
 /// A tile kernel of a 256-element format (see [`k::tile`]).
-type TileFn<W> = unsafe fn(&[W], usize, usize, &[&[BlockQ8K]], &mut [f32], usize);
+type TileFn<W, A> = unsafe fn(&[W], usize, usize, &[&[A]], &mut [f32], usize);
 
-fn drive_tile<W: bytemuck::Pod>(
+fn drive_tile<W: bytemuck::Pod, A: ActBlock>(
     weight: GgmlType,
     w: &[u8],
     acts: &[ActRow],
     n: usize,
     rows: usize,
     out: &mut [f32],
-    kernel: TileFn<W>,
+    kernel: TileFn<W, A>,
 ) -> Result<()> {
     let blocks: &[W] = crate::cast_blocks(weight, w)?;
     let nb = n / weight.block_size();
@@ -145,12 +146,12 @@ fn drive_tile<W: bytemuck::Pod>(
     // prepared activations stay in L1 while every weight row of the tile
     // passes by.
     for (g, group) in acts.chunks(8).enumerate() {
-        let mut per: [&[BlockQ8K]; 8] = [&[]; 8];
+        let mut per: [&[A]; 8] = [&[]; 8];
         for (p, a) in per.iter_mut().zip(group) {
-            *p = BlockQ8K::blocks(a).ok_or(QuantError::ActivationType {
+            *p = A::blocks(a).ok_or(QuantError::ActivationType {
                 weight,
                 act: a.act_type(),
-                expected: GgmlType::Q8_K,
+                expected: A::TYPE,
             })?;
         }
         // SAFETY: AVX-512 F/BW support was checked by the caller; `blocks`
@@ -268,6 +269,201 @@ unsafe fn q8_0_multi2(
                     lanes[b % 8] = lanes[b % 8] + term;
                 }
                 out[r] = scalar::reduce8(&lanes);
+            }
+        }
+    }
+}
+
+/// Whether the CPU has AVX-512 VNNI (`vpdpbusd`: u8 × i8 products summed by
+/// four into i32, no saturation).
+pub(super) fn has_vnni() -> bool {
+    std::arch::is_x86_feature_detected!("avx512vnni")
+}
+
+/// The block order of [`sums4`]'s lanes.
+const PERM4: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
+
+/// Eight block sums from four registers of two blocks' 8-lane partials each
+/// (`v[i]`: block `2i` in the low half, `2i + 1` in the high): lane `k` of the
+/// result is the total of block `PERM4[k]` (exact: i32 additions reordered).
+#[inline(always)]
+unsafe fn sums4(v: &[__m512i; 4]) -> __m256i {
+    unsafe {
+        let p01 = k::pair32(v[0], v[1]);
+        let p23 = k::pair32(v[2], v[3]);
+        // 128-bit lanes 0, 1: partials of blocks 0, 2, 4, 6; lanes 2, 3: 1, 3, 5, 7.
+        let q = k::pair64(p01, p23);
+        let s = _mm512_add_epi32(q, _mm512_shuffle_i32x4::<0b10_11_00_01>(q, q));
+        _mm512_castsi512_si256(_mm512_shuffle_i32x4::<0b10_00_10_00>(s, s))
+    }
+}
+
+/// Two Q8_0 blocks in one register.
+#[inline(always)]
+unsafe fn two_blocks(a: &BlockQ8_0, b: &BlockQ8_0) -> __m512i {
+    unsafe { super::x86::join(load256(&a.qs), load256(&b.qs)) }
+}
+
+/// The f16 scales of blocks `blk + PERM4[k]`, as f32.
+#[inline(always)]
+unsafe fn scales4(b: &[BlockQ8_0]) -> __m256 {
+    let mut bits = [0u16; 8];
+    for (x, &k) in bits.iter_mut().zip(&PERM4) {
+        *x = b[k].d.to_bits();
+    }
+    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(bits.as_ptr() as *const __m128i)) }
+}
+
+/// One activation row's group of 8 Q8_0 blocks, prepared for [`q8_0_tile_vnni`]:
+/// the quants offset to unsigned (`a + 128`), two blocks a register, and the
+/// scales in the order [`PERM4`].
+#[derive(Clone, Copy)]
+struct Q8Prep {
+    az: [__m512i; 4],
+    da: __m256,
+}
+
+/// [`q8_0_multi2`] for a whole tile with VNNI: every weight row of `w` (`rows`
+/// rows of `nb` blocks) against `acts` (1 to 8 rows), `out[(row0 + r) * rows +
+/// j]`. `vpdpbusd` gives `Σ (a + 128)·w` exactly, less `128 · Σ w` (per weight
+/// block, shared by every activation row). Lanes hold blocks in the order
+/// [`PERM4`] (each lane still takes its blocks in order); the tail and the
+/// reduction are the reference's.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+unsafe fn q8_0_tile_vnni(
+    w: &[BlockQ8_0],
+    nb: usize,
+    rows: usize,
+    acts: &[&[BlockQ8_0]],
+    out: &mut [f32],
+    row0: usize,
+) {
+    let nr = acts.len().min(8);
+    let groups = nb / 8;
+    unsafe {
+        let ones = _mm512_set1_epi8(1);
+        let flip = _mm512_set1_epi8(-128);
+        let zero = _mm512_setzero_si512();
+        // [group][row]
+        let mut prep: Vec<Q8Prep> = Vec::with_capacity(groups * nr);
+        for g in 0..groups {
+            for a in &acts[..nr] {
+                let a = &a[8 * g..8 * g + 8];
+                prep.push(Q8Prep {
+                    az: arr!(i in 4 => _mm512_xor_si512(two_blocks(&a[2 * i], &a[2 * i + 1]), flip)),
+                    da: scales4(a),
+                });
+            }
+        }
+        let size = std::mem::size_of::<BlockQ8_0>();
+        for j in (0..rows).step_by(2) {
+            let j1 = (j + 1).min(rows - 1);
+            let ws = [&w[j * nb..(j + 1) * nb], &w[j1 * nb..(j1 + 1) * nb]];
+            let next = ws[1].as_ptr().cast::<u8>().wrapping_add(nb * size);
+            let mut acc = [[_mm256_setzero_ps(); 8]; 2];
+            for g in 0..groups {
+                let blk = 8 * g;
+                let mut wz = [[zero; 4]; 2];
+                let mut sw = [_mm256_setzero_si256(); 2];
+                let mut dw = [_mm256_setzero_ps(); 2];
+                for t in 0..2 {
+                    // The next pair of rows follows this one (prefetches never
+                    // fault, past the end of the weights included).
+                    let p = next.wrapping_add((t * nb + blk) * size);
+                    for line in (0..8 * size).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast());
+                    }
+                    let b = &ws[t][blk..blk + 8];
+                    wz[t] = arr!(i in 4 => two_blocks(&b[2 * i], &b[2 * i + 1]));
+                    let s = arr!(i in 4 => _mm512_dpbusd_epi32(zero, ones, wz[t][i]));
+                    sw[t] = _mm256_slli_epi32::<7>(sums4(&s));
+                    dw[t] = scales4(b);
+                }
+                for (r, pr) in prep[g * nr..(g + 1) * nr].iter().enumerate() {
+                    for t in 0..2 {
+                        let v = arr!(i in 4 => _mm512_dpbusd_epi32(zero, pr.az[i], wz[t][i]));
+                        let s = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums4(&v), sw[t]));
+                        acc[t][r] =
+                            _mm256_add_ps(acc[t][r], _mm256_mul_ps(_mm256_mul_ps(dw[t], pr.da), s));
+                    }
+                }
+            }
+            for t in 0..2 {
+                let jt = [j, j1][t];
+                for r in 0..nr {
+                    let mut perm = [0f32; 8];
+                    _mm256_storeu_ps(perm.as_mut_ptr(), acc[t][r]);
+                    let mut lanes = [0f32; 8];
+                    for (k, &b) in PERM4.iter().enumerate() {
+                        lanes[b] = perm[k];
+                    }
+                    for b in groups * 8..nb {
+                        let (w, a) = (&ws[t][b], &acts[r][b]);
+                        let term =
+                            scalar::term(f16_to_f32(w.d), f16_to_f32(a.d), scalar::sumi_q8_0(w, a));
+                        lanes[b % 8] = lanes[b % 8] + term;
+                    }
+                    out[(row0 + r) * rows + jt] = scalar::reduce8(&lanes);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Rng;
+    use crate::testing::{random_q8_0, random_weight_blocks};
+
+    /// The Q8_0 two-row kernel without VNNI (which `dot_rows_multi` does not
+    /// reach on a CPU with VNNI) and the VNNI tile against the scalar
+    /// reference, on random and extreme quants.
+    #[test]
+    fn q8_0_two_row_kernels_equal_scalar() {
+        if !crate::isa::Isa::Avx512.supported() {
+            return;
+        }
+        let mut rng = Rng::new(43);
+
+        for nb in [1usize, 7, 8, 9, 16, 19] {
+            for fill in [None, Some(-128i8), Some(127), Some(-1)] {
+                let mut w = random_weight_blocks(GgmlType::Q8_0, 2 * nb, &mut rng).unwrap();
+                let mut acts: Vec<Vec<BlockQ8_0>> = (0..5)
+                    .map(|_| (0..nb).map(|_| random_q8_0(&mut rng)).collect())
+                    .collect();
+                if let Some(f) = fill {
+                    for b in w.chunks_exact_mut(34) {
+                        b[2..].fill(f as u8);
+                    }
+                    for a in acts.iter_mut().flatten() {
+                        a.qs = [f; 32];
+                    }
+                }
+                let wb: &[BlockQ8_0] = bytemuck::cast_slice(&w);
+                let per: Vec<&[BlockQ8_0]> = acts.iter().map(|a| a.as_slice()).collect();
+                let (mut o0, mut o1) = ([0f32; 8], [0f32; 8]);
+                // SAFETY: AVX-512 checked above.
+                unsafe { q8_0_multi2(&wb[..nb], &wb[nb..], &per, &mut o0, &mut o1) };
+                let mut tile = vec![f32::NAN; 2 * per.len()];
+                if has_vnni() {
+                    // SAFETY: AVX-512 and VNNI checked.
+                    unsafe { q8_0_tile_vnni(wb, nb, 2, &per, &mut tile, 0) };
+                }
+                for (r, a) in per.iter().enumerate() {
+                    for (t, o) in [o0, o1].iter().enumerate() {
+                        let want = scalar::q8_0_q8_0(&wb[t * nb..(t + 1) * nb], a);
+                        assert_eq!(
+                            o[r].to_bits(),
+                            want.to_bits(),
+                            "nb={nb} {fill:?} t={t} r={r}"
+                        );
+                        if has_vnni() {
+                            let got = tile[r * 2 + t];
+                            assert_eq!(got.to_bits(), want.to_bits(), "vnni nb={nb} {fill:?}");
+                        }
+                    }
+                }
             }
         }
     }
