@@ -1,6 +1,7 @@
 // ---------------------------------------------------------------- tensor cores
 //
-// Wide Q4_K / Q5_K calls on int8 mma.sync (m16n8k32, s32 accumulators): a
+// Wide Q4_K / Q5_K calls on int8 mma.sync (m16n8k32, s32 accumulators; the
+// other formats' tiles follow, each with its own staging): a
 // block computes 128 weight rows (32 per warp: two m16 tiles) against 16
 // activation rows (two n8 tiles) staged in shared memory per weight block.
 // Each mma computes one sub-block's exact dots; the scale products, the sums

@@ -146,19 +146,20 @@ pub(super) enum MatmulKernel {
     /// the operands staged by cp.async (`mm_f32_tile_w8`).
     FloatWide,
     /// Quantized weights, a warp per weight row and 16-row tile (`mm_q4_k`,
-    /// `mm_q5_k`, `mm_q6_k`, `mm_q8_0`): calls of 2 to 16 rows of one
+    /// `mm_q6_k`, ...: [`QuantKernels::tile`]): calls of 2 to 16 rows of one
     /// matrix, and the reference the other quantized kernels are tested
     /// against.
     Tile,
     /// One row, or up to 16 that each name an expert: a warp per (weight
-    /// row, activation row) (`mm_q5_k_1`, `mm_q6_k8_1`, `mm_q8_0_1`).
+    /// row, activation row) (`mm_q5_k_1`, `mm_q6_k8_1`, ...:
+    /// [`QuantKernels::row`]).
     Row,
     /// Q4_K calls of the `Row` kind: a lane per weight row, `rows` of them a
     /// block (`mm_q4_k_lane_1`: 32; `mm_q4_k_lane16_1`: 16, for matrices of
     /// at most `LANE16_ROWS` rows, twice the blocks).
     Lane { rows: usize },
-    /// Q4_K and Q5_K wide calls on tensor cores, `tile` activation rows a
-    /// block (see [`tc_tile`]). `live`: a routed call whose rows with no
+    /// Wide calls of every quantized format on tensor cores, `tile`
+    /// activation rows a block (see [`tc_tile`]). `live`: a routed call whose rows with no
     /// expert no one reads, left unwritten (the 32-row Q4_K kernel's
     /// `_live` form).
     TensorCore { tile: usize, live: bool },
