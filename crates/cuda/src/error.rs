@@ -43,7 +43,10 @@ pub enum CudaError {
         slots_mib: u64,
         used: usize,
     },
-    #[error("{tensor}: no CUDA kernel for {ty} weights (have: {})", crate::backend::format_names())]
+    #[error(
+        "{tensor}: no CUDA kernel for {ty} weights (have: {})",
+        crate::backend::format_names()
+    )]
     Unsupported { tensor: String, ty: String },
 }
 

@@ -505,7 +505,13 @@ mod tests {
             ty: "IQ2_XXS".into(),
         }
         .to_string();
-        for want in ["blk.3.ffn_down_exps.weight", "IQ2_XXS", "Q6_K", "IQ4_XS", "MXFP4"] {
+        for want in [
+            "blk.3.ffn_down_exps.weight",
+            "IQ2_XXS",
+            "Q6_K",
+            "IQ4_XS",
+            "MXFP4",
+        ] {
             assert!(e.contains(want), "{e}");
         }
     }
