@@ -126,6 +126,32 @@ unsafe fn transpose8(m: &[__m256i; 8]) -> [__m256i; 8] {
     }
 }
 
+thread_local! {
+    /// The prepared activations of the tiles run on this thread: one
+    /// allocation reused by every call (a call per tile of every matmul).
+    static SCRATCH: std::cell::RefCell<Vec<__m512i>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// This thread's scratch buffer as room for `n` values of `T`, a type of
+/// SIMD vectors (any bytes are a valid value; alignment at most 64).
+///
+/// # Safety
+/// The memory stays valid until the next call on this thread: use it only
+/// until then (the tiles do not nest, and each takes it once).
+#[inline(always)]
+pub(super) unsafe fn scratch<T: Copy>(n: usize) -> *mut T {
+    const { assert!(std::mem::align_of::<T>() <= 64) };
+    SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        let zmm = (n * std::mem::size_of::<T>()).div_ceil(64);
+        if s.len() < zmm {
+            // SAFETY: an all-zero vector is a valid __m512i.
+            s.resize(zmm, unsafe { std::mem::zeroed() });
+        }
+        s.as_mut_ptr().cast::<T>()
+    })
+}
+
 /// One activation block for the tile loop: prepared quants of 8 rows, their
 /// bsums transposed (dword `r` of `bt[k]`: bsums `2k, 2k+1` of row `r`), and the
 /// 8 scales.
@@ -151,7 +177,8 @@ pub(super) unsafe fn tile<F: Format>(
 ) {
     let nr = acts.len().min(8);
     unsafe {
-        let mut prep: Vec<Prepared<F::P>> = Vec::with_capacity(nb);
+        // SAFETY: `nb` values, every byte initialized, used only in this call.
+        let prep = std::slice::from_raw_parts_mut(scratch::<Prepared<F::P>>(nb), nb);
         for b in 0..nb {
             // Rows past `nr` repeat the last one (their results are dropped).
             let a = |r: usize| &acts[r.min(nr - 1)][b];
@@ -160,11 +187,11 @@ pub(super) unsafe fn tile<F: Format>(
             for (x, a) in da.iter_mut().zip(acts) {
                 *x = a[b].d;
             }
-            prep.push(Prepared {
+            prep[b] = Prepared {
                 p: arr!(r in 8 => f.prep(a(r))),
                 bt: transpose8(&bs),
                 da: _mm256_loadu_ps(da.as_ptr()),
-            });
+            };
         }
         let size = std::mem::size_of::<F::W>();
         for j in (0..rows).step_by(2) {

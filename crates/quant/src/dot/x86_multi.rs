@@ -345,14 +345,16 @@ unsafe fn q8_0_tile_vnni(
         let flip = _mm512_set1_epi8(-128);
         let zero = _mm512_setzero_si512();
         // [group][row]
-        let mut prep: Vec<Q8Prep> = Vec::with_capacity(groups * nr);
+        // SAFETY: `groups * nr` values, every byte initialized, used only in
+        // this call.
+        let prep = std::slice::from_raw_parts_mut(k::scratch::<Q8Prep>(groups * nr), groups * nr);
         for g in 0..groups {
-            for a in &acts[..nr] {
+            for (r, a) in acts[..nr].iter().enumerate() {
                 let a = &a[8 * g..8 * g + 8];
-                prep.push(Q8Prep {
+                prep[g * nr + r] = Q8Prep {
                     az: arr!(i in 4 => _mm512_xor_si512(two_blocks(&a[2 * i], &a[2 * i + 1]), flip)),
                     da: scales4(a),
-                });
+                };
             }
         }
         let size = std::mem::size_of::<BlockQ8_0>();
