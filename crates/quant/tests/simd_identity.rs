@@ -388,7 +388,14 @@ fn eight_row_kernels_equal_scalar_bitwise() {
     for isa in Isa::available() {
         for &ty in DOT_FORMATS {
             let bs = ty.block_size();
-            for n in [bs.max(256), 4 * bs.max(256)] {
+            // 32-element formats: block counts with and without a tail past
+            // the groups of 8.
+            let lens: &[usize] = if bs == 32 {
+                &[96, 256, 416, 1024]
+            } else {
+                &[256, 1024]
+            };
+            for &n in lens.iter().filter(|&&n| n % bs == 0) {
                 for rows in [8usize, 9, 16, 23] {
                     let w = random_weight_blocks(ty, rows * n / bs, &mut rng).unwrap();
                     let act = random_act(ty, n, &mut rng);
@@ -404,13 +411,11 @@ fn eight_row_kernels_handle_extreme_values() {
     let mut rng = Rng::new(41);
     for isa in Isa::available() {
         for &ty in dot::multi_accelerated(isa) {
-            if ty.block_size() != 256 {
-                continue;
-            }
-            let (n, rows) = (2 * 256, 11);
+            let bs = ty.block_size();
+            let (n, rows) = (if bs == 32 { 13 * 32 } else { 2 * 256 }, 11);
             for fill in [0u8, 0xFF, 0x80, 0x7F, 0x88] {
                 for act_fill in [-128i8, 127] {
-                    let mut w = random_weight_blocks(ty, rows * n / 256, &mut rng).unwrap();
+                    let mut w = random_weight_blocks(ty, rows * n / bs, &mut rng).unwrap();
                     let keep: &[usize] = match ty {
                         GgmlType::Q6_K => &[208, 209],
                         GgmlType::Q4_K | GgmlType::Q5_K => &[0, 1, 2, 3],
@@ -423,16 +428,28 @@ fn eight_row_kernels_handle_extreme_values() {
                             b[i] = v;
                         }
                     }
-                    let act = ActRow::Q8K(
-                        (0..n / 256)
-                            .map(|_| {
-                                let mut b = random_q8_k(&mut rng);
-                                b.qs = [act_fill; 256];
-                                b.bsums = [16 * act_fill as i16; 16];
-                                b
-                            })
-                            .collect(),
-                    );
+                    let act = if bs == 32 {
+                        ActRow::Q8_0(
+                            (0..n / 32)
+                                .map(|_| {
+                                    let mut b = random_q8_0(&mut rng);
+                                    b.qs = [act_fill; 32];
+                                    b
+                                })
+                                .collect(),
+                        )
+                    } else {
+                        ActRow::Q8K(
+                            (0..n / 256)
+                                .map(|_| {
+                                    let mut b = random_q8_k(&mut rng);
+                                    b.qs = [act_fill; 256];
+                                    b.bsums = [16 * act_fill as i16; 16];
+                                    b
+                                })
+                                .collect(),
+                        )
+                    };
                     let what = format!("fill={fill:#x} act={act_fill}");
                     assert_rows_match_scalar(isa, ty, &w, rows, &act, &what);
                 }

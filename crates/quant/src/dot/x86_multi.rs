@@ -94,25 +94,25 @@ pub(super) fn dot_rows8(
     out: &mut [f32],
 ) -> Result<usize> {
     use GgmlType as T;
-    let ActRow::Q8K(a) = act else {
-        return Ok(0);
-    };
-    match weight {
-        T::Q4_K => drive8(weight, w, a, per_row, out, k::q4_k_rows8),
-        T::Q5_K => drive8(weight, w, a, per_row, out, k::q5_k_rows8),
-        T::Q6_K => drive8(weight, w, a, per_row, out, k::q6_k_rows8),
-        T::IQ4_XS => drive8(weight, w, a, per_row, out, k::iq4_xs_rows8),
+    match (weight, act) {
+        (T::Q4_K, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, k::q4_k_rows8),
+        (T::Q5_K, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, k::q5_k_rows8),
+        (T::Q6_K, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, k::q6_k_rows8),
+        (T::IQ4_XS, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, k::iq4_xs_rows8),
+        (T::Q8_0, ActRow::Q8_0(a)) if has_vnni() => {
+            drive8(weight, w, a, per_row, out, q8_0_rows8_vnni)
+        }
         _ => Ok(0),
     }
 }
 
-fn drive8<W: bytemuck::Pod>(
+fn drive8<W: bytemuck::Pod, A>(
     weight: GgmlType,
     w: &[u8],
-    a: &[BlockQ8K],
+    a: &[A],
     nb: usize,
     out: &mut [f32],
-    kernel: unsafe fn(&[&[W]; 8], &[BlockQ8K], &mut [f32; 8]),
+    kernel: unsafe fn(&[&[W]; 8], &[A], &mut [f32; 8]),
 ) -> Result<usize> {
     let blocks: &[W] = crate::cast_blocks(weight, w)?;
     let a = &a[..nb];
@@ -408,6 +408,58 @@ unsafe fn q8_0_tile_vnni(
                     out[(row0 + r) * rows + jt] = scalar::reduce8(&lanes);
                 }
             }
+        }
+    }
+}
+
+/// Eight Q8_0 weight rows (one contiguous run of `8 * a.len()` blocks) against
+/// one activation row with VNNI, one weight row per accumulator: per row
+/// exactly [`scalar::q8_0_q8_0`] (the steps of [`q8_0_tile_vnni`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+unsafe fn q8_0_rows8_vnni(w: &[&[BlockQ8_0]; 8], a: &[BlockQ8_0], out: &mut [f32; 8]) {
+    let nb = a.len();
+    let groups = nb / 8;
+    let size = std::mem::size_of::<BlockQ8_0>();
+    // The rows are read in an interleaved order the hardware prefetcher follows
+    // poorly: each step fetches the same blocks of the next run instead.
+    let next = w[0].as_ptr().cast::<u8>().wrapping_add(8 * nb * size);
+    unsafe {
+        let ones = _mm512_set1_epi8(1);
+        let flip = _mm512_set1_epi8(-128);
+        let zero = _mm512_setzero_si512();
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for g in 0..groups {
+            let blk = 8 * g;
+            let ab = &a[blk..blk + 8];
+            let az = arr!(i in 4 => _mm512_xor_si512(two_blocks(&ab[2 * i], &ab[2 * i + 1]), flip));
+            let da = scales4(ab);
+            for t in 0..8 {
+                let p = next.wrapping_add((t * nb + blk) * size);
+                for line in (0..8 * size).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast());
+                }
+                let b = &w[t][blk..blk + 8];
+                let wz = arr!(i in 4 => two_blocks(&b[2 * i], &b[2 * i + 1]));
+                let sw = arr!(i in 4 => _mm512_dpbusd_epi32(zero, ones, wz[i]));
+                let v = arr!(i in 4 => _mm512_dpbusd_epi32(zero, az[i], wz[i]));
+                let s = _mm256_sub_epi32(sums4(&v), _mm256_slli_epi32::<7>(sums4(&sw)));
+                let s = _mm256_cvtepi32_ps(s);
+                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_mul_ps(scales4(b), da), s));
+            }
+        }
+        for t in 0..8 {
+            let mut perm = [0f32; 8];
+            _mm256_storeu_ps(perm.as_mut_ptr(), acc[t]);
+            let mut lanes = [0f32; 8];
+            for (k, &b) in PERM4.iter().enumerate() {
+                lanes[b] = perm[k];
+            }
+            for b in groups * 8..nb {
+                let (w, a) = (&w[t][b], &a[b]);
+                let term = scalar::term(f16_to_f32(w.d), f16_to_f32(a.d), scalar::sumi_q8_0(w, a));
+                lanes[b % 8] = lanes[b % 8] + term;
+            }
+            out[t] = scalar::reduce8(&lanes);
         }
     }
 }
