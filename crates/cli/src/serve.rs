@@ -2,6 +2,21 @@
 
 use crate::args::{BackendArgs, CtxArgs, KvArgs, ModelArgs, ThreadsArgs, at_least_one};
 use anyhow::{Context, Result};
+use std::time::Duration;
+
+/// Seconds (fractions allowed), 0 or more.
+fn secs(s: &str) -> Result<Duration, String> {
+    let v: f64 = s.trim().parse().map_err(|e| format!("{e}"))?;
+    Duration::try_from_secs_f64(v).map_err(|_| format!("{s:?} is not a number of seconds"))
+}
+
+/// Seconds above 0.
+fn positive_secs(s: &str) -> Result<Duration, String> {
+    match secs(s)? {
+        d if d.is_zero() => Err("must be above 0".into()),
+        d => Ok(d),
+    }
+}
 
 /// Arguments of `samesum serve`.
 #[derive(clap::Args)]
@@ -28,6 +43,35 @@ pub(crate) struct Args {
     /// Largest request body in bytes (past it: 413).
     #[arg(long, default_value_t = 1 << 20)]
     max_body: usize,
+    /// Connections served at once. Past it the connection idle the longest
+    /// is closed to make room; when all have a request in flight, a new
+    /// client gets /health or a 503 (too_many_connections) and is closed.
+    /// Lowered to what `ulimit -n` allows.
+    #[arg(long, default_value_t = 1024, value_parser = at_least_one)]
+    max_connections: usize,
+    /// Read/write timeout in seconds: a request's head must arrive within it
+    /// of its first byte and its body within it of the head (else 408); a
+    /// response write stuck this long (a client that stopped reading) closes
+    /// the connection and cancels its request.
+    #[arg(long, value_name = "SECS", default_value = "30", value_parser = positive_secs)]
+    timeout: Duration,
+    /// Seconds a connection with no request in flight (and none arriving)
+    /// stays open.
+    #[arg(long, value_name = "SECS", default_value = "5", value_parser = positive_secs)]
+    keep_alive_timeout: Duration,
+    /// Seconds a request may run from when it is queued; then it ends with
+    /// finish_reason "length" if it has generated tokens, else with a 503
+    /// (request_timeout).
+    #[arg(long, value_name = "SECS", default_value = "600", value_parser = positive_secs)]
+    request_timeout: Duration,
+    /// On Ctrl-C or SIGTERM: seconds the running requests get to finish
+    /// before they are cancelled (a second signal exits at once).
+    #[arg(long, value_name = "SECS", default_value = "30", value_parser = secs)]
+    drain_timeout: Duration,
+    /// Generated tokens per request at most; a request asking for more is a
+    /// 400, one naming no limit gets this (0: up to the context).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    max_tokens_cap: usize,
     #[command(flatten)]
     ctx: CtxArgs,
     /// Prompt rows per scheduler step (shared by the requests still
@@ -74,12 +118,38 @@ pub(crate) fn run(a: Args) -> Result<()> {
         prefill_chunk: chunk,
         kv,
         model_name: name,
+        limits: samesum_server::Limits {
+            max_connections: a.max_connections,
+            timeout: a.timeout,
+            keep_alive: a.keep_alive_timeout,
+            request_timeout: a.request_timeout,
+            drain_timeout: a.drain_timeout,
+            max_tokens_cap: a.max_tokens_cap,
+        },
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the async runtime")?;
+    // Ctrl-C or SIGTERM: stop accepting, drain, exit 0; a second one: exit
+    // at once (128 + the signal's number).
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let drain = a.drain_timeout.as_secs_f64();
+    rt.block_on(async {
+        let mut signals = Signals::new().context("installing the signal handlers")?;
+        tokio::spawn(async move {
+            signals.next().await;
+            eprintln!(
+                "shutting down: no new connections; running requests get {drain} s to finish (signal again to exit at once)"
+            );
+            let _ = stop_tx.send(());
+            let code = signals.next().await;
+            eprintln!("second signal: exiting now");
+            std::process::exit(code);
+        });
+        anyhow::Ok(())
+    })?;
     rt.block_on(samesum_server::serve(
         model,
         opts,
@@ -89,21 +159,50 @@ pub(crate) fn run(a: Args) -> Result<()> {
             let _ = std::io::stdout().flush();
         },
         async {
-            // Ctrl-C or SIGTERM: stop accepting, finish the open responses.
-            #[cfg(unix)]
-            {
-                let mut term =
-                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                        .expect("a SIGTERM handler");
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            #[cfg(not(unix))]
-            let _ = tokio::signal::ctrl_c().await;
-            eprintln!("shutting down");
+            let _ = stop_rx.await;
         },
     ))?;
+    // Template and tokenizer work left on the blocking pool is bounded (the
+    // template's fuel, the body limit); do not wait long for it.
+    rt.shutdown_timeout(Duration::from_secs(1));
     Ok(())
+}
+
+/// Ctrl-C and SIGTERM.
+struct Signals {
+    #[cfg(unix)]
+    int: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Signals> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Ok(Signals {
+                int: signal(SignalKind::interrupt())?,
+                term: signal(SignalKind::terminate())?,
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(Signals {})
+    }
+
+    /// The next signal; the exit status it calls for.
+    async fn next(&mut self) -> i32 {
+        #[cfg(unix)]
+        {
+            tokio::select! {
+                _ = self.int.recv() => 130,
+                _ = self.term.recv() => 143,
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+            130
+        }
+    }
 }

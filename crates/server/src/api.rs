@@ -328,7 +328,8 @@ request! {
 /// Validated generation settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
-    /// Tokens to generate at most (`None`: up to the context).
+    /// Tokens to generate at most (`None`: the endpoint's default: up to
+    /// the context for chat, 16 for completions, within the server's cap).
     pub max_tokens: Option<usize>,
     /// Temperature (0: greedy).
     pub temperature: f32,
@@ -648,10 +649,9 @@ impl CompletionRequest {
             Some(n) => Some(n as usize),
             None => None,
         };
-        let mut s = self.common().settings(lp)?;
-        // The completions API's default length.
-        s.max_tokens.get_or_insert(16);
-        Ok((prompt, s))
+        // No max_tokens: the endpoint's default of 16 is applied when the
+        // request is queued (within the server's cap).
+        Ok((prompt, self.common().settings(lp)?))
     }
 }
 
@@ -743,7 +743,7 @@ mod tests {
         let c = parse::<CompletionRequest>(br#"{"prompt": ["a"], "logprobs": 2}"#).unwrap();
         let (p, s) = c.check().unwrap();
         assert_eq!(p, "a");
-        assert_eq!(s.max_tokens, Some(16));
+        assert_eq!(s.max_tokens, None);
         assert_eq!(s.logprobs, Some(2));
     }
 

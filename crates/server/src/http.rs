@@ -13,29 +13,49 @@
 //! - `POST /detokenize`: `{"tokens": [ids]}` gives `{"content": "..."}`
 //!   (special tokens are left out, as in the completions' text).
 //! - `GET /health`, `GET /metrics` (Prometheus text).
+//!
+//! Limits: `max_tokens` above the server's cap is a 400 naming it (as
+//! OpenAI refuses a `max_tokens` above the model's limit); a request without
+//! one gets the cap (completions: 16, at most the cap). A request past its
+//! deadline ends with finish reason `length` when it has generated tokens,
+//! else with a 503 `request_timeout` (retryable: the server was too busy to
+//! start it in time).
+//!
+//! A client that half-closes or goes away while its request runs is probed
+//! (see [`crate::conn`]): a stream gets an SSE comment every
+//! [`PROBE`](crate::conn::PROBE); a non-streamed response commits its 200
+//! head and sends a space (leading JSON whitespace) as often, then the JSON.
+//! A client that is gone fails the next write and its request is cancelled;
+//! one that only half-closed reads its response (an error found after the
+//! head was committed comes as the error object under status 200).
 
 use crate::api::{self, ApiError, ChatRequest, CompletionRequest, Settings};
+use crate::conn::{ClientEof, PROBE};
 use crate::metrics::Metrics;
 use crate::scheduler::{Event, Job, TokenLogprob, Usage};
-use axum::Router;
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::{Extension, Router};
 use samesum_engine::sample::SamplerConfig;
 use samesum_engine::tokenizer::Tokenizer;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
-use tokio_stream::StreamExt;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::{Stream, StreamExt};
 
 /// What the handlers share.
 pub struct App {
@@ -53,6 +73,12 @@ pub struct App {
     pub metrics: Arc<Metrics>,
     /// Request ids.
     pub next_id: AtomicU64,
+    /// Generated tokens per request at most (0: up to the context).
+    pub max_tokens_cap: usize,
+    /// A request's deadline, from when it is queued.
+    pub request_timeout: Duration,
+    /// Turns to prepare a request (parse, template, tokenize) at once.
+    pub prep: tokio::sync::Semaphore,
 }
 
 /// The router.
@@ -157,6 +183,7 @@ struct DetokenizeRequest {
 }
 
 async fn tokenize(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> Response {
+    let body_len = b.as_ref().map_or(0, Bytes::len);
     let a = app.clone();
     let run = move || -> Result<Value, ApiError> {
         let app = a;
@@ -192,13 +219,14 @@ async fn tokenize(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>)
         }
         Ok(json!({"tokens": out}))
     };
-    match off_http(run).await {
+    match off_http(&app, body_len, run).await {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => error(&app, e),
     }
 }
 
 async fn detokenize(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> Response {
+    let body_len = b.as_ref().map_or(0, Bytes::len);
     let a = app.clone();
     let run = move || -> Result<Value, ApiError> {
         let app = a;
@@ -224,7 +252,7 @@ async fn detokenize(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection
             .map_err(|e| ApiError::bad(Some("tokens".into()), e.to_string()))?;
         Ok(json!({"content": content}))
     };
-    match off_http(run).await {
+    match off_http(&app, body_len, run).await {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => error(&app, e),
     }
@@ -251,16 +279,33 @@ fn body(app: &App, b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> 
 }
 
 /// Tokenize-checked prompt into a queued job; returns the event receiver.
+/// `default_max` is the endpoint's length when the request names none.
 fn submit(
     app: &App,
     id: &str,
     prompt: Vec<u32>,
     s: &Settings,
-) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, ApiError> {
+    default_max: Option<usize>,
+) -> Result<UnboundedReceiver<Event>, ApiError> {
     if prompt.is_empty() {
         return Err(ApiError::bad(
             Some("prompt".into()),
             "the prompt is empty after tokenization",
+        ));
+    }
+    let cap = if app.max_tokens_cap == 0 {
+        usize::MAX
+    } else {
+        app.max_tokens_cap
+    };
+    if let Some(n) = s.max_tokens
+        && n > cap
+    {
+        return Err(ApiError::bad(
+            Some("max_tokens".into()),
+            format!(
+                "max_tokens is too large: {n}; this server generates at most {cap} tokens per request (--max-tokens-cap)"
+            ),
         ));
     }
     let room = app.ctx.saturating_sub(prompt.len());
@@ -312,10 +357,16 @@ fn submit(
                 .load(Ordering::Relaxed)
                 .wrapping_mul(0x9E37_79B9_7F4A_7C15)
     });
+    let now = Instant::now();
     let job = Job {
         id: id.to_string(),
         prompt,
-        max_new: s.max_tokens.unwrap_or(room),
+        max_new: s
+            .max_tokens
+            .or(default_max)
+            .unwrap_or(room)
+            .min(room)
+            .min(cap),
         sampler: SamplerConfig {
             temp: s.temperature,
             top_k: s.top_k,
@@ -331,7 +382,8 @@ fn submit(
         logprobs: s.logprobs,
         ignore_eos: s.ignore_eos,
         events: tx,
-        queued: Instant::now(),
+        queued: now,
+        deadline: now.checked_add(app.request_timeout),
     };
     // Counted before the send: the model thread may take it at once.
     app.metrics.queue_depth.inc();
@@ -403,13 +455,29 @@ enum Kind {
     Completion,
 }
 
+/// Bodies at least this large give the memory their preparation freed back
+/// to the system.
+const TRIM_BODY: usize = 64 << 10;
+
 /// Run request parsing, chat templating and tokenizing on tokio's blocking
 /// pool, off the threads that answer HTTP: a large prompt or a slow
-/// template never holds up `/health` or other requests.
+/// template never holds up `/health` or other requests. At most
+/// [`App::prep`] run at once (each can take tens of MB for a large body;
+/// the rest wait their turn). `body` is the body's size in bytes.
 async fn off_http<T: Send + 'static>(
+    app: &App,
+    body: usize,
     f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+    let _turn = app.prep.acquire().await;
+    let run = move || {
+        let r = f();
+        if body >= TRIM_BODY {
+            crate::trim_heap();
+        }
+        r
+    };
+    tokio::task::spawn_blocking(run).await.unwrap_or_else(|e| {
         Err(ApiError {
             status: 500,
             message: format!("preparing the request failed: {e}"),
@@ -420,7 +488,18 @@ async fn off_http<T: Send + 'static>(
     })
 }
 
-async fn chat(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> Response {
+/// The request's [`ClientEof`] (one that never fires when the router runs
+/// without [`crate::conn`]).
+fn client_eof(e: Option<Extension<ClientEof>>) -> ClientEof {
+    e.map(|Extension(e)| e).unwrap_or_else(ClientEof::never)
+}
+
+async fn chat(
+    State(app): State<Arc<App>>,
+    eof: Option<Extension<ClientEof>>,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    let body_len = b.as_ref().map_or(0, Bytes::len);
     let a = app.clone();
     let run = move || -> Result<(Vec<u32>, Settings), ApiError> {
         let app = a;
@@ -439,13 +518,18 @@ async fn chat(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> 
             .map_err(|e| ApiError::bad(Some("messages".into()), e.to_string()))?;
         Ok((ids, s))
     };
-    match off_http(run).await {
-        Ok((ids, s)) => respond(app, Kind::Chat, ids, s).await,
+    match off_http(&app, body_len, run).await {
+        Ok((ids, s)) => respond(app, Kind::Chat, ids, s, client_eof(eof)).await,
         Err(e) => error(&app, e),
     }
 }
 
-async fn completions(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> Response {
+async fn completions(
+    State(app): State<Arc<App>>,
+    eof: Option<Extension<ClientEof>>,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    let body_len = b.as_ref().map_or(0, Bytes::len);
     let a = app.clone();
     let run = move || -> Result<(Vec<u32>, Settings), ApiError> {
         let app = a;
@@ -459,67 +543,128 @@ async fn completions(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejectio
             .map_err(|e| ApiError::bad(Some("prompt".into()), e.to_string()))?;
         Ok((ids, s))
     };
-    match off_http(run).await {
-        Ok((ids, s)) => respond(app, Kind::Completion, ids, s).await,
+    match off_http(&app, body_len, run).await {
+        Ok((ids, s)) => respond(app, Kind::Completion, ids, s, client_eof(eof)).await,
         Err(e) => error(&app, e),
     }
 }
 
-async fn respond(app: Arc<App>, kind: Kind, ids: Vec<u32>, s: Settings) -> Response {
+async fn respond(
+    app: Arc<App>,
+    kind: Kind,
+    ids: Vec<u32>,
+    s: Settings,
+    eof: ClientEof,
+) -> Response {
     let n = app.next_id.fetch_add(1, Ordering::Relaxed);
     let id = match kind {
         Kind::Chat => format!("chatcmpl-{n}"),
         Kind::Completion => format!("cmpl-{n}"),
     };
-    let rx = match submit(&app, &id, ids, &s) {
+    // The completions API's default length.
+    let default_max = (kind == Kind::Completion).then_some(16);
+    let rx = match submit(&app, &id, ids, &s, default_max) {
         Ok(rx) => rx,
         Err(e) => return error(&app, e),
     };
     let created = now_secs();
     let model = app.model_name.clone();
     if s.stream {
-        stream(kind, id, created, model, rx, s.logprobs.is_some()).into_response()
+        let events = stream(
+            kind,
+            id,
+            created,
+            model,
+            rx,
+            s.logprobs.is_some(),
+            app.request_timeout,
+        );
+        Sse::new(Probed {
+            inner: events,
+            gone: Box::pin(eof.wait()),
+            tick: None,
+        })
+        .keep_alive(KeepAlive::default())
+        .into_response()
     } else {
-        collect(kind, id, created, model, rx, s.logprobs.is_some()).await
+        let c = Collected {
+            kind,
+            id,
+            created,
+            model,
+            want_lp: s.logprobs.is_some(),
+            request_timeout: app.request_timeout,
+            text: String::new(),
+            lps: Vec::new(),
+        };
+        collect(app, c, rx, eof).await
     }
 }
 
-async fn collect(
+fn timed_out(limit: Duration) -> ApiError {
+    ApiError {
+        status: 503,
+        message: format!(
+            "the request did not start generating within the server's request timeout of {} s (--request-timeout); retry later",
+            limit.as_secs_f64()
+        ),
+        kind: "server_error",
+        param: None,
+        code: Some("request_timeout"),
+    }
+}
+
+fn ended_without_result() -> ApiError {
+    ApiError {
+        status: 500,
+        message: "the request ended without a result".into(),
+        kind: "server_error",
+        param: None,
+        code: None,
+    }
+}
+
+/// A non-streamed response being gathered.
+struct Collected {
     kind: Kind,
     id: String,
     created: u64,
     model: String,
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
     want_lp: bool,
-) -> Response {
-    let mut text = String::new();
-    let mut lps: Vec<TokenLogprob> = Vec::new();
-    while let Some(ev) = rx.recv().await {
+    request_timeout: Duration,
+    text: String,
+    lps: Vec<TokenLogprob>,
+}
+
+impl Collected {
+    /// Take one event; the response's body (or error) once the request ends.
+    fn push(&mut self, ev: Event) -> Option<Result<Value, ApiError>> {
         match ev {
             Event::Token { text: t, logprob } => {
-                text.push_str(&t);
+                self.text.push_str(&t);
                 if let Some(l) = logprob {
-                    lps.push(l);
+                    self.lps.push(l);
                 }
+                None
             }
-            Event::Error(msg) => {
-                let e = ApiError {
-                    status: 500,
-                    message: msg,
-                    kind: "server_error",
-                    param: None,
-                    code: None,
-                };
-                return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(e.body())).into_response();
-            }
+            Event::Error(msg) => Some(Err(ApiError {
+                status: 500,
+                message: msg,
+                kind: "server_error",
+                param: None,
+                code: None,
+            })),
+            Event::TimedOut => Some(Err(timed_out(self.request_timeout))),
             Event::Done { finish, usage } => {
-                let body = match kind {
+                let (id, created, model) = (&self.id, self.created, &self.model);
+                let text = std::mem::take(&mut self.text);
+                Some(Ok(match self.kind {
                     Kind::Chat => json!({
                         "id": id, "object": "chat.completion", "created": created, "model": model,
                         "choices": [{
                             "index": 0,
                             "message": {"role": "assistant", "content": text},
-                            "logprobs": if want_lp { json!({"content": lps.iter().map(chat_logprob).collect::<Vec<_>>()}) } else { Value::Null },
+                            "logprobs": if self.want_lp { json!({"content": self.lps.iter().map(chat_logprob).collect::<Vec<_>>()}) } else { Value::Null },
                             "finish_reason": finish,
                         }],
                         "usage": usage_json(&usage),
@@ -530,25 +675,123 @@ async fn collect(
                         "choices": [{
                             "index": 0,
                             "text": text,
-                            "logprobs": if want_lp { completion_logprobs(&lps) } else { Value::Null },
+                            "logprobs": if self.want_lp { completion_logprobs(&self.lps) } else { Value::Null },
                             "finish_reason": finish,
                         }],
                         "usage": usage_json(&usage),
                         "timings": timings_json(&usage),
                     }),
-                };
-                return axum::Json(body).into_response();
+                }))
             }
         }
     }
-    let e = ApiError {
-        status: 500,
-        message: "the request ended without a result".into(),
-        kind: "server_error",
-        param: None,
-        code: None,
-    };
-    (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(e.body())).into_response()
+}
+
+/// Gather a non-streamed response; once the client's end of stream is seen,
+/// commit a 200 head and go on in [`Committed`].
+async fn collect(
+    app: Arc<App>,
+    mut c: Collected,
+    mut rx: UnboundedReceiver<Event>,
+    eof: ClientEof,
+) -> Response {
+    let gone = eof.wait();
+    tokio::pin!(gone);
+    loop {
+        tokio::select! {
+            biased;
+            ev = rx.recv() => {
+                let out = match ev {
+                    Some(ev) => match c.push(ev) {
+                        Some(out) => out,
+                        None => continue,
+                    },
+                    None => Err(ended_without_result()),
+                };
+                return match out {
+                    Ok(v) => axum::Json(v).into_response(),
+                    Err(e) => error(&app, e),
+                };
+            }
+            _ = &mut gone => {
+                let mut tick = tokio::time::interval(PROBE);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let body = Body::from_stream(Committed { c, rx, tick, done: false });
+                return ([(header::CONTENT_TYPE, "application/json")], body).into_response();
+            }
+        }
+    }
+}
+
+/// The body of a non-streamed response whose head is committed: a space
+/// every [`PROBE`] until the request ends, then its JSON (or error object).
+struct Committed {
+    c: Collected,
+    rx: UnboundedReceiver<Event>,
+    tick: tokio::time::Interval,
+    done: bool,
+}
+
+impl Stream for Committed {
+    type Item = Result<Bytes, Infallible>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let me = self.get_mut();
+        if me.done {
+            return Poll::Ready(None);
+        }
+        loop {
+            let out = match me.rx.poll_recv(cx) {
+                Poll::Ready(Some(ev)) => match me.c.push(ev) {
+                    Some(out) => out,
+                    None => continue,
+                },
+                Poll::Ready(None) => Err(ended_without_result()),
+                Poll::Pending => break,
+            };
+            me.done = true;
+            let v = out.unwrap_or_else(|e| e.body());
+            return Poll::Ready(Some(Ok(Bytes::from(v.to_string()))));
+        }
+        match me.tick.poll_tick(cx) {
+            Poll::Ready(_) => Poll::Ready(Some(Ok(Bytes::from_static(b" ")))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// A server-sent event stream that, once the client's end of stream is seen,
+/// adds a comment every [`PROBE`].
+struct Probed<S> {
+    inner: S,
+    gone: Pin<Box<dyn Future<Output = ()> + Send>>,
+    tick: Option<tokio::time::Interval>,
+}
+
+impl<S: Stream<Item = Result<SseEvent, Infallible>> + Unpin> Stream for Probed<S> {
+    type Item = Result<SseEvent, Infallible>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let me = self.get_mut();
+        if let Poll::Ready(x) = Pin::new(&mut me.inner).poll_next(cx) {
+            return Poll::Ready(x);
+        }
+        let tick = match &mut me.tick {
+            Some(t) => t,
+            None => {
+                if me.gone.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                let mut t = tokio::time::interval(PROBE);
+                t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                me.tick.insert(t)
+            }
+        };
+        match tick.poll_tick(cx) {
+            Poll::Ready(_) => Poll::Ready(Some(Ok(SseEvent::default().comment("")))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 fn completion_logprobs(lps: &[TokenLogprob]) -> Value {
@@ -574,9 +817,10 @@ fn stream(
     id: String,
     created: u64,
     model: String,
-    rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    rx: UnboundedReceiver<Event>,
     want_lp: bool,
-) -> Sse<impl tokio_stream::Stream<Item = Result<SseEvent, Infallible>>> {
+    request_timeout: Duration,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> + Unpin + Send + 'static {
     let mut first = true;
     let events = UnboundedReceiverStream::new(rx).map(move |ev| {
         let chunk = |delta: Value, lp: Value, finish: Value, extra: Option<(Value, Value)>| {
@@ -617,9 +861,10 @@ fn stream(
                 Some((usage_json(&usage), timings_json(&usage))),
             ),
             Event::Error(msg) => json!({"error": {"message": msg, "type": "server_error", "param": null, "code": null}}),
+            Event::TimedOut => timed_out(request_timeout).body(),
         };
         Ok(SseEvent::default().data(v.to_string()))
     });
     let done = tokio_stream::once(Ok(SseEvent::default().data("[DONE]")));
-    Sse::new(events.chain(done)).keep_alive(KeepAlive::default())
+    events.chain(done)
 }

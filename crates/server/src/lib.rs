@@ -6,9 +6,14 @@
 //! them (bounded: a full queue answers 503 with `Retry-After`), and streams
 //! the results back. A request whose client disconnects is cancelled at the
 //! model thread's next step.
+//!
+//! [`conn`] owns the sockets: the connection cap, the read, write and
+//! keep-alive timeouts, the request body limit, and the drain on shutdown
+//! ([`Limits`]).
 
 pub mod api;
 pub mod backend;
+pub mod conn;
 pub mod http;
 pub mod metrics;
 pub mod scheduler;
@@ -42,6 +47,61 @@ pub struct Options {
     pub kv: KvType,
     /// The name `/v1/models` reports.
     pub model_name: String,
+    /// Connection and request limits.
+    pub limits: Limits,
+}
+
+/// What one client may hold, and for how long.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Limits {
+    /// Connections served at once. Past it, the connection idle the longest
+    /// is closed to make room; when every one has a request in flight, a new
+    /// client gets one answer (`/health`, or a 503 `too_many_connections`)
+    /// and is closed. Lowered at start to what the file-descriptor limit
+    /// allows.
+    pub max_connections: usize,
+    /// Read and write timeout: a request's head must arrive within it of its
+    /// first byte, and its body within it of the head (else 408); a response
+    /// write that makes no progress for this long closes the connection.
+    pub timeout: std::time::Duration,
+    /// A connection with no request in flight and none arriving is closed
+    /// after this long.
+    pub keep_alive: std::time::Duration,
+    /// A request still running this long after it was queued ends: with
+    /// finish reason `length` when it has generated tokens, else with a 503
+    /// `request_timeout`.
+    pub request_timeout: std::time::Duration,
+    /// On shutdown, running requests get this long to finish; the rest are
+    /// cancelled.
+    pub drain_timeout: std::time::Duration,
+    /// Generated tokens per request at most (0: up to the context). A
+    /// request asking for more is a 400; one that names no limit gets this.
+    pub max_tokens_cap: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        use std::time::Duration;
+        Limits {
+            max_connections: 1024,
+            timeout: Duration::from_secs(30),
+            keep_alive: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(600),
+            drain_timeout: Duration::from_secs(30),
+            max_tokens_cap: 0,
+        }
+    }
+}
+
+/// Hand freed heap memory back to the system: glibc keeps what a thread
+/// freed in that thread's arena, so the server would keep the peak of the
+/// largest request a thread prepared, or of a crowd of connections.
+pub(crate) fn trim_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory; it takes no pointers.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// Errors starting the server.
@@ -63,8 +123,9 @@ pub enum ServeError {
     Io(#[from] std::io::Error),
 }
 
-/// Start the model thread for `model` and serve until Ctrl-C (or until
-/// `shutdown` resolves). `on_listen` receives the bound address.
+/// Start the model thread for `model` and serve until `shutdown` resolves,
+/// then drain (see [`conn`]) and stop the model thread. `on_listen` receives
+/// the bound address.
 pub async fn serve(
     model: Model,
     opts: Options,
@@ -74,6 +135,17 @@ pub async fn serve(
     if opts.max_queue == 0 || opts.max_batch == 0 || opts.ctx == 0 {
         return Err(ServeError::Setup(
             "--max-queue, --max-batch and --ctx-size must be at least 1".into(),
+        ));
+    }
+    let l = &opts.limits;
+    if l.max_connections == 0
+        || [l.timeout, l.keep_alive, l.request_timeout]
+            .iter()
+            .any(|d| d.is_zero())
+    {
+        return Err(ServeError::Setup(
+            "--max-connections, --timeout, --keep-alive-timeout and --request-timeout must be above 0"
+                .into(),
         ));
     }
     let tok = Arc::new(
@@ -89,6 +161,7 @@ pub async fn serve(
         kv: opts.kv,
     };
     let (tok2, m2, device) = (tok.clone(), metrics.clone(), opts.device);
+    let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
     std::thread::Builder::new()
         .name("samesum-model".into())
         .spawn(move || {
@@ -105,6 +178,7 @@ pub async fn serve(
                     let _ = ready_tx.send(Err(e.to_string()));
                 }
             }
+            let _ = stopped_tx.send(());
         })?;
     let backend = ready_rx
         .recv()
@@ -116,21 +190,51 @@ pub async fn serve(
         model_name: opts.model_name.clone(),
         ctx: opts.ctx,
         max_body: opts.max_body,
-        metrics,
+        metrics: metrics.clone(),
         next_id: AtomicU64::new(1),
+        max_tokens_cap: opts.limits.max_tokens_cap,
+        request_timeout: opts.limits.request_timeout,
+        prep: tokio::sync::Semaphore::new(
+            std::thread::available_parallelism().map_or(2, |n| n.get().max(2)),
+        ),
     });
     let addr = format!("{}:{}", opts.host, opts.port);
-    let listener = tokio::net::TcpListener::bind(&addr)
-        .await
-        .map_err(|err| ServeError::Bind {
-            addr: addr.clone(),
-            err,
-        })?;
+    let listener = conn::listen(&addr).await.map_err(|err| ServeError::Bind {
+        addr: addr.clone(),
+        err,
+    })?;
     let local = listener.local_addr()?;
-    tracing::info!(%local, backend, max_batch = opts.max_batch, max_queue = opts.max_queue, "listening");
+    let wanted = opts.limits.max_connections;
+    let max_connections = match conn::fd_room(wanted) {
+        Some(room) if room < wanted => {
+            tracing::warn!(
+                wanted,
+                allowed = room.max(1),
+                "--max-connections lowered to what the file-descriptor limit allows (raise `ulimit -n`)"
+            );
+            room.max(1)
+        }
+        _ => wanted,
+    };
+    tracing::info!(%local, backend, max_batch = opts.max_batch, max_queue = opts.max_queue, max_connections, "listening");
     on_listen(local);
-    axum::serve(listener, http::router(app))
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    conn::run(
+        listener,
+        http::router(app),
+        opts.limits.clone(),
+        max_connections,
+        opts.max_body,
+        metrics,
+        shutdown,
+    )
+    .await;
+    // Every handle on the queue is gone with the connections: the model
+    // thread ends once its running requests see their clients gone.
+    if tokio::time::timeout(std::time::Duration::from_secs(10), stopped_rx)
+        .await
+        .is_err()
+    {
+        tracing::warn!("the model thread is still in a step; leaving it");
+    }
     Ok(())
 }

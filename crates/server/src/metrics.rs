@@ -81,6 +81,18 @@ pub struct Metrics {
     pub bad_requests: Counter,
     /// Requests cancelled because the client went away.
     pub cancelled: Counter,
+    /// Requests ended by their deadline (`--request-timeout`).
+    pub timed_out: Counter,
+    /// Connections accepted.
+    pub connections: Counter,
+    /// Connections open (under the cap).
+    pub connections_open: Gauge,
+    /// Idle connections closed to make room for new ones.
+    pub connections_evicted: Counter,
+    /// Connections closed by a timeout (idle, slow head, stuck write).
+    pub connections_timed_out: Counter,
+    /// Connections refused past the cap (a 503, or closed at once).
+    pub connections_refused: Counter,
     /// Prompt tokens prefilled.
     pub prompt_tokens: Counter,
     /// Tokens generated.
@@ -142,6 +154,42 @@ impl Metrics {
             "counter",
             "Requests cancelled by a client disconnect.",
             self.cancelled.get().to_string(),
+        );
+        put(
+            "requests_timed_out_total",
+            "counter",
+            "Requests ended by their deadline (--request-timeout).",
+            self.timed_out.get().to_string(),
+        );
+        put(
+            "connections_total",
+            "counter",
+            "Connections accepted.",
+            self.connections.get().to_string(),
+        );
+        put(
+            "connections_open",
+            "gauge",
+            "Connections open under the cap (--max-connections).",
+            self.connections_open.get().to_string(),
+        );
+        put(
+            "connections_evicted_total",
+            "counter",
+            "Idle connections closed to make room for new ones.",
+            self.connections_evicted.get().to_string(),
+        );
+        put(
+            "connections_timed_out_total",
+            "counter",
+            "Connections closed by a timeout (keep-alive, request head, stuck write).",
+            self.connections_timed_out.get().to_string(),
+        );
+        put(
+            "connections_refused_total",
+            "counter",
+            "Connections refused past the cap (503 too_many_connections, or closed at once).",
+            self.connections_refused.get().to_string(),
         );
         put(
             "prompt_tokens_total",

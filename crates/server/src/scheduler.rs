@@ -5,10 +5,14 @@
 //! prompt rows shared among the requests still prefilling, shortest
 //! remaining prompt first, so a short request's first token does not wait
 //! for a long prompt; one passed over for [`AGING_STEPS`] steps goes first,
-//! so none waits forever) and runs them in one forward call. A request joins or leaves between steps; one
-//! whose client went away is dropped at the next step, in the middle of a
-//! prefill too. By the row contract, each request's logits (so its tokens and
-//! log-probabilities) are the same bytes whatever else runs beside it.
+//! so none waits forever) and runs them in one forward call. A request joins
+//! or leaves between steps; one whose client went away is dropped at the next
+//! step, in the middle of a prefill too. A request past its deadline ends
+//! before the next step: with finish reason `length` when it has generated
+//! tokens (llama.cpp's convention for its generation time limit), else with
+//! [`Event::TimedOut`]. By the row contract, each request's logits (so its
+//! tokens and log-probabilities) are the same bytes whatever else runs beside
+//! it.
 
 use crate::metrics::Metrics;
 use samesum_engine::backend::Backend;
@@ -66,6 +70,8 @@ pub enum Event {
     },
     /// The request failed.
     Error(String),
+    /// The deadline passed before the request generated a token.
+    TimedOut,
 }
 
 /// One request for the model thread.
@@ -92,6 +98,14 @@ pub struct Job {
     pub events: UnboundedSender<Event>,
     /// When it was queued.
     pub queued: Instant,
+    /// When it must end (see [`Event::TimedOut`]); `None`: no deadline.
+    pub deadline: Option<Instant>,
+}
+
+impl Job {
+    fn expired(&self, now: Instant) -> bool {
+        self.deadline.is_some_and(|d| now >= d)
+    }
 }
 
 /// Model-thread settings.
@@ -297,10 +311,18 @@ pub fn run<B: Backend>(
     m: &Arc<Metrics>,
 ) {
     let mut running: Vec<Running<B::State>> = Vec::new();
+    // Whether freed memory went back to the system since the last step.
+    let mut trimmed = true;
     loop {
         // Admit new requests between steps (wait when idle).
         while running.len() < cfg.max_batch.max(1) {
             let job = if running.is_empty() {
+                if !trimmed {
+                    // Idle: the requests' KV caches and activations are
+                    // freed; give them back (see `trim_heap`).
+                    crate::trim_heap();
+                    trimmed = true;
+                }
                 match rx.recv_timeout(Duration::from_millis(200)) {
                     Ok(j) => j,
                     Err(RecvTimeoutError::Timeout) => continue,
@@ -315,6 +337,12 @@ pub fn run<B: Backend>(
             m.queue_depth.dec();
             if job.events.is_closed() {
                 m.cancelled.inc(1);
+                continue;
+            }
+            if job.expired(Instant::now()) {
+                m.timed_out.inc(1);
+                tracing::info!(id = %job.id, "deadline passed in the queue");
+                let _ = job.events.send(Event::TimedOut);
                 continue;
             }
             let ctx = job.prompt.len() + job.max_new + 1;
@@ -357,6 +385,21 @@ pub fn run<B: Backend>(
                 tracing::info!(id = %r.job.id, fed = r.fed, generated = r.generated.len(), "client gone: request cancelled");
             }
             !gone
+        });
+        // End the requests past their deadline.
+        let now = Instant::now();
+        running.retain_mut(|r| {
+            if !r.job.expired(now) {
+                return true;
+            }
+            m.timed_out.inc(1);
+            tracing::info!(id = %r.job.id, fed = r.fed, generated = r.generated.len(), "deadline passed");
+            if r.generated.is_empty() {
+                let _ = r.job.events.send(Event::TimedOut);
+                false
+            } else {
+                r.finish(tok, "length", None, m)
+            }
         });
         m.running.set(running.len() as u64);
         if running.is_empty() {
@@ -437,6 +480,7 @@ pub fn run<B: Backend>(
             forward_batch(model, b, &mut segs)
         };
         let dt = t0.elapsed().as_secs_f64();
+        trimmed = false;
         if let Some(c) = b.offload_counters() {
             m.expert_cache_hits.set(c.hits);
             m.expert_cache_misses.set(c.misses);

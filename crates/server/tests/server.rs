@@ -59,6 +59,7 @@ fn start_with(max_batch: usize, max_queue: usize, ctx: usize, max_body: usize) -
         prefill_chunk: 16,
         kv: KvType::F32,
         model_name: "tiny".into(),
+        limits: Default::default(),
     };
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
