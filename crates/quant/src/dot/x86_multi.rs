@@ -1,12 +1,13 @@
-//! AVX-512 kernels that dot two weight rows with up to 8 activation rows at
-//! once (the batched-prefill tiles): each weight block is unpacked once for
-//! every activation row, and each activation block is loaded once for both
-//! weight rows.
+//! AVX-512 kernels that dot many row pairs at once, and their dispatch: tiles
+//! of weight rows against up to 8 activation rows (batched prefill) and runs
+//! of 8 weight rows against one activation row (decode). The 256-element
+//! formats' kernels are in [`super::x86_kquant`]; Q8_0's are here (with
+//! AVX-512 VNNI where the CPU has it, else a two-row kernel).
 //!
 //! Per (weight row, activation row) the arithmetic is the scalar reference's:
 //! the integer block sums are exact (whatever their order), and the float
-//! combination runs the reference's steps with one activation row per vector
-//! lane (separate multiply and add, no FMA), so every value has the bits of
+//! combination runs the reference's steps with one row per vector lane
+//! (separate multiply and add, no FMA), so every value has the bits of
 //! [`super::dot_rows`].
 
 use super::ActRow;
