@@ -56,7 +56,9 @@ pub(crate) struct Args {
     #[arg(long, value_name = "SECS", default_value = "30", value_parser = positive_secs)]
     timeout: Duration,
     /// Seconds a connection with no request in flight (and none arriving)
-    /// stays open.
+    /// stays open. On Linux a new connection that sends nothing is held in
+    /// the kernel for about this long before the server takes it
+    /// (TCP_DEFER_ACCEPT).
     #[arg(long, value_name = "SECS", default_value = "5", value_parser = positive_secs)]
     keep_alive_timeout: Duration,
     /// Seconds a request may run from when it is queued; then it ends with

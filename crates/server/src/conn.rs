@@ -16,9 +16,12 @@
 //! `Content-Length` says so). It is read whole before the router sees the
 //! request.
 //!
-//! The connection cap: past it, the connection idle the longest (no request
-//! in flight) is closed to make room, as nginx reuses keep-alive
-//! connections; when every connection has a request in flight, a new client
+//! On Linux a connection reaches the server once its first bytes arrived, or
+//! after about the keep-alive timeout ([`listen`]): connections that send
+//! nothing wait in the kernel. The connection cap: past it, the connection
+//! idle the longest (no request in flight, none waiting unread in the
+//! kernel, no response still being written) is closed to make room, as nginx
+//! reuses keep-alive connections; when every connection has a request in flight, a new client
 //! is served one answer on an overflow lane of [`OVERFLOW`] connections
 //! (`/health` answers as usual, anything else gets a 503
 //! `too_many_connections` with `Retry-After`) and is closed; past the lane,
@@ -84,6 +87,9 @@ const IDLE: u8 = 0;
 const BUSY: u8 = 1;
 /// Being closed.
 const CLOSING: u8 = 2;
+/// A response is done but hyper may still be writing it out; idle once hyper
+/// reads again (see [`Conn::reading`]).
+const FINISHING: u8 = 3;
 
 /// A clock of milliseconds since the server started, plus one (so that 0
 /// means "never").
@@ -167,6 +173,19 @@ impl Conn {
         false
     }
 
+    /// hyper reads: a finished response has been written out (hyper reads
+    /// the next request after it has written the last one, and flushed it
+    /// unless the write is stuck, which the sweeper and eviction see).
+    fn reading(&self, clock: Clock) {
+        if self
+            .phase
+            .compare_exchange(FINISHING, IDLE, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            self.idle_since.store(clock.now(), Ordering::Release);
+        }
+    }
+
     /// Close it if it is in `phase`; false when it was not.
     fn close_if(&self, phase: u8) -> bool {
         let ok = self
@@ -195,9 +214,11 @@ struct Busy {
 
 impl Busy {
     fn enter(conn: &Arc<Conn>, clock: Clock) -> Option<Busy> {
-        conn.phase
-            .compare_exchange(IDLE, BUSY, Ordering::AcqRel, Ordering::Acquire)
-            .ok()?;
+        [IDLE, FINISHING].into_iter().find(|&from| {
+            conn.phase
+                .compare_exchange(from, BUSY, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        })?;
         conn.head_since.store(0, Ordering::Release);
         Some(Busy {
             conn: conn.clone(),
@@ -213,7 +234,7 @@ impl Drop for Busy {
         c.idle_since.store(self.clock.now(), Ordering::Release);
         let _ = c
             .phase
-            .compare_exchange(BUSY, IDLE, Ordering::AcqRel, Ordering::Acquire);
+            .compare_exchange(BUSY, FINISHING, Ordering::AcqRel, Ordering::Acquire);
     }
 }
 
@@ -233,6 +254,7 @@ impl AsyncRead for Io {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let me = self.get_mut();
+        me.conn.reading(me.clock);
         let before = buf.filled().len();
         let r = Pin::new(&mut me.s).poll_read(cx, buf);
         if let Poll::Ready(Ok(())) = r {
@@ -409,12 +431,22 @@ impl Shared {
             .collect();
         idle.sort_by_key(|c| c.idle_since.load(Ordering::Acquire));
         for c in idle {
-            if !c.has_unread() && c.close_if(IDLE) {
+            // Not one still writing a response out, nor one whose next
+            // request waits in the kernel.
+            if c.write_stalled.load(Ordering::Acquire) == 0 && !c.has_unread() && c.close_if(IDLE) {
                 self.metrics.connections_evicted.inc(1);
                 return true;
             }
         }
         false
+    }
+
+    /// Connections with a request in flight.
+    fn busy(&self) -> usize {
+        self.conns()
+            .values()
+            .filter(|c| c.phase.load(Ordering::Acquire) == BUSY)
+            .count()
     }
 
     /// Close the connections past their timeouts.
@@ -433,7 +465,7 @@ impl Shared {
             // connection is idle again) answers to the write timeout only.
             let late = if stalled != 0 {
                 now.saturating_sub(stalled) > write
-            } else if phase == IDLE {
+            } else if phase == IDLE || phase == FINISHING {
                 let head = c.head_since.load(Ordering::Acquire);
                 if head != 0 {
                     now.saturating_sub(head) > read
@@ -686,8 +718,12 @@ async fn serve_overflow(shared: Arc<Shared>, stream: TcpStream, max_connections:
 /// second before it retries.
 pub const BACKLOG: u32 = 4096;
 
-/// Listen on `addr` (`host:port`) with a [`BACKLOG`].
-pub async fn listen(addr: &str) -> std::io::Result<TcpListener> {
+/// Listen on `addr` (`host:port`) with a [`BACKLOG`]. On Linux, a
+/// connection is handed to the server only once its first bytes arrived, or
+/// after about `idle` (`TCP_DEFER_ACCEPT`, as nginx's `listen ... deferred`):
+/// a crowd of connections that send nothing waits in the kernel instead of
+/// taking the server's descriptors and connection slots.
+pub async fn listen(addr: &str, idle: Duration) -> std::io::Result<TcpListener> {
     let mut last = None;
     for a in tokio::net::lookup_host(addr).await? {
         let s = if a.is_ipv4() {
@@ -697,6 +733,10 @@ pub async fn listen(addr: &str) -> std::io::Result<TcpListener> {
         };
         #[cfg(unix)]
         s.set_reuseaddr(true)?;
+        #[cfg(target_os = "linux")]
+        defer_accept(&s, idle);
+        #[cfg(not(target_os = "linux"))]
+        let _ = idle;
         match s.bind(a).and_then(|()| s.listen(BACKLOG)) {
             Ok(l) => return Ok(l),
             Err(e) => last = Some(e),
@@ -708,6 +748,30 @@ pub async fn listen(addr: &str) -> std::io::Result<TcpListener> {
             "no address to listen on",
         )
     }))
+}
+
+/// Set `TCP_DEFER_ACCEPT` to `idle`, in whole seconds (at least 1); a failure
+/// only loses the protection, so it is logged.
+#[cfg(target_os = "linux")]
+fn defer_accept(s: &tokio::net::TcpSocket, idle: Duration) {
+    use std::os::fd::AsRawFd;
+    let secs = idle.as_secs_f64().ceil().clamp(1.0, 3600.0) as libc::c_int;
+    // SAFETY: the socket is open; the option is a c_int read by the kernel.
+    let r = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_DEFER_ACCEPT,
+            (&raw const secs).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        tracing::warn!(
+            "TCP_DEFER_ACCEPT: {}; connections that send nothing take slots at once",
+            std::io::Error::last_os_error()
+        );
+    }
 }
 
 /// Whether an accept error means the process is out of file descriptors.
@@ -785,16 +849,19 @@ pub async fn run(
         tokio::spawn(async move {
             let mut t = tokio::time::interval(SWEEP);
             t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            // Once most of a crowd of connections has gone, hand the memory
-            // their buffers took back to the system.
-            let mut peak = 0;
+            // When no request is in flight and connections came and went
+            // since the last time, hand the memory their buffers took back
+            // to the system (at most once a second).
+            let mut trimmed_at = (0, Instant::now());
             loop {
                 t.tick().await;
                 s.sweep();
-                let open = s.conns().len();
-                peak = peak.max(open);
-                if peak >= 64 && open <= peak / 4 {
-                    peak = open;
+                let seen = s.metrics.connections.get();
+                if seen != trimmed_at.0
+                    && trimmed_at.1.elapsed() >= Duration::from_secs(1)
+                    && s.busy() == 0
+                {
+                    trimmed_at = (seen, Instant::now());
                     tokio::task::spawn_blocking(crate::trim_heap);
                 }
             }
@@ -940,6 +1007,9 @@ mod tests {
         let s = shared(Limits::default());
         let old_busy = add(&s, 1, Conn::new(1));
         old_busy.phase.store(BUSY, Ordering::Release);
+        // Idle, but a response's tail is still waiting to be written.
+        let old_writing = add(&s, 4, Conn::new(1));
+        old_writing.write_stalled.store(3, Ordering::Release);
         let newer = add(&s, 2, Conn::new(50));
         let older = add(&s, 3, Conn::new(10));
         assert!(s.evict_idle());
@@ -947,9 +1017,10 @@ mod tests {
         assert_eq!(newer.phase.load(Ordering::Acquire), IDLE);
         assert!(s.evict_idle());
         assert_eq!(newer.phase.load(Ordering::Acquire), CLOSING);
-        // Only the busy one is left: nothing to evict.
+        // Only the busy and the writing one are left: nothing to evict.
         assert!(!s.evict_idle());
         assert_eq!(old_busy.phase.load(Ordering::Acquire), BUSY);
+        assert_eq!(old_writing.phase.load(Ordering::Acquire), IDLE);
         assert_eq!(s.metrics.connections_evicted.get(), 2);
     }
 
@@ -1034,7 +1105,18 @@ mod tests {
         // One request at a time.
         assert!(Busy::enter(&c, clock).is_none());
         drop(b);
+        // Done, maybe not written out yet: not idle (not evicted) until
+        // hyper reads again.
+        assert_eq!(c.phase.load(Ordering::Acquire), FINISHING);
+        let s = shared(Limits::default());
+        s.conns().insert(1, c.clone());
+        assert!(!s.evict_idle());
+        c.reading(clock);
         assert_eq!(c.phase.load(Ordering::Acquire), IDLE);
+        // A pipelined request may come before that.
+        c.phase.store(FINISHING, Ordering::Release);
+        drop(Busy::enter(&c, clock).unwrap());
+        c.reading(clock);
         // A closing connection takes no request and stays closing.
         assert!(c.close_if(IDLE));
         assert!(Busy::enter(&c, clock).is_none());

@@ -65,7 +65,8 @@ pub struct Limits {
     /// write that makes no progress for this long closes the connection.
     pub timeout: std::time::Duration,
     /// A connection with no request in flight and none arriving is closed
-    /// after this long.
+    /// after this long. On Linux a new connection that sends nothing waits
+    /// about this long in the kernel before the server takes it.
     pub keep_alive: std::time::Duration,
     /// A request still running this long after it was queued ends: with
     /// finish reason `length` when it has generated tokens, else with a 503
@@ -199,10 +200,12 @@ pub async fn serve(
         ),
     });
     let addr = format!("{}:{}", opts.host, opts.port);
-    let listener = conn::listen(&addr).await.map_err(|err| ServeError::Bind {
-        addr: addr.clone(),
-        err,
-    })?;
+    let listener = conn::listen(&addr, opts.limits.keep_alive)
+        .await
+        .map_err(|err| ServeError::Bind {
+            addr: addr.clone(),
+            err,
+        })?;
     let local = listener.local_addr()?;
     let wanted = opts.limits.max_connections;
     let max_connections = match conn::fd_room(wanted) {
