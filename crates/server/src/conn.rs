@@ -2,7 +2,7 @@
 //! long, and the drain on shutdown.
 //!
 //! Each accepted connection is served by hyper's HTTP/1.1 server through an
-//! [`Io`] wrapper that records when the connection last read and whether a
+//! `Io` wrapper that records when the connection last read and whether a
 //! write is stuck, and a sweeper task closes, every [`SWEEP`]:
 //! - a connection with no request in flight whose next request's head has
 //!   not fully arrived within the read timeout of its first byte (slowloris);
@@ -11,24 +11,26 @@
 //! - one whose response write has made no progress for the write timeout (a
 //!   client that stopped reading), which cancels its request.
 //!
-//! A request's body must arrive within the read timeout of its head (else
-//! 408) and within the body limit (else 413, before reading it when
-//! `Content-Length` says so). It is read whole before the router sees the
-//! request.
+//! A request's head is 32 KiB at most (else 431). Its body must arrive
+//! within the read timeout of the head (else 408) and within the body limit
+//! (else 413, before reading it when `Content-Length` says so); it is read
+//! whole before the router sees the request.
 //!
 //! On Linux a connection reaches the server once its first bytes arrived, or
 //! after about the keep-alive timeout ([`listen`]): connections that send
 //! nothing wait in the kernel. The connection cap: past it, the connection
 //! idle the longest (no request in flight, none waiting unread in the
 //! kernel, no response still being written) is closed to make room, as nginx
-//! reuses keep-alive connections; when every connection has a request in flight, a new client
-//! is served one answer on an overflow lane of [`OVERFLOW`] connections
-//! (`/health` answers as usual, anything else gets a 503
-//! `too_many_connections` with `Retry-After`) and is closed; past the lane,
-//! new connections are closed at once. The cap is lowered at start to what
-//! the file-descriptor limit allows (the soft limit is raised toward the hard
-//! one first), and an accept that fails for lack of descriptors closes an
-//! idle connection and retries: the server never stops accepting.
+//! reuses keep-alive connections; when every connection has a request in
+//! flight, a new client is served one answer on an overflow lane of
+//! [`OVERFLOW`] connections (`/health` answers as usual, anything else gets a
+//! 503 `too_many_connections` with `Retry-After`) and is closed; past the
+//! lane, new connections are closed at once. The cap is lowered at start to
+//! what the file-descriptor limit allows (the soft limit is raised toward
+//! the hard one first), and an accept that fails for lack of descriptors
+//! closes idle connections and retries: the server never stops accepting.
+//! When no request is in flight after connections came and went, the memory
+//! their buffers took is handed back to the system.
 //!
 //! A client that half-closes its socket after sending its request still gets
 //! its response. An end of stream read while a request is in flight cannot
