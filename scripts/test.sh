@@ -177,6 +177,10 @@ tail -1 "$OUT/openai.log"
     || { cat "$OUT/load.log"; tail -20 "$OUT/serve.log"; echo "load test failed"; exit 1; }
 tail -2 "$OUT/load.log"
 stop_server
+echo "== samesum serve against hostile clients (slowloris, 1,000 idle connections under ulimit -n 512, malformed and oversized requests, disconnects, half-closes; /health timed; SIGTERM drain)"
+"$PY" tests/server/hostile.py "$BIN" > "$OUT/hostile.log" 2>&1 \
+    || { cat "$OUT/hostile.log"; echo "hostile-client test failed"; exit 1; }
+tail -10 "$OUT/hostile.log"
 
 if [[ $CUDA == 1 ]]; then
     echo "== CUDA kernels compile with NVRTC for sm_90a (registers and spills per kernel)"
