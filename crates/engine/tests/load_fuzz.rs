@@ -774,7 +774,6 @@ fn load_edited(arch: &str, edits: &[(&str, Value)]) -> Result<(), String> {
 /// Head sizes whose products overflow `usize` are refused, not multiplied:
 /// two heads of 2^63 dims (the query projection's rows would be 2^64).
 #[test]
-#[ignore = "HParams::from_metadata does not bound head_count * key_length; Weights::bind overflows (weights.rs, q_rows)"]
 fn overflowing_attention_sizes_are_an_error() {
     let big = Value::U64(1 << 63);
     let e = load_edited(
@@ -800,7 +799,6 @@ fn overflowing_attention_sizes_are_an_error() {
 /// Delta-net sizes whose products overflow are refused: a key head dim of
 /// 2^63 makes `Ssm::key_dim` (two key heads) or `Ssm::conv_dim` (one) overflow.
 #[test]
-#[ignore = "HParams::from_metadata does not bound the delta-net sizes; Ssm::key_dim and Ssm::conv_dim overflow (hparams.rs)"]
 fn overflowing_delta_net_sizes_are_an_error() {
     for groups in [1u32, 2] {
         let e = load_edited(

@@ -122,8 +122,19 @@ pub struct HParams {
     pub layers: Vec<LayerKind>,
 }
 
+/// The largest value a size key may hold (the context length excepted):
+/// with every dimension at most 2^20, each product of three that the
+/// weights are bound with fits in 64 bits.
+const MAX_DIM: u64 = 1 << 20;
+
 fn uint(m: &Metadata, key: &str) -> Result<usize> {
-    Ok(m.get_uint(key)? as usize)
+    let v = m.get_uint(key)?;
+    if v > MAX_DIM && !key.ends_with("context_length") {
+        return Err(EngineError::BadHParam(format!(
+            "{key} = {v}, larger than any model's (at most {MAX_DIM})"
+        )));
+    }
+    Ok(v as usize)
 }
 
 fn uint_or(m: &Metadata, key: &str, default: usize) -> Result<usize> {
