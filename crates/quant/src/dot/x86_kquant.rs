@@ -81,22 +81,21 @@ unsafe fn tree8(v: &[__m512i; 8]) -> __m256i {
     }
 }
 
-/// `madd(bt, dword k of f broadcast)`.
-#[inline(always)]
-unsafe fn bsum_term(f: __m256i, bt: __m256i, k: i32) -> __m256i {
-    unsafe { _mm256_madd_epi16(bt, _mm256_permutevar8x32_epi32(f, _mm256_set1_epi32(k))) }
-}
-
 /// `Σ_k madd(bt[k], dword k of f)`: lane `r` is `Σ_g f_g · bsum_{r,g}` when
-/// `bt[k]` holds the bsum pairs `2k, 2k+1` of row `r` in dword `r`.
+/// `bt[k]` holds the bsum pairs `2k, 2k+1` of row `r` in dword `r`. Two `k` a
+/// 512-bit multiply (`bt[2i]`, `bt[2i+1]` are one 64-byte run; `idx[i]` has
+/// dword `2i` in the low half and `2i + 1` in the high).
 #[inline(always)]
-unsafe fn bsum_dot(f: __m256i, bt: &[__m256i; 8]) -> __m256i {
+unsafe fn bsum_dot(f: __m256i, bt: &[__m256i; 8], idx: &[__m512i; 4]) -> __m256i {
     unsafe {
-        let s01 = _mm256_add_epi32(bsum_term(f, bt[0], 0), bsum_term(f, bt[1], 1));
-        let s23 = _mm256_add_epi32(bsum_term(f, bt[2], 2), bsum_term(f, bt[3], 3));
-        let s45 = _mm256_add_epi32(bsum_term(f, bt[4], 4), bsum_term(f, bt[5], 5));
-        let s67 = _mm256_add_epi32(bsum_term(f, bt[6], 6), bsum_term(f, bt[7], 7));
-        _mm256_add_epi32(_mm256_add_epi32(s01, s23), _mm256_add_epi32(s45, s67))
+        let f = _mm512_castsi256_si512(f);
+        let bt = bt.as_ptr().cast::<__m512i>();
+        let t = arr!(i in 4 => _mm512_madd_epi16(
+            _mm512_loadu_si512(bt.add(i).cast()),
+            _mm512_permutexvar_epi32(idx[i], f),
+        ));
+        let s = _mm512_add_epi32(_mm512_add_epi32(t[0], t[1]), _mm512_add_epi32(t[2], t[3]));
+        _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64::<1>(s))
     }
 }
 
@@ -177,6 +176,10 @@ pub(super) unsafe fn tile<F: Format>(
 ) {
     let nr = acts.len().min(8);
     unsafe {
+        let bidx = arr!(i in 4 => _mm512_inserti64x4::<1>(
+            _mm512_set1_epi32(2 * i as i32),
+            _mm256_set1_epi32(2 * i as i32 + 1),
+        ));
         // SAFETY: `nb` values, every byte initialized, used only in this call.
         let prep = std::slice::from_raw_parts_mut(scratch::<Prepared<F::P>>(nb), nb);
         for b in 0..nb {
@@ -217,7 +220,7 @@ pub(super) unsafe fn tile<F: Format>(
                     let mut s = tree8(&v);
                     let (d, dmin) = F::scales(&u[t]);
                     if F::CORR {
-                        let m = bsum_dot(f.fac(&u[t]), &pb.bt);
+                        let m = bsum_dot(f.fac(&u[t]), &pb.bt, &bidx);
                         s = _mm256_sub_epi32(s, _mm256_slli_epi32::<5>(m));
                     }
                     let sumi = _mm256_cvtepi32_ps(s);
@@ -226,7 +229,7 @@ pub(super) unsafe fn tile<F: Format>(
                         _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), pb.da), sumi),
                     );
                     if F::MINS {
-                        let summ = _mm256_cvtepi32_ps(bsum_dot(f.fac(&u[t]), &pb.bt));
+                        let summ = _mm256_cvtepi32_ps(bsum_dot(f.fac(&u[t]), &pb.bt, &bidx));
                         acc[t] = _mm256_sub_ps(
                             acc[t],
                             _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), pb.da), summ),
