@@ -153,7 +153,8 @@ impl HParams {
         let arch = Arch::from_gguf(m.get_str("general.architecture")?)?;
         let a = arch.name();
         let k = |s: &str| format!("{a}.{s}");
-        let block_count = uint(m, &k("block_count"))?;
+        // Bounded by the tensors the file holds (with its own message).
+        let block_count = usize::try_from(m.get_uint(&k("block_count"))?).unwrap_or(usize::MAX);
         if block_count > n_tensors {
             return Err(EngineError::BadHParam(format!(
                 "{a}.block_count {block_count} is more than the {n_tensors} tensors the file holds (every layer has its own)"
