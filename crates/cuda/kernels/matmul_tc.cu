@@ -575,6 +575,34 @@ __device__ __forceinline__ void mma_s8_k16(int* c, u32 a0, u32 a1, u32 b0) {
         : "r"(a0), "r"(a1), "r"(b0), "r"(0), "r"(0), "r"(0), "r"(0));
 }
 
+// A tile thread's accumulators (two m16 tiles x N n8 tiles x 4): zeroed,
+// and stored to the outputs of its rows that lie in the matrix and whose
+// activation rows are the matrix's (`live`).
+template <int N>
+__device__ __forceinline__ void tc_zero(float (&acc)[2][N][4]) {
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int n = 0; n < N; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
+}
+template <int N>
+__device__ __forceinline__ void tc_store(const float (&acc)[2][N][4], float* Y, int r0, int rows, int wrow0, int warp,
+                                         int gq, int tq, u32 live) {
+    float* yo = Y + (i64)r0 * rows + wrow0 + warp * 32 + gq;
+    int wbase = wrow0 + warp * 32;
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int n = 0; n < N; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                if (wbase + 8 * i + gq < rows && ((live >> t) & 1u)) yo[(i64)t * rows + 8 * i] = acc[a][n][c];
+            }
+}
+
 // The 4 bytes at byte `o` (any) of a row of shared memory copied as
 // aligned words: the two words holding them, funnel-shifted.
 __device__ __forceinline__ u32 tc_word(const u8* row, u32 o) {
@@ -590,12 +618,7 @@ __device__ __forceinline__ void t6_matrix(u8* dsm, const u8* W, i64 mat_stride, 
     typedef T6Layout<R> L;
     constexpr int N = R / 8;
     float acc[2][N][4];
-#pragma unroll
-    for (int a = 0; a < 2; a++)
-#pragma unroll
-        for (int n = 0; n < N; n++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
+    tc_zero<N>(acc);
     const u8* wt = W + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
     // This thread's rows' offsets in their first 16-byte pieces at block 0
     // (a block moves it by 210 bytes).
@@ -689,17 +712,7 @@ __device__ __forceinline__ void t6_matrix(u8* dsm, const u8* W, i64 mat_stride, 
         // Stage b & 1 is refilled by the next iteration's copies.
         __syncthreads();
     }
-    float* yo = Y + (i64)r0 * rows + wrow0 + warp * 32 + gq;
-    int wbase = wrow0 + warp * 32;
-#pragma unroll
-    for (int a = 0; a < 2; a++)
-#pragma unroll
-        for (int n = 0; n < N; n++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
-                if (wbase + 8 * i + gq < rows && ((live >> t) & 1u)) yo[(i64)t * rows + 8 * i] = acc[a][n][c];
-            }
+    tc_store<N>(acc, Y, r0, rows, wrow0, warp, gq, tq, live);
 }
 
 // ---------------------------------------------------------------- tensor cores, 32-value blocks
@@ -789,12 +802,7 @@ __device__ __forceinline__ void t8_matrix(u8* dsm, const u8* W, i64 mat_stride, 
     typedef Blk32<KIND> B;
     constexpr int N = R / 8;
     float acc[2][N][4];
-#pragma unroll
-    for (int a = 0; a < 2; a++)
-#pragma unroll
-        for (int n = 0; n < N; n++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
+    tc_zero<N>(acc);
     const u8* wt = W + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
     // This thread's rows' offsets in their first 16-byte pieces at stage 0
     // (a stage moves it by T8_KB blocks).
@@ -855,17 +863,7 @@ __device__ __forceinline__ void t8_matrix(u8* dsm, const u8* W, i64 mat_stride, 
         }
         __syncthreads();
     }
-    float* yo = Y + (i64)r0 * rows + wrow0 + warp * 32 + gq;
-    int wbase = wrow0 + warp * 32;
-#pragma unroll
-    for (int a = 0; a < 2; a++)
-#pragma unroll
-        for (int n = 0; n < N; n++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
-                if (wbase + 8 * i + gq < rows && ((live >> t) & 1u)) yo[(i64)t * rows + 8 * i] = acc[a][n][c];
-            }
+    tc_store<N>(acc, Y, r0, rows, wrow0, warp, gq, tq, live);
 }
 
 // ---------------------------------------------------------------- tensor cores, IQ4_XS
@@ -912,12 +910,7 @@ __device__ __forceinline__ void tx_matrix(u8* dsm, const u8* W, i64 mat_stride, 
     typedef TxLayout<R> L;
     constexpr int N = R / 8;
     float acc[2][N][4];
-#pragma unroll
-    for (int a = 0; a < 2; a++)
-#pragma unroll
-        for (int n = 0; n < N; n++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) acc[a][n][c] = 0.0f;
+    tc_zero<N>(acc);
     const u8* wt = W + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
     tx_issue<R>(dsm, wt, row_bytes, wrow0, rows, at, arow, nr, 0, tid);
     cp_async_commit();
@@ -982,17 +975,7 @@ __device__ __forceinline__ void tx_matrix(u8* dsm, const u8* W, i64 mat_stride, 
                 }
         __syncthreads();
     }
-    float* yo = Y + (i64)r0 * rows + wrow0 + warp * 32 + gq;
-    int wbase = wrow0 + warp * 32;
-#pragma unroll
-    for (int a = 0; a < 2; a++)
-#pragma unroll
-        for (int n = 0; n < N; n++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
-                if (wbase + 8 * i + gq < rows && ((live >> t) & 1u)) yo[(i64)t * rows + 8 * i] = acc[a][n][c];
-            }
+    tc_store<N>(acc, Y, r0, rows, wrow0, warp, gq, tq, live);
 }
 
 // The tile kernels of the formats above (FMT 6: Q6_K, 4: IQ4_XS, 8: Q8_0,
