@@ -230,7 +230,7 @@ fn every_simd_level_generates_the_same_tokens() {
     // bytes, so greedy generation must not change with SAMESUM_ISA.
     let dir = tempfile::tempdir().unwrap();
     let mut outs = Vec::new();
-    for isa in ["scalar", "avx2", "avx512"] {
+    for isa in ["scalar", "avx2", "avx512", "amx"] {
         for shape in ["tiny-qwen35moe", "tiny-qwen3moe"] {
             let f = dir.path().join(format!("{shape}.gguf"));
             if !f.exists() {

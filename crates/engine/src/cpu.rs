@@ -72,9 +72,6 @@ const MAX_DV: usize = 512;
 
 /// Fewest output columns per parallel task in a matmul.
 const MIN_COLS_PER_TASK: usize = 16;
-/// Weight rows applied to every activation row before moving on (a tile of
-/// 16 rows of a 2048-wide Q4_K matrix is 18 KiB: it stays in L1).
-const TILE_ROWS: usize = 16;
 
 impl Cpu {
     /// A backend running on `threads` threads (0: all cores).
@@ -202,10 +199,18 @@ impl Cpu {
             let out = &outs[ji];
             let acts = &acts[src[ji]];
             let m = acts.len();
+            // Weight rows per kernel call: a tile that stays in L1 while every
+            // activation row passes, or the whole range for kernels that tile
+            // it themselves (`dot::multi_rows_per_call`).
+            let per_call = if m == 1 {
+                j1 - j0
+            } else {
+                dot::multi_rows_per_call(w.ty, m)
+            };
             let mut tile = Vec::new();
             let mut t0 = j0;
             while t0 < j1 {
-                let t1 = (t0 + TILE_ROWS).min(j1);
+                let t1 = t0.saturating_add(per_call).min(j1);
                 let rows = &bytes[t0 * rb..t1 * rb];
                 if m == 1 {
                     debug_assert!(t1 <= out.len);

@@ -2,7 +2,7 @@
 //!
 //! One binary runs on every x86-64 machine: SIMD kernels are compiled with
 //! `#[target_feature]` and chosen here from what the CPU reports, never from
-//! `target-cpu=native`. `SAMESUM_ISA=scalar|avx2|avx512` caps the choice (for
+//! `target-cpu=native`. `SAMESUM_ISA=scalar|avx2|avx512|amx` caps the choice (for
 //! comparisons and debugging); it can lower the level, never raise it above what the
 //! CPU has.
 
@@ -18,6 +18,9 @@ pub enum Isa {
     Avx2,
     /// AVX-512 F + BW.
     Avx512,
+    /// AVX-512 with AMX-INT8 tile multiplies for batched calls (one-row
+    /// calls run the AVX-512 kernels).
+    Amx,
 }
 
 impl Isa {
@@ -36,6 +39,8 @@ impl Isa {
                     && std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512bw")
             }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Amx => Isa::Avx512.supported() && crate::dot::amx_available(),
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }
@@ -43,7 +48,7 @@ impl Isa {
 
     /// Every family this CPU supports, lowest first.
     pub fn available() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2, Isa::Avx512]
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Amx]
             .into_iter()
             .filter(|i| i.supported())
             .collect()
@@ -65,12 +70,13 @@ impl Isa {
         })
     }
 
-    /// Parse `scalar`, `avx2` or `avx512`.
+    /// Parse `scalar`, `avx2`, `avx512` or `amx`.
     pub fn parse(s: &str) -> Option<Isa> {
         match s.to_ascii_lowercase().as_str() {
             "scalar" => Some(Isa::Scalar),
             "avx2" => Some(Isa::Avx2),
             "avx512" => Some(Isa::Avx512),
+            "amx" => Some(Isa::Amx),
             _ => None,
         }
     }
@@ -81,6 +87,7 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Amx => "amx",
         }
     }
 }

@@ -258,10 +258,11 @@ fn multi_row_kernels_equal_scalar_bitwise() {
                 vec![256, 512, 1280]
             };
             for &n in &lens {
-                // Odd row counts pair the last weight row with itself; activation
-                // counts below, at and past the 8-row groups.
-                for rows in [1usize, 2, 3, 6] {
-                    for nr in [1usize, 2, 5, 8, 9, 16, 19] {
+                // Odd row counts pair the last weight row with itself; weight
+                // rows past a 16-row tile; activation counts below, at and past
+                // the 8-row groups and the 16-row tiles.
+                for rows in [1usize, 2, 3, 6, 17] {
+                    for nr in [1usize, 2, 5, 8, 9, 16, 19, 33] {
                         let w = random_weight_blocks(ty, rows * n / bs, &mut rng).unwrap();
                         let acts: Vec<ActRow> =
                             (0..nr).map(|_| random_act(ty, n, &mut rng)).collect();
@@ -271,6 +272,9 @@ fn multi_row_kernels_equal_scalar_bitwise() {
             }
             covered.push(ty);
         }
+    }
+    if Isa::available().contains(&Isa::Amx) {
+        eprintln!("AMX tiles tested");
     }
     if Isa::available().contains(&Isa::Avx512) {
         for ty in [

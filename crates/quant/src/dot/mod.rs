@@ -31,6 +31,8 @@ macro_rules! arr {
 #[cfg(target_arch = "x86_64")]
 mod x86;
 #[cfg(target_arch = "x86_64")]
+mod x86_amx;
+#[cfg(target_arch = "x86_64")]
 mod x86_kquant;
 #[cfg(target_arch = "x86_64")]
 mod x86_multi;
@@ -229,6 +231,8 @@ pub fn dot_rows_with(
         return Ok(());
     }
     #[cfg(target_arch = "x86_64")]
+    let isa = isa.min(Isa::Avx512);
+    #[cfg(target_arch = "x86_64")]
     let (w, out) = if isa == Isa::Avx512 && out.len() >= 8 {
         // Eight weight rows at a time where a kernel shares each activation
         // block among them (one weight row per float lane); the rest below.
@@ -315,7 +319,16 @@ pub fn dot_rows_multi_with(
         });
     }
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512
+    if isa == Isa::Amx
+        && nr >= AMX_MIN_ROWS
+        && isa.supported()
+        && n > 0
+        && x86_multi::dot_rows_multi_amx(weight, w, acts, n, rows, out)?
+    {
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx512
         && isa.supported()
         && n > 0
         && x86_multi::dot_rows_multi(weight, w, acts, n, rows, out)?
@@ -328,13 +341,38 @@ pub fn dot_rows_multi_with(
     Ok(())
 }
 
+/// Fewest activation rows for which [`dot_rows_multi`] uses the AMX tiles
+/// (fewer run the AVX-512 kernels: same bits, less set-up).
+const AMX_MIN_ROWS: usize = 4;
+
+/// Whether this CPU and OS let the process use AMX-INT8 tiles.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn amx_available() -> bool {
+    x86_amx::available()
+}
+
+/// How many weight rows a [`dot_rows_multi`] call on `acts` activation rows
+/// should cover for the best use of caches: the AVX-512 kernels want a small
+/// tile of weight rows (it stays in L1 while every group of 8 activation
+/// rows passes) when there are several groups; the AMX kernels tile the
+/// weight rows themselves and rearrange the activations once per call, so
+/// they want every row the caller has. `usize::MAX` means no limit.
+pub fn multi_rows_per_call(weight: GgmlType, acts: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::best() == Isa::Amx && acts >= AMX_MIN_ROWS && x86_multi::AMX_FORMATS.contains(&weight) {
+        return usize::MAX;
+    }
+    let _ = weight;
+    if acts <= 8 { usize::MAX } else { 16 }
+}
+
 /// Which weight formats have a multi-row kernel in family `isa` (one weight
 /// block unpacked once for several activation rows); [`dot_rows_multi_with`]
 /// runs the others one activation row at a time.
 pub fn multi_accelerated(isa: Isa) -> &'static [GgmlType] {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => x86_multi::MULTI_FORMATS,
+        Isa::Avx512 | Isa::Amx => x86_multi::MULTI_FORMATS,
         _ => &[],
     }
 }
@@ -346,7 +384,7 @@ pub fn accelerated(isa: Isa) -> &'static [GgmlType] {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => x86::AVX2_FORMATS,
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => x86::AVX512_FORMATS,
+        Isa::Avx512 | Isa::Amx => x86::AVX512_FORMATS,
         #[cfg(not(target_arch = "x86_64"))]
         _ => &[],
     }

@@ -28,6 +28,57 @@ pub(super) const MULTI_FORMATS: &[GgmlType] = &[
     GgmlType::IQ4_XS,
 ];
 
+/// Formats with an AMX tile kernel ([`super::x86_amx`]).
+pub(super) const AMX_FORMATS: &[GgmlType] = &[GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_K];
+
+/// An AMX tile kernel: (weights, blocks a row, rows, activation rows, out).
+type AmxFn<W, A> = unsafe fn(&[W], usize, usize, &[&[A]], &mut [f32]);
+
+/// [`dot_rows_multi`] with the AMX tile kernel of `weight`; `Ok(false)` when
+/// it has none. The caller has also checked that AMX is available.
+pub(super) fn dot_rows_multi_amx(
+    weight: GgmlType,
+    w: &[u8],
+    acts: &[ActRow],
+    n: usize,
+    rows: usize,
+    out: &mut [f32],
+) -> Result<bool> {
+    use super::x86_amx as amx;
+    use GgmlType as T;
+    fn run<W: bytemuck::Pod, A: ActBlock>(
+        weight: GgmlType,
+        w: &[u8],
+        acts: &[ActRow],
+        n: usize,
+        rows: usize,
+        out: &mut [f32],
+        kernel: AmxFn<W, A>,
+    ) -> Result<bool> {
+        let blocks: &[W] = crate::cast_blocks(weight, w)?;
+        let per = acts
+            .iter()
+            .map(|a| {
+                A::blocks(a).ok_or(QuantError::ActivationType {
+                    weight,
+                    act: a.act_type(),
+                    expected: A::TYPE,
+                })
+            })
+            .collect::<Result<Vec<&[A]>>>()?;
+        // SAFETY: AVX-512 F/BW and AMX were checked by the caller; `blocks`
+        // holds `rows` rows of `n / block` blocks, every activation row as many.
+        unsafe { kernel(blocks, n / weight.block_size(), rows, &per, out) };
+        Ok(true)
+    }
+    match weight {
+        T::Q4_K => run(weight, w, acts, n, rows, out, amx::kquant_tiles::<BlockQ4K>),
+        T::Q5_K => run(weight, w, acts, n, rows, out, amx::kquant_tiles::<BlockQ5K>),
+        T::Q8_0 => run(weight, w, acts, n, rows, out, amx::q8_0_tiles),
+        _ => Ok(false),
+    }
+}
+
 /// Activation block types, taken out of an [`ActRow`].
 trait ActBlock: Sized {
     const TYPE: GgmlType;

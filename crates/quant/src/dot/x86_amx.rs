@@ -1,0 +1,618 @@
+//! AMX-INT8 tile kernels for batched prefill: Q4_K and Q5_K (against Q8_K
+//! activations) and Q8_0 (against Q8_0 activations), 16 weight rows by 16
+//! activation rows per tile multiply.
+//!
+//! The tile multiplies (`tdpbusd`, `tdpbssd`) produce the integer block sums
+//! of ggml's dot products, and integer sums are exact in any order, so only
+//! the float combination decides the bits: it runs the scalar reference's
+//! steps in its order with one activation row per vector lane (separate
+//! multiply and add, no FMA). Every value therefore has the bits of
+//! [`super::scalar`], the AVX-512 kernels and the one-row decode path.
+//!
+//! * **Q4_K, Q5_K.** A block's sum is `Σ_j sc_j · Σ_{k∈j} q_k a_k` with 6-bit
+//!   sub-block scales `sc_j`, and its mins term `Σ_j m_j · Σ_{k∈j} a_k`. The
+//!   weights are unpacked once per call into three u8 operands: `q·(sc & 7)`,
+//!   `q·(sc >> 3)` (each below 256 for quants up to 31) and `m_j` repeated
+//!   over its sub-block, so `sumi = C₀ + 8·C₁` and `summ = C₂` come from
+//!   three tile multiplies over the whole block.
+//! * **Q8_0.** The weight tiles are read straight from the file (a row's
+//!   32 quants at the row stride); each 32-element block's sum is stored and
+//!   folded into lane `b % 8` as [`super::scalar::lanes8`] does.
+//!
+//! The activations are rearranged once per call into the tile layout (four
+//! consecutive quants of 16 rows interleaved by dword), so a call should
+//! cover many weight rows: the kernels loop over tiles of 16 weight rows
+//! themselves.
+
+use crate::blocks::*;
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+/// Whether the CPU has AMX-TILE and AMX-INT8, the OS saves the tile state,
+/// and this process was granted the tile data state (Linux asks for it with
+/// `arch_prctl(ARCH_REQ_XCOMP_PERM)`; the grant covers every thread).
+pub(crate) fn available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(detect)
+}
+
+#[cfg(target_os = "linux")]
+fn detect() -> bool {
+    // CPUID leaf 7 only after checking the highest leaf.
+    if __cpuid(0).eax < 7 {
+        return false;
+    }
+    let leaf7 = __cpuid_count(7, 0);
+    let (tile, int8) = (leaf7.edx >> 24 & 1 == 1, leaf7.edx >> 25 & 1 == 1);
+    let osxsave = __cpuid(1).ecx >> 27 & 1 == 1;
+    if !(tile && int8 && osxsave) {
+        return false;
+    }
+    // XCR0 bits 17 (XTILECFG) and 18 (XTILEDATA): the OS manages tile state.
+    let xcr0: u64 = {
+        let (lo, hi): (u32, u32);
+        // SAFETY: XGETBV with ECX = 0 is valid when OSXSAVE is set (checked).
+        unsafe {
+            asm!("xgetbv", in("ecx") 0u32, out("eax") lo, out("edx") hi, options(nomem, nostack))
+        };
+        (hi as u64) << 32 | lo as u64
+    };
+    if xcr0 >> 17 & 3 != 3 {
+        return false;
+    }
+    const SYS_ARCH_PRCTL: i64 = 158;
+    const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+    const XFEATURE_XTILEDATA: i64 = 18;
+    let ret: i64;
+    // SAFETY: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) only grows this
+    // process's permitted xsave state; it reads and writes no user memory.
+    unsafe {
+        asm!(
+            "syscall",
+            inlateout("rax") SYS_ARCH_PRCTL => ret,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        )
+    };
+    ret == 0
+}
+
+#[cfg(not(target_os = "linux"))]
+fn detect() -> bool {
+    false
+}
+
+/// A tile configuration (palette 1): rows and bytes per row of tmm0..tmm7.
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+impl TileConfig {
+    fn new(shapes: [(u8, u16); 8]) -> TileConfig {
+        let mut c = TileConfig {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            colsb: [0; 16],
+            rows: [0; 16],
+        };
+        for (t, (rows, colsb)) in shapes.into_iter().enumerate() {
+            c.rows[t] = rows;
+            c.colsb[t] = colsb;
+        }
+        c
+    }
+
+    /// Load this configuration on the current thread (zeroes every tile).
+    ///
+    /// # Safety
+    /// [`available`] must be true.
+    #[inline(always)]
+    unsafe fn load(&self) {
+        unsafe { asm!("ldtilecfg [{}]", in(reg) self, options(nostack, readonly)) };
+    }
+}
+
+/// Release the tile state (the thread's next tile use loads a configuration).
+///
+/// # Safety
+/// [`available`] must be true.
+#[inline(always)]
+unsafe fn release() {
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+}
+
+/// Per-thread scratch: 64-byte aligned, grown on demand, reused by every call.
+struct Scratch {
+    acts: Vec<__m512i>,
+    weights: Vec<__m512i>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = const {
+        std::cell::RefCell::new(Scratch { acts: Vec::new(), weights: Vec::new() })
+    };
+}
+
+/// This thread's two scratch buffers, grown to at least `acts` and `weights`
+/// bytes (64-byte aligned). The memory stays valid until the next call on
+/// this thread; the kernels do not nest.
+fn scratch(acts: usize, weights: usize) -> (*mut u8, *mut u8) {
+    fn room(v: &mut Vec<__m512i>, bytes: usize) -> *mut u8 {
+        let zmm = bytes.div_ceil(64);
+        if v.len() < zmm {
+            // SAFETY: an all-zero vector is a valid __m512i.
+            v.resize(zmm, unsafe { std::mem::zeroed() });
+        }
+        v.as_mut_ptr().cast()
+    }
+    SCRATCH.with(|s| {
+        let s = &mut *s.borrow_mut();
+        (room(&mut s.acts, acts), room(&mut s.weights, weights))
+    })
+}
+
+/// f16 to f32 by F16C (the bits of [`f16_to_f32`]).
+#[inline(always)]
+unsafe fn h2f(h: half::f16) -> f32 {
+    unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h.to_bits() as i32))) }
+}
+
+/// Store the 16 × 16 results of one (weight tile, activation group) pair:
+/// `acc[r]` lane `n` is weight row `j0 + r` · activation row `n0 + n`.
+#[inline(always)]
+unsafe fn store_results(
+    acc: &[__m512; 16],
+    out: &mut [f32],
+    rows: usize,
+    j0: usize,
+    nj: usize,
+    n0: usize,
+    nn: usize,
+) {
+    let mut t = [[0f32; 16]; 16];
+    for r in 0..16 {
+        unsafe { _mm512_storeu_ps(t[r].as_mut_ptr(), acc[r]) };
+    }
+    for n in 0..nn {
+        let o = &mut out[(n0 + n) * rows + j0..(n0 + n) * rows + j0 + nj];
+        for (r, o) in o.iter_mut().enumerate() {
+            *o = t[r][n];
+        }
+    }
+}
+
+/// A 256-element format whose quants (at most 31) and 6-bit scales and mins
+/// follow Q4_K's layout.
+pub(super) trait KQuant: bytemuck::Pod {
+    /// The 64 quants of elements `64 s .. 64 s + 64`, one per byte.
+    unsafe fn quants(&self, s: usize) -> __m512i;
+    fn scales(&self) -> &[u8; 12];
+    fn d(&self) -> half::f16;
+    fn dmin(&self) -> half::f16;
+}
+
+/// Low and high nibbles of 32 packed bytes: elements `0..32` then `32..64`.
+#[inline(always)]
+unsafe fn nibbles(qs: &[u8]) -> __m512i {
+    unsafe {
+        let x = _mm256_loadu_si256(qs.as_ptr().cast());
+        let m = _mm256_set1_epi8(0x0F);
+        let lo = _mm256_and_si256(x, m);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), m);
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+    }
+}
+
+impl KQuant for BlockQ4K {
+    #[inline(always)]
+    unsafe fn quants(&self, s: usize) -> __m512i {
+        unsafe { nibbles(&self.qs[32 * s..32 * s + 32]) }
+    }
+    fn scales(&self) -> &[u8; 12] {
+        &self.scales
+    }
+    fn d(&self) -> half::f16 {
+        self.d
+    }
+    fn dmin(&self) -> half::f16 {
+        self.dmin
+    }
+}
+
+impl KQuant for BlockQ5K {
+    #[inline(always)]
+    unsafe fn quants(&self, s: usize) -> __m512i {
+        unsafe {
+            let q = nibbles(&self.qs[32 * s..32 * s + 32]);
+            // Fifth bits: bit 2s of qh[l] for element l, bit 2s + 1 for 32 + l.
+            let h = _mm256_loadu_si256(self.qh.as_ptr().cast());
+            let one = _mm256_set1_epi8(1);
+            let lo = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * s as i32)), one);
+            let hi = _mm256_and_si256(
+                _mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * s as i32 + 1)),
+                one,
+            );
+            let h = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+            _mm512_or_si512(q, _mm512_slli_epi16::<4>(h))
+        }
+    }
+    fn scales(&self) -> &[u8; 12] {
+        &self.scales
+    }
+    fn d(&self) -> half::f16 {
+        self.d
+    }
+    fn dmin(&self) -> half::f16 {
+        self.dmin
+    }
+}
+
+/// Q8_K activation rows rearranged for the tiles: for group `g` of 16 rows and
+/// block `b`, four 16 × 64-byte tiles (step `s` covers elements `64 s .. + 64`;
+/// its row `kk` holds elements `64 s + 4 kk .. + 4` of the 16 rows, a dword
+/// each), then the 16 rows' scales, then four vectors whose lane `n` holds
+/// row `n`'s sub-block sums `2i`, `2i + 1` (from its `bsums`) as two i16.
+/// Rows past the end are zero (scale 0). Each (group, block) takes
+/// [`Q8K_PREP`] bytes.
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn prep_q8k(acts: &[&[BlockQ8K]], nb: usize, base: *mut u8) {
+    for g in 0..acts.len().div_ceil(16) {
+        for b in 0..nb {
+            let at = unsafe { base.add((g * nb + b) * Q8K_PREP) };
+            let tiles = at.cast::<u32>();
+            let das = unsafe { at.add(4096).cast::<f32>() };
+            let bp = unsafe { at.add(4096 + 64).cast::<[i16; 2]>() };
+            for n in 0..16 {
+                let Some(a) = acts.get(g * 16 + n) else {
+                    for i in 0..64 {
+                        unsafe { tiles.add(i * 16 + n).write(0) };
+                    }
+                    unsafe { das.add(n).write(0.0) };
+                    for i in 0..4 {
+                        unsafe { bp.add(i * 16 + n).write([0, 0]) };
+                    }
+                    continue;
+                };
+                let blk = &a[b];
+                let q: &[u8; 256] = bytemuck::cast_ref(&blk.qs);
+                for (i, w) in q.chunks_exact(4).enumerate() {
+                    let w = u32::from_le_bytes(w.try_into().expect("4 bytes"));
+                    unsafe { tiles.add(i * 16 + n).write(w) };
+                }
+                unsafe { das.add(n).write(blk.d) };
+                let s = &blk.bsums;
+                for i in 0..4 {
+                    // |bsum| <= 16 * 128, so a pair's sum fits in i16.
+                    let pair = [s[4 * i] + s[4 * i + 1], s[4 * i + 2] + s[4 * i + 3]];
+                    unsafe { bp.add(i * 16 + n).write(pair) };
+                }
+            }
+        }
+    }
+}
+
+/// Bytes per (group, block) of [`prep_q8k`]'s output.
+const Q8K_PREP: usize = 4096 + 64 + 256;
+
+/// Bytes per block of [`prep_kquant`]'s output for a tile of 16 weight rows:
+/// eight operand tiles, then per row `d`, `dmin` and the mins as 8 words.
+const KQ_PREP: usize = 8 * 1024 + 16 * (4 + 4 + 16);
+
+/// Shuffle controls for [`prep_kquant`]: for step `s`, 128-bit lanes 0 and 1
+/// pick byte `2 s` of a broadcast qword into the low byte of every word, lanes
+/// 2 and 3 byte `2 s + 1` (high bytes zero).
+#[inline(always)]
+unsafe fn word_pick(s: usize) -> __m512i {
+    let (a, b) = (((0x80 << 8) | (2 * s)) as i16, ((0x80 << 8) | (2 * s + 1)) as i16);
+    unsafe {
+        _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_set1_epi16(a)),
+            _mm256_set1_epi16(b),
+        )
+    }
+}
+
+/// One tile of 16 weight rows (`w`: the first of them, `nj` valid; the rest
+/// zero) unpacked, per block `b` at `b * KQ_PREP`: the operands `q·(sc & 7)`
+/// (tile `2 s`) and `q·(sc >> 3)` (tile `2 s + 1`) of each step `s`, 1 KiB
+/// each, then the rows' `d`, their `dmin`, and their mins as words.
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn prep_kquant<W: KQuant>(w: &[W], nb: usize, nj: usize, base: *mut u8) {
+    let pick = unsafe { [word_pick(0), word_pick(1), word_pick(2), word_pick(3)] };
+    let size = std::mem::size_of::<W>();
+    // The next tile's rows follow this one's: fetch them as these are read
+    // (prefetches never fault, past the end of the weights included).
+    let next = w.as_ptr().cast::<u8>().wrapping_add(16 * nb * size);
+    unsafe {
+        for r in 0..16 {
+            for b in 0..nb {
+                let at = base.add(b * KQ_PREP);
+                let d = at.add(8 * 1024).cast::<f32>();
+                let dmin = d.add(16);
+                let mins = dmin.add(16).cast::<__m128i>();
+                let tile = |t: usize| at.add(t * 1024 + r * 64).cast::<__m512i>();
+                if r >= nj {
+                    for t in 0..8 {
+                        _mm512_store_si512(tile(t), _mm512_setzero_si512());
+                    }
+                    d.add(r).write(0.0);
+                    dmin.add(r).write(0.0);
+                    _mm_store_si128(mins.add(r), _mm_setzero_si128());
+                    continue;
+                }
+                let p = next.wrapping_add((r * nb + b) * size);
+                for line in (0..size).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast());
+                }
+                let blk = &w[r * nb + b];
+                let (sc, mn) = scales_mins_k4(blk.scales());
+                let lo = _mm512_set1_epi64((sc & 0x0707_0707_0707_0707) as i64);
+                let hi = _mm512_set1_epi64((sc >> 3 & 0x0707_0707_0707_0707) as i64);
+                for (s, pick) in pick.iter().enumerate() {
+                    let q = blk.quants(s);
+                    // Each byte product is below 256 (q <= 31, factor <= 7),
+                    // so one 16-bit multiply forms both bytes of a word.
+                    let f_lo = _mm512_shuffle_epi8(lo, *pick);
+                    let f_hi = _mm512_shuffle_epi8(hi, *pick);
+                    _mm512_store_si512(tile(2 * s), _mm512_mullo_epi16(q, f_lo));
+                    _mm512_store_si512(tile(2 * s + 1), _mm512_mullo_epi16(q, f_hi));
+                }
+                d.add(r).write(h2f(blk.d()));
+                dmin.add(r).write(h2f(blk.dmin()));
+                _mm_store_si128(mins.add(r), _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64)));
+            }
+        }
+    }
+}
+
+/// Every weight row of `w` (`rows` rows of `nb` blocks) against every
+/// activation row of `acts`: `out[r * rows + j]` = row `j` · `acts[r]`.
+///
+/// # Safety
+/// AVX-512 F/BW and [`available`] must hold; `w` holds `rows * nb` blocks and
+/// every activation row `nb`.
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+pub(super) unsafe fn kquant_tiles<W: KQuant>(
+    w: &[W],
+    nb: usize,
+    rows: usize,
+    acts: &[&[BlockQ8K]],
+    out: &mut [f32],
+) {
+    let m = acts.len();
+    // tmm0, tmm1: the two sums; tmm3: activations; tmm4, tmm5: weights.
+    let cfg = TileConfig::new([(16, 64); 8]);
+    let (abase, wbase) = scratch(m.div_ceil(16) * nb * Q8K_PREP, nb * KQ_PREP + 2 * 1024);
+    unsafe {
+        prep_q8k(acts, nb, abase);
+        let cbuf = wbase.add(nb * KQ_PREP);
+        cfg.load();
+        for j0 in (0..rows).step_by(16) {
+            let nj = (rows - j0).min(16);
+            prep_kquant(&w[j0 * nb..(j0 + nj) * nb], nb, nj, wbase);
+            for g in 0..m.div_ceil(16) {
+                let mut acc = [_mm512_setzero_ps(); 16];
+                for b in 0..nb {
+                    let ap = abase.add((g * nb + b) * Q8K_PREP);
+                    let wp = wbase.add(b * KQ_PREP);
+                    asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
+                    for s in 0..4 {
+                        asm!(
+                            "tileloadd tmm3, [{a} + {st}]",
+                            "tileloadd tmm4, [{w0} + {st}]",
+                            "tileloadd tmm5, [{w1} + {st}]",
+                            "tdpbusd tmm0, tmm4, tmm3",
+                            "tdpbusd tmm1, tmm5, tmm3",
+                            a = in(reg) ap.add(s * 1024),
+                            w0 = in(reg) wp.add(2 * s * 1024),
+                            w1 = in(reg) wp.add((2 * s + 1) * 1024),
+                            st = in(reg) 64usize,
+                            options(nostack, readonly),
+                        );
+                    }
+                    asm!(
+                        "tilestored [{c0} + {st}], tmm0",
+                        "tilestored [{c1} + {st}], tmm1",
+                        c0 = in(reg) cbuf,
+                        c1 = in(reg) cbuf.add(1024),
+                        st = in(reg) 64usize,
+                        options(nostack),
+                    );
+                    let da = _mm512_load_ps(ap.add(4096).cast());
+                    let bp = ap.add(4096 + 64).cast::<__m512i>();
+                    let bp = [
+                        bp.read(),
+                        bp.add(1).read(),
+                        bp.add(2).read(),
+                        bp.add(3).read(),
+                    ];
+                    let d = wp.add(8 * 1024).cast::<f32>();
+                    let dmin = d.add(16);
+                    let mins = dmin.add(16).cast::<i32>();
+                    let c = cbuf.cast::<__m512i>();
+                    for r in 0..16 {
+                        let lo = _mm512_load_si512(c.add(r));
+                        let hi = _mm512_load_si512(c.add(16 + r));
+                        let sumi = _mm512_add_epi32(lo, _mm512_slli_epi32::<3>(hi));
+                        // Σ_j m_j · (sub-block j's activation sum), two j a madd.
+                        let t = arr!(i in 4 => _mm512_madd_epi16(bp[i], _mm512_set1_epi32(*mins.add(r * 4 + i))));
+                        let summ = _mm512_add_epi32(
+                            _mm512_add_epi32(t[0], t[1]),
+                            _mm512_add_epi32(t[2], t[3]),
+                        );
+                        let dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
+                        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
+                        let dm = _mm512_mul_ps(_mm512_set1_ps(*dmin.add(r)), da);
+                        acc[r] = _mm512_sub_ps(acc[r], _mm512_mul_ps(dm, _mm512_cvtepi32_ps(summ)));
+                    }
+                }
+                store_results(&acc, out, rows, j0, nj, g * 16, (m - g * 16).min(16));
+            }
+        }
+        release();
+    }
+}
+
+/// Q8_0 activation rows rearranged for the tiles: for group `g` of 16 rows and
+/// block `b`, an 8 × 64-byte tile whose row `kk` holds quants `4 kk .. + 4` of
+/// the 16 rows, one dword each; and the rows' scales. Rows past the end are zero.
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn prep_q8_0(acts: &[&[BlockQ8_0]], nb: usize, base: *mut u8) -> (*const u8, *const f32) {
+    let groups = acts.len().div_ceil(16);
+    let tiles = base.cast::<u32>();
+    let das = unsafe { base.add(groups * nb * 512).cast::<f32>() };
+    for g in 0..groups {
+        for n in 0..16 {
+            let a = acts.get(g * 16 + n);
+            for b in 0..nb {
+                let t = unsafe { tiles.add((g * nb + b) * 128 + n) };
+                let (q, da) = match a {
+                    Some(a) => (bytemuck::cast::<[i8; 32], [u8; 32]>(a[b].qs), unsafe {
+                        h2f(a[b].d)
+                    }),
+                    None => ([0u8; 32], 0.0),
+                };
+                for (i, w) in q.chunks_exact(4).enumerate() {
+                    let w = u32::from_le_bytes(w.try_into().expect("4 bytes"));
+                    unsafe { t.add(i * 16).write(w) };
+                }
+                unsafe { das.add((g * nb + b) * 16 + n).write(da) };
+            }
+        }
+    }
+    (tiles.cast(), das)
+}
+
+/// [`kquant_tiles`] for Q8_0 weights and activations.
+///
+/// # Safety
+/// As [`kquant_tiles`].
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+pub(super) unsafe fn q8_0_tiles(
+    w: &[BlockQ8_0],
+    nb: usize,
+    rows: usize,
+    acts: &[&[BlockQ8_0]],
+    out: &mut [f32],
+) {
+    let m = acts.len();
+    // tmm0..3: sums of four blocks; tmm4: weights (16 rows × 32 quants);
+    // tmm6: activations (8 × 16 dwords).
+    let cfg = TileConfig::new([
+        (16, 64),
+        (16, 64),
+        (16, 64),
+        (16, 64),
+        (16, 32),
+        (16, 32),
+        (8, 64),
+        (8, 64),
+    ]);
+    let row_bytes = nb * 34;
+    // Activations; eight lanes of 16 × 16 partial sums, four blocks' sums,
+    // the scales of one tile, and room for a partial tile's rows padded to 16.
+    let (abase, wbase) = scratch(
+        m.div_ceil(16) * nb * (512 + 64),
+        8 * 1024 + 4 * 1024 + nb * 64 + 16 * row_bytes,
+    );
+    {
+        unsafe {
+            let (atiles, das) = prep_q8_0(acts, nb, abase);
+            let lanes = wbase.cast::<__m512>();
+            let cbuf = wbase.add(8 * 1024);
+            let dw = cbuf.add(4 * 1024).cast::<f32>();
+            let pad = dw.add(nb * 16).cast::<u8>();
+            cfg.load();
+            let bytes: &[u8] = bytemuck::cast_slice(w);
+            for j0 in (0..rows).step_by(16) {
+                let nj = (rows - j0).min(16);
+                let mut tile = bytes[j0 * row_bytes..].as_ptr();
+                if nj < 16 {
+                    std::ptr::copy_nonoverlapping(tile, pad, nj * row_bytes);
+                    std::ptr::write_bytes(pad.add(nj * row_bytes), 0, (16 - nj) * row_bytes);
+                    tile = pad;
+                }
+                for b in 0..nb {
+                    for r in 0..16 {
+                        let h = tile
+                            .add(r * row_bytes + b * 34)
+                            .cast::<u16>()
+                            .read_unaligned();
+                        dw.add(b * 16 + r).write(h2f(half::f16::from_bits(h)));
+                    }
+                }
+                for g in 0..m.div_ceil(16) {
+                    for l in 0..8 * 16 {
+                        lanes.add(l).write(_mm512_setzero_ps());
+                    }
+                    for b0 in (0..nb).step_by(4) {
+                        let nk = (nb - b0).min(4);
+                        macro_rules! block {
+                            ($i:literal, $tmm:literal) => {
+                                if $i < nk {
+                                    let b = b0 + $i;
+                                    asm!(
+                                        concat!("tilezero tmm", $tmm),
+                                        "tileloadd tmm4, [{w} + {ws}]",
+                                        "tileloadd tmm6, [{a} + {st}]",
+                                        concat!("tdpbssd tmm", $tmm, ", tmm4, tmm6"),
+                                        concat!("tilestored [{c} + {st}], tmm", $tmm),
+                                        w = in(reg) tile.add(b * 34 + 2),
+                                        ws = in(reg) row_bytes,
+                                        a = in(reg) atiles.add((g * nb + b) * 512),
+                                        c = in(reg) cbuf.add($i * 1024),
+                                        st = in(reg) 64usize,
+                                        options(nostack),
+                                    );
+                                }
+                            };
+                        }
+                        block!(0, "0");
+                        block!(1, "1");
+                        block!(2, "2");
+                        block!(3, "3");
+                        for i in 0..nk {
+                            let b = b0 + i;
+                            let da = _mm512_loadu_ps(das.add((g * nb + b) * 16));
+                            let c = cbuf.add(i * 1024).cast::<__m512i>();
+                            let lane = lanes.add((b % 8) * 16);
+                            for r in 0..16 {
+                                let dd = _mm512_mul_ps(_mm512_set1_ps(*dw.add(b * 16 + r)), da);
+                                let t = _mm512_mul_ps(
+                                    dd,
+                                    _mm512_cvtepi32_ps(_mm512_load_si512(c.add(r))),
+                                );
+                                lane.add(r).write(_mm512_add_ps(lane.add(r).read(), t));
+                            }
+                        }
+                    }
+                    // reduce8 per lane: (l0+l4, l1+l5, l2+l6, l3+l7), pairs, total.
+                    let mut acc = [_mm512_setzero_ps(); 16];
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let l = |k: usize| lanes.add(k * 16 + r).read();
+                        let t = [
+                            _mm512_add_ps(l(0), l(4)),
+                            _mm512_add_ps(l(1), l(5)),
+                            _mm512_add_ps(l(2), l(6)),
+                            _mm512_add_ps(l(3), l(7)),
+                        ];
+                        let u = [_mm512_add_ps(t[0], t[2]), _mm512_add_ps(t[1], t[3])];
+                        *acc = _mm512_add_ps(u[0], u[1]);
+                    }
+                    store_results(&acc, out, rows, j0, nj, g * 16, (m - g * 16).min(16));
+                }
+            }
+            release();
+        }
+    }
+}
