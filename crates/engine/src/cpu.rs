@@ -67,6 +67,8 @@ macro_rules! widest {
     };
 }
 
+mod attend;
+
 /// Largest delta-net value head dim the kernels take (real models use 128).
 const MAX_DV: usize = 512;
 
@@ -235,10 +237,10 @@ impl Cpu {
 
     /// Attention rows over a KV cache. `q` (m rows of `n_head * head_dim`) and `k`
     /// (m rows of `n_head_kv * head_dim`) come after their head norms and before
-    /// RoPE; row `r` is position `pos0 + r`. Rows go in order: each row's rotated
-    /// key and its value are written to the cache, then the row attends over
-    /// positions `0..=pos0 + r` (scores in key order, softmax, weighted sum in key
-    /// order), exactly as a one-row call at that position would.
+    /// RoPE; row `r` is position `pos0 + r`. Every row's rotated key and its
+    /// value are written to the cache, then each row attends over positions
+    /// `0..=pos0 + r` (block by block, see [`attend`]), exactly as a one-row
+    /// call at that position would.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_rows(
         &self,
@@ -253,11 +255,9 @@ impl Cpu {
         let hd = p.head_dim;
         let (qw, kvw) = (p.n_head * hd, p.n_head_kv * hd);
         let m = q.len() / qw;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let rep = p.n_head / p.n_head_kv;
         // Rotate and store every row's key first: row r reads cache positions
         // 0..=pos0+r only, so keys of later rows in the cache change nothing it
-        // computes. Then all (row, head) pairs in one parallel region.
+        // computes. Then all rows in one parallel region.
         for r in 0..m {
             let pos = pos0 + r;
             rope_row(&mut q[r * qw..(r + 1) * qw], hd, p.n_rot, p.theta, pos);
@@ -269,26 +269,7 @@ impl Cpu {
                 &v[r * kvw..(r + 1) * kvw],
             );
         }
-        let cache = &*cache;
-        let q = &*q;
-        // Enough rows to keep every thread busy: one task per (row, KV head),
-        // its query heads reading each key and value row once together.
-        // Otherwise (decode on many threads) one task per (row, head). Each
-        // head's arithmetic is the same either way (a_head_group_attends_as_each_head_alone).
-        let per = if m * p.n_head_kv >= 4 * self.threads() {
-            rep
-        } else {
-            1
-        };
-        self.par_heads(o, per * hd, |t, out| {
-            let (r, h0) = (t * per / p.n_head, t * per % p.n_head);
-            let (qh, pos) = (&q[r * qw + h0 * hd..r * qw + (h0 + per) * hd], pos0 + r);
-            let g = h0 / rep;
-            match cache {
-                KvLayer::F32 { k, v } => attend(qh, g, hd, kvw, pos, scale, k, v, out),
-                KvLayer::F16 { k, v } => attend(qh, g, hd, kvw, pos, scale, k, v, out),
-            }
-        });
+        self.attend_rows(q, pos0, p, cache, o);
     }
 
     /// Gated delta-rule rows with state. Per row, in order: q and k (from the
@@ -587,159 +568,4 @@ pub fn route(logits: &mut [f32], k: usize) -> (Vec<usize>, Vec<f32>) {
     let sum = sum.max(6.103_515_6e-5);
     let w = ids.iter().map(|&i| logits[i] / sum).collect();
     (ids, w)
-}
-
-/// A KV cache element.
-trait KvElem: Copy + Sync {
-    fn f32(self) -> f32;
-}
-impl KvElem for f32 {
-    #[inline(always)]
-    fn f32(self) -> f32 {
-        self
-    }
-}
-impl KvElem for half::f16 {
-    #[inline(always)]
-    fn f32(self) -> f32 {
-        samesum_quant::blocks::f16_to_f32(self)
-    }
-}
-
-/// `q · k` with element `i` accumulated into lane `i % 16` (multiply, then add)
-/// and the lanes reduced by a fixed tree: one order for every caller, and one the
-/// compiler can keep in vector registers.
-#[inline(always)]
-fn dot16<T: KvElem>(q: &[f32], k: &[T]) -> f32 {
-    let mut lanes = [0f32; 16];
-    let n = q.len().min(k.len());
-    let full = n / 16 * 16;
-    for (qc, kc) in q[..full].chunks_exact(16).zip(k[..full].chunks_exact(16)) {
-        for l in 0..16 {
-            lanes[l] = lanes[l] + qc[l] * kc[l].f32();
-        }
-    }
-    for i in full..n {
-        lanes[i % 16] = lanes[i % 16] + q[i] * k[i].f32();
-    }
-    let mut h = [0f32; 8];
-    for l in 0..8 {
-        h[l] = lanes[l] + lanes[l + 8];
-    }
-    let q4 = [h[0] + h[4], h[1] + h[5], h[2] + h[6], h[3] + h[7]];
-    (q4[0] + q4[2]) + (q4[1] + q4[3])
-}
-
-widest! {
-    /// [`attend_heads`] compiled for the widest vectors the CPU has (the same
-    /// bytes at every width: its lanes are fixed by [`dot16`], not by the
-    /// vector size).
-    fn attend[T: KvElem](
-        q: &[f32],
-        g: usize,
-        hd: usize,
-        kvw: usize,
-        pos: usize,
-        scale: f32,
-        k: &[T],
-        v: &[T],
-        out: &mut [f32],
-    ) => attend_heads
-}
-
-/// Query heads of KV head `g` (`q` and `out` hold `q.len() / hd` of them, `hd`
-/// each) attending over cache positions `0..=pos` together, so each key and
-/// value row is read once for all of them. Per head: scores in key order, each
-/// a [`dot16`], then softmax, then the value sum in key order; nothing depends
-/// on how many heads share the call.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn attend_heads<T: KvElem>(
-    q: &[f32],
-    g: usize,
-    hd: usize,
-    kvw: usize,
-    pos: usize,
-    scale: f32,
-    k: &[T],
-    v: &[T],
-    out: &mut [f32],
-) {
-    let n = pos + 1;
-    let mut s = vec![0f32; q.len() / hd * n];
-    for j in 0..n {
-        let kr = &k[j * kvw + g * hd..j * kvw + (g + 1) * hd];
-        for (sh, qh) in s.chunks_exact_mut(n).zip(q.chunks_exact(hd)) {
-            sh[j] = dot16(qh, kr) * scale;
-        }
-    }
-    for sh in s.chunks_exact_mut(n) {
-        softmax(sh);
-    }
-    out.fill(0.0);
-    for j in 0..n {
-        let vr = &v[j * kvw + g * hd..j * kvw + (g + 1) * hd];
-        for (sh, oh) in s.chunks_exact(n).zip(out.chunks_exact_mut(hd)) {
-            let pj = sh[j];
-            for i in 0..hd {
-                oh[i] += pj * vr[i].f32();
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The grouped attention (all query heads of a KV head at once) against
-    /// one head at a time, byte for byte, f32 and f16 caches: the prefill and
-    /// the decode paths of `attention_rows` compute the same bytes.
-    #[test]
-    fn a_head_group_attends_as_each_head_alone() {
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut rnd = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
-        };
-        for (rep, hd, n_kv) in [(1, 16, 1), (2, 64, 2), (8, 128, 4), (8, 256, 2), (3, 40, 2)] {
-            let kvw = n_kv * hd;
-            for pos in [0, 1, 15, 16, 17, 300] {
-                let q: Vec<f32> = (0..rep * n_kv * hd).map(|_| rnd()).collect();
-                let k: Vec<f32> = (0..(pos + 1) * kvw).map(|_| rnd()).collect();
-                let v: Vec<f32> = (0..(pos + 1) * kvw).map(|_| rnd()).collect();
-                let kh: Vec<half::f16> = k.iter().map(|&a| half::f16::from_f32(a)).collect();
-                let vh: Vec<half::f16> = v.iter().map(|&a| half::f16::from_f32(a)).collect();
-                let scale = 1.0 / (hd as f32).sqrt();
-                for g in 0..n_kv {
-                    let qg = &q[g * rep * hd..(g + 1) * rep * hd];
-                    let mut grouped = vec![f32::NAN; rep * hd];
-                    let mut grouped16 = vec![f32::NAN; rep * hd];
-                    attend(qg, g, hd, kvw, pos, scale, &k, &v, &mut grouped);
-                    attend(qg, g, hd, kvw, pos, scale, &kh, &vh, &mut grouped16);
-                    for hh in 0..rep {
-                        let h = g * rep + hh;
-                        let qh = &q[h * hd..(h + 1) * hd];
-                        let mut one = vec![f32::NAN; hd];
-                        let mut one16 = vec![f32::NAN; hd];
-                        attend(qh, g, hd, kvw, pos, scale, &k, &v, &mut one);
-                        attend(qh, g, hd, kvw, pos, scale, &kh, &vh, &mut one16);
-                        let bits = |a: &[f32]| a.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                        assert_eq!(
-                            bits(&grouped[hh * hd..(hh + 1) * hd]),
-                            bits(&one),
-                            "rep {rep} hd {hd} pos {pos} head {h}"
-                        );
-                        assert_eq!(
-                            bits(&grouped16[hh * hd..(hh + 1) * hd]),
-                            bits(&one16),
-                            "f16: rep {rep} hd {hd} pos {pos} head {h}"
-                        );
-                    }
-                }
-            }
-        }
-    }
 }

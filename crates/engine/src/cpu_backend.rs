@@ -7,7 +7,7 @@ use crate::error::{EngineError, Result};
 use crate::model::weights::{AttentionW, DeltaBa, DeltaInput, DeltaNetW, MoeW};
 use crate::model::{Arch, Model};
 use crate::plan::Plan;
-use crate::state::{KvLayer, KvType, SeqState};
+use crate::state::{KvType, SeqState};
 use samesum_quant::dequant;
 
 impl Backend for Cpu {
@@ -46,10 +46,7 @@ impl Backend for Cpu {
     fn download_state(&self, st: &SeqState) -> Result<Vec<f32>> {
         let mut out = vec![st.pos as f32];
         for kv in st.kv.iter().flatten() {
-            let w = match kv {
-                KvLayer::F32 { k, .. } => k.len() / st.ctx.max(1),
-                KvLayer::F16 { k, .. } => k.len() / st.ctx.max(1),
-            };
+            let w = kv.width();
             for pos in 0..st.pos {
                 for i in 0..w {
                     out.push(kv.k_at(pos, w, i));

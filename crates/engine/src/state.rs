@@ -13,51 +13,101 @@ pub enum KvType {
     F16,
 }
 
-/// The KV cache of one attention layer: `ctx` rows of `n_head_kv * head_dim`.
+/// Positions per KV cache block: the cache of a layer is a table of blocks
+/// of this many rows, allocated as the sequence reaches them, and attention
+/// walks keys one block at a time (its position splits).
+pub const KV_BLOCK: usize = 256;
+
+/// One block of a layer's KV cache: [`KV_BLOCK`] key rows and as many value
+/// rows, `width` values each.
+#[derive(Clone, Debug)]
+pub struct KvBlock<T> {
+    /// Keys (after norm and RoPE), row after row.
+    pub k: Box<[T]>,
+    /// Values, row after row.
+    pub v: Box<[T]>,
+}
+
+/// The KV cache of one attention layer: rows of `width` (= `n_head_kv *
+/// head_dim`) values in blocks of [`KV_BLOCK`] positions; block `b` holds
+/// positions `b * KV_BLOCK ..`.
 #[derive(Clone, Debug)]
 pub enum KvLayer {
     /// f32 rows.
     F32 {
-        /// Keys (after norm and RoPE).
-        k: Vec<f32>,
-        /// Values.
-        v: Vec<f32>,
+        /// Values per row.
+        width: usize,
+        /// The block table.
+        blocks: Vec<KvBlock<f32>>,
     },
     /// f16 rows.
     F16 {
-        /// Keys.
-        k: Vec<half::f16>,
-        /// Values.
-        v: Vec<half::f16>,
+        /// Values per row.
+        width: usize,
+        /// The block table.
+        blocks: Vec<KvBlock<half::f16>>,
     },
 }
 
+fn block<T: Copy>(zero: T, n: usize) -> KvBlock<T> {
+    KvBlock {
+        k: vec![zero; n].into_boxed_slice(),
+        v: vec![zero; n].into_boxed_slice(),
+    }
+}
+
 impl KvLayer {
-    fn new(ty: KvType, n: usize) -> Self {
+    /// An empty cache of rows of `width` values.
+    pub fn new(ty: KvType, width: usize) -> Self {
         match ty {
             KvType::F32 => KvLayer::F32 {
-                k: vec![0.0; n],
-                v: vec![0.0; n],
+                width,
+                blocks: Vec::new(),
             },
             KvType::F16 => KvLayer::F16 {
-                k: vec![half::f16::ZERO; n],
-                v: vec![half::f16::ZERO; n],
+                width,
+                blocks: Vec::new(),
             },
         }
     }
 
-    /// Write row `pos` (width `w`).
-    pub fn write(&mut self, pos: usize, w: usize, k: &[f32], v: &[f32]) {
+    /// Values per row.
+    pub fn width(&self) -> usize {
         match self {
-            KvLayer::F32 { k: kc, v: vc } => {
-                kc[pos * w..(pos + 1) * w].copy_from_slice(k);
-                vc[pos * w..(pos + 1) * w].copy_from_slice(v);
+            KvLayer::F32 { width, .. } | KvLayer::F16 { width, .. } => *width,
+        }
+    }
+
+    /// Blocks allocated so far.
+    pub fn blocks(&self) -> usize {
+        match self {
+            KvLayer::F32 { blocks, .. } => blocks.len(),
+            KvLayer::F16 { blocks, .. } => blocks.len(),
+        }
+    }
+
+    /// Write row `pos` (`k` and `v` of width `w`, the cache's width),
+    /// allocating its block when the sequence first reaches it.
+    pub fn write(&mut self, pos: usize, w: usize, k: &[f32], v: &[f32]) {
+        let (b, at) = (pos / KV_BLOCK, (pos % KV_BLOCK) * w);
+        match self {
+            KvLayer::F32 { width, blocks } => {
+                debug_assert_eq!(*width, w);
+                while blocks.len() <= b {
+                    blocks.push(block(0f32, KV_BLOCK * w));
+                }
+                blocks[b].k[at..at + w].copy_from_slice(k);
+                blocks[b].v[at..at + w].copy_from_slice(v);
             }
-            KvLayer::F16 { k: kc, v: vc } => {
-                for (d, s) in kc[pos * w..(pos + 1) * w].iter_mut().zip(k) {
+            KvLayer::F16 { width, blocks } => {
+                debug_assert_eq!(*width, w);
+                while blocks.len() <= b {
+                    blocks.push(block(half::f16::ZERO, KV_BLOCK * w));
+                }
+                for (d, s) in blocks[b].k[at..at + w].iter_mut().zip(k) {
                     *d = half::f16::from_f32(*s);
                 }
-                for (d, s) in vc[pos * w..(pos + 1) * w].iter_mut().zip(v) {
+                for (d, s) in blocks[b].v[at..at + w].iter_mut().zip(v) {
                     *d = half::f16::from_f32(*s);
                 }
             }
@@ -67,18 +117,20 @@ impl KvLayer {
     /// Element `i` of key row `pos` (width `w`).
     #[inline]
     pub fn k_at(&self, pos: usize, w: usize, i: usize) -> f32 {
+        let (b, at) = (pos / KV_BLOCK, (pos % KV_BLOCK) * w + i);
         match self {
-            KvLayer::F32 { k, .. } => k[pos * w + i],
-            KvLayer::F16 { k, .. } => k[pos * w + i].to_f32(),
+            KvLayer::F32 { blocks, .. } => blocks[b].k[at],
+            KvLayer::F16 { blocks, .. } => blocks[b].k[at].to_f32(),
         }
     }
 
     /// Element `i` of value row `pos`.
     #[inline]
     pub fn v_at(&self, pos: usize, w: usize, i: usize) -> f32 {
+        let (b, at) = (pos / KV_BLOCK, (pos % KV_BLOCK) * w + i);
         match self {
-            KvLayer::F32 { v, .. } => v[pos * w + i],
-            KvLayer::F16 { v, .. } => v[pos * w + i].to_f32(),
+            KvLayer::F32 { blocks, .. } => blocks[b].v[at],
+            KvLayer::F16 { blocks, .. } => blocks[b].v[at].to_f32(),
         }
     }
 }
@@ -127,8 +179,8 @@ impl SeqState {
             .filter(|k| **k == LayerKind::Attention)
             .count();
         let bytes = 2 * (layers * kvw * el) as u128 * ctx as u128;
-        // Probe the largest buffer first (the allocation itself stays lazy
-        // zeroed memory), so an impossible context is an error, not an abort.
+        // Probe one layer's whole cache first (blocks are allocated as the
+        // sequence grows), so an impossible context is an error, not an abort.
         let fits = ctx
             .checked_mul(kvw * el)
             .is_some_and(|n| Vec::<u8>::new().try_reserve_exact(n).is_ok());
@@ -142,7 +194,7 @@ impl SeqState {
         let kv = hp
             .layers
             .iter()
-            .map(|k| (*k == LayerKind::Attention).then(|| KvLayer::new(kv_type, ctx * kvw)))
+            .map(|k| (*k == LayerKind::Attention).then(|| KvLayer::new(kv_type, kvw)))
             .collect();
         let linear = hp
             .layers
