@@ -12,6 +12,9 @@ model), this script
 and writes NAME.gguf, NAME.logits (f32, little-endian, prompt after prompt) and
 NAME.json (prompts, shapes, provenance) into tests/conformance/fixtures/.
 
+A Qwen3-MoE fixture with YaRN rope scaling (qwen3moe-yarn) checks the
+scaled rotary embedding read from the GGUF's rope.scaling keys.
+
 Needs: torch, transformers==5.23.0, tokenizers, numpy, safetensors, sentencepiece,
 pyyaml, and llama.cpp's converter (the llama.cpp tree vendored in the PyPI sdist of
 llama-cpp-python 0.3.36; pass its path with --llama-cpp).
@@ -72,6 +75,17 @@ def build(kind: str, vocab: int, seed: int):
         cfg = Qwen3MoeConfig(num_hidden_layers=3, intermediate_size=128, norm_topk_prob=True,
                              rope_theta=1_000_000.0, tie_word_embeddings=False, **common)
         model = Qwen3MoeForCausalLM(cfg)
+    elif kind == "qwen3moe-yarn":
+        # YaRN over a short original context (64 positions, factor 4), so the
+        # ramp falls inside the rotated pairs and the prompts cross the
+        # original context.
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        rope = {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 4.0,
+                "original_max_position_embeddings": 64}
+        cfg = Qwen3MoeConfig(num_hidden_layers=2, intermediate_size=128, norm_topk_prob=True,
+                             rope_parameters=rope, tie_word_embeddings=False,
+                             **dict(common, max_position_embeddings=256))
+        model = Qwen3MoeForCausalLM(cfg)
     elif kind == "qwen3moe-tied":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
         cfg = Qwen3MoeConfig(num_hidden_layers=2, intermediate_size=128, norm_topk_prob=True,
@@ -131,12 +145,15 @@ def convert(llama_cpp: Path, model_dir: Path, outfile: Path, outtype: str, mtp: 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-cpp", type=Path, required=True)
+    ap.add_argument("--only", action="append", help="build only these fixtures (repeatable)")
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
     tok = make_tokenizer(320)
     vocab = len(tok)
     import transformers
-    for i, kind in enumerate(["qwen3moe", "qwen3moe-tied", "qwen3next", "qwen35moe"]):
+    for i, kind in enumerate(["qwen3moe", "qwen3moe-tied", "qwen3next", "qwen35moe", "qwen3moe-yarn"]):
+        if args.only and kind not in args.only:
+            continue
         model = build(kind, vocab, seed=100 + i)
         ps = prompts(tok, vocab, seed=200 + i)
         logits = []

@@ -53,6 +53,12 @@ pub(crate) struct Args {
     /// Random seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Declare YaRN rope scaling by this factor (1 < factor <= 64): the
+    /// shape's context becomes rope.scaling.original_context_length and the
+    /// file's context_length grows by the factor, as llama.cpp's converter
+    /// writes a Hugging Face rope_scaling of type yarn.
+    #[arg(long, value_name = "FACTOR")]
+    yarn: Option<f32>,
     /// Output file.
     #[arg(short, long)]
     output: PathBuf,
@@ -136,7 +142,13 @@ pub(crate) fn model_or_builtin(
 /// Options from the command line: `--mix` if given, else `--quant`.
 fn options_of(a: &Args) -> Result<SynthOptions> {
     let quant = a.quant.as_deref().unwrap_or("q8_0");
-    let opts = options(&a.shape, quant, a.layers, a.seed)?;
+    let mut opts = options(&a.shape, quant, a.layers, a.seed)?;
+    if let Some(f) = a.yarn {
+        if !(f > 1.0 && f <= 64.0) {
+            bail!("--yarn {f}: the factor must be above 1 and at most 64");
+        }
+        opts = opts.with_yarn(f);
+    }
     Ok(match &a.mix {
         None => opts,
         Some(name) => {
@@ -158,10 +170,13 @@ pub(crate) fn run(a: Args) -> Result<()> {
     }
     let t = std::time::Instant::now();
     let s = write(&opts, &a.output)?;
-    let storage = match opts.mix {
+    let mut storage = match opts.mix {
         Some(m) => format!("mix {m}"),
         None => opts.quant.name().to_string(),
     };
+    if let Some(f) = opts.yarn {
+        storage += &format!(", YaRN x{f}");
+    }
     eprintln!(
         "wrote {}: {} {} layers, {storage}, {} tensors, {:.1} MiB of tensor data, vocab {}, in {:.1}s",
         a.output.display(),

@@ -1,13 +1,32 @@
 // The sequence position (`pos0` of the kernels below) is read from device
 // memory, so a recorded decode step (a CUDA graph) replays at any position.
 
+// The rotary embedding: base, and the context scaling (the engine's `Rope`:
+// freq_scale 1 for none; ext_factor 0 for linear, 1 for YaRN's ramp from
+// pair corr_lo to corr_hi; mscale on cos and sin).
+struct RopeP {
+    float theta, freq_scale, ext_factor, corr_lo, corr_hi, mscale;
+};
+
 // NeoX RoPE of pair (i, i + n_rot / 2) of one head at position `pos`.
-__device__ __forceinline__ void rope_pair(float* head, int i, int n_rot, float theta, int pos) {
+__device__ __forceinline__ void rope_pair(float* head, int i, int n_rot, RopeP rp, int pos) {
     int half = n_rot / 2;
-    float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)n_rot);
+    float inv_freq = 1.0f / powf(rp.theta, (float)(2 * i) / (float)n_rot);
+    if (rp.freq_scale != 1.0f) {
+        float interp = inv_freq * rp.freq_scale;
+        if (rp.ext_factor != 0.0f) {
+            float y = ((float)i - rp.corr_lo) / fmaxf(0.001f, rp.corr_hi - rp.corr_lo);
+            float mix = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * rp.ext_factor;
+            inv_freq = interp * (1.0f - mix) + inv_freq * mix;
+        } else {
+            inv_freq = interp;
+        }
+    }
     float ang = (float)pos * inv_freq;
     float sn, cs;
     sincosf(ang, &sn, &cs);
+    sn *= rp.mscale;
+    cs *= rp.mscale;
     float a = head[i], b = head[i + half];
     head[i] = a * cs - b * sn;
     head[i + half] = b * cs + a * sn;
@@ -25,7 +44,7 @@ __device__ __forceinline__ void rope_pair(float* head, int i, int n_rot, float t
 extern "C" __global__ void __launch_bounds__(256)
     qk_norm_rope_kv(const float* qsrc, int q_row, int q_head, const float* k, const float* v, const float* qnw,
                     const float* knw, float* q, void* ck, void* cv, const int* posp, int m, int hq, int hkv, int hd,
-                    int n_rot, float theta, float eps, int f16) {
+                    int n_rot, RopeP rp, float eps, int f16) {
     pdl_wait();
     __shared__ float rowbuf[8][256];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -44,7 +63,7 @@ extern "C" __global__ void __launch_bounds__(256)
         norm_small_row(k + ((i64)r * hkv + h) * hd, knw, sr, hd, eps, lane);
     }
     __syncwarp();
-    for (int i = lane; i < n_rot / 2; i += 32) rope_pair(sr, i, n_rot, theta, pos0 + r);
+    for (int i = lane; i < n_rot / 2; i += 32) rope_pair(sr, i, n_rot, rp, pos0 + r);
     __syncwarp();
     if (isq) {
         float* qo = q + ((i64)r * hq + h) * hd;

@@ -139,6 +139,25 @@ impl KernelArg for MoeJobs {
     }
 }
 
+/// The rotary embedding by value (`RopeP` in kernels/attention.cu; the
+/// engine's `Rope` without its dims).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RopeArg {
+    pub theta: f32,
+    pub freq_scale: f32,
+    pub ext_factor: f32,
+    pub corr_lo: f32,
+    pub corr_hi: f32,
+    pub mscale: f32,
+}
+
+impl KernelArg for RopeArg {
+    fn slot(&self, _: &CudaStream) -> ArgSlot {
+        ArgSlot::Val(self as *const RopeArg as *const std::ffi::c_void)
+    }
+}
+
 impl KernelArg for MmJobs {
     fn slot(&self, _: &CudaStream) -> ArgSlot {
         ArgSlot::Val(self as *const MmJobs as *const std::ffi::c_void)

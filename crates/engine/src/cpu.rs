@@ -5,7 +5,7 @@
 //! of arithmetic; threads split output columns or heads, never a reduction, so
 //! results are the same for any number of rows in the call and any thread count.
 
-use crate::model::Matrix;
+use crate::model::{Matrix, Rope};
 use crate::pool::Pool;
 use crate::state::KvLayer;
 use samesum_quant::dot::{self, ActRow};
@@ -260,8 +260,8 @@ impl Cpu {
         // computes. Then all rows in one parallel region.
         for r in 0..m {
             let pos = pos0 + r;
-            rope_row(&mut q[r * qw..(r + 1) * qw], hd, p.n_rot, p.theta, pos);
-            rope_row(&mut k[r * kvw..(r + 1) * kvw], hd, p.n_rot, p.theta, pos);
+            rope_row(&mut q[r * qw..(r + 1) * qw], hd, &p.rope, pos);
+            rope_row(&mut k[r * kvw..(r + 1) * kvw], hd, &p.rope, pos);
             cache.write(
                 pos,
                 kvw,
@@ -464,14 +464,15 @@ pub fn softplus(x: f32) -> f32 {
     if x > 20.0 { x } else { x.exp().ln_1p() }
 }
 
-/// NeoX RoPE on the first `n_rot` dims of each `head_dim`-wide head of one row at
-/// position `pos`: pairs `(i, i + n_rot/2)`; angles `pos * theta^(-2i/n_rot)` in f32.
-pub fn rope_row(x: &mut [f32], head_dim: usize, n_rot: usize, theta: f32, pos: usize) {
-    let half = n_rot / 2;
+/// NeoX RoPE on the first `rope.n_rot` dims of each `head_dim`-wide head of
+/// one row at position `pos`: pairs `(i, i + n_rot/2)`, angle `pos *
+/// rope.inv_freq(i)` in f32, cos and sin times `rope.mscale`.
+pub fn rope_row(x: &mut [f32], head_dim: usize, rope: &Rope, pos: usize) {
+    let half = rope.n_rot / 2;
     for i in 0..half {
-        let inv_freq = 1.0 / theta.powf((2 * i) as f32 / n_rot as f32);
-        let ang = pos as f32 * inv_freq;
+        let ang = pos as f32 * rope.inv_freq(i);
         let (sin, cos) = ang.sin_cos();
+        let (sin, cos) = (sin * rope.mscale, cos * rope.mscale);
         for head in x.chunks_exact_mut(head_dim) {
             let (a, b) = (head[i], head[i + half]);
             head[i] = a * cos - b * sin;
@@ -510,10 +511,8 @@ pub struct AttnParams {
     pub n_head_kv: usize,
     /// Head dim.
     pub head_dim: usize,
-    /// Rotary dims.
-    pub n_rot: usize,
-    /// RoPE base.
-    pub theta: f32,
+    /// The rotary embedding.
+    pub rope: Rope,
 }
 
 /// Sizes of gated delta-rule rows.

@@ -228,8 +228,7 @@ fn attention(
         n_head: hq,
         n_head_kv: hkv,
         head_dim: hd,
-        n_rot: hp.n_rot,
-        theta: hp.rope_theta,
+        rope: hp.rope(),
     };
     cpu.attention_rows(&mut q, &mut k, &v, cache, st.pos, &p, &mut o);
     if let Some(g) = gate {

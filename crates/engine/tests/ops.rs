@@ -7,6 +7,7 @@
 
 use samesum_engine::cpu::{self, AttnParams, Cpu, DeltaParams};
 use samesum_engine::model::Matrix;
+use samesum_engine::model::{Rope, RopeScaling};
 use samesum_engine::state::{KvLayer, KvType, SeqState};
 use samesum_gguf::GgmlType;
 use samesum_quant::rng::Rng;
@@ -92,15 +93,29 @@ fn rms_norm_and_rope_rows() {
                 "rms_norm m={m} row {r}"
             );
         }
-        // RoPE of a row depends only on the row and its position.
-        let mut a = x.clone();
-        for r in 0..m {
-            cpu::rope_row(&mut a[r * dim..(r + 1) * dim], 32, 16, 1e6, 1000 + r);
+        // RoPE of a row depends only on the row and its position (plain and
+        // YaRN-scaled).
+        let yarn = RopeScaling::Yarn {
+            factor: 4.0,
+            orig_ctx: 512,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attn_factor: 1.0,
+            yarn_attn: None,
+        };
+        for rope in [
+            Rope::new(16, 1e6, RopeScaling::None),
+            Rope::new(16, 1e6, yarn),
+        ] {
+            let mut a = x.clone();
+            for r in 0..m {
+                cpu::rope_row(&mut a[r * dim..(r + 1) * dim], 32, &rope, 1000 + r);
+            }
+            let r = m - 1;
+            let mut one = x[r * dim..(r + 1) * dim].to_vec();
+            cpu::rope_row(&mut one, 32, &rope, 1000 + r);
+            assert_eq!(bits(&one), bits(&a[r * dim..(r + 1) * dim]));
         }
-        let r = m - 1;
-        let mut one = x[r * dim..(r + 1) * dim].to_vec();
-        cpu::rope_row(&mut one, 32, 16, 1e6, 1000 + r);
-        assert_eq!(bits(&one), bits(&a[r * dim..(r + 1) * dim]));
     }
 }
 
@@ -128,8 +143,7 @@ fn attn_case(m: usize, threads: usize, kv: KvType, rng: &mut Rng) {
         n_head: 4,
         n_head_kv: 2,
         head_dim: 32,
-        n_rot: 16,
-        theta: 1e7,
+        rope: Rope::new(16, 1e7, RopeScaling::None),
     };
     let (qw, kvw) = (p.n_head * p.head_dim, p.n_head_kv * p.head_dim);
     let ctx = 300;
@@ -195,6 +209,7 @@ fn tiny_hp() -> samesum_engine::HParams {
         head_dim: 32,
         n_rot: 16,
         rope_theta: 1e7,
+        rope_scaling: RopeScaling::None,
         eps: 1e-6,
         n_ctx_train: 4096,
         n_expert: 4,

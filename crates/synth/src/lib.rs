@@ -75,6 +75,10 @@ pub struct SynthOptions {
     pub mix: Option<Mix>,
     /// Random seed.
     pub seed: u64,
+    /// YaRN context scaling by this factor over the shape's context (which
+    /// becomes `rope.scaling.original_context_length`), written as the HF
+    /// converter writes a `rope_scaling` of type yarn.
+    pub yarn: Option<f32>,
 }
 
 impl SynthOptions {
@@ -85,7 +89,14 @@ impl SynthOptions {
             quant,
             mix: None,
             seed,
+            yarn: None,
         }
+    }
+
+    /// Declare YaRN scaling by `factor` (the context grows by as much).
+    pub fn with_yarn(mut self, factor: f32) -> Self {
+        self.yarn = Some(factor);
+        self
     }
 
     /// Store the tensors as `mix` lays them out instead of as one type.
@@ -194,7 +205,18 @@ pub fn describe(opts: &SynthOptions) -> Result<(GgufWriter, Vec<plan::TensorPlan
         w.set("general.quantization_version", 2u32);
     }
     w.set(k("block_count"), s.layers);
-    w.set(k("context_length"), s.context);
+    match opts.yarn {
+        Some(factor) => {
+            w.set(
+                k("context_length"),
+                (s.context as f64 * factor as f64) as u32,
+            );
+            w.set(k("rope.scaling.type"), "yarn");
+            w.set(k("rope.scaling.factor"), factor);
+            w.set(k("rope.scaling.original_context_length"), s.context);
+        }
+        None => w.set(k("context_length"), s.context),
+    }
     w.set(k("embedding_length"), s.hidden);
     if let Some(ff) = s.ff {
         w.set(k("feed_forward_length"), ff);

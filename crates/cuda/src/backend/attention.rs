@@ -208,7 +208,15 @@ impl Cuda {
             (m as i32, hq as i32, hkv as i32, hd as i32, hp.n_rot as i32);
         let f16 = st.f16 as i32;
         let pos0 = &st.pos_dev;
-        let theta = hp.rope_theta;
+        let rope = hp.rope();
+        let rp = crate::device::RopeArg {
+            theta: rope.theta,
+            freq_scale: rope.freq_scale,
+            ext_factor: rope.ext_factor,
+            corr_lo: rope.corr_lo,
+            corr_hi: rope.corr_hi,
+            mscale: rope.mscale,
+        };
         // The gate's columns of a gated projection (head h's q at 2 h hd,
         // its gate at 2 h hd + hd).
         let gate = if a.gated {
@@ -254,7 +262,7 @@ impl Cuda {
             &hkvi,
             &hdi,
             &nrot,
-            &theta,
+            &rp,
             &eps,
             &f16
         )?;

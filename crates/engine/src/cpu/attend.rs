@@ -517,8 +517,7 @@ mod tests {
                 n_head,
                 n_head_kv: n_kv,
                 head_dim: hd,
-                n_rot: hd,
-                theta: 1e4,
+                rope: crate::model::Rope::new(hd, 1e4, Default::default()),
             };
             let (qw, kvw) = (n_head * hd, n_kv * hd);
             for ty in [KvType::F32, KvType::F16] {
@@ -567,8 +566,7 @@ mod tests {
             n_head,
             n_head_kv: n_kv,
             head_dim: hd,
-            n_rot: hd,
-            theta: 1e4,
+            rope: crate::model::Rope::new(hd, 1e4, Default::default()),
         };
         let (qw, kvw) = (n_head * hd, n_kv * hd);
         let npos = 3 * KV_BLOCK + 17;

@@ -104,6 +104,8 @@ pub struct HParams {
     pub n_rot: usize,
     /// RoPE base.
     pub rope_theta: f32,
+    /// RoPE context scaling (`rope.scaling.*`).
+    pub rope_scaling: super::RopeScaling,
     /// RMSNorm epsilon.
     pub eps: f32,
     /// Training context length.
@@ -145,6 +147,11 @@ fn uint_or(m: &Metadata, key: &str, default: usize) -> Result<usize> {
 }
 
 impl HParams {
+    /// The rotary embedding of the attention layers.
+    pub fn rope(&self) -> super::Rope {
+        super::Rope::new(self.n_rot, self.rope_theta, self.rope_scaling)
+    }
+
     /// Read the hyperparameters of a GGUF file's metadata; `n_tensors`, the
     /// tensors the file holds, bounds the layer count (every layer has
     /// tensors of its own), so a corrupt count fails here, before anything
@@ -201,6 +208,7 @@ impl HParams {
             )));
         }
         let n_ctx_train = uint_or(m, &k("context_length"), 4096)?;
+        let rope_scaling = super::rope::scaling_from_metadata(m, a, n_ctx_train)?;
         let n_expert = uint(m, &k("expert_count"))?;
         let n_expert_used = uint(m, &k("expert_used_count"))?;
         if n_expert_used == 0 || n_expert_used > n_expert {
@@ -283,6 +291,7 @@ impl HParams {
             head_dim,
             n_rot,
             rope_theta,
+            rope_scaling,
             eps,
             n_ctx_train,
             n_expert,

@@ -1,9 +1,11 @@
 //! Models: hyperparameters, weight binding and the loaded model.
 
 pub mod hparams;
+pub mod rope;
 pub mod weights;
 
 pub use hparams::{Arch, HParams, LayerKind, Ssm};
+pub use rope::{Rope, RopeScaling};
 pub use weights::{Matrix, Weights};
 
 use crate::error::Result;

@@ -313,7 +313,10 @@ const KQ_PREP: usize = 8 * 1024 + 16 * (4 + 4 + 16);
 /// 2 and 3 byte `2 s + 1` (high bytes zero).
 #[inline(always)]
 unsafe fn word_pick(s: usize) -> __m512i {
-    let (a, b) = (((0x80 << 8) | (2 * s)) as i16, ((0x80 << 8) | (2 * s + 1)) as i16);
+    let (a, b) = (
+        ((0x80 << 8) | (2 * s)) as i16,
+        ((0x80 << 8) | (2 * s + 1)) as i16,
+    );
     unsafe {
         _mm512_inserti64x4::<1>(
             _mm512_castsi256_si512(_mm256_set1_epi16(a)),
