@@ -76,6 +76,10 @@ pub(crate) struct Args {
     threads: ThreadsArgs,
     #[command(flatten)]
     kv: KvArgs,
+    /// Arm B's KV cache type (default: arm A's, --kv-type): measures a
+    /// cache type against another, e.g. `--kv-type f32 --kv-type-b f16`.
+    #[arg(long = "kv-type-b", value_name = "TYPE", value_parser = ["f32", "f16"])]
+    kv_type_b: Option<String>,
     // `--attention` applies to arm B; arm A runs the default passes.
     #[command(flatten)]
     backend: BackendArgs,
@@ -101,6 +105,7 @@ impl Variant {
 struct Arm {
     device: Device,
     variants: Vec<Variant>,
+    kv: KvType,
 }
 
 impl Arm {
@@ -233,7 +238,8 @@ struct Runs<'a> {
     model: &'a Model,
     prompts: &'a [Vec<u32>],
     r#gen: usize,
-    kv: KvType,
+    /// KV cache types of arm A, arm B and the probe.
+    kv: [KvType; 3],
     /// Arm A's greedy tokens.
     reference: Vec<Vec<u32>>,
     /// Arm A's teacher-forced rows, kept for the arms that run after it.
@@ -259,12 +265,12 @@ impl Runs<'_> {
         let (model, kv, n_vocab) = (self.model, self.kv, self.model.w.n_vocab);
         for (i, p) in self.prompts.iter().enumerate() {
             if with_a {
-                let reference = greedy(b, model, p, self.r#gen, chunk, kv)?;
-                self.rows_a[i] = teacher_forced(b, model, p, &reference, chunk, kv)?;
+                let reference = greedy(b, model, p, self.r#gen, chunk, kv[0])?;
+                self.rows_a[i] = teacher_forced(b, model, p, &reference, chunk, kv[0])?;
                 self.reference[i] = reference;
             }
             for &k in arms {
-                let rows = teacher_forced(b, model, p, &self.reference[i], chunk, kv)?;
+                let rows = teacher_forced(b, model, p, &self.reference[i], chunk, kv[1 + k])?;
                 let r = compare(&self.rows_a[i], &rows, &self.reference[i], n_vocab);
                 self.agreements[i][k] = Some(r);
             }
@@ -320,18 +326,26 @@ pub(crate) fn run(a: Args) -> Result<()> {
         ),
         cpu => cpu,
     };
+    let kv_b = match a.kv_type_b.as_deref() {
+        Some("f32") => KvType::F32,
+        Some(_) => KvType::F16,
+        None => kv,
+    };
     let arm_a = Arm {
         device: base,
         variants: Vec::new(),
+        kv,
     };
     let arm_b = Arm {
         device,
         variants: a.variant.clone(),
+        kv: kv_b,
     };
     let probing = !a.probe.is_empty();
     let arm_p = probing.then(|| Arm {
         device: base,
         variants: a.probe.clone(),
+        kv,
     });
     for arm in std::iter::once(&arm_b).chain(&arm_p) {
         arm.check()?;
@@ -368,10 +382,21 @@ pub(crate) fn run(a: Args) -> Result<()> {
     if a.backend.attention() == Attention::Fast {
         b_changes.push("--attention fast");
     }
+    let kv_name = |k: KvType| {
+        if k == KvType::F16 {
+            "an f16 KV cache"
+        } else {
+            "an f32 KV cache"
+        }
+    };
+    if kv_b != kv {
+        b_changes.push(kv_name(kv_b));
+    }
     println!(
-        "teacher-forced agreement: {} ({}), arm B {}, {} positions per prompt, bar {:.2}%",
+        "teacher-forced agreement: {} ({}), arm A with {}, arm B {}, {} positions per prompt, bar {:.2}%",
         path.display(),
         model.hp.arch.name(),
+        kv_name(kv),
         if b_changes.is_empty() {
             "= arm A (same-arm control)".to_string()
         } else {
@@ -429,7 +454,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         model: &model,
         prompts: &prompts,
         r#gen: a.r#gen,
-        kv,
+        kv: [kv, kv_b, kv],
         reference: vec![Vec::new(); prompts.len()],
         rows_a: vec![Vec::new(); prompts.len()],
         agreements: vec![[None, None]; prompts.len()],

@@ -50,6 +50,9 @@ const HPARAMS: &[&str] = &[
     "rope.freq_base",
     "rope.dimension_count",
     "rope.dimension_sections",
+    "rope.scaling.type",
+    "rope.scaling.factor",
+    "rope.scaling.original_context_length",
     "expert_count",
     "expert_used_count",
     "expert_feed_forward_length",
@@ -127,6 +130,18 @@ pub(crate) fn run(a: Args) -> Result<()> {
         None => None,
     };
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    // Memory per token of context, where the hyperparameters parse.
+    let hp = samesum_engine::HParams::from_metadata(m, f.tensors().len()).ok();
+    let context = hp.as_ref().map(|hp| {
+        use samesum_engine::state::{kv_bytes_per_token, recurrent_bytes};
+        (
+            hp.n_ctx_train as u64,
+            kv_bytes_per_token(hp, samesum_engine::KvType::F16),
+            kv_bytes_per_token(hp, samesum_engine::KvType::F32),
+            recurrent_bytes(hp),
+            hp.rope_scaling,
+        )
+    });
     if a.json {
         let out = json!({
             "file": path.display().to_string(),
@@ -144,6 +159,14 @@ pub(crate) fn run(a: Args) -> Result<()> {
             "parameters": n_params,
             "tensor_bytes": total,
             "by_type": by_type.iter().map(|(k, (n, b))| (k.clone(), json!({"tensors": n, "bytes": b}))).collect::<serde_json::Map<_, _>>(),
+            "context": context.map(|(ctx, f16, f32, rec, scaling)| json!({
+                "trained_tokens": ctx,
+                "kv_bytes_per_token_f16": f16,
+                "kv_bytes_per_token_f32": f32,
+                "kv_bytes_at_trained_context_f16": f16 * ctx,
+                "recurrent_state_bytes_per_sequence": rec,
+                "rope_scaling": format!("{scaling:?}"),
+            })),
             "tier_plan": plan.map(|p| json!({
                 "trunk_bytes": p.sizes.trunk,
                 "host_embedding_bytes": p.sizes.host,
@@ -191,6 +214,28 @@ pub(crate) fn run(a: Args) -> Result<()> {
             "  {ty:<8} {n:>6} tensors {:>12.2} MiB",
             *b as f64 / (1 << 20) as f64
         );
+    }
+    if let Some((ctx, f16, f32, rec, scaling)) = context {
+        println!("context memory (one sequence):");
+        println!(
+            "  KV cache per token       {:>12.1} KiB f16, {:.1} KiB f32",
+            f16 as f64 / 1024.0,
+            f32 as f64 / 1024.0
+        );
+        println!(
+            "  at the trained context   {:>12.1} MiB f16 ({ctx} tokens), {:.1} MiB f32",
+            mib(f16 * ctx),
+            mib(f32 * ctx)
+        );
+        if rec > 0 {
+            println!(
+                "  recurrent state          {:>12.2} MiB (any length)",
+                mib(rec)
+            );
+        }
+        if scaling != samesum_engine::model::RopeScaling::None {
+            println!("  rope scaling             {scaling:?}");
+        }
     }
     if let Some(p) = plan {
         let z = p.sizes;

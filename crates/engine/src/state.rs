@@ -135,6 +135,34 @@ impl KvLayer {
     }
 }
 
+/// Bytes of KV cache one token of context takes across the model's
+/// attention layers, stored as `ty`.
+pub fn kv_bytes_per_token(hp: &HParams, ty: KvType) -> u64 {
+    let el = match ty {
+        KvType::F32 => 4,
+        KvType::F16 => 2,
+    };
+    let layers = hp
+        .layers
+        .iter()
+        .filter(|k| **k == LayerKind::Attention)
+        .count() as u64;
+    2 * layers * (hp.n_head_kv * hp.head_dim) as u64 * el
+}
+
+/// Bytes of recurrent state (conv and delta rule, f32) one sequence carries
+/// whatever its length.
+pub fn recurrent_bytes(hp: &HParams) -> u64 {
+    let Some(s) = hp.ssm else { return 0 };
+    let layers = hp
+        .layers
+        .iter()
+        .filter(|k| **k == LayerKind::Linear)
+        .count() as u64;
+    let per = (s.d_conv - 1) * s.conv_dim() + s.n_v_heads * s.head_k_dim * s.head_v_dim;
+    4 * layers * per as u64
+}
+
 /// State of one linear (delta-net) layer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LinearState {
