@@ -106,6 +106,32 @@ fn not_recording() -> crate::EngineError {
     }
 }
 
+/// One mixer call per sequence over its own rows of `x` (the default of the
+/// `*_seqs` methods).
+fn per_sequence<B: Backend + ?Sized>(
+    b: &B,
+    model: &Model,
+    x: &B::Buf,
+    sts: &mut [&mut B::State],
+    rows: &[usize],
+    y: &mut B::Buf,
+    f: impl Fn(&B, &B::Buf, &mut B::State, &mut B::Buf) -> Result<()>,
+) -> Result<()> {
+    let d = model.hp.n_embd;
+    let mut r0 = 0;
+    for (st, &n) in sts.iter_mut().zip(rows) {
+        if n == 0 {
+            continue;
+        }
+        let xs = b.rows(x, d, r0, n)?;
+        let mut ys = b.alloc(n * d)?;
+        f(b, &xs, st, &mut ys)?;
+        b.set_rows(y, d, r0, &ys)?;
+        r0 += n;
+    }
+    Ok(())
+}
+
 /// A compute backend.
 pub trait Backend: Sync {
     /// Row-major f32 rows on the backend's device.
@@ -191,6 +217,44 @@ pub trait Backend: Sync {
         st: &mut Self::State,
         y: &mut Self::Buf,
     ) -> Result<()>;
+    /// [`Backend::attention`] for several sequences in one call: `x` holds
+    /// `rows[i]` rows of sequence `sts[i]` after each other (sequences with
+    /// no rows hold none), `y` receives their outputs in the same order.
+    /// Each sequence's rows get the bytes of a call of their own (the row
+    /// contract); a backend may run the projections of all rows at once.
+    /// The default makes one call per sequence.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_seqs(
+        &self,
+        model: &Model,
+        l: usize,
+        a: &AttentionW,
+        x: &Self::Buf,
+        sts: &mut [&mut Self::State],
+        rows: &[usize],
+        y: &mut Self::Buf,
+    ) -> Result<()> {
+        per_sequence(self, model, x, sts, rows, y, |b, x, st, y| {
+            b.attention(model, l, a, x, st, y)
+        })
+    }
+    /// [`Backend::delta_net`] for several sequences in one call, as
+    /// [`Backend::attention_seqs`].
+    #[allow(clippy::too_many_arguments)]
+    fn delta_net_seqs(
+        &self,
+        model: &Model,
+        l: usize,
+        dn: &DeltaNetW,
+        x: &Self::Buf,
+        sts: &mut [&mut Self::State],
+        rows: &[usize],
+        y: &mut Self::Buf,
+    ) -> Result<()> {
+        per_sequence(self, model, x, sts, rows, y, |b, x, st, y| {
+            b.delta_net(model, l, dn, x, st, y)
+        })
+    }
     /// MoE rows: router softmax/top-k (lowest id wins ties), each chosen expert's
     /// FFN, the combination in k order, plus the sigmoid-gated shared expert.
     fn moe(&self, model: &Model, mw: &MoeW, x: &Self::Buf, y: &mut Self::Buf) -> Result<()>;

@@ -121,7 +121,36 @@ impl Backend for Cpu {
         st: &mut SeqState,
         y: &mut Vec<f32>,
     ) -> Result<()> {
-        attention(model, self, st, l, a, x, y);
+        let m = x.len() / model.hp.n_embd;
+        attention(model, self, &mut [st], &[m], l, a, x, y);
+        Ok(())
+    }
+
+    fn attention_seqs(
+        &self,
+        model: &Model,
+        l: usize,
+        a: &AttentionW,
+        x: &Vec<f32>,
+        sts: &mut [&mut SeqState],
+        rows: &[usize],
+        y: &mut Vec<f32>,
+    ) -> Result<()> {
+        attention(model, self, sts, rows, l, a, x, y);
+        Ok(())
+    }
+
+    fn delta_net_seqs(
+        &self,
+        model: &Model,
+        l: usize,
+        dn: &DeltaNetW,
+        x: &Vec<f32>,
+        sts: &mut [&mut SeqState],
+        rows: &[usize],
+        y: &mut Vec<f32>,
+    ) -> Result<()> {
+        delta_net(model, self, sts, rows, l, dn, x, y);
         Ok(())
     }
 
@@ -134,7 +163,8 @@ impl Backend for Cpu {
         st: &mut SeqState,
         y: &mut Vec<f32>,
     ) -> Result<()> {
-        delta_net(model, self, st, l, dn, x, y);
+        let m = x.len() / model.hp.n_embd;
+        delta_net(model, self, &mut [st], &[m], l, dn, x, y);
         Ok(())
     }
 
@@ -161,10 +191,16 @@ impl Backend for Cpu {
     }
 }
 
+/// Attention rows of several sequences (`rows[i]` rows of `sts[i]`, one
+/// after the other in `x`): the projections, head norms, gate and output
+/// projection over all rows at once (row-wise), RoPE, the cache and the
+/// attention per sequence.
+#[allow(clippy::too_many_arguments)]
 fn attention(
     model: &Model,
     cpu: &Cpu,
-    st: &mut SeqState,
+    sts: &mut [&mut SeqState],
+    rows: &[usize],
     l: usize,
     a: &AttentionW,
     x: &[f32],
@@ -222,7 +258,6 @@ fn attention(
     let mut tmp = vec![0f32; k.len()];
     cpu::rms_norm(&k, &a.k_norm, hp.eps, &mut tmp);
     let mut k = tmp;
-    let cache = st.kv[l].as_mut().expect("attention layer has a KV cache");
     let mut o = vec![0f32; m * qw];
     let p = cpu::AttnParams {
         n_head: hq,
@@ -230,7 +265,25 @@ fn attention(
         head_dim: hd,
         rope: hp.rope(),
     };
-    cpu.attention_rows(&mut q, &mut k, &v, cache, st.pos, &p, &mut o);
+    let mut r0 = 0;
+    for (st, &n) in sts.iter_mut().zip(rows) {
+        if n == 0 {
+            continue;
+        }
+        let cache = st.kv[l].as_mut().expect("attention layer has a KV cache");
+        let (a0, a1) = (r0 * qw, (r0 + n) * qw);
+        let (k0, k1) = (r0 * kvw, (r0 + n) * kvw);
+        cpu.attention_rows(
+            &mut q[a0..a1],
+            &mut k[k0..k1],
+            &v[k0..k1],
+            cache,
+            st.pos,
+            &p,
+            &mut o[a0..a1],
+        );
+        r0 += n;
+    }
     if let Some(g) = gate {
         for (ov, gv) in o.iter_mut().zip(&g) {
             *ov *= cpu::sigmoid(*gv);
@@ -239,10 +292,15 @@ fn attention(
     cpu.matmul(file, &a.o, 0, &o, y);
 }
 
+/// Delta-net rows of several sequences, as [`attention`]: projections and
+/// output projection over all rows, the conv and the delta rule per
+/// sequence with its state.
+#[allow(clippy::too_many_arguments)]
 fn delta_net(
     model: &Model,
     cpu: &Cpu,
-    st: &mut SeqState,
+    sts: &mut [&mut SeqState],
+    rows: &[usize],
     l: usize,
     dn: &DeltaNetW,
     x: &[f32],
@@ -339,9 +397,7 @@ fn delta_net(
             );
         }
     }
-    let state = st.linear[l].as_mut().expect("linear layer has state");
     let mut conv = vec![0f32; m * cd];
-    cpu::conv_rows(&qkv, &dn.conv, kc, &mut state.conv, &mut conv);
     let p = cpu::DeltaParams {
         n_k_heads: hk,
         n_v_heads: hv,
@@ -351,18 +407,30 @@ fn delta_net(
         eps: hp.eps,
     };
     let mut o = vec![0f32; m * vd];
-    cpu.delta_rows(
-        &conv,
-        &b,
-        &a,
-        &z,
-        &dn.dt_bias,
-        &dn.a,
-        &dn.norm,
-        &p,
-        &mut state.s,
-        &mut o,
-    );
+    let mut r0 = 0;
+    for (st, &n) in sts.iter_mut().zip(rows) {
+        if n == 0 {
+            continue;
+        }
+        let state = st.linear[l].as_mut().expect("linear layer has state");
+        let (c0, c1) = (r0 * cd, (r0 + n) * cd);
+        let (h0, h1) = (r0 * hv, (r0 + n) * hv);
+        let (v0, v1) = (r0 * vd, (r0 + n) * vd);
+        cpu::conv_rows(&qkv[c0..c1], &dn.conv, kc, &mut state.conv, &mut conv[c0..c1]);
+        cpu.delta_rows(
+            &conv[c0..c1],
+            &b[h0..h1],
+            &a[h0..h1],
+            &z[v0..v1],
+            &dn.dt_bias,
+            &dn.a,
+            &dn.norm,
+            &p,
+            &mut state.s,
+            &mut o[v0..v1],
+        );
+        r0 += n;
+    }
     cpu.matmul(file, &dn.out, 0, &o, y);
 }
 

@@ -111,17 +111,11 @@ pub fn forward_batch<B: Backend>(
             if l == 0 {
                 b.rms_norm(model, Norm::Attn(l), &h, &mut x)?;
             }
-            let mut r0 = 0;
-            for s in segs.iter_mut() {
-                let n = s.tokens.len();
-                if n == 0 {
-                    continue;
-                }
-                let xs = b.rows(&x, d, r0, n)?;
-                let mut ys = b.alloc(n * d)?;
-                mixer(model, b, l, &lw.mixer, &xs, s.state, &mut ys)?;
-                b.set_rows(&mut y, d, r0, &ys)?;
-                r0 += n;
+            let rows: Vec<usize> = segs.iter().map(|s| s.tokens.len()).collect();
+            let mut sts: Vec<&mut B::State> = segs.iter_mut().map(|s| &mut *s.state).collect();
+            match &lw.mixer {
+                Mixer::Attention(a) => b.attention_seqs(model, l, a, &x, &mut sts, &rows, &mut y)?,
+                Mixer::Linear(dn) => b.delta_net_seqs(model, l, dn, &x, &mut sts, &rows, &mut y)?,
             }
             b.add_rms_norm(model, Norm::Ffn(l), &mut h, &y, &mut x)?;
             // The residual add, fused with the next layer's input norm.
