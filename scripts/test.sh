@@ -135,7 +135,7 @@ done
 # and decodes 64.
 MAX_LEN=515 F16_MAX_LEN=515 GEN=16
 [[ $FULL == 1 ]] && MAX_LEN=4096 F16_MAX_LEN=1000 GEN=64
-echo "== identity gate: replay vs batched on the shipped prompts of up to $MAX_LEN tokens (tiny models, f16 KV cache, chunks 1/7/64/128/256, threads 1/2, $GEN tokens decoded)"
+echo "== identity gate: replay vs batched on the shipped prompts of up to $MAX_LEN tokens (tiny models, chunks 1/7/64/128/256, threads 1/2, $GEN tokens decoded)"
 for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
     "$BIN" identity --shape "$shape" --chunk 1,7,64,128,256 --threads 1,2 --gen "$GEN" --max-len "$MAX_LEN" \
         > "$OUT/identity-$shape.md" \
@@ -154,12 +154,12 @@ for mix in q4_k_m ud-q4_k_xl iq4_xs mxfp4 q2_k q3_k_m iq2_xxs iq2_m iq3_xxs; do
         || { cat "$OUT/identity-mix-$mix.md"; echo "identity gate failed on the $mix mix ($shape)"; exit 1; }
     echo "$mix ($shape): $(tail -1 "$OUT/identity-mix-$mix.md")"
 done
-echo "== identity gate with the f32 KV cache (the reference configuration; prompts of up to $F16_MAX_LEN tokens)"
+echo "== identity gate with an f16 KV cache (prompts of up to $F16_MAX_LEN tokens)"
 for shape in tiny-qwen3moe tiny-qwen35moe; do
-    "$BIN" identity --shape "$shape" --kv-type f32 --chunk 7,256 --threads 2 --max-len "$F16_MAX_LEN" --gen 16 \
-        > "$OUT/identity-f32-$shape.md" \
-        || { cat "$OUT/identity-f32-$shape.md"; echo "identity gate failed with an f32 KV cache on $shape"; exit 1; }
-    tail -1 "$OUT/identity-f32-$shape.md"
+    "$BIN" identity --shape "$shape" --kv-type f16 --chunk 7,256 --threads 2 --max-len "$F16_MAX_LEN" --gen 16 \
+        > "$OUT/identity-f16-$shape.md" \
+        || { cat "$OUT/identity-f16-$shape.md"; echo "identity gate failed with an f16 KV cache on $shape"; exit 1; }
+    tail -1 "$OUT/identity-f16-$shape.md"
 done
 echo "== identity gate negative control: a reordered MoE combination must be caught"
 if "$BIN" identity --shape tiny-qwen3next --chunk 16 --max-len 200 --gen 8 --negative-control > "$OUT/neg.md" 2>&1; then

@@ -50,9 +50,8 @@ pub const PREFILL_GEN: usize = 16;
 /// weights, f32 KV cache).
 pub const HF_BAR: f32 = 1e-4;
 
-/// The same bar with the f16 KV cache (the default), as
-/// docs/CAPABILITIES.md sets it: llama.cpp's f16 cache measures about
-/// 1.3e-3 on such models.
+/// The bar with the f16 KV cache (`--kv-type f16`), as docs/CAPABILITIES.md
+/// sets it: llama.cpp's f16 cache measures about 1.3e-3 on such models.
 pub const HF_BAR_F16_KV: f32 = 2e-3;
 
 /// Writes a synthetic model of a shape (a `samesum_synth` shape name), a
@@ -284,7 +283,7 @@ impl<B: Backend, F: Fn(&Model) -> Option<B>> Suite<B, F> {
                 worst <= HF_BAR,
                 "{name}: max|diff|/max|ref| = {worst:.3e} > {HF_BAR:e}"
             );
-            // The default f16 KV cache against its own bar.
+            // The f16 KV cache against its own bar.
             let worst16 = fixture_error_kv(
                 &b,
                 &model,
