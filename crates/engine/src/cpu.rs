@@ -292,36 +292,84 @@ impl Cpu {
         state: &mut [f32],
         o: &mut [f32],
     ) {
+        let mut seq = [DeltaSeq {
+            conv,
+            b,
+            a,
+            z,
+            state,
+            o,
+        }];
+        self.delta_rows_seqs(&mut seq, dt_bias, ssm_a, norm, p);
+    }
+
+    /// [`Cpu::delta_rows`] for several sequences, each with its own rows and
+    /// state, in one parallel region over (sequence, value head): every
+    /// head's arithmetic is that of a call of its own.
+    pub fn delta_rows_seqs(
+        &self,
+        seqs: &mut [DeltaSeq<'_>],
+        dt_bias: &[f32],
+        ssm_a: &[f32],
+        norm: &[f32],
+        p: &DeltaParams,
+    ) {
         let (hk, hv, dk, dv) = (p.n_k_heads, p.n_v_heads, p.head_k_dim, p.head_v_dim);
         let (kd, vd) = (hk * dk, hv * dv);
         let cd = 2 * kd + vd;
-        let m = conv.len() / cd;
         let ratio = hv / hk;
         let q_scale = 1.0 / (dk as f32).sqrt();
-        // L2-normed q and k of every row first (per row, per key head).
-        let mut qk = vec![0f32; m * 2 * kd];
-        for r in 0..m {
-            let dst = &mut qk[r * 2 * kd..(r + 1) * 2 * kd];
-            dst.copy_from_slice(&conv[r * cd..r * cd + 2 * kd]);
-            for h in 0..2 * hk {
-                l2_norm(&mut dst[h * dk..(h + 1) * dk], p.eps);
+        // L2-normed q and k of every row of every sequence first (per row,
+        // per key head).
+        let qks: Vec<Vec<f32>> = seqs
+            .iter()
+            .map(|s| {
+                let m = s.conv.len() / cd;
+                let mut qk = vec![0f32; m * 2 * kd];
+                for r in 0..m {
+                    let dst = &mut qk[r * 2 * kd..(r + 1) * 2 * kd];
+                    dst.copy_from_slice(&s.conv[r * cd..r * cd + 2 * kd]);
+                    for h in 0..2 * hk {
+                        l2_norm(&mut dst[h * dk..(h + 1) * dk], p.eps);
+                    }
+                }
+                qk
+            })
+            .collect();
+        // Each (sequence, value head) owns its state block: all of them in
+        // parallel, each walking its rows in order, exactly as one-row calls
+        // would.
+        struct Head<'s> {
+            seq: usize,
+            n: usize,
+            sn: &'s mut [f32],
+            o: usize,
+        }
+        let mut heads: Vec<Head<'_>> = Vec::new();
+        let mut inputs = Vec::with_capacity(seqs.len());
+        for (i, s) in seqs.iter_mut().enumerate() {
+            let o = s.o.as_mut_ptr() as usize;
+            inputs.push((s.conv, s.b, s.a, s.z));
+            for (n, sn) in s.state.chunks_mut(dk * dv).enumerate() {
+                heads.push(Head { seq: i, n, sn, o });
             }
         }
-        // Each value head owns its state: heads in parallel, each walking the
-        // rows in order, exactly as one-row calls would.
-        let mut heads: Vec<&mut [f32]> = state.chunks_mut(dk * dv).collect();
-        let o_ptr = o.as_mut_ptr() as usize;
-        self.pool.for_each_mut(&mut heads, |n, sn| {
+        self.pool.for_each_mut(&mut heads, |_, h| {
+            let (conv, b, a, z) = inputs[h.seq];
+            let qk = &qks[h.seq];
+            let n = h.n;
+            let m = conv.len() / cd;
             let kh = if p.tiled { n % hk } else { n / ratio };
             for r in 0..m {
                 let qkr = &qk[r * 2 * kd..(r + 1) * 2 * kd];
                 let qh = &qkr[kh * dk..(kh + 1) * dk];
                 let khv = &qkr[kd + kh * dk..kd + (kh + 1) * dk];
                 let vh = &conv[r * cd + 2 * kd + n * dv..r * cd + 2 * kd + (n + 1) * dv];
-                // SAFETY: head n of row r owns o[r*vd + n*dv .. + dv]; heads are
-                // distinct tasks and rows are walked by one task.
+                // SAFETY: head n of row r owns o[r*vd + n*dv .. + dv] of its
+                // sequence's output; heads are distinct tasks and rows are
+                // walked by one task.
                 let on = unsafe {
-                    std::slice::from_raw_parts_mut((o_ptr as *mut f32).add(r * vd + n * dv), dv)
+                    std::slice::from_raw_parts_mut((h.o as *mut f32).add(r * vd + n * dv), dv)
                 };
                 let beta = sigmoid(b[r * hv + n]);
                 let g = softplus(a[r * hv + n] + dt_bias[n]) * ssm_a[n];
@@ -334,7 +382,7 @@ impl Cpu {
                     decay,
                     q_scale,
                 };
-                delta_step(&u, sn, on);
+                delta_step(&u, h.sn, on);
                 let scale = rms_scale(on, p.eps);
                 let zh = &z[r * vd + n * dv..r * vd + (n + 1) * dv];
                 for j in 0..dv {
@@ -354,6 +402,23 @@ impl Cpu {
         let mut chunks: Vec<&mut [T]> = out.chunks_mut(per).collect();
         self.pool.for_each_mut(&mut chunks, |h, c| f(h, c));
     }
+}
+
+/// One sequence's rows of [`Cpu::delta_rows_seqs`]: its conv output, beta
+/// and alpha logits, gate, recurrent state and output rows.
+pub struct DeltaSeq<'a> {
+    /// Conv output rows (`2 Hk dk + Hv dv` each).
+    pub conv: &'a [f32],
+    /// Beta logits (`Hv` a row).
+    pub b: &'a [f32],
+    /// Alpha logits (`Hv` a row).
+    pub a: &'a [f32],
+    /// Gate rows (`Hv dv` each).
+    pub z: &'a [f32],
+    /// Recurrent state, `dk x dv` per value head.
+    pub state: &'a mut [f32],
+    /// Output rows (`Hv dv` each).
+    pub o: &'a mut [f32],
 }
 
 /// One row of one value head's delta rule: the inputs of [`delta_step`].

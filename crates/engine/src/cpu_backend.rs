@@ -407,30 +407,35 @@ fn delta_net(
         eps: hp.eps,
     };
     let mut o = vec![0f32; m * vd];
+    // Each sequence's conv with its state, then the delta rule of every
+    // sequence in one parallel region.
     let mut r0 = 0;
     for (st, &n) in sts.iter_mut().zip(rows) {
-        if n == 0 {
-            continue;
-        }
         let state = st.linear[l].as_mut().expect("linear layer has state");
         let (c0, c1) = (r0 * cd, (r0 + n) * cd);
-        let (h0, h1) = (r0 * hv, (r0 + n) * hv);
-        let (v0, v1) = (r0 * vd, (r0 + n) * vd);
         cpu::conv_rows(&qkv[c0..c1], &dn.conv, kc, &mut state.conv, &mut conv[c0..c1]);
-        cpu.delta_rows(
-            &conv[c0..c1],
-            &b[h0..h1],
-            &a[h0..h1],
-            &z[v0..v1],
-            &dn.dt_bias,
-            &dn.a,
-            &dn.norm,
-            &p,
-            &mut state.s,
-            &mut o[v0..v1],
-        );
         r0 += n;
     }
+    let mut seqs = Vec::with_capacity(sts.len());
+    let (mut r0, mut o_rest) = (0, &mut o[..]);
+    for (st, &n) in sts.iter_mut().zip(rows) {
+        let (o_seq, tail) = o_rest.split_at_mut(n * vd);
+        o_rest = tail;
+        if n > 0 {
+            let state = st.linear[l].as_mut().expect("linear layer has state");
+            seqs.push(cpu::DeltaSeq {
+                conv: &conv[r0 * cd..(r0 + n) * cd],
+                b: &b[r0 * hv..(r0 + n) * hv],
+                a: &a[r0 * hv..(r0 + n) * hv],
+                z: &z[r0 * vd..(r0 + n) * vd],
+                state: &mut state.s,
+                o: o_seq,
+            });
+        }
+        r0 += n;
+    }
+    cpu.delta_rows_seqs(&mut seqs, &dn.dt_bias, &dn.a, &dn.norm, &p);
+    drop(seqs);
     cpu.matmul(file, &dn.out, 0, &o, y);
 }
 
