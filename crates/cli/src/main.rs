@@ -4,6 +4,7 @@ mod agree;
 mod args;
 mod bench;
 mod bench_quant;
+mod bench_serve;
 mod identity;
 mod inspect;
 mod run;
@@ -44,6 +45,9 @@ enum Command {
     /// Serve the model over an OpenAI-compatible HTTP API (no -m: the built-in
     /// tiny synthetic model).
     Serve(serve::Args),
+    /// Load a running OpenAI-compatible server with concurrent streams and
+    /// report generated tok/s, per-stream tok/s and time to first token.
+    BenchServe(bench_serve::Args),
 }
 
 /// llama.cpp's multi-letter single-dash flags, as the long flags clap
@@ -120,6 +124,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::BenchQuant(a) => bench_quant::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::BenchServe(a) => bench_serve::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

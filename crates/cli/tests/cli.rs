@@ -845,3 +845,59 @@ fn run_interrupted_during_the_prefill_reports_how_far_it_got_and_exits_130() {
         .collect();
     assert!(nums.len() >= 2 && nums[0] < nums[1], "{line}");
 }
+
+/// `samesum bench-serve` against a running `samesum serve`: every request
+/// answered, the generated tokens counted from the final usage (4 requests
+/// of 8 tokens), the table printed; and a server that is not there is a
+/// plain error.
+#[test]
+fn bench_serve_loads_a_running_server() {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_samesum"))
+        .args(["serve", "--port", "0", "--max-batch", "4"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let url = loop {
+        let line = lines
+            .next()
+            .expect("the server printed its address")
+            .unwrap();
+        if let Some(a) = line.strip_prefix("listening on ") {
+            break a.trim().to_string();
+        }
+    };
+    let (ok, out, err) = samesum(&[
+        "bench-serve",
+        "--url",
+        &url,
+        "--clients",
+        "2",
+        "--requests",
+        "4",
+        "--max-tokens",
+        "8",
+        "--prompt-tokens",
+        "16",
+    ]);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(ok, "{err}");
+    let row = out.lines().last().unwrap_or("");
+    let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+    // | clients | requests | prompt | max | generated | tok/s | per-stream | p50 | p99 | wall |
+    assert_eq!(&cells[1..6], &["2", "4", "~16", "8", "32"], "{out}");
+    let tps: f64 = cells[6].parse().unwrap();
+    let wall: f64 = cells[10].parse().unwrap();
+    assert!(tps > 0.0 && wall > 0.0, "{out}");
+    let (ok, _, err) = samesum(&[
+        "bench-serve",
+        "--url",
+        "http://127.0.0.1:1",
+        "--requests",
+        "1",
+    ]);
+    assert!(!ok && err.contains("127.0.0.1:1"), "{err}");
+}

@@ -343,7 +343,7 @@ pub fn dot_rows_multi_with(
 
 /// Fewest activation rows for which [`dot_rows_multi`] uses the AMX tiles
 /// (fewer run the AVX-512 kernels: same bits, less set-up).
-const AMX_MIN_ROWS: usize = 4;
+const AMX_MIN_ROWS: usize = 12;
 
 /// Whether this CPU and OS let the process use AMX-INT8 tiles.
 #[cfg(target_arch = "x86_64")]

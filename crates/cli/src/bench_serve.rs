@@ -1,0 +1,264 @@
+//! `samesum bench-serve`: a bounded loopback load generator for an
+//! OpenAI-compatible server (`samesum serve`, or llama.cpp's `llama-server`
+//! for a side-by-side figure).
+//!
+//! `--clients` concurrent streams send `--requests` streaming completions
+//! (`/v1/completions`, a prompt of about `--prompt-tokens` tokens,
+//! `--max-tokens` generated with `ignore_eos`, temperature 0) over plain
+//! HTTP/1.1, one connection a request. The generator is deliberately light
+//! (one thread, raw sockets, no JSON parsing but for the final usage), so
+//! on a small machine it leaves the cores to the server. It prints the
+//! aggregate generated tokens per second, the per-stream rate and the time
+//! to first token (p50, p99).
+
+use anyhow::{Context, Result, bail};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Arguments of `samesum bench-serve`.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// The server's base URL (http://HOST:PORT), e.g. of `samesum serve --port 8080`.
+    #[arg(long)]
+    url: String,
+    /// Concurrent streams (1 to 1024).
+    #[arg(long, default_value_t = 8)]
+    clients: usize,
+    /// Requests in all (default: 4 per client).
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Prompt length in tokens, about (words of filler text).
+    #[arg(long, default_value_t = 64)]
+    prompt_tokens: usize,
+    /// Tokens generated per request (1 to 65,536; `ignore_eos`).
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// The `model` field sent.
+    #[arg(long, default_value = "samesum")]
+    model: String,
+    /// Seconds a request may take before the run fails.
+    #[arg(long, default_value_t = 600)]
+    timeout: u64,
+}
+
+/// One request's timings.
+struct Sample {
+    ttft: Duration,
+    total: Duration,
+    tokens: usize,
+}
+
+/// `host:port` of an `http://host:port[/...]` URL.
+fn authority(url: &str) -> Result<String> {
+    let rest = url
+        .strip_prefix("http://")
+        .with_context(|| format!("--url {url:?}: only http:// URLs are supported"))?;
+    let auth = rest.split('/').next().unwrap_or("");
+    if auth.is_empty() || !auth.contains(':') {
+        bail!("--url {url:?}: give the host and port, e.g. http://127.0.0.1:8080");
+    }
+    Ok(auth.to_string())
+}
+
+/// About `n` tokens of filler words, different per request.
+fn prompt_text(n: usize, i: usize) -> String {
+    const WORDS: [&str; 16] = [
+        "the", "river", "stone", "quiet", "morning", "light", "over", "green", "hills", "and", "a",
+        "small", "town", "wakes", "slowly", "today",
+    ];
+    let mut s = format!("Request {i}:");
+    for k in 0..n.saturating_sub(3) {
+        s.push(' ');
+        s.push_str(WORDS[(k * 7 + i) % WORDS.len()]);
+    }
+    s
+}
+
+/// One streaming completion: time to the first data event, to the end, and
+/// the generated tokens (the final usage, else the data events counted).
+async fn one(auth: &str, body: &str, timeout: Duration) -> Result<Sample> {
+    let t0 = Instant::now();
+    let work = async {
+        let mut s = TcpStream::connect(auth)
+            .await
+            .with_context(|| format!("connecting to {auth}"))?;
+        s.set_nodelay(true)?;
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: {auth}\r\nContent-Type: application/json\r\nAccept: text/event-stream\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).await?;
+        let (mut ttft, mut events, mut usage) = (None, 0usize, None);
+        let mut buf = Vec::with_capacity(1 << 14);
+        let mut chunk = [0u8; 8192];
+        let mut scanned = 0;
+        let mut status_checked = false;
+        loop {
+            let n = s.read(&mut chunk).await?;
+            if n == 0 {
+                break;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+            if !status_checked && buf.len() >= 12 {
+                let status = String::from_utf8_lossy(&buf[..12]).to_string();
+                if !status.starts_with("HTTP/1.1 200") && !status.starts_with("HTTP/1.0 200") {
+                    let text = String::from_utf8_lossy(&buf).to_string();
+                    bail!("the server answered {}", text.lines().next().unwrap_or(""));
+                }
+                status_checked = true;
+            }
+            // Complete lines since the last scan.
+            while let Some(nl) = buf[scanned..].iter().position(|&b| b == b'\n') {
+                let line = &buf[scanned..scanned + nl];
+                scanned += nl + 1;
+                if let Some(data) = line.strip_prefix(b"data: ") {
+                    if data.starts_with(b"[DONE]") {
+                        continue;
+                    }
+                    events += 1;
+                    ttft.get_or_insert_with(|| t0.elapsed());
+                    if let Some(at) = find(data, b"\"completion_tokens\":") {
+                        let digits: String = data[at + 20..]
+                            .iter()
+                            .skip_while(|b| **b == b' ')
+                            .take_while(|b| b.is_ascii_digit())
+                            .map(|&b| b as char)
+                            .collect();
+                        usage = digits.parse::<usize>().ok();
+                    }
+                }
+            }
+            if buf.len() > 64 << 20 {
+                bail!("a response over 64 MiB");
+            }
+        }
+        let ttft = ttft.context("the stream ended without a data event")?;
+        Ok(Sample {
+            ttft,
+            total: t0.elapsed(),
+            tokens: usage.unwrap_or(events),
+        })
+    };
+    tokio::time::timeout(timeout, work)
+        .await
+        .map_err(|_| anyhow::anyhow!("a request took over {} s", timeout.as_secs()))?
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+fn pct(sorted: &[f64], q: f64) -> f64 {
+    sorted[((q * sorted.len() as f64) as usize).min(sorted.len() - 1)]
+}
+
+pub(crate) fn run(a: Args) -> Result<()> {
+    if !(1..=1024).contains(&a.clients) {
+        bail!("--clients {} must be in 1..=1024", a.clients);
+    }
+    if !(1..=65_536).contains(&a.max_tokens) {
+        bail!("--max-tokens {} must be in 1..=65536", a.max_tokens);
+    }
+    if a.prompt_tokens > 1 << 20 {
+        bail!("--prompt-tokens {} is above 2^20", a.prompt_tokens);
+    }
+    let requests = a.requests.unwrap_or(4 * a.clients);
+    if !(1..=1_000_000).contains(&requests) {
+        bail!("--requests {requests} must be in 1..=1000000");
+    }
+    let auth = authority(&a.url)?;
+    let timeout = Duration::from_secs(a.timeout.max(1));
+    let bodies: Vec<String> = (0..requests)
+        .map(|i| {
+            serde_json::json!({
+                "model": a.model,
+                "prompt": prompt_text(a.prompt_tokens, i),
+                "max_tokens": a.max_tokens,
+                "temperature": 0,
+                "ignore_eos": true,
+                "stream": true,
+                "stream_options": {"include_usage": true},
+            })
+            .to_string()
+        })
+        .collect();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let bodies = std::sync::Arc::new(bodies);
+    let auth: std::sync::Arc<str> = auth.into();
+    let (samples, wall) = rt.block_on(async {
+        let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let t0 = Instant::now();
+        let mut set = tokio::task::JoinSet::new();
+        for _ in 0..a.clients {
+            let (next, bodies, auth) = (next.clone(), bodies.clone(), auth.clone());
+            set.spawn(async move {
+                let mut mine = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= bodies.len() {
+                        return Ok::<_, anyhow::Error>(mine);
+                    }
+                    mine.push(one(&auth, &bodies[i], timeout).await?);
+                }
+            });
+        }
+        let mut all = Vec::new();
+        while let Some(r) = set.join_next().await {
+            all.extend(r.context("a client task failed")??);
+        }
+        Ok::<_, anyhow::Error>((all, t0.elapsed()))
+    })?;
+    let tokens: usize = samples.iter().map(|s| s.tokens).sum();
+    let mut ttft: Vec<f64> = samples.iter().map(|s| s.ttft.as_secs_f64() * 1e3).collect();
+    ttft.sort_by(f64::total_cmp);
+    let mut per: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.tokens > 1 && s.total > s.ttft)
+        .map(|s| (s.tokens - 1) as f64 / (s.total - s.ttft).as_secs_f64())
+        .collect();
+    per.sort_by(f64::total_cmp);
+    println!(
+        "| clients | requests | prompt tokens | max tokens | generated | generated tok/s | per-stream tok/s (p50) | TTFT p50 (ms) | TTFT p99 (ms) | wall (s) |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| {} | {} | ~{} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.3} |",
+        a.clients,
+        requests,
+        a.prompt_tokens,
+        a.max_tokens,
+        tokens,
+        tokens as f64 / wall.as_secs_f64(),
+        if per.is_empty() { 0.0 } else { pct(&per, 0.5) },
+        pct(&ttft, 0.5),
+        pct(&ttft, 0.99),
+        wall.as_secs_f64()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_need_host_and_port() {
+        assert_eq!(
+            authority("http://127.0.0.1:8080").unwrap(),
+            "127.0.0.1:8080"
+        );
+        assert_eq!(authority("http://localhost:9/v1").unwrap(), "localhost:9");
+        assert!(authority("https://x:1").is_err());
+        assert!(authority("http://localhost").is_err());
+    }
+
+    #[test]
+    fn prompts_have_about_the_asked_words() {
+        let p = prompt_text(64, 3);
+        assert_eq!(p.split_whitespace().count(), 2 + 61);
+        assert_ne!(p, prompt_text(64, 4));
+    }
+}
