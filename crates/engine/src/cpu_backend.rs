@@ -413,7 +413,13 @@ fn delta_net(
     for (st, &n) in sts.iter_mut().zip(rows) {
         let state = st.linear[l].as_mut().expect("linear layer has state");
         let (c0, c1) = (r0 * cd, (r0 + n) * cd);
-        cpu::conv_rows(&qkv[c0..c1], &dn.conv, kc, &mut state.conv, &mut conv[c0..c1]);
+        cpu::conv_rows(
+            &qkv[c0..c1],
+            &dn.conv,
+            kc,
+            &mut state.conv,
+            &mut conv[c0..c1],
+        );
         r0 += n;
     }
     let mut seqs = Vec::with_capacity(sts.len());

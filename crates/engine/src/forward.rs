@@ -114,7 +114,9 @@ pub fn forward_batch<B: Backend>(
             let rows: Vec<usize> = segs.iter().map(|s| s.tokens.len()).collect();
             let mut sts: Vec<&mut B::State> = segs.iter_mut().map(|s| &mut *s.state).collect();
             match &lw.mixer {
-                Mixer::Attention(a) => b.attention_seqs(model, l, a, &x, &mut sts, &rows, &mut y)?,
+                Mixer::Attention(a) => {
+                    b.attention_seqs(model, l, a, &x, &mut sts, &rows, &mut y)?
+                }
                 Mixer::Linear(dn) => b.delta_net_seqs(model, l, dn, &x, &mut sts, &rows, &mut y)?,
             }
             b.add_rms_norm(model, Norm::Ffn(l), &mut h, &y, &mut x)?;
