@@ -179,6 +179,15 @@ tail -1 "$OUT/openai.log"
     || { cat "$OUT/load.log"; tail -20 "$OUT/serve.log"; echo "load test failed"; exit 1; }
 tail -2 "$OUT/load.log"
 stop_server
+echo "== samesum serve: 256 concurrent streams (64 a step, the rest queued), 512 requests, greedy and seeded, each equal to the same request alone"
+"$BIN" serve --port 0 --max-batch 64 --max-queue 256 > "$OUT/serve.out" 2> "$OUT/serve.log" &
+SERVER_PID=$!
+for _ in $(seq 100); do grep -q "listening on" "$OUT/serve.out" 2>/dev/null && break; sleep 0.1; done
+URL="$(grep -o 'http://[0-9.:]*' "$OUT/serve.out")" || { cat "$OUT/serve.log"; echo "the server did not start"; exit 1; }
+"$PY" tests/server/load.py "$URL" "$SERVER_PID" --clients 256 --requests 512 > "$OUT/load256.log" 2>&1 \
+    || { cat "$OUT/load256.log"; tail -20 "$OUT/serve.log"; echo "256-stream load test failed"; exit 1; }
+tail -2 "$OUT/load256.log"
+stop_server
 echo "== samesum serve against hostile clients (slowloris, 1,000 idle connections under ulimit -n 512, malformed and oversized requests, disconnects, half-closes; /health timed; SIGTERM drain)"
 "$PY" tests/server/hostile.py "$BIN" > "$OUT/hostile.log" 2>&1 \
     || { cat "$OUT/hostile.log"; echo "hostile-client test failed"; exit 1; }

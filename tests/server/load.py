@@ -2,12 +2,16 @@
 
 Usage: load.py BASE_URL SERVER_PID [--clients 32] [--requests 200] [--out FILE]
 
-Every request streams a chat completion (temperature 0, 32 tokens, one of 10
-prompts). Checks: every request answered exactly once, every stream
-well-formed (one id per stream, unique across streams, a finish reason, usage),
-every answer to the same prompt identical (no cross-talk between streams), no
-errors, and the server's resident memory flat (within 4 MiB) over a second full
-round. Prints requests/s and time-to-first-token percentiles.
+Every request streams a chat completion of 32 tokens: one of 20 kinds, 10
+prompts of different lengths (about 15 to 150 tokens) each greedy or sampled
+with a seed (temperature 0.9). Checks: every request answered exactly once,
+every stream well-formed (one id per stream, unique across streams, a finish
+reason, usage), every answer identical to the same request run alone (no
+cross-talk between streams, whoever shares the batch and whenever it joined),
+the seeded answers differing from the greedy ones (a control: the comparison
+would see a change of sampling), no errors, and the server's resident memory
+flat (within 4 MiB) over a second full round. Prints requests/s and
+time-to-first-token percentiles.
 """
 
 import argparse
@@ -26,7 +30,16 @@ ap.add_argument("--requests", type=int, default=200)
 ap.add_argument("--out")
 args = ap.parse_args()
 
-PROMPTS = [f"Request topic {i}: tell me something about the number {i * 7}." for i in range(10)]
+PROMPTS = [" ".join([f"Request topic {i}: tell me something about the number {i * 7}."] * (i + 1))
+           for i in range(10)]
+KINDS = 2 * len(PROMPTS)
+
+
+def kind(i):
+    """(prompt, sampling) of request i: greedy for the first 10 kinds, seeded after."""
+    k = i % KINDS
+    p = PROMPTS[k % len(PROMPTS)]
+    return (p, {"temperature": 0}) if k < len(PROMPTS) else (p, {"temperature": 0.9, "seed": k})
 
 
 def rss_kib(pid):
@@ -41,12 +54,13 @@ async def one(client, i, results):
     t0 = time.perf_counter()
     ttft = None
     ids, parts, finish, usage = set(), [], None, None
+    prompt, sampling = kind(i)
     stream = await client.chat.completions.create(
         model="m",
-        messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+        messages=[{"role": "user", "content": prompt}],
         max_tokens=32,
-        temperature=0,
         stream=True,
+        **sampling,
         extra_body={"ignore_eos": True},
     )
     async for ch in stream:
@@ -89,8 +103,10 @@ async def run(n, clients):
 
 
 # Warm-up (also the reference answers, one request at a time).
-ref, _ = asyncio.run(run(len(PROMPTS), 1))
-expected = {r["i"] % len(PROMPTS): r["text"] for r in ref}
+ref, _ = asyncio.run(run(KINDS, 1))
+expected = {r["i"] % KINDS: r["text"] for r in ref}
+differ = sum(expected[k] != expected[k + len(PROMPTS)] for k in range(len(PROMPTS)))
+assert differ >= len(PROMPTS) // 2, f"only {differ} of {len(PROMPTS)} seeded answers differ from the greedy ones"
 # One full round first (allocator pools, thread stacks, connection buffers
 # reach their working size), then the measured round: memory must not grow.
 asyncio.run(run(args.requests, args.clients))
@@ -105,7 +121,7 @@ assert all(len(x) == 1 for x in all_ids), "a stream carried several ids"
 assert len({x[0] for x in all_ids}) == args.requests, "two streams shared an id"
 for r in results:
     assert r["finish"] == "length" and r["completion_tokens"] == 32, r
-    assert r["text"] == expected[r["i"] % len(PROMPTS)], f"request {r['i']}: its answer differs from the same prompt alone"
+    assert r["text"] == expected[r["i"] % KINDS], f"request {r['i']}: its answer differs from the same request alone"
 growth = (rss1 - rss0) / 1024
 assert growth < 4, f"resident memory grew by {growth:.1f} MiB over the second round"
 
@@ -123,4 +139,4 @@ print(json.dumps(summary))
 if args.out:
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
-print("load test passed: none lost, none duplicated, every stream well-formed, answers identical to the same prompt alone, memory flat")
+print("load test passed: none lost, none duplicated, every stream well-formed, answers identical to the same request alone (greedy and seeded), memory flat")
