@@ -252,24 +252,29 @@ impl Cpu {
         p: &AttnParams,
         o: &mut [f32],
     ) {
-        let hd = p.head_dim;
-        let (qw, kvw) = (p.n_head * hd, p.n_head_kv * hd);
-        let m = q.len() / qw;
         // Rotate and store every row's key first: row r reads cache positions
         // 0..=pos0+r only, so keys of later rows in the cache change nothing it
         // computes. Then all rows in one parallel region.
-        for r in 0..m {
-            let pos = pos0 + r;
-            rope_row(&mut q[r * qw..(r + 1) * qw], hd, &p.rope, pos);
-            rope_row(&mut k[r * kvw..(r + 1) * kvw], hd, &p.rope, pos);
-            cache.write(
-                pos,
-                kvw,
-                &k[r * kvw..(r + 1) * kvw],
-                &v[r * kvw..(r + 1) * kvw],
-            );
-        }
+        rope_store_rows(q, k, v, cache, pos0, p);
         self.attend_rows(q, pos0, p, cache, o);
+    }
+
+    /// Attention rows of several sequences: as [`Cpu::attention_rows`] for
+    /// each, the attention of all of them in one parallel region.
+    pub fn attention_seqs(&self, segs: &mut [AttnRows<'_>], p: &AttnParams) {
+        for s in segs.iter_mut() {
+            rope_store_rows(s.q, s.k, s.v, s.cache, s.pos0, p);
+        }
+        let mut at: Vec<attend::AttnSeg<'_>> = segs
+            .iter_mut()
+            .map(|s| attend::AttnSeg {
+                q: &*s.q,
+                pos0: s.pos0,
+                cache: &*s.cache,
+                o: &mut *s.o,
+            })
+            .collect();
+        self.attend_segments(&mut at, p);
     }
 
     /// Gated delta-rule rows with state. Per row, in order: q and k (from the
@@ -527,6 +532,49 @@ pub fn sigmoid(x: f32) -> f32 {
 #[inline]
 pub fn softplus(x: f32) -> f32 {
     if x > 20.0 { x } else { x.exp().ln_1p() }
+}
+
+/// One sequence's rows of [`Cpu::attention_seqs`]: q, k (after their head
+/// norms, before RoPE) and v rows, its cache, the position of its first row,
+/// and its output rows.
+pub struct AttnRows<'a> {
+    /// Query rows (`n_head * head_dim` each), rotated in place.
+    pub q: &'a mut [f32],
+    /// Key rows (`n_head_kv * head_dim` each), rotated in place.
+    pub k: &'a mut [f32],
+    /// Value rows.
+    pub v: &'a [f32],
+    /// The sequence's cache of this layer.
+    pub cache: &'a mut KvLayer,
+    /// Position of the first row.
+    pub pos0: usize,
+    /// Output rows.
+    pub o: &'a mut [f32],
+}
+
+/// RoPE on every row's q and k at its position, and each row's key and value
+/// written to the cache.
+fn rope_store_rows(
+    q: &mut [f32],
+    k: &mut [f32],
+    v: &[f32],
+    cache: &mut KvLayer,
+    pos0: usize,
+    p: &AttnParams,
+) {
+    let hd = p.head_dim;
+    let (qw, kvw) = (p.n_head * hd, p.n_head_kv * hd);
+    for r in 0..q.len() / qw {
+        let pos = pos0 + r;
+        rope_row(&mut q[r * qw..(r + 1) * qw], hd, &p.rope, pos);
+        rope_row(&mut k[r * kvw..(r + 1) * kvw], hd, &p.rope, pos);
+        cache.write(
+            pos,
+            kvw,
+            &k[r * kvw..(r + 1) * kvw],
+            &v[r * kvw..(r + 1) * kvw],
+        );
+    }
 }
 
 /// NeoX RoPE on the first `rope.n_rot` dims of each `head_dim`-wide head of

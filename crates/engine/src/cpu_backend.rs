@@ -265,25 +265,29 @@ fn attention(
         head_dim: hd,
         rope: hp.rope(),
     };
-    let mut r0 = 0;
+    // Each sequence's rows with its cache, all in one parallel region.
+    let mut segs = Vec::with_capacity(sts.len());
+    let (mut q_rest, mut k_rest, mut v_rest, mut o_rest) =
+        (&mut q[..], &mut k[..], &v[..], &mut o[..]);
     for (st, &n) in sts.iter_mut().zip(rows) {
-        if n == 0 {
-            continue;
+        let (qs, qt) = q_rest.split_at_mut(n * qw);
+        let (ks, kt) = k_rest.split_at_mut(n * kvw);
+        let (vs, vt) = v_rest.split_at(n * kvw);
+        let (os, ot) = o_rest.split_at_mut(n * qw);
+        (q_rest, k_rest, v_rest, o_rest) = (qt, kt, vt, ot);
+        if n > 0 {
+            segs.push(cpu::AttnRows {
+                q: qs,
+                k: ks,
+                v: vs,
+                pos0: st.pos,
+                cache: st.kv[l].as_mut().expect("attention layer has a KV cache"),
+                o: os,
+            });
         }
-        let cache = st.kv[l].as_mut().expect("attention layer has a KV cache");
-        let (a0, a1) = (r0 * qw, (r0 + n) * qw);
-        let (k0, k1) = (r0 * kvw, (r0 + n) * kvw);
-        cpu.attention_rows(
-            &mut q[a0..a1],
-            &mut k[k0..k1],
-            &v[k0..k1],
-            cache,
-            st.pos,
-            &p,
-            &mut o[a0..a1],
-        );
-        r0 += n;
     }
+    cpu.attention_seqs(&mut segs, &p);
+    drop(segs);
     if let Some(g) = gate {
         for (ov, gv) in o.iter_mut().zip(&g) {
             *ov *= cpu::sigmoid(*gv);

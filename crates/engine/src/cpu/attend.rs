@@ -404,6 +404,20 @@ thread_local! {
 /// in L1/L2 while a block's values pass.
 const MAX_PAIRS: usize = 32;
 
+/// One sequence's rows of [`Cpu::attend_segments`]: its queries (after
+/// RoPE; row `r` at position `pos0 + r`), its cache (holding every row's key
+/// and value already) and its output rows.
+pub(crate) struct AttnSeg<'a> {
+    /// Query rows, `n_head * head_dim` each.
+    pub q: &'a [f32],
+    /// Position of the first row.
+    pub pos0: usize,
+    /// The sequence's KV cache of this layer.
+    pub cache: &'a KvLayer,
+    /// Output rows, as many as `q`.
+    pub o: &'a mut [f32],
+}
+
 impl Cpu {
     /// Attention of `q` (m rows of `n_head * head_dim`, after RoPE; row `r` at
     /// position `pos0 + r`) over `cache`, which already holds every row's key
@@ -416,9 +430,16 @@ impl Cpu {
         cache: &KvLayer,
         o: &mut [f32],
     ) {
+        self.attend_segments(&mut [AttnSeg { q, pos0, cache, o }], p);
+    }
+
+    /// [`Cpu::attend_rows`] for several sequences in one parallel region:
+    /// tasks of a few rows of one sequence and the query heads of one KV head,
+    /// each with the arithmetic of a call of its own.
+    pub(crate) fn attend_segments(&self, segs: &mut [AttnSeg<'_>], p: &AttnParams) {
         let hd = p.head_dim;
         let (qw, kvw) = (p.n_head * hd, p.n_head_kv * hd);
-        let m = q.len() / qw;
+        let m: usize = segs.iter().map(|s| s.q.len() / qw).sum();
         if m == 0 {
             return;
         }
@@ -434,10 +455,10 @@ impl Cpu {
         // Rows a task: as many as keep enough tasks and the pairs bounded.
         let tasks_per_row = p.n_head / per;
         let rows_per = (m * tasks_per_row / want).clamp(1, (MAX_PAIRS / per).max(1));
-        let row_tasks = m.div_ceil(rows_per);
         struct Out(*mut f32);
-        // SAFETY (Send/Sync): tasks write disjoint (row, head) ranges of `o`,
-        // and this call holds its &mut for the whole parallel region.
+        // SAFETY (Send/Sync): tasks write disjoint (row, head) ranges of the
+        // segments' outputs, and this call holds their &mut for the whole
+        // parallel region.
         unsafe impl Send for Out {}
         unsafe impl Sync for Out {}
         impl Out {
@@ -445,11 +466,23 @@ impl Cpu {
                 self.0.wrapping_add(i)
             }
         }
-        let out = Out(o.as_mut_ptr());
-        self.pool.run(row_tasks * tasks_per_row, &|i| {
-            let (rt, ht) = (i / tasks_per_row, i % tasks_per_row);
-            let (r0, r1) = (rt * rows_per, ((rt + 1) * rows_per).min(m));
-            let h0 = ht * per;
+        // (segment, first row, end row, first head) of every task.
+        let mut tasks = Vec::new();
+        for (si, s) in segs.iter().enumerate() {
+            let ms = s.q.len() / qw;
+            for r0 in (0..ms).step_by(rows_per) {
+                for ht in 0..tasks_per_row {
+                    tasks.push((si, r0, (r0 + rows_per).min(ms), ht * per));
+                }
+            }
+        }
+        let outs: Vec<Out> = segs.iter_mut().map(|s| Out(s.o.as_mut_ptr())).collect();
+        let ins: Vec<(&[f32], usize, &KvLayer)> =
+            segs.iter().map(|s| (s.q, s.pos0, s.cache)).collect();
+        self.pool.run(tasks.len(), &|i| {
+            let (si, r0, r1, h0) = tasks[i];
+            let (q, pos0, cache) = ins[si];
+            let out = &outs[si];
             let task = Task {
                 q: &q[r0 * qw..r1 * qw],
                 qw,
@@ -476,7 +509,8 @@ impl Cpu {
                 }
                 for (k, r) in (r0..r1).enumerate() {
                     let src = &res[k * per * hd..(k + 1) * per * hd];
-                    // SAFETY: row r, heads h0..h0+per of `o` are this task's alone.
+                    // SAFETY: row r, heads h0..h0+per of this segment's
+                    // output are this task's alone.
                     unsafe {
                         std::ptr::copy_nonoverlapping(
                             src.as_ptr(),
@@ -552,6 +586,62 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// Several sequences in one call (their own caches, positions and row
+    /// counts) against each sequence alone, byte for byte.
+    #[test]
+    fn sequences_attend_together_as_alone() {
+        let mut x = 0x1234_5678_9abc_def1u64;
+        let (n_head, n_kv, hd) = (8, 2, 64);
+        let p = AttnParams {
+            n_head,
+            n_head_kv: n_kv,
+            head_dim: hd,
+            rope: crate::model::Rope::new(hd, 1e4, Default::default()),
+        };
+        let (qw, kvw) = (n_head * hd, n_kv * hd);
+        let specs = [(0usize, 3usize), (300, 1), (255, 9), (40, 0), (600, 2)];
+        let caches: Vec<KvLayer> = specs
+            .iter()
+            .map(|&(pos0, m)| {
+                let mut c = KvLayer::new(KvType::F16, kvw);
+                let k = rnd_vec(&mut x, (pos0 + m) * kvw);
+                let v = rnd_vec(&mut x, (pos0 + m) * kvw);
+                for pos in 0..pos0 + m {
+                    c.write(pos, kvw, &k[pos * kvw..][..kvw], &v[pos * kvw..][..kvw]);
+                }
+                c
+            })
+            .collect();
+        let qs: Vec<Vec<f32>> = specs
+            .iter()
+            .map(|&(_, m)| rnd_vec(&mut x, m * qw))
+            .collect();
+        for threads in [1, 2, 3] {
+            let cpu = Cpu::new(threads);
+            let mut outs: Vec<Vec<f32>> =
+                specs.iter().map(|&(_, m)| vec![f32::NAN; m * qw]).collect();
+            let mut segs: Vec<AttnSeg<'_>> = specs
+                .iter()
+                .zip(&qs)
+                .zip(&caches)
+                .zip(outs.iter_mut())
+                .map(|(((&(pos0, _), q), cache), o)| AttnSeg { q, pos0, cache, o })
+                .collect();
+            cpu.attend_segments(&mut segs, &p);
+            drop(segs);
+            for (i, &(pos0, m)) in specs.iter().enumerate() {
+                let mut alone = vec![f32::NAN; m * qw];
+                cpu.attend_rows(&qs[i], pos0, &p, &caches[i], &mut alone);
+                let bits = |a: &[f32]| a.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&outs[i]),
+                    bits(&alone),
+                    "sequence {i} threads {threads}"
+                );
             }
         }
     }
