@@ -14,8 +14,10 @@ With real weights (an instruction-tuned Qwen3 / Qwen3.5 GGUF):
 On a synthetic model (`samesum synth`) the weights are random, so the answer
 is noise: `--smoke` checks only that every run completes and prints text.
 
-Token counts are estimated from characters (about 4 characters a token for
-the English filler); `-c` is set to the estimate plus room for the answer.
+Prompt lengths are estimated from characters (about 4 characters a token
+for the English filler with a Qwen vocabulary); `-c` is set to the prompt's
+bytes plus room for the answer, which bounds its tokens for any byte-level
+vocabulary.
 """
 import argparse
 import random
@@ -90,8 +92,11 @@ def main() -> int:
                 secret = f"{rng.choice(['violet', 'amber', 'cobalt', 'maroon'])}-" \
                          f"{rng.choice(['river', 'falcon', 'lantern', 'meadow'])}-{rng.randint(10, 99)}"
                 p = Path(td) / "prompt.txt"
-                p.write_text(prompt(n, d, secret, a.seed + n))
-                ctx = int(n * 1.25) + a.n + 256
+                text = prompt(n, d, secret, a.seed + n)
+                p.write_text(text)
+                # Every byte-level BPE token covers at least one byte: the
+                # prompt's bytes bound its tokens, whatever the vocabulary.
+                ctx = len(text.encode()) + a.n + 64
                 cmd = [binary, "run", "-m", a.model, "-f", str(p), "-n", str(a.n), "--temp", "0", "-c", str(ctx)]
                 if a.device:
                     cmd += ["--device", a.device]

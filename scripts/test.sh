@@ -161,6 +161,11 @@ for shape in tiny-qwen3moe tiny-qwen35moe; do
         || { cat "$OUT/identity-f16-$shape.md"; echo "identity gate failed with an f16 KV cache on $shape"; exit 1; }
     tail -1 "$OUT/identity-f16-$shape.md"
 done
+echo "== needle script, smoke run on a synthetic model (random weights: checks only that it runs)"
+"$BIN" synth --shape tiny-qwen3next --quant q8_0 -o "$OUT/needle.gguf" > /dev/null
+"$PY" scripts/needle.py -m "$OUT/needle.gguf" --bin "$BIN" --tokens 1024,4096 --depth 0.1,0.9 --smoke > "$OUT/needle.log" 2>&1 \
+    || { cat "$OUT/needle.log"; echo "needle script failed"; exit 1; }
+tail -1 "$OUT/needle.log"
 echo "== identity gate negative control: a reordered MoE combination must be caught"
 if "$BIN" identity --shape tiny-qwen3next --chunk 16 --max-len 200 --gen 8 --negative-control > "$OUT/neg.md" 2>&1; then
     cat "$OUT/neg.md"; echo "the gate did not catch the reordered variant"; exit 1
