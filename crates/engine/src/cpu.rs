@@ -252,16 +252,23 @@ impl Cpu {
         p: &AttnParams,
         o: &mut [f32],
     ) {
-        // Rotate and store every row's key first: row r reads cache positions
-        // 0..=pos0+r only, so keys of later rows in the cache change nothing it
-        // computes. Then all rows in one parallel region.
-        rope_store_rows(q, k, v, cache, pos0, p);
-        self.attend_rows(q, pos0, p, cache, o);
+        let mut seg = [AttnRows {
+            q,
+            k,
+            v,
+            cache,
+            pos0,
+            o,
+        }];
+        self.attention_seqs(&mut seg, p);
     }
 
     /// Attention rows of several sequences: as [`Cpu::attention_rows`] for
     /// each, the attention of all of them in one parallel region.
     pub fn attention_seqs(&self, segs: &mut [AttnRows<'_>], p: &AttnParams) {
+        // Rotate and store every row's key first: row r reads cache positions
+        // 0..=pos0+r only, so keys of later rows in the cache change nothing it
+        // computes.
         for s in segs.iter_mut() {
             rope_store_rows(s.q, s.k, s.v, s.cache, s.pos0, p);
         }

@@ -28,6 +28,16 @@ pub struct KvBlock<T> {
     pub v: Box<[T]>,
 }
 
+impl KvType {
+    /// Bytes of one stored value.
+    pub fn size(self) -> usize {
+        match self {
+            KvType::F32 => 4,
+            KvType::F16 => 2,
+        }
+    }
+}
+
 /// The KV cache of one attention layer: rows of `width` (= `n_head_kv *
 /// head_dim`) values in blocks of [`KV_BLOCK`] positions; block `b` holds
 /// positions `b * KV_BLOCK ..`.
@@ -75,14 +85,6 @@ impl KvLayer {
     pub fn width(&self) -> usize {
         match self {
             KvLayer::F32 { width, .. } | KvLayer::F16 { width, .. } => *width,
-        }
-    }
-
-    /// Blocks allocated so far.
-    pub fn blocks(&self) -> usize {
-        match self {
-            KvLayer::F32 { blocks, .. } => blocks.len(),
-            KvLayer::F16 { blocks, .. } => blocks.len(),
         }
     }
 
@@ -138,10 +140,7 @@ impl KvLayer {
 /// Bytes of KV cache one token of context takes across the model's
 /// attention layers, stored as `ty`.
 pub fn kv_bytes_per_token(hp: &HParams, ty: KvType) -> u64 {
-    let el = match ty {
-        KvType::F32 => 4,
-        KvType::F16 => 2,
-    };
+    let el = ty.size() as u64;
     let layers = hp
         .layers
         .iter()
@@ -197,16 +196,8 @@ impl SeqState {
     /// size when the KV cache cannot be allocated.
     pub fn try_new(hp: &HParams, ctx: usize, kv_type: KvType) -> crate::Result<Self> {
         let kvw = hp.n_head_kv * hp.head_dim;
-        let el = match kv_type {
-            KvType::F32 => 4,
-            KvType::F16 => 2,
-        };
-        let layers = hp
-            .layers
-            .iter()
-            .filter(|k| **k == LayerKind::Attention)
-            .count();
-        let bytes = 2 * (layers * kvw * el) as u128 * ctx as u128;
+        let el = kv_type.size();
+        let bytes = kv_bytes_per_token(hp, kv_type) as u128 * ctx as u128;
         // Probe one layer's whole cache first (blocks are allocated as the
         // sequence grows), so an impossible context is an error, not an abort.
         let fits = ctx

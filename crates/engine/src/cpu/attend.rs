@@ -421,7 +421,9 @@ pub(crate) struct AttnSeg<'a> {
 impl Cpu {
     /// Attention of `q` (m rows of `n_head * head_dim`, after RoPE; row `r` at
     /// position `pos0 + r`) over `cache`, which already holds every row's key
-    /// and value; outputs into `o` (m rows of `n_head * head_dim`).
+    /// and value; outputs into `o`. One segment of [`Cpu::attend_segments`]
+    /// (the tests' one-sequence form).
+    #[cfg(test)]
     pub(super) fn attend_rows(
         &self,
         q: &[f32],

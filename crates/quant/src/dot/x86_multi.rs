@@ -58,13 +58,7 @@ pub(super) fn dot_rows_multi_amx(
         let blocks: &[W] = crate::cast_blocks(weight, w)?;
         let per = acts
             .iter()
-            .map(|a| {
-                A::blocks(a).ok_or(QuantError::ActivationType {
-                    weight,
-                    act: a.act_type(),
-                    expected: A::TYPE,
-                })
-            })
+            .map(|a| A::of(weight, a))
             .collect::<Result<Vec<&[A]>>>()?;
         // SAFETY: AVX-512 F/BW and AMX were checked by the caller; `blocks`
         // holds `rows` rows of `n / block` blocks, every activation row as many.
@@ -83,6 +77,15 @@ pub(super) fn dot_rows_multi_amx(
 trait ActBlock: Sized {
     const TYPE: GgmlType;
     fn blocks(a: &ActRow) -> Option<&[Self]>;
+
+    /// The blocks of `a`, or an error naming `weight`'s partner type.
+    fn of(weight: GgmlType, a: &ActRow) -> Result<&[Self]> {
+        Self::blocks(a).ok_or(QuantError::ActivationType {
+            weight,
+            act: a.act_type(),
+            expected: Self::TYPE,
+        })
+    }
 }
 
 impl ActBlock for BlockQ8K {
@@ -200,11 +203,7 @@ fn drive_tile<W: bytemuck::Pod, A: ActBlock>(
     for (g, group) in acts.chunks(8).enumerate() {
         let mut per: [&[A]; 8] = [&[]; 8];
         for (p, a) in per.iter_mut().zip(group) {
-            *p = A::blocks(a).ok_or(QuantError::ActivationType {
-                weight,
-                act: a.act_type(),
-                expected: A::TYPE,
-            })?;
+            *p = A::of(weight, a)?;
         }
         // SAFETY: AVX-512 F/BW support was checked by the caller; `blocks`
         // holds `rows` rows of `nb` blocks, every activation row `nb` blocks.
@@ -232,11 +231,7 @@ fn drive<W: bytemuck::Pod, A: ActBlock>(
     for (g, group) in acts.chunks(8).enumerate() {
         let mut per: [&[A]; 8] = [&[]; 8];
         for (p, a) in per.iter_mut().zip(group) {
-            *p = A::blocks(a).ok_or(QuantError::ActivationType {
-                weight,
-                act: a.act_type(),
-                expected: A::TYPE,
-            })?;
+            *p = A::of(weight, a)?;
         }
         let per = &per[..group.len()];
         for j in (0..rows).step_by(2) {
