@@ -978,8 +978,139 @@ __device__ __forceinline__ void tx_matrix(u8* dsm, const u8* W, i64 mat_stride, 
     tc_store<N>(acc, Y, r0, rows, wrow0, warp, gq, tq, live);
 }
 
+// ---------------------------------------------------------------- tensor cores, low-bit formats
+//
+// Wide calls of the LowBit formats on int8 mma.sync m16n8k16: group g of a
+// block (16 values) is one k16 product of LowBit::group's values against
+// the Q8_K activations, its exact dot times the group's scale into the
+// block's integer sum (and, with mins, the group's min times the 16-value
+// activation sum into msum), then FmtLowBit's float step. Blocks of 66 to
+// 110 bytes start 2-byte aligned: copied in the aligned 16-byte pieces that
+// hold them, read back through SmemBytes.
+
+#define TL_WST 144  // 9 pieces: a block of up to 110 bytes at any offset in its first piece
+
+template <int R>
+struct TlLayout {
+    static constexpr int A_OFF = TQ_WROWS * TL_WST;
+    static constexpr int STAGE = A_OFF + R * TA_AST;
+};
+
+template <int KIND, int R>
+__device__ __forceinline__ void tl_issue(u8* stage, const u8* wt, int row_bytes, int wrow0, int rows, const u8* at,
+                                         i64 arow, int nr, int b, int tid) {
+    constexpr int BY = LowBit<KIND>::BYTES;
+    constexpr int PMAX = (15 + BY + 15) / 16;
+    static_assert(PMAX * 16 + 8 <= TL_WST, "a row's pieces and the last word's read fit its stride");
+    for (int c = tid; c < TQ_WROWS * PMAX; c += 128) {
+        int r = c / PMAX, q = c - r * PMAX;
+        int j = min(wrow0 + r, rows - 1) - wrow0;
+        unsigned long long sa = (unsigned long long)(wt + (i64)j * row_bytes + (i64)b * BY);
+        if (q < (int)(((sa & 15ull) + BY + 15) / 16))
+            cp_async16(stage + r * TL_WST + 16 * q, (const u8*)(sa & ~15ull) + 16 * q, true);
+    }
+    for (int c = tid; c < R * (Q8K_BYTES / 16); c += 128) {
+        int t = c / (Q8K_BYTES / 16), q = c % (Q8K_BYTES / 16);
+        bool ok = t < nr;
+        const u8* src = at + (ok ? t * arow + (i64)b * Q8K_BYTES + q * 16 : 0);
+        cp_async16(stage + TlLayout<R>::A_OFF + t * TA_AST + q * 16, src, ok);
+    }
+}
+
+template <int KIND, int R>
+__device__ __forceinline__ void tl_matrix(u8* dsm, const u8* W, i64 mat_stride, int row_bytes, int cur, int wrow0,
+                                          int rows, float* Y, const u8* at, i64 arow, int r0, int nr, int nb,
+                                          u32 live, int tid, int warp, int gq, int tq) {
+    typedef TlLayout<R> L;
+    typedef LowBit<KIND> F;
+    constexpr int N = R / 8;
+    float acc[2][N][4];
+    tc_zero<N>(acc);
+    const u8* wt = W + (i64)cur * mat_stride + (i64)wrow0 * row_bytes;
+    u32 sh0[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int j = min(wrow0 + warp * 32 + gq + 8 * i, rows - 1) - wrow0;
+        sh0[i] = (u32)((unsigned long long)(wt + (i64)j * row_bytes) & 15ull);
+    }
+    tl_issue<KIND, R>(dsm, wt, row_bytes, wrow0, rows, at, arow, nr, 0, tid);
+    cp_async_commit();
+    for (int b = 0; b < nb; b++) {
+        u8* st = dsm + (b & 1) * L::STAGE;
+        if (b + 1 < nb) {
+            tl_issue<KIND, R>(dsm + ((b + 1) & 1) * L::STAGE, wt, row_bytes, wrow0, rows, at, arow, nr, b + 1, tid);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const u8* wrow = st + (warp * 32 + gq) * TL_WST;
+        const u8* sq = st + L::A_OFF;
+        SmemBytes rb[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) rb[i] = SmemBytes{wrow + 8 * i * TL_WST, (sh0[i] + (u32)F::BYTES * (u32)b) & 15u};
+        int isum[2][N][4], msum[2][N][4];
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int n = 0; n < N; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) isum[a][n][c] = msum[a][n][c] = 0;
+#pragma unroll 2
+        for (int g = 0; g < 16; g++) {
+            u32 v[4];
+            int sc[4], mn[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) F::group(rb[i], g, tq, v[i], sc[i], mn[i]);
+#pragma unroll
+            for (int n = 0; n < N; n++) {
+                const u32 bq = *(const u32*)(sq + (n * 8 + gq) * TA_AST + 16 * g + 4 * tq);
+#pragma unroll
+                for (int a = 0; a < 2; a++) {
+                    int d[4];
+                    mma_s8_k16(d, v[2 * a], v[2 * a + 1], bq);
+                    isum[a][n][0] += sc[2 * a] * d[0];
+                    isum[a][n][1] += sc[2 * a] * d[1];
+                    isum[a][n][2] += sc[2 * a + 1] * d[2];
+                    isum[a][n][3] += sc[2 * a + 1] * d[3];
+                }
+                if constexpr (F::MINS) {
+                    // The 16-value sums of this thread's two activation rows.
+                    const int t0 = 8 * n + 2 * tq;
+                    const int bs0 = ((const i16*)(sq + t0 * TA_AST + Q8K_BSUMS))[g];
+                    const int bs1 = ((const i16*)(sq + (t0 + 1) * TA_AST + Q8K_BSUMS))[g];
+#pragma unroll
+                    for (int a = 0; a < 2; a++)
+#pragma unroll
+                        for (int c = 0; c < 4; c++) msum[a][n][c] += mn[2 * a + c / 2] * (c % 2 ? bs1 : bs0);
+                }
+            }
+        }
+        float dw[4], dm[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            dw[i] = F::d(rb[i]);
+            dm[i] = F::dmin(rb[i]);
+        }
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int n = 0; n < N; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    int i = 2 * a + c / 2, t = 8 * n + 2 * tq + c % 2;
+                    float da = *(const float*)(sq + t * TA_AST + Q8K_D);
+                    acc[a][n][c] = F::MINS ? step_min(acc[a][n][c], dw[i], dm[i], da, isum[a][n][c], msum[a][n][c])
+                                           : step_plain(acc[a][n][c], dw[i], da, isum[a][n][c]);
+                }
+        __syncthreads();
+    }
+    tc_store<N>(acc, Y, r0, rows, wrow0, warp, gq, tq, live);
+}
+
 // The tile kernels of the formats above (FMT 6: Q6_K, 4: IQ4_XS, 8: Q8_0,
-// 0-3: the Nib32 kinds): as mm_tc_async_k, rows with no matrix get zeros
+// 0-3: the Nib32 kinds, 10 + KIND: the LowBit kinds): as mm_tc_async_k, rows with no matrix get zeros
 // and each matrix of the tile is computed once, ascending; two stages of
 // dynamic shared memory (T6Layout, TxLayout or T8Layout). `nb`: weight
 // blocks a row; activation rows are nb Q8_K blocks (Q6_K, IQ4_XS) or nb
@@ -997,7 +1128,7 @@ __device__ void mm_tc_rows_k(const u8* W, i64 mat_stride, int row_bytes, const i
     __syncthreads();
     int gq = lane >> 2, tq = lane & 3;
     int wrow0 = blockIdx.x * TQ_WROWS;
-    i64 arow = (i64)nb * (FMT == 6 || FMT == 4 ? Q8K_BYTES : 36);
+    i64 arow = (i64)nb * (FMT == 6 || FMT == 4 || FMT >= 10 ? Q8K_BYTES : 36);
     static_assert(R <= 32, "a lane a tile row");
     const int vmat = lane < R ? smat[lane] : -1;
     const int col = wrow0 + tid;
@@ -1018,6 +1149,9 @@ __device__ void mm_tc_rows_k(const u8* W, i64 mat_stride, int row_bytes, const i
         else if constexpr (FMT == 4)
             tx_matrix<R>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, Y, at, arow, r0, nr, nb, live, tid, warp,
                          gq, tq);
+        else if constexpr (FMT >= 10)
+            tl_matrix<FMT - 10, R>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, Y, at, arow, r0, nr, nb, live,
+                                   tid, warp, gq, tq);
         else
             t8_matrix<FMT, R>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, Y, at, arow, r0, nr, nb, live, tid,
                               warp, gq, tq);
@@ -1046,3 +1180,17 @@ TC_ROWS_KERNEL(mm_tc_mxfp4, 2, TQ_ROWS)
 TC_ROWS_KERNEL(mm_tc_mxfp4_32, 2, 32)
 TC_ROWS_KERNEL(mm_tc_q5_0, 3, TQ_ROWS)
 TC_ROWS_KERNEL(mm_tc_q5_0_32, 3, 32)
+TC_ROWS_KERNEL(mm_tc_q2_k, 10, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_q2_k32, 10, 32)
+TC_ROWS_KERNEL(mm_tc_q3_k, 11, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_q3_k32, 11, 32)
+TC_ROWS_KERNEL(mm_tc_iq2_xxs, 12, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_iq2_xxs32, 12, 32)
+TC_ROWS_KERNEL(mm_tc_iq2_xs, 13, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_iq2_xs32, 13, 32)
+TC_ROWS_KERNEL(mm_tc_iq2_s, 14, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_iq2_s32, 14, 32)
+TC_ROWS_KERNEL(mm_tc_iq3_xxs, 15, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_iq3_xxs32, 15, 32)
+TC_ROWS_KERNEL(mm_tc_iq3_s, 16, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_iq3_s32, 16, 32)

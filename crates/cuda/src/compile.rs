@@ -26,6 +26,7 @@ pub const MODULES: &[(&str, &str)] = &[
         concat!(
             include_str!("../kernels/matmul_dp4a.cu"),
             include_str!("../kernels/matmul_nib.cu"),
+            include_str!("../kernels/matmul_lowbit.cu"),
             include_str!("../kernels/matmul_lane.cu"),
             include_str!("../kernels/matmul_tc.cu"),
             include_str!("../kernels/matmul_float.cu"),

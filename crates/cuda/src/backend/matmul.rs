@@ -45,13 +45,20 @@ const fn tc_async_smem(q5: bool, rows: usize) -> u32 {
 /// Dynamic shared memory of format `t`'s tensor-core kernels for tiles of
 /// `rows` activation rows: two stages of 128 weight rows and the activation
 /// rows (matmul_tc.cu: Q4_K and Q5_K as above; Q6_K 240 and 352 bytes a
-/// row, T6Layout; IQ4_XS 144 and 352, TxLayout; the 32-value formats 336
-/// and 304, T8Layout).
+/// row, T6Layout; IQ4_XS 144 and 352, TxLayout; the low-bit formats 144
+/// and 352, TlLayout; the 32-value formats 336 and 304, T8Layout).
 fn tc_smem(t: GgmlType, rows: usize) -> u32 {
     let (w, a) = match t {
         GgmlType::Q4_K | GgmlType::Q5_K => return tc_async_smem(t == GgmlType::Q5_K, rows),
         GgmlType::Q6_K => (240, 352),
         GgmlType::IQ4_XS => (144, 352),
+        GgmlType::Q2_K
+        | GgmlType::Q3_K
+        | GgmlType::IQ2_XXS
+        | GgmlType::IQ2_XS
+        | GgmlType::IQ2_S
+        | GgmlType::IQ3_XXS
+        | GgmlType::IQ3_S => (144, 352),
         _ => (336, 304),
     };
     (2 * (128 * w + rows * a)) as u32
@@ -123,6 +130,23 @@ pub(super) fn quant_kernels(t: GgmlType) -> Option<QuantKernels> {
         IQ4_NL => quant_kernels!("iq4_nl", "mm_tc_iq4_nl", "mm_tc_iq4_nl32", "mm_iq4_nl_1"),
         MXFP4 => quant_kernels!("mxfp4", "mm_tc_mxfp4", "mm_tc_mxfp4_32", "mm_mxfp4_1"),
         IQ4_XS => quant_kernels!("iq4_xs", "mm_tc_iq4_xs", "mm_tc_iq4_xs32", "mm_iq4_xs_1"),
+        Q2_K => quant_kernels!("q2_k", "mm_tc_q2_k", "mm_tc_q2_k32", "mm_q2_k_1"),
+        Q3_K => quant_kernels!("q3_k", "mm_tc_q3_k", "mm_tc_q3_k32", "mm_q3_k_1"),
+        IQ2_XXS => quant_kernels!(
+            "iq2_xxs",
+            "mm_tc_iq2_xxs",
+            "mm_tc_iq2_xxs32",
+            "mm_iq2_xxs_1"
+        ),
+        IQ2_XS => quant_kernels!("iq2_xs", "mm_tc_iq2_xs", "mm_tc_iq2_xs32", "mm_iq2_xs_1"),
+        IQ2_S => quant_kernels!("iq2_s", "mm_tc_iq2_s", "mm_tc_iq2_s32", "mm_iq2_s_1"),
+        IQ3_XXS => quant_kernels!(
+            "iq3_xxs",
+            "mm_tc_iq3_xxs",
+            "mm_tc_iq3_xxs32",
+            "mm_iq3_xxs_1"
+        ),
+        IQ3_S => quant_kernels!("iq3_s", "mm_tc_iq3_s", "mm_tc_iq3_s32", "mm_iq3_s_1"),
         _ => return None,
     })
 }
@@ -958,6 +982,6 @@ mod kernel_name_tests {
                 checked += 1;
             }
         }
-        assert!(checked >= 8 * 9, "only {checked} names checked");
+        assert!(checked >= 8 * 16, "only {checked} names checked");
     }
 }

@@ -61,6 +61,13 @@ pub const FORMATS: &[GgmlType] = &[
     GgmlType::Q5_K,
     GgmlType::Q6_K,
     GgmlType::IQ4_XS,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ3_S,
 ];
 
 /// [`FORMATS`] as ggml names them, for messages.
@@ -473,9 +480,10 @@ impl Cuda {
 
 /// Formats whose matmuls read Q8_K activation rows.
 fn k_quant(t: GgmlType) -> bool {
+    use GgmlType::*;
     matches!(
         t,
-        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS
+        Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS | IQ2_XXS | IQ2_XS | IQ2_S | IQ3_XXS | IQ3_S
     )
 }
 
