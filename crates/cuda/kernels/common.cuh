@@ -426,3 +426,10 @@ __device__ __forceinline__ void route_one_warp_r(float* logits, int* ids, float*
     if (e <= 256 && route_regs(logits, ids, wts, e, k, pad, placed_row, placed_mat, slot, cap, lane)) return;
     route_one_warp(logits, ids, wts, e, k, pad, placed_row, placed_mat, slot, cap, lane);
 }
+
+// The 4 bytes at byte `o` (any) of a row of shared memory copied as
+// aligned words: the two words holding them, funnel-shifted.
+__device__ __forceinline__ u32 tc_word(const u8* row, u32 o) {
+    const u32* p = (const u32*)(row + (o & ~3u));
+    return __funnelshift_r(p[0], p[1], 8 * (o & 3u));
+}

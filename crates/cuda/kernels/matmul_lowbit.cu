@@ -425,13 +425,6 @@ __device__ const u32 iq3s_grid[512] = {
 };
 
 
-// The 4 bytes at byte `o` (any) of a row of shared memory copied as
-// aligned words: the two words holding them, funnel-shifted.
-__device__ __forceinline__ u32 tc_word(const u8* row, u32 o) {
-    const u32* p = (const u32*)(row + (o & ~3u));
-    return __funnelshift_r(p[0], p[1], 8 * (o & 3u));
-}
-
 // A block's bytes in global memory (any alignment) or copied `sh` bytes
 // into a row of shared memory.
 struct GlobalBytes {

@@ -603,13 +603,6 @@ __device__ __forceinline__ void tc_store(const float (&acc)[2][N][4], float* Y, 
             }
 }
 
-// The 4 bytes at byte `o` (any) of a row of shared memory copied as
-// aligned words: the two words holding them, funnel-shifted.
-__device__ __forceinline__ u32 tc_word(const u8* row, u32 o) {
-    const u32* p = (const u32*)(row + (o & ~3u));
-    return __funnelshift_r(p[0], p[1], 8 * (o & 3u));
-}
-
 // One matrix `cur` of a tile over its rows `live` (as tc_async_matrix).
 template <int R>
 __device__ __forceinline__ void t6_matrix(u8* dsm, const u8* W, i64 mat_stride, int row_bytes, int cur, int wrow0,
