@@ -58,8 +58,8 @@ pub(crate) struct BackendArgs {
     /// accepted, changes nothing. samesum has one exact attention per device
     /// (on CUDA already tiled, flash-style, with a running max; on the CPU a
     /// softmax of each row); `on` and `off` print a note saying so. The
-    /// tensor-core passes are `--attention fast`, opt-in: -fa never turns
-    /// them on.
+    /// f16 tensor-core flash kernel is `--attention fast`, opt-in: -fa never
+    /// turns it on.
     #[arg(long = "flash-attn", value_enum, value_name = "on|off|auto")]
     flash_attn: Option<FlashAttn>,
     /// Tier mode within this VRAM budget (e.g. 24G): routed experts in host
@@ -133,10 +133,10 @@ pub(crate) enum Attention {
     /// The default passes: CUDA cores, samesum's exact order.
     #[default]
     Exact,
-    /// Opt-in: the score and value passes on tensor cores (3xTF32 with fp32
-    /// accumulation). Not the same bytes as `exact` (another summation
-    /// order), one function for decode and prefill (batched still equals
-    /// replay); docs/CAPABILITIES.md has its agreement with `exact`.
+    /// Opt-in: flash attention on f16 tensor cores with f32 accumulation (q,
+    /// k, v and the probabilities rounded to f16, as llama.cpp's default).
+    /// Not the same bytes as `exact`, one function for decode and prefill
+    /// (batched still equals replay); docs/CAPABILITIES.md has its bars.
     Fast,
 }
 

@@ -840,243 +840,333 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                                    rbase, scale, nb);
 }
 
-// ---- Attention on tensor cores (opt-in, `--attention fast`: attention_tiles_tc_acc)
+// ---- Flash attention on tensor cores (opt-in, `--attention fast`)
 //
-// The same tiles, partials and combine as attention_tiles, but both passes as
-// tf32 mma.sync.m16n8k8 with every operand split in two (x = hi + lo,
-// hi = tf32(x), lo = tf32(x - hi)) and three products accumulated a step
-// (lo*hi, hi*lo, then hi*hi): close to fp32 dot products, summed in the
-// tensor core's order, so a different function from the CUDA-core passes.
-// Decode and prefill both run it when it is on.
+// f16 operands, f32 accumulation, online softmax, as llama.cpp's default
+// attention computes: q, k, v and the probabilities rounded to f16 for
+// mma.sync m16n8k16, the scores, sums and outputs kept in f32. A different
+// function from the exact passes above, one function for decode and prefill.
 //
-// A block takes 32 (row, head) pairs (two m16 tiles: 32 / gs rows x the gs
-// query heads of KV head g), so each key and value row read serves 32 pairs.
-// An mma row is one pair: its result depends on that pair's q (or
-// probabilities) and the tile's keys (or values) only, never on the other
-// rows, so a pair gets the same bytes whichever block it sits in. Lane l
-// holds rows gr = l / 4 and gr + 8 of a tile; its k slots c = l % 4 and
-// c + 4 take two adjacent elements (dims 8 s + 2 c and 8 s + 2 c + 1 of step
-// s in the score pass, keys 8 s + 2 c and 8 s + 2 c + 1 in the value pass),
-// read as one float2.
-//
-// The value pass runs the tile's keys up to the block's last key in steps of
-// 32; past a pair's own keys its probabilities are 0 and past the block's
-// keys the values read as 0, so those steps add zero products (the same
-// bytes, as the identity gate checks).
-#define ATC_P 32            // pairs a block
-#define ATC_SS (ATT_T + 8)  // score row stride in floats: rows 8 banks apart
+// The row contract by construction. A block takes FA_P (row, head) pairs of
+// one KV head (FA_P / gs rows x the gs query heads of the group), a warp 16
+// of them as the rows of its mma tiles; an mma row's result depends on that
+// row's q (or probabilities) and the tile's keys (or values) only. A pair's
+// keys 0..=pos are cut by position alone: into splits of FA_SPLIT keys, each
+// split into tiles of FA_KT keys. Within a split the tiles are folded in
+// order by the online softmax (running max m, sum l, output o); the splits
+// are then folded in order by fa_fold. Prefill blocks run a pair's splits
+// one after another and fold them in registers; decode blocks (few rows)
+// take one split each, write its (m, l, o) and attention_flash_combine folds
+// them, with the same fa_fold, in the same order: the same bytes either way.
+// A tile past a pair's position (prefill blocks run up to their last row's)
+// adds nothing: its scores are -inf, its probabilities 0, the running
+// values scaled by 1. Scores are kept in the log2 domain (times scale *
+// log2(e)) and exponentiated with ex2.approx, the same instruction in every
+// kernel here.
+#define FA_W 8              // warps a block
+#define FA_P (16 * FA_W)    // (row, head) pairs a block
+#define FA_KT 64            // keys a tile
+#define FA_SPLIT 512        // keys a split: fixed, so the fold order is fixed
 
-__device__ __forceinline__ u32 tf32_of(float x) {
-    u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
+__device__ __forceinline__ float fa_ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
-__device__ __forceinline__ void tf32_split(float x, u32& hi, u32& lo) {
-    hi = tf32_of(x);
-    lo = tf32_of(__fsub_rn(x, __uint_as_float(hi)));
+__device__ __forceinline__ u32 fa_pack(float lo, float hi) {
+    return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
 }
 
-__device__ __forceinline__ void mma_tf32(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+__device__ __forceinline__ void fa_ldsm4(u32 (&r)[4], const u16* p) {
+    u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void fa_ldsm4t(u32 (&r)[4], const u16* p) {
+    u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void fa_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// d += a * b for one m16n8k8 step, both given as fp32 fragments (a: rows gr,
-// gr + 8 at slot c, then at slot c + 4; b: slots c, c + 4 of column gr). The
-// step's three products go into a zeroed accumulator, which is then added to
-// d with fp32 adds, so the running sums are not carried through the tensor
-// core's own additions.
-__device__ __forceinline__ void mma_3xtf32(float (&d)[4], float2 ar0, float2 ar8, u32 bh0, u32 bh1, u32 bl0,
-                                           u32 bl1) {
-    u32 ah[4], al[4];
-    tf32_split(ar0.x, ah[0], al[0]);
-    tf32_split(ar8.x, ah[1], al[1]);
-    tf32_split(ar0.y, ah[2], al[2]);
-    tf32_split(ar8.y, ah[3], al[3]);
-    float e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    mma_tf32(e, al[0], al[1], al[2], al[3], bh0, bh1);
-    mma_tf32(e, ah[0], ah[1], ah[2], ah[3], bl0, bl1);
-    mma_tf32(e, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
-#pragma unroll
-    for (int i = 0; i < 4; i++) d[i] = __fadd_rn(d[i], e[i]);
-}
-
-// Two adjacent cache elements (i even) as floats.
-__device__ __forceinline__ float2 kv_at2(const void* c, i64 i, int f16) {
-    if (f16) {
-        u32 w = *reinterpret_cast<const u32*>((const u16*)c + i);
-        return make_float2(f16_to_f32((u16)(w & 0xffffu)), f16_to_f32((u16)(w >> 16)));
+// The fold of a split's (ms, ls, os) into the running (M, L, O) of the
+// splits before it: the weights of both sides, computed once per row.
+struct FaFold {
+    float a, b;
+    __device__ __forceinline__ FaFold(float& M, float& L, float ms, float ls) {
+        float mn = fmaxf(M, ms);
+        a = fa_ex2(__fsub_rn(M, mn));
+        b = fa_ex2(__fsub_rn(ms, mn));
+        L = __fmaf_rn(L, a, __fmul_rn(ls, b));
+        M = mn;
     }
-    return *reinterpret_cast<const float2*>((const float*)c + i);
+    __device__ __forceinline__ float out(float o, float os) const { return __fmaf_rn(o, a, __fmul_rn(os, b)); }
+};
+
+// Row stride of the shared tiles in halves: rows 16 bytes (4 banks) apart
+// modulo 128, so ldmatrix's eight rows hit distinct banks.
+template <int HD>
+struct FaLayout {
+    static constexpr int ST = HD + 8;
+    static constexpr int Q = 0;
+    static constexpr int K = FA_P * ST;
+    static constexpr int V = K + FA_KT * ST;
+    static constexpr int HALVES = V + FA_KT * ST;
+};
+
+// Keys j0 .. j0 + FA_KT - 1 of KV head g into shared memory as halves (f32
+// caches rounded to nearest), zeros past key `last`.
+template <int HD>
+__device__ __forceinline__ void fa_load_kv(u16* ks, u16* vs, const void* ck, const void* cv, int hkv, int g, int j0,
+                                           int last, int f16) {
+    typedef FaLayout<HD> L;
+    constexpr int CH = HD / 8;  // 8-value chunks a row
+    for (int i = threadIdx.x; i < 2 * FA_KT * CH; i += FA_W * 32) {
+        int mat = i / (FA_KT * CH), r = (i / CH) % FA_KT, c = i % CH;
+        int j = j0 + r;
+        uint4 w = make_uint4(0u, 0u, 0u, 0u);
+        if (j <= last) {
+            i64 e = ((i64)j * hkv + g) * HD + 8 * c;
+            const void* src = mat ? cv : ck;
+            if (f16) {
+                w = *reinterpret_cast<const uint4*>((const u16*)src + e);
+            } else {
+                float4 x = *reinterpret_cast<const float4*>((const float*)src + e);
+                float4 y = *reinterpret_cast<const float4*>((const float*)src + e + 4);
+                w = make_uint4(fa_pack(x.x, x.y), fa_pack(x.z, x.w), fa_pack(y.x, y.y), fa_pack(y.z, y.w));
+            }
+        }
+        *reinterpret_cast<uint4*>((mat ? vs : ks) + r * L::ST + 8 * c) = w;
+    }
 }
 
-// Head dims that are multiples of 32, up to ATT_HD; gs divides 32. Dynamic
-// shared memory: 32 q rows of hd + 8 floats, then 32 score rows of ATC_SS.
-__device__ __forceinline__ void attention_tiles_tc_k(const float* q, const void* ck, const void* cv, float* pml,
-                                                     float* pacc, int m, int hq, int hkv, int hd, const int* posp,
-                                                     int rbase, float scale, int f16, int nb) {
-    extern __shared__ __align__(16) float atc_smem[];
-    __shared__ float smax[ATC_P][ATT_WARPS];
-    __shared__ float wsum[ATC_P][ATT_WARPS];
-    __shared__ float pmax[ATC_P];
-    int qst = hd + 8;  // q row stride: rows 8 banks apart
-    float* qs = atc_smem;
-    float* st = qs + ATC_P * qst;
+// Pairs p of the block: (row r0 + p / gs, head g * gs + p % gs); `split`
+// >= 0: that split only, its (m, l) to pml and o to pacc (nsplit splits a
+// pair); -1: every split of the block's rows, folded, the output to `o`.
+template <int HD>
+__device__ __forceinline__ void attention_flash_k(const float* q, const void* ck, const void* cv, float* o,
+                                                  float* pml, float* pacc, int m, int hq, int hkv,
+                                                  const int* posp, int rbase, float sl2, int f16, int split,
+                                                  int nsplit) {
+    typedef FaLayout<HD> L;
+    constexpr int NT = HD / 8;  // output n-tiles a warp
+    extern __shared__ __align__(16) u16 fa_smem[];
+    u16* qs = fa_smem + L::Q;
+    u16* ks = fa_smem + L::K;
+    u16* vs = fa_smem + L::V;
     int pos0 = *posp + rbase;
-    int t = threadIdx.x, warp = t / 32, lane = t % 32;
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     int gr = lane >> 2, c = lane & 3;
-    int gs = hq / hkv, rows = ATC_P / gs;
-    int g = blockIdx.x, r0 = blockIdx.y * rows, b = blockIdx.z;
-    int np = min(rows, m - r0) * gs;  // live pairs: pair p = (row r0 + p / gs, head g * gs + p % gs)
-    int j0 = b * ATT_T;
-    int nmax = pos0 + r0 + np / gs;  // keys of the block's last row
-    if (j0 >= nmax) return;
-    int jend = min(j0 + ATT_T, nmax);
-    int kvw = hkv * hd;
-    for (int i = t; i < ATC_P * hd; i += ATT_THREADS) {
-        int p = i / hd, d = i % hd;
-        qs[p * qst + d] = p < np ? q[((i64)(r0 + p / gs) * hq + g * gs + p % gs) * hd + d] : 0.0f;
+    int gs = hq / hkv, rows = FA_P / gs;
+    int g = blockIdx.x, r0 = blockIdx.y * rows;
+    int np = min(rows, m - r0) * gs;
+    int last = pos0 + r0 + (np - 1) / gs;  // the block's last key
+    int s_lo = split < 0 ? 0 : split, s_hi = split < 0 ? last / FA_SPLIT : split;
+    if (s_lo * FA_SPLIT > last) return;
+    for (int i = tid; i < FA_P * (HD / 2); i += FA_W * 32) {
+        int p = i / (HD / 2), d = 2 * (i % (HD / 2));
+        u32 w = 0u;
+        if (p < np) {
+            float2 x = *reinterpret_cast<const float2*>(q + ((i64)(r0 + p / gs) * hq + g * gs + p % gs) * HD + d);
+            w = fa_pack(x.x, x.y);
+        }
+        *reinterpret_cast<u32*>(qs + p * L::ST + d) = w;
     }
-    __syncthreads();
+    // This lane's two mma rows: pairs pa = 16 warp + gr and pa + 8 (-1: not live).
+    int pa = 16 * warp + gr;
+    int posr[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) posr[h] = pa + 8 * h < np ? pos0 + r0 + (pa + 8 * h) / gs : -1;
+    int wlast = 16 * warp < np ? pos0 + r0 + (min(16 * warp + 15, np - 1)) / gs : -1;  // the warp's last key
+    // ldmatrix addresses: A (q) rows 16 warp + (lane % 8) + 8 ((lane / 8) % 2),
+    // columns 8 (lane / 16); K: keys (lane % 8) + 8 (lane / 16), dims 8 ((lane / 8) % 2);
+    // V (transposed): keys (lane % 8) + 8 ((lane / 8) % 2), dims 8 (lane / 16).
+    const u16* qa = qs + (16 * warp + (lane & 7) + 8 * ((lane >> 3) & 1)) * L::ST + 8 * (lane >> 4);
+    const u16* ka = ks + ((lane & 7) + 8 * (lane >> 4)) * L::ST + 8 * ((lane >> 3) & 1);
+    const u16* va = vs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * L::ST + 8 * (lane >> 4);
 
-    // Scores: warp w takes the key groups w, w + 8, ... (8 keys, the mma's
-    // columns); each pair's dot product runs over the head dims in steps of 8
-    // (four steps a chunk of 32, the keys' elements loaded a chunk ahead).
-    float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};  // rows gr, gr + 8, gr + 16, gr + 24
-    for (int kg = warp; kg < ATT_T / 8; kg += ATT_WARPS) {
-        int jj0 = kg * 8;
-        if (j0 + jj0 >= jend) {  // no key of the group is in the tile
+    // The running fold of the splits before: M and L in registers, o in the
+    // output rows themselves (each element read and written by its own lane).
+    float M[2] = {-INFINITY, -INFINITY}, Lsum[2] = {0.0f, 0.0f};
+    for (int s = s_lo; s <= s_hi; s++) {
+        float mr[2] = {-INFINITY, -INFINITY}, lr[2] = {0.0f, 0.0f};
+        float os[NT][4];
 #pragma unroll
-            for (int r = 0; r < 4; r++) {
-                st[(gr + 8 * r) * ATC_SS + jj0 + 2 * c] = -INFINITY;
-                st[(gr + 8 * r) * ATC_SS + jj0 + 2 * c + 1] = -INFINITY;
-            }
-            continue;
-        }
-        int jk = j0 + jj0 + gr;  // this lane's key (column gr)
-        bool kin = jk < jend;
-        i64 kb = (i64)jk * kvw + g * hd + 2 * c;
-        float2 kn[4];
+        for (int n = 0; n < NT; n++)
 #pragma unroll
-        for (int s = 0; s < 4; s++) kn[s] = kin ? kv_at2(ck, kb + 8 * s, f16) : make_float2(0.0f, 0.0f);
-        float d0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int k0 = 0; k0 < hd; k0 += 32) {
-            float2 kc[4];
+            for (int e = 0; e < 4; e++) os[n][e] = 0.0f;
+        int jend = min((s + 1) * FA_SPLIT, last + 1);
+        for (int j0 = s * FA_SPLIT; j0 < jend; j0 += FA_KT) {
+            __syncthreads();
+            fa_load_kv<HD>(ks, vs, ck, cv, hkv, g, j0, last, f16);
+            __syncthreads();
+            if (wlast < j0) continue;  // no key of the tile for any row of this warp
+            float sc[FA_KT / 8][4];
 #pragma unroll
-            for (int s = 0; s < 4; s++) kc[s] = kn[s];
-            if (k0 + 32 < hd) {
+            for (int n = 0; n < FA_KT / 8; n++)
 #pragma unroll
-                for (int s = 0; s < 4; s++)
-                    kn[s] = kin ? kv_at2(ck, kb + k0 + 32 + 8 * s, f16) : make_float2(0.0f, 0.0f);
-            }
+                for (int e = 0; e < 4; e++) sc[n][e] = 0.0f;
 #pragma unroll
-            for (int s = 0; s < 4; s++) {
-                u32 bh0, bl0, bh1, bl1;
-                tf32_split(kc[s].x, bh0, bl0);
-                tf32_split(kc[s].y, bh1, bl1);
-                const float* qa = qs + gr * qst + k0 + 8 * s + 2 * c;
-                float2 q0 = *reinterpret_cast<const float2*>(qa);
-                float2 q8 = *reinterpret_cast<const float2*>(qa + 8 * qst);
-                float2 q16 = *reinterpret_cast<const float2*>(qa + 16 * qst);
-                float2 q24 = *reinterpret_cast<const float2*>(qa + 24 * qst);
-                mma_3xtf32(d0, q0, q8, bh0, bh1, bl0, bl1);
-                mma_3xtf32(d1, q16, q24, bh0, bh1, bl0, bl1);
-            }
-        }
-        // d[i]: row gr (i < 2) or gr + 8, key column 2 c + (i & 1).
+            for (int k0 = 0; k0 < HD; k0 += 16) {
+                u32 a[4];
+                fa_ldsm4(a, qa + k0);
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            int p = gr + 8 * (i / 2);  // d0 rows gr, gr + 8; d1 rows gr + 16, gr + 24
-            float dv = i < 4 ? d0[i] : d1[i - 4];
-            int jj = jj0 + 2 * c + (i & 1);
-            int j = j0 + jj;
-            float v = -INFINITY;
-            if (p < np && j < jend && j <= pos0 + r0 + p / gs) {
-                v = __fmul_rn(dv, scale);
-                mx[i / 2] = fmaxf(mx[i / 2], v);
-            }
-            st[p * ATC_SS + jj] = v;
-        }
-    }
-    // Each row's max over the warp's keys: the four lanes of a row.
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        if (c == 0) smax[gr + 8 * r][warp] = mx[r];
-    }
-    __syncthreads();
-    tile_softmax(st, ATC_SS, smax, wsum, pmax, np);
-    __syncthreads();
-
-    // Values: warp w takes the head dims' groups of 8, w, w + 8, ... (the
-    // mma's columns); the sum runs over the tile's keys in steps of 8, four
-    // a chunk, the values loaded a chunk ahead. A probability slot holding
-    // -inf (a pair with no key in the tile, or not live) reads as 0.
-    int n = jend - j0;
-    for (int dg = warp; dg * 8 < hd; dg += ATT_WARPS) {
-        i64 vb = (i64)j0 * kvw + g * hd + dg * 8 + gr;  // column gr: dim dg * 8 + gr
-        float vn[8];
-#pragma unroll
-        for (int s = 0; s < 4; s++) {
-            int kk = 8 * s + 2 * c;
-            vn[2 * s] = kk < n ? kv_at(cv, vb + (i64)kk * kvw, f16) : 0.0f;
-            vn[2 * s + 1] = kk + 1 < n ? kv_at(cv, vb + (i64)(kk + 1) * kvw, f16) : 0.0f;
-        }
-        float d0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int k0 = 0; k0 < n; k0 += 32) {
-            float vc[8];
-#pragma unroll
-            for (int i = 0; i < 8; i++) vc[i] = vn[i];
-            if (k0 + 32 < n) {
-#pragma unroll
-                for (int s = 0; s < 4; s++) {
-                    int kk = k0 + 32 + 8 * s + 2 * c;
-                    vn[2 * s] = kk < n ? kv_at(cv, vb + (i64)kk * kvw, f16) : 0.0f;
-                    vn[2 * s + 1] = kk + 1 < n ? kv_at(cv, vb + (i64)(kk + 1) * kvw, f16) : 0.0f;
+                for (int n = 0; n < FA_KT / 8; n += 2) {
+                    u32 b[4];
+                    fa_ldsm4(b, ka + n * 8 * L::ST + k0);
+                    fa_mma(sc[n], a[0], a[1], a[2], a[3], b[0], b[1]);
+                    fa_mma(sc[n + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
                 }
             }
+            // Scores in the log2 domain, -inf past each row's position;
+            // the tile's row maxima over the quad's lanes.
+            float mt[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-            for (int s = 0; s < 4; s++) {
-                u32 bh0, bl0, bh1, bl1;
-                tf32_split(vc[2 * s], bh0, bl0);
-                tf32_split(vc[2 * s + 1], bh1, bl1);
-                const float* pa = st + gr * ATC_SS + k0 + 8 * s + 2 * c;
-                float2 p0 = *reinterpret_cast<const float2*>(pa);
-                float2 p8 = *reinterpret_cast<const float2*>(pa + 8 * ATC_SS);
-                float2 p16 = *reinterpret_cast<const float2*>(pa + 16 * ATC_SS);
-                float2 p24 = *reinterpret_cast<const float2*>(pa + 24 * ATC_SS);
-                // e >= 0, so fmaxf(., 0) maps -inf to 0 and keeps every e.
-                p0 = make_float2(fmaxf(p0.x, 0.0f), fmaxf(p0.y, 0.0f));
-                p8 = make_float2(fmaxf(p8.x, 0.0f), fmaxf(p8.y, 0.0f));
-                p16 = make_float2(fmaxf(p16.x, 0.0f), fmaxf(p16.y, 0.0f));
-                p24 = make_float2(fmaxf(p24.x, 0.0f), fmaxf(p24.y, 0.0f));
-                mma_3xtf32(d0, p0, p8, bh0, bh1, bl0, bl1);
-                mma_3xtf32(d1, p16, p24, bh0, bh1, bl0, bl1);
+            for (int n = 0; n < FA_KT / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int h = e / 2, j = j0 + 8 * n + 2 * c + (e & 1);
+                    float v = j <= posr[h] ? __fmul_rn(sc[n][e], sl2) : -INFINITY;
+                    sc[n][e] = v;
+                    mt[h] = fmaxf(mt[h], v);
+                }
+            float al[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 1));
+                mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 2));
+                float mn = fmaxf(mr[h], mt[h]);
+                // No key yet (mn = -inf): nothing changes.
+                al[h] = mn == -INFINITY ? 1.0f : fa_ex2(__fsub_rn(mr[h], mn));
+                mr[h] = mn;
+            }
+            float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int n = 0; n < FA_KT / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int h = e / 2;
+                    float p = mr[h] == -INFINITY ? 0.0f : fa_ex2(__fsub_rn(sc[n][e], mr[h]));
+                    sc[n][e] = p;
+                    ps[h] = __fadd_rn(ps[h], p);
+                }
+#pragma unroll
+            for (int h = 0; h < 2; h++) lr[h] = __fmaf_rn(lr[h], al[h], ps[h]);
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) os[n][e] = __fmul_rn(os[n][e], al[e / 2]);
+            // o += p v: the probabilities' C fragments are the A fragments
+            // of the next product (keys 16 kk .. 16 kk + 15).
+#pragma unroll
+            for (int kk = 0; kk < FA_KT / 16; kk++) {
+                u32 a0 = fa_pack(sc[2 * kk][0], sc[2 * kk][1]), a1 = fa_pack(sc[2 * kk][2], sc[2 * kk][3]);
+                u32 a2 = fa_pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+                u32 a3 = fa_pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+                for (int n = 0; n < NT; n += 2) {
+                    u32 b[4];
+                    fa_ldsm4t(b, va + 16 * kk * L::ST + 8 * n);
+                    fa_mma(os[n], a0, a1, a2, a3, b[0], b[1]);
+                    fa_mma(os[n + 1], a0, a1, a2, a3, b[2], b[3]);
+                }
             }
         }
+        // The split's sum over the quad's lanes (every lane of the quad gets
+        // the same bits: fadd commutes).
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            int p = gr + 8 * (i / 2);
-            int od = dg * 8 + 2 * c + (i & 1);
-            if (p < np && j0 <= pos0 + r0 + p / gs) {
-                i64 pair = (i64)(r0 + p / gs) * hq + g * gs + p % gs;
-                pacc[(pair * nb + b) * hd + od] = i < 4 ? d0[i] : d1[i - 4];
+        for (int h = 0; h < 2; h++) {
+            lr[h] = __fadd_rn(lr[h], __shfl_xor_sync(0xffffffffu, lr[h], 1));
+            lr[h] = __fadd_rn(lr[h], __shfl_xor_sync(0xffffffffu, lr[h], 2));
+        }
+        if (split >= 0) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (posr[h] < s * FA_SPLIT) continue;
+                i64 pair = (i64)(r0 + (pa + 8 * h) / gs) * hq + g * gs + (pa + 8 * h) % gs;
+                i64 at = pair * nsplit + s;
+                if (c == 0) *reinterpret_cast<float2*>(pml + 2 * at) = make_float2(mr[h], lr[h]);
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+                    *reinterpret_cast<float2*>(pacc + at * HD + 8 * n + 2 * c) =
+                        make_float2(os[n][2 * h], os[n][2 * h + 1]);
+            }
+            return;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if (posr[h] < s * FA_SPLIT) continue;  // the row has no key in this split
+            float* orow = o + ((i64)(r0 + (pa + 8 * h) / gs) * hq + g * gs + (pa + 8 * h) % gs) * HD + 2 * c;
+            if (s == 0) {
+                M[h] = mr[h];
+                Lsum[h] = lr[h];
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+                    *reinterpret_cast<float2*>(orow + 8 * n) = make_float2(os[n][2 * h], os[n][2 * h + 1]);
+            } else {
+                FaFold f(M[h], Lsum[h], mr[h], lr[h]);
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    float2 x = *reinterpret_cast<const float2*>(orow + 8 * n);
+                    *reinterpret_cast<float2*>(orow + 8 * n) =
+                        make_float2(f.out(x.x, os[n][2 * h]), f.out(x.y, os[n][2 * h + 1]));
+                }
             }
         }
     }
-    tile_write_pml(wsum, pmax, pml, np, gs, hq, g, r0, pos0, j0, b, nb);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        if (posr[h] < 0) continue;
+        float* orow = o + ((i64)(r0 + (pa + 8 * h) / gs) * hq + g * gs + (pa + 8 * h) % gs) * HD + 2 * c;
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            float2 x = *reinterpret_cast<const float2*>(orow + 8 * n);
+            *reinterpret_cast<float2*>(orow + 8 * n) = make_float2(__fdiv_rn(x.x, Lsum[h]), __fdiv_rn(x.y, Lsum[h]));
+        }
+    }
 }
 
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_tiles_tc_acc(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
-                           int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
+#define FA_KERNEL(HD)                                                                                              \
+    extern "C" __global__ void __launch_bounds__(FA_W * 32, 1)                                                     \
+        attention_flash_##HD(const float* q, const void* ck, const void* cv, float* o, float* pml, float* pacc,    \
+                             int m, int hq, int hkv, const int* posp, int rbase, float sl2, int f16, int split_mode, \
+                             int nsplit) {                                                                         \
+        pdl_wait();                                                                                                \
+        attention_flash_k<HD>(q, ck, cv, o, pml, pacc, m, hq, hkv, posp, rbase, sl2, f16,                          \
+                              split_mode ? (int)blockIdx.z : -1, nsplit);                                          \
+    }
+FA_KERNEL(64)
+FA_KERNEL(128)
+FA_KERNEL(256)
+
+// The splits of each (row, head) pair folded in order (a block per pair, a
+// thread per output dim): fa_fold from split 0, then o / l, as the prefill
+// blocks do in registers.
+extern "C" __global__ void attention_flash_combine(const float* pml, const float* pacc, float* o, int hq, int hd,
+                                                   const int* posp, int rbase, int nsplit) {
     pdl_wait();
-    attention_tiles_tc_k(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+    int pair = blockIdx.x, t = threadIdx.x;
+    int pos = *posp + rbase + pair / hq;
+    if (t >= hd) return;
+    const float* ml = pml + (i64)pair * nsplit * 2;
+    const float* pa = pacc + (i64)pair * nsplit * hd + t;
+    float M = ml[0], L = ml[1], acc = pa[0];
+    for (int s = 1; s <= pos / FA_SPLIT; s++) {
+        FaFold f(M, L, ml[2 * s], ml[2 * s + 1]);
+        acc = f.out(acc, pa[(i64)s * hd]);
+    }
+    o[(i64)pair * hd + t] = __fdiv_rn(acc, L);
 }
 
 // Output dim t of pair `pair` (of `tiles` key tiles): the tiles folded in

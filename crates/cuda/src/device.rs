@@ -281,6 +281,7 @@ impl Device {
                     || k.ends_with("_async32g_jobs")
                     || k.starts_with("mm_tc_q6_k")
                     || k.starts_with("mm_tc_q8_0")
+                    || k.starts_with("attention_flash_")
                 {
                     let _ = f.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,

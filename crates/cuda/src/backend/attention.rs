@@ -3,9 +3,11 @@
 
 use super::*;
 
-/// The score and value pass kernels (ops unit, kernels/attention.cu). Each
-/// takes a block per (KV head, row tile, key tile of 256 positions) and
-/// writes the tiles' partials, which `attention_combine` folds in order.
+/// The attention kernels (ops unit, kernels/attention.cu). The exact ones
+/// take a block per (KV head, row tile, key tile of 256 positions) and
+/// write the tiles' partials, which `attention_combine` folds in order; the
+/// flash kernel folds its key tiles and splits itself (or, for decode, one
+/// split a block, then `attention_flash_combine`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum AttentionKernel {
     /// `attention_tiles`: the plain tile kernel at every head dim, run only
@@ -19,18 +21,23 @@ enum AttentionKernel {
     /// (two 16-pair halves sharing each key and value row loaded), q and
     /// the scores in dynamic shared memory.
     Pairs32,
-    /// `attention_tiles_tc_acc`: both passes on tensor cores (3xTF32 mma,
-    /// each step's products added in fp32), the opt-in `--attention fast`:
-    /// a different summation order, so a different function.
-    TensorCores,
+    /// `attention_flash_{64,128,256}`: flash attention on f16 tensor cores
+    /// with f32 accumulation, the opt-in `--attention fast`: a different
+    /// function from the exact kernels, the same for decode and prefill.
+    Flash,
 }
 
 /// Pairs a block of the CUDA-core kernels (`AP` in attention.cu).
 const AP: usize = 16;
-/// Pairs a block of the tensor-core kernel (`ATC_P`).
-const ATC_P: usize = 32;
-/// Its score row stride in floats (`ATC_SS` = 256 + 8).
-const ATC_SS: usize = 256 + 8;
+/// Pairs a block of the flash kernel (`FA_P`), keys a tile (`FA_KT`) and
+/// keys a split (`FA_SPLIT`).
+const FA_P: usize = 128;
+const FA_KT: usize = 64;
+const FA_SPLIT: usize = 512;
+/// Calls of up to this many rows run the flash kernel a split a block (the
+/// splits fill the GPU at depth) and fold the splits in a second launch;
+/// larger calls fold them in the blocks (no partials).
+const FA_SPLIT_ROWS: usize = 4;
 /// `attention_tiles_q4w2`'s dynamic shared memory (`ATT_P32_SMEM`): 2 x 16
 /// pairs' q rows (`ATT_HD` = 256 floats) and score rows (`ATT_S` = 260).
 const P32_SMEM: usize = 2 * AP * (256 + 260) * 4;
@@ -42,8 +49,8 @@ impl AttentionKernel {
     /// fewer (decode) its second half would be empty and its 66 KB of
     /// shared memory cost decode attention 13 -> 23 us a launch (H200).
     fn select(hd: usize, gs: usize, rows: usize, fast: bool) -> Self {
-        if fast && hd.is_multiple_of(32) && hd <= 256 && gs > 0 && ATC_P.is_multiple_of(gs) {
-            Self::TensorCores
+        if fast && matches!(hd, 64 | 128 | 256) && gs > 0 && FA_P.is_multiple_of(gs) {
+            Self::Flash
         } else if (hd == 128 || hd == 256) && gs > 0 && AP.is_multiple_of(gs) && rows * gs > AP {
             Self::Pairs32
         } else {
@@ -51,30 +58,36 @@ impl AttentionKernel {
         }
     }
 
-    fn name(self) -> &'static str {
+    fn name(self, hd: usize) -> &'static str {
         match self {
             Self::Reference => "attention_tiles",
             Self::Pairs16 => "attention_tiles_q4w",
             Self::Pairs32 => "attention_tiles_q4w2",
-            Self::TensorCores => "attention_tiles_tc_acc",
+            Self::Flash => match hd {
+                64 => "attention_flash_64",
+                128 => "attention_flash_128",
+                _ => "attention_flash_256",
+            },
         }
     }
 
-    /// The (row, head) pairs a block takes.
+    /// The (row, head) pairs a block of the tile kernels takes.
     fn pairs(self) -> usize {
         match self {
             Self::Reference | Self::Pairs16 => AP,
-            Self::Pairs32 | Self::TensorCores => ATC_P,
+            Self::Pairs32 => 2 * AP,
+            Self::Flash => FA_P,
         }
     }
 
-    /// Dynamic shared memory in bytes at head dim `hd`: the tensor-core
-    /// kernel keeps 32 pairs' q rows (hd + 8 floats apart) and score rows.
+    /// Dynamic shared memory in bytes at head dim `hd`: the flash kernel
+    /// keeps its pairs' q and a tile's keys and values as halves, rows
+    /// hd + 8 apart.
     fn smem(self, hd: usize) -> usize {
         match self {
             Self::Reference | Self::Pairs16 => 0,
             Self::Pairs32 => P32_SMEM,
-            Self::TensorCores => ATC_P * (hd + 8 + ATC_SS) * 4,
+            Self::Flash => (FA_P + 2 * FA_KT) * (hd + 8) * 2,
         }
     }
 }
@@ -100,7 +113,7 @@ impl Cuda {
     /// launches at head dim `hd` and query groups of `gs` heads (for tests).
     #[doc(hidden)]
     pub fn attention_kernel(&self, hd: usize, gs: usize, rows: usize) -> &'static str {
-        AttentionKernel::select(hd, gs, rows, self.fast_attention()).name()
+        AttentionKernel::select(hd, gs, rows, self.fast_attention()).name(hd)
     }
 
     /// The attention kernel the last attention call launched ("" before any).
@@ -276,7 +289,9 @@ impl Cuda {
         };
         // Ungated attention into a K-quant out projection: the combine also
         // writes the rows' Q8_K blocks (no quantize launch).
-        let mut oq = if gate.is_none() && k_quant(a.o.ty) && qw.is_multiple_of(256) {
+        let flash = AttentionKernel::select(hd, hq / hkv, m, self.fast_attention())
+            == AttentionKernel::Flash;
+        let mut oq = if !flash && gate.is_none() && k_quant(a.o.ty) && qw.is_multiple_of(256) {
             Some(d.scratch::<u8>(m * qw / 256 * 304)?)
         } else {
             None
@@ -337,6 +352,11 @@ impl Cuda {
         let qw = hq * hd;
         let scale = 1.0f32 / (hd as f32).sqrt();
         let gs = hq / hkv;
+        if !reference
+            && AttentionKernel::select(hd, gs, m, self.fast_attention()) == AttentionKernel::Flash
+        {
+            return self.attend_flash(p, o, oq.is_some());
+        }
         // The partials (a max, a sum and a head-dim row per pair and tile)
         // grow with rows x context, so long contexts run the rows in groups
         // that keep them under `attn_partials` bytes. Each pair's sums are
@@ -357,10 +377,10 @@ impl Cuda {
             } else {
                 AttentionKernel::select(hd, gs, mr, self.fast_attention())
             };
-            *self.att_last.lock().unwrap_or_else(|p| p.into_inner()) = kernel.name();
+            *self.att_last.lock().unwrap_or_else(|p| p.into_inner()) = kernel.name(hd);
             launch!(
                 d,
-                kernel.name(),
+                kernel.name(hd),
                 cfg(
                     (
                         hkv as u32,
@@ -419,6 +439,90 @@ impl Cuda {
                 p.pos0,
                 &r0i,
                 &nbi
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl Cuda {
+    /// Flash attention into `o` (m x hq x hd). Calls of up to
+    /// `FA_SPLIT_ROWS` rows take a block per (KV head, row tile, split of
+    /// 512 keys) and fold the splits' partials in `attention_flash_combine`;
+    /// larger calls a block per (KV head, row tile), folding the splits in
+    /// the block: the same folds in the same order (attention.cu).
+    fn attend_flash(&self, p: &Pass, o: &mut CudaSlice<f32>, wants_q8k: bool) -> Result<()> {
+        if wants_q8k {
+            return Err(CudaError::Driver {
+                op: "attention".into(),
+                msg: "the flash kernel writes no Q8_K rows".into(),
+            });
+        }
+        let d = &self.dev;
+        let (m, hq, hkv, hd) = (p.m, p.hq, p.hkv, p.hd);
+        let gs = hq / hkv;
+        let kernel = AttentionKernel::Flash;
+        let name = kernel.name(hd);
+        *self.att_last.lock().unwrap_or_else(|p| p.into_inner()) = name;
+        // p.nb key tiles of 256 positions cover the call's keys (the whole
+        // context for a recorded step): half as many splits.
+        let nsplit = (p.nb * 256).div_ceil(FA_SPLIT);
+        let split = m <= FA_SPLIT_ROWS;
+        let sl2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
+        let (mi, hqi, hkvi, hdi, nsi, f16, spi) = (
+            m as i32,
+            hq as i32,
+            hkv as i32,
+            hd as i32,
+            nsplit as i32,
+            p.f16 as i32,
+            split as i32,
+        );
+        let r0 = 0i32;
+        let parts = if split { m * hq * nsplit } else { 1 };
+        let mut pml = d.scratch::<f32>(parts * 2)?;
+        let mut pacc = d.scratch::<f32>(parts * hd)?;
+        launch!(
+            d,
+            name,
+            cfg(
+                (
+                    hkv as u32,
+                    m.div_ceil(FA_P / gs) as u32,
+                    if split { nsplit as u32 } else { 1 }
+                ),
+                256,
+                kernel.smem(hd) as u32
+            ),
+            p.q,
+            p.ck,
+            p.cv,
+            &mut *o,
+            &mut pml,
+            &mut pacc,
+            &mi,
+            &hqi,
+            &hkvi,
+            p.pos0,
+            &r0,
+            &sl2,
+            &f16,
+            &spi,
+            &nsi
+        )?;
+        if split {
+            launch!(
+                d,
+                "attention_flash_combine",
+                cfg(((m * hq) as u32, 1, 1), hd.div_ceil(32) as u32 * 32, 0),
+                &pml,
+                &pacc,
+                &mut *o,
+                &hqi,
+                &hdi,
+                p.pos0,
+                &r0,
+                &nsi
             )?;
         }
         Ok(())
