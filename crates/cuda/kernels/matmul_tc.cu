@@ -711,13 +711,15 @@ __device__ __forceinline__ void t6_matrix(u8* dsm, const u8* W, i64 mat_stride, 
 // ---------------------------------------------------------------- tensor cores, 32-value blocks
 //
 // Wide calls of the formats with 32-value blocks and Q8_0 activations (Q8_0,
-// and Q4_0, Q5_0, IQ4_NL, MXFP4 through Nib32) on int8 mma.sync m16n8k32:
-// a block is one k32 product of its values as signed bytes against the
-// activations' Q8_0 block, and its float step is step_plain: the row
-// kernels' integer and float step (FmtQ8_0, FmtNib32), so their bytes. A
-// stage holds T8_KB blocks of K. Blocks are 34, 18, 17 or 22 bytes, so a
-// row's start is only byte aligned: a stage of a row is copied as the
-// aligned 16-byte pieces that hold it and fragments read back
+// and Q4_0, Q5_0, IQ4_NL, MXFP4, Q4_1, Q5_1 through Nib32) on int8
+// mma.sync m16n8k32: a block is one k32 product of its values as signed
+// bytes against the activations' Q8_0 block, and its float step is
+// step_plain (Q4_1 and Q5_1: step_min, its min sum the activation block's
+// quant sum, one more k32 product of ones against the same fragments): the
+// row kernels' integer and float step (FmtQ8_0, FmtNib32), so their bytes.
+// A stage holds T8_KB blocks of K. Blocks are 34, 18, 17, 22, 20 or 24
+// bytes, so a row's start is only byte aligned: a stage of a row is copied
+// as the aligned 16-byte pieces that hold it and fragments read back
 // funnel-shifted (as Q6_K). Activation blocks (36 bytes: 32 quants, then d
 // as f32) are word aligned.
 
@@ -731,10 +733,12 @@ struct T8Layout {
     static constexpr int STAGE = A_OFF + R * T8_AST;
 };
 
-// KIND 8: Q8_0; 0-3: Nib32<KIND>.
+// KIND 8: Q8_0; 0-5: Nib32<KIND>.
 template <int KIND>
 struct Blk32 {
-    static constexpr int BYTES = KIND == 8 ? 34 : Nib32<(KIND & 3)>::BYTES;
+    typedef Nib32<(KIND == 8 ? 0 : KIND)> N;
+    static constexpr int BYTES = KIND == 8 ? 34 : N::BYTES;
+    static constexpr bool MINS = KIND != 8 && N::MINS;
     // The values at k = 4 tq.. (lo) and 16 + 4 tq.. (hi) of the block at
     // byte o of a row in shared memory, as signed bytes; its scale.
     static __device__ __forceinline__ void values(const u8* row, u32 o, int tq, u32& lo, u32& hi) {
@@ -742,21 +746,19 @@ struct Blk32 {
             lo = tc_word(row, o + 2 + 4 * tq);
             hi = tc_word(row, o + 18 + 4 * tq);
         } else {
-            typedef Nib32<KIND> N;
             u32 w = tc_word(row, o + N::QS + 4 * tq);
-            u32 qh = KIND == 3 ? tc_word(row, o + 2) : 0u;
+            u32 qh = N::Q5 ? tc_word(row, o + N::QH) : 0u;
             lo = N::values(w, qh, tq, 0);
             hi = N::values(w, qh, tq, 1);
         }
     }
+    // The block's scale and its step's dmin (Nib32's, from its first word).
     static __device__ __forceinline__ float scale(const u8* row, u32 o) {
         u32 w = tc_word(row, o);
-        if constexpr (KIND == 2) {
-            u32 e = w & 0xffu;
-            return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
-        }
-        return f16_to_f32((u16)(w & 0xffffu));
+        if constexpr (KIND == 8) return f16_to_f32((u16)(w & 0xffffu));
+        return N::scale_of(w);
     }
+    static __device__ __forceinline__ float dmin(const u8* row, u32 o) { return N::dmin_of(tc_word(row, o)); }
 };
 
 // Copies of blocks b0 .. b0 + kb - 1 of the tile's 128 weight rows and of
@@ -829,13 +831,14 @@ __device__ __forceinline__ void t8_matrix(u8* dsm, const u8* W, i64 mat_stride, 
 #pragma unroll 2
         for (int kk = 0; kk < kb; kk++) {
             u32 aw[4][2];
-            float dw[4];
+            float dw[4], dm[4];
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const u8* rw = wrow + 8 * i * T8_WST;
                 const u32 o = sh[i] + B::BYTES * kk;
                 B::values(rw, o, tq, aw[i][0], aw[i][1]);
                 dw[i] = B::scale(rw, o);
+                dm[i] = B::MINS ? B::dmin(rw, o) : 0.0f;
             }
 #pragma unroll
             for (int n = 0; n < N; n++) {
@@ -844,13 +847,23 @@ __device__ __forceinline__ void t8_matrix(u8* dsm, const u8* W, i64 mat_stride, 
                 // The d of this thread's two activation rows, 8 n + 2 tq (+ 1).
                 const u8* dr = sq + (8 * n + 2 * tq) * T8_AST + 36 * kk + 32;
                 const float da[2] = {*(const float*)dr, *(const float*)(dr + T8_AST)};
+                // With mins: the quant sums of those two rows (a product
+                // of all-ones weights: every output row the same; c = 0, 1
+                // its columns 2 tq, 2 tq + 1).
+                int asum[4] = {0, 0, 0, 0};
+                if constexpr (B::MINS) mma_s8(asum, 0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u, b0, b1);
 #pragma unroll
                 for (int a = 0; a < 2; a++) {
                     int d[4];
                     mma_s8(d, aw[2 * a][0], aw[2 * a + 1][0], aw[2 * a][1], aw[2 * a + 1][1], b0, b1);
 #pragma unroll
-                    for (int c = 0; c < 4; c++)
-                        acc[a][n][c] = step_plain(acc[a][n][c], dw[2 * a + c / 2], da[c % 2], d[c]);
+                    for (int c = 0; c < 4; c++) {
+                        const int i = 2 * a + c / 2;
+                        if constexpr (B::MINS)
+                            acc[a][n][c] = step_min(acc[a][n][c], dw[i], dm[i], da[c % 2], d[c], asum[c % 2]);
+                        else
+                            acc[a][n][c] = step_plain(acc[a][n][c], dw[i], da[c % 2], d[c]);
+                    }
                 }
             }
         }
@@ -1102,8 +1115,8 @@ __device__ __forceinline__ void tl_matrix(u8* dsm, const u8* W, i64 mat_stride, 
     tc_store<N>(acc, Y, r0, rows, wrow0, warp, gq, tq, live);
 }
 
-// The tile kernels of the formats above (FMT 6: Q6_K, 4: IQ4_XS, 8: Q8_0,
-// 0-3: the Nib32 kinds, 10 + KIND: the LowBit kinds): as mm_tc_async_k, rows with no matrix get zeros
+// The tile kernels of the formats above (FMT 6: Q6_K, 9: IQ4_XS, 8: Q8_0,
+// 0-5: the Nib32 kinds, 10 + KIND: the LowBit kinds): as mm_tc_async_k, rows with no matrix get zeros
 // and each matrix of the tile is computed once, ascending; two stages of
 // dynamic shared memory (T6Layout, TxLayout or T8Layout). `nb`: weight
 // blocks a row; activation rows are nb Q8_K blocks (Q6_K, IQ4_XS) or nb
@@ -1121,7 +1134,7 @@ __device__ void mm_tc_rows_k(const u8* W, i64 mat_stride, int row_bytes, const i
     __syncthreads();
     int gq = lane >> 2, tq = lane & 3;
     int wrow0 = blockIdx.x * TQ_WROWS;
-    i64 arow = (i64)nb * (FMT == 6 || FMT == 4 || FMT >= 10 ? Q8K_BYTES : 36);
+    i64 arow = (i64)nb * (FMT == 6 || FMT == 9 || FMT >= 10 ? Q8K_BYTES : 36);
     static_assert(R <= 32, "a lane a tile row");
     const int vmat = lane < R ? smat[lane] : -1;
     const int col = wrow0 + tid;
@@ -1139,7 +1152,7 @@ __device__ void mm_tc_rows_k(const u8* W, i64 mat_stride, int row_bytes, const i
         if constexpr (FMT == 6)
             t6_matrix<R>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, Y, at, arow, r0, nr, nb, live, tid, warp,
                          gq, tq);
-        else if constexpr (FMT == 4)
+        else if constexpr (FMT == 9)
             tx_matrix<R>(dsm, W, mat_stride, row_bytes, cur, wrow0, rows, Y, at, arow, r0, nr, nb, live, tid, warp,
                          gq, tq);
         else if constexpr (FMT >= 10)
@@ -1163,8 +1176,8 @@ TC_ROWS_KERNEL(mm_tc_q6_k, 6, TQ_ROWS)
 TC_ROWS_KERNEL(mm_tc_q6_k32, 6, 32)
 TC_ROWS_KERNEL(mm_tc_q8_0, 8, TQ_ROWS)
 TC_ROWS_KERNEL(mm_tc_q8_0_32, 8, 32)
-TC_ROWS_KERNEL(mm_tc_iq4_xs, 4, TQ_ROWS)
-TC_ROWS_KERNEL(mm_tc_iq4_xs32, 4, 32)
+TC_ROWS_KERNEL(mm_tc_iq4_xs, 9, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_iq4_xs32, 9, 32)
 TC_ROWS_KERNEL(mm_tc_q4_0, 0, TQ_ROWS)
 TC_ROWS_KERNEL(mm_tc_q4_0_32, 0, 32)
 TC_ROWS_KERNEL(mm_tc_iq4_nl, 1, TQ_ROWS)
@@ -1173,6 +1186,10 @@ TC_ROWS_KERNEL(mm_tc_mxfp4, 2, TQ_ROWS)
 TC_ROWS_KERNEL(mm_tc_mxfp4_32, 2, 32)
 TC_ROWS_KERNEL(mm_tc_q5_0, 3, TQ_ROWS)
 TC_ROWS_KERNEL(mm_tc_q5_0_32, 3, 32)
+TC_ROWS_KERNEL(mm_tc_q4_1, 4, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_q4_1_32, 4, 32)
+TC_ROWS_KERNEL(mm_tc_q5_1, 5, TQ_ROWS)
+TC_ROWS_KERNEL(mm_tc_q5_1_32, 5, 32)
 TC_ROWS_KERNEL(mm_tc_q2_k, 10, TQ_ROWS)
 TC_ROWS_KERNEL(mm_tc_q2_k32, 10, 32)
 TC_ROWS_KERNEL(mm_tc_q3_k, 11, TQ_ROWS)

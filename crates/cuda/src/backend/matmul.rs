@@ -127,6 +127,8 @@ pub(super) fn quant_kernels(t: GgmlType) -> Option<QuantKernels> {
         Q8_0 => quant_kernels!("q8_0", "mm_tc_q8_0", "mm_tc_q8_0_32", "mm_q8_0_1"),
         Q4_0 => quant_kernels!("q4_0", "mm_tc_q4_0", "mm_tc_q4_0_32", "mm_q4_0_1"),
         Q5_0 => quant_kernels!("q5_0", "mm_tc_q5_0", "mm_tc_q5_0_32", "mm_q5_0_1"),
+        Q4_1 => quant_kernels!("q4_1", "mm_tc_q4_1", "mm_tc_q4_1_32", "mm_q4_1_1"),
+        Q5_1 => quant_kernels!("q5_1", "mm_tc_q5_1", "mm_tc_q5_1_32", "mm_q5_1_1"),
         IQ4_NL => quant_kernels!("iq4_nl", "mm_tc_iq4_nl", "mm_tc_iq4_nl32", "mm_iq4_nl_1"),
         MXFP4 => quant_kernels!("mxfp4", "mm_tc_mxfp4", "mm_tc_mxfp4_32", "mm_mxfp4_1"),
         IQ4_XS => quant_kernels!("iq4_xs", "mm_tc_iq4_xs", "mm_tc_iq4_xs32", "mm_iq4_xs_1"),
@@ -983,5 +985,110 @@ mod kernel_name_tests {
             }
         }
         assert!(checked >= 8 * 16, "only {checked} names checked");
+    }
+}
+
+/// Q4_1 and Q5_1 as `FmtNib32` (matmul_nib.cu) computes them, modelled on
+/// the host: `Nib32::values`'s unpacking of a qs word (and the fifth bits
+/// from qh) gives the values ggml's dequantizer gives, and the per-block
+/// sums and float step (`step_min` with dmin = -m, the activation block's
+/// quant sum as msum) give the dot of the dequantized weights and Q8_0
+/// activations within f32 rounding, and the CPU's Q8_1 dot within its f16
+/// rounding of `s`. The GPU tests compare the kernels' outputs.
+#[cfg(test)]
+mod nib_offset_tests {
+    use half::f16;
+    use samesum_gguf::GgmlType;
+    use samesum_quant::dot::{ActRow, dot};
+    use samesum_quant::rng::Rng;
+
+    fn le32(m: &[u8], at: usize) -> u32 {
+        u32::from_le_bytes([m[at], m[at + 1], m[at + 2], m[at + 3]])
+    }
+
+    /// `Nib32<KIND>::values` for KIND 4 (Q4_1) and 5 (Q5_1): values 4j..4j+3
+    /// (hi = 0) or 16+4j.. (hi = 1) as the bytes of a word.
+    fn values(q5: bool, w: u32, qh: u32, j: usize, hi: usize) -> u32 {
+        let n = (w >> (4 * hi)) & 0x0F0F0F0F;
+        if !q5 {
+            return n;
+        }
+        let hb = (qh >> (16 * hi + 4 * j)) & 0xF;
+        let h = (hb & 1) | ((hb & 2) << 7) | ((hb & 4) << 14) | ((hb & 8) << 21);
+        n | (h << 4)
+    }
+
+    /// A row of `nb` blocks: random quants, d and m small normal halves.
+    fn row(rng: &mut Rng, q5: bool, nb: usize) -> Vec<u8> {
+        let by = if q5 { 24 } else { 20 };
+        let mut w: Vec<u8> = (0..nb * by).map(|_| rng.below(256) as u8).collect();
+        for b in 0..nb {
+            let d = f16::from_f32(rng.range(0.001, 0.05));
+            let m = f16::from_f32(rng.range(-0.4, 0.4));
+            w[b * by..b * by + 2].copy_from_slice(&d.to_le_bytes());
+            w[b * by + 2..b * by + 4].copy_from_slice(&m.to_le_bytes());
+        }
+        w
+    }
+
+    #[test]
+    fn unpacking_and_step_give_the_dot() {
+        let mut rng = Rng::new(17);
+        for (ty, q5) in [(GgmlType::Q4_1, false), (GgmlType::Q5_1, true)] {
+            let (by, qs_at) = if q5 { (24, 8) } else { (20, 4) };
+            for _ in 0..50 {
+                let nb = 1 + rng.below(24) as usize;
+                let w = row(&mut rng, q5, nb);
+                let x: Vec<f32> = (0..nb * 32).map(|_| rng.range(-2.0, 2.0)).collect();
+                let mut deq = vec![0f32; nb * 32];
+                samesum_quant::dequant::dequantize(ty, &w, &mut deq).unwrap();
+                let (mut acc, mut exact, mut mag) = (0f32, 0f64, 0f64);
+                for b in 0..nb {
+                    let blk = &w[b * by..(b + 1) * by];
+                    let a =
+                        samesum_quant::quantize::q8_0(x[32 * b..32 * b + 32].try_into().unwrap());
+                    let da = a.d.to_f32();
+                    let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                    let dmin = -f16::from_le_bytes([blk[2], blk[3]]).to_f32();
+                    let qh = if q5 { le32(blk, 4) } else { 0 };
+                    let (mut isum, mut msum) = (0i32, 0i32);
+                    // Part s of FmtNib32: values 16s..16s+15.
+                    for s in 0..2 {
+                        for j in 0..4 {
+                            let v = values(q5, le32(blk, qs_at + 4 * j), qh, j, s);
+                            for (i, q) in v.to_le_bytes().into_iter().enumerate() {
+                                let e = 16 * s + 4 * j + i;
+                                assert!(q < if q5 { 32 } else { 16 });
+                                // ggml's value of element e: d q + m.
+                                assert_eq!(
+                                    d * q as f32 - dmin,
+                                    deq[32 * b + e],
+                                    "{ty:?} block {b} element {e}"
+                                );
+                                isum += q as i32 * a.qs[e] as i32;
+                                msum += a.qs[e] as i32;
+                                let xe = deq[32 * b + e] as f64 * (da as f64 * a.qs[e] as f64);
+                                exact += xe;
+                                mag += xe.abs();
+                            }
+                        }
+                    }
+                    // step_min.
+                    acc += (d * da) * isum as f32;
+                    acc -= (dmin * da) * msum as f32;
+                }
+                let err = (acc as f64 - exact).abs();
+                assert!(
+                    err <= 1e-5 * mag,
+                    "{ty:?}: {acc} against {exact} (scale {mag})"
+                );
+                let cpu = dot(ty, &w, &ActRow::quantize(ty, &x).unwrap()).unwrap();
+                let err = (cpu as f64 - acc as f64).abs();
+                assert!(
+                    err <= 2e-3 * mag,
+                    "{ty:?}: CPU {cpu} against {acc} (scale {mag})"
+                );
+            }
+        }
     }
 }

@@ -57,6 +57,8 @@ pub const FORMATS: &[GgmlType] = &[
     GgmlType::Q5_0,
     GgmlType::IQ4_NL,
     GgmlType::MXFP4,
+    GgmlType::Q4_1,
+    GgmlType::Q5_1,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
@@ -492,7 +494,13 @@ fn k_quant(t: GgmlType) -> bool {
 fn q8_0_act(t: GgmlType) -> bool {
     matches!(
         t,
-        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::IQ4_NL | GgmlType::MXFP4
+        GgmlType::Q8_0
+            | GgmlType::Q4_0
+            | GgmlType::Q5_0
+            | GgmlType::IQ4_NL
+            | GgmlType::MXFP4
+            | GgmlType::Q4_1
+            | GgmlType::Q5_1
     )
 }
 
