@@ -130,13 +130,13 @@ pub struct CudaOptions {
     /// it, resident mode when the model fits and tier mode with the free
     /// memory as the budget when it does not.
     pub vram_budget: Option<u64>,
-    /// Attention's score and value passes on tensor cores, with each step's
-    /// products added to the running sums in fp32 (`--attention fast`). Opt-in: a
-    /// different summation order from the default passes, so not the same
-    /// bytes as the default, but one function for decode and prefill, so
-    /// batched prefill still equals replay with it on. Measured against the
-    /// bar in docs/CAPABILITIES.md. Head dims that are multiples of 32 up to
-    /// 256 and query groups dividing 32; other shapes keep the default.
+    /// Flash attention on f16 tensor cores with f32 accumulation
+    /// (`--attention fast`). Opt-in: q, k, v and the probabilities rounded
+    /// to f16, so not the same bytes as the default, but one function for
+    /// decode and prefill (key splits fixed by position), so batched
+    /// prefill still equals replay with it on. Measured against the bars in
+    /// docs/CAPABILITIES.md. Head dims 64, 128 and 256 with query groups
+    /// dividing 128; other shapes keep the default.
     pub fast_attention: bool,
 }
 

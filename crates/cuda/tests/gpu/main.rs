@@ -236,6 +236,13 @@ fn every_block_op_matches_the_cpu_backend() {
             (GgmlType::IQ4_NL, 1e-2),
             (GgmlType::IQ4_XS, 1e-2),
             (GgmlType::MXFP4, 1e-2),
+            (GgmlType::Q2_K, 1e-2),
+            (GgmlType::Q3_K, 1e-2),
+            (GgmlType::IQ2_XXS, 1e-2),
+            (GgmlType::IQ2_XS, 1e-2),
+            (GgmlType::IQ2_S, 1e-2),
+            (GgmlType::IQ3_XXS, 1e-2),
+            (GgmlType::IQ3_S, 1e-2),
         ] {
             let (_d, model) = synth(shape, quant, 3);
             let cuda = Cuda::new(0, &model, false).unwrap();
