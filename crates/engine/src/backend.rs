@@ -161,6 +161,14 @@ pub trait Backend: Sync {
     fn download_state(&self, st: &Self::State) -> Result<Vec<f32>>;
     /// Move a sequence past `m` rows (after a forward call wrote them).
     fn advance(&self, st: &mut Self::State, m: usize);
+    /// A copy of a sequence's state with a context of `ctx` tokens (at least
+    /// its position): the same position, the same KV rows `0..pos` and the
+    /// same conv and delta-rule states, so feeding both the same tokens
+    /// gives the same bytes, and writing to one leaves the other unchanged.
+    /// Nothing recorded for the original's decode steps comes along (the
+    /// copy records its own). Errors when `ctx` is below the position or the
+    /// copy cannot be allocated.
+    fn fork_state(&self, st: &Self::State, ctx: usize) -> Result<Self::State>;
 
     /// Rows `r0..r0 + n` of `x` (rows of `width`) as a new buffer.
     fn rows(&self, x: &Self::Buf, width: usize, r0: usize, n: usize) -> Result<Self::Buf>;

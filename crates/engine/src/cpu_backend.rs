@@ -65,6 +65,13 @@ impl Backend for Cpu {
         st.pos += m;
     }
 
+    /// The KV blocks shared copy-on-write ([`SeqState::fork`]): the fork
+    /// costs the recurrent states' copy; a block is copied when either
+    /// state first writes into it.
+    fn fork_state(&self, st: &SeqState, ctx: usize) -> Result<SeqState> {
+        st.fork(ctx)
+    }
+
     fn lanes(&self) -> usize {
         if self.lanes_on() { 2 } else { 1 }
     }
@@ -611,5 +618,112 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
                 *acc += sgate * *v;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::forward::{Logits, forward};
+    use crate::state::KV_BLOCK;
+    use samesum_gguf::GgmlType;
+    use samesum_synth::{SynthOptions, shapes, write_model};
+
+    fn model(shape: &str) -> (tempfile::TempDir, Model) {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.gguf");
+        write_model(
+            &SynthOptions::new(shapes::by_name(shape).unwrap(), GgmlType::Q8_0, 3),
+            &p,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let m = Model::load(&p).unwrap();
+        (dir, m)
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    fn tokens(n: usize, salt: u32) -> Vec<u32> {
+        (0..n as u32).map(|i| (i * 37 + salt) % 200 + 3).collect()
+    }
+
+    /// A fork written to leaves the original's bytes unchanged, and the
+    /// original written to leaves the fork's unchanged; each then equals a
+    /// sequence fed its tokens from the start. The fork point sits inside a
+    /// KV block and the writes cross into the next, on every architecture
+    /// and both KV types.
+    #[test]
+    fn a_fork_and_its_original_are_independent_and_equal_a_cold_run() {
+        let cpu = Cpu::new(2);
+        for shape in ["tiny-qwen3moe", "tiny-qwen3next", "tiny-qwen35moe"] {
+            let (_dir, m) = model(shape);
+            for kv in [KvType::F32, KvType::F16] {
+                let head = tokens(KV_BLOCK - 3, 1);
+                let (a, b) = (tokens(7, 5), tokens(7, 11));
+                let ctx = KV_BLOCK + 8;
+                let mut orig = cpu.new_state(&m, ctx, kv).unwrap();
+                forward(&m, &cpu, &mut orig, &head, Logits::None).unwrap();
+                let before = cpu.download_state(&orig).unwrap();
+                let mut fork = cpu.fork_state(&orig, ctx).unwrap();
+                assert_eq!(bits(&cpu.download_state(&fork).unwrap()), bits(&before));
+                let shared: usize = fork.kv.iter().flatten().map(|l| l.shared_blocks()).sum();
+                let attn = fork.kv.iter().flatten().count();
+                assert_eq!(shared, attn, "{shape}: the fork shares the KV block");
+                let got_fork = forward(&m, &cpu, &mut fork, &a, Logits::Last).unwrap();
+                assert_eq!(
+                    bits(&cpu.download_state(&orig).unwrap()),
+                    bits(&before),
+                    "{shape} {kv:?}: writing to the fork changed the original"
+                );
+                let fork_after = cpu.download_state(&fork).unwrap();
+                let got_orig = forward(&m, &cpu, &mut orig, &b, Logits::Last).unwrap();
+                assert_eq!(
+                    bits(&cpu.download_state(&fork).unwrap()),
+                    bits(&fork_after),
+                    "{shape} {kv:?}: writing to the original changed the fork"
+                );
+                for (st, got, tail) in [(&fork, &got_fork, &a), (&orig, &got_orig, &b)] {
+                    let mut cold = cpu.new_state(&m, ctx, kv).unwrap();
+                    let all: Vec<u32> = head.iter().chain(tail.iter()).copied().collect();
+                    let want = forward(&m, &cpu, &mut cold, &all, Logits::Last).unwrap();
+                    assert_eq!(bits(got), bits(&want), "{shape} {kv:?}: logits");
+                    assert_eq!(
+                        bits(&cpu.download_state(st).unwrap()),
+                        bits(&cpu.download_state(&cold).unwrap()),
+                        "{shape} {kv:?}: state"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A fork's context may grow past the original's, never fall below its
+    /// position; the recurrent states are copies, not shared.
+    #[test]
+    fn a_fork_takes_any_context_from_its_position_up() {
+        let cpu = Cpu::new(1);
+        let (_dir, m) = model("tiny-qwen3next");
+        let mut st = cpu.new_state(&m, 16, KvType::F32).unwrap();
+        forward(&m, &cpu, &mut st, &tokens(10, 2), Logits::None).unwrap();
+        assert!(matches!(
+            cpu.fork_state(&st, 9),
+            Err(EngineError::ContextFull { pos: 10, ctx: 9 })
+        ));
+        assert!(matches!(
+            cpu.fork_state(&st, usize::MAX),
+            Err(EngineError::Alloc { .. })
+        ));
+        let mut f = cpu.fork_state(&st, 10).unwrap();
+        assert_eq!((cpu.position(&f), cpu.capacity(&f)), (10, 10));
+        assert!(forward(&m, &cpu, &mut f, &[5], Logits::Last).is_err());
+        let mut f = cpu.fork_state(&st, 64).unwrap();
+        assert_eq!(cpu.capacity(&f), 64);
+        let lin = st.linear.iter().flatten().next().unwrap().s.clone();
+        forward(&m, &cpu, &mut f, &[5], Logits::Last).unwrap();
+        assert_eq!(st.linear.iter().flatten().next().unwrap().s, lin);
+        assert_ne!(f.linear.iter().flatten().next().unwrap().s, lin);
     }
 }

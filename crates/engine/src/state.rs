@@ -1,7 +1,13 @@
 //! Per-sequence state: the KV cache of attention layers, the conv and delta-rule
 //! state of linear layers, and the position.
+//!
+//! KV blocks are shared copy-on-write: cloning a state ([`SeqState::fork`])
+//! shares every block with the original, and the first write to a shared
+//! block (by either) copies that block first, so a fork costs its recurrent
+//! states and the block table, not the KV rows.
 
 use crate::model::{HParams, LayerKind};
+use std::sync::Arc;
 
 /// Storage type of the KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -19,13 +25,14 @@ pub enum KvType {
 pub const KV_BLOCK: usize = 256;
 
 /// One block of a layer's KV cache: [`KV_BLOCK`] key rows and as many value
-/// rows, `width` values each.
+/// rows, `width` values each. Cloning shares the rows; [`KvLayer::write`]
+/// copies a shared block before writing into it.
 #[derive(Clone, Debug)]
 pub struct KvBlock<T> {
     /// Keys (after norm and RoPE), row after row.
-    pub k: Box<[T]>,
+    pub k: Arc<[T]>,
     /// Values, row after row.
-    pub v: Box<[T]>,
+    pub v: Arc<[T]>,
 }
 
 impl KvType {
@@ -61,8 +68,8 @@ pub enum KvLayer {
 
 fn block<T: Copy>(zero: T, n: usize) -> KvBlock<T> {
     KvBlock {
-        k: vec![zero; n].into_boxed_slice(),
-        v: vec![zero; n].into_boxed_slice(),
+        k: vec![zero; n].into(),
+        v: vec![zero; n].into(),
     }
 }
 
@@ -81,6 +88,14 @@ impl KvLayer {
         }
     }
 
+    /// The storage type.
+    pub fn kv_type(&self) -> KvType {
+        match self {
+            KvLayer::F32 { .. } => KvType::F32,
+            KvLayer::F16 { .. } => KvType::F16,
+        }
+    }
+
     /// Values per row.
     pub fn width(&self) -> usize {
         match self {
@@ -89,7 +104,8 @@ impl KvLayer {
     }
 
     /// Write row `pos` (`k` and `v` of width `w`, the cache's width),
-    /// allocating its block when the sequence first reaches it.
+    /// allocating its block when the sequence first reaches it and copying
+    /// it first when another state shares it.
     pub fn write(&mut self, pos: usize, w: usize, k: &[f32], v: &[f32]) {
         let (b, at) = (pos / KV_BLOCK, (pos % KV_BLOCK) * w);
         match self {
@@ -98,21 +114,49 @@ impl KvLayer {
                 while blocks.len() <= b {
                     blocks.push(block(0f32, KV_BLOCK * w));
                 }
-                blocks[b].k[at..at + w].copy_from_slice(k);
-                blocks[b].v[at..at + w].copy_from_slice(v);
+                Arc::make_mut(&mut blocks[b].k)[at..at + w].copy_from_slice(k);
+                Arc::make_mut(&mut blocks[b].v)[at..at + w].copy_from_slice(v);
             }
             KvLayer::F16 { width, blocks } => {
                 debug_assert_eq!(*width, w);
                 while blocks.len() <= b {
                     blocks.push(block(half::f16::ZERO, KV_BLOCK * w));
                 }
-                for (d, s) in blocks[b].k[at..at + w].iter_mut().zip(k) {
+                for (d, s) in Arc::make_mut(&mut blocks[b].k)[at..at + w]
+                    .iter_mut()
+                    .zip(k)
+                {
                     *d = half::f16::from_f32(*s);
                 }
-                for (d, s) in blocks[b].v[at..at + w].iter_mut().zip(v) {
+                for (d, s) in Arc::make_mut(&mut blocks[b].v)[at..at + w]
+                    .iter_mut()
+                    .zip(v)
+                {
                     *d = half::f16::from_f32(*s);
                 }
             }
+        }
+    }
+
+    /// Blocks allocated so far.
+    pub fn blocks(&self) -> usize {
+        match self {
+            KvLayer::F32 { blocks, .. } => blocks.len(),
+            KvLayer::F16 { blocks, .. } => blocks.len(),
+        }
+    }
+
+    /// Blocks this cache shares with another state (a fork's, or the one
+    /// it was forked from).
+    pub fn shared_blocks(&self) -> usize {
+        fn shared<T>(bs: &[KvBlock<T>]) -> usize {
+            bs.iter()
+                .filter(|b| Arc::strong_count(&b.k) > 1 || Arc::strong_count(&b.v) > 1)
+                .count()
+        }
+        match self {
+            KvLayer::F32 { blocks, .. } => shared(blocks),
+            KvLayer::F16 { blocks, .. } => shared(blocks),
         }
     }
 
@@ -162,6 +206,15 @@ pub fn recurrent_bytes(hp: &HParams) -> u64 {
     4 * layers * per as u64
 }
 
+/// Whether one layer's whole cache for a context of `ctx` (rows of `kvw`
+/// values of `el` bytes) can be allocated: probed before a state is made
+/// (blocks are allocated as the sequence grows), so an impossible context
+/// is an error, not an abort.
+fn fits(ctx: usize, kvw: usize, el: usize) -> bool {
+    ctx.checked_mul(kvw * el)
+        .is_some_and(|n| Vec::<u8>::new().try_reserve_exact(n).is_ok())
+}
+
 /// State of one linear (delta-net) layer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LinearState {
@@ -196,18 +249,11 @@ impl SeqState {
     /// size when the KV cache cannot be allocated.
     pub fn try_new(hp: &HParams, ctx: usize, kv_type: KvType) -> crate::Result<Self> {
         let kvw = hp.n_head_kv * hp.head_dim;
-        let el = kv_type.size();
-        let bytes = kv_bytes_per_token(hp, kv_type) as u128 * ctx as u128;
-        // Probe one layer's whole cache first (blocks are allocated as the
-        // sequence grows), so an impossible context is an error, not an abort.
-        let fits = ctx
-            .checked_mul(kvw * el)
-            .is_some_and(|n| Vec::<u8>::new().try_reserve_exact(n).is_ok());
-        if !fits {
+        if !fits(ctx, kvw, kv_type.size()) {
             return Err(crate::EngineError::Alloc {
                 what: "KV cache",
                 ctx,
-                bytes,
+                bytes: kv_bytes_per_token(hp, kv_type) as u128 * ctx as u128,
             });
         }
         let kv = hp
@@ -233,6 +279,33 @@ impl SeqState {
             ctx,
             kv,
             linear,
+        })
+    }
+
+    /// A copy at the same position with a context of `ctx` tokens: the KV
+    /// blocks shared copy-on-write (see [`KvLayer::write`]), the recurrent
+    /// states copied. Errors when `ctx` is below the position or cannot be
+    /// allocated.
+    pub fn fork(&self, ctx: usize) -> crate::Result<Self> {
+        if ctx < self.pos {
+            return Err(crate::EngineError::ContextFull { pos: self.pos, ctx });
+        }
+        let layers: Vec<&KvLayer> = self.kv.iter().flatten().collect();
+        if let Some(kv) = layers.first() {
+            let el = kv.kv_type().size();
+            if !fits(ctx, kv.width(), el) {
+                return Err(crate::EngineError::Alloc {
+                    what: "KV cache",
+                    ctx,
+                    bytes: (layers.len() * 2 * kv.width() * el) as u128 * ctx as u128,
+                });
+            }
+        }
+        Ok(SeqState {
+            pos: self.pos,
+            ctx,
+            kv: self.kv.clone(),
+            linear: self.linear.clone(),
         })
     }
 
