@@ -480,6 +480,88 @@ impl Cuda {
     }
 }
 
+impl Cuda {
+    /// [`Backend::fork_state`] on the device: new buffers for a context of
+    /// `ctx`, the KV rows `0..pos` of every attention layer copied (f16 or
+    /// f32 as the original stores them; rows past `pos` zero), the conv and
+    /// delta-rule states copied whole. The device positions are new buffers
+    /// written on first use (`sync_pos`), the copy starts on lane 0, and the
+    /// original's decode step (row buffers and recorded graph, made for the
+    /// original's addresses) does not come along: the copy records its own.
+    /// The device is synchronized before the copies (the original's last
+    /// rows may still be in flight on either lane) and after them (the copy
+    /// may next run on another stream).
+    pub(crate) fn fork_cuda_state(&self, st: &CudaState, ctx: usize) -> R<CudaState> {
+        if ctx < st.pos {
+            return Err(EngineError::ContextFull { pos: st.pos, ctx });
+        }
+        let el = if st.f16 { 2 } else { 4 };
+        let row_bytes = st.kvw * el;
+        let (bytes, used) = match (ctx.checked_mul(row_bytes), st.pos.checked_mul(row_bytes)) {
+            (Some(b), Some(u)) => (b, u),
+            _ => {
+                return Err(EngineError::Alloc {
+                    what: "KV cache",
+                    ctx,
+                    bytes: ctx as u128 * row_bytes as u128,
+                });
+            }
+        };
+        self.dev.sync().map_err(e)?;
+        let kv_copy = |src: &CudaSlice<u8>| -> R<CudaSlice<u8>> {
+            let mut dst = self.dev.zeros::<u8>(bytes).map_err(e)?;
+            if used > 0 {
+                let from = src.slice(0..used);
+                let mut to = dst.slice_mut(0..used);
+                self.dev
+                    .current()
+                    .memcpy_dtod(&from, &mut to)
+                    .map_err(|x| e(drv("copy KV rows", x)))?;
+            }
+            Ok(dst)
+        };
+        let f32_copy = |src: &CudaSlice<f32>| -> R<CudaSlice<f32>> {
+            let mut dst = self.dev.scratch::<f32>(src.len()).map_err(e)?;
+            self.dev
+                .current()
+                .memcpy_dtod(src, &mut dst)
+                .map_err(|x| e(drv("copy a recurrent state", x)))?;
+            Ok(dst)
+        };
+        let mut kv = Vec::with_capacity(st.kv.len());
+        for l in &st.kv {
+            kv.push(match l {
+                Some((k, v)) => Some((kv_copy(k)?, kv_copy(v)?)),
+                None => None,
+            });
+        }
+        let mut linear = Vec::with_capacity(st.linear.len());
+        for l in &st.linear {
+            linear.push(match l {
+                Some((c, s)) => Some((f32_copy(c)?, f32_copy(s)?)),
+                None => None,
+            });
+        }
+        let fork = CudaState {
+            pos: st.pos,
+            ctx,
+            kvw: st.kvw,
+            kv,
+            f16: st.f16,
+            linear,
+            pos_dev: self.dev.zeros::<i32>(1).map_err(e)?,
+            pos_dev_val: None,
+            lane: 0,
+            other_pos_dev: self.dev.zeros::<i32>(1).map_err(e)?,
+            other_pos_dev_val: None,
+            whole_ctx: false,
+            step: None,
+        };
+        self.dev.sync().map_err(e)?;
+        Ok(fork)
+    }
+}
+
 /// Formats whose matmuls read Q8_K activation rows.
 fn k_quant(t: GgmlType) -> bool {
     use GgmlType::*;

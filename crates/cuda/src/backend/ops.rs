@@ -116,6 +116,10 @@ impl Backend for Cuda {
         st.pos += m;
     }
 
+    fn fork_state(&self, st: &CudaState, ctx: usize) -> R<CudaState> {
+        self.fork_cuda_state(st, ctx)
+    }
+
     fn lanes(&self) -> usize {
         if self.tier.is_none() && !self.dev.profiling() {
             2
