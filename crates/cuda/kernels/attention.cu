@@ -1137,18 +1137,17 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const void* ck
     }
 }
 
-#define FA_KERNEL(HD)                                                                                              \
+#define FA_KERNEL(name, HD)                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_W * 32, 1)                                                     \
-        attention_flash_##HD(const float* q, const void* ck, const void* cv, float* o, float* pml, float* pacc,    \
-                             int m, int hq, int hkv, const int* posp, int rbase, float sl2, int f16, int split_mode, \
-                             int nsplit) {                                                                         \
+        name(const float* q, const void* ck, const void* cv, float* o, float* pml, float* pacc, int m, int hq,     \
+             int hkv, const int* posp, int rbase, float sl2, int f16, int split_mode, int nsplit) {                \
         pdl_wait();                                                                                                \
         attention_flash_k<HD>(q, ck, cv, o, pml, pacc, m, hq, hkv, posp, rbase, sl2, f16,                          \
                               split_mode ? (int)blockIdx.z : -1, nsplit);                                          \
     }
-FA_KERNEL(64)
-FA_KERNEL(128)
-FA_KERNEL(256)
+FA_KERNEL(attention_flash_64, 64)
+FA_KERNEL(attention_flash_128, 128)
+FA_KERNEL(attention_flash_256, 256)
 
 // The splits of each (row, head) pair folded in order (a block per pair, a
 // thread per output dim): fa_fold from split 0, then o / l, as the prefill

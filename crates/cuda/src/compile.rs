@@ -379,12 +379,38 @@ mod kernel_scan_tests {
         assert_eq!(kernels_defined(src), ["a_k", "b_k", "c_k"]);
     }
 
+    /// The attention module's flash kernels are found under their full names.
+    #[test]
+    fn the_flash_kernels_are_found() {
+        let (_, src) = MODULES
+            .iter()
+            .find(|(m, _)| *m == "ops")
+            .expect("ops module");
+        let k = kernels_defined(src);
+        for name in [
+            "attention_flash_64",
+            "attention_flash_128",
+            "attention_flash_256",
+            "attention_flash_combine",
+        ] {
+            assert!(k.iter().any(|n| n == name), "{name} not found in {k:?}");
+        }
+    }
+
     /// Every module defines kernels, each name once.
     #[test]
     fn every_module_defines_distinct_kernels() {
         for (module, src) in MODULES {
             let mut k = kernels_defined(src);
             assert!(k.len() > 10, "{module}: found only {k:?}");
+            // A name cut short (a macro pasting it from pieces the scan
+            // cannot follow) would fail the kernel's load at start-up.
+            for name in &k {
+                assert!(
+                    !name.is_empty() && !name.ends_with('_'),
+                    "{module}: kernel name {name:?} looks cut short"
+                );
+            }
             let n = k.len();
             k.sort();
             k.dedup();
