@@ -82,6 +82,13 @@ pub(crate) struct Args {
     chunk: Option<usize>,
     #[command(flatten)]
     kv: KvArgs,
+    /// Memory for the prefix cache in MiB (0: off): states saved by the
+    /// tokens they consumed, at the end of each prompt and each request, so
+    /// a prompt that extends one (a follow-up chat turn) prefills only the
+    /// rest, with the same bytes as cold. Least recently used entries go
+    /// first. Host memory on the CPU, VRAM on CUDA.
+    #[arg(long, value_name = "MIB", default_value_t = samesum_server::DEFAULT_PREFIX_CACHE_MB)]
+    prefix_cache_mb: u64,
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
@@ -119,6 +126,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         ctx,
         prefill_chunk: chunk,
         kv,
+        prefix_cache_mb: a.prefix_cache_mb,
         model_name: name,
         limits: samesum_server::Limits {
             max_connections: a.max_connections,

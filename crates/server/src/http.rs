@@ -422,16 +422,21 @@ fn usage_json(u: &Usage) -> Value {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     })
 }
 
+/// llama.cpp's `timings`: `prompt_n` counts the prompt tokens prefilled,
+/// `cache_n` those restored from the prefix cache.
 fn timings_json(u: &Usage) -> Value {
     let per = |n: usize, ms: f64| if ms > 0.0 { n as f64 * 1e3 / ms } else { 0.0 };
+    let prefilled = u.prompt_tokens.saturating_sub(u.cached_tokens);
     json!({
         "queue_ms": u.queue_ms,
-        "prompt_n": u.prompt_tokens,
+        "cache_n": u.cached_tokens,
+        "prompt_n": prefilled,
         "prompt_ms": u.prompt_ms,
-        "prompt_per_second": per(u.prompt_tokens, u.prompt_ms),
+        "prompt_per_second": per(prefilled, u.prompt_ms),
         "predicted_n": u.completion_tokens,
         "predicted_ms": u.gen_ms,
         "predicted_per_second": per(u.completion_tokens, u.gen_ms),
@@ -640,7 +645,9 @@ impl Collected {
     /// Take one event; the response's body (or error) once the request ends.
     fn push(&mut self, ev: Event) -> Option<Result<Value, ApiError>> {
         match ev {
-            Event::Token { text: t, logprob } => {
+            Event::Token {
+                text: t, logprob, ..
+            } => {
                 self.text.push_str(&t);
                 if let Some(l) = logprob {
                     self.lps.push(l);
@@ -841,7 +848,7 @@ fn stream(
             c
         };
         let v = match ev {
-            Event::Token { text, logprob } => {
+            Event::Token { text, logprob, .. } => {
                 let mut delta = json!({"content": text});
                 if first {
                     delta["role"] = json!("assistant");

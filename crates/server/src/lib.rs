@@ -7,6 +7,10 @@
 //! the results back. A request whose client disconnects is cancelled at the
 //! model thread's next step.
 //!
+//! [`prefix`] keeps sequence states by the tokens they consumed, so a
+//! request whose prompt extends an earlier one (a follow-up chat turn)
+//! prefills only the new tokens, with the same bytes as cold.
+//!
 //! [`conn`] owns the sockets: the connection cap, the read, write and
 //! keep-alive timeouts, the request body limit, and the drain on shutdown
 //! ([`Limits`]).
@@ -16,6 +20,7 @@ pub mod backend;
 pub mod conn;
 pub mod http;
 pub mod metrics;
+pub mod prefix;
 pub mod scheduler;
 
 pub use backend::Device;
@@ -45,11 +50,18 @@ pub struct Options {
     pub prefill_chunk: usize,
     /// KV cache type.
     pub kv: KvType,
+    /// The prefix cache's budget in MiB (0: off; see [`prefix`]).
+    pub prefix_cache_mb: u64,
     /// The name `/v1/models` reports.
     pub model_name: String,
     /// Connection and request limits.
     pub limits: Limits,
 }
+
+/// `--prefix-cache-mb`'s default: room for a few saved conversations of a
+/// large model (its KV rows and recurrent states), in host memory on the
+/// CPU and VRAM on CUDA.
+pub const DEFAULT_PREFIX_CACHE_MB: u64 = 512;
 
 /// What one client may hold, and for how long.
 #[derive(Clone, Debug, PartialEq)]
@@ -160,6 +172,7 @@ pub async fn serve(
         max_batch: opts.max_batch,
         prefill_chunk: opts.prefill_chunk,
         kv: opts.kv,
+        prefix_cache_bytes: opts.prefix_cache_mb.saturating_mul(1 << 20),
     };
     let (tok2, m2, device) = (tok.clone(), metrics.clone(), opts.device);
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();

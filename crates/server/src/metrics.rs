@@ -113,6 +113,18 @@ pub struct Metrics {
     pub expert_cache_hits: Gauge,
     /// Tier mode's decode cache: lookups that copied the expert in.
     pub expert_cache_misses: Gauge,
+    /// Requests that started from a prefix cache entry.
+    pub prefix_cache_hits: Counter,
+    /// Requests that found no prefix cache entry (counted when it is on).
+    pub prefix_cache_misses: Counter,
+    /// Prompt tokens restored from the prefix cache instead of prefilled.
+    pub prefix_cache_reused_tokens: Counter,
+    /// Prefix cache entries held.
+    pub prefix_cache_entries: Gauge,
+    /// Bytes the prefix cache's entries are counted at.
+    pub prefix_cache_bytes: Gauge,
+    /// Prefix cache entries evicted (a count the model thread keeps).
+    pub prefix_cache_evictions: Gauge,
 }
 
 impl Metrics {
@@ -267,6 +279,42 @@ impl Metrics {
             "counter",
             "Tier mode: decode expert lookups copied from host memory (0 in resident mode).",
             self.expert_cache_misses.get().to_string(),
+        );
+        put(
+            "prefix_cache_hits_total",
+            "counter",
+            "Requests that started from a saved state of a prefix of their prompt.",
+            self.prefix_cache_hits.get().to_string(),
+        );
+        put(
+            "prefix_cache_misses_total",
+            "counter",
+            "Requests that found no saved state of a prefix of their prompt (prefix cache on).",
+            self.prefix_cache_misses.get().to_string(),
+        );
+        put(
+            "prefix_cache_reused_tokens_total",
+            "counter",
+            "Prompt tokens restored from the prefix cache instead of prefilled.",
+            self.prefix_cache_reused_tokens.get().to_string(),
+        );
+        put(
+            "prefix_cache_entries",
+            "gauge",
+            "Saved states in the prefix cache.",
+            self.prefix_cache_entries.get().to_string(),
+        );
+        put(
+            "prefix_cache_bytes",
+            "gauge",
+            "Bytes the prefix cache's entries are counted at (KV rows in whole blocks and recurrent states, shared blocks counted in full).",
+            self.prefix_cache_bytes.get().to_string(),
+        );
+        put(
+            "prefix_cache_evictions_total",
+            "counter",
+            "Prefix cache entries evicted (least recently used first, --prefix-cache-mb).",
+            self.prefix_cache_evictions.get().to_string(),
         );
         s
     }

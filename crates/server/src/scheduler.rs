@@ -13,8 +13,16 @@
 //! [`Event::TimedOut`]. By the row contract, each request's logits (so its
 //! tokens and log-probabilities) are the same bytes whatever else runs beside
 //! it.
+//!
+//! With the prefix cache on ([`Config::prefix_cache_bytes`]), a request
+//! starts from a copy of the longest saved state whose tokens begin its
+//! prompt and prefills the rest (the same bytes as cold, see [`crate::prefix`]);
+//! a copy of each request's state is saved when its prompt is prefilled and
+//! when it finishes (its prompt and the generated tokens fed so far), so a
+//! follow-up turn that repeats the conversation reuses it.
 
 use crate::metrics::Metrics;
+use crate::prefix::{PrefixCache, entry_bytes};
 use samesum_engine::backend::Backend;
 use samesum_engine::sample::{Penalties, Sampler, SamplerConfig};
 use samesum_engine::tokenizer::{StreamDecoder, Tokenizer};
@@ -40,6 +48,8 @@ pub struct TokenLogprob {
 pub struct Usage {
     /// Prompt tokens.
     pub prompt_tokens: usize,
+    /// Prompt tokens restored from the prefix cache (not prefilled).
+    pub cached_tokens: usize,
     /// Generated tokens.
     pub completion_tokens: usize,
     /// Time in the queue, ms.
@@ -58,6 +68,9 @@ pub enum Event {
     Token {
         /// Text to append.
         text: String,
+        /// The generated token (`None` for text held back and flushed at
+        /// the end).
+        id: Option<u32>,
         /// Log-probabilities of the token.
         logprob: Option<TokenLogprob>,
     },
@@ -117,12 +130,16 @@ pub struct Config {
     pub prefill_chunk: usize,
     /// KV cache type.
     pub kv: KvType,
+    /// The prefix cache's budget in bytes (0: off).
+    pub prefix_cache_bytes: u64,
 }
 
 struct Running<S> {
     job: Job,
     state: S,
     fed: usize,
+    /// Prompt tokens restored from the prefix cache.
+    cached: usize,
     sampler: Sampler,
     history: Vec<u32>,
     generated: Vec<u32>,
@@ -211,6 +228,7 @@ impl<S> Running<S> {
         let pre = self.prefilled.unwrap_or(now);
         Usage {
             prompt_tokens: self.job.prompt.len(),
+            cached_tokens: self.cached,
             completion_tokens: self.generated.len(),
             queue_ms: (self.started - self.job.queued).as_secs_f64() * 1e3,
             prompt_ms: (pre - self.started).as_secs_f64() * 1e3,
@@ -247,7 +265,11 @@ impl<S> Running<S> {
         {
             let text = full.get(self.emitted..at).unwrap_or("").to_string();
             self.emitted = at;
-            let _ = self.job.events.send(Event::Token { text, logprob: lp });
+            let _ = self.job.events.send(Event::Token {
+                text,
+                id: Some(t),
+                logprob: lp,
+            });
             return self.finish(tok, "stop", Some(at), m);
         }
         // Whole characters only (the decoder holds back a split one).
@@ -257,7 +279,11 @@ impl<S> Running<S> {
             .unwrap_or("")
             .to_string();
         self.emitted = safe.max(self.emitted);
-        let _ = self.job.events.send(Event::Token { text, logprob: lp });
+        let _ = self.job.events.send(Event::Token {
+            text,
+            id: Some(t),
+            logprob: lp,
+        });
         if self.generated.len() >= self.job.max_new {
             return self.finish(tok, "length", None, m);
         }
@@ -281,6 +307,7 @@ impl<S> Running<S> {
             {
                 let _ = self.job.events.send(Event::Token {
                     text: rest.to_string(),
+                    id: None,
                     logprob: None,
                 });
             }
@@ -290,6 +317,7 @@ impl<S> Running<S> {
         tracing::info!(
             id = %self.job.id,
             prompt = usage.prompt_tokens,
+            cached = usage.cached_tokens,
             completion = usage.completion_tokens,
             finish,
             prompt_ms = format!("{:.1}", usage.prompt_ms),
@@ -298,6 +326,79 @@ impl<S> Running<S> {
         );
         let _ = self.job.events.send(Event::Done { finish, usage });
         false
+    }
+}
+
+/// Save a copy of `st` (which has consumed exactly `tokens`) in the prefix
+/// cache, unless it is held already or is over the budget. A copy that
+/// fails (memory) is skipped: the cache is an optimization.
+fn save<B: Backend>(
+    model: &Model,
+    b: &B,
+    cfg: &Config,
+    cache: &mut PrefixCache<B::State>,
+    st: &B::State,
+    tokens: &[u32],
+    m: &Metrics,
+) {
+    let pos = b.position(st);
+    if pos != tokens.len() {
+        return;
+    }
+    let bytes = entry_bytes(&model.hp, cfg.kv, pos);
+    if !cache.wants(tokens, bytes) {
+        return;
+    }
+    match b.fork_state(st, pos) {
+        Ok(copy) => cache.insert(tokens.to_vec(), copy, bytes),
+        Err(e) => tracing::warn!("prefix cache: could not copy a state of {pos} tokens: {e}"),
+    }
+    m.prefix_cache_entries.set(cache.len() as u64);
+    m.prefix_cache_bytes.set(cache.bytes());
+    m.prefix_cache_evictions.set(cache.evictions());
+}
+
+/// A state for `job` with a context of `ctx`: a copy of the longest prefix
+/// cache entry its prompt extends (and how many prompt tokens that entry
+/// holds), else an empty one. When memory runs out the cache is emptied
+/// and the allocation tried again.
+fn start_state<B: Backend>(
+    model: &Model,
+    b: &B,
+    cfg: &Config,
+    cache: &mut PrefixCache<B::State>,
+    job: &Job,
+    ctx: usize,
+    m: &Metrics,
+) -> samesum_engine::Result<(B::State, usize)> {
+    if cache.enabled() {
+        let restored = cache
+            .lookup(&job.prompt)
+            .map(|(n, st)| b.fork_state(st, ctx).map(|s| (s, n)));
+        match restored {
+            Some(Ok((st, n))) => {
+                m.prefix_cache_hits.inc(1);
+                m.prefix_cache_reused_tokens.inc(n as u64);
+                return Ok((st, n));
+            }
+            Some(Err(e)) => {
+                tracing::warn!(id = %job.id, "prefix cache: could not copy a saved state: {e}")
+            }
+            None => {}
+        }
+        m.prefix_cache_misses.inc(1);
+    }
+    match b.new_state(model, ctx, cfg.kv) {
+        Ok(st) => Ok((st, 0)),
+        Err(e) if !cache.is_empty() => {
+            tracing::warn!(id = %job.id, entries = cache.len(), "prefix cache emptied to make room: {e}");
+            cache.clear();
+            m.prefix_cache_entries.set(0);
+            m.prefix_cache_bytes.set(0);
+            m.prefix_cache_evictions.set(cache.evictions());
+            b.new_state(model, ctx, cfg.kv).map(|st| (st, 0))
+        }
+        Err(e) => Err(e),
     }
 }
 
@@ -311,6 +412,7 @@ pub fn run<B: Backend>(
     m: &Arc<Metrics>,
 ) {
     let mut running: Vec<Running<B::State>> = Vec::new();
+    let mut cache: PrefixCache<B::State> = PrefixCache::new(cfg.prefix_cache_bytes);
     // Whether freed memory went back to the system since the last step.
     let mut trimmed = true;
     loop {
@@ -346,8 +448,8 @@ pub fn run<B: Backend>(
                 continue;
             }
             let ctx = job.prompt.len() + job.max_new + 1;
-            match b.new_state(model, ctx, cfg.kv) {
-                Ok(state) => {
+            match start_state(model, b, cfg, &mut cache, &job, ctx, m) {
+                Ok((state, cached)) => {
                     let seed = job.sampler.seed;
                     running.push(Running {
                         sampler: Sampler::new(SamplerConfig {
@@ -359,7 +461,8 @@ pub fn run<B: Backend>(
                         history: job.prompt.clone(),
                         job,
                         state,
-                        fed: 0,
+                        fed: cached,
+                        cached,
                         generated: Vec::new(),
                         text: String::new(),
                         decoder: StreamDecoder::new(),
@@ -398,7 +501,10 @@ pub fn run<B: Backend>(
                 let _ = r.job.events.send(Event::TimedOut);
                 false
             } else {
-                r.finish(tok, "length", None, m)
+                let keep = r.finish(tok, "length", None, m);
+                let n = r.history.len().min(b.position(&r.state));
+                save(model, b, cfg, &mut cache, &r.state, &r.history[..n], m);
+                keep
             }
         });
         m.running.set(running.len() as u64);
@@ -532,6 +638,14 @@ pub fn run<B: Backend>(
                 r.prefilled = Some(Instant::now());
             }
             keep[i] = r.advance(tok, l, m);
+            // Saved after the token went out, so the copy does not delay it:
+            // the state at the end of the prompt, and at the end of the
+            // request (the prompt and the generated tokens fed, which are
+            // the history but for a last sampled token never fed).
+            let n = r.history.len().min(b.position(&r.state));
+            if n == r.job.prompt.len() || !keep[i] {
+                save(model, b, cfg, &mut cache, &r.state, &r.history[..n], m);
+            }
         }
         let mut k = 0;
         running.retain(|_| {

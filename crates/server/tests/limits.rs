@@ -98,6 +98,7 @@ fn start(limits: Limits, max_batch: usize, ctx: usize) -> Server {
         ctx,
         prefill_chunk: 16,
         kv: KvType::F32,
+        prefix_cache_mb: samesum_server::DEFAULT_PREFIX_CACHE_MB,
         model_name: "tiny".into(),
         limits,
     };
