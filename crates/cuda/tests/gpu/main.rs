@@ -486,3 +486,56 @@ fn programmatic_dependent_launch_is_for_small_calls() {
     .unwrap();
     assert!(cuda.device().uses_pdl(), "a {n}-row call did not use PDL");
 }
+
+/// A forked state (the prefix cache's copy) and its original, each then
+/// fed different tokens, equal sequences fed their tokens cold, logits and
+/// state byte for byte, and neither write reaches the other: on every tiny
+/// architecture, f32 and f16 caches, the fork point inside a key tile and a
+/// fork with a larger context.
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
+fn a_forked_state_equals_a_cold_run() {
+    if !gpu() {
+        return;
+    }
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 21);
+        let cuda = Cuda::new(0, &model, false).unwrap();
+        let toks = test_tokens(&model, 9);
+        let (head, a, b) = (&toks[..253], &toks[253..262], &toks[262..271]);
+        for kv in [KvType::F32, KvType::F16] {
+            let ctx = 300;
+            let mut orig = cuda.new_state(&model, ctx, kv).unwrap();
+            forward(&model, &cuda, &mut orig, head, Logits::None).unwrap();
+            let before = cuda.download_state(&orig).unwrap();
+            let mut fork = cuda.fork_state(&orig, ctx + 64).unwrap();
+            assert!(
+                same_bits(&cuda.download_state(&fork).unwrap(), &before),
+                "{shape} {kv:?}: the fork is not the original"
+            );
+            let got_fork = forward(&model, &cuda, &mut fork, a, Logits::Last).unwrap();
+            assert!(
+                same_bits(&cuda.download_state(&orig).unwrap(), &before),
+                "{shape} {kv:?}: writing to the fork changed the original"
+            );
+            let got_orig = forward(&model, &cuda, &mut orig, b, Logits::Last).unwrap();
+            for (st, got, tail) in [(&fork, &got_fork, a), (&orig, &got_orig, b)] {
+                let mut cold = cuda.new_state(&model, cuda.capacity(st), kv).unwrap();
+                let all: Vec<u32> = head.iter().chain(tail.iter()).copied().collect();
+                let want = forward(&model, &cuda, &mut cold, &all, Logits::Last).unwrap();
+                assert!(
+                    same_bits(got, &want),
+                    "{shape} {kv:?}: logits after the fork"
+                );
+                assert!(
+                    same_bits(
+                        &cuda.download_state(st).unwrap(),
+                        &cuda.download_state(&cold).unwrap()
+                    ),
+                    "{shape} {kv:?}: state after the fork"
+                );
+            }
+        }
+        eprintln!("{shape}: forked states equal cold runs (f32 and f16 caches)");
+    }
+}
