@@ -67,10 +67,16 @@ macro_rules! widest {
     };
 }
 
+mod act;
 mod attend;
 
 /// Largest delta-net value head dim the kernels take (real models use 128).
 const MAX_DV: usize = 512;
+
+/// Fewest activation values (all rows of a call) quantized in a parallel
+/// region; fewer are quantized on the caller (a region's hand-off costs
+/// more than quantizing a few rows).
+const PAR_QUANT_VALUES: usize = 16 * 1024;
 
 /// Fewest output columns per parallel task in a matmul.
 const MIN_COLS_PER_TASK: usize = 16;
@@ -132,7 +138,6 @@ impl Cpu {
     /// than one region each). Every output element is the same single dot product
     /// as in [`Cpu::matmul`]; only the assignment of elements to threads differs.
     pub fn matmuls(&self, file: &[u8], jobs: &mut [MatmulJob<'_>]) {
-        // Quantize every activation row once.
         // Quantize every activation row once: jobs reading the same rows into the
         // same activation format (gate and up of one expert) share them.
         let key = |j: &MatmulJob| (j.x.as_ptr(), j.x.len(), j.w.cols, dot::act_type(j.w.ty));
@@ -143,24 +148,7 @@ impl Cpu {
                     .unwrap_or(i)
             })
             .collect();
-        let acts: Vec<Vec<ActRow>> = jobs
-            .iter()
-            .enumerate()
-            .map(|(i, j)| {
-                if src[i] != i {
-                    return Vec::new();
-                }
-                let rows: Vec<&[f32]> = j.x.chunks_exact(j.w.cols).collect();
-                let mut acts: Vec<Option<ActRow>> = vec![None; rows.len()];
-                self.pool.for_each_mut(&mut acts, |r, a| {
-                    *a = Some(
-                        ActRow::quantize(j.w.ty, rows[r])
-                            .expect("bound matrices have a dot kernel and whole blocks"),
-                    );
-                });
-                acts.into_iter().map(|a| a.expect("quantized")).collect()
-            })
-            .collect();
+        let acts = self.quantize_jobs(jobs, &src);
         let total: usize = jobs.iter().map(|j| j.w.rows).sum();
         // Tasks are ranges of weight rows: a few per thread, enough to balance.
         // Inside a task, a tile of weight rows is applied to every activation row
@@ -233,6 +221,39 @@ impl Cpu {
                 t0 = t1;
             }
         });
+    }
+
+    /// The activation rows of every job that is its own source (`src[i] ==
+    /// i`; the others are empty): all of them in one parallel region, or on
+    /// the caller when there are too few values to be worth a hand-off. Each
+    /// row is quantized by itself, so the split changes no byte.
+    fn quantize_jobs(&self, jobs: &[MatmulJob<'_>], src: &[usize]) -> Vec<Vec<ActRow>> {
+        let quant = |j: &MatmulJob, r: usize| {
+            let c = j.w.cols;
+            act::quantize(j.w.ty, &j.x[r * c..(r + 1) * c])
+                .expect("bound matrices have a dot kernel and whole blocks")
+        };
+        let rows: Vec<(usize, usize)> = (0..jobs.len())
+            .filter(|&i| src[i] == i)
+            .flat_map(|i| (0..jobs[i].x.len() / jobs[i].w.cols).map(move |r| (i, r)))
+            .collect();
+        let values: usize = rows.iter().map(|&(i, _)| jobs[i].w.cols).sum();
+        let mut acts: Vec<Vec<ActRow>> = jobs.iter().map(|_| Vec::new()).collect();
+        if values < PAR_QUANT_VALUES || rows.len() < 2 {
+            for &(i, r) in &rows {
+                acts[i].push(quant(&jobs[i], r));
+            }
+            return acts;
+        }
+        let mut out: Vec<Option<ActRow>> = vec![None; rows.len()];
+        self.pool.for_each_mut(&mut out, |k, a| {
+            let (i, r) = rows[k];
+            *a = Some(quant(&jobs[i], r));
+        });
+        for (&(i, _), a) in rows.iter().zip(out) {
+            acts[i].push(a.expect("quantized"));
+        }
+        acts
     }
 
     /// Attention rows over a KV cache. `q` (m rows of `n_head * head_dim`) and `k`
