@@ -89,6 +89,16 @@ pub(crate) struct Args {
     /// first. Host memory on the CPU, VRAM on CUDA.
     #[arg(long, value_name = "MIB", default_value_t = samesum_server::DEFAULT_PREFIX_CACHE_MB)]
     prefix_cache_mb: u64,
+    /// Memory the running requests' KV caches and recurrent states may
+    /// reserve together (e.g. 2G, 512M; none: no limit). A request reserves
+    /// its whole context (prompt + max_tokens + 1 tokens, in whole KV
+    /// blocks, and its recurrent states) when it starts; one that does not
+    /// fit beside the running ones waits in the queue, one larger than the
+    /// whole budget is refused with a 400. The prefix cache has its own
+    /// budget. [default: auto: on the CPU half the memory available at
+    /// start; on CUDA no limit]
+    #[arg(long, value_name = "SIZE", default_value = "auto")]
+    kv_budget: samesum_server::KvBudget,
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
@@ -127,6 +137,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         prefill_chunk: chunk,
         kv,
         prefix_cache_mb: a.prefix_cache_mb,
+        kv_budget: a.kv_budget,
         model_name: name,
         limits: samesum_server::Limits {
             max_connections: a.max_connections,

@@ -12,6 +12,7 @@ pub mod model;
 pub mod plan;
 pub mod pool;
 pub mod sample;
+pub mod sched;
 pub mod state;
 pub mod tokenizer;
 

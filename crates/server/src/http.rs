@@ -42,7 +42,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Router};
 use samesum_engine::sample::SamplerConfig;
+use samesum_engine::sched::{SubmitError, context_bytes, request_context};
 use samesum_engine::tokenizer::Tokenizer;
+use samesum_engine::{HParams, KvType};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::convert::Infallible;
@@ -75,10 +77,24 @@ pub struct App {
     pub next_id: AtomicU64,
     /// Generated tokens per request at most (0: up to the context).
     pub max_tokens_cap: usize,
+    /// The KV budget, to refuse a request that could never fit before it
+    /// is queued (`None`: no limit).
+    pub kv_check: Option<KvCheck>,
     /// A request's deadline, from when it is queued.
     pub request_timeout: Duration,
     /// Turns to prepare a request (parse, template, tokenize) at once.
     pub prep: tokio::sync::Semaphore,
+}
+
+/// What a request's context costs against the KV budget.
+#[derive(Clone, Debug)]
+pub struct KvCheck {
+    /// The model's sizes.
+    pub hp: HParams,
+    /// KV cache type.
+    pub kv: KvType,
+    /// The budget in bytes.
+    pub budget: u64,
 }
 
 /// The router.
@@ -344,6 +360,38 @@ fn submit(
             "max_tokens must be at least 1",
         ));
     }
+    let max_new = s
+        .max_tokens
+        .or(default_max)
+        .unwrap_or(room)
+        .min(room)
+        .min(cap);
+    if let Some(k) = &app.kv_check {
+        let ctx = request_context(prompt.len(), max_new);
+        let need = context_bytes(&k.hp, k.kv, ctx);
+        if need > k.budget {
+            let e = SubmitError::OverBudget {
+                need,
+                ctx,
+                budget: k.budget,
+            };
+            return Err(ApiError {
+                status: 400,
+                message: format!(
+                    "{e} (--kv-budget); lower max_tokens (it was {max_new}{}) or shorten the prompt ({} tokens)",
+                    if s.max_tokens.is_none() {
+                        ", the default, as the request named none"
+                    } else {
+                        ""
+                    },
+                    prompt.len()
+                ),
+                kind: "invalid_request_error",
+                param: Some("max_tokens".into()),
+                code: Some("kv_budget_exceeded"),
+            });
+        }
+    }
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let seed = s.seed.unwrap_or_else(|| {
         // No seed: a different stream per request.
@@ -361,12 +409,7 @@ fn submit(
     let job = Job {
         id: id.to_string(),
         prompt,
-        max_new: s
-            .max_tokens
-            .or(default_max)
-            .unwrap_or(room)
-            .min(room)
-            .min(cap),
+        max_new,
         sampler: SamplerConfig {
             temp: s.temperature,
             top_k: s.top_k,

@@ -1,15 +1,13 @@
 //! `samesum serve`: an OpenAI-compatible HTTP server.
 //!
-//! The model runs on its own thread ([`scheduler`]), which batches every
-//! running request into one forward call per step (continuous batching); the
-//! HTTP side ([`http`], axum on tokio) checks and tokenizes requests, queues
-//! them (bounded: a full queue answers 503 with `Retry-After`), and streams
-//! the results back. A request whose client disconnects is cancelled at the
-//! model thread's next step.
-//!
-//! [`prefix`] keeps sequence states by the tokens they consumed, so a
-//! request whose prompt extends an earlier one (a follow-up chat turn)
-//! prefills only the new tokens, with the same bytes as cold.
+//! The model runs on its own thread ([`scheduler`]), which drives the
+//! engine's step scheduler ([`samesum_engine::sched`]: admission within the
+//! KV budget, continuous batching of every running request into one
+//! forward call per step, the prefix cache) and turns its tokens into text;
+//! the HTTP side ([`http`], axum on tokio) checks and tokenizes requests,
+//! queues them (bounded: a full queue answers 503 with `Retry-After`), and
+//! streams the results back. A request whose client disconnects is
+//! cancelled at the model thread's next step.
 //!
 //! [`conn`] owns the sockets: the connection cap, the read, write and
 //! keep-alive timeouts, the request body limit, and the drain on shutdown
@@ -20,10 +18,10 @@ pub mod backend;
 pub mod conn;
 pub mod http;
 pub mod metrics;
-pub mod prefix;
 pub mod scheduler;
 
 pub use backend::Device;
+
 use samesum_engine::tokenizer::Tokenizer;
 use samesum_engine::{KvType, Model};
 use std::sync::Arc;
@@ -50,8 +48,12 @@ pub struct Options {
     pub prefill_chunk: usize,
     /// KV cache type.
     pub kv: KvType,
-    /// The prefix cache's budget in MiB (0: off; see [`prefix`]).
+    /// The prefix cache's budget in MiB (0: off; see
+    /// [`samesum_engine::sched::prefix`]).
     pub prefix_cache_mb: u64,
+    /// The KV budget: bytes the running requests' whole contexts may
+    /// reserve together.
+    pub kv_budget: KvBudget,
     /// The name `/v1/models` reports.
     pub model_name: String,
     /// Connection and request limits.
@@ -62,6 +64,98 @@ pub struct Options {
 /// large model (its KV rows and recurrent states), in host memory on the
 /// CPU and VRAM on CUDA.
 pub const DEFAULT_PREFIX_CACHE_MB: u64 = 512;
+
+/// `--kv-budget`: bytes the running requests' whole contexts (prompt +
+/// max_tokens + 1 tokens of KV rows in whole blocks, and recurrent states)
+/// may reserve together. A request that does not fit beside the running
+/// ones waits; one larger than the whole budget is refused with a 400.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvBudget {
+    /// On the CPU, half the memory available when the server starts
+    /// (`MemAvailable`, Linux; no limit elsewhere). On CUDA no limit: the
+    /// backend does not report free VRAM to the server.
+    #[default]
+    Auto,
+    /// No limit.
+    Unlimited,
+    /// This many bytes.
+    Bytes(u64),
+}
+
+/// A `--kv-budget` that is not a size.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ParseSizeError(String);
+
+impl std::str::FromStr for KvBudget {
+    type Err = ParseSizeError;
+
+    /// `auto`, `none` (no limit), or a size: bytes, or a number with `K`,
+    /// `M`, `G` or `T` (powers of 1024, an optional `B` or `iB` after it;
+    /// fractions allowed: `1.5G`).
+    fn from_str(s: &str) -> Result<KvBudget, ParseSizeError> {
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
+            "auto" => return Ok(KvBudget::Auto),
+            "none" | "unlimited" | "off" => return Ok(KvBudget::Unlimited),
+            _ => {}
+        }
+        let bad = || {
+            ParseSizeError(format!(
+                "{s:?}: expected a size (e.g. 2G, 512M, 1048576), auto or none"
+            ))
+        };
+        let num = t.trim_end_matches("ib").trim_end_matches('b');
+        let (digits, shift) = match num.char_indices().last() {
+            Some((i, 'k')) => (&num[..i], 10),
+            Some((i, 'm')) => (&num[..i], 20),
+            Some((i, 'g')) => (&num[..i], 30),
+            Some((i, 't')) => (&num[..i], 40),
+            _ => (num, 0),
+        };
+        let v: f64 = digits.trim().parse().map_err(|_| bad())?;
+        let bytes = v * (1u64 << shift) as f64;
+        if !bytes.is_finite() || bytes < 1.0 || bytes >= u64::MAX as f64 {
+            return Err(bad());
+        }
+        Ok(KvBudget::Bytes(bytes as u64))
+    }
+}
+
+impl KvBudget {
+    /// The budget in bytes on `device` (`None`: no limit), and a line
+    /// saying where it came from.
+    pub fn resolve(self, device: Device) -> (Option<u64>, String) {
+        match (self, device) {
+            (KvBudget::Bytes(b), _) => (Some(b), format!("{b} bytes (--kv-budget)")),
+            (KvBudget::Unlimited, _) => (None, "no limit (--kv-budget none)".into()),
+            (KvBudget::Auto, Device::Cpu(_)) => match mem_available() {
+                Some(avail) => (
+                    Some(avail / 2),
+                    format!(
+                        "{} bytes: half of the {avail} bytes available at start",
+                        avail / 2
+                    ),
+                ),
+                None => (
+                    None,
+                    "no limit (available memory unknown; set --kv-budget)".into(),
+                ),
+            },
+            (KvBudget::Auto, Device::Cuda(..)) => {
+                (None, "no limit on CUDA unless --kv-budget is given".into())
+            }
+        }
+    }
+}
+
+/// `MemAvailable` of `/proc/meminfo` in bytes (Linux).
+fn mem_available() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
 
 /// What one client may hold, and for how long.
 #[derive(Clone, Debug, PartialEq)]
@@ -168,11 +262,19 @@ pub async fn serve(
     let metrics = Arc::new(metrics::Metrics::default());
     let (tx, rx) = std::sync::mpsc::sync_channel::<scheduler::Job>(opts.max_queue);
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String, String>>();
+    let (kv_budget, budget_note) = opts.kv_budget.resolve(opts.device);
+    tracing::info!("KV budget: {budget_note}");
+    let kv_check = kv_budget.map(|budget| http::KvCheck {
+        hp: model.hp.clone(),
+        kv: opts.kv,
+        budget,
+    });
     let cfg = scheduler::Config {
         max_batch: opts.max_batch,
         prefill_chunk: opts.prefill_chunk,
         kv: opts.kv,
         prefix_cache_bytes: opts.prefix_cache_mb.saturating_mul(1 << 20),
+        kv_budget,
     };
     let (tok2, m2, device) = (tok.clone(), metrics.clone(), opts.device);
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
@@ -207,6 +309,7 @@ pub async fn serve(
         metrics: metrics.clone(),
         next_id: AtomicU64::new(1),
         max_tokens_cap: opts.limits.max_tokens_cap,
+        kv_check,
         request_timeout: opts.limits.request_timeout,
         prep: tokio::sync::Semaphore::new(
             std::thread::available_parallelism().map_or(2, |n| n.get().max(2)),
@@ -253,4 +356,30 @@ pub async fn serve(
         tracing::warn!("the model thread is still in a step; leaving it");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Device, KvBudget};
+
+    #[test]
+    fn kv_budgets_parse_and_resolve() {
+        let p = |s: &str| s.parse::<KvBudget>();
+        assert_eq!(p("auto"), Ok(KvBudget::Auto));
+        assert_eq!(p(" None "), Ok(KvBudget::Unlimited));
+        assert_eq!(p("2G"), Ok(KvBudget::Bytes(2 << 30)));
+        assert_eq!(p("512MiB"), Ok(KvBudget::Bytes(512 << 20)));
+        assert_eq!(p("1.5k"), Ok(KvBudget::Bytes(1536)));
+        assert_eq!(p("1048576"), Ok(KvBudget::Bytes(1 << 20)));
+        for bad in ["", "0", "-1G", "2X", "G", "nanG", "1e30T"] {
+            assert!(p(bad).is_err(), "{bad:?}");
+        }
+        let cuda = Device::Cuda(0, Default::default());
+        assert_eq!(KvBudget::Bytes(7).resolve(cuda).0, Some(7));
+        assert_eq!(KvBudget::Auto.resolve(cuda).0, None);
+        assert_eq!(KvBudget::Unlimited.resolve(Device::Cpu(1)).0, None);
+        if let (Some(b), _) = KvBudget::Auto.resolve(Device::Cpu(1)) {
+            assert!(b > 0);
+        }
+    }
 }

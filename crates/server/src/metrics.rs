@@ -12,6 +12,10 @@ impl Counter {
     pub fn inc(&self, n: u64) {
         self.0.fetch_add(n, Ordering::Relaxed);
     }
+    /// Set it to a count kept elsewhere (that only grows).
+    pub fn set(&self, v: u64) {
+        self.0.store(v, Ordering::Relaxed);
+    }
     /// The value.
     pub fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
@@ -61,6 +65,10 @@ impl Seconds {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
                 Some((f64::from_bits(b) + s).to_bits())
             });
+    }
+    /// Set it to a sum kept elsewhere (that only grows).
+    pub fn set(&self, s: f64) {
+        self.0.store(s.to_bits(), Ordering::Relaxed);
     }
     /// The sum.
     pub fn get(&self) -> f64 {
@@ -125,6 +133,14 @@ pub struct Metrics {
     pub prefix_cache_bytes: Gauge,
     /// Prefix cache entries evicted (a count the model thread keeps).
     pub prefix_cache_evictions: Gauge,
+    /// The KV budget in bytes (0: no limit).
+    pub kv_budget_bytes: Gauge,
+    /// Bytes the running requests' contexts reserve against it.
+    pub kv_reserved_bytes: Gauge,
+    /// Requests held back because the next one's context does not fit.
+    pub kv_waiting: Gauge,
+    /// Requests that waited for KV memory at least once.
+    pub kv_memory_waits: Counter,
 }
 
 impl Metrics {
@@ -315,6 +331,30 @@ impl Metrics {
             "counter",
             "Prefix cache entries evicted (least recently used first, --prefix-cache-mb).",
             self.prefix_cache_evictions.get().to_string(),
+        );
+        put(
+            "kv_budget_bytes",
+            "gauge",
+            "Bytes the running requests' whole contexts may reserve together (--kv-budget; 0: no limit).",
+            self.kv_budget_bytes.get().to_string(),
+        );
+        put(
+            "kv_reserved_bytes",
+            "gauge",
+            "Bytes the running requests reserve: KV rows of prompt + max_tokens + 1 in whole blocks, and recurrent states.",
+            self.kv_reserved_bytes.get().to_string(),
+        );
+        put(
+            "requests_waiting_memory",
+            "gauge",
+            "Requests admitted from the queue but waiting for KV memory (the next one does not fit beside the running ones).",
+            self.kv_waiting.get().to_string(),
+        );
+        put(
+            "kv_memory_waits_total",
+            "counter",
+            "Requests that waited for KV memory before they started.",
+            self.kv_memory_waits.get().to_string(),
         );
         s
     }

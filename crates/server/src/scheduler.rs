@@ -1,32 +1,29 @@
-//! The model thread: continuous batching over the engine's `forward_batch`.
+//! The model thread: the engine's step scheduler
+//! ([`samesum_engine::sched::Scheduler`]) driven from the request queue.
 //!
-//! Requests arrive through a bounded queue. Each step takes every running
-//! request's next rows (one decode row each, plus at most `prefill_chunk`
-//! prompt rows shared among the requests still prefilling, shortest
-//! remaining prompt first, so a short request's first token does not wait
-//! for a long prompt; one passed over for [`AGING_STEPS`] steps goes first,
-//! so none waits forever) and runs them in one forward call. A request joins
-//! or leaves between steps; one whose client went away is dropped at the next
-//! step, in the middle of a prefill too. A request past its deadline ends
-//! before the next step: with finish reason `length` when it has generated
-//! tokens (llama.cpp's convention for its generation time limit), else with
-//! [`Event::TimedOut`]. By the row contract, each request's logits (so its
-//! tokens and log-probabilities) are the same bytes whatever else runs beside
-//! it.
-//!
-//! With the prefix cache on ([`Config::prefix_cache_bytes`]), a request
-//! starts from a copy of the longest saved state whose tokens begin its
-//! prompt and prefills the rest (the same bytes as cold, see [`crate::prefix`]);
-//! a copy of each request's state is saved when its prompt is prefilled and
-//! when it finishes (its prompt and the generated tokens fed so far), so a
-//! follow-up turn that repeats the conversation reuses it.
+//! The scheduler owns admission (a batch slot and the KV budget), the
+//! per-step plan (chunked prefill, shortest prompt first with aging), the
+//! forward call, sampling, stop tokens, lengths and the prefix cache. This
+//! thread owns what is text or time: it takes jobs from the queue while the
+//! scheduler has room ([`Config::max_batch`] requests running or waiting
+//! for memory; the rest stay in the bounded queue, which answers 503 when
+//! full), detokenizes each token into whole characters, finds stop strings
+//! (and ends the request there, [`Scheduler::finish`]), turns token ids of
+//! log-probabilities into text, ends requests past their deadline (with
+//! finish reason `length` when they have generated tokens, llama.cpp's
+//! convention for its generation time limit, else with
+//! [`Event::TimedOut`]), cancels those whose client went away, and sends
+//! [`Event`]s to the connections. By the row contract, each request's
+//! logits (so its tokens and log-probabilities) are the same bytes whatever
+//! else runs beside it.
 
 use crate::metrics::Metrics;
-use crate::prefix::{PrefixCache, entry_bytes};
 use samesum_engine::backend::Backend;
-use samesum_engine::sample::{Penalties, Sampler, SamplerConfig};
+use samesum_engine::sample::{Penalties, SamplerConfig};
+use samesum_engine::sched::{self, Output, Request, Scheduler, SeqId, SeqInfo, Stats};
 use samesum_engine::tokenizer::{StreamDecoder, Tokenizer};
-use samesum_engine::{KvType, Logits, Model, Segment, forward_batch};
+use samesum_engine::{KvType, Model};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
@@ -132,74 +129,30 @@ pub struct Config {
     pub kv: KvType,
     /// The prefix cache's budget in bytes (0: off).
     pub prefix_cache_bytes: u64,
+    /// Bytes the running requests' whole contexts may reserve together
+    /// (see [`samesum_engine::sched`]); `None`: no limit.
+    pub kv_budget: Option<u64>,
 }
 
-struct Running<S> {
+/// A request's text side while the scheduler runs it.
+struct Conn {
     job: Job,
-    state: S,
-    fed: usize,
-    /// Prompt tokens restored from the prefix cache.
-    cached: usize,
-    sampler: Sampler,
-    history: Vec<u32>,
-    generated: Vec<u32>,
+    generated: usize,
     /// The generated text so far (whole characters), built incrementally.
     text: String,
     decoder: StreamDecoder,
     emitted: usize,
-    next: Option<u32>,
-    started: Instant,
-    prefilled: Option<Instant>,
-    /// Steps in a row this request was prefilling and got no rows.
-    passed_over: usize,
+    /// A stop string ended the text: nothing held back is flushed.
+    stopped: bool,
 }
 
-/// Steps a prefilling request may be passed over by shorter ones before it
-/// goes first.
-pub const AGING_STEPS: usize = 8;
-
-/// The order in which prefilling requests, given as (prompt rows left,
-/// steps passed over), get this step's prompt rows: those passed over for
-/// [`AGING_STEPS`] or more first (the longest waiting first), then the
-/// shortest remaining prompt first; ties in arrival order.
-fn prefill_order(reqs: &[(usize, usize)]) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..reqs.len()).collect();
-    order.sort_by_key(|&k| {
-        let (left, passed) = reqs[k];
-        let aged = passed >= AGING_STEPS;
-        (!aged, if aged { usize::MAX - passed } else { 0 }, left, k)
-    });
-    order
-}
-
-/// Log-softmax value of `t` and the `n` most likely tokens.
-fn logprobs(tok: &Tokenizer, logits: &[f32], t: u32, n: usize) -> TokenLogprob {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
-    let lse = max as f64 + sum.ln();
-    let lp = |i: u32| (logits[i as usize] as f64 - lse) as f32;
+/// A log-probability with its token ids as text.
+fn text_logprob(tok: &Tokenizer, t: u32, lp: sched::Logprob) -> TokenLogprob {
     let text = |i: u32| tok.decode(&[i]).unwrap_or_default();
-    let mut top = Vec::new();
-    if n > 0 {
-        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-        let k = n.min(idx.len());
-        idx.select_nth_unstable_by(k - 1, |&a, &b| {
-            logits[b as usize]
-                .total_cmp(&logits[a as usize])
-                .then(a.cmp(&b))
-        });
-        idx.truncate(k);
-        idx.sort_by(|&a, &b| {
-            logits[b as usize]
-                .total_cmp(&logits[a as usize])
-                .then(a.cmp(&b))
-        });
-        top = idx.into_iter().map(|i| (text(i), lp(i))).collect();
-    }
     TokenLogprob {
         token: text(t),
-        logprob: lp(t),
-        top,
+        logprob: lp.logprob,
+        top: lp.top.into_iter().map(|(i, l)| (text(i), l)).collect(),
     }
 }
 
@@ -222,31 +175,23 @@ fn pending_prefix(s: &str, stops: &[String]) -> usize {
     best
 }
 
-impl<S> Running<S> {
-    fn usage(&self) -> Usage {
-        let now = Instant::now();
-        let pre = self.prefilled.unwrap_or(now);
-        Usage {
-            prompt_tokens: self.job.prompt.len(),
-            cached_tokens: self.cached,
-            completion_tokens: self.generated.len(),
-            queue_ms: (self.started - self.job.queued).as_secs_f64() * 1e3,
-            prompt_ms: (pre - self.started).as_secs_f64() * 1e3,
-            gen_ms: (now - pre).as_secs_f64() * 1e3,
+impl Conn {
+    fn new(job: Job) -> Conn {
+        Conn {
+            job,
+            generated: 0,
+            text: String::new(),
+            decoder: StreamDecoder::new(),
+            emitted: 0,
+            stopped: false,
         }
     }
 
-    /// Take the logits of the next token: sample, emit, and say whether the
-    /// request goes on.
-    fn advance(&mut self, tok: &Tokenizer, logits: &[f32], m: &Metrics) -> bool {
-        let t = self.sampler.sample(logits, &self.history);
-        let lp = self.job.logprobs.map(|n| logprobs(tok, logits, t, n));
-        if !self.job.ignore_eos && tok.stop.contains(&t) {
-            return self.finish(tok, "stop", None, m);
-        }
-        self.generated.push(t);
-        self.history.push(t);
-        m.completion_tokens.inc(1);
+    /// A generated token: send its text (whole characters, none that may
+    /// begin a stop string), or the text up to a stop string, which ends
+    /// the request (`stopped`).
+    fn token(&mut self, tok: &Tokenizer, t: u32, lp: Option<TokenLogprob>) {
+        self.generated += 1;
         let piece = self.decoder.push(tok, t).unwrap_or_default();
         self.text.push_str(&piece);
         let full = &self.text;
@@ -265,12 +210,13 @@ impl<S> Running<S> {
         {
             let text = full.get(self.emitted..at).unwrap_or("").to_string();
             self.emitted = at;
+            self.stopped = true;
             let _ = self.job.events.send(Event::Token {
                 text,
                 id: Some(t),
                 logprob: lp,
             });
-            return self.finish(tok, "stop", Some(at), m);
+            return;
         }
         // Whole characters only (the decoder holds back a split one).
         let safe = full.len() - pending_prefix(full, &self.job.stop);
@@ -284,22 +230,11 @@ impl<S> Running<S> {
             id: Some(t),
             logprob: lp,
         });
-        if self.generated.len() >= self.job.max_new {
-            return self.finish(tok, "length", None, m);
-        }
-        self.next = Some(t);
-        true
     }
 
-    /// Flush held-back text (unless cut at a stop sequence) and send Done.
-    fn finish(
-        &mut self,
-        tok: &Tokenizer,
-        finish: &'static str,
-        cut: Option<usize>,
-        m: &Metrics,
-    ) -> bool {
-        if cut.is_none() {
+    /// Flush held-back text (unless cut at a stop string) and send Done.
+    fn finish(&mut self, tok: &Tokenizer, finish: &'static str, info: &SeqInfo, m: &Metrics) {
+        if !self.stopped {
             let tail = self.decoder.flush(tok).unwrap_or_default();
             self.text.push_str(&tail);
             if let Some(rest) = self.text.get(self.emitted..)
@@ -312,7 +247,17 @@ impl<S> Running<S> {
                 });
             }
         }
-        let usage = self.usage();
+        let now = Instant::now();
+        let pre = info.prefilled.unwrap_or(now);
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let usage = Usage {
+            prompt_tokens: info.prompt_tokens,
+            cached_tokens: info.cached_tokens,
+            completion_tokens: info.generated,
+            queue_ms: ms(info.admitted.saturating_duration_since(self.job.queued)),
+            prompt_ms: ms(pre - info.admitted),
+            gen_ms: ms(now - pre),
+        };
         m.requests_done.inc(1);
         tracing::info!(
             id = %self.job.id,
@@ -325,84 +270,59 @@ impl<S> Running<S> {
             "request done"
         );
         let _ = self.job.events.send(Event::Done { finish, usage });
-        false
     }
 }
 
-/// Save a copy of `st` (which has consumed exactly `tokens`) in the prefix
-/// cache, unless it is held already or is over the budget. A copy that
-/// fails (memory) is skipped: the cache is an optimization.
-fn save<B: Backend>(
-    model: &Model,
-    b: &B,
-    cfg: &Config,
-    cache: &mut PrefixCache<B::State>,
-    st: &B::State,
-    tokens: &[u32],
-    m: &Metrics,
-) {
-    let pos = b.position(st);
-    if pos != tokens.len() {
-        return;
-    }
-    let bytes = entry_bytes(&model.hp, cfg.kv, pos);
-    if !cache.wants(tokens, bytes) {
-        return;
-    }
-    match b.fork_state(st, pos) {
-        Ok(copy) => cache.insert(tokens.to_vec(), copy, bytes),
-        Err(e) => tracing::warn!("prefix cache: could not copy a state of {pos} tokens: {e}"),
-    }
-    m.prefix_cache_entries.set(cache.len() as u64);
-    m.prefix_cache_bytes.set(cache.bytes());
-    m.prefix_cache_evictions.set(cache.evictions());
-}
-
-/// A state for `job` with a context of `ctx`: a copy of the longest prefix
-/// cache entry its prompt extends (and how many prompt tokens that entry
-/// holds), else an empty one. When memory runs out the cache is emptied
-/// and the allocation tried again.
-fn start_state<B: Backend>(
-    model: &Model,
-    b: &B,
-    cfg: &Config,
-    cache: &mut PrefixCache<B::State>,
-    job: &Job,
-    ctx: usize,
-    m: &Metrics,
-) -> samesum_engine::Result<(B::State, usize)> {
-    if cache.enabled() {
-        let restored = cache
-            .lookup(&job.prompt)
-            .map(|(n, st)| b.fork_state(st, ctx).map(|s| (s, n)));
-        match restored {
-            Some(Ok((st, n))) => {
-                m.prefix_cache_hits.inc(1);
-                m.prefix_cache_reused_tokens.inc(n as u64);
-                return Ok((st, n));
-            }
-            Some(Err(e)) => {
-                tracing::warn!(id = %job.id, "prefix cache: could not copy a saved state: {e}")
-            }
-            None => {}
-        }
-        m.prefix_cache_misses.inc(1);
-    }
-    match b.new_state(model, ctx, cfg.kv) {
-        Ok(st) => Ok((st, 0)),
-        Err(e) if !cache.is_empty() => {
-            tracing::warn!(id = %job.id, entries = cache.len(), "prefix cache emptied to make room: {e}");
-            cache.clear();
-            m.prefix_cache_entries.set(0);
-            m.prefix_cache_bytes.set(0);
-            m.prefix_cache_evictions.set(cache.evictions());
-            b.new_state(model, ctx, cfg.kv).map(|st| (st, 0))
-        }
-        Err(e) => Err(e),
+/// The request the scheduler runs for `job`.
+fn request(tok: &Tokenizer, job: &Job) -> Request {
+    Request {
+        prompt: job.prompt.clone(),
+        max_new: job.max_new,
+        sampler: job.sampler.clone(),
+        penalties: job.penalties,
+        logit_bias: job.logit_bias.clone(),
+        stop_tokens: if job.ignore_eos {
+            Vec::new()
+        } else {
+            tok.stop.clone()
+        },
+        logprobs: job.logprobs,
     }
 }
 
-/// Run the model thread until the queue's senders are all gone.
+/// Copy the scheduler's counts into the metrics; warn about prefix cache
+/// copies that failed since `seen`.
+fn publish(st: &Stats, seen: &Stats, m: &Metrics) {
+    if st.prefix_copy_failures > seen.prefix_copy_failures {
+        tracing::warn!(
+            failures = st.prefix_copy_failures - seen.prefix_copy_failures,
+            "prefix cache: a state copy failed (memory); skipped"
+        );
+    }
+    if st.prefix_cleared > seen.prefix_cleared {
+        tracing::warn!("prefix cache emptied to make room for a request's state");
+    }
+    m.prompt_tokens.set(st.prompt_tokens);
+    m.completion_tokens.set(st.completion_tokens);
+    m.prefill_seconds.set(st.prefill_seconds);
+    m.decode_seconds.set(st.decode_seconds);
+    m.running.set(st.running as u64);
+    m.max_step_requests.set(st.max_step_seqs as u64);
+    m.prefill_pending.set(st.prefill_pending);
+    m.prefix_cache_hits.set(st.prefix_hits);
+    m.prefix_cache_misses.set(st.prefix_misses);
+    m.prefix_cache_reused_tokens.set(st.prefix_reused_tokens);
+    m.prefix_cache_entries.set(st.prefix_entries as u64);
+    m.prefix_cache_bytes.set(st.prefix_bytes);
+    m.prefix_cache_evictions.set(st.prefix_evictions);
+    m.kv_budget_bytes.set(st.kv_budget.unwrap_or(0));
+    m.kv_reserved_bytes.set(st.kv_reserved);
+    m.kv_waiting.set(st.waiting_for_memory as u64);
+    m.kv_memory_waits.set(st.memory_waits);
+}
+
+/// Run the model thread until the queue's senders are all gone and nothing
+/// runs.
 pub fn run<B: Backend>(
     model: &Model,
     tok: &Tokenizer,
@@ -411,14 +331,27 @@ pub fn run<B: Backend>(
     cfg: &Config,
     m: &Arc<Metrics>,
 ) {
-    let mut running: Vec<Running<B::State>> = Vec::new();
-    let mut cache: PrefixCache<B::State> = PrefixCache::new(cfg.prefix_cache_bytes);
+    let mut sched = Scheduler::new(
+        model,
+        b,
+        sched::Config {
+            max_batch: cfg.max_batch.max(1),
+            prefill_chunk: cfg.prefill_chunk.max(1),
+            kv: cfg.kv,
+            prefix_cache_bytes: cfg.prefix_cache_bytes,
+            kv_budget: cfg.kv_budget,
+        },
+    );
+    // Ordered by id: arrival order, for the logs and the events.
+    let mut conns: BTreeMap<SeqId, Conn> = BTreeMap::new();
+    let mut seen = sched.stats();
+    publish(&seen, &seen, m);
     // Whether freed memory went back to the system since the last step.
     let mut trimmed = true;
     loop {
-        // Admit new requests between steps (wait when idle).
-        while running.len() < cfg.max_batch.max(1) {
-            let job = if running.is_empty() {
+        // Take new requests between steps (wait when idle).
+        while sched.has_room() {
+            let job = if sched.is_idle() {
                 if !trimmed {
                     // Idle: the requests' KV caches and activations are
                     // freed; give them back (see `trim_heap`).
@@ -447,242 +380,99 @@ pub fn run<B: Backend>(
                 let _ = job.events.send(Event::TimedOut);
                 continue;
             }
-            let ctx = job.prompt.len() + job.max_new + 1;
-            match start_state(model, b, cfg, &mut cache, &job, ctx, m) {
-                Ok((state, cached)) => {
-                    let seed = job.sampler.seed;
-                    running.push(Running {
-                        sampler: Sampler::new(SamplerConfig {
-                            seed,
-                            ..job.sampler.clone()
-                        })
-                        .with_penalties(job.penalties)
-                        .with_logit_bias(job.logit_bias.clone()),
-                        history: job.prompt.clone(),
-                        job,
-                        state,
-                        fed: cached,
-                        cached,
-                        generated: Vec::new(),
-                        text: String::new(),
-                        decoder: StreamDecoder::new(),
-                        emitted: 0,
-                        next: None,
-                        started: Instant::now(),
-                        prefilled: None,
-                        passed_over: 0,
-                    });
+            match sched.submit(request(tok, &job)) {
+                Ok(id) => {
+                    conns.insert(id, Conn::new(job));
                 }
                 Err(e) => {
-                    let _ = job
-                        .events
-                        .send(Event::Error(format!("could not start the request: {e}")));
+                    let _ = job.events.send(Event::Error(e.to_string()));
                 }
             }
         }
-        // Drop the requests whose clients went away.
-        running.retain(|r| {
-            let gone = r.job.events.is_closed();
-            if gone {
-                m.cancelled.inc(1);
-                tracing::info!(id = %r.job.id, fed = r.fed, generated = r.generated.len(), "client gone: request cancelled");
-            }
-            !gone
-        });
-        // End the requests past their deadline.
+        // Drop the requests whose clients went away; end those past their
+        // deadline (saving the state of one that generated tokens).
         let now = Instant::now();
-        running.retain_mut(|r| {
-            if !r.job.expired(now) {
+        conns.retain(|&id, c| {
+            if c.job.events.is_closed() {
+                sched.cancel(id);
+                m.cancelled.inc(1);
+                tracing::info!(id = %c.job.id, generated = c.generated, "client gone: request cancelled");
+                return false;
+            }
+            if !c.job.expired(now) {
                 return true;
             }
             m.timed_out.inc(1);
-            tracing::info!(id = %r.job.id, fed = r.fed, generated = r.generated.len(), "deadline passed");
-            if r.generated.is_empty() {
-                let _ = r.job.events.send(Event::TimedOut);
-                false
+            tracing::info!(id = %c.job.id, generated = c.generated, "deadline passed");
+            let info = if c.generated > 0 {
+                sched.finish(id)
             } else {
-                let keep = r.finish(tok, "length", None, m);
-                let n = r.history.len().min(b.position(&r.state));
-                save(model, b, cfg, &mut cache, &r.state, &r.history[..n], m);
-                keep
+                None
+            };
+            match info {
+                Some(info) => c.finish(tok, "length", &info, m),
+                None => {
+                    sched.cancel(id);
+                    let _ = c.job.events.send(Event::TimedOut);
+                }
             }
+            false
         });
-        m.running.set(running.len() as u64);
-        if running.is_empty() {
+        if sched.is_idle() {
+            let st = sched.stats();
+            publish(&st, &seen, m);
+            seen = st;
             continue;
         }
-        // This step's rows.
-        let mut budget = cfg.prefill_chunk.max(1);
-        let mut plan: Vec<(usize, usize)> = Vec::new(); // (running index, rows)
-        let mut prefill_rows = 0;
-        let mut prefilling = Vec::new();
-        for (i, r) in running.iter().enumerate() {
-            if r.next.is_some() {
-                plan.push((i, 1));
-            } else if r.fed < r.job.prompt.len() {
-                prefilling.push(i);
-            }
-        }
-        let order = prefill_order(
-            &prefilling
-                .iter()
-                .map(|&i| {
-                    (
-                        running[i].job.prompt.len() - running[i].fed,
-                        running[i].passed_over,
-                    )
-                })
-                .collect::<Vec<_>>(),
-        );
-        for i in order.into_iter().map(|k| prefilling[k]) {
-            let r = &mut running[i];
-            if budget == 0 {
-                r.passed_over += 1;
-                continue;
-            }
-            let n = (r.job.prompt.len() - r.fed).min(budget);
-            budget -= n;
-            prefill_rows += n;
-            r.passed_over = 0;
-            plan.push((i, n));
-        }
-        plan.sort_unstable();
-        m.max_step_requests.max(plan.len() as u64);
-        let t0 = Instant::now();
-        let tokens: Vec<Vec<u32>> = plan
-            .iter()
-            .map(|&(i, n)| {
-                let r = &running[i];
-                match r.next {
-                    Some(t) => vec![t],
-                    None => r.job.prompt[r.fed..r.fed + n].to_vec(),
-                }
-            })
-            .collect();
-        let wants: Vec<Logits> = plan
-            .iter()
-            .map(|&(i, n)| {
-                let r = &running[i];
-                if r.next.is_some() || r.fed + n == r.job.prompt.len() {
-                    Logits::Last
-                } else {
-                    Logits::None
-                }
-            })
-            .collect();
-        let result = {
-            let mut states: Vec<Option<&mut B::State>> =
-                running.iter_mut().map(|r| Some(&mut r.state)).collect();
-            let mut segs: Vec<Segment<'_, B::State>> = plan
-                .iter()
-                .zip(&tokens)
-                .zip(&wants)
-                .map(|((&(i, _), t), &want)| Segment {
-                    state: states[i].take().expect("one segment per request"),
-                    tokens: t,
-                    want,
-                })
-                .collect();
-            forward_batch(model, b, &mut segs)
-        };
-        let dt = t0.elapsed().as_secs_f64();
+        let out = sched.step();
         trimmed = false;
+        for o in out {
+            match o {
+                Output::Started { .. } => {}
+                Output::Token { id, token, logprob } => {
+                    if let Some(c) = conns.get_mut(&id) {
+                        let lp = logprob.map(|l| text_logprob(tok, token, l));
+                        c.token(tok, token, lp);
+                    }
+                }
+                Output::Finished { id, finish, info } => {
+                    if let Some(mut c) = conns.remove(&id) {
+                        let finish = if c.stopped { "stop" } else { finish.as_str() };
+                        c.finish(tok, finish, &info, m);
+                    }
+                }
+                Output::Failed { id, error } => {
+                    if let Some(c) = conns.remove(&id) {
+                        tracing::error!(id = %c.job.id, "{error}");
+                        let _ = c.job.events.send(Event::Error(error));
+                    }
+                }
+            }
+        }
+        // The requests a stop string ended: their states saved as at a stop
+        // token.
+        conns.retain(|&id, c| {
+            if !c.stopped {
+                return true;
+            }
+            if let Some(info) = sched.finish(id) {
+                c.finish(tok, "stop", &info, m);
+            }
+            false
+        });
         if let Some(c) = b.offload_counters() {
             m.expert_cache_hits.set(c.hits);
             m.expert_cache_misses.set(c.misses);
         }
-        let decode_rows = plan.len()
-            - plan
-                .iter()
-                .filter(|&&(i, _)| running[i].next.is_none())
-                .count();
-        if prefill_rows > 0 {
-            m.prompt_tokens.inc(prefill_rows as u64);
-            m.prefill_seconds
-                .add(dt * prefill_rows as f64 / (prefill_rows + decode_rows) as f64);
-        }
-        if decode_rows > 0 {
-            m.decode_seconds
-                .add(dt * decode_rows as f64 / (prefill_rows + decode_rows) as f64);
-        }
-        let logits = match result {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::error!("forward failed: {e}");
-                for &(i, _) in &plan {
-                    let _ = running[i]
-                        .job
-                        .events
-                        .send(Event::Error(format!("the model failed: {e}")));
-                }
-                let failed: Vec<usize> = plan.iter().map(|&(i, _)| i).collect();
-                let mut k = 0;
-                running.retain(|_| {
-                    k += 1;
-                    !failed.contains(&(k - 1))
-                });
-                continue;
-            }
-        };
-        let mut keep = vec![true; running.len()];
-        for (&(i, n), l) in plan.iter().zip(&logits) {
-            let r = &mut running[i];
-            if r.next.is_none() {
-                r.fed += n;
-                if r.job.prompt.len() > cfg.prefill_chunk {
-                    tracing::info!(id = %r.job.id, fed = r.fed, of = r.job.prompt.len(), "prefill");
-                }
-                if r.fed < r.job.prompt.len() {
-                    continue;
-                }
-                r.prefilled = Some(Instant::now());
-            }
-            keep[i] = r.advance(tok, l, m);
-            // Saved after the token went out, so the copy does not delay it:
-            // the state at the end of the prompt, and at the end of the
-            // request (the prompt and the generated tokens fed, which are
-            // the history but for a last sampled token never fed).
-            let n = r.history.len().min(b.position(&r.state));
-            if n == r.job.prompt.len() || !keep[i] {
-                save(model, b, cfg, &mut cache, &r.state, &r.history[..n], m);
-            }
-        }
-        let mut k = 0;
-        running.retain(|_| {
-            k += 1;
-            keep[k - 1]
-        });
-        m.running.set(running.len() as u64);
-        m.prefill_pending.set(
-            running
-                .iter()
-                .map(|r| (r.job.prompt.len() - r.fed) as u64)
-                .sum(),
-        );
+        let st = sched.stats();
+        publish(&st, &seen, m);
+        seen = st;
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::pending_prefix;
-
-    #[test]
-    fn prefill_goes_to_the_shortest_prompt_unless_one_waited_too_long() {
-        use super::{AGING_STEPS, prefill_order};
-        // Shortest remaining first, ties in arrival order.
-        assert_eq!(
-            prefill_order(&[(6000, 0), (5, 0), (40, 0), (5, 0)]),
-            [1, 3, 2, 0]
-        );
-        // Passed over AGING_STEPS times: first, however long.
-        assert_eq!(prefill_order(&[(6000, AGING_STEPS), (5, 0)]), [0, 1]);
-        assert_eq!(prefill_order(&[(6000, AGING_STEPS - 1), (5, 0)]), [1, 0]);
-        // Among the aged, the longest waiting first.
-        assert_eq!(
-            prefill_order(&[(10, AGING_STEPS), (20, AGING_STEPS + 3), (1, 0)]),
-            [1, 0, 2]
-        );
-    }
 
     #[test]
     fn held_back_text_is_a_stop_prefix() {

@@ -2,12 +2,14 @@
 //! model: half-closed clients, clients gone during a non-streamed prefill,
 //! the keep-alive, head and body timeouts, the connection cap (eviction of
 //! idle connections, the 503 past it, `/health` still answering), the body
-//! limit, the generated-token cap, the request deadline, and the drain on
-//! shutdown.
+//! limit, the generated-token cap, the KV budget (a request waits for
+//! memory and is unchanged; one over the whole budget is refused), the
+//! request deadline, and the drain on shutdown.
 
+use samesum_engine::sched::context_bytes;
 use samesum_engine::{KvType, Model};
 use samesum_gguf::GgmlType;
-use samesum_server::{Device, Limits, Options};
+use samesum_server::{Device, KvBudget, Limits, Options};
 use samesum_synth::{SynthOptions, shapes, write_model};
 use serde_json::{Value, json};
 use std::io::{ErrorKind, Read, Write};
@@ -75,6 +77,16 @@ impl Drop for Server {
 }
 
 fn start(limits: Limits, max_batch: usize, ctx: usize) -> Server {
+    start_with(limits, max_batch, ctx, |_| KvBudget::default())
+}
+
+/// [`start`] with the KV budget `budget` gives for the model.
+fn start_with(
+    limits: Limits,
+    max_batch: usize,
+    ctx: usize,
+    budget: impl FnOnce(&Model) -> KvBudget,
+) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("m.gguf");
     write_model(
@@ -88,6 +100,7 @@ fn start(limits: Limits, max_batch: usize, ctx: usize) -> Server {
     )
     .unwrap();
     let model = Model::load(&p).unwrap();
+    let kv_budget = budget(&model);
     let opts = Options {
         host: "127.0.0.1".into(),
         port: 0,
@@ -99,6 +112,7 @@ fn start(limits: Limits, max_batch: usize, ctx: usize) -> Server {
         prefill_chunk: 16,
         kv: KvType::F32,
         prefix_cache_mb: samesum_server::DEFAULT_PREFIX_CACHE_MB,
+        kv_budget,
         model_name: "tiny".into(),
         limits,
     };
@@ -502,6 +516,85 @@ fn generated_tokens_are_capped() {
     );
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
+}
+
+/// With a KV budget of one and a half blocks, a second request waits
+/// while a first runs (the metrics see it waiting for memory), then runs;
+/// both answer what they answer alone, and a request whose context needs
+/// two blocks is refused at once with a 400 naming the budget.
+#[test]
+fn a_request_waits_for_kv_memory_and_one_over_the_budget_is_refused() {
+    let mut budget = 0;
+    let s = start_with(Limits::default(), 4, 512, |m| {
+        // A context of one token: one KV block and the recurrent states.
+        budget = context_bytes(&m.hp, KvType::F32, 1) * 3 / 2;
+        KvBudget::Bytes(budget)
+    });
+    assert_eq!(s.metric("samesum_kv_budget_bytes"), budget);
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": true});
+    let short =
+        json!({"prompt": "x", "max_tokens": 20, "temperature": 0.9, "seed": 3, "ignore_eos": true});
+    let (st, long_alone) = post(s.addr, "/v1/completions", &long);
+    assert_eq!(st, 200, "{long_alone}");
+    let (st, short_alone) = post(s.addr, "/v1/completions", &short);
+    assert_eq!(st, 200, "{short_alone}");
+    assert_eq!(s.metric("samesum_kv_memory_waits_total"), 0);
+    // The long one streams; once its first token is out, the short one is
+    // sent and waits for memory.
+    let mut streamed = json!({"stream": true});
+    for (k, v) in long.as_object().unwrap() {
+        streamed[k] = v.clone();
+    }
+    let mut a = send(
+        s.addr,
+        "POST",
+        "/v1/completions",
+        streamed.to_string().as_bytes(),
+        true,
+    );
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !raw.windows(6).any(|w| w == b"data: ") {
+        let n = a.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended before its first token");
+        raw.extend_from_slice(&buf[..n]);
+    }
+    let addr = s.addr;
+    let b = std::thread::spawn(move || post(addr, "/v1/completions", &short));
+    s.wait_metric(
+        "samesum_requests_waiting_memory",
+        1,
+        Duration::from_secs(60),
+    );
+    a.read_to_end(&mut raw).unwrap();
+    let (st, _, body) = parse(&raw);
+    assert_eq!(st, 200);
+    let (text, datas) = sse(&body);
+    assert_eq!(datas.last().map(String::as_str), Some("[DONE]"));
+    assert_eq!(text, long_alone["choices"][0]["text"].as_str().unwrap());
+    let (st, v) = b.join().unwrap();
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], short_alone["choices"][0]["text"]);
+    assert_eq!(v["usage"]["completion_tokens"], 20, "{v}");
+    assert_eq!(s.metric("samesum_kv_memory_waits_total"), 1);
+    assert_eq!(s.metric("samesum_requests_waiting_memory"), 0);
+    assert_eq!(s.metric("samesum_kv_reserved_bytes"), 0);
+    // 1 + 300 + 1 tokens: two blocks, over the whole budget.
+    let (st, v) = post(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 300}),
+    );
+    assert_eq!(st, 400, "{v}");
+    assert_eq!(v["error"]["code"], "kv_budget_exceeded", "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("whole KV budget")
+            && msg.contains(&budget.to_string())
+            && msg.contains("max_tokens"),
+        "{msg}"
+    );
+    assert_eq!(s.metric("samesum_kv_memory_waits_total"), 1);
 }
 
 #[test]

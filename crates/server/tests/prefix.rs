@@ -8,11 +8,11 @@
 
 use samesum_engine::cpu::Cpu;
 use samesum_engine::sample::{Penalties, SamplerConfig};
+use samesum_engine::sched::prefix::entry_bytes;
 use samesum_engine::tokenizer::Tokenizer;
 use samesum_engine::{KvType, Model};
 use samesum_gguf::GgmlType;
 use samesum_server::metrics::Metrics;
-use samesum_server::prefix::entry_bytes;
 use samesum_server::scheduler::{self, Config, Event, Job, Usage};
 use samesum_server::{Device, Options};
 use samesum_synth::{SynthOptions, shapes, write_model};
@@ -75,6 +75,7 @@ impl Thread {
             prefill_chunk: chunk,
             kv: KvType::F32,
             prefix_cache_bytes: cache_bytes,
+            kv_budget: None,
         };
         let handle = std::thread::spawn(move || {
             scheduler::run(&model, &tok, &Cpu::new(2), rx, &cfg, &m);
@@ -375,6 +376,7 @@ fn start(prefix_cache_mb: u64) -> Server {
         prefill_chunk: 16,
         kv: KvType::F32,
         prefix_cache_mb,
+        kv_budget: Default::default(),
         model_name: "tiny".into(),
         limits: Default::default(),
     };

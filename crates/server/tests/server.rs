@@ -59,6 +59,7 @@ fn start_with(max_batch: usize, max_queue: usize, ctx: usize, max_body: usize) -
         prefill_chunk: 16,
         kv: KvType::F32,
         prefix_cache_mb: samesum_server::DEFAULT_PREFIX_CACHE_MB,
+        kv_budget: Default::default(),
         model_name: "tiny".into(),
         limits: Default::default(),
     };

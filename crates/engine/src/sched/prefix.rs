@@ -9,7 +9,7 @@
 //! prefix of the prompt and shorter than it (the prompt's last token is
 //! always fed: its logits choose the first generated token).
 //!
-//! Entries are copies ([`samesum_engine::Backend::fork_state`]) that no
+//! Entries are copies ([`crate::Backend::fork_state`]) that no
 //! request runs on: a request gets a copy of an entry, so evicting an entry
 //! never touches a running request's state. The budget counts each entry's
 //! KV rows (rounded up to whole [`KV_BLOCK`]s, what the CPU allocates) and
@@ -18,12 +18,14 @@
 //! bound of what the entries hold. Past the budget the least recently used
 //! entries go first.
 
-use samesum_engine::KvType;
-use samesum_engine::model::HParams;
-use samesum_engine::state::{KV_BLOCK, kv_bytes_per_token, recurrent_bytes};
+use crate::KvType;
+use crate::model::HParams;
+use crate::state::{KV_BLOCK, kv_bytes_per_token, recurrent_bytes};
 
 /// Bytes an entry of a state at position `pos` is counted at: its KV rows
-/// (whole blocks) and its recurrent states.
+/// (whole blocks) and its recurrent states. The same count reserves a
+/// running request's whole context against the KV budget
+/// ([`super::Config::kv_budget`]).
 pub fn entry_bytes(hp: &HParams, kv: KvType, pos: usize) -> u64 {
     let rows = pos.div_ceil(KV_BLOCK) as u64 * KV_BLOCK as u64;
     rows.saturating_mul(kv_bytes_per_token(hp, kv))

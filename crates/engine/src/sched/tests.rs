@@ -1,0 +1,320 @@
+//! The scheduler driven directly on the CPU: requests batched together
+//! (mixed prompt lengths, late joiners, a full batch, a restore from the
+//! prefix cache) each get the tokens and log-probabilities they get alone;
+//! the KV budget holds a request back until memory is free and refuses one
+//! that could never fit; cancel and finish give their reservation back.
+
+use super::*;
+use crate::cpu::Cpu;
+use samesum_gguf::GgmlType;
+use samesum_synth::{SynthOptions, shapes, write_model};
+
+fn model(shape: &str) -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("m.gguf");
+    write_model(
+        &SynthOptions::new(shapes::by_name(shape).unwrap(), GgmlType::Q8_0, 7),
+        &p,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let m = Model::load(&p).unwrap();
+    (dir, m)
+}
+
+fn tokens(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 37 + salt) % 200 + 3).collect()
+}
+
+fn request(prompt: Vec<u32>, max_new: usize, seeded: bool) -> Request {
+    Request {
+        prompt,
+        max_new,
+        sampler: if seeded {
+            SamplerConfig {
+                temp: 0.9,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.0,
+                seed: 99,
+                ..Default::default()
+            }
+        } else {
+            SamplerConfig {
+                temp: 0.0,
+                ..Default::default()
+            }
+        },
+        penalties: Penalties::default(),
+        logit_bias: Vec::new(),
+        stop_tokens: Vec::new(),
+        logprobs: Some(3),
+    }
+}
+
+fn config(max_batch: usize, cache: u64, budget: Option<u64>) -> Config {
+    Config {
+        max_batch,
+        prefill_chunk: 16,
+        kv: KvType::F32,
+        prefix_cache_bytes: cache,
+        kv_budget: budget,
+    }
+}
+
+/// A request's tokens, log-probabilities and alternatives as bits, and its
+/// finish reason: the bytes batching must not change.
+type Bytes = (Vec<(u32, u32, Vec<(u32, u32)>)>, Option<Finish>);
+
+fn record(out: &[Output], id: SeqId, into: &mut Bytes) {
+    for o in out {
+        match o {
+            Output::Token {
+                id: i,
+                token,
+                logprob,
+            } if *i == id => {
+                let l = logprob.as_ref().expect("log-probabilities asked for");
+                let top = l.top.iter().map(|&(t, p)| (t, p.to_bits())).collect();
+                into.0.push((*token, l.logprob.to_bits(), top));
+            }
+            Output::Finished { id: i, finish, .. } if *i == id => into.1 = Some(*finish),
+            Output::Failed { id: i, error } if *i == id => panic!("request failed: {error}"),
+            _ => {}
+        }
+    }
+}
+
+fn alone(model: &Model, b: &Cpu, req: &Request) -> Bytes {
+    let mut s = Scheduler::new(model, b, config(1, 0, None));
+    let id = s.submit(req.clone()).unwrap();
+    let mut got = Bytes::default();
+    while !s.is_idle() {
+        record(&s.step(), id, &mut got);
+    }
+    assert_eq!(got.1, Some(Finish::Length));
+    got
+}
+
+/// Five requests of mixed prompt lengths (one crossing a KV block, one of a
+/// single token), greedy and seeded, three at the start and two joining
+/// later through a batch of four (filled at one step); the last one
+/// extends the first's prompt and starts from its saved state. Each gets
+/// the bytes it gets alone.
+#[test]
+fn batched_requests_get_the_bytes_they_get_alone() {
+    for shape in ["tiny-qwen3moe", "tiny-qwen35moe"] {
+        let (_dir, m) = model(shape);
+        let b = Cpu::new(2);
+        let p0 = tokens(40, 1);
+        let reqs = [
+            request(p0.clone(), 10, false),
+            request(tokens(300, 2), 4, true),
+            request(tokens(1, 3), 12, true),
+            request(tokens(70, 4), 3, false),
+            request([p0.clone(), tokens(9, 5)].concat(), 5, true),
+        ];
+        let want: Vec<Bytes> = reqs.iter().map(|r| alone(&m, &b, r)).collect();
+        let mut s = Scheduler::new(&m, &b, config(4, 64 << 20, None));
+        let mut ids = Vec::new();
+        let mut got = vec![Bytes::default(); reqs.len()];
+        let mut steps = 0;
+        while ids.len() < reqs.len() || !s.is_idle() {
+            // Two join late: one after the first's prompt is saved.
+            let due = match steps {
+                0 => 3,
+                1 => 4,
+                9 => 5,
+                _ => ids.len(),
+            };
+            while ids.len() < due {
+                ids.push(s.submit(reqs[ids.len()].clone()).unwrap());
+            }
+            let out = s.step();
+            for (k, &id) in ids.iter().enumerate() {
+                record(&out, id, &mut got[k]);
+            }
+            steps += 1;
+            assert!(steps < 1000, "{shape}: the scheduler made no progress");
+        }
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "{shape}: request {k} changed in a batch");
+        }
+        let st = s.stats();
+        assert_eq!(st.max_step_seqs, 4, "{shape}: the batch was never full");
+        assert!(
+            st.prefix_hits >= 1,
+            "{shape}: the follow-up was not restored"
+        );
+        assert_eq!((st.running, st.waiting, st.kv_reserved), (0, 0, 0));
+    }
+}
+
+/// With room for one request's context only, the second waits until the
+/// first has finished (its Started comes after the first's Finished), is
+/// counted as waiting for memory, and both get the bytes they get alone; a
+/// third, waiting, is cancelled and never starts.
+#[test]
+fn a_request_waits_for_memory_and_is_unchanged() {
+    let (_dir, m) = model("tiny-qwen35moe");
+    let b = Cpu::new(2);
+    let r1 = request(tokens(20, 1), 6, true);
+    let r2 = request(tokens(30, 2), 6, false);
+    let probe = Scheduler::new(&m, &b, config(4, 0, None));
+    let (n1, n2) = (probe.request_bytes(20, 6), probe.request_bytes(30, 6));
+    assert!(n1 > 0 && n2 > 0);
+    let budget = n1.max(n2) + n1.min(n2) / 2;
+    let mut s = Scheduler::new(&m, &b, config(4, 0, Some(budget)));
+    let id1 = s.submit(r1.clone()).unwrap();
+    let id2 = s.submit(r2.clone()).unwrap();
+    let id3 = s.submit(request(tokens(5, 3), 2, false)).unwrap();
+    let mut all = Vec::new();
+    let first = s.step();
+    let st = s.stats();
+    assert_eq!((st.running, st.waiting, st.waiting_for_memory), (1, 2, 2));
+    assert_eq!(
+        (st.memory_waits, st.kv_reserved, st.kv_budget),
+        (1, n1, Some(budget))
+    );
+    all.extend(first);
+    assert!(s.cancel(id3));
+    assert!(!s.cancel(id3));
+    while !s.is_idle() {
+        all.extend(s.step());
+    }
+    let at = |f: &dyn Fn(&Output) -> bool| all.iter().position(f).unwrap();
+    let done1 = at(&|o| matches!(o, Output::Finished { id, .. } if *id == id1));
+    let start2 = at(&|o| matches!(o, Output::Started { id, .. } if *id == id2));
+    assert!(
+        start2 > done1,
+        "the second started before the first finished"
+    );
+    assert!(
+        !all.iter()
+            .any(|o| matches!(o, Output::Started { id, .. } if *id == id3))
+    );
+    let (mut g1, mut g2) = (Bytes::default(), Bytes::default());
+    record(&all, id1, &mut g1);
+    record(&all, id2, &mut g2);
+    assert_eq!(g1, alone(&m, &b, &r1));
+    assert_eq!(g2, alone(&m, &b, &r2));
+    let st = s.stats();
+    assert_eq!(
+        (st.memory_waits, st.kv_reserved, st.waiting_for_memory),
+        (1, 0, 0)
+    );
+}
+
+/// A request larger than the whole budget is refused at once, with the
+/// bytes it needs and the budget in the message; one that fits exactly is
+/// taken. Bad requests are refused too.
+#[test]
+fn a_request_over_the_whole_budget_is_refused() {
+    let (_dir, m) = model("tiny-qwen3next");
+    let b = Cpu::new(1);
+    let probe = Scheduler::new(&m, &b, config(2, 0, None));
+    let need = probe.request_bytes(10, 300);
+    // 311 tokens: two KV blocks.
+    assert_eq!(
+        need,
+        2 * KV_BLOCK as u64 * crate::state::kv_bytes_per_token(&m.hp, KvType::F32)
+            + crate::state::recurrent_bytes(&m.hp)
+    );
+    let mut s = Scheduler::new(&m, &b, config(2, 0, Some(need - 1)));
+    let e = s.submit(request(tokens(10, 1), 300, false)).unwrap_err();
+    assert_eq!(
+        e,
+        SubmitError::OverBudget {
+            need,
+            ctx: 311,
+            budget: need - 1
+        }
+    );
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&need.to_string()) && msg.contains("whole KV budget"),
+        "{msg}"
+    );
+    assert!(s.is_idle());
+    let mut s = Scheduler::new(&m, &b, config(2, 0, Some(need)));
+    assert!(s.submit(request(tokens(10, 1), 300, false)).is_ok());
+    assert_eq!(
+        s.submit(request(Vec::new(), 3, false)),
+        Err(SubmitError::EmptyPrompt)
+    );
+    assert_eq!(
+        s.submit(request(tokens(3, 1), 0, false)),
+        Err(SubmitError::NoTokens)
+    );
+    let vocab = m.w.n_vocab;
+    assert!(matches!(
+        s.submit(request(vec![vocab as u32], 3, false)),
+        Err(SubmitError::BadToken { .. })
+    ));
+}
+
+/// `finish` ends a running request with its counts and saves its state
+/// (the prompt and the tokens fed) in the prefix cache; a stop token ends
+/// one without reporting the token.
+#[test]
+fn finish_saves_the_state_and_a_stop_token_ends_the_request() {
+    let (_dir, m) = model("tiny-qwen3moe");
+    let b = Cpu::new(1);
+    let r = request(tokens(12, 1), 8, false);
+    let first = alone(&m, &b, &r).0[0].0;
+    let mut s = Scheduler::new(&m, &b, config(2, 64 << 20, Some(1 << 30)));
+    let id = s.submit(r.clone()).unwrap();
+    let mut got = Bytes::default();
+    while got.0.len() < 2 {
+        record(&s.step(), id, &mut got);
+    }
+    let entries = s.stats().prefix_entries;
+    let info = s.finish(id).unwrap();
+    assert_eq!(
+        (info.prompt_tokens, info.cached_tokens, info.generated),
+        (12, 0, 2)
+    );
+    assert!(info.prefilled.is_some());
+    let st = s.stats();
+    assert_eq!((st.prefix_entries, st.kv_reserved), (entries + 1, 0));
+    assert!(s.finish(id).is_none() && s.is_idle());
+    // The first token as a stop token: no token, finish `stop`.
+    let id = s
+        .submit(Request {
+            stop_tokens: vec![first],
+            ..r
+        })
+        .unwrap();
+    let mut got = Bytes::default();
+    while !s.is_idle() {
+        record(&s.step(), id, &mut got);
+    }
+    assert_eq!(got, (Vec::new(), Some(Finish::Stop)));
+}
+
+#[test]
+fn prefill_goes_to_the_shortest_prompt_unless_one_waited_too_long() {
+    // Shortest remaining first, ties in arrival order.
+    assert_eq!(
+        prefill_order(&[(6000, 0), (5, 0), (40, 0), (5, 0)]),
+        [1, 3, 2, 0]
+    );
+    // Passed over AGING_STEPS times: first, however long.
+    assert_eq!(prefill_order(&[(6000, AGING_STEPS), (5, 0)]), [0, 1]);
+    assert_eq!(prefill_order(&[(6000, AGING_STEPS - 1), (5, 0)]), [1, 0]);
+    // Among the aged, the longest waiting first.
+    assert_eq!(
+        prefill_order(&[(10, AGING_STEPS), (20, AGING_STEPS + 3), (1, 0)]),
+        [1, 0, 2]
+    );
+}
+
+#[test]
+fn logprobs_are_a_log_softmax_with_the_top_in_order() {
+    let l = logprob(&[0.0, 2.0, 2.0, -1.0], 3, 3);
+    let lse = (1.0f64 + 2.0 * 2f64.exp() + (-1f64).exp()).ln();
+    assert_eq!(l.logprob, (-1.0 - lse) as f32);
+    let ids: Vec<u32> = l.top.iter().map(|&(t, _)| t).collect();
+    assert_eq!(ids, [1, 2, 0]);
+    assert!(logprob(&[1.0], 0, 0).top.is_empty());
+}
