@@ -2,6 +2,8 @@
 
 use crate::args::{BackendArgs, ChunkArgs, KvArgs, ModelArgs, Prefill, ThreadsArgs};
 use anyhow::{Result, bail};
+use samesum_engine::sample::SamplerConfig;
+use samesum_engine::sched::{Config as SchedConfig, Output, Request, Scheduler};
 use samesum_engine::{Backend, KvType, Logits, Model, forward, prefill};
 use samesum_quant::rng::Rng;
 use samesum_server::with_backend;
@@ -68,6 +70,15 @@ pub(crate) struct Args {
     /// length. Two builds that should compute the same sums write the same file.
     #[arg(long, value_name = "FILE")]
     logits_out: Option<PathBuf>,
+    /// Also decode N sequences together through the serving scheduler
+    /// (comma-separated list, llama-batched-bench's -npl): each of N random
+    /// prompts of the first prompt length generates the first generation
+    /// length (greedy), prompts prefilled --chunk rows a step beside the
+    /// decoding ones. Reports the aggregate prompt and generation rates
+    /// (forward time split by rows), the whole run's rate and each
+    /// sequence's own generation rate.
+    #[arg(long = "parallel", value_name = "N", value_delimiter = ',')]
+    parallel: Vec<usize>,
 }
 
 fn mean_sd(v: &[f64]) -> (f64, f64) {
@@ -280,8 +291,97 @@ fn bench<B: Backend>(
             );
         }
     }
+    if !a.parallel.is_empty() {
+        parallel(b, model, a, kv, batch_chunk)?;
+    }
     if let Some(out) = &a.logits_out {
         write_logits(b, model, a, kv, batch_chunk, out)?;
+    }
+    Ok(())
+}
+
+/// `--parallel`: N sequences through [`Scheduler`] at once, per N.
+fn parallel<B: Backend>(b: &B, model: &Model, a: &Args, kv: KvType, chunk: usize) -> Result<()> {
+    let np = a.n_prompt.iter().copied().find(|&n| n > 0).unwrap_or(1);
+    let ng = a.n_gen.iter().copied().find(|&n| n > 0).unwrap_or(1);
+    let mut rng = Rng::new(11);
+    let vocab = model.w.n_vocab as u64;
+    println!();
+    println!("| PP | TG | B | S_PP t/s | S_TG t/s | S t/s | TG t/s per sequence (min .. max) |");
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for &n in a.parallel.iter().filter(|&&n| n > 0) {
+        let (mut pp, mut tg, mut all, mut per) = (vec![], vec![], vec![], vec![]);
+        for rep in usize::from(a.no_warmup)..=a.repetitions {
+            let mut s = Scheduler::new(
+                model,
+                b,
+                SchedConfig {
+                    max_batch: n,
+                    prefill_chunk: chunk,
+                    kv,
+                    prefix_cache_bytes: 0,
+                    kv_budget: None,
+                },
+            );
+            let mut first = vec![None; n];
+            let mut last = vec![None; n];
+            let t = Instant::now();
+            let mut ids = Vec::with_capacity(n);
+            for _ in 0..n {
+                let prompt = (0..np).map(|_| rng.below(vocab) as u32).collect();
+                ids.push(s.submit(Request {
+                    prompt,
+                    max_new: ng,
+                    sampler: SamplerConfig {
+                        temp: 0.0,
+                        ..Default::default()
+                    },
+                    penalties: Default::default(),
+                    logit_bias: Vec::new(),
+                    stop_tokens: Vec::new(),
+                    logprobs: None,
+                })?);
+            }
+            while !s.is_idle() {
+                for o in s.step() {
+                    match o {
+                        Output::Token { id, .. } => {
+                            if let Some(k) = ids.iter().position(|&i| i == id) {
+                                first[k].get_or_insert_with(Instant::now);
+                                last[k] = Some(Instant::now());
+                            }
+                        }
+                        Output::Failed { error, .. } => bail!("--parallel {n}: {error}"),
+                        _ => {}
+                    }
+                }
+            }
+            let secs = t.elapsed().as_secs_f64();
+            if rep == 0 {
+                continue;
+            }
+            let st = s.stats();
+            pp.push(st.prompt_tokens as f64 / st.prefill_seconds.max(1e-12));
+            let decoded = st.completion_tokens.saturating_sub(n as u64);
+            tg.push(decoded as f64 / st.decode_seconds.max(1e-12));
+            all.push((n * (np + ng)) as f64 / secs);
+            for (f, l) in first.iter().zip(&last) {
+                if let (Some(f), Some(l)) = (f, l)
+                    && ng > 1
+                {
+                    per.push((ng - 1) as f64 / (*l - *f).as_secs_f64().max(1e-12));
+                }
+            }
+        }
+        let (pp, tg, all) = (mean_sd(&pp).0, mean_sd(&tg).0, mean_sd(&all).0);
+        let lo = per.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = per.iter().copied().fold(0.0, f64::max);
+        let per_seq = if per.is_empty() {
+            "-".to_string()
+        } else {
+            format!("{:.2} ({lo:.2} .. {hi:.2})", mean_sd(&per).0)
+        };
+        println!("| {np} | {ng} | {n} | {pp:.2} | {tg:.2} | {all:.2} | {per_seq} |");
     }
     Ok(())
 }
