@@ -879,14 +879,14 @@ __device__ __forceinline__ u32 fa_pack(float lo, float hi) {
 }
 
 __device__ __forceinline__ void fa_ldsm4(u32 (&r)[4], const u16* p) {
-    u32 a = (u32)__cvta_generic_to_shared(p);
+    u32 a = smem_addr(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(a));
 }
 
 __device__ __forceinline__ void fa_ldsm4t(u32 (&r)[4], const u16* p) {
-    u32 a = (u32)__cvta_generic_to_shared(p);
+    u32 a = smem_addr(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(a));
@@ -915,21 +915,39 @@ struct FaFold {
 };
 
 // Row stride of the shared tiles in halves: rows 16 bytes (4 banks) apart
-// modulo 128, so ldmatrix's eight rows hit distinct banks.
+// modulo 128, so ldmatrix's eight rows hit distinct banks. The pairs' q,
+// then two buffers of a tile's keys and values (an f16 cache's next tile
+// is copied into one while the other is read).
 template <int HD>
 struct FaLayout {
     static constexpr int ST = HD + 8;
     static constexpr int Q = 0;
     static constexpr int K = FA_P * ST;
-    static constexpr int V = K + FA_KT * ST;
-    static constexpr int HALVES = V + FA_KT * ST;
+    static constexpr int BUF = 2 * FA_KT * ST;  // keys then values
+    static constexpr int HALVES = K + 2 * BUF;
 };
 
-// Keys j0 .. j0 + FA_KT - 1 of KV head g into shared memory as halves (f32
-// caches rounded to nearest), zeros past key `last`.
+// An f16 cache's keys j0 .. j0 + FA_KT - 1 of KV head g copied to shared
+// memory asynchronously (zeros past key `last`).
 template <int HD>
-__device__ __forceinline__ void fa_load_kv(u16* ks, u16* vs, const void* ck, const void* cv, int hkv, int g, int j0,
-                                           int last, int f16) {
+__device__ __forceinline__ void fa_issue_kv(u16* ks, const void* ck, const void* cv, int hkv, int g, int j0,
+                                            int last) {
+    typedef FaLayout<HD> L;
+    constexpr int CH = HD / 8;
+    for (int i = threadIdx.x; i < 2 * FA_KT * CH; i += FA_W * 32) {
+        int mat = i / (FA_KT * CH), r = (i / CH) % FA_KT, c = i % CH;
+        int j = min(j0 + r, last);
+        const u16* src = (const u16*)(mat ? cv : ck) + ((i64)j * hkv + g) * HD + 8 * c;
+        cp_async16(ks + mat * FA_KT * L::ST + r * L::ST + 8 * c, src, j0 + r <= last);
+    }
+}
+
+// An f32 cache's keys j0 .. j0 + FA_KT - 1 of KV head g into shared memory
+// as halves (rounded to nearest: the bytes an f16 cache holds), zeros past
+// key `last`.
+template <int HD>
+__device__ __forceinline__ void fa_load_kv(u16* ks, const void* ck, const void* cv, int hkv, int g, int j0,
+                                           int last) {
     typedef FaLayout<HD> L;
     constexpr int CH = HD / 8;  // 8-value chunks a row
     for (int i = threadIdx.x; i < 2 * FA_KT * CH; i += FA_W * 32) {
@@ -937,17 +955,12 @@ __device__ __forceinline__ void fa_load_kv(u16* ks, u16* vs, const void* ck, con
         int j = j0 + r;
         uint4 w = make_uint4(0u, 0u, 0u, 0u);
         if (j <= last) {
-            i64 e = ((i64)j * hkv + g) * HD + 8 * c;
-            const void* src = mat ? cv : ck;
-            if (f16) {
-                w = *reinterpret_cast<const uint4*>((const u16*)src + e);
-            } else {
-                float4 x = *reinterpret_cast<const float4*>((const float*)src + e);
-                float4 y = *reinterpret_cast<const float4*>((const float*)src + e + 4);
-                w = make_uint4(fa_pack(x.x, x.y), fa_pack(x.z, x.w), fa_pack(y.x, y.y), fa_pack(y.z, y.w));
-            }
+            const float* src = (const float*)(mat ? cv : ck) + ((i64)j * hkv + g) * HD + 8 * c;
+            float4 x = *reinterpret_cast<const float4*>(src);
+            float4 y = *reinterpret_cast<const float4*>(src + 4);
+            w = make_uint4(fa_pack(x.x, x.y), fa_pack(x.z, x.w), fa_pack(y.x, y.y), fa_pack(y.z, y.w));
         }
-        *reinterpret_cast<uint4*>((mat ? vs : ks) + r * L::ST + 8 * c) = w;
+        *reinterpret_cast<uint4*>(ks + mat * FA_KT * L::ST + r * L::ST + 8 * c) = w;
     }
 }
 
@@ -963,8 +976,6 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const void* ck
     constexpr int NT = HD / 8;  // output n-tiles a warp
     extern __shared__ __align__(16) u16 fa_smem[];
     u16* qs = fa_smem + L::Q;
-    u16* ks = fa_smem + L::K;
-    u16* vs = fa_smem + L::V;
     int pos0 = *posp + rbase;
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     int gr = lane >> 2, c = lane & 3;
@@ -993,25 +1004,47 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const void* ck
     // columns 8 (lane / 16); K: keys (lane % 8) + 8 (lane / 16), dims 8 ((lane / 8) % 2);
     // V (transposed): keys (lane % 8) + 8 ((lane / 8) % 2), dims 8 (lane / 16).
     const u16* qa = qs + (16 * warp + (lane & 7) + 8 * ((lane >> 3) & 1)) * L::ST + 8 * (lane >> 4);
-    const u16* ka = ks + ((lane & 7) + 8 * (lane >> 4)) * L::ST + 8 * ((lane >> 3) & 1);
-    const u16* va = vs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * L::ST + 8 * (lane >> 4);
 
     // The running fold of the splits before: M and L in registers, o in the
     // output rows themselves (each element read and written by its own lane).
     float M[2] = {-INFINITY, -INFINITY}, Lsum[2] = {0.0f, 0.0f};
-    for (int s = s_lo; s <= s_hi; s++) {
-        float mr[2] = {-INFINITY, -INFINITY}, lr[2] = {0.0f, 0.0f};
-        float os[NT][4];
-#pragma unroll
-        for (int n = 0; n < NT; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) os[n][e] = 0.0f;
-        int jend = min((s + 1) * FA_SPLIT, last + 1);
-        for (int j0 = s * FA_SPLIT; j0 < jend; j0 += FA_KT) {
+    float mr[2], lr[2], os[NT][4];
+    // The block's tiles in order, the splits' boundaries every
+    // FA_SPLIT / FA_KT tiles. An f16 cache's tiles are copied a tile ahead
+    // into alternate buffers; an f32 cache's are converted in place.
+    int jbeg = s_lo * FA_SPLIT, jall = min((s_hi + 1) * FA_SPLIT, last + 1);
+    if (f16) {
+        fa_issue_kv<HD>(fa_smem + L::K, ck, cv, hkv, g, jbeg, last);
+        cp_async_commit();
+    }
+    for (int j0 = jbeg, it = 0; j0 < jall; j0 += FA_KT, it++) {
+        u16* kb = fa_smem + L::K + (f16 ? (it & 1) * L::BUF : 0);
+        if (f16) {
+            if (j0 + FA_KT < jall) {
+                fa_issue_kv<HD>(fa_smem + L::K + ((it + 1) & 1) * L::BUF, ck, cv, hkv, g, j0 + FA_KT, last);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
             __syncthreads();
-            fa_load_kv<HD>(ks, vs, ck, cv, hkv, g, j0, last, f16);
+        } else {
             __syncthreads();
-            if (wlast < j0) continue;  // no key of the tile for any row of this warp
+            fa_load_kv<HD>(kb, ck, cv, hkv, g, j0, last);
+            __syncthreads();
+        }
+        int s = j0 / FA_SPLIT;
+        if (j0 % FA_SPLIT == 0) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) mr[h] = -INFINITY, lr[h] = 0.0f;
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) os[n][e] = 0.0f;
+        }
+        if (wlast >= j0) {  // else no key of the tile for any row of this warp
+            const u16* ka = kb + ((lane & 7) + 8 * (lane >> 4)) * L::ST + 8 * ((lane >> 3) & 1);
+            const u16* va = kb + FA_KT * L::ST + ((lane & 7) + 8 * ((lane >> 3) & 1)) * L::ST + 8 * (lane >> 4);
             float sc[FA_KT / 8][4];
 #pragma unroll
             for (int n = 0; n < FA_KT / 8; n++)
@@ -1046,10 +1079,11 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const void* ck
             for (int h = 0; h < 2; h++) {
                 mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 1));
                 mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 2));
-                float mn = fmaxf(mr[h], mt[h]);
-                // No key yet (mn = -inf): nothing changes.
-                al[h] = mn == -INFINITY ? 1.0f : fa_ex2(__fsub_rn(mr[h], mn));
-                mr[h] = mn;
+                // The running values rescale only when the maximum grows (a
+                // tile with no key for the row, all -inf, is an exact no-op:
+                // a factor of exactly 1 and zero products).
+                al[h] = mt[h] > mr[h] ? fa_ex2(__fsub_rn(mr[h], mt[h])) : 1.0f;
+                mr[h] = fmaxf(mr[h], mt[h]);
             }
             float ps[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -1083,8 +1117,12 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const void* ck
                 }
             }
         }
-        // The split's sum over the quad's lanes (every lane of the quad gets
-        // the same bits: fadd commutes).
+        // The buffer just read is the one the next tile but one is copied to.
+        if (f16) __syncthreads();
+        if ((j0 + FA_KT) % FA_SPLIT != 0 && j0 + FA_KT < jall) continue;
+        // The split ends: its sum over the quad's lanes (every lane of the
+        // quad gets the same bits: fadd commutes), then its partial out
+        // (decode) or its fold into the running values (prefill).
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             lr[h] = __fadd_rn(lr[h], __shfl_xor_sync(0xffffffffu, lr[h], 1));
@@ -1102,7 +1140,7 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const void* ck
                     *reinterpret_cast<float2*>(pacc + at * HD + 8 * n + 2 * c) =
                         make_float2(os[n][2 * h], os[n][2 * h + 1]);
             }
-            return;
+            continue;
         }
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -1125,6 +1163,7 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const void* ck
             }
         }
     }
+    if (split >= 0) return;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         if (posr[h] < 0) continue;

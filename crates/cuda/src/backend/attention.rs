@@ -42,6 +42,14 @@ const FA_SPLIT_ROWS: usize = 4;
 /// pairs' q rows (`ATT_HD` = 256 floats) and score rows (`ATT_S` = 260).
 const P32_SMEM: usize = 2 * AP * (256 + 260) * 4;
 
+/// The flash kernel's dynamic shared memory in bytes at head dim `hd`: its
+/// pairs' q and, with an f16 cache, two buffers of a tile's keys and values
+/// (the next tile is copied while one is read), with an f32 cache one (its
+/// tiles are converted in place); halves, rows hd + 8 apart.
+fn flash_smem(hd: usize, f16: bool) -> usize {
+    (FA_P + if f16 { 4 } else { 2 } * FA_KT) * (hd + 8) * 2
+}
+
 impl AttentionKernel {
     /// The kernel for head dim `hd`, query groups of `gs` heads and a call
     /// of `rows` rows, with or without fast attention. The 32-pair kernel
@@ -80,14 +88,13 @@ impl AttentionKernel {
         }
     }
 
-    /// Dynamic shared memory in bytes at head dim `hd`: the flash kernel
-    /// keeps its pairs' q and a tile's keys and values as halves, rows
-    /// hd + 8 apart.
+    /// Dynamic shared memory in bytes at head dim `hd` (the flash kernel's
+    /// largest, with an f16 cache).
     fn smem(self, hd: usize) -> usize {
         match self {
             Self::Reference | Self::Pairs16 => 0,
             Self::Pairs32 => P32_SMEM,
-            Self::Flash => (FA_P + 2 * FA_KT) * (hd + 8) * 2,
+            Self::Flash => flash_smem(hd, true),
         }
     }
 }
@@ -492,7 +499,7 @@ impl Cuda {
                     if split { nsplit as u32 } else { 1 }
                 ),
                 256,
-                kernel.smem(hd) as u32
+                flash_smem(hd, p.f16) as u32
             ),
             p.q,
             p.ck,

@@ -225,6 +225,28 @@ fn fast_attention_option_takes_the_tensor_core_passes() {
             );
         }
         eprintln!("{shape}: fast attention, batched == replay over 300 tokens (chunks 64 and 7)");
+        // Past two split boundaries (512 and 1,024 keys), both caches (an
+        // f16 cache's tiles are copied a tile ahead, an f32 cache's
+        // converted in place): the fold of the splits in the blocks equals
+        // decode's split partials and combine.
+        let mut rng = Rng::new(31);
+        let long: Vec<u32> = (0..1100)
+            .map(|_| rng.below(model.w.n_vocab as u64) as u32)
+            .collect();
+        for kv in [KvType::F32, KvType::F16] {
+            let replay = all_logits_kv(&cuda, &model, &long, 1, kv);
+            assert!(replay.iter().all(|v| v.is_finite()), "{shape}: non-finite");
+            for chunk in [512, 100] {
+                let batched = all_logits_kv(&cuda, &model, &long, chunk, kv);
+                assert!(
+                    same_bits(&batched, &replay),
+                    "{shape} {kv:?} chunk {chunk}: fast attention batched != replay over 1,100 tokens"
+                );
+            }
+        }
+        eprintln!(
+            "{shape}: fast attention, batched == replay over 1,100 tokens (f32 and f16 caches)"
+        );
     }
 }
 
