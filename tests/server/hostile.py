@@ -36,6 +36,7 @@ Prints the figures (max /health latency, connections, RSS before/after).
 
 import argparse
 import http.client
+import itertools
 import json
 import os
 import re
@@ -65,6 +66,7 @@ RSS_SLACK_KIB = 48 * 1024
 # prompt of about 2,400 tokens.
 MANY = json.dumps({"messages": [{"role": "user", "content": "hi"}] * 20000, "max_tokens": 4}).encode()
 LONG_PROMPT = "alpha beta gamma delta " * 150
+PREFILL_IDS = itertools.count()
 
 # The valid requests: (name, path, body); all greedy.
 PROMPTS = ["Tell me about mixture-of-experts models.", "Hello there", "1 2 3 4 5"]
@@ -409,7 +411,10 @@ class Attack:
         s.close()
 
     def gone_mid_prefill(self, i, stream):
-        body = json.dumps({"prompt": LONG_PROMPT + str(i), "max_tokens": 8, "stream": stream}).encode()
+        # A prompt no earlier request began with: the server's prefix cache
+        # would otherwise restore a repeated one and skip the long prefill.
+        body = json.dumps({"prompt": f"{next(PREFILL_IDS)} " + LONG_PROMPT + str(i), "max_tokens": 8,
+                           "stream": stream}).encode()
         s = send_head(self.H, self.P, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                                       b"Content-Length: %d\r\n\r\n" % len(body) + body)
         if stream:
