@@ -462,19 +462,31 @@ fn delta_net(
 /// one result per pair, then combine each token's results in slot order and add
 /// the gated shared expert. One row (decode) is the same path with a plan of k
 /// single-row experts.
-fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
-    let hp = &model.hp;
-    let file = model.bytes();
-    let (d, e, k, f, fs) = (
-        hp.n_embd,
-        hp.n_expert,
-        hp.n_expert_used,
-        hp.n_ff_exp,
-        hp.n_ff_shexp,
+pub(crate) fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
+    let k = model.hp.n_expert_used;
+    let (ids, weights) = moe_route(model, cpu, mw, x);
+    let (pair_out, shared) = moe_experts(model, cpu, mw, x, &ids, k, true);
+    let m = x.len() / model.hp.n_embd;
+    // The negative control changes batched calls only, so replay stays right.
+    let reversed = cpu.reversed_topk() && m > 1;
+    moe_combine(
+        model,
+        &ids,
+        &weights,
+        &pair_out,
+        shared.as_ref(),
+        reversed,
+        y,
     );
+}
+
+/// The router: each row's `k` expert ids (-1 = skipped) and weights.
+pub(crate) fn moe_route(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32]) -> (Vec<i32>, Vec<f32>) {
+    let hp = &model.hp;
+    let (d, e, k) = (hp.n_embd, hp.n_expert, hp.n_expert_used);
     let m = x.len() / d;
     let mut logits = vec![0f32; m * e];
-    cpu.matmul(file, &mw.router, 0, x, &mut logits);
+    cpu.matmul(model.bytes(), &mw.router, 0, x, &mut logits);
     let mut ids = vec![-1i32; m * k];
     let mut weights = vec![0f32; m * k];
     for r in 0..m {
@@ -484,7 +496,33 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
             weights[r * k + s] = w;
         }
     }
-    let plan = Plan::build(&ids, e, 1);
+    (ids, weights)
+}
+
+/// The shared expert's output rows and gate inputs.
+pub(crate) struct SharedOut {
+    ys: Vec<f32>,
+    gi: Vec<f32>,
+}
+
+/// The routed experts over rows `x`, pairs `ids` (`rows * k`, -1 = skipped):
+/// one output row per pair (zero for a skipped one), and with `shared` the
+/// shared expert over every row, its matmuls in the same parallel calls.
+pub(crate) fn moe_experts(
+    model: &Model,
+    cpu: &Cpu,
+    mw: &MoeW,
+    x: &[f32],
+    ids: &[i32],
+    k: usize,
+    shared: bool,
+) -> (Vec<f32>, Option<SharedOut>) {
+    let hp = &model.hp;
+    let file = model.bytes();
+    let (d, e, f, fs) = (hp.n_embd, hp.n_expert, hp.n_ff_exp, hp.n_ff_shexp);
+    let m = x.len() / d;
+    let sh = mw.shared.as_ref().filter(|_| shared);
+    let plan = Plan::build(ids, e, 1);
     let active: Vec<usize> = (0..e).filter(|&i| plan.counts[i] > 0).collect();
     let xs: Vec<Vec<f32>> = active
         .iter()
@@ -499,9 +537,10 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
         .map(|&i| vec![0f32; plan.counts[i] as usize * f])
         .collect();
     let mut up = gate.clone();
-    let mut sg = vec![0f32; m * fs];
-    let mut su = vec![0f32; m * fs];
-    let mut gi = vec![0f32; m];
+    let ms = if sh.is_some() { m } else { 0 };
+    let mut sg = vec![0f32; ms * fs];
+    let mut su = vec![0f32; ms * fs];
+    let mut gi = vec![0f32; ms];
     {
         let mut jobs: Vec<MatmulJob> = Vec::with_capacity(2 * active.len() + 3);
         for (((&i, xe), g), u) in active
@@ -523,7 +562,7 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
                 y: u,
             });
         }
-        if let Some(sh) = &mw.shared {
+        if let Some(sh) = sh {
             jobs.push(MatmulJob {
                 w: &sh.gate,
                 mat: 0,
@@ -557,7 +596,7 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
         .iter()
         .map(|&i| vec![0f32; plan.counts[i] as usize * d])
         .collect();
-    let mut ys = vec![0f32; m * d];
+    let mut ys = vec![0f32; ms * d];
     {
         let mut jobs: Vec<MatmulJob> = Vec::with_capacity(active.len() + 1);
         for ((&i, h), o) in active.iter().zip(&gate).zip(outs.iter_mut()) {
@@ -568,7 +607,7 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
                 y: o,
             });
         }
-        if let Some(sh) = &mw.shared {
+        if let Some(sh) = sh {
             jobs.push(MatmulJob {
                 w: &sh.down,
                 mat: 0,
@@ -579,18 +618,34 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
         cpu.matmuls(file, &mut jobs);
     }
     // One result per (token, slot).
-    let mut pair_out = vec![0f32; m * k * d];
+    let mut pair_out = vec![0f32; ids.len() * d];
     for (&i, o) in active.iter().zip(&outs) {
         for (row, &p) in o.chunks_exact(d).zip(plan.expert(i)) {
             pair_out[p as usize * d..(p as usize + 1) * d].copy_from_slice(row);
         }
     }
+    (pair_out, sh.map(|_| SharedOut { ys, gi }))
+}
+
+/// Each token's routed results summed in slot order with the router's
+/// weights, then the sigmoid-gated shared expert added: the one order every
+/// MoE call uses, whichever device or rank computed the pairs. `reversed` is
+/// the negative control (slots backwards, fused multiply-adds).
+pub(crate) fn moe_combine(
+    model: &Model,
+    ids: &[i32],
+    weights: &[f32],
+    pair_out: &[f32],
+    shared: Option<&SharedOut>,
+    reversed: bool,
+    y: &mut [f32],
+) {
+    let (d, k) = (model.hp.n_embd, model.hp.n_expert_used);
+    let m = ids.len() / k;
     for r in 0..m {
         let yr = &mut y[r * d..(r + 1) * d];
         yr.fill(0.0);
-        // The negative control changes batched calls only, so replay stays right.
-        let variant = cpu.reversed_topk() && m > 1;
-        let order: Vec<usize> = if variant {
+        let order: Vec<usize> = if reversed {
             (0..k).rev().collect()
         } else {
             (0..k).collect()
@@ -601,8 +656,7 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
             }
             let wgt = weights[r * k + s];
             let o = &pair_out[(r * k + s) * d..(r * k + s + 1) * d];
-            if variant {
-                // The negative control: reverse order and fused multiply-adds.
+            if reversed {
                 for (acc, v) in yr.iter_mut().zip(o) {
                     *acc = wgt.mul_add(*v, *acc);
                 }
@@ -612,9 +666,9 @@ fn moe(model: &Model, cpu: &Cpu, mw: &MoeW, x: &[f32], y: &mut [f32]) {
                 *acc += wgt * *v;
             }
         }
-        if mw.shared.is_some() {
-            let sgate = cpu::sigmoid(gi[r]);
-            for (acc, v) in yr.iter_mut().zip(&ys[r * d..(r + 1) * d]) {
+        if let Some(sh) = shared {
+            let sgate = cpu::sigmoid(sh.gi[r]);
+            for (acc, v) in yr.iter_mut().zip(&sh.ys[r * d..(r + 1) * d]) {
                 *acc += sgate * *v;
             }
         }

@@ -5,6 +5,7 @@ pub mod backend;
 pub mod conformance;
 pub mod cpu;
 mod cpu_backend;
+pub mod ep;
 mod error;
 pub mod forward;
 pub mod identity;
