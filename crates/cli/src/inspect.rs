@@ -22,6 +22,59 @@ pub(crate) struct Args {
     /// error (non-zero exit) naming the sizes when the budget is too small.
     #[arg(long, value_name = "BYTES")]
     vram_budget: Option<String>,
+    /// Plan expert parallelism over this many GPUs of --vram-budget each
+    /// instead: the trunk replicated on every GPU, the routed experts split
+    /// in contiguous slices; an error naming the sizes when the model does
+    /// not fit across them. (A plan only: running over several GPUs is not
+    /// implemented yet.)
+    #[arg(long, value_name = "N", requires = "vram_budget", value_parser = clap::value_parser!(u32).range(1..=64))]
+    gpus: Option<u32>,
+}
+
+/// An expert-parallel placement and the sizes it was made from.
+struct EpPlan {
+    sizes: samesum_cuda::tier::TierSizes,
+    budget: u64,
+    placement: samesum_engine::ep::Placement,
+}
+
+/// Expert parallelism over `gpus` GPUs of `budget` each: every GPU keeps the
+/// trunk and the reserve, and a slice of every layer's routed experts.
+fn ep_plan(path: &std::path::Path, budget: &str, gpus: u32) -> Result<EpPlan> {
+    let bytes = samesum_cuda::tier::parse_bytes(budget)
+        .map_err(|e| anyhow::anyhow!("--vram-budget {e}"))?;
+    let model = samesum_engine::Model::load(path)?;
+    let sizes = samesum_cuda::tier::TierSizes::of(&model);
+    let fixed = sizes.trunk + samesum_cuda::tier::RESERVE;
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    if bytes < fixed {
+        anyhow::bail!(
+            "--vram-budget {budget} ({:.0} MiB) is below what every GPU keeps: the trunk ({:.0} MiB) and {:.0} MiB for the KV cache and activations",
+            mib(bytes),
+            mib(sizes.trunk),
+            mib(samesum_cuda::tier::RESERVE)
+        );
+    }
+    samesum_engine::ep::Placement::even(sizes.experts, gpus as usize)?;
+    let per_expert = sizes.expert * sizes.layers as u64;
+    let free = vec![bytes - fixed; gpus as usize];
+    let placement = samesum_engine::ep::Placement::fitting(sizes.experts, per_expert, &free)
+        .with_context(|| {
+            format!(
+                "the model ({:.2} MiB) does not fit on {gpus} GPUs of {budget}: each keeps the trunk ({:.2} MiB) and {:.0} MiB reserve, leaving {:.2} MiB for experts of {:.2} MiB each (all {} layers)",
+                mib(sizes.total()),
+                mib(sizes.trunk),
+                mib(samesum_cuda::tier::RESERVE),
+                mib(bytes - fixed),
+                mib(per_expert),
+                sizes.layers
+            )
+        })?;
+    Ok(EpPlan {
+        sizes,
+        budget: bytes,
+        placement,
+    })
 }
 
 /// The tier plan for `budget`, or the reason there is none.
@@ -125,9 +178,10 @@ pub(crate) fn run(a: Args) -> Result<()> {
         .get_array("tokenizer.ggml.tokens")
         .map(|a| a.items.len())
         .ok();
-    let plan = match &a.vram_budget {
-        Some(b) => Some(tier_plan(&path, b)?),
-        None => None,
+    let (plan, ep) = match (&a.vram_budget, a.gpus) {
+        (Some(b), Some(n)) => (None, Some(ep_plan(&path, b, n)?)),
+        (Some(b), None) => (Some(tier_plan(&path, b)?), None),
+        _ => (None, None),
     };
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     // Memory per token of context, where the hyperparameters parse.
@@ -177,6 +231,18 @@ pub(crate) fn run(a: Args) -> Result<()> {
                 "slots_per_layer": p.slots,
                 "staging_bytes": p.staging,
                 "vram_bytes": p.vram,
+            })),
+            "expert_parallel_plan": ep.as_ref().map(|p| json!({
+                "gpus": p.placement.ranks(),
+                "vram_budget_bytes": p.budget,
+                "trunk_bytes_each": p.sizes.trunk,
+                "reserve_bytes_each": samesum_cuda::tier::RESERVE,
+                "host_embedding_bytes": p.sizes.host,
+                "experts": (0..p.placement.ranks()).map(|r| {
+                    let e = p.placement.experts(r);
+                    json!({"first": e.start, "end": e.end,
+                           "bytes": e.len() as u64 * p.sizes.expert * p.sizes.layers as u64})
+                }).collect::<Vec<_>>(),
             })),
             "metadata": if a.all_metadata { Some(m.iter().map(|(k, v)| (k.to_string(), to_json(v))).collect::<serde_json::Map<_, _>>()) } else { None },
             "tensors": f.tensors().iter().map(|t| json!({
@@ -265,6 +331,35 @@ pub(crate) fn run(a: Args) -> Result<()> {
             mib(p.vram),
             mib(samesum_cuda::tier::RESERVE)
         );
+    }
+    if let Some(p) = &ep {
+        let z = p.sizes;
+        println!(
+            "expert parallelism over {} GPUs (--vram-budget {} each):",
+            p.placement.ranks(),
+            a.vram_budget.as_deref().unwrap_or("")
+        );
+        println!(
+            "  on every GPU             {:>12.2} MiB trunk + {:.0} MiB for the KV cache and activations",
+            mib(z.trunk),
+            mib(samesum_cuda::tier::RESERVE)
+        );
+        println!("  token embedding in host  {:>12.2} MiB", mib(z.host));
+        for r in 0..p.placement.ranks() {
+            let e = p.placement.experts(r);
+            let bytes = e.len() as u64 * z.expert * z.layers as u64;
+            println!(
+                "  GPU {r:<3} experts {:>5}..{:<5} {:>9.2} MiB routed ({} of {} a layer, {} layers); {:.2} of {:.2} MiB",
+                e.start,
+                e.end,
+                mib(bytes),
+                e.len(),
+                z.experts,
+                z.layers,
+                mib(z.trunk + samesum_cuda::tier::RESERVE + bytes),
+                mib(p.budget)
+            );
+        }
     }
     if a.all_metadata {
         println!("metadata:");

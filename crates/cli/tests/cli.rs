@@ -51,6 +51,44 @@ fn inspect_plans_tier_mode_for_a_vram_budget_and_refuses_one_too_small() {
 }
 
 #[test]
+fn inspect_plans_expert_parallelism_and_names_the_sizes_when_it_does_not_fit() {
+    let (ok, out, err) = samesum(&["inspect", "--json", "--gpus", "3", "--vram-budget", "2G"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let p = &v["expert_parallel_plan"];
+    assert_eq!(p["gpus"], 3);
+    // The tiny model's 8 experts over 3 GPUs: 3, 3 and 2, contiguous.
+    let slices: Vec<(u64, u64)> = p["experts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["first"].as_u64().unwrap(), e["end"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(slices, vec![(0, 3), (3, 6), (6, 8)]);
+    assert!(v["tier_plan"].is_null());
+    let (ok, out, err) = samesum(&["inspect", "--gpus", "2", "--vram-budget", "2G"]);
+    assert!(
+        ok && out.contains("expert parallelism over 2 GPUs"),
+        "{err}"
+    );
+    // Room for the trunk and the reserve, not for half the experts.
+    let (ok, _, err) = samesum(&["inspect", "--gpus", "2", "--vram-budget", "1025M"]);
+    assert!(!ok, "a plan that does not fit was accepted");
+    assert!(
+        err.contains("does not fit on 2 GPUs") && err.contains("bytes free"),
+        "{err}"
+    );
+    let (ok, _, err) = samesum(&["inspect", "--gpus", "9", "--vram-budget", "8G"]);
+    assert!(
+        !ok && err.contains("cannot split 8 experts over 9"),
+        "{err}"
+    );
+    let (ok, _, err) = samesum(&["inspect", "--gpus", "2"]);
+    assert!(!ok && err.contains("--vram-budget"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
 fn bench_runs_each_test_at_each_context_depth() {
     let (ok, out, err) = samesum(&["bench", "-p", "8", "-n", "2", "-d", "0,16", "-r", "1"]);
     assert!(ok, "{err}");
