@@ -234,6 +234,8 @@ pub(crate) fn run(a: Args) -> Result<()> {
             })),
             "expert_parallel_plan": ep.as_ref().map(|p| json!({
                 "gpus": p.placement.ranks(),
+                "cuda_devices_here": samesum_cuda::device_count(),
+                "nccl_version_here": samesum_cuda::nccl_version(),
                 "vram_budget_bytes": p.budget,
                 "trunk_bytes_each": p.sizes.trunk,
                 "reserve_bytes_each": samesum_cuda::tier::RESERVE,
@@ -345,6 +347,13 @@ pub(crate) fn run(a: Args) -> Result<()> {
             mib(samesum_cuda::tier::RESERVE)
         );
         println!("  token embedding in host  {:>12.2} MiB", mib(z.host));
+        let nccl = samesum_cuda::nccl_version().map_or("not found".to_string(), |v| {
+            format!("{}.{}.{}", v / 10000, v / 100 % 100, v % 100)
+        });
+        println!(
+            "  this host                {:>12} CUDA devices, NCCL {nccl} (running over several GPUs is not implemented yet)",
+            samesum_cuda::device_count()
+        );
         for r in 0..p.placement.ranks() {
             let e = p.placement.experts(r);
             let bytes = e.len() as u64 * z.expert * z.layers as u64;

@@ -21,6 +21,20 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// The NCCL library's version (e.g. 22703 for 2.27.3) when it can be
+/// loaded, else `None`: the collectives that several GPUs of one host would
+/// exchange expert rows through. Probed with dlopen; nothing else is called
+/// when it is missing.
+pub fn nccl_version() -> Option<u32> {
+    // SAFETY: only probes for the library with dlopen.
+    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        return None;
+    }
+    cudarc::nccl::result::get_nccl_version()
+        .ok()
+        .map(|v| v.max(0) as u32)
+}
+
 /// Number of CUDA devices (0 when there is no driver).
 pub fn device_count() -> usize {
     if !driver_present() {

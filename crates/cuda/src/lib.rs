@@ -13,6 +13,6 @@ pub mod tier;
 mod tiered;
 
 pub use backend::{Cuda, CudaBuf, CudaOptions, CudaState, FORMATS};
-pub use device::{PDL_MAX_ROWS, device_count, driver_present};
+pub use device::{PDL_MAX_ROWS, device_count, driver_present, nccl_version};
 pub use error::{CudaError, Result};
 pub use tiered::TierStats;

@@ -25,29 +25,50 @@ use crate::plan::Plan;
 pub enum EpError {
     /// No ranks, or more ranks than experts (a rank would hold none).
     #[error("cannot split {experts} experts over {ranks} ranks (need 1 to {experts} ranks)")]
-    Ranks { experts: usize, ranks: usize },
+    Ranks {
+        /// Experts a layer.
+        experts: usize,
+        /// Ranks asked for.
+        ranks: usize,
+    },
     /// The expert slices do not fit the ranks' memory.
     #[error(
         "the routed experts need {need} bytes per rank at best ({experts} experts of {per_expert} bytes over {ranks} ranks), but rank {rank} has {have} bytes free"
     )]
     Memory {
+        /// Experts a layer.
         experts: usize,
+        /// Bytes of one expert index over all layers.
         per_expert: u64,
+        /// Ranks.
         ranks: usize,
+        /// The first rank short of memory.
         rank: usize,
+        /// Bytes its slice needs.
         need: u64,
+        /// Bytes it has.
         have: u64,
     },
     /// A token's owner names no rank.
     #[error("token {token} is owned by rank {owner}, but there are {ranks} ranks")]
     Owner {
+        /// The token.
         token: usize,
+        /// Its owner.
         owner: u32,
+        /// Ranks.
         ranks: usize,
     },
     /// The owner list and the routing disagree on the token count.
     #[error("{ids} expert ids at {k} a token, but owners for {owners} tokens")]
-    Tokens { ids: usize, k: usize, owners: usize },
+    Tokens {
+        /// Expert ids given.
+        ids: usize,
+        /// Slots a token.
+        k: usize,
+        /// Owners given.
+        owners: usize,
+    },
 }
 
 /// Which rank holds which experts: rank `r` holds `starts[r]..starts[r + 1]`.
