@@ -676,7 +676,7 @@ pub(crate) fn moe_combine(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::forward::{Logits, forward};
     use crate::state::KV_BLOCK;
@@ -684,10 +684,16 @@ mod tests {
     use samesum_synth::{SynthOptions, shapes, write_model};
 
     fn model(shape: &str) -> (tempfile::TempDir, Model) {
+        model_in(shape, GgmlType::Q8_0)
+    }
+
+    /// A synthetic model of `shape` with its matrices in `quant` (seed 3),
+    /// in a temporary directory that lives as long as the returned guard.
+    pub(crate) fn model_in(shape: &str, quant: GgmlType) -> (tempfile::TempDir, Model) {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("m.gguf");
         write_model(
-            &SynthOptions::new(shapes::by_name(shape).unwrap(), GgmlType::Q8_0, 3),
+            &SynthOptions::new(shapes::by_name(shape).unwrap(), quant, 3),
             &p,
             &mut |_, _| {},
         )

@@ -5,11 +5,11 @@
 
 use super::{Exchange, Placement, block_owners};
 use crate::cpu::Cpu;
+use crate::cpu_backend::tests::model_in as model;
 use crate::cpu_backend::{moe as one_device_moe, moe_combine, moe_experts, moe_route};
 use crate::model::Model;
 use crate::model::weights::MoeW;
 use samesum_gguf::GgmlType;
-use samesum_synth::{SynthOptions, shapes, write_model};
 
 /// What the run moved and computed, for the checks beside the bytes.
 struct Traffic {
@@ -144,19 +144,6 @@ fn moe_on_ranks(
     (y, traffic)
 }
 
-fn model(shape: &str, quant: GgmlType) -> (tempfile::TempDir, Model) {
-    let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("m.gguf");
-    write_model(
-        &SynthOptions::new(shapes::by_name(shape).unwrap(), quant, 5),
-        &p,
-        &mut |_, _| {},
-    )
-    .unwrap();
-    let m = Model::load(&p).unwrap();
-    (dir, m)
-}
-
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
@@ -173,10 +160,10 @@ fn rows(m: usize, d: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// Two, three and four simulated ranks, tokens owned in blocks, round robin
-/// or all by one rank: every MoE layer's output equals the one-device call
-/// byte for byte, on every tiny architecture and two weight formats; every
-/// routed pair is computed once, on the rank holding its expert.
+/// One to four simulated ranks, tokens owned in blocks, round robin or all
+/// by one rank: the first two MoE layers' outputs equal one device's byte for
+/// byte, on every tiny architecture in two weight formats, for 1 to 64 rows;
+/// every routed pair is computed once, on the rank holding its expert.
 #[test]
 fn expert_parallel_moe_equals_one_device() {
     let cpu = Cpu::new(2);
