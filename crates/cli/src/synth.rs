@@ -59,6 +59,10 @@ pub(crate) struct Args {
     /// writes a Hugging Face rope_scaling of type yarn.
     #[arg(long, value_name = "FACTOR")]
     yarn: Option<f32>,
+    /// Write this Jinja file as the model's chat template (e.g. a real
+    /// Qwen template, for tools and reasoning) instead of plain ChatML.
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<PathBuf>,
     /// Output file.
     #[arg(short, long)]
     output: PathBuf,
@@ -148,6 +152,11 @@ fn options_of(a: &Args) -> Result<SynthOptions> {
             bail!("--yarn {f}: the factor must be above 1 and at most 64");
         }
         opts = opts.with_yarn(f);
+    }
+    if let Some(p) = &a.chat_template {
+        let t = std::fs::read_to_string(p)
+            .with_context(|| format!("--chat-template {}", p.display()))?;
+        opts = opts.with_chat_template(t);
     }
     Ok(match &a.mix {
         None => opts,

@@ -3,6 +3,15 @@
 //!
 //! Supported: `tokenizer.ggml.model = "gpt2"` (byte-level BPE) with the
 //! pre-tokenizers `qwen2` and `qwen35`; anything else is an error naming it.
+//! Text is NFC-normalized before it is split, as Qwen's own tokenizers do
+//! (`tokenizer.json`'s `NFC` normalizer for Qwen2, Qwen3 and Qwen3.5; llama.cpp
+//! skips it for `qwen2`, so decomposed text tokenizes differently there).
+//!
+//! Token types follow llama.cpp: control tokens (GGUF type 3: `<|im_start|>`,
+//! `<|im_end|>`, ...) and user-defined tokens (type 4: Qwen3's `<think>`,
+//! `</think>`, `<tool_call>`, ...) are matched whole in the text; decoding
+//! leaves control tokens out and writes user-defined ones as their text, as
+//! llama.cpp's detokenizer and transformers' `skip_special_tokens` do.
 
 use crate::error::{EngineError, Result};
 use samesum_gguf::Metadata;
@@ -30,6 +39,10 @@ pub struct Tokenizer {
     /// The chat template, if any.
     pub chat_template: Option<String>,
     tokens: Vec<String>,
+    /// Per id: a control token (left out of decoded text).
+    control: Vec<bool>,
+    /// Per id: an added token, whose string is its text (not byte-level).
+    added_text: Vec<bool>,
 }
 
 fn err(e: impl std::fmt::Display) -> EngineError {
@@ -46,9 +59,9 @@ impl Tokenizer {
             )));
         }
         let pre = m.get_str("tokenizer.ggml.pre").unwrap_or("default");
-        let (pattern, nfc) = match pre {
-            "qwen2" => (QWEN2_SPLIT, false),
-            "qwen35" => (QWEN35_SPLIT, true),
+        let pattern = match pre {
+            "qwen2" => QWEN2_SPLIT,
+            "qwen35" => QWEN35_SPLIT,
             other => {
                 return Err(err(format!(
                     "tokenizer.ggml.pre {other:?} is not supported (supported: qwen2, qwen35)"
@@ -78,12 +91,15 @@ impl Tokenizer {
         };
         let mut vocab = tokenizers::models::bpe::Vocab::default();
         let mut specials = Vec::new();
+        let mut user_defined = Vec::new();
         for (i, t) in tokens.iter().enumerate() {
             // Every token keeps its GGUF id; control and user-defined tokens are also
             // matched whole in the text, before BPE.
             vocab.insert(t.clone(), i as u32);
-            if matches!(types.get(i).copied().unwrap_or(1), 3 | 4) {
-                specials.push((i as u32, t.clone()));
+            match types.get(i).copied().unwrap_or(1) {
+                3 => specials.push((i as u32, t.clone())),
+                4 => user_defined.push((i as u32, t.clone())),
+                _ => {}
             }
         }
         let bpe = BPE::builder()
@@ -102,17 +118,20 @@ impl Tokenizer {
             ByteLevel::new(false, false, false).into(),
         ])));
         inner.with_decoder(Some(ByteLevel::default()));
-        if nfc {
-            inner.with_normalizer(Some(NFC)).map_err(err)?;
-        }
-        // Special tokens keep their GGUF ids: the added vocabulary maps content to
-        // the id the model was trained with.
-        let added: Vec<AddedToken> = specials
-            .iter()
-            .map(|(_, s)| AddedToken::from(s.clone(), true).normalized(false))
-            .collect();
-        inner.add_special_tokens(added).map_err(err)?;
-        for (id, s) in &specials {
+        inner.with_normalizer(Some(NFC)).map_err(err)?;
+        // Added tokens keep their GGUF ids: the added vocabulary maps content to
+        // the id the model was trained with. Control tokens are "special"
+        // (left out when decoding), user-defined ones are not.
+        let added = |list: &[(u32, String)], special: bool| -> Vec<AddedToken> {
+            list.iter()
+                .map(|(_, s)| AddedToken::from(s.clone(), special).normalized(false))
+                .collect()
+        };
+        inner
+            .add_special_tokens(added(&specials, true))
+            .map_err(err)?;
+        inner.add_tokens(added(&user_defined, false)).map_err(err)?;
+        for (id, s) in specials.iter().chain(&user_defined) {
             if inner.token_to_id(s) != Some(*id) {
                 return Err(err(format!(
                     "special token {s:?} would get id {:?}, the file says {id}",
@@ -138,8 +157,18 @@ impl Tokenizer {
                 stop.push(*i);
             }
         }
+        let mut control = vec![false; n_tokens];
+        for (i, _) in &specials {
+            control[*i as usize] = true;
+        }
+        let mut added_text = vec![false; n_tokens];
+        for (i, _) in specials.iter().chain(&user_defined) {
+            added_text[*i as usize] = true;
+        }
         Ok(Tokenizer {
             inner,
+            control,
+            added_text,
             stop,
             bos: id("tokenizer.ggml.bos_token_id")?,
             add_bos: m.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(false),
@@ -170,6 +199,25 @@ impl Tokenizer {
             .get(id as usize)
             .map(String::as_str)
             .unwrap_or("<?>")
+    }
+
+    /// The bytes token `id` stands for: a byte-level token's bytes (which
+    /// may be part of a UTF-8 character), an added token's text; empty for
+    /// an id outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let Some(t) = self.tokens.get(id as usize) else {
+            return Vec::new();
+        };
+        if self.added_text[id as usize] {
+            return t.as_bytes().to_vec();
+        }
+        t.chars().map(|c| byte_of_char(c).unwrap_or(b'?')).collect()
+    }
+
+    /// Whether `id` is a control token (`<|im_end|>`, ...), left out of
+    /// decoded text.
+    pub fn is_control(&self, id: u32) -> bool {
+        self.control.get(id as usize).copied().unwrap_or(false)
     }
 
     /// Vocabulary size.
@@ -203,6 +251,25 @@ impl Tokenizer {
     /// Render a conversation of `(role, content)` messages with the model's
     /// template, ending with the assistant's turn opened.
     pub fn chat_messages(&self, msgs: &[(&str, &str)]) -> Result<String> {
+        let messages: Vec<serde_json::Value> = msgs
+            .iter()
+            .map(|(role, content)| serde_json::json!({"role": role, "content": content}))
+            .collect();
+        self.render_chat(&ChatInput {
+            messages: &serde_json::Value::Array(messages),
+            tools: None,
+            kwargs: &serde_json::Map::new(),
+            add_generation_prompt: true,
+        })
+    }
+
+    /// Render a chat with the model's template: the messages as the OpenAI
+    /// API gives them (objects with `role`, `content`, and where present
+    /// `tool_calls`, `tool_call_id`, `reasoning_content`, ...), the tools,
+    /// and the template's own variables (`enable_thinking`, ...) from
+    /// `kwargs`. A variable the caller does not give keeps the template's
+    /// default, as transformers renders it.
+    pub fn render_chat(&self, input: &ChatInput<'_>) -> Result<String> {
         let tpl = self.chat_template.as_deref().ok_or_else(|| {
             EngineError::Template("the model has no tokenizer.chat_template (use --no-chat)".into())
         })?;
@@ -221,12 +288,9 @@ impl Tokenizer {
                 ))
             },
         );
+        env.add_filter("tojson", tojson);
         env.add_template("chat", tpl)
             .map_err(|e| EngineError::Template(e.to_string()))?;
-        let messages: Vec<minijinja::Value> = msgs
-            .iter()
-            .map(|(role, content)| minijinja::context! { role => role, content => content })
-            .collect();
         let bos = self
             .bos
             .map(|b| self.token(b).to_string())
@@ -236,16 +300,28 @@ impl Tokenizer {
             .first()
             .map(|&e| self.token(e).to_string())
             .unwrap_or_default();
+        let mut ctx: std::collections::BTreeMap<String, minijinja::Value> = input
+            .kwargs
+            .iter()
+            .map(|(k, v)| (k.clone(), minijinja::Value::from_serialize(v)))
+            .collect();
+        ctx.insert(
+            "messages".into(),
+            minijinja::Value::from_serialize(input.messages),
+        );
+        if let Some(t) = input.tools {
+            ctx.insert("tools".into(), minijinja::Value::from_serialize(t));
+        }
+        ctx.insert(
+            "add_generation_prompt".into(),
+            minijinja::Value::from(input.add_generation_prompt),
+        );
+        ctx.entry("bos_token".into())
+            .or_insert_with(|| minijinja::Value::from(bos));
+        ctx.entry("eos_token".into())
+            .or_insert_with(|| minijinja::Value::from(eos));
         env.get_template("chat")
-            .and_then(|t| {
-                t.render(minijinja::context! {
-                    messages => messages,
-                    add_generation_prompt => true,
-                    bos_token => bos,
-                    eos_token => eos,
-                    enable_thinking => false,
-                })
-            })
+            .and_then(|t| t.render(&ctx))
             .map_err(|e| {
                 EngineError::Template(if e.kind() == minijinja::ErrorKind::OutOfFuel {
                     format!(
@@ -256,6 +332,96 @@ impl Tokenizer {
                 })
             })
     }
+}
+
+/// What [`Tokenizer::render_chat`] renders.
+#[derive(Clone, Copy, Debug)]
+pub struct ChatInput<'a> {
+    /// The messages, a JSON array of objects.
+    pub messages: &'a serde_json::Value,
+    /// The tools (OpenAI's `tools` array), if any.
+    pub tools: Option<&'a serde_json::Value>,
+    /// The template's other variables (`chat_template_kwargs`:
+    /// `enable_thinking`, ...).
+    pub kwargs: &'a serde_json::Map<String, serde_json::Value>,
+    /// End with the assistant's turn opened.
+    pub add_generation_prompt: bool,
+}
+
+/// The `tojson` filter as transformers defines it for chat templates:
+/// Python's `json.dumps(x, ensure_ascii=False, indent=indent)`, so keys keep
+/// their order, `", "` and `": "` separate items (`","` with an indent), and
+/// nothing is HTML-escaped (minijinja's own `tojson` escapes `<`, `>`, `&`
+/// and `'`, which Qwen's tool prompts would show the model).
+fn tojson(
+    v: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<String, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let _: Option<minijinja::Value> = kwargs.get("ensure_ascii")?;
+    let _: Option<minijinja::Value> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let bad = |e: serde_json::Error| {
+        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+    };
+    let json = serde_json::to_value(&v).map_err(bad)?;
+    let mut out = Vec::new();
+    let r = match indent {
+        Some(n) => {
+            let pad = vec![b' '; n];
+            let f = serde_json::ser::PrettyFormatter::with_indent(&pad);
+            let mut ser = serde_json::Serializer::with_formatter(&mut out, f);
+            serde::Serialize::serialize(&json, &mut ser)
+        }
+        None => {
+            let mut ser = serde_json::Serializer::with_formatter(&mut out, PySeparators);
+            serde::Serialize::serialize(&json, &mut ser)
+        }
+    };
+    r.map_err(bad)?;
+    Ok(String::from_utf8(out).unwrap_or_default())
+}
+
+/// serde_json's compact output with Python's default separators.
+struct PySeparators;
+
+impl serde_json::ser::Formatter for PySeparators {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first { Ok(()) } else { w.write_all(b", ") }
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first { Ok(()) } else { w.write_all(b", ") }
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
+    }
+}
+
+/// GPT-2's byte-level alphabet backwards: the byte a token character
+/// stands for (printable Latin-1 bytes are themselves; the others were
+/// moved to U+0100 and up, in order).
+fn byte_of_char(c: char) -> Option<u8> {
+    let printable = |b: u32| (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+    let c = c as u32;
+    if c < 0x100 {
+        return printable(c).then_some(c as u8);
+    }
+    // The n-th non-printable byte maps to U+0100 + n.
+    let n = c - 0x100;
+    (0u32..256)
+        .filter(|&b| !printable(b))
+        .nth(n as usize)
+        .map(|b| b as u8)
 }
 
 /// The most template instructions one chat rendering may run: far above

@@ -157,3 +157,178 @@ fn a_runaway_chat_template_is_an_error_not_a_hang() {
     let e = tok.chat("Hello", None).unwrap_err().to_string();
     assert!(e.contains("did not finish within"), "{e}");
 }
+
+/// llama.cpp's tokenizer test vectors for Qwen's vocabulary
+/// (`ggml-vocab-qwen2.gguf.inp` / `.out`, made by Hugging Face's tokenizer),
+/// on the vocabulary file llama.cpp ships beside them. Neither is in this
+/// repository: `scripts/test.sh` takes them from the pinned llama.cpp
+/// sources (`scripts/qwen2-vocab.sh`) and passes the vocabulary's path in
+/// `SAMESUM_QWEN2_VOCAB`, the vectors' folder in `SAMESUM_QWEN2_VECTORS`.
+#[test]
+#[ignore = "needs SAMESUM_QWEN2_VOCAB (scripts/test.sh provides it)"]
+fn llama_cpp_qwen2_vectors() {
+    let vocab = std::env::var("SAMESUM_QWEN2_VOCAB").expect("SAMESUM_QWEN2_VOCAB");
+    let refdir = std::env::var("SAMESUM_QWEN2_VECTORS").map_or_else(
+        |_| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../../shared/qwen-tokenizer-ref/llamacpp")
+        },
+        PathBuf::from,
+    );
+    let f = GgufFile::open(&vocab).unwrap();
+    let tok = Tokenizer::from_metadata(f.metadata()).unwrap();
+    let inp = std::fs::read_to_string(refdir.join("ggml-vocab-qwen2.gguf.inp")).unwrap();
+    let out = std::fs::read_to_string(refdir.join("ggml-vocab-qwen2.gguf.out")).unwrap();
+    let mut texts: Vec<&str> = inp.split("\n__ggml_vocab_test__\n").collect();
+    if texts.last() == Some(&"") {
+        texts.pop();
+    }
+    let want: Vec<&str> = out.lines().collect();
+    assert_eq!(texts.len(), want.len(), "inputs vs outputs");
+    let mut bad = Vec::new();
+    for (text, line) in texts.iter().zip(&want) {
+        let want: Vec<u32> = line
+            .split_whitespace()
+            .map(|t| t.parse().unwrap())
+            .collect();
+        let got = tok.encode(text).unwrap();
+        if got != want {
+            bad.push(format!("{text:?}: got {got:?}, want {want:?}"));
+        }
+        // Every vector decodes back to its text.
+        assert_eq!(tok.decode(&got).unwrap(), *text, "round trip of {text:?}");
+    }
+    assert!(
+        bad.is_empty(),
+        "{} of {} vectors differ:\n{}",
+        bad.len(),
+        want.len(),
+        bad.join("\n")
+    );
+    assert_eq!(want.len(), 46);
+}
+
+fn synth_tokenizer(shape: &str, template: Option<&str>) -> Tokenizer {
+    use samesum_synth::{SynthOptions, shapes, write_model};
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("m.gguf");
+    let mut opts = SynthOptions::new(
+        shapes::by_name(shape).unwrap(),
+        samesum_gguf::GgmlType::Q8_0,
+        1,
+    );
+    if let Some(t) = template {
+        opts = opts.with_chat_template(t);
+    }
+    write_model(&opts, &p, &mut |_, _| {}).unwrap();
+    let f = GgufFile::open(&p).unwrap();
+    Tokenizer::from_metadata(f.metadata()).unwrap()
+}
+
+/// Decomposed and compatibility characters tokenize as their NFC form, on
+/// both pre-tokenizers (Qwen's tokenizers normalize to NFC first).
+#[test]
+fn text_is_nfc_normalized_before_splitting() {
+    for shape in ["tiny-qwen3moe", "tiny-qwen35moe"] {
+        let tok = synth_tokenizer(shape, None);
+        for (raw, nfc) in [
+            ("A\u{30A}pfel", "\u{C5}pfel"),
+            ("caf\u{65}\u{301} cre\u{300}me", "caf\u{E9} cr\u{E8}me"),
+            ("\u{2126}hm and \u{212A}elvin", "\u{3A9}hm and Kelvin"),
+            ("\u{1100}\u{1161}\u{11A8}", "\u{AC01}"),
+        ] {
+            let got = tok.encode(raw).unwrap();
+            assert_eq!(got, tok.encode(nfc).unwrap(), "{shape}: {raw:?}");
+            // Not the bytes of the raw text: normalization did something.
+            assert_eq!(tok.decode(&got).unwrap(), nfc, "{shape}: {raw:?}");
+        }
+    }
+}
+
+/// User-defined tokens (`<think>`, `<tool_call>`, ...) are matched whole and
+/// written out when decoded; control tokens are matched whole and left out.
+/// `token_bytes` gives a byte token's raw byte, also half a character.
+#[test]
+fn user_defined_tokens_are_decoded_and_control_tokens_are_not() {
+    let tok = synth_tokenizer("tiny-qwen3moe", None);
+    let think = tok.encode("<think>").unwrap();
+    let end = tok.encode("</think>").unwrap();
+    let im_end = tok.encode("<|im_end|>").unwrap();
+    assert_eq!((think.len(), end.len(), im_end.len()), (1, 1, 1));
+    assert!(!tok.is_control(think[0]) && tok.is_control(im_end[0]));
+    let ids = tok.encode("<think>\nhm</think>\n\nyes<|im_end|>").unwrap();
+    assert_eq!(tok.decode(&ids).unwrap(), "<think>\nhm</think>\n\nyes");
+    let mut s = tok.stream();
+    let streamed: String = ids.iter().map(|&i| s.push(i).unwrap()).collect();
+    assert_eq!(streamed, "<think>\nhm</think>\n\nyes");
+    assert_eq!(tok.token_bytes(think[0]), b"<think>");
+    assert_eq!(tok.token_bytes(im_end[0]), b"<|im_end|>");
+    // "é" is two bytes: byte tokens give each byte alone.
+    for b in "é".bytes() {
+        let id = (0..tok.len() as u32)
+            .find(|&i| tok.token_bytes(i) == [b])
+            .expect("byte token");
+        assert_eq!(tok.token_bytes(id), vec![b]);
+    }
+    let all: Vec<u8> = tok
+        .encode("naïve 日本")
+        .unwrap()
+        .iter()
+        .flat_map(|&i| tok.token_bytes(i))
+        .collect();
+    assert_eq!(all, "naïve 日本".as_bytes());
+}
+
+/// The real Qwen3 template renders tools, tool calls, tool results and
+/// `enable_thinking` as transformers does: tool schemas as Python's
+/// `json.dumps` writes them (key order kept, `", "`/`": "`, nothing
+/// HTML-escaped), the thinking switch from the caller's kwargs, and the
+/// template's own default when none is given.
+#[test]
+fn qwen3_template_renders_tools_and_thinking() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/qwen-tokenizer-ref/templates/qwen3.jinja");
+    let Ok(template) = std::fs::read_to_string(&path) else {
+        eprintln!("skipped: {} is not there", path.display());
+        return;
+    };
+    use samesum_engine::tokenizer::ChatInput;
+    use serde_json::json;
+    let tok = synth_tokenizer("tiny-qwen3moe", Some(&template));
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "description": "Weather <now> & later", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let messages = json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+    ]);
+    let render = |kwargs: serde_json::Value| {
+        tok.render_chat(&ChatInput {
+            messages: &messages,
+            tools: Some(&tools),
+            kwargs: kwargs.as_object().unwrap(),
+            add_generation_prompt: true,
+        })
+        .unwrap()
+    };
+    let default = render(json!({}));
+    assert!(
+        default.contains(r#"{"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & later", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}"#),
+        "{default}"
+    );
+    assert!(default.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"), "{default}");
+    assert!(
+        default.contains("<tool_response>\n18 C\n</tool_response>"),
+        "{default}"
+    );
+    // Thinking on by default (the template's default): no empty think block.
+    assert!(default.ends_with("<|im_start|>assistant\n"), "{default}");
+    let off = render(json!({"enable_thinking": false}));
+    assert!(
+        off.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+        "{off}"
+    );
+    assert_eq!(render(json!({"enable_thinking": true})), default);
+}

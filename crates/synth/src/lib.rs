@@ -79,6 +79,9 @@ pub struct SynthOptions {
     /// becomes `rope.scaling.original_context_length`), written as the HF
     /// converter writes a `rope_scaling` of type yarn.
     pub yarn: Option<f32>,
+    /// The chat template written to `tokenizer.chat_template` (default:
+    /// [`vocab::CHAT_TEMPLATE`], plain ChatML).
+    pub chat_template: Option<String>,
 }
 
 impl SynthOptions {
@@ -90,12 +93,20 @@ impl SynthOptions {
             mix: None,
             seed,
             yarn: None,
+            chat_template: None,
         }
     }
 
     /// Declare YaRN scaling by `factor` (the context grows by as much).
     pub fn with_yarn(mut self, factor: f32) -> Self {
         self.yarn = Some(factor);
+        self
+    }
+
+    /// Write `template` as the model's chat template (a real model's, to
+    /// test what its template does with tools and reasoning).
+    pub fn with_chat_template(mut self, template: impl Into<String>) -> Self {
+        self.chat_template = Some(template.into());
         self
     }
 
@@ -286,7 +297,12 @@ pub fn describe(opts: &SynthOptions) -> Result<(GgufWriter, Vec<plan::TensorPlan
     w.set("tokenizer.ggml.padding_token_id", v.eot);
     w.set("tokenizer.ggml.bos_token_id", v.eot);
     w.set("tokenizer.ggml.add_bos_token", false);
-    w.set("tokenizer.chat_template", vocab::CHAT_TEMPLATE);
+    w.set(
+        "tokenizer.chat_template",
+        opts.chat_template
+            .as_deref()
+            .unwrap_or(vocab::CHAT_TEMPLATE),
+    );
 
     for t in &plan {
         w.add_tensor(t.name.clone(), &t.dims, t.ty)?;

@@ -14,12 +14,25 @@ pub mod token_type {
     pub const NORMAL: i32 = 1;
     /// A control token (`<|im_start|>` ...).
     pub const CONTROL: i32 = 3;
+    /// A user-defined token (`<think>` ...).
+    pub const USER_DEFINED: i32 = 4;
     /// A filler token.
     pub const UNUSED: i32 = 5;
 }
 
 /// The special tokens, in id order after the learned tokens.
 pub const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+
+/// Qwen3's user-defined tokens (matched whole, written out when decoded):
+/// reasoning and tool-call markers.
+pub const USER_DEFINED: [&str; 6] = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+];
 
 /// A ChatML template in the form Qwen models ship.
 pub const CHAT_TEMPLATE: &str = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
@@ -105,7 +118,7 @@ pub fn build(size: u32) -> Vocab {
         .map(|(i, t)| (t.clone(), i))
         .collect();
     let budget = (size as usize)
-        .saturating_sub(256 + SPECIALS.len())
+        .saturating_sub(256 + SPECIALS.len() + USER_DEFINED.len())
         .min(4096);
 
     // Word frequencies, as sequences of symbols.
@@ -155,6 +168,10 @@ pub fn build(size: u32) -> Vocab {
     for s in SPECIALS {
         tokens.push(s.to_string());
         types.push(token_type::CONTROL);
+    }
+    for s in USER_DEFINED {
+        tokens.push(s.to_string());
+        types.push(token_type::USER_DEFINED);
     }
     while tokens.len() < size as usize {
         tokens.push(format!("[PAD{}]", tokens.len()));
