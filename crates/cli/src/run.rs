@@ -67,6 +67,16 @@ pub(crate) struct Args {
     /// System message (chat mode).
     #[arg(long)]
     system: Option<String>,
+    /// Variables for the chat template, a JSON object (e.g.
+    /// '{"enable_thinking": false}'), as vLLM's and llama-server's
+    /// chat_template_kwargs.
+    #[arg(long, value_name = "JSON", value_parser = parse_kwargs)]
+    chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Thinking on or off for templates that switch it (Qwen3's
+    /// enable_thinking); without it, the template's default (on for
+    /// Qwen3). Shorthand for --chat-template-kwargs '{"enable_thinking": ...}'.
+    #[arg(long, value_name = "on|off", value_parser = ["on", "off"])]
+    think: Option<String>,
     #[command(flatten)]
     kv: KvArgs,
     #[command(flatten)]
@@ -79,6 +89,15 @@ pub(crate) struct Args {
     verbose_prompt: bool,
     #[command(flatten)]
     backend: BackendArgs,
+}
+
+/// `--chat-template-kwargs`: a JSON object.
+fn parse_kwargs(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str::<serde_json::Value>(s) {
+        Ok(serde_json::Value::Object(m)) => Ok(m),
+        Ok(_) => Err("expected a JSON object, e.g. '{\"enable_thinking\": false}'".into()),
+        Err(e) => Err(format!("not JSON: {e}")),
+    }
 }
 
 /// `-n`: how many tokens to generate.
@@ -183,7 +202,21 @@ pub(crate) fn run(a: Args) -> Result<()> {
     let text = if a.no_chat {
         user
     } else {
-        tok.chat(&user, a.system.as_deref())?
+        let mut kwargs = a.chat_template_kwargs.clone().unwrap_or_default();
+        if let Some(t) = &a.think {
+            kwargs.insert("enable_thinking".into(), serde_json::Value::Bool(t == "on"));
+        }
+        let mut messages = Vec::new();
+        if let Some(s) = &a.system {
+            messages.push(serde_json::json!({"role": "system", "content": s}));
+        }
+        messages.push(serde_json::json!({"role": "user", "content": user}));
+        tok.render_chat(&samesum_engine::tokenizer::ChatInput {
+            messages: &serde_json::Value::Array(messages),
+            tools: None,
+            kwargs: &kwargs,
+            add_generation_prompt: true,
+        })?
     };
     let prompt = tok.encode(&text)?;
     if prompt.is_empty() {

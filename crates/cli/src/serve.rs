@@ -99,6 +99,12 @@ pub(crate) struct Args {
     /// start; on CUDA no limit]
     #[arg(long, value_name = "SIZE", default_value = "auto")]
     kv_budget: samesum_server::KvBudget,
+    /// How a chat reply's `<think>...</think>` block is returned: `deepseek`
+    /// (as `reasoning_content`, apart from `content`, as llama-server and
+    /// vLLM do) or `none` (in `content`, as generated). A request's
+    /// `reasoning_format` field overrides it.
+    #[arg(long, value_name = "FORMAT", default_value = "deepseek", value_parser = ["deepseek", "none", "auto"])]
+    reasoning_format: String,
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
@@ -139,6 +145,8 @@ pub(crate) fn run(a: Args) -> Result<()> {
         prefix_cache_mb: a.prefix_cache_mb,
         kv_budget: a.kv_budget,
         model_name: name,
+        reasoning_format: samesum_server::api::ReasoningFormat::parse(&a.reasoning_format)
+            .unwrap_or(samesum_server::api::ReasoningFormat::Deepseek),
         limits: samesum_server::Limits {
             max_connections: a.max_connections,
             timeout: a.timeout,

@@ -939,3 +939,49 @@ fn bench_serve_loads_a_running_server() {
     ]);
     assert!(!ok && err.contains("127.0.0.1:1"), "{err}");
 }
+
+/// `--think off` and `--chat-template-kwargs` reach the chat template; a
+/// template's own default holds without them; bad JSON is a plain error.
+#[test]
+fn run_passes_template_kwargs_and_think() {
+    let dir = tempfile::tempdir().unwrap();
+    let tpl = dir.path().join("t.jinja");
+    std::fs::write(
+        &tpl,
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}<|im_start|>assistant\n{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}",
+    )
+    .unwrap();
+    let model = dir.path().join("m.gguf");
+    let (ok, _, err) = samesum(&[
+        "synth",
+        "--shape",
+        "tiny-qwen3moe",
+        "--chat-template",
+        tpl.to_str().unwrap(),
+        "-o",
+        model.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let m = model.to_str().unwrap();
+    let prompt_of = |extra: &[&str]| {
+        let mut args = vec!["run", "-m", m, "-p", "Hi", "-n", "1", "--verbose-prompt"];
+        args.extend(extra);
+        let (ok, _, err) = samesum(&args);
+        assert!(ok, "{err}");
+        err.lines()
+            .find(|l| l.starts_with("prompt tokens"))
+            .unwrap()
+            .to_string()
+    };
+    let default = prompt_of(&[]);
+    assert!(!default.contains("</think>"), "{default}");
+    let off = prompt_of(&["--think", "off"]);
+    assert!(off.contains("</think>"), "{off}");
+    assert_eq!(
+        prompt_of(&["--chat-template-kwargs", r#"{"enable_thinking": false}"#]),
+        off
+    );
+    assert_eq!(prompt_of(&["--think", "on"]), default);
+    let (ok, _, err) = samesum(&["run", "--chat-template-kwargs", "[1]"]);
+    assert!(!ok && err.contains("JSON object"), "{err}");
+}

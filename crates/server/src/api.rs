@@ -89,11 +89,14 @@ pub struct Message {
     /// A string, an array of content parts, or null (an empty turn).
     #[serde(default)]
     pub content: Value,
-    /// Ignored (allowed by the API).
-    #[allow(dead_code)]
+    /// The author's name (given to the template).
     pub name: Option<String>,
-    /// Refused unless empty (tool calls are not supported).
+    /// An assistant turn's tool calls (OpenAI's shape).
     pub tool_calls: Option<Value>,
+    /// A `tool` turn's call id.
+    pub tool_call_id: Option<String>,
+    /// An assistant turn's reasoning (given back to templates that show it).
+    pub reasoning_content: Option<String>,
     /// Refused unless null (function calls are not supported).
     pub function_call: Option<Value>,
     /// Refused unless null (audio is not supported).
@@ -107,12 +110,6 @@ impl Message {
     /// The text of message `i`: the string, or its text parts in order.
     pub fn text(&self, i: usize) -> Result<String, ApiError> {
         let at = |f: &str| Some(format!("messages[{i}].{f}"));
-        if self.tool_calls.as_ref().is_some_and(|v| !is_empty(v)) {
-            return Err(ApiError::bad(
-                at("tool_calls"),
-                "tool_calls in messages are not supported (no function calling)",
-            ));
-        }
         for (f, v) in [
             ("function_call", &self.function_call),
             ("audio", &self.audio),
@@ -302,6 +299,73 @@ request! {
         messages: Vec<Message>,
         logprobs: Option<bool>,
         top_logprobs: Option<u64>,
+        /// Variables for the chat template (`enable_thinking`, ...), as
+        /// vLLM and llama-server take them.
+        chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+        /// `deepseek` (reasoning apart) or `none` (as generated); the
+        /// server's `--reasoning-format` when absent.
+        reasoning_format: Option<String>,
+    }
+}
+
+/// How the reply's `<think>` block is returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReasoningFormat {
+    /// In the text, as generated.
+    None,
+    /// Apart, as `reasoning_content` (vLLM's and llama-server's convention).
+    Deepseek,
+}
+
+impl ReasoningFormat {
+    /// Parse a format name.
+    pub fn parse(s: &str) -> Option<ReasoningFormat> {
+        match s {
+            "none" => Some(ReasoningFormat::None),
+            "deepseek" | "auto" => Some(ReasoningFormat::Deepseek),
+            _ => None,
+        }
+    }
+}
+
+/// `tool_choice`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ToolChoice {
+    /// No tools offered, or `"none"`: the template is not shown them and
+    /// the reply is not parsed for calls.
+    None,
+    /// `"auto"` (the default with tools): the model may call them.
+    Auto,
+}
+
+/// A validated chat: what the template renders and how the reply is read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatPrompt {
+    /// The messages, normalized for templates: `developer` read as
+    /// `system`, content parts joined, tool call arguments as objects.
+    pub messages: Value,
+    /// The tools, when offered and not switched off.
+    pub tools: Option<Value>,
+    /// Template variables.
+    pub kwargs: serde_json::Map<String, Value>,
+    /// The tool choice.
+    pub tool_choice: ToolChoice,
+    /// The reasoning format asked for (`None`: the server's default).
+    pub reasoning: Option<ReasoningFormat>,
+}
+
+impl ChatPrompt {
+    /// The messages as `(role, content)` pairs.
+    pub fn pairs(&self) -> Vec<(String, String)> {
+        let text = |v: &Value| v.as_str().unwrap_or("").to_string();
+        self.messages
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|m| (text(&m["role"]), text(&m["content"])))
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 }
 
@@ -486,31 +550,20 @@ impl Common {
     /// it holds the value that changes nothing.
     fn unsupported(&self) -> Result<(), ApiError> {
         let refuse = |f: &str, why: &str| Err(ApiError::bad(Some(f.into()), format!("{f}: {why}")));
-        for f in ["tools", "functions"] {
-            let v = if f == "tools" {
-                &self.tools
-            } else {
-                &self.functions
-            };
-            if v.as_ref().is_some_and(|v| !is_empty(v)) {
-                return refuse(f, "function calling is not supported");
-            }
+        if self.functions.as_ref().is_some_and(|v| !is_empty(v)) {
+            return refuse(
+                "functions",
+                "the deprecated functions field is not supported; use tools",
+            );
         }
-        for f in ["tool_choice", "function_call"] {
-            let v = if f == "tool_choice" {
-                &self.tool_choice
-            } else {
-                &self.function_call
-            };
-            match v.as_ref() {
-                None | Some(Value::Null) => {}
-                Some(Value::String(s)) if s == "none" || s == "auto" => {}
-                Some(_) => {
-                    return refuse(
-                        f,
-                        "function calling is not supported (only \"none\" or \"auto\")",
-                    );
-                }
+        match self.function_call.as_ref() {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if s == "none" || s == "auto" => {}
+            Some(_) => {
+                return refuse(
+                    "function_call",
+                    "the deprecated function_call field is not supported; use tool_choice",
+                );
             }
         }
         match self.response_format.as_ref() {
@@ -567,9 +620,8 @@ impl Common {
 }
 
 impl ChatRequest {
-    /// Validate the messages and settings; returns the messages as
-    /// `(role, text)` with `developer` read as `system`.
-    pub fn check(&self) -> Result<(Vec<(String, String)>, Settings), ApiError> {
+    /// Validate the messages, tools and settings.
+    pub fn check(&self) -> Result<(ChatPrompt, Settings), ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::bad(
                 Some("messages".into()),
@@ -578,25 +630,54 @@ impl ChatRequest {
         }
         let mut msgs = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.iter().enumerate() {
-            if !matches!(
-                m.role.as_str(),
-                "system" | "user" | "assistant" | "developer"
-            ) {
+            msgs.push(m.normalized(i)?);
+        }
+        let tools = check_tools(self.tools.as_ref())?;
+        let tool_choice = match self.tool_choice.as_ref() {
+            None | Some(Value::Null) => {
+                if tools.is_some() {
+                    ToolChoice::Auto
+                } else {
+                    ToolChoice::None
+                }
+            }
+            Some(Value::String(s)) if s == "none" => ToolChoice::None,
+            Some(Value::String(s)) if s == "auto" => {
+                if tools.is_some() {
+                    ToolChoice::Auto
+                } else {
+                    ToolChoice::None
+                }
+            }
+            Some(v) => {
                 return Err(ApiError::bad(
-                    Some(format!("messages[{i}].role")),
+                    Some("tool_choice".into()),
                     format!(
-                        "unknown role {:?} (system, developer, user, assistant)",
-                        m.role
+                        "tool_choice {v} is not supported (\"none\" or \"auto\"; the model decides whether to call a tool)"
                     ),
                 ));
             }
-            let role = if m.role == "developer" {
-                "system"
+        };
+        let reasoning = match self.reasoning_format.as_deref() {
+            None => None,
+            Some(f) => Some(ReasoningFormat::parse(f).ok_or_else(|| {
+                ApiError::bad(
+                    Some("reasoning_format".into()),
+                    format!("reasoning_format {f:?}: use \"deepseek\" or \"none\""),
+                )
+            })?),
+        };
+        let prompt = ChatPrompt {
+            messages: Value::Array(msgs),
+            tools: if tool_choice == ToolChoice::None {
+                None
             } else {
-                m.role.as_str()
-            };
-            msgs.push((role.to_string(), m.text(i)?));
-        }
+                tools
+            },
+            kwargs: self.chat_template_kwargs.clone().unwrap_or_default(),
+            tool_choice,
+            reasoning,
+        };
         let lp = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
             (false, Some(_)) => {
                 return Err(ApiError::bad(
@@ -613,7 +694,135 @@ impl ChatRequest {
             (true, n) => Some(n.unwrap_or(0) as usize),
             (false, None) => None,
         };
-        Ok((msgs, self.common().settings(lp)?))
+        Ok((prompt, self.common().settings(lp)?))
+    }
+}
+
+/// The `tools` array checked: each a `function` with a name (letters,
+/// digits, `_` and `-`), an optional description and an optional
+/// `parameters` object; `None` when absent or empty.
+fn check_tools(tools: Option<&Value>) -> Result<Option<Value>, ApiError> {
+    let list = match tools {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(a)) if a.is_empty() => return Ok(None),
+        Some(Value::Array(a)) => a,
+        Some(_) => {
+            return Err(ApiError::bad(
+                Some("tools".into()),
+                "tools must be an array of {\"type\": \"function\", \"function\": {...}}",
+            ));
+        }
+    };
+    for (i, t) in list.iter().enumerate() {
+        let at = |f: &str| Some(format!("tools[{i}]{f}"));
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(ApiError::bad(
+                at(".type"),
+                "only tools of type \"function\" are supported",
+            ));
+        }
+        let f = t
+            .get("function")
+            .filter(|f| f.is_object())
+            .ok_or_else(|| ApiError::bad(at(".function"), "a tool needs a function object"))?;
+        let name = f.get("name").and_then(Value::as_str).unwrap_or("");
+        if name.is_empty()
+            || name.len() > 64
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
+        {
+            return Err(ApiError::bad(
+                at(".function.name"),
+                format!("function name {name:?}: 1 to 64 letters, digits, '_', '-' or '.'"),
+            ));
+        }
+        if let Some(p) = f.get("parameters")
+            && !p.is_object()
+            && !p.is_null()
+        {
+            return Err(ApiError::bad(
+                at(".function.parameters"),
+                "parameters must be a JSON Schema object",
+            ));
+        }
+    }
+    Ok(Some(Value::Array(list.clone())))
+}
+
+impl Message {
+    /// Message `i` as chat templates read it: `developer` as `system`,
+    /// the text of its content, and for assistant turns the tool calls
+    /// with their arguments as JSON objects (OpenAI sends them as a
+    /// string; Qwen3.5's template iterates over them).
+    pub fn normalized(&self, i: usize) -> Result<Value, ApiError> {
+        let at = |f: &str| Some(format!("messages[{i}].{f}"));
+        let role = match self.role.as_str() {
+            "developer" | "system" => "system",
+            r @ ("user" | "assistant" | "tool") => r,
+            other => {
+                return Err(ApiError::bad(
+                    at("role"),
+                    format!("unknown role {other:?} (system, developer, user, assistant, tool)"),
+                ));
+            }
+        };
+        let mut m = serde_json::Map::new();
+        m.insert("role".into(), json!(role));
+        m.insert("content".into(), json!(self.text(i)?));
+        if let Some(calls) = self.tool_calls.as_ref().filter(|v| !is_empty(v)) {
+            if role != "assistant" {
+                return Err(ApiError::bad(
+                    at("tool_calls"),
+                    "only assistant messages carry tool_calls",
+                ));
+            }
+            let calls = calls
+                .as_array()
+                .ok_or_else(|| ApiError::bad(at("tool_calls"), "tool_calls must be an array"))?;
+            let mut out = Vec::with_capacity(calls.len());
+            for (j, c) in calls.iter().enumerate() {
+                let bad =
+                    |why: &str| ApiError::bad(at(&format!("tool_calls[{j}]")), why.to_string());
+                let f = c
+                    .get("function")
+                    .ok_or_else(|| bad("a tool call needs a function"))?;
+                let name = f
+                    .get("name")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| bad("a tool call needs function.name"))?;
+                let args = match f.get("arguments") {
+                    None | Some(Value::Null) => json!({}),
+                    Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
+                        Ok(v @ Value::Object(_)) => v,
+                        _ => {
+                            return Err(bad(
+                                "function.arguments must be a JSON object (as a string)",
+                            ));
+                        }
+                    },
+                    Some(v @ Value::Object(_)) => v.clone(),
+                    Some(_) => return Err(bad("function.arguments must be a JSON object")),
+                };
+                let mut call =
+                    json!({"type": "function", "function": {"name": name, "arguments": args}});
+                if let Some(id) = c.get("id") {
+                    call["id"] = id.clone();
+                }
+                out.push(call);
+            }
+            m.insert("tool_calls".into(), Value::Array(out));
+        }
+        if let Some(id) = &self.tool_call_id {
+            m.insert("tool_call_id".into(), json!(id));
+        }
+        if let Some(r) = &self.reasoning_content {
+            m.insert("reasoning_content".into(), json!(r));
+        }
+        if let Some(n) = &self.name {
+            m.insert("name".into(), json!(n));
+        }
+        Ok(Value::Object(m))
     }
 }
 
@@ -630,6 +839,12 @@ impl CompletionRequest {
                 ));
             }
         };
+        if self.tools.as_ref().is_some_and(|v| !is_empty(v)) {
+            return Err(ApiError::bad(
+                Some("tools".into()),
+                "tools: tools are offered through a chat template; use /v1/chat/completions",
+            ));
+        }
         if self.echo.unwrap_or(false) {
             return Err(ApiError::bad(Some("echo".into()), "echo is not supported"));
         }
@@ -734,7 +949,8 @@ mod tests {
         )
         .unwrap();
         let (m, s) = r.check().unwrap();
-        assert_eq!(m, vec![("user".to_string(), "hi".to_string())]);
+        assert_eq!(m.messages, json!([{"role": "user", "content": "hi"}]));
+        assert_eq!((m.tools, m.tool_choice), (None, ToolChoice::None));
         assert_eq!(s.stop, vec!["x".to_string()]);
         assert_eq!(s.penalties, Penalties::default());
         assert_eq!(s.repeat_last_n, Some(64));
@@ -747,8 +963,71 @@ mod tests {
         assert_eq!(s.logprobs, Some(2));
     }
 
+    /// The messages as `(role, content)`.
     fn chat(body: &str) -> Result<(Vec<(String, String)>, Settings), ApiError> {
-        parse::<ChatRequest>(body.as_bytes()).and_then(|r| r.check())
+        let (p, s) = parse::<ChatRequest>(body.as_bytes()).and_then(|r| r.check())?;
+        Ok((p.pairs(), s))
+    }
+
+    #[test]
+    fn tools_tool_calls_and_template_kwargs() {
+        let body = r#"{"messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": null, "reasoning_content": "hm",
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "18 C"}],
+            "tools": [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}],
+            "chat_template_kwargs": {"enable_thinking": false}, "reasoning_format": "none"}"#;
+        let (p, _) = parse::<ChatRequest>(body.as_bytes())
+            .unwrap()
+            .check()
+            .unwrap();
+        assert_eq!(p.tool_choice, ToolChoice::Auto);
+        assert_eq!(p.tools.as_ref().unwrap()[0]["function"]["name"], "w");
+        assert_eq!(p.kwargs["enable_thinking"], json!(false));
+        assert_eq!(p.reasoning, Some(ReasoningFormat::None));
+        let m = &p.messages;
+        assert_eq!(
+            m[1]["tool_calls"][0]["function"]["arguments"],
+            json!({"city": "Paris"})
+        );
+        assert_eq!(m[1]["reasoning_content"], "hm");
+        assert_eq!(
+            (m[2]["role"].as_str(), m[2]["tool_call_id"].as_str()),
+            (Some("tool"), Some("c1"))
+        );
+        // tool_choice none: the template does not see the tools.
+        let none = body.replace(r#""reasoning_format": "none""#, r#""tool_choice": "none""#);
+        let (p, _) = parse::<ChatRequest>(none.as_bytes())
+            .unwrap()
+            .check()
+            .unwrap();
+        assert_eq!((p.tools, p.tool_choice), (None, ToolChoice::None));
+        for (bad, param) in [
+            (r#""tools": [{"type": "retrieval"}]"#, "tools[0].type"),
+            (
+                r#""tools": [{"type": "function", "function": {"name": "a b"}}]"#,
+                "tools[0].function.name",
+            ),
+            (r#""tools": {"type": "function"}"#, "tools"),
+            (r#""reasoning_format": "xml""#, "reasoning_format"),
+        ] {
+            let b = format!(r#"{{"messages": [{{"role": "user", "content": "x"}}], {bad}}}"#);
+            let e = parse::<ChatRequest>(b.as_bytes())
+                .and_then(|r| r.check())
+                .unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{}", e.message);
+        }
+        let b = r#"{"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "w", "arguments": "[1]"}}]}]}"#;
+        let e = parse::<ChatRequest>(b.as_bytes())
+            .and_then(|r| r.check())
+            .unwrap_err();
+        assert_eq!(
+            e.param.as_deref(),
+            Some("messages[0].tool_calls[0]"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]
@@ -785,10 +1064,6 @@ mod tests {
             ("logit_bias", r#"{"15": "a"}"#),
             ("logit_bias", "[]"),
             ("best_of", "3"),
-            (
-                "tools",
-                r#"[{"type": "function", "function": {"name": "f"}}]"#,
-            ),
             ("tool_choice", r#""required""#),
             ("functions", r#"[{"name": "f"}]"#),
             ("function_call", r#"{"name": "f"}"#),
@@ -849,7 +1124,7 @@ mod tests {
             r#"{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]}"#,
         )
         .unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("messages[0].tool_calls"));
+        assert_eq!(e.param.as_deref(), Some("messages[0].tool_calls[0]"));
     }
 
     #[test]

@@ -29,7 +29,8 @@
 //! one that only half-closed reads its response (an error found after the
 //! head was committed comes as the error object under status 200).
 
-use crate::api::{self, ApiError, ChatRequest, CompletionRequest, Settings};
+use crate::api::{self, ApiError, ChatRequest, CompletionRequest, ReasoningFormat, Settings};
+use crate::chat_output::{Piece, Splitter, Tool};
 use crate::conn::{ClientEof, PROBE};
 use crate::metrics::Metrics;
 use crate::scheduler::{Event, Job, TokenLogprob, Usage};
@@ -84,6 +85,23 @@ pub struct App {
     pub request_timeout: Duration,
     /// Turns to prepare a request (parse, template, tokenize) at once.
     pub prep: tokio::sync::Semaphore,
+    /// How replies' `<think>` blocks are returned unless a request says.
+    pub reasoning: ReasoningFormat,
+}
+
+/// How a chat reply is read back: its reasoning and tool calls.
+#[derive(Clone, Debug)]
+struct ChatOut {
+    reasoning: bool,
+    /// The prompt ended inside a think block.
+    think_open: bool,
+    tools: Option<Vec<Tool>>,
+}
+
+impl ChatOut {
+    fn splitter(&self) -> Splitter {
+        Splitter::new(self.reasoning, self.think_open, self.tools.clone())
+    }
 }
 
 /// What a request's context costs against the KV budget.
@@ -225,7 +243,7 @@ async fn tokenize(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>)
                 .tok
                 .decode(&[id])
                 .map_err(|e| ApiError::bad(Some("content".into()), e.to_string()))?;
-            // A special token decodes to nothing; its piece is its text.
+            // A control token decodes to nothing; its piece is its text.
             let piece = if piece.is_empty() {
                 app.tok.token(id).to_string()
             } else {
@@ -486,13 +504,15 @@ fn timings_json(u: &Usage) -> Value {
     })
 }
 
+/// A token's entry in a chat reply's `logprobs.content`: `bytes` are the
+/// token's own bytes (part of a UTF-8 character for some tokens, whose
+/// `token` string then shows U+FFFD).
 fn chat_logprob(lp: &TokenLogprob) -> Value {
-    let bytes = |s: &str| s.as_bytes().to_vec();
     json!({
         "token": lp.token,
         "logprob": lp.logprob,
-        "bytes": bytes(&lp.token),
-        "top_logprobs": lp.top.iter().map(|(t, l)| json!({"token": t, "logprob": l, "bytes": bytes(t)})).collect::<Vec<_>>(),
+        "bytes": lp.bytes,
+        "top_logprobs": lp.top.iter().zip(&lp.top_bytes).map(|((t, l), b)| json!({"token": t, "logprob": l, "bytes": b})).collect::<Vec<_>>(),
     })
 }
 
@@ -549,25 +569,35 @@ async fn chat(
 ) -> Response {
     let body_len = b.as_ref().map_or(0, Bytes::len);
     let a = app.clone();
-    let run = move || -> Result<(Vec<u32>, Settings), ApiError> {
+    let run = move || -> Result<(Vec<u32>, Settings, ChatOut), ApiError> {
         let app = a;
         let b = body(&app, b)?;
         let req: ChatRequest = api::parse(&b)?;
         req.log_ignored();
-        let (msgs, s) = req.check()?;
-        let msgs: Vec<(&str, &str)> = msgs.iter().map(|(r, t)| (r.as_str(), t.as_str())).collect();
+        let (chat, s) = req.check()?;
         let text = app
             .tok
-            .chat_messages(&msgs)
+            .render_chat(&samesum_engine::tokenizer::ChatInput {
+                messages: &chat.messages,
+                tools: chat.tools.as_ref(),
+                kwargs: &chat.kwargs,
+                add_generation_prompt: true,
+            })
             .map_err(|e| ApiError::bad(Some("messages".into()), e.to_string()))?;
         let ids = app
             .tok
             .encode(&text)
             .map_err(|e| ApiError::bad(Some("messages".into()), e.to_string()))?;
-        Ok((ids, s))
+        let reasoning = chat.reasoning.unwrap_or(app.reasoning) == ReasoningFormat::Deepseek;
+        let out = ChatOut {
+            reasoning,
+            think_open: reasoning && text.trim_end().ends_with("<think>"),
+            tools: chat.tools.as_ref().map(Tool::list),
+        };
+        Ok((ids, s, out))
     };
     match off_http(&app, body_len, run).await {
-        Ok((ids, s)) => respond(app, Kind::Chat, ids, s, client_eof(eof)).await,
+        Ok((ids, s, out)) => respond(app, Kind::Chat, ids, s, Some(out), client_eof(eof)).await,
         Err(e) => error(&app, e),
     }
 }
@@ -592,7 +622,7 @@ async fn completions(
         Ok((ids, s))
     };
     match off_http(&app, body_len, run).await {
-        Ok((ids, s)) => respond(app, Kind::Completion, ids, s, client_eof(eof)).await,
+        Ok((ids, s)) => respond(app, Kind::Completion, ids, s, None, client_eof(eof)).await,
         Err(e) => error(&app, e),
     }
 }
@@ -602,6 +632,7 @@ async fn respond(
     kind: Kind,
     ids: Vec<u32>,
     s: Settings,
+    out: Option<ChatOut>,
     eof: ClientEof,
 ) -> Response {
     let n = app.next_id.fetch_add(1, Ordering::Relaxed);
@@ -617,6 +648,8 @@ async fn respond(
     };
     let created = now_secs();
     let model = app.model_name.clone();
+    // Plain text passes through untouched.
+    let splitter = out.map(|o| o.splitter()).filter(Splitter::active);
     if s.stream {
         let events = stream(
             kind,
@@ -626,6 +659,7 @@ async fn respond(
             rx,
             s.logprobs.is_some(),
             app.request_timeout,
+            splitter,
         );
         Sse::new(Probed {
             inner: events,
@@ -644,6 +678,7 @@ async fn respond(
             request_timeout: app.request_timeout,
             text: String::new(),
             lps: Vec::new(),
+            splitter,
         };
         collect(app, c, rx, eof).await
     }
@@ -682,6 +717,16 @@ struct Collected {
     request_timeout: Duration,
     text: String,
     lps: Vec<TokenLogprob>,
+    splitter: Option<Splitter>,
+}
+
+/// A tool call as the API returns it, `n`-th of its reply.
+fn tool_call_json(id: &str, n: usize, name: &str, arguments: &str) -> Value {
+    json!({
+        "id": format!("call_{}_{n}", id.trim_start_matches("chatcmpl-")),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    })
 }
 
 impl Collected {
@@ -708,12 +753,35 @@ impl Collected {
             Event::Done { finish, usage } => {
                 let (id, created, model) = (&self.id, self.created, &self.model);
                 let text = std::mem::take(&mut self.text);
+                let mut message = json!({"role": "assistant", "content": text});
+                let mut finish = finish;
+                if let Some(sp) = &mut self.splitter {
+                    let (reasoning, content, calls) = crate::chat_output::split_all(sp, &text);
+                    message["content"] = json!(content);
+                    if !reasoning.is_empty() {
+                        message["reasoning_content"] = json!(reasoning);
+                    }
+                    if !calls.is_empty() {
+                        let calls: Vec<Value> = calls
+                            .iter()
+                            .enumerate()
+                            .map(|(n, (name, args))| tool_call_json(id, n, name, args))
+                            .collect();
+                        message["tool_calls"] = Value::Array(calls);
+                        if content.is_empty() {
+                            message["content"] = Value::Null;
+                        }
+                        if finish == "stop" {
+                            finish = "tool_calls";
+                        }
+                    }
+                }
                 Some(Ok(match self.kind {
                     Kind::Chat => json!({
                         "id": id, "object": "chat.completion", "created": created, "model": model,
                         "choices": [{
                             "index": 0,
-                            "message": {"role": "assistant", "content": text},
+                            "message": message,
                             "logprobs": if self.want_lp { json!({"content": self.lps.iter().map(chat_logprob).collect::<Vec<_>>()}) } else { Value::Null },
                             "finish_reason": finish,
                         }],
@@ -725,7 +793,7 @@ impl Collected {
                         "choices": [{
                             "index": 0,
                             "text": text,
-                            "logprobs": if self.want_lp { completion_logprobs(&self.lps) } else { Value::Null },
+                            "logprobs": if self.want_lp { completion_logprobs(&self.lps, 0) } else { Value::Null },
                             "finish_reason": finish,
                         }],
                         "usage": usage_json(&usage),
@@ -844,12 +912,16 @@ impl<S: Stream<Item = Result<SseEvent, Infallible>> + Unpin> Stream for Probed<S
     }
 }
 
-fn completion_logprobs(lps: &[TokenLogprob]) -> Value {
-    let mut offset = 0usize;
+/// The completions API's `logprobs` for `lps`, the first starting at
+/// `start` in the text: `text_offset` counts the bytes of the tokens before
+/// each one (their own bytes, so a character split over two tokens counts
+/// once).
+fn completion_logprobs(lps: &[TokenLogprob], start: usize) -> Value {
+    let mut offset = start;
     let mut offsets = Vec::new();
     for l in lps {
         offsets.push(offset);
-        offset += l.token.len();
+        offset += l.bytes.len();
     }
     json!({
         "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
@@ -862,6 +934,7 @@ fn completion_logprobs(lps: &[TokenLogprob]) -> Value {
     })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn stream(
     kind: Kind,
     id: String,
@@ -870,8 +943,12 @@ fn stream(
     rx: UnboundedReceiver<Event>,
     want_lp: bool,
     request_timeout: Duration,
+    mut splitter: Option<Splitter>,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> + Unpin + Send + 'static {
     let mut first = true;
+    // Bytes of the completion's tokens so far (`text_offset`).
+    let mut offset = 0usize;
+    let mut calls = 0usize;
     let events = UnboundedReceiverStream::new(rx).map(move |ev| {
         let chunk = |delta: Value, lp: Value, finish: Value, extra: Option<(Value, Value)>| {
             let mut c = match kind {
@@ -890,26 +967,80 @@ fn stream(
             }
             c
         };
+        // A chat delta from the splitter's pieces (or the text as it is).
+        let mut delta_of = |text: &str, end: bool, calls: &mut usize| -> Value {
+            let Some(sp) = splitter.as_mut() else {
+                return json!({"content": text});
+            };
+            let mut pieces = sp.push(text);
+            if end {
+                pieces.extend(sp.finish());
+            }
+            let mut d = json!({});
+            let mut tool_calls = Vec::new();
+            for p in pieces {
+                match p {
+                    Piece::Reasoning(t) => {
+                        let r = d["reasoning_content"].as_str().unwrap_or("").to_string() + &t;
+                        d["reasoning_content"] = json!(r);
+                    }
+                    Piece::Content(t) => {
+                        let c = d["content"].as_str().unwrap_or("").to_string() + &t;
+                        d["content"] = json!(c);
+                    }
+                    Piece::ToolCall { name, arguments } => {
+                        let mut c = tool_call_json(&id, *calls, &name, &arguments);
+                        c["index"] = json!(*calls);
+                        *calls += 1;
+                        tool_calls.push(c);
+                    }
+                }
+            }
+            if !tool_calls.is_empty() {
+                d["tool_calls"] = Value::Array(tool_calls);
+            }
+            d
+        };
         let v = match ev {
             Event::Token { text, logprob, .. } => {
-                let mut delta = json!({"content": text});
+                let mut delta = if kind == Kind::Chat {
+                    delta_of(&text, false, &mut calls)
+                } else {
+                    json!({"content": text})
+                };
                 if first {
                     delta["role"] = json!("assistant");
+                    if delta.get("content").is_none() {
+                        delta["content"] = json!("");
+                    }
                     first = false;
                 }
                 let lp = match (&logprob, want_lp, kind) {
                     (Some(l), true, Kind::Chat) => json!({"content": [chat_logprob(l)]}),
-                    (Some(l), true, Kind::Completion) => completion_logprobs(std::slice::from_ref(l)),
+                    (Some(l), true, Kind::Completion) => {
+                        let v = completion_logprobs(std::slice::from_ref(l), offset);
+                        offset += l.bytes.len();
+                        v
+                    }
                     _ => Value::Null,
                 };
                 chunk(delta, lp, Value::Null, None)
             }
-            Event::Done { finish, usage } => chunk(
-                json!({}),
-                Value::Null,
-                json!(finish),
-                Some((usage_json(&usage), timings_json(&usage))),
-            ),
+            Event::Done { finish, usage } => {
+                let delta = if kind == Kind::Chat {
+                    delta_of("", true, &mut calls)
+                } else {
+                    json!({})
+                };
+                let finish = if calls > 0 && finish == "stop" {
+                    "tool_calls"
+                } else {
+                    finish
+                };
+                // The last chunk carries what the splitter still held.
+                let usage = Some((usage_json(&usage), timings_json(&usage)));
+                chunk(delta, Value::Null, json!(finish), usage)
+            }
             Event::Error(msg) => json!({"error": {"message": msg, "type": "server_error", "param": null, "code": null}}),
             Event::TimedOut => timed_out(request_timeout).body(),
         };
@@ -917,4 +1048,187 @@ fn stream(
     });
     let done = tokio_stream::once(Ok(SseEvent::default().data("[DONE]")));
     events.chain(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tools() -> Option<Vec<Tool>> {
+        Some(Tool::list(
+            &json!([{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]),
+        ))
+    }
+
+    const REPLY: [&str; 9] = [
+        "<think>",
+        "\nI should",
+        " look it up.\n",
+        "</think>",
+        "\n\n",
+        "Let me check.\n",
+        "<tool_call>",
+        "\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n",
+        "</tool_call>",
+    ];
+
+    fn events(lp: bool) -> UnboundedReceiver<Event> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        for t in REPLY {
+            let logprob = lp.then(|| TokenLogprob {
+                token: t.into(),
+                bytes: t.as_bytes().to_vec(),
+                logprob: -0.5,
+                top: vec![],
+                top_bytes: vec![],
+            });
+            tx.send(Event::Token {
+                text: t.into(),
+                id: Some(1),
+                logprob,
+            })
+            .unwrap();
+        }
+        let usage = Usage {
+            prompt_tokens: 3,
+            completion_tokens: 9,
+            ..Usage::default()
+        };
+        tx.send(Event::Done {
+            finish: "stop",
+            usage,
+        })
+        .unwrap();
+        rx
+    }
+
+    /// The `data:` payloads of an SSE stream, as a client reads them.
+    async fn datas(
+        s: impl Stream<Item = Result<SseEvent, Infallible>> + Send + 'static,
+    ) -> Vec<String> {
+        let body = Sse::new(s).into_response().into_body();
+        let bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap();
+        let text = String::from_utf8(bytes.to_vec()).unwrap();
+        text.lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(String::from)
+            .collect()
+    }
+
+    fn splitter() -> Option<Splitter> {
+        Some(
+            ChatOut {
+                reasoning: true,
+                think_open: false,
+                tools: tools(),
+            }
+            .splitter(),
+        )
+    }
+
+    /// A reply with a think block and a tool call: the non-streamed message
+    /// has `reasoning_content`, `content` and `tool_calls` with finish
+    /// reason `tool_calls`; the streamed deltas add up to the same fields.
+    #[tokio::test]
+    async fn reasoning_and_tool_calls_streamed_and_not() {
+        let mut c = Collected {
+            kind: Kind::Chat,
+            id: "chatcmpl-7".into(),
+            created: 0,
+            model: "m".into(),
+            want_lp: false,
+            request_timeout: Duration::from_secs(1),
+            text: String::new(),
+            lps: Vec::new(),
+            splitter: splitter(),
+        };
+        let mut rx = events(false);
+        let mut body = None;
+        while let Some(ev) = rx.recv().await {
+            if let Some(b) = c.push(ev) {
+                body = Some(b.unwrap());
+            }
+        }
+        let v = body.unwrap();
+        let choice = &v["choices"][0];
+        let m = &choice["message"];
+        assert_eq!(m["reasoning_content"], "I should look it up.", "{v}");
+        assert_eq!(m["content"], "Let me check.", "{v}");
+        assert_eq!(m["tool_calls"][0]["function"]["name"], "get_weather");
+        assert_eq!(
+            m["tool_calls"][0]["function"]["arguments"],
+            r#"{"city":"Paris"}"#
+        );
+        assert_eq!(m["tool_calls"][0]["id"], "call_7_0");
+        assert_eq!(choice["finish_reason"], "tool_calls");
+
+        let s = stream(
+            Kind::Chat,
+            "chatcmpl-7".into(),
+            0,
+            "m".into(),
+            events(true),
+            true,
+            Duration::from_secs(1),
+            splitter(),
+        );
+        let chunks = datas(s).await;
+        assert_eq!(
+            chunks.len(),
+            REPLY.len() + 2,
+            "a chunk per token, the end, [DONE]"
+        );
+        assert_eq!(chunks.last().unwrap(), "[DONE]");
+        let mut reasoning = String::new();
+        let mut content = String::new();
+        let mut calls = Vec::new();
+        let mut finish = Value::Null;
+        for ch in &chunks[..chunks.len() - 1] {
+            let v: Value = serde_json::from_str(ch).unwrap();
+            let d = &v["choices"][0]["delta"];
+            reasoning += d["reasoning_content"].as_str().unwrap_or("");
+            content += d["content"].as_str().unwrap_or("");
+            calls.extend(d["tool_calls"].as_array().cloned().unwrap_or_default());
+            if !v["choices"][0]["finish_reason"].is_null() {
+                finish = v["choices"][0]["finish_reason"].clone();
+            }
+        }
+        assert_eq!(reasoning, m["reasoning_content"]);
+        assert_eq!(content, m["content"]);
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0]["index"], 0);
+        assert_eq!(calls[0]["function"], m["tool_calls"][0]["function"]);
+        assert_eq!(finish, "tool_calls");
+    }
+
+    /// Streamed completions' `text_offset` runs on across chunks.
+    #[tokio::test]
+    async fn streamed_text_offsets_run_on() {
+        let s = stream(
+            Kind::Completion,
+            "cmpl-1".into(),
+            0,
+            "m".into(),
+            events(true),
+            true,
+            Duration::from_secs(1),
+            None,
+        );
+        let chunks = datas(s).await;
+        let mut offsets = Vec::new();
+        for ch in &chunks[..chunks.len() - 1] {
+            let v: Value = serde_json::from_str(ch).unwrap();
+            if let Some(o) = v["choices"][0]["logprobs"]["text_offset"].as_array() {
+                offsets.extend(o.iter().map(|x| x.as_u64().unwrap() as usize));
+            }
+        }
+        let mut want = Vec::new();
+        let mut at = 0;
+        for t in REPLY {
+            want.push(at);
+            at += t.len();
+        }
+        assert_eq!(offsets, want);
+    }
 }

@@ -15,6 +15,7 @@
 
 pub mod api;
 pub mod backend;
+pub mod chat_output;
 pub mod conn;
 pub mod http;
 pub mod metrics;
@@ -58,6 +59,9 @@ pub struct Options {
     pub model_name: String,
     /// Connection and request limits.
     pub limits: Limits,
+    /// How replies' `<think>` blocks are returned unless a request says
+    /// (`--reasoning-format`).
+    pub reasoning_format: api::ReasoningFormat,
 }
 
 /// `--prefix-cache-mb`'s default: room for a few saved conversations of a
@@ -314,6 +318,7 @@ pub async fn serve(
         prep: tokio::sync::Semaphore::new(
             std::thread::available_parallelism().map_or(2, |n| n.get().max(2)),
         ),
+        reasoning: opts.reasoning_format,
     });
     let addr = format!("{}:{}", opts.host, opts.port);
     let listener = conn::listen(&addr, opts.limits.keep_alive)

@@ -32,12 +32,16 @@ use tokio::sync::mpsc::UnboundedSender;
 /// A token's log-probability and the most likely alternatives.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenLogprob {
-    /// The token's text.
+    /// The token's text (lossy: U+FFFD for a part of a character).
     pub token: String,
+    /// The token's bytes.
+    pub bytes: Vec<u8>,
     /// Its log-probability.
     pub logprob: f32,
     /// The `n` most likely tokens and theirs.
     pub top: Vec<(String, f32)>,
+    /// The bytes of each of `top`'s tokens.
+    pub top_bytes: Vec<Vec<u8>>,
 }
 
 /// Token and timing counts of a finished request.
@@ -148,10 +152,14 @@ struct Conn {
 
 /// A log-probability with its token ids as text.
 fn text_logprob(tok: &Tokenizer, t: u32, lp: sched::Logprob) -> TokenLogprob {
-    let text = |i: u32| tok.decode(&[i]).unwrap_or_default();
+    // A token's text is its bytes read as UTF-8 (U+FFFD for a part of a
+    // character); a control token's is its name, as llama-server shows it.
+    let text = |i: u32| String::from_utf8_lossy(&tok.token_bytes(i)).into_owned();
     TokenLogprob {
         token: text(t),
+        bytes: tok.token_bytes(t),
         logprob: lp.logprob,
+        top_bytes: lp.top.iter().map(|&(i, _)| tok.token_bytes(i)).collect(),
         top: lp.top.into_iter().map(|(i, l)| (text(i), l)).collect(),
     }
 }

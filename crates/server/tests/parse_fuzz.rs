@@ -94,16 +94,21 @@ fn run_body(body: &[u8], which: usize) -> Result<(), TestCaseError> {
     let toks = tokenizers();
     let (tok, must_render) = &toks[which % toks.len()];
     match api::parse::<ChatRequest>(body).and_then(|r| r.check()) {
-        Ok((msgs, s)) => {
+        Ok((p, s)) => {
             check_settings(&s, 20)?;
+            let msgs = p.pairs();
             prop_assert!(!msgs.is_empty());
             prop_assert!(
                 msgs.iter()
-                    .all(|(r, _)| ["system", "user", "assistant"].contains(&r.as_str()))
+                    .all(|(r, _)| ["system", "user", "assistant", "tool"].contains(&r.as_str()))
             );
-            let msgs: Vec<(&str, &str)> =
-                msgs.iter().map(|(r, t)| (r.as_str(), t.as_str())).collect();
-            match tok.chat_messages(&msgs) {
+            let rendered = tok.render_chat(&samesum_engine::tokenizer::ChatInput {
+                messages: &p.messages,
+                tools: p.tools.as_ref(),
+                kwargs: &p.kwargs,
+                add_generation_prompt: true,
+            });
+            match rendered {
                 Ok(text) => {
                     let ids = tok.encode(&text).unwrap();
                     prop_assert!(ids.iter().all(|&i| (i as usize) < tok.len()));
@@ -502,9 +507,10 @@ proptest! {
             want.logprobs = Some(top.unwrap_or(0) as usize);
         }
         let body = serde_json::to_vec(&Value::Object(m)).unwrap();
-        let (msgs, s) = api::parse::<ChatRequest>(&body)
+        let (p, s) = api::parse::<ChatRequest>(&body)
             .and_then(|r| r.check())
             .map_err(|e| TestCaseError::fail(format!("{e:?}")))?;
+        let msgs = p.pairs();
         prop_assert_eq!(&s, &want);
         let sent: Vec<(String, String)> = turns
             .iter()

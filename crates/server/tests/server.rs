@@ -62,6 +62,7 @@ fn start_with(max_batch: usize, max_queue: usize, ctx: usize, max_body: usize) -
         kv_budget: Default::default(),
         model_name: "tiny".into(),
         limits: Default::default(),
+        reasoning_format: samesum_server::api::ReasoningFormat::Deepseek,
     };
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -319,8 +320,8 @@ fn bad_input_is_a_4xx_with_an_error_object_and_the_server_stays_up() {
             "logit_bias",
         ),
         (
-            "tools",
-            br#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}"#
+            "tools of another type",
+            br#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "retrieval"}]}"#
                 .to_vec(),
             400,
             "tools",
