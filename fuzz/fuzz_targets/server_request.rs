@@ -78,12 +78,16 @@ fuzz_target!(|data: &[u8]| {
     let toks = tokenizers();
     let (tok, must_render) = &toks[data.len() % toks.len()];
     match api::parse::<ChatRequest>(data).and_then(|r| r.check()) {
-        Ok((msgs, s)) => {
+        Ok((p, s)) => {
             check_settings(&s, 20);
-            assert!(!msgs.is_empty());
-            let msgs: Vec<(&str, &str)> =
-                msgs.iter().map(|(r, t)| (r.as_str(), t.as_str())).collect();
-            match tok.chat_messages(&msgs) {
+            assert!(!p.pairs().is_empty());
+            let rendered = tok.render_chat(&samesum_engine::tokenizer::ChatInput {
+                messages: &p.messages,
+                tools: p.tools.as_ref(),
+                kwargs: &p.kwargs,
+                add_generation_prompt: true,
+            });
+            match rendered {
                 Ok(text) => {
                     let ids = tok.encode(&text).expect("text encodes");
                     assert!(ids.iter().all(|&i| (i as usize) < tok.len()));
