@@ -163,6 +163,63 @@ fn synth_then_inspect_json() {
 }
 
 #[test]
+fn synth_writes_split_files_that_inspect_and_run_open_from_any_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let whole = dir.path().join("whole.gguf");
+    let whole = whole.to_str().unwrap();
+    let split = dir.path().join("m.gguf");
+    let split = split.to_str().unwrap();
+    let base = ["synth", "--shape", "tiny-qwen35moe", "--quant", "q4_k"];
+    let (ok, _, err) = samesum(&[&base[..], &["-o", whole]].concat());
+    assert!(ok, "{err}");
+    // 76 tensors at 26 a shard: three shards.
+    let (ok, _, err) = samesum(&[&base[..], &["--split-max-tensors", "26", "-o", split]].concat());
+    assert!(ok && err.contains("3 files"), "{err}");
+    let shard = |i: usize| dir.path().join(format!("m-{i:05}-of-00003.gguf"));
+    assert!(!dir.path().join("m.gguf").exists());
+    let (ok, out, err) = samesum(&["inspect", shard(2).to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(out.contains("split:         3 shards"), "{out}");
+    let (ok, out, err) = samesum(&["inspect", "--json", shard(3).to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (v["shards"].as_u64(), v["tensor_count"].as_u64()),
+        (Some(3), Some(76))
+    );
+    // The same greedy text from the whole file and from the shards.
+    let greedy = |m: &str| {
+        let (ok, out, err) = samesum(&[
+            "run",
+            "-m",
+            m,
+            "-p",
+            "hello there",
+            "-n",
+            "12",
+            "--temp",
+            "0",
+        ]);
+        assert!(ok, "{err}");
+        out
+    };
+    assert_eq!(greedy(whole), greedy(shard(1).to_str().unwrap()));
+    // Refuses to overwrite shards without --force; a missing shard is named.
+    let (ok, _, err) = samesum(&[&base[..], &["--split-max-tensors", "40", "-o", split]].concat());
+    assert!(
+        !ok && err.contains("m-0000") && err.contains("--force"),
+        "{err}"
+    );
+    std::fs::remove_file(shard(3)).unwrap();
+    let (ok, _, err) = samesum(&["run", "-m", shard(1).to_str().unwrap(), "-n", "2"]);
+    assert!(
+        !ok && err.contains("m-00003-of-00003.gguf") && err.contains("missing"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
 fn bad_input_is_a_plain_error() {
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("bad.gguf");
