@@ -5,6 +5,7 @@ mod args;
 mod bench;
 mod bench_quant;
 mod bench_serve;
+mod chat;
 mod identity;
 mod inspect;
 mod run;
@@ -52,8 +53,9 @@ enum Command {
 
 /// llama.cpp's multi-letter single-dash flags, as the long flags clap
 /// parses (a short flag is one letter there).
-const LLAMA_FLAGS: [(&str, &str); 4] = [
+const LLAMA_FLAGS: [(&str, &str); 5] = [
     ("-ngl", "--n-gpu-layers"),
+    ("-cnv", "--conversation"),
     ("-fa", "--flash-attn"),
     ("-np", "--parallel"),
     ("-ub", "--ubatch-size"),
@@ -62,7 +64,7 @@ const LLAMA_FLAGS: [(&str, &str); 4] = [
 /// Flags whose value is free text, which is never rewritten.
 const TEXT_FLAGS: [&str; 4] = ["-p", "--prompt", "--system", "--text"];
 
-/// The command line with llama.cpp's `-ngl`, `-fa`, `-np` and `-ub` (alone or as
+/// The command line with llama.cpp's `-ngl`, `-cnv`, `-fa`, `-np` and `-ub` (alone or as
 /// `-ngl=N`) spelled as their long flags; other arguments, and the values of
 /// text flags and everything after `--`, as given.
 fn llama_spellings(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
@@ -172,6 +174,10 @@ mod tests {
                 "--ubatch-size",
                 "8"
             ]
+        );
+        assert_eq!(
+            spell(&["samesum", "run", "-cnv", "-n", "8"]),
+            ["samesum", "run", "--conversation", "-n", "8"]
         );
         // Text values and everything after `--` stay as given.
         assert_eq!(

@@ -996,3 +996,104 @@ fn bench_serve_loads_a_running_server() {
     ]);
     assert!(!ok && err.contains("127.0.0.1:1"), "{err}");
 }
+
+/// `samesum ARGS` with `input` on stdin; `RUST_LOG=debug` so conversation
+/// mode logs which way it prefilled.
+fn samesum_stdin(args: &[&str], input: &str) -> (bool, String, String) {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_samesum"))
+        .args(args)
+        .env("RUST_LOG", "debug")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+#[test]
+fn conversation_second_reply_equals_a_one_shot_run_on_the_rendered_conversation() {
+    use samesum_engine::tokenizer::Tokenizer;
+    let dir = tempfile::tempdir().unwrap();
+    // The built-in model of `run` (tiny-qwen3next, q8_0, seed 0), kept in a
+    // file so the test can render the conversation with its tokenizer.
+    let m = dir.path().join("m.gguf");
+    let m = m.to_str().unwrap();
+    let (ok, _, err) = samesum(&["synth", "--shape", "tiny-qwen3next", "-o", m]);
+    assert!(ok, "{err}");
+    let tok =
+        Tokenizer::from_metadata(samesum_gguf::GgufFile::open(m).unwrap().metadata()).unwrap();
+    let (system, u1, u2) = ("be brief", "hello there", "and then?");
+    let mut paths = Vec::new();
+    // One token a reply: the reply's text tokenizes back to what was
+    // generated, so turn two prefills only its new tokens onto the state.
+    // Eight: random weights pick tokens that are not their text's own
+    // tokenization, so turn two starts a fresh state. Both must give the
+    // one-shot run's bytes.
+    for n in ["1", "8"] {
+        let cnv = [
+            "run", "-m", m, "-cnv", "--temp", "0", "-n", n, "--system", system,
+        ];
+        let (ok, one_turn, err) = samesum_stdin(&cnv, &format!("{u1}\n"));
+        assert!(ok, "{err}");
+        let reply1 = one_turn.strip_suffix('\n').unwrap();
+        // /exit ends the conversation: the third line is never answered.
+        let (ok, two_turns, err) = samesum_stdin(&cnv, &format!("{u1}\n{u2}\n/exit\nmore\n"));
+        assert!(ok, "{err}");
+        let reply2 = two_turns
+            .strip_prefix(&one_turn)
+            .unwrap_or_else(|| panic!("turn one differs: {one_turn:?} vs {two_turns:?}"))
+            .strip_suffix('\n')
+            .unwrap();
+        assert!(!reply2.contains('\n') || n == "8", "{two_turns:?}");
+        paths.push((
+            err.matches("extends the state").count(),
+            err.matches("does not extend").count(),
+        ));
+        let rendered = tok
+            .chat_messages(&[
+                ("system", system),
+                ("user", u1),
+                ("assistant", reply1),
+                ("user", u2),
+            ])
+            .unwrap();
+        let (ok, one_shot, err) = samesum(&[
+            "run",
+            "-m",
+            m,
+            "--no-chat",
+            "-p",
+            &rendered,
+            "--temp",
+            "0",
+            "-n",
+            n,
+        ]);
+        assert!(ok, "{err}");
+        assert!(!reply2.is_empty());
+        assert_eq!(one_shot, format!("{reply2}\n"), "-n {n}");
+    }
+    assert_eq!(
+        paths,
+        [(2, 0), (1, 1)],
+        "(extended, fresh) turns for -n 1 and -n 8"
+    );
+    // EOF ends it too; -cnv takes no prompt.
+    let (ok, out, err) = samesum_stdin(&["run", "-m", m, "-cnv", "-n", "2"], "");
+    assert!(ok && out.is_empty(), "{err}");
+    let (ok, _, err) = samesum(&["run", "-m", m, "-cnv", "-p", "hi"]);
+    assert!(!ok && err.contains("--prompt"), "{err}");
+}
