@@ -8,6 +8,7 @@ mod bench_serve;
 mod chat;
 mod identity;
 mod inspect;
+mod perplexity;
 mod run;
 mod serve;
 mod synth;
@@ -41,6 +42,9 @@ enum Command {
     Inspect(inspect::Args),
     /// Measure prompt-processing and generation speed (llama-bench style).
     Bench(bench::Args),
+    /// Perplexity of a text file, llama-perplexity's way (no -m: the built-in
+    /// tiny synthetic model).
+    Perplexity(perplexity::Args),
     /// Measure dequantize and dot-product throughput per block format.
     BenchQuant(bench_quant::Args),
     /// Serve the model over an OpenAI-compatible HTTP API (no -m: the built-in
@@ -124,6 +128,7 @@ fn main() -> ExitCode {
         Command::Synth(a) => synth::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Perplexity(a) => perplexity::run(a),
         Command::BenchQuant(a) => bench_quant::run(a),
         Command::Serve(a) => serve::run(a),
         Command::BenchServe(a) => bench_serve::run(a),

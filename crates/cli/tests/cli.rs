@@ -1097,3 +1097,92 @@ fn conversation_second_reply_equals_a_one_shot_run_on_the_rendered_conversation(
     let (ok, _, err) = samesum(&["run", "-m", m, "-cnv", "-p", "hi"]);
     assert!(!ok && err.contains("--prompt"), "{err}");
 }
+
+#[test]
+fn perplexity_on_the_builtin_model_is_finite_reproducible_and_refuses_short_texts() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("t.txt");
+    let words = [
+        "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog,", "and",
+    ];
+    let body: Vec<&str> = (0..400usize)
+        .map(|i| words[(i * 7 + i / 3) % words.len()])
+        .collect();
+    std::fs::write(&text, body.join(" ")).unwrap();
+    let t = text.to_str().unwrap();
+    let (ok, out, err) = samesum(&["perplexity", "-f", t, "-c", "64", "--chunks", "3"]);
+    assert!(ok, "{err}");
+    // llama-perplexity's shape: the running estimates, then the final line.
+    let mut lines = out.lines();
+    let running = lines.next().unwrap();
+    let est: Vec<f64> = running
+        .trim_end_matches(',')
+        .split(',')
+        .enumerate()
+        .map(|(i, e)| {
+            let (n, v) = e.split_once(']').unwrap();
+            assert_eq!(n, format!("[{}", i + 1));
+            v.parse().unwrap()
+        })
+        .collect();
+    assert_eq!(est.len(), 3, "{out}");
+    let last = lines.next().unwrap();
+    let rest = last.strip_prefix("Final estimate: PPL = ").unwrap();
+    let (ppl, se) = rest.split_once(" +/- ").unwrap();
+    let (ppl, se): (f64, f64) = (ppl.parse().unwrap(), se.parse().unwrap());
+    assert!(
+        ppl.is_finite() && ppl > 1.0 && se.is_finite() && se > 0.0,
+        "{out}"
+    );
+    assert_eq!(format!("{:.4}", est[2]), format!("{ppl:.4}"));
+    let (ok, again, err) = samesum(&["perplexity", "-f", t, "-c", "64", "--chunks", "3"]);
+    assert!(ok && again == out, "{err}\n{out}\n{again}");
+    // JSON: the same numbers; a different chunk size of the forward, the same bytes.
+    let (ok, js, err) = samesum(&[
+        "perplexity",
+        "-f",
+        t,
+        "-c",
+        "64",
+        "--chunks",
+        "3",
+        "--json",
+        "--chunk",
+        "5",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&js).unwrap();
+    assert_eq!(v["scored"], 3 * 31);
+    assert_eq!(
+        format!("{:.4}", v["ppl"].as_f64().unwrap()),
+        format!("{ppl:.4}")
+    );
+    assert_eq!(v["estimates"].as_array().unwrap().len(), 3);
+    let json_with = |chunk: &str| {
+        let (ok, js, err) = samesum(&[
+            "perplexity",
+            "-f",
+            t,
+            "-c",
+            "64",
+            "--chunks",
+            "3",
+            "--json",
+            "--chunk",
+            chunk,
+        ]);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&js).unwrap();
+        (v["ppl"].clone(), v["estimates"].clone())
+    };
+    assert_eq!(json_with("1"), (v["ppl"].clone(), v["estimates"].clone()));
+    // Shorter than two chunks: a plain error naming the counts.
+    let (ok, _, err) = samesum(&["perplexity", "-f", t, "-c", "4096"]);
+    assert!(!ok && err.contains("needs at least 8192"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let (ok, _, err) = samesum(&["perplexity", "-f", "/nonexistent/text.txt"]);
+    assert!(!ok && err.contains("/nonexistent/text.txt"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let (ok, _, err) = samesum(&["perplexity", "-f", t, "-c", "2"]);
+    assert!(!ok && err.contains("-c"), "{err}");
+}
