@@ -298,7 +298,7 @@ fuzz_target!(|data: &[u8]| {
         &edited_bytes[..]
     };
     let Some(map) = mapped(data) else { return };
-    let Ok(file) = GgufFile::from_bytes(map) else {
+    let Ok(file) = GgufFile::from_bytes(map.into()) else {
         return;
     };
     if let Ok(tok) = Tokenizer::from_metadata(file.metadata()) {

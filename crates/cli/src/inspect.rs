@@ -200,6 +200,8 @@ pub(crate) fn run(a: Args) -> Result<()> {
         let out = json!({
             "file": path.display().to_string(),
             "version": f.header().version,
+            "files": f.paths().iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+            "shards": f.shard_count(),
             "architecture": arch,
             "name": m.get_str("general.name").ok(),
             "hparams": hparams.iter().map(|(k, v)| (k.clone(), to_json(v))).collect::<serde_json::Map<_, _>>(),
@@ -256,6 +258,14 @@ pub(crate) fn run(a: Args) -> Result<()> {
     }
     println!("file:          {}", path.display());
     println!("gguf version:  {}", f.header().version);
+    if f.shard_count() > 1 {
+        println!(
+            "split:         {} shards ({} .. {})",
+            f.shard_count(),
+            f.paths()[0].display(),
+            f.paths()[f.shard_count() - 1].display()
+        );
+    }
     println!("architecture:  {arch}");
     if let Ok(n) = m.get_str("general.name") {
         println!("name:          {n}");

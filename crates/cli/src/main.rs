@@ -5,8 +5,10 @@ mod args;
 mod bench;
 mod bench_quant;
 mod bench_serve;
+mod chat;
 mod identity;
 mod inspect;
+mod perplexity;
 mod run;
 mod serve;
 mod synth;
@@ -40,6 +42,9 @@ enum Command {
     Inspect(inspect::Args),
     /// Measure prompt-processing and generation speed (llama-bench style).
     Bench(bench::Args),
+    /// Perplexity of a text file, llama-perplexity's way (no -m: the built-in
+    /// tiny synthetic model).
+    Perplexity(perplexity::Args),
     /// Measure dequantize and dot-product throughput per block format.
     BenchQuant(bench_quant::Args),
     /// Serve the model over an OpenAI-compatible HTTP API (no -m: the built-in
@@ -52,8 +57,9 @@ enum Command {
 
 /// llama.cpp's multi-letter single-dash flags, as the long flags clap
 /// parses (a short flag is one letter there).
-const LLAMA_FLAGS: [(&str, &str); 4] = [
+const LLAMA_FLAGS: [(&str, &str); 5] = [
     ("-ngl", "--n-gpu-layers"),
+    ("-cnv", "--conversation"),
     ("-fa", "--flash-attn"),
     ("-np", "--parallel"),
     ("-ub", "--ubatch-size"),
@@ -62,7 +68,7 @@ const LLAMA_FLAGS: [(&str, &str); 4] = [
 /// Flags whose value is free text, which is never rewritten.
 const TEXT_FLAGS: [&str; 4] = ["-p", "--prompt", "--system", "--text"];
 
-/// The command line with llama.cpp's `-ngl`, `-fa`, `-np` and `-ub` (alone or as
+/// The command line with llama.cpp's `-ngl`, `-cnv`, `-fa`, `-np` and `-ub` (alone or as
 /// `-ngl=N`) spelled as their long flags; other arguments, and the values of
 /// text flags and everything after `--`, as given.
 fn llama_spellings(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
@@ -122,6 +128,7 @@ fn main() -> ExitCode {
         Command::Synth(a) => synth::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Perplexity(a) => perplexity::run(a),
         Command::BenchQuant(a) => bench_quant::run(a),
         Command::Serve(a) => serve::run(a),
         Command::BenchServe(a) => bench_serve::run(a),
@@ -172,6 +179,10 @@ mod tests {
                 "--ubatch-size",
                 "8"
             ]
+        );
+        assert_eq!(
+            spell(&["samesum", "run", "-cnv", "-n", "8"]),
+            ["samesum", "run", "--conversation", "-n", "8"]
         );
         // Text values and everything after `--` stay as given.
         assert_eq!(

@@ -87,6 +87,13 @@ pub(crate) struct Args {
     /// Print the prompt's tokens before generating.
     #[arg(long)]
     verbose_prompt: bool,
+    /// Conversation mode (llama-cli's -cnv): read user turns from stdin, a
+    /// line each, and answer each with the whole history rendered by the
+    /// chat template, continuing one sequence state (only the new tokens are
+    /// prefilled). EOF or a line /exit ends; Ctrl-C stops a reply. -n limits
+    /// each reply; --system gives the system message.
+    #[arg(long, conflicts_with_all = ["prompt", "prompt_file", "no_chat", "verbose_prompt"])]
+    conversation: bool,
     #[command(flatten)]
     backend: BackendArgs,
 }
@@ -102,7 +109,7 @@ fn parse_kwargs(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, S
 
 /// `-n`: how many tokens to generate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum NPredict {
+pub(crate) enum NPredict {
     /// At most this many.
     Tokens(usize),
     /// Until a stop token or the end of the context (`-1`).
@@ -193,6 +200,9 @@ pub(crate) fn run(a: Args) -> Result<()> {
         model.w.n_vocab,
         t_load.elapsed().as_secs_f64(),
     );
+    if a.conversation {
+        return conversation(&a, dev, &model, &tok, kv);
+    }
     let user = match &a.prompt_file {
         Some(f) => {
             std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?
@@ -250,12 +260,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
             ctx - prompt.len()
         }
     };
-    warn_sampling(&a);
-    let seed = match a.seed {
-        Some(Seed::Fixed(s)) => s,
-        Some(Seed::Random) | None => random_seed(),
-    };
-    eprintln!("seed: {seed}");
+    let sampling = sampling(&a);
     let stop = Arc::new(AtomicBool::new(false));
     {
         let stop = stop.clone();
@@ -266,7 +271,20 @@ pub(crate) fn run(a: Args) -> Result<()> {
         Prefill::Replay => 1,
         Prefill::Batched => a.chunk.or_default(&backend),
     };
-    let sampling = SamplerConfig {
+    with_backend!(&backend, |b| generate(
+        b, &model, &tok, &prompt, ctx, n_predict, sampling, kv, chunk, &stop
+    ))
+}
+
+/// The sampler settings of the command line, with a seed (printed).
+fn sampling(a: &Args) -> SamplerConfig {
+    warn_sampling(a);
+    let seed = match a.seed {
+        Some(Seed::Fixed(s)) => s,
+        Some(Seed::Random) | None => random_seed(),
+    };
+    eprintln!("seed: {seed}");
+    SamplerConfig {
         temp: a.temp,
         top_k: a.top_k,
         top_p: a.top_p,
@@ -274,9 +292,56 @@ pub(crate) fn run(a: Args) -> Result<()> {
         repeat_penalty: a.repeat_penalty,
         repeat_last_n: a.repeat_last_n,
         seed,
+    }
+}
+
+/// `run -cnv`: the conversation on stdin (`chat.rs`). Ctrl-C stops the reply
+/// in progress; at the prompt it exits (130).
+fn conversation(
+    a: &Args,
+    dev: samesum_server::backend::Device,
+    model: &Model,
+    tok: &Tokenizer,
+    kv: KvType,
+) -> Result<()> {
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .try_init();
+    let ctx = a.ctx.for_model(model);
+    let sampling = sampling(a);
+    let stop = Arc::new(AtomicBool::new(false));
+    let busy = Arc::new(AtomicBool::new(false));
+    {
+        let (stop, busy) = (stop.clone(), busy.clone());
+        let _ = ctrlc::set_handler(move || {
+            if busy.load(Ordering::SeqCst) {
+                stop.store(true, Ordering::SeqCst);
+            } else {
+                eprintln!();
+                std::process::exit(130);
+            }
+        });
+    }
+    let backend = crate::args::open(dev, model)?;
+    let chunk = match a.prefill {
+        Prefill::Replay => 1,
+        Prefill::Batched => a.chunk.or_default(&backend),
     };
-    with_backend!(&backend, |b| generate(
-        b, &model, &tok, &prompt, ctx, n_predict, sampling, kv, chunk, &stop
+    let settings = crate::chat::Settings {
+        system: a.system.as_deref(),
+        ctx,
+        n_predict: a.n_predict,
+        sampling,
+        kv,
+        chunk,
+    };
+    with_backend!(&backend, |b| crate::chat::converse(
+        b, model, tok, &settings, &stop, &busy
     ))
 }
 

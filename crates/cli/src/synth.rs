@@ -63,6 +63,12 @@ pub(crate) struct Args {
     /// Qwen template, for tools and reasoning) instead of plain ChatML.
     #[arg(long, value_name = "FILE")]
     chat_template: Option<PathBuf>,
+    /// Write the model as split files of at most N tensors each, as
+    /// llama.cpp's gguf-split does: -o out.gguf makes out-00001-of-0000K.gguf,
+    /// ... (the first with all the metadata, every one with split.* keys).
+    /// Any command opens a split model from any of its shards.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    split_max_tensors: Option<u64>,
     /// Output file.
     #[arg(short, long)]
     output: PathBuf,
@@ -147,6 +153,9 @@ pub(crate) fn model_or_builtin(
 fn options_of(a: &Args) -> Result<SynthOptions> {
     let quant = a.quant.as_deref().unwrap_or("q8_0");
     let mut opts = options(&a.shape, quant, a.layers, a.seed)?;
+    if let Some(n) = a.split_max_tensors {
+        opts = opts.with_split_max_tensors(usize::try_from(n).unwrap_or(usize::MAX));
+    }
     if let Some(f) = a.yarn {
         if !(f > 1.0 && f <= 64.0) {
             bail!("--yarn {f}: the factor must be above 1 and at most 64");
@@ -174,8 +183,16 @@ fn options_of(a: &Args) -> Result<SynthOptions> {
 
 pub(crate) fn run(a: Args) -> Result<()> {
     let opts = options_of(&a)?;
-    if a.output.exists() && !a.force {
-        bail!("{} exists (use --force to overwrite)", a.output.display());
+    if !a.force {
+        // A split write names its shards only once it knows their number:
+        // refuse when any file of this prefix's shard pattern is there.
+        let taken = match opts.split_max_tensors {
+            None => a.output.exists().then(|| a.output.clone()),
+            Some(_) => existing_shard(&a.output),
+        };
+        if let Some(p) = taken {
+            bail!("{} exists (use --force to overwrite)", p.display());
+        }
     }
     let t = std::time::Instant::now();
     let s = write(&opts, &a.output)?;
@@ -186,9 +203,18 @@ pub(crate) fn run(a: Args) -> Result<()> {
     if let Some(f) = opts.yarn {
         storage += &format!(", YaRN x{f}");
     }
+    let written = match s.files.as_slice() {
+        [one] => one.display().to_string(),
+        [first, .., last] => format!(
+            "{} files, {} .. {}",
+            s.files.len(),
+            first.display(),
+            last.display()
+        ),
+        [] => a.output.display().to_string(),
+    };
     eprintln!(
-        "wrote {}: {} {} layers, {storage}, {} tensors, {:.1} MiB of tensor data, vocab {}, in {:.1}s",
-        a.output.display(),
+        "wrote {written}: {} {} layers, {storage}, {} tensors, {:.1} MiB of tensor data, vocab {}, in {:.1}s",
         opts.shape.name,
         opts.shape.layers,
         s.tensors,
@@ -197,6 +223,27 @@ pub(crate) fn run(a: Args) -> Result<()> {
         t.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// A file already named as a shard of `output`'s prefix, if any.
+fn existing_shard(output: &Path) -> Option<PathBuf> {
+    let prefix = samesum_gguf::split::split_prefix(output);
+    let dir = match prefix.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let (Some(stem), Ok(entries)) = (prefix.file_name(), std::fs::read_dir(&dir)) else {
+        return None;
+    };
+    for e in entries.flatten() {
+        let name = PathBuf::from(e.file_name());
+        if samesum_gguf::split::parse_split_path(&name)
+            .is_some_and(|(pre, _, _)| pre.as_os_str() == stem)
+        {
+            return Some(dir.join(name));
+        }
+    }
+    None
 }
 
 #[cfg(test)]

@@ -163,6 +163,63 @@ fn synth_then_inspect_json() {
 }
 
 #[test]
+fn synth_writes_split_files_that_inspect_and_run_open_from_any_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let whole = dir.path().join("whole.gguf");
+    let whole = whole.to_str().unwrap();
+    let split = dir.path().join("m.gguf");
+    let split = split.to_str().unwrap();
+    let base = ["synth", "--shape", "tiny-qwen35moe", "--quant", "q4_k"];
+    let (ok, _, err) = samesum(&[&base[..], &["-o", whole]].concat());
+    assert!(ok, "{err}");
+    // 76 tensors at 26 a shard: three shards.
+    let (ok, _, err) = samesum(&[&base[..], &["--split-max-tensors", "26", "-o", split]].concat());
+    assert!(ok && err.contains("3 files"), "{err}");
+    let shard = |i: usize| dir.path().join(format!("m-{i:05}-of-00003.gguf"));
+    assert!(!dir.path().join("m.gguf").exists());
+    let (ok, out, err) = samesum(&["inspect", shard(2).to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(out.contains("split:         3 shards"), "{out}");
+    let (ok, out, err) = samesum(&["inspect", "--json", shard(3).to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (v["shards"].as_u64(), v["tensor_count"].as_u64()),
+        (Some(3), Some(76))
+    );
+    // The same greedy text from the whole file and from the shards.
+    let greedy = |m: &str| {
+        let (ok, out, err) = samesum(&[
+            "run",
+            "-m",
+            m,
+            "-p",
+            "hello there",
+            "-n",
+            "12",
+            "--temp",
+            "0",
+        ]);
+        assert!(ok, "{err}");
+        out
+    };
+    assert_eq!(greedy(whole), greedy(shard(1).to_str().unwrap()));
+    // Refuses to overwrite shards without --force; a missing shard is named.
+    let (ok, _, err) = samesum(&[&base[..], &["--split-max-tensors", "40", "-o", split]].concat());
+    assert!(
+        !ok && err.contains("m-0000") && err.contains("--force"),
+        "{err}"
+    );
+    std::fs::remove_file(shard(3)).unwrap();
+    let (ok, _, err) = samesum(&["run", "-m", shard(1).to_str().unwrap(), "-n", "2"]);
+    assert!(
+        !ok && err.contains("m-00003-of-00003.gguf") && err.contains("missing"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
 fn bad_input_is_a_plain_error() {
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("bad.gguf");
@@ -984,4 +1041,194 @@ fn run_passes_template_kwargs_and_think() {
     assert_eq!(prompt_of(&["--think", "on"]), default);
     let (ok, _, err) = samesum(&["run", "--chat-template-kwargs", "[1]"]);
     assert!(!ok && err.contains("JSON object"), "{err}");
+}
+
+/// `samesum ARGS` with `input` on stdin; `RUST_LOG=debug` so conversation
+/// mode logs which way it prefilled.
+fn samesum_stdin(args: &[&str], input: &str) -> (bool, String, String) {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_samesum"))
+        .args(args)
+        .env("RUST_LOG", "debug")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+#[test]
+fn conversation_second_reply_equals_a_one_shot_run_on_the_rendered_conversation() {
+    use samesum_engine::tokenizer::Tokenizer;
+    let dir = tempfile::tempdir().unwrap();
+    // The built-in model of `run` (tiny-qwen3next, q8_0, seed 0), kept in a
+    // file so the test can render the conversation with its tokenizer.
+    let m = dir.path().join("m.gguf");
+    let m = m.to_str().unwrap();
+    let (ok, _, err) = samesum(&["synth", "--shape", "tiny-qwen3next", "-o", m]);
+    assert!(ok, "{err}");
+    let tok =
+        Tokenizer::from_metadata(samesum_gguf::GgufFile::open(m).unwrap().metadata()).unwrap();
+    let (system, u1, u2) = ("be brief", "hello there", "and then?");
+    let mut paths = Vec::new();
+    // One token a reply: the reply's text tokenizes back to what was
+    // generated, so turn two prefills only its new tokens onto the state.
+    // Eight: random weights pick tokens that are not their text's own
+    // tokenization, so turn two starts a fresh state. Both must give the
+    // one-shot run's bytes.
+    for n in ["1", "8"] {
+        let cnv = [
+            "run", "-m", m, "-cnv", "--temp", "0", "-n", n, "--system", system,
+        ];
+        let (ok, one_turn, err) = samesum_stdin(&cnv, &format!("{u1}\n"));
+        assert!(ok, "{err}");
+        let reply1 = one_turn.strip_suffix('\n').unwrap();
+        // /exit ends the conversation: the third line is never answered.
+        let (ok, two_turns, err) = samesum_stdin(&cnv, &format!("{u1}\n{u2}\n/exit\nmore\n"));
+        assert!(ok, "{err}");
+        let reply2 = two_turns
+            .strip_prefix(&one_turn)
+            .unwrap_or_else(|| panic!("turn one differs: {one_turn:?} vs {two_turns:?}"))
+            .strip_suffix('\n')
+            .unwrap();
+        assert!(!reply2.contains('\n') || n == "8", "{two_turns:?}");
+        paths.push((
+            err.matches("extends the state").count(),
+            err.matches("does not extend").count(),
+        ));
+        let rendered = tok
+            .chat_messages(&[
+                ("system", system),
+                ("user", u1),
+                ("assistant", reply1),
+                ("user", u2),
+            ])
+            .unwrap();
+        let (ok, one_shot, err) = samesum(&[
+            "run",
+            "-m",
+            m,
+            "--no-chat",
+            "-p",
+            &rendered,
+            "--temp",
+            "0",
+            "-n",
+            n,
+        ]);
+        assert!(ok, "{err}");
+        assert!(!reply2.is_empty());
+        assert_eq!(one_shot, format!("{reply2}\n"), "-n {n}");
+    }
+    assert_eq!(
+        paths,
+        [(2, 0), (1, 1)],
+        "(extended, fresh) turns for -n 1 and -n 8"
+    );
+    // EOF ends it too; -cnv takes no prompt.
+    let (ok, out, err) = samesum_stdin(&["run", "-m", m, "-cnv", "-n", "2"], "");
+    assert!(ok && out.is_empty(), "{err}");
+    let (ok, _, err) = samesum(&["run", "-m", m, "-cnv", "-p", "hi"]);
+    assert!(!ok && err.contains("--prompt"), "{err}");
+}
+
+#[test]
+fn perplexity_on_the_builtin_model_is_finite_reproducible_and_refuses_short_texts() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("t.txt");
+    let words = [
+        "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog,", "and",
+    ];
+    let body: Vec<&str> = (0..400usize)
+        .map(|i| words[(i * 7 + i / 3) % words.len()])
+        .collect();
+    std::fs::write(&text, body.join(" ")).unwrap();
+    let t = text.to_str().unwrap();
+    let (ok, out, err) = samesum(&["perplexity", "-f", t, "-c", "64", "--chunks", "3"]);
+    assert!(ok, "{err}");
+    // llama-perplexity's shape: the running estimates, then the final line.
+    let mut lines = out.lines();
+    let running = lines.next().unwrap();
+    let est: Vec<f64> = running
+        .trim_end_matches(',')
+        .split(',')
+        .enumerate()
+        .map(|(i, e)| {
+            let (n, v) = e.split_once(']').unwrap();
+            assert_eq!(n, format!("[{}", i + 1));
+            v.parse().unwrap()
+        })
+        .collect();
+    assert_eq!(est.len(), 3, "{out}");
+    let last = lines.next().unwrap();
+    let rest = last.strip_prefix("Final estimate: PPL = ").unwrap();
+    let (ppl, se) = rest.split_once(" +/- ").unwrap();
+    let (ppl, se): (f64, f64) = (ppl.parse().unwrap(), se.parse().unwrap());
+    assert!(
+        ppl.is_finite() && ppl > 1.0 && se.is_finite() && se > 0.0,
+        "{out}"
+    );
+    assert_eq!(format!("{:.4}", est[2]), format!("{ppl:.4}"));
+    let (ok, again, err) = samesum(&["perplexity", "-f", t, "-c", "64", "--chunks", "3"]);
+    assert!(ok && again == out, "{err}\n{out}\n{again}");
+    // JSON: the same numbers; a different chunk size of the forward, the same bytes.
+    let (ok, js, err) = samesum(&[
+        "perplexity",
+        "-f",
+        t,
+        "-c",
+        "64",
+        "--chunks",
+        "3",
+        "--json",
+        "--chunk",
+        "5",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&js).unwrap();
+    assert_eq!(v["scored"], 3 * 31);
+    assert_eq!(
+        format!("{:.4}", v["ppl"].as_f64().unwrap()),
+        format!("{ppl:.4}")
+    );
+    assert_eq!(v["estimates"].as_array().unwrap().len(), 3);
+    let json_with = |chunk: &str| {
+        let (ok, js, err) = samesum(&[
+            "perplexity",
+            "-f",
+            t,
+            "-c",
+            "64",
+            "--chunks",
+            "3",
+            "--json",
+            "--chunk",
+            chunk,
+        ]);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&js).unwrap();
+        (v["ppl"].clone(), v["estimates"].clone())
+    };
+    assert_eq!(json_with("1"), (v["ppl"].clone(), v["estimates"].clone()));
+    // Shorter than two chunks: a plain error naming the counts.
+    let (ok, _, err) = samesum(&["perplexity", "-f", t, "-c", "4096"]);
+    assert!(!ok && err.contains("needs at least 8192"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let (ok, _, err) = samesum(&["perplexity", "-f", "/nonexistent/text.txt"]);
+    assert!(!ok && err.contains("/nonexistent/text.txt"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let (ok, _, err) = samesum(&["perplexity", "-f", t, "-c", "2"]);
+    assert!(!ok && err.contains("-c"), "{err}");
 }

@@ -34,6 +34,8 @@ pub enum EngineError {
     Tokenizer(String),
     #[error("chat template: {0}")]
     Template(String),
+    #[error("scoring: {0}")]
+    Score(String),
     /// A device backend's failure, naming the operation or kernel.
     #[error("{backend}: {op}: {msg}")]
     Device {

@@ -14,6 +14,7 @@ pub mod plan;
 pub mod pool;
 pub mod sample;
 pub mod sched;
+pub mod score;
 pub mod state;
 pub mod tokenizer;
 

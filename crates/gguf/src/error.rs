@@ -96,6 +96,22 @@ pub enum GgufError {
     DataSectionMissing { data_start: u64, file_len: u64 },
     #[error("tensor {name:?} not found")]
     TensorNotFound { name: String },
+    #[error("{path}: split model: {msg}")]
+    Split { path: PathBuf, msg: String },
+    #[error("{path}: {err}")]
+    Shard { path: PathBuf, err: Box<GgufError> },
+    #[error("{path}: shard missing (opening {given}, a model split in {count} files)")]
+    MissingShard {
+        path: PathBuf,
+        count: usize,
+        given: PathBuf,
+    },
+    #[error("tensor {name:?} appears in two shards: {first} and {second}")]
+    SplitDuplicateTensor {
+        name: String,
+        first: PathBuf,
+        second: PathBuf,
+    },
     #[error("writer: {0}")]
     Writer(String),
 }

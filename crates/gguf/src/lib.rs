@@ -15,12 +15,14 @@
 mod error;
 mod ggml_type;
 mod read;
+pub mod split;
 mod value;
 mod write;
 
 pub use error::{GgufError, Result};
 pub use ggml_type::GgmlType;
 pub use read::{Gguf, GgufFile, Header, TensorInfo, parse_header, tensor_size};
+pub use split::{Mapping, SplitWriter};
 pub use value::{Array, Metadata, Value, ValueType};
 pub use write::{DataWriter, GgufWriter};
 

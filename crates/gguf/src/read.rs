@@ -11,7 +11,7 @@ use crate::value::{Array, Metadata, Value, ValueType};
 use crate::{DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_ARRAY_NESTING, MAX_DIMS};
 use std::collections::HashMap;
 use std::ops::Deref;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// One entry of the tensor directory.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -348,32 +348,20 @@ pub struct Gguf<B: Deref<Target = [u8]>> {
     bytes: B,
     header: Header,
     by_name: HashMap<String, usize>,
+    paths: Vec<PathBuf>,
 }
 
-/// A GGUF file mapped from disk.
-pub type GgufFile = Gguf<memmap2::Mmap>;
+/// A GGUF file mapped from disk: one file, or every shard of a split model
+/// (see [`crate::split`]).
+pub type GgufFile = Gguf<crate::split::Mapping>;
 
 impl GgufFile {
-    /// Map `path` and validate it.
+    /// Map `path` and validate it. When `path` is a shard of a split model
+    /// (`NAME-00002-of-00003.gguf`, with `split.*` keys), every shard is
+    /// mapped and checked, and the result is the whole model: one directory
+    /// of tensors over one contiguous run of bytes, the first shard's metadata.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
-        // Only a regular file can be mapped: a FIFO would block the open,
-        // a directory or a device fails later with an obscure error.
-        let meta = std::fs::metadata(path).map_err(|e| GgufError::io(path, e))?;
-        if !meta.is_file() {
-            return Err(GgufError::io(
-                path,
-                std::io::Error::new(
-                    std::io::ErrorKind::InvalidInput,
-                    "not a regular file (a GGUF model is a file)",
-                ),
-            ));
-        }
-        let file = std::fs::File::open(path).map_err(|e| GgufError::io(path, e))?;
-        // SAFETY: the map is read-only; the file may change underneath only if another
-        // process rewrites it, which the GGUF workflow does not do.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| GgufError::io(path, e))?;
-        Gguf::from_bytes(map)
+        crate::split::open(path.as_ref())
     }
 }
 
@@ -381,17 +369,38 @@ impl<B: Deref<Target = [u8]>> Gguf<B> {
     /// Validate a GGUF image held in `bytes`.
     pub fn from_bytes(bytes: B) -> Result<Self> {
         let header = parse_header(&bytes)?;
+        Ok(Self::assemble(bytes, header, Vec::new()))
+    }
+
+    /// A validated header over its bytes, from the files at `paths`.
+    pub(crate) fn assemble(bytes: B, header: Header, paths: Vec<PathBuf>) -> Self {
         let by_name = header
             .tensors
             .iter()
             .enumerate()
             .map(|(i, t)| (t.name.clone(), i))
             .collect();
-        Ok(Gguf {
+        Gguf {
             bytes,
             header,
             by_name,
-        })
+            paths,
+        }
+    }
+
+    pub(crate) fn set_paths(&mut self, paths: Vec<PathBuf>) {
+        self.paths = paths;
+    }
+
+    /// The files the model was read from: one, or every shard of a split
+    /// model in order; none when it was made from bytes in memory.
+    pub fn paths(&self) -> &[PathBuf] {
+        &self.paths
+    }
+
+    /// Number of files the model spans (1 unless split).
+    pub fn shard_count(&self) -> usize {
+        self.paths.len().max(1)
     }
 
     /// The header (version, metadata, tensor directory, layout).

@@ -318,7 +318,17 @@ impl<'a> DataWriter<'a> {
     }
 
     /// Check that every tensor was written, flush, and move the file into place.
-    pub fn finish(mut self) -> Result<()> {
+    pub fn finish(self) -> Result<()> {
+        if let Some((tmp, path)) = self.finish_pending()? {
+            std::fs::rename(&tmp, &path).map_err(|e| GgufError::io(&path, e))?;
+        }
+        Ok(())
+    }
+
+    /// [`DataWriter::finish`] short of the rename: the file is complete and
+    /// closed under its temporary name, returned with its final one (`None`
+    /// for an in-memory sink). The caller renames it (or removes it).
+    pub(crate) fn finish_pending(mut self) -> Result<Option<(PathBuf, PathBuf)>> {
         while self.next < self.tensors.len() && self.tensors[self.next].size == 0 {
             self.next += 1;
         }
@@ -330,12 +340,9 @@ impl<'a> DataWriter<'a> {
         }
         self.sink.flush().map_err(|e| self.io_err(e))?;
         self.done = true;
-        if let Some((tmp, path)) = self.paths.take() {
-            // Drop the sink first so the file is closed before the rename.
-            self.sink = Box::new(std::io::sink());
-            std::fs::rename(&tmp, &path).map_err(|e| GgufError::io(&path, e))?;
-        }
-        Ok(())
+        // Drop the sink so the file is closed before any rename.
+        self.sink = Box::new(std::io::sink());
+        Ok(self.paths.take())
     }
 }
 

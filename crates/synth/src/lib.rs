@@ -82,6 +82,10 @@ pub struct SynthOptions {
     /// The chat template written to `tokenizer.chat_template` (default:
     /// [`vocab::CHAT_TEMPLATE`], plain ChatML).
     pub chat_template: Option<String>,
+    /// Write the model as split files (llama.cpp's `gguf-split` layout) of
+    /// at most this many tensors each, named after the output path
+    /// (`out.gguf` -> `out-00001-of-0000N.gguf`, ...).
+    pub split_max_tensors: Option<usize>,
 }
 
 impl SynthOptions {
@@ -94,7 +98,14 @@ impl SynthOptions {
             seed,
             yarn: None,
             chat_template: None,
+            split_max_tensors: None,
         }
+    }
+
+    /// Write split files of at most `n` tensors each.
+    pub fn with_split_max_tensors(mut self, n: usize) -> Self {
+        self.split_max_tensors = Some(n);
+        self
     }
 
     /// Declare YaRN scaling by `factor` (the context grows by as much).
@@ -132,6 +143,30 @@ pub struct Summary {
     pub bytes: u64,
     /// Vocabulary size.
     pub vocab: u64,
+    /// The files written: the output path, or every shard in order.
+    pub files: Vec<std::path::PathBuf>,
+}
+
+/// Where tensor data goes: one file, or a split model's shards.
+enum Sink {
+    One(samesum_gguf::DataWriter<'static>),
+    Split(samesum_gguf::SplitWriter),
+}
+
+impl Sink {
+    fn write_piece(&mut self, b: &[u8]) -> samesum_gguf::Result<()> {
+        match self {
+            Sink::One(w) => w.write_piece(b),
+            Sink::Split(w) => w.write_piece(b),
+        }
+    }
+
+    fn write_tensor(&mut self, name: &str, b: &[u8]) -> samesum_gguf::Result<()> {
+        match self {
+            Sink::One(w) => w.write_tensor(name, b),
+            Sink::Split(w) => w.write_tensor(name, b),
+        }
+    }
 }
 
 /// llama.cpp's `general.file_type` for a model stored mostly as `ty`.
@@ -319,7 +354,10 @@ pub fn write_model(
 ) -> Result<Summary, SynthError> {
     let (w, plan) = describe(opts)?;
     let total: u64 = w.tensors().iter().map(|t| t.size).sum();
-    let mut out = w.create(path)?;
+    let mut out = match opts.split_max_tensors {
+        None => Sink::One(w.create(path)?),
+        Some(n) => Sink::Split(samesum_gguf::SplitWriter::new(&w, path, n)?),
+    };
     let mut done = 0u64;
     const PIECE: usize = 1 << 20;
     let mut buf = Vec::new();
@@ -341,11 +379,18 @@ pub fn write_model(
             out.write_tensor(&t.name, &[])?;
         }
     }
-    out.finish()?;
+    let files = match out {
+        Sink::One(w) => {
+            w.finish()?;
+            vec![path.to_path_buf()]
+        }
+        Sink::Split(w) => w.finish()?,
+    };
     let vocab = opts.shape.vocab.unwrap_or(vocab::TINY_VOCAB) as u64;
     Ok(Summary {
         tensors: plan.len(),
         bytes: total,
         vocab,
+        files,
     })
 }
