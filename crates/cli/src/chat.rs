@@ -25,6 +25,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// What a conversation runs with (the flags of `samesum run`).
 pub(crate) struct Settings<'a> {
     pub(crate) system: Option<&'a str>,
+    /// The chat template's variables (`--chat-template-kwargs`, `--think`).
+    pub(crate) kwargs: serde_json::Map<String, serde_json::Value>,
     pub(crate) ctx: usize,
     pub(crate) n_predict: NPredict,
     pub(crate) sampling: SamplerConfig,
@@ -42,13 +44,23 @@ struct History {
 
 impl History {
     /// The tokens of the whole conversation rendered for the next reply.
-    fn render(&self, tok: &Tokenizer) -> Result<Vec<u32>> {
-        let msgs: Vec<(&str, &str)> = self
+    fn render(
+        &self,
+        tok: &Tokenizer,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Vec<u32>> {
+        let msgs: Vec<serde_json::Value> = self
             .msgs
             .iter()
-            .map(|(r, c)| (r.as_str(), c.as_str()))
+            .map(|(r, c)| serde_json::json!({"role": r, "content": c}))
             .collect();
-        Ok(tok.encode(&tok.chat_messages(&msgs)?)?)
+        let text = tok.render_chat(&samesum_engine::tokenizer::ChatInput {
+            messages: &serde_json::Value::Array(msgs),
+            tools: None,
+            kwargs,
+            add_generation_prompt: true,
+        })?;
+        Ok(tok.encode(&text)?)
     }
 
     /// What to prefill for `tokens`: the part past what the state holds, or
@@ -103,7 +115,7 @@ pub(crate) fn converse<B: Backend>(
             break;
         }
         h.msgs.push(("user".into(), text.to_string()));
-        let tokens = h.render(tok)?;
+        let tokens = h.render(tok, &s.kwargs)?;
         if tokens.len() >= s.ctx {
             bail!(
                 "the conversation ({} tokens) no longer fits the context of {} (raise -c)",

@@ -98,6 +98,16 @@ pub(crate) struct Args {
     backend: BackendArgs,
 }
 
+/// The chat template's variables: `--chat-template-kwargs`, with `--think`
+/// setting `enable_thinking`.
+fn template_kwargs(a: &Args) -> serde_json::Map<String, serde_json::Value> {
+    let mut kwargs = a.chat_template_kwargs.clone().unwrap_or_default();
+    if let Some(t) = &a.think {
+        kwargs.insert("enable_thinking".into(), serde_json::Value::Bool(t == "on"));
+    }
+    kwargs
+}
+
 /// `--chat-template-kwargs`: a JSON object.
 fn parse_kwargs(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
     match serde_json::from_str::<serde_json::Value>(s) {
@@ -212,10 +222,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     let text = if a.no_chat {
         user
     } else {
-        let mut kwargs = a.chat_template_kwargs.clone().unwrap_or_default();
-        if let Some(t) = &a.think {
-            kwargs.insert("enable_thinking".into(), serde_json::Value::Bool(t == "on"));
-        }
+        let kwargs = template_kwargs(&a);
         let mut messages = Vec::new();
         if let Some(s) = &a.system {
             messages.push(serde_json::json!({"role": "system", "content": s}));
@@ -334,6 +341,7 @@ fn conversation(
     };
     let settings = crate::chat::Settings {
         system: a.system.as_deref(),
+        kwargs: template_kwargs(a),
         ctx,
         n_predict: a.n_predict,
         sampling,
