@@ -340,6 +340,7 @@ fn parallel<B: Backend>(b: &B, model: &Model, a: &Args, kv: KvType, chunk: usize
                     logit_bias: Vec::new(),
                     stop_tokens: Vec::new(),
                     logprobs: None,
+                    constraint: None,
                 })?);
             }
             while !s.is_idle() {

@@ -3,6 +3,7 @@
 
 pub mod backend;
 pub mod conformance;
+pub mod constraint;
 pub mod cpu;
 mod cpu_backend;
 pub mod ep;

@@ -118,6 +118,19 @@ impl Sampler {
 
     /// Pick the next token from `logits`, given the tokens so far.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        self.sample_masked(logits, history, None)
+    }
+
+    /// [`Sampler::sample`] among the tokens `allowed` marks (all when
+    /// `None`; at least one must be allowed): the others get a logit of
+    /// minus infinity after the bias and the penalties (see
+    /// [`crate::constraint`]).
+    pub fn sample_masked(
+        &mut self,
+        logits: &[f32],
+        history: &[u32],
+        allowed: Option<&[bool]>,
+    ) -> u32 {
         let mut l = logits.to_vec();
         let c = &self.cfg;
         for &(t, b) in &self.logit_bias {
@@ -132,6 +145,13 @@ impl Sampler {
             c.repeat_penalty,
             self.penalties,
         );
+        if let Some(a) = allowed {
+            for (v, &ok) in l.iter_mut().zip(a) {
+                if !ok {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+        }
         if c.temp <= 0.0 {
             return argmax(&l);
         }

@@ -214,6 +214,12 @@ impl Tokenizer {
         t.chars().map(|c| byte_of_char(c).unwrap_or(b'?')).collect()
     }
 
+    /// Whether `id` is an added token (control or user-defined), matched
+    /// whole in the text.
+    pub fn is_added(&self, id: u32) -> bool {
+        self.added_text.get(id as usize).copied().unwrap_or(false)
+    }
+
     /// Whether `id` is a control token (`<|im_end|>`, ...), left out of
     /// decoded text.
     pub fn is_control(&self, id: u32) -> bool {

@@ -27,6 +27,7 @@
 //! parts are concatenated in order, and any other part type (`image_url`,
 //! `input_audio`, ...) is a 400 naming the type.
 
+use crate::structured::Format;
 use samesum_engine::sample::Penalties;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -194,6 +195,7 @@ pub struct Common {
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
     pub response_format: Option<Value>,
+    pub grammar: Option<String>,
     pub modalities: Option<Value>,
     pub audio: Option<Value>,
 }
@@ -238,8 +240,11 @@ macro_rules! request {
             pub functions: Option<Value>,
             /// Accepted when `none` or `auto`.
             pub function_call: Option<Value>,
-            /// Accepted when `{"type": "text"}`.
+            /// `text`, `json_object` or `json_schema`.
             pub response_format: Option<Value>,
+            /// A grammar the output must match: llguidance's Lark syntax,
+            /// or llama.cpp's GBNF (`root ::= ...`), converted.
+            pub grammar: Option<String>,
             /// Accepted when `["text"]`.
             pub modalities: Option<Value>,
             /// Accepted when null.
@@ -277,6 +282,7 @@ macro_rules! request {
                     functions: self.functions.clone(),
                     function_call: self.function_call.clone(),
                     response_format: self.response_format.clone(),
+                    grammar: self.grammar.clone(),
                     modalities: self.modalities.clone(),
                     audio: self.audio.clone(),
                 }
@@ -336,6 +342,10 @@ pub enum ToolChoice {
     None,
     /// `"auto"` (the default with tools): the model may call them.
     Auto,
+    /// `"required"` or a named function: the reply is one call to one of
+    /// these tools, its arguments valid against the tool's parameters
+    /// (by constrained sampling).
+    Required(Vec<Value>),
 }
 
 /// A validated chat: what the template renders and how the reply is read.
@@ -421,6 +431,8 @@ pub struct Settings {
     pub logprobs: Option<usize>,
     /// Do not stop at the model's end-of-text tokens.
     pub ignore_eos: bool,
+    /// What the output must be (structured output); `None`: free text.
+    pub format: Option<Format>,
 }
 
 /// Parse a JSON body, naming the problem on failure.
@@ -541,6 +553,7 @@ impl Common {
             stream: self.stream.unwrap_or(false),
             logprobs,
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            format: self.format()?,
         })
     }
 }
@@ -566,17 +579,6 @@ impl Common {
                 );
             }
         }
-        match self.response_format.as_ref() {
-            None | Some(Value::Null) => {}
-            Some(v) if v.get("type").and_then(Value::as_str) == Some("text") => {}
-            Some(v) => {
-                let ty = v.get("type").and_then(Value::as_str).unwrap_or("?");
-                return refuse(
-                    "response_format",
-                    &format!("type {ty:?} is not supported (only \"text\")"),
-                );
-            }
-        }
         match self.modalities.as_ref() {
             None | Some(Value::Null) => {}
             Some(Value::Array(a)) if a.iter().all(|m| m == "text") => {}
@@ -590,6 +592,48 @@ impl Common {
 }
 
 impl Common {
+    /// `response_format` and `grammar` as a [`Format`].
+    fn format(&self) -> Result<Option<Format>, ApiError> {
+        let bad = |f: &str, why: String| Err(ApiError::bad(Some(f.into()), format!("{f}: {why}")));
+        let rf = match self.response_format.as_ref() {
+            None | Some(Value::Null) => None,
+            Some(v) => match v.get("type").and_then(Value::as_str) {
+                Some("text") => None,
+                // llama-server also takes a schema beside json_object.
+                Some("json_object") => Some(match v.get("schema") {
+                    Some(s @ Value::Object(_)) => Format::JsonSchema(s.clone()),
+                    _ => Format::JsonObject,
+                }),
+                Some("json_schema") => match v.get("json_schema").and_then(|j| j.get("schema")) {
+                    Some(s @ Value::Object(_)) => Some(Format::JsonSchema(s.clone())),
+                    Some(Value::Bool(true)) => Some(Format::JsonSchema(json!({}))),
+                    _ => {
+                        return bad(
+                                "response_format",
+                                "a json_schema response format needs json_schema.schema, a JSON Schema object".into(),
+                            );
+                    }
+                },
+                Some(t) => {
+                    return bad(
+                        "response_format",
+                        format!("type {t:?} is not supported (text, json_object, json_schema)"),
+                    );
+                }
+                None => return bad("response_format", "needs a string \"type\"".into()),
+            },
+        };
+        match (&self.grammar, rf) {
+            (Some(_), Some(_)) => bad(
+                "grammar",
+                "give grammar or response_format, not both".into(),
+            ),
+            (Some(g), None) if g.trim().is_empty() => Ok(None),
+            (Some(g), None) => Ok(Some(Format::Lark(crate::structured::gbnf_to_lark(g)))),
+            (None, rf) => Ok(rf),
+        }
+    }
+
     /// `logit_bias` as `(token, bias)` by increasing id.
     fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {
         let bad =
@@ -650,12 +694,40 @@ impl ChatRequest {
                 }
             }
             Some(v) => {
-                return Err(ApiError::bad(
-                    Some("tool_choice".into()),
-                    format!(
-                        "tool_choice {v} is not supported (\"none\" or \"auto\"; the model decides whether to call a tool)"
-                    ),
-                ));
+                let bad = |why: String| Err(ApiError::bad(Some("tool_choice".into()), why));
+                let Some(list) = tools.as_ref().and_then(Value::as_array) else {
+                    return bad(format!("tool_choice {v} needs tools"));
+                };
+                match v {
+                    Value::String(s) if s == "required" => ToolChoice::Required(list.clone()),
+                    Value::Object(o) => {
+                        let name = o
+                            .get("function")
+                            .and_then(|f| f.get("name"))
+                            .and_then(Value::as_str);
+                        let Some(name) = name else {
+                            return bad(format!(
+                                "tool_choice {v}: expected \"none\", \"auto\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
+                            ));
+                        };
+                        let chosen: Vec<Value> = list
+                            .iter()
+                            .filter(|t| t["function"]["name"] == name)
+                            .cloned()
+                            .collect();
+                        if chosen.is_empty() {
+                            return bad(format!(
+                                "tool_choice names {name:?}, which is not in tools"
+                            ));
+                        }
+                        ToolChoice::Required(chosen)
+                    }
+                    _ => {
+                        return bad(format!(
+                            "tool_choice {v}: expected \"none\", \"auto\", \"required\" or a function"
+                        ));
+                    }
+                }
             }
         };
         let reasoning = match self.reasoning_format.as_deref() {
@@ -694,7 +766,17 @@ impl ChatRequest {
             (true, n) => Some(n.unwrap_or(0) as usize),
             (false, None) => None,
         };
-        Ok((prompt, self.common().settings(lp)?))
+        let mut settings = self.common().settings(lp)?;
+        if let ToolChoice::Required(tools) = &prompt.tool_choice {
+            if settings.format.is_some() {
+                return Err(ApiError::bad(
+                    Some("tool_choice".into()),
+                    "tool_choice \"required\" or a named function cannot be combined with response_format or grammar",
+                ));
+            }
+            settings.format = Some(Format::ToolCall(tools.clone()));
+        }
+        Ok((prompt, settings))
     }
 }
 
@@ -970,6 +1052,64 @@ mod tests {
     }
 
     #[test]
+    fn response_formats_grammars_and_required_tools() {
+        let with = |extra: &str| {
+            let b = format!(r#"{{"messages": [{{"role": "user", "content": "x"}}], {extra}}}"#);
+            parse::<ChatRequest>(b.as_bytes()).and_then(|r| r.check())
+        };
+        let fmt = |extra: &str| with(extra).unwrap().1.format;
+        assert_eq!(
+            fmt(r#""response_format": {"type": "json_object"}"#),
+            Some(Format::JsonObject)
+        );
+        assert_eq!(
+            fmt(
+                r#""response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "array"}}}"#
+            ),
+            Some(Format::JsonSchema(json!({"type": "array"})))
+        );
+        assert_eq!(fmt(r#""response_format": {"type": "text"}"#), None);
+        assert_eq!(
+            fmt(r#""grammar": "root ::= [a-c]+ tail\ntail ::= \"!\"""#),
+            Some(Format::Lark("start: /[a-c]/+ tail\ntail: \"!\"\n".into()))
+        );
+        let tools = r#""tools": [{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "b"}}]"#;
+        let (p, s) = with(&format!(r#"{tools}, "tool_choice": "required""#)).unwrap();
+        assert!(matches!(&p.tool_choice, ToolChoice::Required(t) if t.len() == 2));
+        assert!(matches!(&s.format, Some(Format::ToolCall(t)) if t.len() == 2));
+        let (_, s) = with(&format!(
+            r#"{tools}, "tool_choice": {{"type": "function", "function": {{"name": "b"}}}}"#
+        ))
+        .unwrap();
+        assert!(
+            matches!(&s.format, Some(Format::ToolCall(t)) if t[0]["function"]["name"] == "b" && t.len() == 1)
+        );
+        for (bad, param) in [
+            (
+                format!(
+                    r#"{tools}, "tool_choice": {{"type": "function", "function": {{"name": "c"}}}}"#
+                ),
+                "tool_choice",
+            ),
+            (r#""tool_choice": "required""#.to_string(), "tool_choice"),
+            (
+                format!(
+                    r#"{tools}, "tool_choice": "required", "response_format": {{"type": "json_object"}}"#
+                ),
+                "tool_choice",
+            ),
+            (
+                r#""grammar": "start: \"a\"", "response_format": {"type": "json_object"}"#
+                    .to_string(),
+                "grammar",
+            ),
+        ] {
+            let e = with(&bad).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{bad}: {}", e.message);
+        }
+    }
+
+    #[test]
     fn tools_tool_calls_and_template_kwargs() {
         let body = r#"{"messages": [
             {"role": "user", "content": "Weather?"},
@@ -1067,7 +1207,8 @@ mod tests {
             ("tool_choice", r#""required""#),
             ("functions", r#"[{"name": "f"}]"#),
             ("function_call", r#"{"name": "f"}"#),
-            ("response_format", r#"{"type": "json_object"}"#),
+            ("response_format", r#"{"type": "xml"}"#),
+            ("response_format", r#"{"type": "json_schema"}"#),
             ("modalities", r#"["text", "audio"]"#),
             ("audio", r#"{"voice": "x"}"#),
             ("presence_penalty", "2.5"),

@@ -34,6 +34,7 @@ use crate::chat_output::{Piece, Splitter, Tool};
 use crate::conn::{ClientEof, PROBE};
 use crate::metrics::Metrics;
 use crate::scheduler::{Event, Job, TokenLogprob, Usage};
+use crate::structured::Format;
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
@@ -42,6 +43,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Router};
+use samesum_engine::constraint::SharedConstraint;
 use samesum_engine::sample::SamplerConfig;
 use samesum_engine::sched::{SubmitError, context_bytes, request_context};
 use samesum_engine::tokenizer::Tokenizer;
@@ -87,6 +89,32 @@ pub struct App {
     pub prep: tokio::sync::Semaphore,
     /// How replies' `<think>` blocks are returned unless a request says.
     pub reasoning: ReasoningFormat,
+    /// Structured output for this vocabulary (`Err`: why it is not
+    /// available).
+    pub grammars: Result<crate::structured::Grammars, String>,
+}
+
+/// The constraint `s.format` asks for, built off the HTTP threads (a large
+/// schema takes a while to compile); a bad schema or grammar is a 400
+/// naming its field.
+fn constraint(app: &App, s: &Settings) -> Result<Option<SharedConstraint>, ApiError> {
+    let Some(f) = &s.format else {
+        return Ok(None);
+    };
+    let param = match f {
+        Format::JsonObject | Format::JsonSchema(_) => "response_format",
+        Format::Lark(_) => "grammar",
+        Format::ToolCall(_) => "tool_choice",
+    };
+    let g = app.grammars.as_ref().map_err(|e| {
+        ApiError::bad(
+            Some(param.into()),
+            format!("structured output is not available for this model: {e}"),
+        )
+    })?;
+    g.constraint(f)
+        .map(Some)
+        .map_err(|e| ApiError::bad(Some(param.into()), format!("{param}: {e}")))
 }
 
 /// How a chat reply is read back: its reasoning and tool calls.
@@ -320,6 +348,7 @@ fn submit(
     prompt: Vec<u32>,
     s: &Settings,
     default_max: Option<usize>,
+    constraint: Option<SharedConstraint>,
 ) -> Result<UnboundedReceiver<Event>, ApiError> {
     if prompt.is_empty() {
         return Err(ApiError::bad(
@@ -442,6 +471,7 @@ fn submit(
         stop: s.stop.clone(),
         logprobs: s.logprobs,
         ignore_eos: s.ignore_eos,
+        constraint,
         events: tx,
         queued: now,
         deadline: now.checked_add(app.request_timeout),
@@ -569,13 +599,15 @@ async fn chat(
 ) -> Response {
     let body_len = b.as_ref().map_or(0, Bytes::len);
     let a = app.clone();
-    let run = move || -> Result<(Vec<u32>, Settings, ChatOut), ApiError> {
+    type Prepared = (Vec<u32>, Settings, ChatOut, Option<SharedConstraint>);
+    let run = move || -> Result<Prepared, ApiError> {
         let app = a;
         let b = body(&app, b)?;
         let req: ChatRequest = api::parse(&b)?;
         req.log_ignored();
         let (chat, s) = req.check()?;
-        let text = app
+        let constraint = constraint(&app, &s)?;
+        let mut text = app
             .tok
             .render_chat(&samesum_engine::tokenizer::ChatInput {
                 messages: &chat.messages,
@@ -584,6 +616,11 @@ async fn chat(
                 add_generation_prompt: true,
             })
             .map_err(|e| ApiError::bad(Some("messages".into()), e.to_string()))?;
+        // A constrained reply starts at once: a think block the template
+        // opened is closed in the prompt (as enable_thinking=false renders).
+        if constraint.is_some() && text.trim_end().ends_with("<think>") {
+            text.push_str("\n\n</think>\n\n");
+        }
         let ids = app
             .tok
             .encode(&text)
@@ -594,10 +631,12 @@ async fn chat(
             think_open: reasoning && text.trim_end().ends_with("<think>"),
             tools: chat.tools.as_ref().map(Tool::list),
         };
-        Ok((ids, s, out))
+        Ok((ids, s, out, constraint))
     };
     match off_http(&app, body_len, run).await {
-        Ok((ids, s, out)) => respond(app, Kind::Chat, ids, s, Some(out), client_eof(eof)).await,
+        Ok((ids, s, out, c)) => {
+            respond(app, Kind::Chat, ids, s, Some(out), c, client_eof(eof)).await
+        }
         Err(e) => error(&app, e),
     }
 }
@@ -609,20 +648,22 @@ async fn completions(
 ) -> Response {
     let body_len = b.as_ref().map_or(0, Bytes::len);
     let a = app.clone();
-    let run = move || -> Result<(Vec<u32>, Settings), ApiError> {
+    type Prepared = (Vec<u32>, Settings, Option<SharedConstraint>);
+    let run = move || -> Result<Prepared, ApiError> {
         let app = a;
         let b = body(&app, b)?;
         let req: CompletionRequest = api::parse(&b)?;
         req.log_ignored();
         let (prompt, s) = req.check()?;
+        let c = constraint(&app, &s)?;
         let ids = app
             .tok
             .encode(&prompt)
             .map_err(|e| ApiError::bad(Some("prompt".into()), e.to_string()))?;
-        Ok((ids, s))
+        Ok((ids, s, c))
     };
     match off_http(&app, body_len, run).await {
-        Ok((ids, s)) => respond(app, Kind::Completion, ids, s, None, client_eof(eof)).await,
+        Ok((ids, s, c)) => respond(app, Kind::Completion, ids, s, None, c, client_eof(eof)).await,
         Err(e) => error(&app, e),
     }
 }
@@ -633,6 +674,7 @@ async fn respond(
     ids: Vec<u32>,
     s: Settings,
     out: Option<ChatOut>,
+    constraint: Option<SharedConstraint>,
     eof: ClientEof,
 ) -> Response {
     let n = app.next_id.fetch_add(1, Ordering::Relaxed);
@@ -642,7 +684,7 @@ async fn respond(
     };
     // The completions API's default length.
     let default_max = (kind == Kind::Completion).then_some(16);
-    let rx = match submit(&app, &id, ids, &s, default_max) {
+    let rx = match submit(&app, &id, ids, &s, default_max, constraint) {
         Ok(rx) => rx,
         Err(e) => return error(&app, e),
     };

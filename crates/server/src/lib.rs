@@ -20,6 +20,7 @@ pub mod conn;
 pub mod http;
 pub mod metrics;
 pub mod scheduler;
+pub mod structured;
 
 pub use backend::Device;
 
@@ -304,6 +305,10 @@ pub async fn serve(
         .recv()
         .map_err(|_| ServeError::Setup("the model thread stopped while starting".into()))?
         .map_err(ServeError::Setup)?;
+    let grammars = structured::Grammars::new(&tok);
+    if let Err(e) = &grammars {
+        tracing::warn!("structured output is not available for this model: {e}");
+    }
     let app = Arc::new(http::App {
         queue: tx,
         tok,
@@ -319,6 +324,7 @@ pub async fn serve(
             std::thread::available_parallelism().map_or(2, |n| n.get().max(2)),
         ),
         reasoning: opts.reasoning_format,
+        grammars,
     });
     let addr = format!("{}:{}", opts.host, opts.port);
     let listener = conn::listen(&addr, opts.limits.keep_alive)

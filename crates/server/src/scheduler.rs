@@ -108,6 +108,8 @@ pub struct Job {
     pub logprobs: Option<usize>,
     /// Generate past end-of-text tokens.
     pub ignore_eos: bool,
+    /// Which tokens may come next (structured output).
+    pub constraint: Option<samesum_engine::constraint::SharedConstraint>,
     /// Where events go; a closed channel cancels the request.
     pub events: UnboundedSender<Event>,
     /// When it was queued.
@@ -295,6 +297,7 @@ fn request(tok: &Tokenizer, job: &Job) -> Request {
             tok.stop.clone()
         },
         logprobs: job.logprobs,
+        constraint: job.constraint.clone(),
     }
 }
 

@@ -465,6 +465,7 @@ fn valid_settings() -> impl Strategy<Value = Valid> {
                     stream: stream.unwrap_or(false),
                     logprobs: None,
                     ignore_eos: ignore_eos.unwrap_or(false),
+                    format: None,
                 };
                 Valid { fields, want }
             },

@@ -106,6 +106,7 @@ impl Thread {
             stop: Vec::new(),
             logprobs: Some(3),
             ignore_eos: true,
+            constraint: None,
             events: etx,
             queued: Instant::now(),
             deadline: None,

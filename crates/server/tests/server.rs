@@ -327,8 +327,8 @@ fn bad_input_is_a_4xx_with_an_error_object_and_the_server_stays_up() {
             "tools",
         ),
         (
-            "response_format json",
-            br#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}"#
+            "response_format of an unknown type",
+            br#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}"#
                 .to_vec(),
             400,
             "response_format",
@@ -890,4 +890,91 @@ fn logit_bias_bans_and_forces_tokens() {
         &json!({"tokens": [the, the, the, the]}),
     );
     assert_eq!(forced, v["content"].as_str().unwrap());
+}
+
+/// Structured output over HTTP: every reply to a JSON schema (greedy and
+/// seeded, nested objects, an enum, an array) parses and validates and ends
+/// with `stop`; a forced tool call comes back as `tool_calls`; a bad schema
+/// is a 400. The model's log-probabilities are untouched: the first
+/// token's alternatives are the same bits as without the constraint.
+#[test]
+fn structured_output_parses_validates_and_keeps_the_logits() {
+    let s = start(4, 16, 2048);
+    let schema = json!({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "kind": {"enum": ["rain", "sun"]},
+        "days": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+        "meta": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": false}},
+        "required": ["city", "kind", "days", "meta"], "additionalProperties": false});
+    let rf = json!({"type": "json_schema", "json_schema": {"name": "w", "schema": schema}});
+    for seed in 0..6 {
+        let temp = if seed == 0 { 0.0 } else { 1.0 };
+        let extra =
+            json!({"response_format": rf, "temperature": temp, "seed": seed, "max_tokens": 300});
+        let (st, v) = post(
+            s.addr,
+            "/v1/chat/completions",
+            &chat_body("Weather?", extra),
+        );
+        assert_eq!(st, 200, "{v}");
+        let c = &v["choices"][0];
+        let text = c["message"]["content"].as_str().unwrap();
+        let j: Value = serde_json::from_str(text)
+            .unwrap_or_else(|e| panic!("seed {seed}: {text:?}: {e}: {v}"));
+        assert!(j["city"].as_str().unwrap().chars().count() <= 12, "{text}");
+        assert!(
+            ["rain", "sun"].contains(&j["kind"].as_str().unwrap()),
+            "{text}"
+        );
+        assert!(
+            j["days"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|x| x.as_f64().is_some_and(|f| f.fract() == 0.0)),
+            "{text}"
+        );
+        assert!(j["meta"]["ok"].is_boolean(), "{text}");
+        assert_eq!(c["finish_reason"], "stop", "{v}");
+    }
+    // The first token's alternatives: the model's, constrained or not.
+    let lp = json!({"logprobs": true, "top_logprobs": 5, "temperature": 0, "max_tokens": 3});
+    let mut with = lp.clone();
+    with["response_format"] = json!({"type": "json_object"});
+    let (_, free) = post(s.addr, "/v1/chat/completions", &chat_body("Weather?", lp));
+    let (_, cons) = post(s.addr, "/v1/chat/completions", &chat_body("Weather?", with));
+    let top = |v: &Value| v["choices"][0]["logprobs"]["content"][0]["top_logprobs"].clone();
+    assert_eq!(top(&free), top(&cons));
+    assert!(
+        cons["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .starts_with('{'),
+        "{cons}"
+    );
+    // A forced tool call.
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters":
+        {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"], "additionalProperties": false}}}]);
+    let extra = json!({"tools": tools, "tool_choice": "required", "temperature": 0.8, "seed": 4, "max_tokens": 200});
+    let (st, v) = post(
+        s.addr,
+        "/v1/chat/completions",
+        &chat_body("Weather in Paris?", extra),
+    );
+    assert_eq!(st, 200, "{v}");
+    let c = &v["choices"][0];
+    assert_eq!(c["finish_reason"], "tool_calls", "{v}");
+    let call = &c["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "get_weather");
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(args["city"].is_string(), "{v}");
+    // A schema llguidance cannot compile is the client's error.
+    let extra = json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}});
+    let (st, v) = post(s.addr, "/v1/chat/completions", &chat_body("x", extra));
+    assert_eq!(
+        (st, v["error"]["param"].as_str()),
+        (400, Some("response_format")),
+        "{v}"
+    );
 }

@@ -40,6 +40,7 @@ pub mod prefix;
 mod tests;
 
 use crate::backend::Backend;
+use crate::constraint::{SharedConstraint, Step};
 use crate::model::HParams;
 use crate::sample::{Penalties, Sampler, SamplerConfig};
 use crate::state::KV_BLOCK;
@@ -85,6 +86,8 @@ pub struct Request {
     pub stop_tokens: Vec<u32>,
     /// Log-probabilities of each token with this many alternatives.
     pub logprobs: Option<usize>,
+    /// Which tokens may come next (structured output); `None`: any.
+    pub constraint: Option<SharedConstraint>,
 }
 
 /// A generated token's log-probability and the most likely alternatives.
@@ -786,7 +789,22 @@ fn advance<S>(
     stats: &mut Stats,
     out: &mut Vec<Output>,
 ) -> Option<Finish> {
-    let t = r.sampler.sample(logits, &r.history);
+    let t = match &r.req.constraint {
+        None => r.sampler.sample(logits, &r.history),
+        Some(c) => {
+            let mut c = c.0.lock().unwrap_or_else(|e| e.into_inner());
+            let allowed = match crate::constraint::step(&mut **c, logits.len(), &r.req.stop_tokens)
+            {
+                Step::Sample(a) => a,
+                Step::End => return Some(Finish::Stop),
+            };
+            let t = r.sampler.sample_masked(logits, &r.history, Some(&allowed));
+            if !r.req.stop_tokens.contains(&t) && c.commit(t).is_err() {
+                return Some(Finish::Stop);
+            }
+            t
+        }
+    };
     if r.req.stop_tokens.contains(&t) {
         return Some(Finish::Stop);
     }

@@ -49,6 +49,7 @@ fn request(prompt: Vec<u32>, max_new: usize, seeded: bool) -> Request {
         logit_bias: Vec::new(),
         stop_tokens: Vec::new(),
         logprobs: Some(3),
+        constraint: None,
     }
 }
 
@@ -317,4 +318,71 @@ fn logprobs_are_a_log_softmax_with_the_top_in_order() {
     let ids: Vec<u32> = l.top.iter().map(|&(t, _)| t).collect();
     assert_eq!(ids, [1, 2, 0]);
     assert!(logprob(&[1.0], 0, 0).top.is_empty());
+}
+
+/// A constraint that forces a token sequence, then allows only the end.
+struct Script {
+    want: Vec<u32>,
+    at: usize,
+}
+
+impl crate::constraint::Constraint for Script {
+    fn mask(&mut self, allowed: &mut [bool]) -> Result<bool, String> {
+        for (t, a) in allowed.iter_mut().enumerate() {
+            *a = self.want.get(self.at) == Some(&(t as u32));
+        }
+        Ok(self.at == self.want.len())
+    }
+    fn commit(&mut self, token: u32) -> Result<(), String> {
+        if self.want.get(self.at) != Some(&token) {
+            return Err(format!("token {token} not allowed"));
+        }
+        self.at += 1;
+        Ok(())
+    }
+    fn stopped(&self) -> bool {
+        false
+    }
+}
+
+/// A constrained request samples only what its constraint allows and ends
+/// (`stop`) when the constraint is complete and only a stop token is
+/// allowed; its log-probabilities are the model's, the same bits as the
+/// unconstrained request's where both sampled the same tokens so far; and
+/// it gets the same bytes in a batch with other requests as alone.
+#[test]
+fn a_constraint_decides_the_tokens_and_nothing_else() {
+    let (_dir, m) = model("tiny-qwen3moe");
+    let b = Cpu::new(2);
+    let prompt = tokens(9, 4);
+    let free = alone(&m, &b, &request(prompt.clone(), 6, false));
+    // Force the unconstrained run's first two tokens, then two others.
+    let forced = vec![free.0[0].0, free.0[1].0, 17, 23];
+    let constrained = || Request {
+        stop_tokens: vec![5],
+        constraint: Some(crate::constraint::SharedConstraint::new(Script {
+            want: forced.clone(),
+            at: 0,
+        })),
+        ..request(prompt.clone(), 6, false)
+    };
+    let run = |others: usize| {
+        let mut s = Scheduler::new(&m, &b, config(4, 0, None));
+        for k in 0..others {
+            s.submit(request(tokens(5 + k, 9), 6, true)).unwrap();
+        }
+        let id = s.submit(constrained()).unwrap();
+        let mut got = Bytes::default();
+        while !s.is_idle() {
+            record(&s.step(), id, &mut got);
+        }
+        got
+    };
+    let solo = run(0);
+    let toks: Vec<u32> = solo.0.iter().map(|x| x.0).collect();
+    assert_eq!(toks, forced);
+    assert_eq!(solo.1, Some(Finish::Stop));
+    // The model's log-probabilities: equal where the histories are equal.
+    assert_eq!(solo.0[..2], free.0[..2]);
+    assert_eq!(run(3), solo);
 }
