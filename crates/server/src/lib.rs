@@ -12,12 +12,15 @@
 //! [`conn`] owns the sockets: the connection cap, the read, write and
 //! keep-alive timeouts, the request body limit, and the drain on shutdown
 //! ([`Limits`]).
+//!
+//! [`page`] is the chat page at `/`.
 
 pub mod api;
 pub mod backend;
 pub mod conn;
 pub mod http;
 pub mod metrics;
+pub mod page;
 pub mod scheduler;
 
 pub use backend::Device;
