@@ -115,6 +115,7 @@ fn start_with(
         kv_budget,
         model_name: "tiny".into(),
         limits,
+        access: Default::default(),
     };
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

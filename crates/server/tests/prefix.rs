@@ -379,6 +379,7 @@ fn start(prefix_cache_mb: u64) -> Server {
         kv_budget: Default::default(),
         model_name: "tiny".into(),
         limits: Default::default(),
+        access: Default::default(),
     };
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

@@ -62,6 +62,7 @@ fn start_with(max_batch: usize, max_queue: usize, ctx: usize, max_body: usize) -
         kv_budget: Default::default(),
         model_name: "tiny".into(),
         limits: Default::default(),
+        access: Default::default(),
     };
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
