@@ -11,6 +11,11 @@
 #   SAMESUM_SKIP_CUDA=1 scripts/test.sh     # without the NVRTC compile
 #   SAMESUM_LLAMA_CHECK=1 scripts/test.sh   # also build llama.cpp and run it on synth models
 #   LLAMA_SIMPLE=/path/to/llama-simple scripts/test.sh   # ... with a llama.cpp you built
+#   SAMESUM_REQUIRE_BROWSER=1 scripts/test.sh   # fail, not skip, without Chromium (CI)
+#
+# The chat page's test drives Debian's Chromium (/usr/bin/chromium and
+# /usr/bin/chromedriver: apt-get install chromium chromium-driver) with
+# Selenium; without them it is skipped, saying so.
 #
 # One cargo build serves every step: `cargo test --workspace` builds the
 # tests, the examples and the samesum binary with one feature resolution,
@@ -31,6 +36,12 @@ ORACLE=1 CUDA=1 LLAMA=0
 [[ "${SAMESUM_SKIP_ORACLE:-0}" == "1" ]] && ORACLE=0
 [[ "${SAMESUM_SKIP_CUDA:-0}" == "1" || $ORACLE == 0 ]] && CUDA=0
 [[ ( "${SAMESUM_LLAMA_CHECK:-0}" == "1" || $FULL == 1 ) && -z "${LLAMA_SIMPLE:-}" && $ORACLE == 1 ]] && LLAMA=1
+BROWSER=0
+[[ -x /usr/bin/chromium && -x /usr/bin/chromedriver ]] && BROWSER=1
+if [[ $BROWSER == 0 && $ORACLE == 1 && "${SAMESUM_REQUIRE_BROWSER:-0}" == "1" ]]; then
+    echo "SAMESUM_REQUIRE_BROWSER=1 but /usr/bin/chromium or /usr/bin/chromedriver is missing (apt-get install chromium chromium-driver)" >&2
+    exit 1
+fi
 TARGET="${CARGO_TARGET_DIR:-target}/release"
 BIN="$TARGET/samesum"
 VENV="${SAMESUM_VENV:-.venv-oracle}"
@@ -40,6 +51,12 @@ OUT="$(mktemp -d)"
 
 # Background jobs, each in its own process group (ended with the script).
 JOBS=() SERVER_PID=""
+start_server() { # serve arguments...: start the server, its URL in URL
+    "$BIN" serve --port 0 "$@" > "$OUT/serve.out" 2> "$OUT/serve.log" &
+    SERVER_PID=$!
+    for _ in $(seq 100); do grep -q "listening on" "$OUT/serve.out" 2>/dev/null && break; sleep 0.1; done
+    URL="$(grep -o 'http://[0-9.:]*' "$OUT/serve.out")" || { cat "$OUT/serve.log"; echo "the server did not start"; exit 1; }
+}
 stop_server() {
     if [[ -n "$SERVER_PID" ]]; then
         kill "$SERVER_PID" 2>/dev/null || true
@@ -75,6 +92,7 @@ if [[ $ORACLE == 1 ]]; then
         "$1/bin/python" -c "import gguf, numpy" 2>/dev/null \
             || "$1/bin/pip" install --quiet "gguf==0.19.0" "numpy>=1.26"
         "$1/bin/python" -c "import openai" 2>/dev/null || "$1/bin/pip" install --quiet "openai==3.57.0"
+        "$1/bin/python" -c "import selenium" 2>/dev/null || "$1/bin/pip" install --quiet "selenium==4.50.0"
         if [[ $3 == 1 ]]; then
             [[ -x "$2/bin/python" ]] || python3 -m venv "$2"
             "$2/bin/python" -c "import nvidia" 2>/dev/null \
@@ -103,7 +121,7 @@ if [[ $ORACLE == 0 ]]; then
     echo "== oracles skipped (SAMESUM_SKIP_ORACLE=1)"
     exit 0
 fi
-echo "== venvs: $VENV (gguf, numpy, openai)$([[ $CUDA == 1 ]] && echo ", $CUDA_VENV (NVRTC 13.0)")"
+echo "== venvs: $VENV (gguf, numpy, openai, selenium)$([[ $CUDA == 1 ]] && echo ", $CUDA_VENV (NVRTC 13.0)")"
 join "$VENVS_JOB" "$OUT/venvs.log" "making the venvs"
 
 if [[ $CUDA == 1 ]]; then
@@ -185,10 +203,7 @@ fi
 tail -2 "$OUT/neg.md" | head -1
 
 echo "== samesum serve: the official openai client, then a load test (32 streaming clients, 200 requests)"
-"$BIN" serve --port 0 --max-batch 8 > "$OUT/serve.out" 2> "$OUT/serve.log" &
-SERVER_PID=$!
-for _ in $(seq 100); do grep -q "listening on" "$OUT/serve.out" 2>/dev/null && break; sleep 0.1; done
-URL="$(grep -o 'http://[0-9.:]*' "$OUT/serve.out")" || { cat "$OUT/serve.log"; echo "the server did not start"; exit 1; }
+start_server --max-batch 8
 "$PY" tests/server/test_openai.py "$URL" > "$OUT/openai.log" 2>&1 \
     || { cat "$OUT/openai.log"; tail -20 "$OUT/serve.log"; echo "openai client checks failed"; exit 1; }
 tail -1 "$OUT/openai.log"
@@ -197,14 +212,22 @@ tail -1 "$OUT/openai.log"
 tail -2 "$OUT/load.log"
 stop_server
 echo "== samesum serve: 256 concurrent streams (64 a step, the rest queued), 512 requests, greedy and seeded, each equal to the same request alone"
-"$BIN" serve --port 0 --max-batch 64 --max-queue 256 > "$OUT/serve.out" 2> "$OUT/serve.log" &
-SERVER_PID=$!
-for _ in $(seq 100); do grep -q "listening on" "$OUT/serve.out" 2>/dev/null && break; sleep 0.1; done
-URL="$(grep -o 'http://[0-9.:]*' "$OUT/serve.out")" || { cat "$OUT/serve.log"; echo "the server did not start"; exit 1; }
+start_server --max-batch 64 --max-queue 256
 "$PY" tests/server/load.py "$URL" "$SERVER_PID" --clients 256 --requests 512 > "$OUT/load256.log" 2>&1 \
     || { cat "$OUT/load256.log"; tail -20 "$OUT/serve.log"; echo "256-stream load test failed"; exit 1; }
 tail -2 "$OUT/load256.log"
 stop_server
+if [[ $BROWSER == 1 ]]; then
+    # A context of 32,768 tokens: a reply with ignore_eos runs long enough to be stopped.
+    echo "== the chat page in headless Chromium: streamed greedy replies equal the API's (three turns), the API key, Stop"
+    start_server --api-key page-test-key --ctx-size 32768
+    "$PY" tests/server/test_page.py "$URL" page-test-key > "$OUT/page.log" 2>&1 \
+        || { cat "$OUT/page.log"; tail -20 "$OUT/serve.log"; echo "chat page test failed"; exit 1; }
+    cat "$OUT/page.log"
+    stop_server
+else
+    echo "== chat page browser test SKIPPED: /usr/bin/chromium and /usr/bin/chromedriver not found (Debian: apt-get install chromium chromium-driver)"
+fi
 echo "== samesum serve against hostile clients (slowloris, 1,000 idle connections under ulimit -n 512, malformed and oversized requests, disconnects, half-closes; /health timed; SIGTERM drain)"
 "$PY" tests/server/hostile.py "$BIN" > "$OUT/hostile.log" 2>&1 \
     || { cat "$OUT/hostile.log"; echo "hostile-client test failed"; exit 1; }

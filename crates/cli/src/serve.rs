@@ -105,9 +105,45 @@ pub(crate) struct Args {
     /// `reasoning_format` field overrides it.
     #[arg(long, value_name = "FORMAT", default_value = "deepseek", value_parser = ["deepseek", "none", "auto"])]
     reasoning_format: String,
+    /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize
+    /// and /metrics (else 401); several keys comma-separated or the flag
+    /// repeated. /health and the chat page at / stay open. Read from
+    /// SAMESUM_API_KEY when the flag is absent.
+    #[arg(long, value_name = "KEY")]
+    api_key: Vec<String>,
+    /// Allow browser pages from ORIGIN (scheme://host[:port], or * for any)
+    /// to call the API: CORS headers on responses and preflight OPTIONS
+    /// answered (before the key check). Repeat it or comma-separate
+    /// origins. Without it no CORS header is sent.
+    #[arg(long, value_name = "ORIGIN")]
+    cors: Vec<String>,
+}
+
+/// The keys: `--api-key`, else `SAMESUM_API_KEY` (set but empty is an
+/// error, not an open server).
+fn api_keys(flag: Vec<String>) -> Result<Vec<String>> {
+    if !flag.is_empty() {
+        return Ok(flag);
+    }
+    match std::env::var("SAMESUM_API_KEY") {
+        Ok(v) if v.trim().is_empty() => {
+            anyhow::bail!("SAMESUM_API_KEY is set but empty (unset it to serve without a key)")
+        }
+        Ok(v) => Ok(vec![v]),
+        Err(std::env::VarError::NotPresent) => Ok(Vec::new()),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            anyhow::bail!("SAMESUM_API_KEY is not valid UTF-8")
+        }
+    }
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
+    let access = samesum_server::Access {
+        api_keys: api_keys(a.api_key)?,
+        cors: a.cors,
+    };
+    // Refuse a bad key or origin before loading the model.
+    access.check().map_err(anyhow::Error::msg)?;
     let kv = a.kv.kv();
     let device = a.backend.device(a.threads.threads)?;
     let chunk = a.chunk.unwrap_or_else(|| device.serve_chunk());
@@ -155,6 +191,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
             drain_timeout: a.drain_timeout,
             max_tokens_cap: a.max_tokens_cap,
         },
+        access,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -13,6 +13,7 @@
 //! - `POST /detokenize`: `{"tokens": [ids]}` gives `{"content": "..."}`
 //!   (special tokens are left out, as in the completions' text).
 //! - `GET /health`, `GET /metrics` (Prometheus text).
+//! - `GET /`: the chat page ([`crate::page`]).
 //!
 //! Limits: `max_tokens` above the server's cap is a 400 naming it (as
 //! OpenAI refuses a `max_tokens` above the model's limit); a request without
@@ -155,6 +156,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/detokenize", post(detokenize))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/", get(crate::page::chat))
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(limit))
         .with_state(app)
@@ -176,7 +178,7 @@ fn error(app: &App, e: ApiError) -> Response {
 async fn not_found() -> Response {
     let e = ApiError {
         status: 404,
-        message: "no such endpoint (try /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /metrics)".into(),
+        message: "no such endpoint (try /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /metrics, or / for the chat page)".into(),
         kind: "invalid_request_error",
         param: None,
         code: None,

@@ -12,16 +12,22 @@
 //! [`conn`] owns the sockets: the connection cap, the read, write and
 //! keep-alive timeouts, the request body limit, and the drain on shutdown
 //! ([`Limits`]).
+//!
+//! [`auth`] checks API keys and adds CORS headers when asked to; [`page`]
+//! is the chat page at `/`.
 
 pub mod api;
+pub mod auth;
 pub mod backend;
 pub mod chat_output;
 pub mod conn;
 pub mod http;
 pub mod metrics;
+pub mod page;
 pub mod scheduler;
 pub mod structured;
 
+pub use auth::Access;
 pub use backend::Device;
 
 use samesum_engine::tokenizer::Tokenizer;
@@ -63,6 +69,8 @@ pub struct Options {
     /// How replies' `<think>` blocks are returned unless a request says
     /// (`--reasoning-format`).
     pub reasoning_format: api::ReasoningFormat,
+    /// API keys and CORS origins.
+    pub access: Access,
 }
 
 /// `--prefix-cache-mb`'s default: room for a few saved conversations of a
@@ -260,6 +268,7 @@ pub async fn serve(
                 .into(),
         ));
     }
+    let access = opts.access.check().map_err(ServeError::Setup)?;
     let tok = Arc::new(
         Tokenizer::from_metadata(model.file.metadata())
             .map_err(|e| ServeError::Setup(e.to_string()))?,
@@ -346,11 +355,12 @@ pub async fn serve(
         }
         _ => wanted,
     };
-    tracing::info!(%local, backend, max_batch = opts.max_batch, max_queue = opts.max_queue, max_connections, "listening");
+    let (api_key, cors) = (access.needs_key(), access.cors());
+    tracing::info!(%local, backend, max_batch = opts.max_batch, max_queue = opts.max_queue, max_connections, api_key, cors, "listening");
     on_listen(local);
     conn::run(
         listener,
-        http::router(app),
+        access.wrap(http::router(app), metrics.clone()),
         opts.limits.clone(),
         max_connections,
         opts.max_body,

@@ -116,6 +116,7 @@ fn start_with(
         model_name: "tiny".into(),
         limits,
         reasoning_format: samesum_server::api::ReasoningFormat::Deepseek,
+        access: Default::default(),
     };
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

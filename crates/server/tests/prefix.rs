@@ -381,6 +381,7 @@ fn start(prefix_cache_mb: u64) -> Server {
         model_name: "tiny".into(),
         limits: Default::default(),
         reasoning_format: samesum_server::api::ReasoningFormat::Deepseek,
+        access: Default::default(),
     };
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

@@ -63,6 +63,7 @@ fn start_with(max_batch: usize, max_queue: usize, ctx: usize, max_body: usize) -
         model_name: "tiny".into(),
         limits: Default::default(),
         reasoning_format: samesum_server::api::ReasoningFormat::Deepseek,
+        access: Default::default(),
     };
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
