@@ -207,10 +207,28 @@ start_server --max-batch 8
 "$PY" tests/server/test_openai.py "$URL" > "$OUT/openai.log" 2>&1 \
     || { cat "$OUT/openai.log"; tail -20 "$OUT/serve.log"; echo "openai client checks failed"; exit 1; }
 tail -1 "$OUT/openai.log"
+"$PY" tests/server/test_tools.py "$URL" > "$OUT/tools.log" 2>&1 \
+    || { cat "$OUT/tools.log"; tail -20 "$OUT/serve.log"; echo "tools/structured-output checks failed"; exit 1; }
+tail -1 "$OUT/tools.log"
 "$PY" tests/server/load.py "$URL" "$SERVER_PID" --clients 32 --requests 200 > "$OUT/load.log" 2>&1 \
     || { cat "$OUT/load.log"; tail -20 "$OUT/serve.log"; echo "load test failed"; exit 1; }
 tail -2 "$OUT/load.log"
 stop_server
+QWEN3_TEMPLATE=../shared/qwen-tokenizer-ref/templates/qwen3.jinja
+if [[ -f "$QWEN3_TEMPLATE" ]]; then
+    echo "== tools, structured output and reasoning on a model carrying the real Qwen3 chat template"
+    "$BIN" synth --shape tiny-qwen3moe --quant q8_0 --chat-template "$QWEN3_TEMPLATE" -o "$OUT/qwen3-template.gguf" > /dev/null
+    "$BIN" serve -m "$OUT/qwen3-template.gguf" --port 0 > "$OUT/serve.out" 2> "$OUT/serve.log" &
+    SERVER_PID=$!
+    for _ in $(seq 100); do grep -q "listening on" "$OUT/serve.out" 2>/dev/null && break; sleep 0.1; done
+    URL="$(grep -o 'http://[0-9.:]*' "$OUT/serve.out")" || { cat "$OUT/serve.log"; echo "the server did not start"; exit 1; }
+    "$PY" tests/server/test_tools.py "$URL" > "$OUT/tools-qwen3.log" 2>&1 \
+        || { cat "$OUT/tools-qwen3.log"; tail -20 "$OUT/serve.log"; echo "tools checks on the Qwen3 template failed"; exit 1; }
+    tail -1 "$OUT/tools-qwen3.log"
+    stop_server
+else
+    echo "== the real Qwen3 template is not at $QWEN3_TEMPLATE: its tool round trip skipped (the built-in template's ran)"
+fi
 echo "== samesum serve: 256 concurrent streams (64 a step, the rest queued), 512 requests, greedy and seeded, each equal to the same request alone"
 start_server --max-batch 64 --max-queue 256
 "$PY" tests/server/load.py "$URL" "$SERVER_PID" --clients 256 --requests 512 > "$OUT/load256.log" 2>&1 \

@@ -332,3 +332,51 @@ fn qwen3_template_renders_tools_and_thinking() {
     );
     assert_eq!(render(json!({"enable_thinking": true})), default);
 }
+
+/// The synthetic models' template: plain ChatML without tools; with tools,
+/// the tool list in the system turn, calls and results in Qwen3's form,
+/// and an empty think block when thinking is off.
+#[test]
+fn synthetic_template_renders_tools_like_qwen3() {
+    use samesum_engine::tokenizer::ChatInput;
+    use serde_json::json;
+    let tok = synth_tokenizer("tiny-qwen3moe", None);
+    let messages = json!([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "18 C"},
+        {"role": "tool", "content": "sunny"},
+    ]);
+    let tools = json!([{"type": "function", "function": {"name": "get_weather"}}]);
+    let off = json!({"enable_thinking": false});
+    let text = tok
+        .render_chat(&ChatInput {
+            messages: &messages,
+            tools: Some(&tools),
+            kwargs: off.as_object().unwrap(),
+            add_generation_prompt: true,
+        })
+        .unwrap();
+    assert!(
+        text.starts_with("<|im_start|>system\nBe brief.\n\n# Tools"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}\n</tools>"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("<|im_start|>assistant\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n"), "{text}");
+    assert!(text.contains("<|im_start|>user\n<tool_response>\n18 C\n</tool_response>\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"), "{text}");
+    assert!(
+        text.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+        "{text}"
+    );
+    assert_eq!(
+        tok.chat("Hi", Some("Be brief.")).unwrap(),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+}

@@ -34,8 +34,42 @@ pub const USER_DEFINED: [&str; 6] = [
     "</tool_response>",
 ];
 
-/// A ChatML template in the form Qwen models ship.
-pub const CHAT_TEMPLATE: &str = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+/// A ChatML template in the form Qwen3's works: an optional system turn,
+/// tools listed in the system turn as JSON lines inside `<tools>` with the
+/// `<tool_call>` JSON form to answer in, assistant tool calls written in that
+/// form, `tool` results as `<tool_response>` blocks in a user turn, and an
+/// empty think block after the generation prompt when `enable_thinking` is
+/// false. Without tools it renders plain ChatML.
+pub const CHAT_TEMPLATE: &str = r#"{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+{{- '# Tools\n\nThese functions can be called. Their signatures, one JSON object a line, are inside <tools></tools>:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\n\nTo call one, answer with a JSON object of its name and arguments inside <tool_call></tool_call>:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and loop.first %}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{{- '<|im_start|>assistant\n' + message.content }}
+{%- for call in message.tool_calls %}
+{%- set f = call.function if call.function else call %}
+{{- '\n<tool_call>\n{"name": "' + f.name + '", "arguments": ' + (f.arguments if f.arguments is string else (f.arguments | tojson)) + '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{%- endif %}"#;
 
 const CORPUS: &str = include_str!("corpus.txt");
 
