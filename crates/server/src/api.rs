@@ -433,7 +433,13 @@ pub struct Settings {
     pub ignore_eos: bool,
     /// What the output must be (structured output); `None`: free text.
     pub format: Option<Format>,
+    /// Choices: independent samples of the same prompt, choice `i` seeded
+    /// with `seed + i`.
+    pub n: usize,
 }
+
+/// The most choices one request may ask for (`n`).
+pub const MAX_CHOICES: usize = 16;
 
 /// Parse a JSON body, naming the problem on failure.
 pub fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
@@ -474,20 +480,22 @@ impl Common {
     /// Check every field and turn them into [`Settings`]; `logprobs` comes from
     /// the endpoint's own field.
     pub fn settings(&self, logprobs: Option<usize>) -> Result<Settings, ApiError> {
-        if let Some(n) = self.n
-            && n != 1
-        {
+        let n = self.n.unwrap_or(1);
+        if !(1..=MAX_CHOICES as u64).contains(&n) {
             return Err(ApiError::bad(
                 Some("n".into()),
-                format!("n = {n} is not supported (only 1 choice per request)"),
+                format!("n must be 1 to {MAX_CHOICES}, got {n}"),
             ));
         }
-        if let Some(n) = self.best_of
-            && n != 1
+        if let Some(b) = self.best_of
+            && b != 1
+            && b != n
         {
             return Err(ApiError::bad(
                 Some("best_of".into()),
-                format!("best_of = {n} is not supported (only 1)"),
+                format!(
+                    "best_of = {b} is not supported (only 1, or equal to n: every sample is returned)"
+                ),
             ));
         }
         self.unsupported()?;
@@ -554,6 +562,7 @@ impl Common {
             logprobs,
             ignore_eos: self.ignore_eos.unwrap_or(false),
             format: self.format()?,
+            n: n as usize,
         })
     }
 }
@@ -977,7 +986,7 @@ mod tests {
         let e = parse::<ChatRequest>(b"\xff\xfe").unwrap_err();
         assert!(e.message.contains("UTF-8"));
         let r =
-            parse::<ChatRequest>(br#"{"messages": [{"role": "user", "content": "x"}], "n": 2}"#)
+            parse::<ChatRequest>(br#"{"messages": [{"role": "user", "content": "x"}], "n": 17}"#)
                 .unwrap();
         assert_eq!(r.check().unwrap_err().param.as_deref(), Some("n"));
         let r =
@@ -1198,7 +1207,8 @@ mod tests {
     fn unsupported_fields_are_refused_by_name() {
         let base = r#""messages": [{"role": "user", "content": "hi"}]"#;
         for (field, val) in [
-            ("n", "2"),
+            ("n", "0"),
+            ("n", "17"),
             ("logit_bias", r#"{"x": -100}"#),
             ("logit_bias", r#"{"15": 101}"#),
             ("logit_bias", r#"{"15": "a"}"#),

@@ -95,9 +95,13 @@ pub struct App {
     pub grammars: Result<crate::structured::Grammars, String>,
 }
 
-/// The constraint `s.format` asks for, built off the HTTP threads (a large
-/// schema takes a while to compile); a bad schema or grammar is a 400
-/// naming its field.
+/// The constraint `s.format` asks for, one for each of the `s.n` choices,
+/// built off the HTTP threads (a large schema takes a while to compile); a
+/// bad schema or grammar is a 400 naming its field.
+fn constraints(app: &App, s: &Settings) -> Result<Vec<Option<SharedConstraint>>, ApiError> {
+    (0..s.n.max(1)).map(|_| constraint(app, s)).collect()
+}
+
 fn constraint(app: &App, s: &Settings) -> Result<Option<SharedConstraint>, ApiError> {
     let Some(f) = &s.format else {
         return Ok(None);
@@ -351,6 +355,7 @@ fn submit(
     s: &Settings,
     default_max: Option<usize>,
     constraint: Option<SharedConstraint>,
+    choice: usize,
 ) -> Result<UnboundedReceiver<Event>, ApiError> {
     if prompt.is_empty() {
         return Err(ApiError::bad(
@@ -442,18 +447,23 @@ fn submit(
         }
     }
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let seed = s.seed.unwrap_or_else(|| {
-        // No seed: a different stream per request.
-        let t = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        (t as u64)
-            ^ app
-                .next_id
-                .load(Ordering::Relaxed)
-                .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-    });
+    // Choice `i` of a seeded request samples with `seed + i`.
+    let seed = s
+        .seed
+        .map(|x| x.wrapping_add(choice as u64))
+        .unwrap_or_else(|| {
+            // No seed: a different stream per request and per choice.
+            let t = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0);
+            (t as u64)
+                ^ app
+                    .next_id
+                    .load(Ordering::Relaxed)
+                    .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                ^ (choice as u64).wrapping_mul(0xD1B5_4A32_D192_ED03)
+        });
     let now = Instant::now();
     let job = Job {
         id: id.to_string(),
@@ -601,14 +611,14 @@ async fn chat(
 ) -> Response {
     let body_len = b.as_ref().map_or(0, Bytes::len);
     let a = app.clone();
-    type Prepared = (Vec<u32>, Settings, ChatOut, Option<SharedConstraint>);
+    type Prepared = (Vec<u32>, Settings, ChatOut, Vec<Option<SharedConstraint>>);
     let run = move || -> Result<Prepared, ApiError> {
         let app = a;
         let b = body(&app, b)?;
         let req: ChatRequest = api::parse(&b)?;
         req.log_ignored();
         let (chat, s) = req.check()?;
-        let constraint = constraint(&app, &s)?;
+        let constraint = constraints(&app, &s)?;
         let mut text = app
             .tok
             .render_chat(&samesum_engine::tokenizer::ChatInput {
@@ -620,7 +630,7 @@ async fn chat(
             .map_err(|e| ApiError::bad(Some("messages".into()), e.to_string()))?;
         // A constrained reply starts at once: a think block the template
         // opened is closed in the prompt (as enable_thinking=false renders).
-        if constraint.is_some() && text.trim_end().ends_with("<think>") {
+        if s.format.is_some() && text.trim_end().ends_with("<think>") {
             text.push_str("\n\n</think>\n\n");
         }
         let ids = app
@@ -650,14 +660,14 @@ async fn completions(
 ) -> Response {
     let body_len = b.as_ref().map_or(0, Bytes::len);
     let a = app.clone();
-    type Prepared = (Vec<u32>, Settings, Option<SharedConstraint>);
+    type Prepared = (Vec<u32>, Settings, Vec<Option<SharedConstraint>>);
     let run = move || -> Result<Prepared, ApiError> {
         let app = a;
         let b = body(&app, b)?;
         let req: CompletionRequest = api::parse(&b)?;
         req.log_ignored();
         let (prompt, s) = req.check()?;
-        let c = constraint(&app, &s)?;
+        let c = constraints(&app, &s)?;
         let ids = app
             .tok
             .encode(&prompt)
@@ -676,7 +686,7 @@ async fn respond(
     ids: Vec<u32>,
     s: Settings,
     out: Option<ChatOut>,
-    constraint: Option<SharedConstraint>,
+    constraints: Vec<Option<SharedConstraint>>,
     eof: ClientEof,
 ) -> Response {
     let n = app.next_id.fetch_add(1, Ordering::Relaxed);
@@ -686,9 +696,20 @@ async fn respond(
     };
     // The completions API's default length.
     let default_max = (kind == Kind::Completion).then_some(16);
-    let rx = match submit(&app, &id, ids, &s, default_max, constraint) {
-        Ok(rx) => rx,
-        Err(e) => return error(&app, e),
+    // One job per choice; dropping the receivers (an error below, or the
+    // client leaving) cancels the ones already queued.
+    let mut rxs = Vec::with_capacity(constraints.len());
+    for (i, c) in constraints.into_iter().enumerate() {
+        match submit(&app, &id, ids.clone(), &s, default_max, c, i) {
+            Ok(rx) => rxs.push(rx),
+            Err(e) => return error(&app, e),
+        }
+    }
+    if rxs.len() > 1 {
+        return respond_choices(app, kind, id, rxs, &s, out).await;
+    }
+    let Some(rx) = rxs.pop() else {
+        return error(&app, ended_without_result());
     };
     let created = now_secs();
     let model = app.model_name.clone();
@@ -704,7 +725,9 @@ async fn respond(
             s.logprobs.is_some(),
             app.request_timeout,
             splitter,
-        );
+            0,
+        )
+        .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
         Sse::new(Probed {
             inner: events,
             gone: Box::pin(eof.wait()),
@@ -988,6 +1011,7 @@ fn stream(
     want_lp: bool,
     request_timeout: Duration,
     mut splitter: Option<Splitter>,
+    index: usize,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> + Unpin + Send + 'static {
     let mut first = true;
     // Bytes of the completion's tokens so far (`text_offset`).
@@ -998,11 +1022,11 @@ fn stream(
             let mut c = match kind {
                 Kind::Chat => json!({
                     "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+                    "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}],
                 }),
                 Kind::Completion => json!({
                     "id": id, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "logprobs": lp, "finish_reason": finish}],
+                    "choices": [{"index": index, "text": delta.get("content").cloned().unwrap_or(json!("")), "logprobs": lp, "finish_reason": finish}],
                 }),
             };
             if let Some((u, t)) = extra {
@@ -1090,8 +1114,90 @@ fn stream(
         };
         Ok(SseEvent::default().data(v.to_string()))
     });
-    let done = tokio_stream::once(Ok(SseEvent::default().data("[DONE]")));
-    events.chain(done)
+    events
+}
+
+/// A response of several choices (`n` > 1): streamed, the choices' chunks
+/// as they come (each with its `index`), then `[DONE]`; not streamed, one
+/// body with every choice, the prompt counted once in `usage` and the
+/// choices' tokens added up.
+async fn respond_choices(
+    app: Arc<App>,
+    kind: Kind,
+    id: String,
+    rxs: Vec<UnboundedReceiver<Event>>,
+    s: &Settings,
+    out: Option<ChatOut>,
+) -> Response {
+    let created = now_secs();
+    let model = app.model_name.clone();
+    let splitter = || out.as_ref().map(ChatOut::splitter).filter(Splitter::active);
+    if s.stream {
+        let mut map = tokio_stream::StreamMap::new();
+        for (i, rx) in rxs.into_iter().enumerate() {
+            let st = stream(
+                kind,
+                id.clone(),
+                created,
+                model.clone(),
+                rx,
+                s.logprobs.is_some(),
+                app.request_timeout,
+                splitter(),
+                i,
+            );
+            map.insert(i, st);
+        }
+        let events = map
+            .map(|(_, ev)| ev)
+            .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
+        return Sse::new(events)
+            .keep_alive(KeepAlive::default())
+            .into_response();
+    }
+    let mut body: Option<Value> = None;
+    let mut choices = Vec::new();
+    let mut completion = 0u64;
+    for (i, mut rx) in rxs.into_iter().enumerate() {
+        let mut c = Collected {
+            kind,
+            id: id.clone(),
+            created,
+            model: model.clone(),
+            want_lp: s.logprobs.is_some(),
+            request_timeout: app.request_timeout,
+            text: String::new(),
+            lps: Vec::new(),
+            splitter: splitter(),
+        };
+        let v = loop {
+            match rx.recv().await {
+                Some(ev) => {
+                    if let Some(r) = c.push(ev) {
+                        break r;
+                    }
+                }
+                None => break Err(ended_without_result()),
+            }
+        };
+        let v = match v {
+            Ok(v) => v,
+            Err(e) => return error(&app, e),
+        };
+        let mut ch = v["choices"][0].clone();
+        ch["index"] = json!(i);
+        choices.push(ch);
+        completion += v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+        body.get_or_insert(v);
+    }
+    let Some(mut v) = body else {
+        return error(&app, ended_without_result());
+    };
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+    v["choices"] = Value::Array(choices);
+    v["usage"]["completion_tokens"] = json!(completion);
+    v["usage"]["total_tokens"] = json!(prompt + completion);
+    axum::Json(v).into_response()
 }
 
 #[cfg(test)]
@@ -1216,19 +1322,19 @@ mod tests {
             true,
             Duration::from_secs(1),
             splitter(),
+            0,
         );
         let chunks = datas(s).await;
         assert_eq!(
             chunks.len(),
-            REPLY.len() + 2,
-            "a chunk per token, the end, [DONE]"
+            REPLY.len() + 1,
+            "a chunk per token, then the end"
         );
-        assert_eq!(chunks.last().unwrap(), "[DONE]");
         let mut reasoning = String::new();
         let mut content = String::new();
         let mut calls = Vec::new();
         let mut finish = Value::Null;
-        for ch in &chunks[..chunks.len() - 1] {
+        for ch in &chunks {
             let v: Value = serde_json::from_str(ch).unwrap();
             let d = &v["choices"][0]["delta"];
             reasoning += d["reasoning_content"].as_str().unwrap_or("");
@@ -1258,10 +1364,11 @@ mod tests {
             true,
             Duration::from_secs(1),
             None,
+            0,
         );
         let chunks = datas(s).await;
         let mut offsets = Vec::new();
-        for ch in &chunks[..chunks.len() - 1] {
+        for ch in &chunks {
             let v: Value = serde_json::from_str(ch).unwrap();
             if let Some(o) = v["choices"][0]["logprobs"]["text_offset"].as_array() {
                 offsets.extend(o.iter().map(|x| x.as_u64().unwrap() as usize));

@@ -466,6 +466,7 @@ fn valid_settings() -> impl Strategy<Value = Valid> {
                     logprobs: None,
                     ignore_eos: ignore_eos.unwrap_or(false),
                     format: None,
+                    n: 1,
                 };
                 Valid { fields, want }
             },

@@ -367,10 +367,10 @@ fn bad_input_is_a_4xx_with_an_error_object_and_the_server_stays_up() {
             "messages",
         ),
         (
-            "n > 1",
-            br#"{"messages": [{"role": "user", "content": "x"}], "n": 3}"#.to_vec(),
+            "n above the cap",
+            br#"{"messages": [{"role": "user", "content": "x"}], "n": 30}"#.to_vec(),
             400,
-            "n = 3",
+            "n must be 1 to 16",
         ),
         (
             "oversized body",
@@ -753,7 +753,7 @@ fn openai_client_fields_are_accepted() {
     for (field, val) in [
         ("best_of", json!(2)),
         ("logit_bias", json!({"one": -100})),
-        ("n", json!(2)),
+        ("n", json!(0)),
     ] {
         let mut body = json!({"prompt": "Once", "max_tokens": 4});
         body[field] = val;
@@ -978,4 +978,82 @@ fn structured_output_parses_validates_and_keeps_the_logits() {
         (400, Some("response_format")),
         "{v}"
     );
+}
+
+/// `n` choices: choice `i` is what the same request with `n: 1` and seed
+/// `seed + i` gives, streamed or not; greedy choices agree; usage counts
+/// the prompt once; more than the cap is a 400.
+#[test]
+fn n_choices_are_independent_seeded_samples() {
+    let s = start(8, 32, 2048);
+    let base = json!({"temperature": 0.9, "seed": 5, "max_tokens": 12, "ignore_eos": true, "logprobs": false, "top_logprobs": null});
+    let mut three = base.clone();
+    three["n"] = json!(3);
+    let (st, v) = post(
+        s.addr,
+        "/v1/chat/completions",
+        &chat_body("Hello there", three.clone()),
+    );
+    assert_eq!(st, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    let mut texts = Vec::new();
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        let mut one = base.clone();
+        one["seed"] = json!(5 + i);
+        let (_, alone) = post(
+            s.addr,
+            "/v1/chat/completions",
+            &chat_body("Hello there", one),
+        );
+        assert_eq!(
+            c["message"]["content"], alone["choices"][0]["message"]["content"],
+            "choice {i}"
+        );
+        texts.push(c["message"]["content"].as_str().unwrap().to_string());
+    }
+    assert!(
+        texts[0] != texts[1] || texts[1] != texts[2],
+        "seeded choices all equal: {texts:?}"
+    );
+    assert_eq!(v["usage"]["completion_tokens"], 36, "{v}");
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(v["usage"]["total_tokens"], prompt + 36);
+    // Streamed: each index's deltas add up to that choice.
+    let mut streamed = three.clone();
+    streamed["stream"] = json!(true);
+    let (st, _, body) = request(
+        s.addr,
+        "POST",
+        "/v1/chat/completions",
+        chat_body("Hello there", streamed).to_string().as_bytes(),
+    );
+    assert_eq!(st, 200);
+    let body = String::from_utf8(body).unwrap();
+    let mut got = vec![String::new(); 3];
+    for line in body.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if line == "[DONE]" {
+            continue;
+        }
+        let c: Value = serde_json::from_str(line).unwrap();
+        let ch = &c["choices"][0];
+        got[ch["index"].as_u64().unwrap() as usize] +=
+            ch["delta"]["content"].as_str().unwrap_or("");
+    }
+    assert_eq!(got, texts);
+    assert!(body.trim_end().ends_with("data: [DONE]"));
+    // Greedy choices agree; completions take n too.
+    let (_, v) = post(
+        s.addr,
+        "/v1/completions",
+        &json!({"prompt": "Once", "n": 2, "temperature": 0, "max_tokens": 6}),
+    );
+    assert_eq!(v["choices"][0]["text"], v["choices"][1]["text"], "{v}");
+    let (st, v) = post(
+        s.addr,
+        "/v1/chat/completions",
+        &chat_body("x", json!({"n": 17})),
+    );
+    assert_eq!((st, v["error"]["param"].as_str()), (400, Some("n")), "{v}");
 }
