@@ -1017,7 +1017,7 @@ fn stream(
     // Bytes of the completion's tokens so far (`text_offset`).
     let mut offset = 0usize;
     let mut calls = 0usize;
-    let events = UnboundedReceiverStream::new(rx).map(move |ev| {
+    UnboundedReceiverStream::new(rx).map(move |ev| {
         let chunk = |delta: Value, lp: Value, finish: Value, extra: Option<(Value, Value)>| {
             let mut c = match kind {
                 Kind::Chat => json!({
@@ -1113,8 +1113,7 @@ fn stream(
             Event::TimedOut => timed_out(request_timeout).body(),
         };
         Ok(SseEvent::default().data(v.to_string()))
-    });
-    events
+    })
 }
 
 /// A response of several choices (`n` > 1): streamed, the choices' chunks
