@@ -160,6 +160,17 @@ try:
 except openai.BadRequestError as e:
     check("error: bad role is a 400", "wizard" in str(e), e)
 
+# lm-evaluation-harness's loglikelihood request: token-array prompts,
+# echo, logprobs, max_tokens 0; the prompt's log-probabilities come back,
+# the first None.
+ids = post_json("/tokenize", {"content": "The capital of France is Paris"})["tokens"]
+r = client.completions.create(model=model, prompt=[ids, ids[:3]], max_tokens=0, echo=True, logprobs=1, temperature=0)
+lp = r.choices[0].logprobs
+check("echo: one choice per prompt", len(r.choices) == 2 and r.choices[1].index == 1, r)
+check("echo: the prompt's tokens and log-probabilities", len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+      and all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs[1:]) and r.choices[0].text == "The capital of France is Paris", lp)
+check("echo: a prefix scores the same", r.choices[1].logprobs.token_logprobs == lp.token_logprobs[:3], r.choices[1].logprobs)
+
 # Cancellation by disconnect, in the middle of a long stream: the client
 # reads one chunk and closes the stream.
 before = metric("samesum_requests_cancelled_total")

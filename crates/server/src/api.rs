@@ -379,15 +379,33 @@ impl ChatPrompt {
     }
 }
 
-/// `prompt`: a string, or a list holding one string.
+/// `prompt`: a string, a list of strings, a list of token ids, or a list
+/// of lists of token ids (OpenAI's four shapes; several prompts give one
+/// choice each, in order).
 #[derive(Deserialize, Debug, Clone)]
 #[serde(untagged)]
 pub enum Prompt {
     /// A string.
     One(String),
-    /// A list of strings (exactly one is supported).
+    /// Token ids.
+    Tokens(Vec<u32>),
+    /// Several strings.
     Many(Vec<String>),
+    /// Several token id lists.
+    ManyTokens(Vec<Vec<u32>>),
 }
+
+/// One prompt of a completions request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PromptInput {
+    /// Text, to tokenize.
+    Text(String),
+    /// Token ids, as given.
+    Tokens(Vec<u32>),
+}
+
+/// The most prompts one completions request may carry, times `n`.
+pub const MAX_PROMPTS: usize = 64;
 
 request! {
     /// `POST /v1/completions`.
@@ -436,6 +454,9 @@ pub struct Settings {
     /// Choices: independent samples of the same prompt, choice `i` seeded
     /// with `seed + i`.
     pub n: usize,
+    /// Completions: the prompt comes back before the completion, in the
+    /// text and (with `logprobs`) with its tokens' log-probabilities.
+    pub echo: bool,
 }
 
 /// The most choices one request may ask for (`n`).
@@ -563,6 +584,7 @@ impl Common {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             format: self.format()?,
             n: n as usize,
+            echo: false,
         })
     }
 }
@@ -918,26 +940,25 @@ impl Message {
 }
 
 impl CompletionRequest {
-    /// Validate the prompt and settings; returns the prompt text too.
-    pub fn check(&self) -> Result<(String, Settings), ApiError> {
-        let prompt = match &self.prompt {
-            Prompt::One(s) => s.clone(),
-            Prompt::Many(v) if v.len() == 1 => v[0].clone(),
-            Prompt::Many(v) => {
-                return Err(ApiError::bad(
-                    Some("prompt".into()),
-                    format!("{} prompts given; one per request is supported", v.len()),
-                ));
-            }
+    /// Validate the prompts and settings; returns the prompts too.
+    pub fn check(&self) -> Result<(Vec<PromptInput>, Settings), ApiError> {
+        let prompts: Vec<PromptInput> = match &self.prompt {
+            Prompt::One(s) => vec![PromptInput::Text(s.clone())],
+            Prompt::Tokens(t) => vec![PromptInput::Tokens(t.clone())],
+            Prompt::Many(v) => v.iter().cloned().map(PromptInput::Text).collect(),
+            Prompt::ManyTokens(v) => v.iter().cloned().map(PromptInput::Tokens).collect(),
         };
+        if prompts.is_empty() {
+            return Err(ApiError::bad(
+                Some("prompt".into()),
+                "prompt: no prompt given",
+            ));
+        }
         if self.tools.as_ref().is_some_and(|v| !is_empty(v)) {
             return Err(ApiError::bad(
                 Some("tools".into()),
                 "tools: tools are offered through a chat template; use /v1/chat/completions",
             ));
-        }
-        if self.echo.unwrap_or(false) {
-            return Err(ApiError::bad(Some("echo".into()), "echo is not supported"));
         }
         if self.suffix.is_some() {
             return Err(ApiError::bad(
@@ -957,7 +978,25 @@ impl CompletionRequest {
         };
         // No max_tokens: the endpoint's default of 16 is applied when the
         // request is queued (within the server's cap).
-        Ok((prompt, self.common().settings(lp)?))
+        let mut s = self.common().settings(lp)?;
+        s.echo = self.echo.unwrap_or(false);
+        if s.max_tokens == Some(0) && !s.echo {
+            return Err(ApiError::bad(
+                Some("max_tokens".into()),
+                "max_tokens must be at least 1 (0 only with echo: the prompt's log-probabilities alone)",
+            ));
+        }
+        if prompts.len() * s.n > MAX_PROMPTS {
+            return Err(ApiError::bad(
+                Some("prompt".into()),
+                format!(
+                    "{} prompts times n = {} is more than {MAX_PROMPTS} choices in one request",
+                    prompts.len(),
+                    s.n
+                ),
+            ));
+        }
+        Ok((prompts, s))
     }
 }
 
@@ -1049,7 +1088,7 @@ mod tests {
         assert_eq!(s.max_tokens, None);
         let c = parse::<CompletionRequest>(br#"{"prompt": ["a"], "logprobs": 2}"#).unwrap();
         let (p, s) = c.check().unwrap();
-        assert_eq!(p, "a");
+        assert_eq!(p, vec![PromptInput::Text("a".into())]);
         assert_eq!(s.max_tokens, None);
         assert_eq!(s.logprobs, Some(2));
     }

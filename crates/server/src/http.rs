@@ -30,11 +30,13 @@
 //! one that only half-closed reads its response (an error found after the
 //! head was committed comes as the error object under status 200).
 
-use crate::api::{self, ApiError, ChatRequest, CompletionRequest, ReasoningFormat, Settings};
+use crate::api::{
+    self, ApiError, ChatRequest, CompletionRequest, PromptInput, ReasoningFormat, Settings,
+};
 use crate::chat_output::{Piece, Splitter, Tool};
 use crate::conn::{ClientEof, PROBE};
 use crate::metrics::Metrics;
-use crate::scheduler::{Event, Job, TokenLogprob, Usage};
+use crate::scheduler::{Event, Job, PromptLogprobs, TokenLogprob, Usage};
 use crate::structured::Format;
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
@@ -98,8 +100,14 @@ pub struct App {
 /// The constraint `s.format` asks for, one for each of the `s.n` choices,
 /// built off the HTTP threads (a large schema takes a while to compile); a
 /// bad schema or grammar is a 400 naming its field.
-fn constraints(app: &App, s: &Settings) -> Result<Vec<Option<SharedConstraint>>, ApiError> {
-    (0..s.n.max(1)).map(|_| constraint(app, s)).collect()
+fn constraints(
+    app: &App,
+    s: &Settings,
+    prompts: usize,
+) -> Result<Vec<Option<SharedConstraint>>, ApiError> {
+    (0..s.n.max(1) * prompts)
+        .map(|_| constraint(app, s))
+        .collect()
 }
 
 fn constraint(app: &App, s: &Settings) -> Result<Option<SharedConstraint>, ApiError> {
@@ -408,7 +416,7 @@ fn submit(
             ),
         ));
     }
-    if s.max_tokens == Some(0) {
+    if s.max_tokens == Some(0) && !s.echo {
         return Err(ApiError::bad(
             Some("max_tokens".into()),
             "max_tokens must be at least 1",
@@ -484,6 +492,8 @@ fn submit(
         logprobs: s.logprobs,
         ignore_eos: s.ignore_eos,
         constraint,
+        echo: s.echo,
+        prompt_logprobs: if s.echo { s.logprobs } else { None },
         events: tx,
         queued: now,
         deadline: now.checked_add(app.request_timeout),
@@ -618,7 +628,7 @@ async fn chat(
         let req: ChatRequest = api::parse(&b)?;
         req.log_ignored();
         let (chat, s) = req.check()?;
-        let constraint = constraints(&app, &s)?;
+        let constraint = constraints(&app, &s, 1)?;
         let mut text = app
             .tok
             .render_chat(&samesum_engine::tokenizer::ChatInput {
@@ -647,7 +657,7 @@ async fn chat(
     };
     match off_http(&app, body_len, run).await {
         Ok((ids, s, out, c)) => {
-            respond(app, Kind::Chat, ids, s, Some(out), c, client_eof(eof)).await
+            respond(app, Kind::Chat, vec![ids], s, Some(out), c, client_eof(eof)).await
         }
         Err(e) => error(&app, e),
     }
@@ -660,19 +670,37 @@ async fn completions(
 ) -> Response {
     let body_len = b.as_ref().map_or(0, Bytes::len);
     let a = app.clone();
-    type Prepared = (Vec<u32>, Settings, Vec<Option<SharedConstraint>>);
+    type Prepared = (Vec<Vec<u32>>, Settings, Vec<Option<SharedConstraint>>);
     let run = move || -> Result<Prepared, ApiError> {
         let app = a;
         let b = body(&app, b)?;
         let req: CompletionRequest = api::parse(&b)?;
         req.log_ignored();
-        let (prompt, s) = req.check()?;
-        let c = constraints(&app, &s)?;
-        let ids = app
-            .tok
-            .encode(&prompt)
-            .map_err(|e| ApiError::bad(Some("prompt".into()), e.to_string()))?;
-        Ok((ids, s, c))
+        let (prompts, s) = req.check()?;
+        let c = constraints(&app, &s, prompts.len())?;
+        let mut all = Vec::with_capacity(prompts.len());
+        for (i, p) in prompts.into_iter().enumerate() {
+            let ids = match p {
+                PromptInput::Text(t) => app
+                    .tok
+                    .encode(&t)
+                    .map_err(|e| ApiError::bad(Some("prompt".into()), e.to_string()))?,
+                PromptInput::Tokens(ids) => {
+                    if let Some(&t) = ids.iter().find(|&&t| t as usize >= app.tok.len()) {
+                        return Err(ApiError::bad(
+                            Some("prompt".into()),
+                            format!(
+                                "prompt {i}: token id {t} is outside the vocabulary of {} tokens",
+                                app.tok.len()
+                            ),
+                        ));
+                    }
+                    ids
+                }
+            };
+            all.push(ids);
+        }
+        Ok((all, s, c))
     };
     match off_http(&app, body_len, run).await {
         Ok((ids, s, c)) => respond(app, Kind::Completion, ids, s, None, c, client_eof(eof)).await,
@@ -683,7 +711,7 @@ async fn completions(
 async fn respond(
     app: Arc<App>,
     kind: Kind,
-    ids: Vec<u32>,
+    prompts: Vec<Vec<u32>>,
     s: Settings,
     out: Option<ChatOut>,
     constraints: Vec<Option<SharedConstraint>>,
@@ -698,11 +726,16 @@ async fn respond(
     let default_max = (kind == Kind::Completion).then_some(16);
     // One job per choice; dropping the receivers (an error below, or the
     // client leaving) cancels the ones already queued.
+    // Choices in order: each prompt's `n` samples.
     let mut rxs = Vec::with_capacity(constraints.len());
-    for (i, c) in constraints.into_iter().enumerate() {
-        match submit(&app, &id, ids.clone(), &s, default_max, c, i) {
-            Ok(rx) => rxs.push(rx),
-            Err(e) => return error(&app, e),
+    let mut cs = constraints.into_iter();
+    for ids in &prompts {
+        for i in 0..s.n.max(1) {
+            let c = cs.next().flatten();
+            match submit(&app, &id, ids.clone(), &s, default_max, c, i) {
+                Ok(rx) => rxs.push(rx),
+                Err(e) => return error(&app, e),
+            }
         }
     }
     if rxs.len() > 1 {
@@ -746,6 +779,7 @@ async fn respond(
             text: String::new(),
             lps: Vec::new(),
             splitter,
+            prompt_lp: None,
         };
         collect(app, c, rx, eof).await
     }
@@ -785,6 +819,8 @@ struct Collected {
     text: String,
     lps: Vec<TokenLogprob>,
     splitter: Option<Splitter>,
+    /// The echoed prompt's log-probabilities.
+    prompt_lp: Option<PromptLogprobs>,
 }
 
 /// A tool call as the API returns it, `n`-th of its reply.
@@ -800,6 +836,11 @@ impl Collected {
     /// Take one event; the response's body (or error) once the request ends.
     fn push(&mut self, ev: Event) -> Option<Result<Value, ApiError>> {
         match ev {
+            Event::Prompt { text, logprobs } => {
+                self.text.insert_str(0, &text);
+                self.prompt_lp = logprobs;
+                None
+            }
             Event::Token {
                 text: t, logprob, ..
             } => {
@@ -860,7 +901,7 @@ impl Collected {
                         "choices": [{
                             "index": 0,
                             "text": text,
-                            "logprobs": if self.want_lp { completion_logprobs(&self.lps, 0) } else { Value::Null },
+                            "logprobs": if self.want_lp { completion_logprobs(&self.lps, 0, self.prompt_lp.as_ref()) } else { Value::Null },
                             "finish_reason": finish,
                         }],
                         "usage": usage_json(&usage),
@@ -983,22 +1024,53 @@ impl<S: Stream<Item = Result<SseEvent, Infallible>> + Unpin> Stream for Probed<S
 /// `start` in the text: `text_offset` counts the bytes of the tokens before
 /// each one (their own bytes, so a character split over two tokens counts
 /// once).
-fn completion_logprobs(lps: &[TokenLogprob], start: usize) -> Value {
+///
+/// With `prompt` (`echo`), the prompt's tokens come first, the first of them
+/// with `null` log-probabilities (nothing precedes it), as
+/// lm-evaluation-harness reads them.
+fn completion_logprobs(
+    lps: &[TokenLogprob],
+    start: usize,
+    prompt: Option<&PromptLogprobs>,
+) -> Value {
     let mut offset = start;
-    let mut offsets = Vec::new();
-    for l in lps {
+    let (mut tokens, mut logprobs, mut tops, mut offsets) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let top = |l: &TokenLogprob| {
+        let m: serde_json::Map<String, Value> =
+            l.top.iter().map(|(t, p)| (t.clone(), json!(p))).collect();
+        Value::Object(m)
+    };
+    if let Some(p) = prompt {
+        tokens.push(json!(p.first.0));
+        logprobs.push(Value::Null);
+        tops.push(Value::Null);
+        offsets.push(offset);
+        offset += p.first.1.len();
+    }
+    for l in prompt
+        .map(|p| p.rest.as_slice())
+        .unwrap_or(&[])
+        .iter()
+        .chain(lps)
+    {
+        tokens.push(json!(l.token));
+        logprobs.push(json!(l.logprob));
+        tops.push(top(l));
         offsets.push(offset);
         offset += l.bytes.len();
     }
     json!({
-        "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
-        "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-        "top_logprobs": lps.iter().map(|l| {
-            let m: serde_json::Map<String, Value> = l.top.iter().map(|(t, p)| (t.clone(), json!(p))).collect();
-            Value::Object(m)
-        }).collect::<Vec<_>>(),
+        "tokens": tokens,
+        "token_logprobs": logprobs,
+        "top_logprobs": tops,
         "text_offset": offsets,
     })
+}
+
+/// The bytes of an echoed prompt's tokens.
+fn prompt_bytes(p: &PromptLogprobs) -> usize {
+    p.first.1.len() + p.rest.iter().map(|l| l.bytes.len()).sum::<usize>()
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1070,6 +1142,19 @@ fn stream(
             d
         };
         let v = match ev {
+            Event::Prompt { text, logprobs } => {
+                // The echoed prompt: its own chunk, first.
+                first = false;
+                let lp = match (&logprobs, want_lp) {
+                    (Some(p), true) => {
+                        let v = completion_logprobs(&[], offset, Some(p));
+                        offset += prompt_bytes(p);
+                        v
+                    }
+                    _ => Value::Null,
+                };
+                chunk(json!({"content": text}), lp, Value::Null, None)
+            }
             Event::Token { text, logprob, .. } => {
                 let mut delta = if kind == Kind::Chat {
                     delta_of(&text, false, &mut calls)
@@ -1086,7 +1171,7 @@ fn stream(
                 let lp = match (&logprob, want_lp, kind) {
                     (Some(l), true, Kind::Chat) => json!({"content": [chat_logprob(l)]}),
                     (Some(l), true, Kind::Completion) => {
-                        let v = completion_logprobs(std::slice::from_ref(l), offset);
+                        let v = completion_logprobs(std::slice::from_ref(l), offset, None);
                         offset += l.bytes.len();
                         v
                     }
@@ -1168,6 +1253,7 @@ async fn respond_choices(
             text: String::new(),
             lps: Vec::new(),
             splitter: splitter(),
+            prompt_lp: None,
         };
         let v = loop {
             match rx.recv().await {
@@ -1291,6 +1377,7 @@ mod tests {
             text: String::new(),
             lps: Vec::new(),
             splitter: splitter(),
+            prompt_lp: None,
         };
         let mut rx = events(false);
         let mut body = None;

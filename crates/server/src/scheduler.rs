@@ -61,9 +61,27 @@ pub struct Usage {
     pub gen_ms: f64,
 }
 
+/// The prompt's tokens with their log-probabilities (`echo`): the first
+/// token has none (nothing comes before it).
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct PromptLogprobs {
+    /// The first token's text and bytes.
+    pub first: (String, Vec<u8>),
+    /// Each later token's log-probability given the tokens before it.
+    pub rest: Vec<TokenLogprob>,
+}
+
 /// What the model thread sends back for one request.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
+    /// The prompt, echoed (first, before any token): its text and, if
+    /// asked for, its tokens' log-probabilities.
+    Prompt {
+        /// The prompt's text.
+        text: String,
+        /// Its log-probabilities.
+        logprobs: Option<PromptLogprobs>,
+    },
     /// New text (possibly empty while a stop sequence or a split character is
     /// pending) and, if asked for, the token's log-probabilities.
     Token {
@@ -110,6 +128,11 @@ pub struct Job {
     pub ignore_eos: bool,
     /// Which tokens may come next (structured output).
     pub constraint: Option<samesum_engine::constraint::SharedConstraint>,
+    /// Echo the prompt ([`Event::Prompt`]) before the completion.
+    pub echo: bool,
+    /// With `echo`: the prompt tokens' log-probabilities with this many
+    /// alternatives.
+    pub prompt_logprobs: Option<usize>,
     /// Where events go; a closed channel cancels the request.
     pub events: UnboundedSender<Event>,
     /// When it was queued.
@@ -164,6 +187,50 @@ fn text_logprob(tok: &Tokenizer, t: u32, lp: sched::Logprob) -> TokenLogprob {
         top_bytes: lp.top.iter().map(|&(i, _)| tok.token_bytes(i)).collect(),
         top: lp.top.into_iter().map(|(i, l)| (text(i), l)).collect(),
     }
+}
+
+/// The log-probability of each prompt token after the first, with `n`
+/// alternatives: the engine's scoring ([`samesum_engine::score`], as
+/// `samesum perplexity` computes it), a prefill of the prompt on a state of
+/// its own. A failure (memory) leaves the list empty.
+fn prompt_logprobs<B: Backend>(
+    model: &Model,
+    tok: &Tokenizer,
+    b: &B,
+    cfg: &Config,
+    prompt: &[u32],
+    n: usize,
+) -> PromptLogprobs {
+    let first = prompt.first().copied().unwrap_or(0);
+    let mut out = PromptLogprobs {
+        first: (
+            String::from_utf8_lossy(&tok.token_bytes(first)).into_owned(),
+            tok.token_bytes(first),
+        ),
+        rest: Vec::new(),
+    };
+    if prompt.len() < 2 {
+        return out;
+    }
+    match samesum_engine::score::score_tokens(b, model, prompt, 1, cfg.prefill_chunk, cfg.kv, n) {
+        Ok(scores) => {
+            out.rest = scores
+                .into_iter()
+                .map(|s| {
+                    text_logprob(
+                        tok,
+                        s.token,
+                        sched::Logprob {
+                            logprob: s.logprob as f32,
+                            top: s.top.into_iter().map(|(t, l)| (t, l as f32)).collect(),
+                        },
+                    )
+                })
+                .collect();
+        }
+        Err(e) => tracing::warn!("prompt log-probabilities failed: {e}"),
+    }
+    out
 }
 
 /// The longest suffix of `s` that is a proper prefix of one of `stops` (text
@@ -389,6 +456,27 @@ pub fn run<B: Backend>(
                 m.timed_out.inc(1);
                 tracing::info!(id = %job.id, "deadline passed in the queue");
                 let _ = job.events.send(Event::TimedOut);
+                continue;
+            }
+            if job.echo {
+                let logprobs = job
+                    .prompt_logprobs
+                    .map(|n| prompt_logprobs(model, tok, b, cfg, &job.prompt, n));
+                let text = tok.decode(&job.prompt).unwrap_or_default();
+                let _ = job.events.send(Event::Prompt { text, logprobs });
+            }
+            if job.max_new == 0 {
+                // The prompt's log-probabilities alone (echo, max_tokens 0).
+                m.requests_done.inc(1);
+                let usage = Usage {
+                    prompt_tokens: job.prompt.len(),
+                    queue_ms: job.queued.elapsed().as_secs_f64() * 1e3,
+                    ..Usage::default()
+                };
+                let _ = job.events.send(Event::Done {
+                    finish: "length",
+                    usage,
+                });
                 continue;
             }
             match sched.submit(request(tok, &job)) {

@@ -119,10 +119,14 @@ fn run_body(body: &[u8], which: usize) -> Result<(), TestCaseError> {
         Err(e) => check_error(&e)?,
     }
     match api::parse::<CompletionRequest>(body).and_then(|r| r.check()) {
-        Ok((prompt, s)) => {
+        Ok((prompts, s)) => {
             check_settings(&s, 5)?;
-            let ids = tok.encode(&prompt).unwrap();
-            prop_assert!(ids.iter().all(|&i| (i as usize) < tok.len()));
+            for p in prompts {
+                if let api::PromptInput::Text(prompt) = p {
+                    let ids = tok.encode(&prompt).unwrap();
+                    prop_assert!(ids.iter().all(|&i| (i as usize) < tok.len()));
+                }
+            }
         }
         Err(e) => check_error(&e)?,
     }
@@ -467,6 +471,7 @@ fn valid_settings() -> impl Strategy<Value = Valid> {
                     ignore_eos: ignore_eos.unwrap_or(false),
                     format: None,
                     n: 1,
+                    echo: false,
                 };
                 Valid { fields, want }
             },
@@ -568,7 +573,7 @@ proptest! {
             s.max_tokens = None;
         }
         prop_assert_eq!(&s, &want);
-        prop_assert_eq!(p, prompt);
+        prop_assert_eq!(p, vec![api::PromptInput::Text(prompt)]);
         run_body(&body, which)?;
     }
 }

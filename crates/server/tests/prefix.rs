@@ -107,6 +107,8 @@ impl Thread {
             logprobs: Some(3),
             ignore_eos: true,
             constraint: None,
+            echo: false,
+            prompt_logprobs: None,
             events: etx,
             queued: Instant::now(),
             deadline: None,
