@@ -98,10 +98,15 @@ fuzz_target!(|data: &[u8]| {
         Err(e) => check_error(&e),
     }
     match api::parse::<CompletionRequest>(data).and_then(|r| r.check()) {
-        Ok((prompt, s)) => {
+        Ok((prompts, s)) => {
             check_settings(&s, 5);
-            let ids = tok.encode(&prompt).expect("text encodes");
-            assert!(ids.iter().all(|&i| (i as usize) < tok.len()));
+            assert!(!prompts.is_empty() && prompts.len() * s.n <= api::MAX_PROMPTS);
+            for p in prompts {
+                if let api::PromptInput::Text(prompt) = p {
+                    let ids = tok.encode(&prompt).expect("text encodes");
+                    assert!(ids.iter().all(|&i| (i as usize) < tok.len()));
+                }
+            }
         }
         Err(e) => check_error(&e),
     }
