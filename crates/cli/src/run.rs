@@ -77,6 +77,10 @@ pub(crate) struct Args {
     /// Qwen3). Shorthand for --chat-template-kwargs '{"enable_thinking": ...}'.
     #[arg(long, value_name = "on|off", value_parser = ["on", "off"])]
     think: Option<String>,
+    /// Use this Jinja chat template instead of the model's (llama.cpp's
+    /// --chat-template-file).
+    #[arg(long, value_name = "FILE")]
+    chat_template_file: Option<PathBuf>,
     #[command(flatten)]
     kv: KvArgs,
     #[command(flatten)]
@@ -199,7 +203,13 @@ pub(crate) fn run(a: Args) -> Result<()> {
     )?;
     let t_load = Instant::now();
     let model = load_with_progress(&path)?;
-    let tok = Tokenizer::from_metadata(model.file.metadata())?;
+    let mut tok = Tokenizer::from_metadata(model.file.metadata())?;
+    if let Some(p) = &a.chat_template_file {
+        tok.chat_template = Some(
+            std::fs::read_to_string(p)
+                .with_context(|| format!("--chat-template-file {}", p.display()))?,
+        );
+    }
     eprintln!(
         "loaded {} ({}, {} layers, {} experts/{} used, vocab {}) in {:.2}s",
         path.display(),

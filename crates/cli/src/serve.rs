@@ -105,6 +105,10 @@ pub(crate) struct Args {
     /// `reasoning_format` field overrides it.
     #[arg(long, value_name = "FORMAT", default_value = "deepseek", value_parser = ["deepseek", "none", "auto"])]
     reasoning_format: String,
+    /// Use this Jinja chat template instead of the model's (llama-server's
+    /// --chat-template-file): for a file whose template is missing or wrong.
+    #[arg(long, value_name = "FILE")]
+    chat_template_file: Option<std::path::PathBuf>,
     /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize
     /// and /metrics (else 401); several keys comma-separated or the flag
     /// repeated. /health and the chat page at / stay open. Read from
@@ -183,6 +187,13 @@ pub(crate) fn run(a: Args) -> Result<()> {
         model_name: name,
         reasoning_format: samesum_server::api::ReasoningFormat::parse(&a.reasoning_format)
             .unwrap_or(samesum_server::api::ReasoningFormat::Deepseek),
+        chat_template: match &a.chat_template_file {
+            Some(p) => Some(
+                std::fs::read_to_string(p)
+                    .map_err(|e| anyhow::anyhow!("--chat-template-file {}: {e}", p.display()))?,
+            ),
+            None => None,
+        },
         limits: samesum_server::Limits {
             max_connections: a.max_connections,
             timeout: a.timeout,

@@ -1,6 +1,6 @@
 //! Who may call the server: API keys (`--api-key`) and CORS (`--cors`).
 //!
-//! With keys set, every request to `/v1/...`, `/tokenize`, `/detokenize` and
+//! With keys set, every request to `/v1/...`, `/tokenize`, `/detokenize`, `/apply-template` and
 //! `/metrics` must carry `Authorization: Bearer KEY` with one of them;
 //! otherwise it gets a 401 with OpenAI's error object (code
 //! `invalid_api_key`) and `WWW-Authenticate: Bearer`. Keys are compared in
@@ -163,7 +163,10 @@ impl Checked {
 pub fn protected(path: &str) -> bool {
     path == "/v1"
         || path.starts_with("/v1/")
-        || matches!(path, "/tokenize" | "/detokenize" | "/metrics")
+        || matches!(
+            path,
+            "/tokenize" | "/detokenize" | "/apply-template" | "/metrics"
+        )
 }
 
 /// The key check's state.

@@ -88,8 +88,8 @@ pub struct App {
     pub kv_check: Option<KvCheck>,
     /// A request's deadline, from when it is queued.
     pub request_timeout: Duration,
-    /// Turns to prepare a request (parse, template, tokenize) at once.
-    pub prep: tokio::sync::Semaphore,
+    /// The threads that prepare requests (parse, template, tokenize).
+    pub prep: crate::prep::PrepPool,
     /// How replies' `<think>` blocks are returned unless a request says.
     pub reasoning: ReasoningFormat,
     /// Structured output for this vocabulary (`Err`: why it is not
@@ -166,6 +166,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/models/{*id}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/apply-template", post(apply_template))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/", get(crate::page::chat))
@@ -579,17 +580,16 @@ enum Kind {
 /// to the system.
 const TRIM_BODY: usize = 64 << 10;
 
-/// Run request parsing, chat templating and tokenizing on tokio's blocking
-/// pool, off the threads that answer HTTP: a large prompt or a slow
-/// template never holds up `/health` or other requests. At most
-/// [`App::prep`] run at once (each can take tens of MB for a large body;
-/// the rest wait their turn). `body` is the body's size in bytes.
+/// Run request parsing, chat templating and tokenizing on [`App::prep`],
+/// off the threads that answer HTTP: a large prompt or a slow template
+/// never holds up `/health` or other requests, and at most the pool's
+/// threads prepare at once (each can take tens of MB for a large body; the
+/// rest wait their turn). `body` is the body's size in bytes.
 async fn off_http<T: Send + 'static>(
     app: &App,
     body: usize,
     f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    let _turn = app.prep.acquire().await;
     let run = move || {
         let r = f();
         if body >= TRIM_BODY {
@@ -597,10 +597,10 @@ async fn off_http<T: Send + 'static>(
         }
         r
     };
-    tokio::task::spawn_blocking(run).await.unwrap_or_else(|e| {
+    app.prep.run(run).await.unwrap_or_else(|| {
         Err(ApiError {
             status: 500,
-            message: format!("preparing the request failed: {e}"),
+            message: "preparing the request failed".into(),
             kind: "server_error",
             param: None,
             code: None,
@@ -612,6 +612,33 @@ async fn off_http<T: Send + 'static>(
 /// without [`crate::conn`]).
 fn client_eof(e: Option<Extension<ClientEof>>) -> ClientEof {
     e.map(|Extension(e)| e).unwrap_or_else(ClientEof::never)
+}
+
+/// llama-server's `/apply-template`: a chat request's prompt as the chat
+/// template renders it, without generating.
+async fn apply_template(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> Response {
+    let body_len = b.as_ref().map_or(0, Bytes::len);
+    let a = app.clone();
+    let run = move || -> Result<Value, ApiError> {
+        let app = a;
+        let b = body(&app, b)?;
+        let req: ChatRequest = api::parse(&b)?;
+        let (chat, _) = req.check()?;
+        let text = app
+            .tok
+            .render_chat(&samesum_engine::tokenizer::ChatInput {
+                messages: &chat.messages,
+                tools: chat.tools.as_ref(),
+                kwargs: &chat.kwargs,
+                add_generation_prompt: true,
+            })
+            .map_err(|e| ApiError::bad(Some("messages".into()), e.to_string()))?;
+        Ok(json!({"prompt": text}))
+    };
+    match off_http(&app, body_len, run).await {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => error(&app, e),
+    }
 }
 
 async fn chat(

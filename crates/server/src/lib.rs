@@ -24,6 +24,7 @@ pub mod conn;
 pub mod http;
 pub mod metrics;
 pub mod page;
+pub mod prep;
 pub mod scheduler;
 pub mod structured;
 
@@ -69,6 +70,8 @@ pub struct Options {
     /// How replies' `<think>` blocks are returned unless a request says
     /// (`--reasoning-format`).
     pub reasoning_format: api::ReasoningFormat,
+    /// A chat template used instead of the model's (`--chat-template-file`).
+    pub chat_template: Option<String>,
     /// API keys and CORS origins.
     pub access: Access,
 }
@@ -224,6 +227,25 @@ pub(crate) fn trim_heap() {
     }
 }
 
+/// Allocations of this size or more get pages of their own from the system
+/// and give them back when freed (glibc's mmap threshold, fixed).
+const MMAP_THRESHOLD: i32 = 4 << 20;
+
+/// Keep glibc from holding on to large freed blocks. Its mmap threshold
+/// starts at 128 KiB and rises to the largest block freed, up to 32 MiB, so
+/// after one large request (the tokenizer's offsets for a 1 MB prompt are
+/// tens of MB) every later one of that size is carved from a thread's arena
+/// and what it leaves there stays. Fixed at 4 MiB, memory returns to its
+/// level after a crowd of large requests; blocks under it (the engine's
+/// per-step buffers on small models) keep the arenas' speed.
+fn limit_heap_retention() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt changes an allocator setting; it takes no pointers.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
+    }
+}
+
 /// Errors starting the server.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -269,10 +291,12 @@ pub async fn serve(
         ));
     }
     let access = opts.access.check().map_err(ServeError::Setup)?;
-    let tok = Arc::new(
-        Tokenizer::from_metadata(model.file.metadata())
-            .map_err(|e| ServeError::Setup(e.to_string()))?,
-    );
+    let mut tok = Tokenizer::from_metadata(model.file.metadata())
+        .map_err(|e| ServeError::Setup(e.to_string()))?;
+    if let Some(t) = &opts.chat_template {
+        tok.chat_template = Some(t.clone());
+    }
+    let tok = Arc::new(tok);
     let metrics = Arc::new(metrics::Metrics::default());
     let (tx, rx) = std::sync::mpsc::sync_channel::<scheduler::Job>(opts.max_queue);
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String, String>>();
@@ -314,10 +338,12 @@ pub async fn serve(
         .recv()
         .map_err(|_| ServeError::Setup("the model thread stopped while starting".into()))?
         .map_err(ServeError::Setup)?;
+    limit_heap_retention();
     let grammars = structured::Grammars::new(&tok);
     if let Err(e) = &grammars {
         tracing::warn!("structured output is not available for this model: {e}");
     }
+    let prep_threads = std::thread::available_parallelism().map_or(2, |n| n.get().max(2));
     let app = Arc::new(http::App {
         queue: tx,
         tok,
@@ -329,9 +355,8 @@ pub async fn serve(
         max_tokens_cap: opts.limits.max_tokens_cap,
         kv_check,
         request_timeout: opts.limits.request_timeout,
-        prep: tokio::sync::Semaphore::new(
-            std::thread::available_parallelism().map_or(2, |n| n.get().max(2)),
-        ),
+        prep: prep::PrepPool::new(prep_threads)
+            .map_err(|e| ServeError::Setup(format!("starting the request threads: {e}")))?,
         reasoning: opts.reasoning_format,
         grammars,
     });

@@ -48,6 +48,7 @@ fn options(access: Access) -> Options {
         limits: Default::default(),
         access,
         reasoning_format: samesum_server::api::ReasoningFormat::Deepseek,
+        chat_template: None,
     }
 }
 

@@ -53,6 +53,16 @@ impl Server {
         Some(v)
     }
 
+    /// Wait until `name` is 0 (a reservation given back after its
+    /// response was sent).
+    fn wait_zero(&self, name: &str, within: Duration) {
+        let t = Instant::now();
+        while self.try_metric(name).is_none_or(|v| v > 0) {
+            assert!(t.elapsed() < within, "{name} stayed above 0 for {within:?}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     fn wait_metric(&self, name: &str, at_least: u64, within: Duration) {
         let t = Instant::now();
         while self.try_metric(name).is_none_or(|v| v < at_least) {
@@ -116,6 +126,7 @@ fn start_with(
         model_name: "tiny".into(),
         limits,
         reasoning_format: samesum_server::api::ReasoningFormat::Deepseek,
+        chat_template: None,
         access: Default::default(),
     };
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
@@ -538,8 +549,12 @@ fn a_request_waits_for_kv_memory_and_one_over_the_budget_is_refused() {
         json!({"prompt": "x", "max_tokens": 20, "temperature": 0.9, "seed": 3, "ignore_eos": true});
     let (st, long_alone) = post(s.addr, "/v1/completions", &long);
     assert_eq!(st, 200, "{long_alone}");
+    s.wait_zero("samesum_kv_reserved_bytes", Duration::from_secs(10));
     let (st, short_alone) = post(s.addr, "/v1/completions", &short);
     assert_eq!(st, 200, "{short_alone}");
+    // The model thread gives a reservation back just after the response:
+    // wait for it, so the streamed request below finds the budget free.
+    s.wait_zero("samesum_kv_reserved_bytes", Duration::from_secs(10));
     assert_eq!(s.metric("samesum_kv_memory_waits_total"), 0);
     // The long one streams; once its first token is out, the short one is
     // sent and waits for memory.

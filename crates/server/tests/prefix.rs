@@ -383,6 +383,7 @@ fn start(prefix_cache_mb: u64) -> Server {
         model_name: "tiny".into(),
         limits: Default::default(),
         reasoning_format: samesum_server::api::ReasoningFormat::Deepseek,
+        chat_template: None,
         access: Default::default(),
     };
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();

@@ -35,6 +35,16 @@ fn start(max_batch: usize, max_queue: usize, ctx: usize) -> Server {
 }
 
 fn start_with(max_batch: usize, max_queue: usize, ctx: usize, max_body: usize) -> Server {
+    start_template(max_batch, max_queue, ctx, max_body, None)
+}
+
+fn start_template(
+    max_batch: usize,
+    max_queue: usize,
+    ctx: usize,
+    max_body: usize,
+    chat_template: Option<String>,
+) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("m.gguf");
     write_model(
@@ -63,6 +73,7 @@ fn start_with(max_batch: usize, max_queue: usize, ctx: usize, max_body: usize) -
         model_name: "tiny".into(),
         limits: Default::default(),
         reasoning_format: samesum_server::api::ReasoningFormat::Deepseek,
+        chat_template,
         access: Default::default(),
     };
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
@@ -1182,4 +1193,35 @@ fn echo_gives_prompt_logprobs_equal_to_the_decode_paths() {
         (400, Some("prompt")),
         "{v}"
     );
+}
+
+/// `/apply-template` renders with the model's template, and a template
+/// given at start (`--chat-template-file`) replaces it for every request.
+#[test]
+fn apply_template_and_a_replaced_template() {
+    let msgs = json!({"messages": [{"role": "user", "content": "hello"}]});
+    let srv = start(2, 8, 256);
+    let (st, v) = post(srv.addr, "/apply-template", &msgs);
+    assert_eq!(st, 200, "{v}");
+    let own = v["prompt"].as_str().unwrap().to_string();
+    assert!(own.contains("<|im_start|>user\nhello<|im_end|>"), "{own}");
+    let (st, v) = post(srv.addr, "/apply-template", &json!({"messages": []}));
+    assert_eq!(st, 400, "{v}");
+    drop(srv);
+
+    let t = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{% if add_generation_prompt %}>{% endif %}";
+    let srv = start_template(2, 8, 256, 4096, Some(t.into()));
+    let (st, v) = post(srv.addr, "/apply-template", &msgs);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["prompt"], "[user:hello]>");
+    // The chat endpoint prefills that prompt: its token count is the same.
+    let (_, tok) = post(srv.addr, "/tokenize", &json!({"content": "[user:hello]>"}));
+    let n = tok["tokens"].as_array().unwrap().len();
+    let (st, v) = post(
+        srv.addr,
+        "/v1/chat/completions",
+        &chat_body("hello", json!({"max_tokens": 1})),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"].as_u64().unwrap() as usize, n);
 }
