@@ -75,6 +75,8 @@ pub struct App {
     pub model_name: String,
     /// Context size per request.
     pub ctx: usize,
+    /// Sequences decoded at once (`--max-batch`).
+    pub slots: usize,
     /// The request body limit (for the 413 message).
     pub max_body: usize,
     /// Counters.
@@ -167,6 +169,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/apply-template", post(apply_template))
+        .route("/props", get(props))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/", get(crate::page::chat))
@@ -224,6 +227,23 @@ fn model_object(app: &App) -> Value {
 
 async fn models(State(app): State<Arc<App>>) -> Response {
     axum::Json(json!({"object": "list", "data": [model_object(&app)]})).into_response()
+}
+
+/// llama-server's `GET /props`: the settings a client adapts to (context,
+/// slots, the chat template and the special tokens it uses).
+async fn props(State(app): State<Arc<App>>) -> Response {
+    let piece = |id: Option<u32>| id.map(|t| app.tok.token(t).to_string()).unwrap_or_default();
+    axum::Json(json!({
+        "default_generation_settings": {"n_ctx": app.ctx, "params": {"n_predict": -1}},
+        "total_slots": app.slots,
+        "model_alias": app.model_name,
+        "chat_template": app.tok.chat_template.clone().unwrap_or_default(),
+        "bos_token": piece(app.tok.bos),
+        "eos_token": piece(app.tok.stop.first().copied()),
+        "modalities": {"vision": false, "audio": false},
+        "build_info": concat!("samesum ", env!("CARGO_PKG_VERSION")),
+    }))
+    .into_response()
 }
 
 async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {

@@ -348,6 +348,7 @@ pub async fn serve(
         queue: tx,
         tok,
         model_name: opts.model_name.clone(),
+        slots: opts.max_batch,
         ctx: opts.ctx,
         max_body: opts.max_body,
         metrics: metrics.clone(),

@@ -1198,7 +1198,7 @@ fn echo_gives_prompt_logprobs_equal_to_the_decode_paths() {
 /// `/apply-template` renders with the model's template, and a template
 /// given at start (`--chat-template-file`) replaces it for every request.
 #[test]
-fn apply_template_and_a_replaced_template() {
+fn apply_template_props_and_a_replaced_template() {
     let msgs = json!({"messages": [{"role": "user", "content": "hello"}]});
     let srv = start(2, 8, 256);
     let (st, v) = post(srv.addr, "/apply-template", &msgs);
@@ -1214,6 +1214,12 @@ fn apply_template_and_a_replaced_template() {
     let (st, v) = post(srv.addr, "/apply-template", &msgs);
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["prompt"], "[user:hello]>");
+    let (st, _, b) = request(srv.addr, "GET", "/props", b"");
+    assert_eq!(st, 200);
+    let props: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(props["chat_template"], t);
+    assert_eq!(props["total_slots"], 2);
+    assert_eq!(props["default_generation_settings"]["n_ctx"], 256);
     // The chat endpoint prefills that prompt: its token count is the same.
     let (_, tok) = post(srv.addr, "/tokenize", &json!({"content": "[user:hello]>"}));
     let n = tok["tokens"].as_array().unwrap().len();
