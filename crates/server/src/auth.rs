@@ -1,6 +1,6 @@
 //! Who may call the server: API keys (`--api-key`) and CORS (`--cors`).
 //!
-//! With keys set, every request to `/v1/...`, `/tokenize`, `/detokenize`, `/apply-template`, `/props`
+//! With keys set, every request to `/v1/...`, `/completion`, `/tokenize`, `/detokenize`, `/apply-template`, `/props`
 //! and `/metrics` must carry `Authorization: Bearer KEY` with one of them;
 //! otherwise it gets a 401 with OpenAI's error object (code
 //! `invalid_api_key`) and `WWW-Authenticate: Bearer`. Keys are compared in
@@ -165,7 +165,7 @@ pub fn protected(path: &str) -> bool {
         || path.starts_with("/v1/")
         || matches!(
             path,
-            "/tokenize" | "/detokenize" | "/apply-template" | "/props" | "/metrics"
+            "/completion" | "/tokenize" | "/detokenize" | "/apply-template" | "/props" | "/metrics"
         )
 }
 

@@ -164,6 +164,7 @@ pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/completion", post(native_completion))
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
         .route("/tokenize", post(tokenize))
@@ -594,6 +595,8 @@ fn chat_logprob(lp: &TokenLogprob) -> Value {
 enum Kind {
     Chat,
     Completion,
+    /// llama-server's native `/completion`.
+    Native,
 }
 
 /// Bodies at least this large give the memory their preparation freed back
@@ -715,15 +718,103 @@ async fn completions(
     eof: Option<Extension<ClientEof>>,
     b: Result<Bytes, BytesRejection>,
 ) -> Response {
+    completions_as(app, Kind::Completion, eof, b).await
+}
+
+/// llama-server's native `POST /completion`: its request fields
+/// (`n_predict`, `json_schema`; the sampling fields as in the completions
+/// API) and its response shape (`content`, `stop`, `stop_type`,
+/// `tokens_predicted`, `tokens_evaluated`, `timings`; streamed as `data:`
+/// chunks of `content` without `[DONE]`). Without `n_predict` (or with
+/// -1) it generates up to the context, as llama-server does.
+async fn native_completion(
+    State(app): State<Arc<App>>,
+    eof: Option<Extension<ClientEof>>,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
+    completions_as(app, Kind::Native, eof, b).await
+}
+
+/// A native `/completion` response, or one streamed chunk of it: `finish`
+/// is null until the last; `end` carries the usage and timings JSON.
+/// `stop_type` is `limit` at the length limit and `eos` otherwise (an end
+/// of generation token or a stop string).
+fn native_json(
+    text: &str,
+    model: &str,
+    index: usize,
+    finish: Value,
+    end: Option<(&Value, &Value)>,
+) -> Value {
+    let mut v = json!({"content": text, "stop": !finish.is_null(), "index": index, "id_slot": 0});
+    if let Some(f) = finish.as_str() {
+        v["stop_type"] = json!(if f == "length" { "limit" } else { "eos" });
+        v["model"] = json!(model);
+    }
+    if let Some((u, t)) = end {
+        v["tokens_predicted"] = u["completion_tokens"].clone();
+        v["tokens_evaluated"] = u["prompt_tokens"].clone();
+        v["tokens_cached"] = u["prompt_tokens_details"]["cached_tokens"].clone();
+        v["timings"] = t.clone();
+    }
+    v
+}
+
+/// A native `/completion` body as the completions API's.
+fn native_request(b: &[u8]) -> Result<Bytes, ApiError> {
+    let mut v: Value = api::parse(b)?;
+    let Some(o) = v.as_object_mut() else {
+        return Err(ApiError::bad(None, "the request body is not a JSON object"));
+    };
+    if let Some(n) = o.remove("n_predict") {
+        match n.as_i64() {
+            Some(n) if n >= 0 => {
+                o.insert("max_tokens".into(), json!(n));
+            }
+            Some(_) => {}
+            None => {
+                return Err(ApiError::bad(
+                    Some("n_predict".into()),
+                    "n_predict must be an integer (-1: up to the context)",
+                ));
+            }
+        }
+    }
+    if let Some(schema) = o.remove("json_schema") {
+        o.insert(
+            "response_format".into(),
+            json!({"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}),
+        );
+    }
+    // One reply per request on this endpoint.
+    o.remove("n");
+    Ok(Bytes::from(v.to_string()))
+}
+
+async fn completions_as(
+    app: Arc<App>,
+    kind: Kind,
+    eof: Option<Extension<ClientEof>>,
+    b: Result<Bytes, BytesRejection>,
+) -> Response {
     let body_len = b.as_ref().map_or(0, Bytes::len);
     let a = app.clone();
     type Prepared = (Vec<Vec<u32>>, Settings, Vec<Option<SharedConstraint>>);
     let run = move || -> Result<Prepared, ApiError> {
         let app = a;
-        let b = body(&app, b)?;
+        let mut b = body(&app, b)?;
+        if kind == Kind::Native {
+            b = native_request(&b)?;
+        }
         let req: CompletionRequest = api::parse(&b)?;
         req.log_ignored();
         let (prompts, s) = req.check()?;
+        if kind == Kind::Native && prompts.len() > 1 {
+            return Err(ApiError::bad(
+                Some("prompt".into()),
+                "/completion takes one prompt (several: /v1/completions)",
+            ));
+        }
         let c = constraints(&app, &s, prompts.len())?;
         let mut all = Vec::with_capacity(prompts.len());
         for (i, p) in prompts.into_iter().enumerate() {
@@ -750,7 +841,7 @@ async fn completions(
         Ok((all, s, c))
     };
     match off_http(&app, body_len, run).await {
-        Ok((ids, s, c)) => respond(app, Kind::Completion, ids, s, None, c, client_eof(eof)).await,
+        Ok((ids, s, c)) => respond(app, kind, ids, s, None, c, client_eof(eof)).await,
         Err(e) => error(&app, e),
     }
 }
@@ -767,7 +858,7 @@ async fn respond(
     let n = app.next_id.fetch_add(1, Ordering::Relaxed);
     let id = match kind {
         Kind::Chat => format!("chatcmpl-{n}"),
-        Kind::Completion => format!("cmpl-{n}"),
+        Kind::Completion | Kind::Native => format!("cmpl-{n}"),
     };
     // The completions API's default length.
     let default_max = (kind == Kind::Completion).then_some(16);
@@ -807,7 +898,9 @@ async fn respond(
             splitter,
             0,
         )
-        .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
+        .chain(tokio_stream::iter(
+            (kind != Kind::Native).then(|| Ok(SseEvent::default().data("[DONE]"))),
+        ));
         Sse::new(Probed {
             inner: events,
             gone: Box::pin(eof.wait()),
@@ -943,6 +1036,13 @@ impl Collected {
                         "usage": usage_json(&usage),
                         "timings": timings_json(&usage),
                     }),
+                    Kind::Native => native_json(
+                        &text,
+                        model,
+                        0,
+                        json!(finish),
+                        Some((&usage_json(&usage), &timings_json(&usage))),
+                    ),
                     Kind::Completion => json!({
                         "id": id, "object": "text_completion", "created": created, "model": model,
                         "choices": [{
@@ -1147,6 +1247,10 @@ fn stream(
                     "id": id, "object": "text_completion", "created": created, "model": model,
                     "choices": [{"index": index, "text": delta.get("content").cloned().unwrap_or(json!("")), "logprobs": lp, "finish_reason": finish}],
                 }),
+                Kind::Native => {
+                    let text = delta.get("content").and_then(Value::as_str).unwrap_or("");
+                    return native_json(text, &model, index, finish, extra.as_ref().map(|(u, t)| (u, t)));
+                }
             };
             if let Some((u, t)) = extra {
                 c["usage"] = u;
@@ -1217,7 +1321,7 @@ fn stream(
                 }
                 let lp = match (&logprob, want_lp, kind) {
                     (Some(l), true, Kind::Chat) => json!({"content": [chat_logprob(l)]}),
-                    (Some(l), true, Kind::Completion) => {
+                    (Some(l), true, Kind::Completion | Kind::Native) => {
                         let v = completion_logprobs(std::slice::from_ref(l), offset, None);
                         offset += l.bytes.len();
                         v

@@ -1231,3 +1231,87 @@ fn apply_template_props_and_a_replaced_template() {
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["usage"]["prompt_tokens"].as_u64().unwrap() as usize, n);
 }
+
+/// llama-server's native `/completion`: its fields in, its shape out, the
+/// same text as the completions API for the same settings.
+#[test]
+fn native_completion_endpoint() {
+    let srv = start(2, 8, 256);
+    let oa =
+        json!({"prompt": "Hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+    let (st, v) = post(srv.addr, "/v1/completions", &oa);
+    assert_eq!(st, 200, "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+
+    let native =
+        json!({"prompt": "Hello there", "n_predict": 6, "temperature": 0, "ignore_eos": true});
+    let (st, v) = post(srv.addr, "/completion", &native);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["content"], text);
+    assert_eq!(v["stop"], true);
+    assert_eq!(v["stop_type"], "limit");
+    assert_eq!(v["tokens_predicted"], 6);
+    assert_eq!(
+        v["tokens_evaluated"],
+        v["timings"]["prompt_n"].as_u64().unwrap() + v["tokens_cached"].as_u64().unwrap()
+    );
+
+    // Streamed: `content` chunks, the last with `stop`, no `[DONE]`.
+    let mut streamed = native.clone();
+    streamed["stream"] = json!(true);
+    let (st, _, body) = request(
+        srv.addr,
+        "POST",
+        "/completion",
+        streamed.to_string().as_bytes(),
+    );
+    assert_eq!(st, 200);
+    let body = String::from_utf8(body).unwrap();
+    assert!(!body.contains("[DONE]"), "{body}");
+    let chunks: Vec<Value> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let got: String = chunks
+        .iter()
+        .map(|c| c["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(got, text);
+    let last = chunks.last().unwrap();
+    assert_eq!(last["stop"], true);
+    assert_eq!(last["tokens_predicted"], 6);
+    assert!(
+        chunks[..chunks.len() - 1]
+            .iter()
+            .all(|c| c["stop"] == false)
+    );
+
+    // Without n_predict (or -1): up to the context, not the completions API's 16.
+    let (st, v) = post(
+        srv.addr,
+        "/completion",
+        &json!({"prompt": "Hi", "n_predict": -1, "temperature": 0, "ignore_eos": true}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let n = v["tokens_predicted"].as_u64().unwrap() + v["tokens_evaluated"].as_u64().unwrap();
+    assert_eq!(n, 256, "{v}");
+    assert_eq!(v["stop_type"], "limit");
+
+    // Bad fields are 400s in the error shape.
+    let (st, v) = post(
+        srv.addr,
+        "/completion",
+        &json!({"prompt": "x", "n_predict": "many"}),
+    );
+    assert_eq!(st, 400);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("n_predict"),
+        "{v}"
+    );
+    let (st, _) = post(srv.addr, "/completion", &json!({"prompt": ["a", "b"]}));
+    assert_eq!(st, 400);
+}
