@@ -13,7 +13,8 @@
 # for each shape x mix (SAMESUM_MIX_SHAPES x SAMESUM_MIXES), writes the file
 # with `samesum synth --mix`, runs `samesum bench --device cuda -p 4096 -n 128`
 # and, once built, `llama-bench -fa 1 -ub 2048 -ngl 99` with the same tests,
-# then deletes the file (a 30B file is 17-32 GiB). Results: OUT/mixes.log,
+# then deletes the file (a 30B file is 17-32 GiB); SAMESUM_MIX_LLAMA=0 runs
+# samesum alone. Results: OUT/mixes.log,
 # one line per figure in OUT/results.tsv.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,7 +64,9 @@ run)
     mkdir -p "$work"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     llama=$work/llama.cpp/build/bin/llama-bench
-    if [ ! -x "$llama" ]; then
+    if [ "${SAMESUM_MIX_LLAMA:-1}" = 0 ]; then
+        llama=/nonexistent
+    elif [ ! -x "$llama" ]; then
         (
             set -e
             cd "$work"
