@@ -235,6 +235,16 @@ start_server --max-batch 64 --max-queue 256
     || { cat "$OUT/load256.log"; tail -20 "$OUT/serve.log"; echo "256-stream load test failed"; exit 1; }
 tail -2 "$OUT/load256.log"
 stop_server
+echo "== samesum bench-serve against a server with --api-key: refused without the key, measured with it"
+start_server --api-key bench-key
+if "$BIN" bench-serve --url "$URL" --clients 2 --requests 2 --max-tokens 4 > "$OUT/bench-serve.log" 2>&1; then
+    echo "bench-serve without the key was not refused"; exit 1
+fi
+grep -q "401" "$OUT/bench-serve.log" || { cat "$OUT/bench-serve.log"; echo "bench-serve without the key: no 401"; exit 1; }
+"$BIN" bench-serve --url "$URL" --clients 2 --requests 4 --max-tokens 4 --api-key bench-key > "$OUT/bench-serve.log" 2>&1 \
+    || { cat "$OUT/bench-serve.log"; echo "bench-serve with the key failed"; exit 1; }
+tail -1 "$OUT/bench-serve.log"
+stop_server
 if [[ $BROWSER == 1 ]]; then
     # A context of 32,768 tokens: a reply with ignore_eos runs long enough to be stopped.
     echo "== the chat page in headless Chromium: streamed greedy replies equal the API's (three turns), the API key, Stop"

@@ -37,6 +37,10 @@ pub(crate) struct Args {
     /// The `model` field sent.
     #[arg(long, default_value = "samesum")]
     model: String,
+    /// An API key sent as `Authorization: Bearer KEY` (for a server started
+    /// with `--api-key`; default: $SAMESUM_API_KEY if set).
+    #[arg(long)]
+    api_key: Option<String>,
     /// Seconds a request may take before the run fails.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
@@ -77,7 +81,7 @@ fn prompt_text(n: usize, i: usize) -> String {
 
 /// One streaming completion: time to the first data event, to the end, and
 /// the generated tokens (the final usage, else the data events counted).
-async fn one(auth: &str, body: &str, timeout: Duration) -> Result<Sample> {
+async fn one(auth: &str, key: &str, body: &str, timeout: Duration) -> Result<Sample> {
     let t0 = Instant::now();
     let work = async {
         let mut s = TcpStream::connect(auth)
@@ -85,7 +89,7 @@ async fn one(auth: &str, body: &str, timeout: Duration) -> Result<Sample> {
             .with_context(|| format!("connecting to {auth}"))?;
         s.set_nodelay(true)?;
         let req = format!(
-            "POST /v1/completions HTTP/1.1\r\nHost: {auth}\r\nContent-Type: application/json\r\nAccept: text/event-stream\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            "POST /v1/completions HTTP/1.1\r\nHost: {auth}\r\nContent-Type: application/json\r\nAccept: text/event-stream\r\n{key}Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
         );
         s.write_all(req.as_bytes()).await?;
@@ -168,6 +172,16 @@ pub(crate) fn run(a: Args) -> Result<()> {
         bail!("--requests {requests} must be in 1..=1000000");
     }
     let auth = authority(&a.url)?;
+    // The header line sent with every request (empty: none).
+    let key = match a
+        .api_key
+        .clone()
+        .or_else(|| std::env::var("SAMESUM_API_KEY").ok())
+    {
+        Some(k) if k.chars().any(char::is_control) => bail!("--api-key: control characters"),
+        Some(k) => std::sync::Arc::new(format!("Authorization: Bearer {k}\r\n")),
+        None => std::sync::Arc::new(String::new()),
+    };
     let timeout = Duration::from_secs(a.timeout.max(1));
     let bodies: Vec<String> = (0..requests)
         .map(|i| {
@@ -193,7 +207,8 @@ pub(crate) fn run(a: Args) -> Result<()> {
         let t0 = Instant::now();
         let mut set = tokio::task::JoinSet::new();
         for _ in 0..a.clients {
-            let (next, bodies, auth) = (next.clone(), bodies.clone(), auth.clone());
+            let (next, bodies, auth, key) =
+                (next.clone(), bodies.clone(), auth.clone(), key.clone());
             set.spawn(async move {
                 let mut mine = Vec::new();
                 loop {
@@ -201,7 +216,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
                     if i >= bodies.len() {
                         return Ok::<_, anyhow::Error>(mine);
                     }
-                    mine.push(one(&auth, &bodies[i], timeout).await?);
+                    mine.push(one(&auth, &key, &bodies[i], timeout).await?);
                 }
             });
         }
