@@ -51,7 +51,6 @@ use samesum_engine::sample::SamplerConfig;
 use samesum_engine::sched::{SubmitError, context_bytes, request_context};
 use samesum_engine::tokenizer::Tokenizer;
 use samesum_engine::{HParams, KvType};
-use serde::Deserialize;
 use serde_json::{Value, json};
 use std::convert::Infallible;
 use std::future::Future;
@@ -164,13 +163,13 @@ pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
-        .route("/completion", post(native_completion))
+        .route("/completion", post(crate::llama_api::native_completion))
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
-        .route("/tokenize", post(tokenize))
-        .route("/detokenize", post(detokenize))
-        .route("/apply-template", post(apply_template))
-        .route("/props", get(props))
+        .route("/tokenize", post(crate::llama_api::tokenize))
+        .route("/detokenize", post(crate::llama_api::detokenize))
+        .route("/apply-template", post(crate::llama_api::apply_template))
+        .route("/props", get(crate::llama_api::props))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/", get(crate::page::chat))
@@ -179,7 +178,7 @@ pub fn router(app: Arc<App>) -> Router {
         .with_state(app)
 }
 
-fn error(app: &App, e: ApiError) -> Response {
+pub(crate) fn error(app: &App, e: ApiError) -> Response {
     if e.status < 500 {
         app.metrics.bad_requests.inc(1);
     }
@@ -230,23 +229,6 @@ async fn models(State(app): State<Arc<App>>) -> Response {
     axum::Json(json!({"object": "list", "data": [model_object(&app)]})).into_response()
 }
 
-/// llama-server's `GET /props`: the settings a client adapts to (context,
-/// slots, the chat template and the special tokens it uses).
-async fn props(State(app): State<Arc<App>>) -> Response {
-    let piece = |id: Option<u32>| id.map(|t| app.tok.token(t).to_string()).unwrap_or_default();
-    axum::Json(json!({
-        "default_generation_settings": {"n_ctx": app.ctx, "params": {"n_predict": -1}},
-        "total_slots": app.slots,
-        "model_alias": app.model_name,
-        "chat_template": app.tok.chat_template.clone().unwrap_or_default(),
-        "bos_token": piece(app.tok.bos),
-        "eos_token": piece(app.tok.stop.first().copied()),
-        "modalities": {"vision": false, "audio": false},
-        "build_info": concat!("samesum ", env!("CARGO_PKG_VERSION")),
-    }))
-    .into_response()
-}
-
 async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
     if id == app.model_name {
         return axum::Json(model_object(&app)).into_response();
@@ -264,99 +246,7 @@ async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response 
     (StatusCode::NOT_FOUND, axum::Json(e.body())).into_response()
 }
 
-/// `POST /tokenize` (llama-server's fields).
-#[derive(Deserialize)]
-struct TokenizeRequest {
-    content: String,
-    #[serde(default)]
-    add_special: bool,
-    #[serde(default)]
-    with_pieces: bool,
-}
-
-/// `POST /detokenize`.
-#[derive(Deserialize)]
-struct DetokenizeRequest {
-    tokens: Vec<u32>,
-}
-
-async fn tokenize(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> Response {
-    let body_len = b.as_ref().map_or(0, Bytes::len);
-    let a = app.clone();
-    let run = move || -> Result<Value, ApiError> {
-        let app = a;
-        let b = body(&app, b)?;
-        let req: TokenizeRequest = api::parse(&b)?;
-        let mut ids = app
-            .tok
-            .encode(&req.content)
-            .map_err(|e| ApiError::bad(Some("content".into()), e.to_string()))?;
-        if !req.add_special
-            && app.tok.add_bos
-            && app.tok.bos.is_some()
-            && ids.first() == app.tok.bos.as_ref()
-        {
-            ids.remove(0);
-        }
-        if !req.with_pieces {
-            return Ok(json!({"tokens": ids}));
-        }
-        let mut out = Vec::with_capacity(ids.len());
-        for &id in &ids {
-            let piece = app
-                .tok
-                .decode(&[id])
-                .map_err(|e| ApiError::bad(Some("content".into()), e.to_string()))?;
-            // A control token decodes to nothing; its piece is its text.
-            let piece = if piece.is_empty() {
-                app.tok.token(id).to_string()
-            } else {
-                piece
-            };
-            out.push(json!({"id": id, "piece": piece}));
-        }
-        Ok(json!({"tokens": out}))
-    };
-    match off_http(&app, body_len, run).await {
-        Ok(v) => axum::Json(v).into_response(),
-        Err(e) => error(&app, e),
-    }
-}
-
-async fn detokenize(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> Response {
-    let body_len = b.as_ref().map_or(0, Bytes::len);
-    let a = app.clone();
-    let run = move || -> Result<Value, ApiError> {
-        let app = a;
-        let b = body(&app, b)?;
-        let req: DetokenizeRequest = api::parse(&b)?;
-        if let Some((i, &t)) = req
-            .tokens
-            .iter()
-            .enumerate()
-            .find(|&(_, &t)| t as usize >= app.tok.len())
-        {
-            return Err(ApiError::bad(
-                Some(format!("tokens[{i}]")),
-                format!(
-                    "token id {t} is outside the vocabulary of {} tokens",
-                    app.tok.len()
-                ),
-            ));
-        }
-        let content = app
-            .tok
-            .decode(&req.tokens)
-            .map_err(|e| ApiError::bad(Some("tokens".into()), e.to_string()))?;
-        Ok(json!({"content": content}))
-    };
-    match off_http(&app, body_len, run).await {
-        Ok(v) => axum::Json(v).into_response(),
-        Err(e) => error(&app, e),
-    }
-}
-
-fn body(app: &App, b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+pub(crate) fn body(app: &App, b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     b.map_err(|r| {
         let status = r.status().as_u16();
         ApiError {
@@ -592,7 +482,7 @@ fn chat_logprob(lp: &TokenLogprob) -> Value {
 
 /// Which API shape a response takes.
 #[derive(Clone, Copy, PartialEq)]
-enum Kind {
+pub(crate) enum Kind {
     Chat,
     Completion,
     /// llama-server's native `/completion`.
@@ -608,7 +498,7 @@ const TRIM_BODY: usize = 64 << 10;
 /// never holds up `/health` or other requests, and at most the pool's
 /// threads prepare at once (each can take tens of MB for a large body; the
 /// rest wait their turn). `body` is the body's size in bytes.
-async fn off_http<T: Send + 'static>(
+pub(crate) async fn off_http<T: Send + 'static>(
     app: &App,
     body: usize,
     f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
@@ -637,31 +527,17 @@ fn client_eof(e: Option<Extension<ClientEof>>) -> ClientEof {
     e.map(|Extension(e)| e).unwrap_or_else(ClientEof::never)
 }
 
-/// llama-server's `/apply-template`: a chat request's prompt as the chat
-/// template renders it, without generating.
-async fn apply_template(State(app): State<Arc<App>>, b: Result<Bytes, BytesRejection>) -> Response {
-    let body_len = b.as_ref().map_or(0, Bytes::len);
-    let a = app.clone();
-    let run = move || -> Result<Value, ApiError> {
-        let app = a;
-        let b = body(&app, b)?;
-        let req: ChatRequest = api::parse(&b)?;
-        let (chat, _) = req.check()?;
-        let text = app
-            .tok
-            .render_chat(&samesum_engine::tokenizer::ChatInput {
-                messages: &chat.messages,
-                tools: chat.tools.as_ref(),
-                kwargs: &chat.kwargs,
-                add_generation_prompt: true,
-            })
-            .map_err(|e| ApiError::bad(Some("messages".into()), e.to_string()))?;
-        Ok(json!({"prompt": text}))
-    };
-    match off_http(&app, body_len, run).await {
-        Ok(v) => axum::Json(v).into_response(),
-        Err(e) => error(&app, e),
-    }
+/// A chat's prompt as the model's (or `--chat-template-file`'s) template
+/// renders it, ready for the assistant's reply.
+pub(crate) fn render_prompt(app: &App, chat: &api::ChatPrompt) -> Result<String, ApiError> {
+    app.tok
+        .render_chat(&samesum_engine::tokenizer::ChatInput {
+            messages: &chat.messages,
+            tools: chat.tools.as_ref(),
+            kwargs: &chat.kwargs,
+            add_generation_prompt: true,
+        })
+        .map_err(|e| ApiError::bad(Some("messages".into()), e.to_string()))
 }
 
 async fn chat(
@@ -679,15 +555,7 @@ async fn chat(
         req.log_ignored();
         let (chat, s) = req.check()?;
         let constraint = constraints(&app, &s, 1)?;
-        let mut text = app
-            .tok
-            .render_chat(&samesum_engine::tokenizer::ChatInput {
-                messages: &chat.messages,
-                tools: chat.tools.as_ref(),
-                kwargs: &chat.kwargs,
-                add_generation_prompt: true,
-            })
-            .map_err(|e| ApiError::bad(Some("messages".into()), e.to_string()))?;
+        let mut text = render_prompt(&app, &chat)?;
         // A constrained reply starts at once: a think block the template
         // opened is closed in the prompt (as enable_thinking=false renders).
         if s.format.is_some() && text.trim_end().ends_with("<think>") {
@@ -721,77 +589,7 @@ async fn completions(
     completions_as(app, Kind::Completion, eof, b).await
 }
 
-/// llama-server's native `POST /completion`: its request fields
-/// (`n_predict`, `json_schema`; the sampling fields as in the completions
-/// API) and its response shape (`content`, `stop`, `stop_type`,
-/// `tokens_predicted`, `tokens_evaluated`, `timings`; streamed as `data:`
-/// chunks of `content` without `[DONE]`). Without `n_predict` (or with
-/// -1) it generates up to the context, as llama-server does.
-async fn native_completion(
-    State(app): State<Arc<App>>,
-    eof: Option<Extension<ClientEof>>,
-    b: Result<Bytes, BytesRejection>,
-) -> Response {
-    completions_as(app, Kind::Native, eof, b).await
-}
-
-/// A native `/completion` response, or one streamed chunk of it: `finish`
-/// is null until the last; `end` carries the usage and timings JSON.
-/// `stop_type` is `limit` at the length limit and `eos` otherwise (an end
-/// of generation token or a stop string).
-fn native_json(
-    text: &str,
-    model: &str,
-    index: usize,
-    finish: Value,
-    end: Option<(&Value, &Value)>,
-) -> Value {
-    let mut v = json!({"content": text, "stop": !finish.is_null(), "index": index, "id_slot": 0});
-    if let Some(f) = finish.as_str() {
-        v["stop_type"] = json!(if f == "length" { "limit" } else { "eos" });
-        v["model"] = json!(model);
-    }
-    if let Some((u, t)) = end {
-        v["tokens_predicted"] = u["completion_tokens"].clone();
-        v["tokens_evaluated"] = u["prompt_tokens"].clone();
-        v["tokens_cached"] = u["prompt_tokens_details"]["cached_tokens"].clone();
-        v["timings"] = t.clone();
-    }
-    v
-}
-
-/// A native `/completion` body as the completions API's.
-fn native_request(b: &[u8]) -> Result<Bytes, ApiError> {
-    let mut v: Value = api::parse(b)?;
-    let Some(o) = v.as_object_mut() else {
-        return Err(ApiError::bad(None, "the request body is not a JSON object"));
-    };
-    if let Some(n) = o.remove("n_predict") {
-        match n.as_i64() {
-            Some(n) if n >= 0 => {
-                o.insert("max_tokens".into(), json!(n));
-            }
-            Some(_) => {}
-            None => {
-                return Err(ApiError::bad(
-                    Some("n_predict".into()),
-                    "n_predict must be an integer (-1: up to the context)",
-                ));
-            }
-        }
-    }
-    if let Some(schema) = o.remove("json_schema") {
-        o.insert(
-            "response_format".into(),
-            json!({"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}),
-        );
-    }
-    // One reply per request on this endpoint.
-    o.remove("n");
-    Ok(Bytes::from(v.to_string()))
-}
-
-async fn completions_as(
+pub(crate) async fn completions_as(
     app: Arc<App>,
     kind: Kind,
     eof: Option<Extension<ClientEof>>,
@@ -804,7 +602,7 @@ async fn completions_as(
         let app = a;
         let mut b = body(&app, b)?;
         if kind == Kind::Native {
-            b = native_request(&b)?;
+            b = crate::llama_api::native_request(&b)?;
         }
         let req: CompletionRequest = api::parse(&b)?;
         req.log_ignored();
@@ -1036,7 +834,7 @@ impl Collected {
                         "usage": usage_json(&usage),
                         "timings": timings_json(&usage),
                     }),
-                    Kind::Native => native_json(
+                    Kind::Native => crate::llama_api::native_json(
                         &text,
                         model,
                         0,
@@ -1249,7 +1047,7 @@ fn stream(
                 }),
                 Kind::Native => {
                     let text = delta.get("content").and_then(Value::as_str).unwrap_or("");
-                    return native_json(text, &model, index, finish, extra.as_ref().map(|(u, t)| (u, t)));
+                    return crate::llama_api::native_json(text, &model, index, finish, extra.as_ref().map(|(u, t)| (u, t)));
                 }
             };
             if let Some((u, t)) = extra {

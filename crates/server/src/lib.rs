@@ -22,6 +22,7 @@ pub mod backend;
 pub mod chat_output;
 pub mod conn;
 pub mod http;
+pub mod llama_api;
 pub mod metrics;
 pub mod page;
 pub mod prep;
