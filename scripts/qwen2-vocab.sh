@@ -5,7 +5,7 @@
 # and prints that folder. Nothing of llama.cpp is kept in this repository.
 #
 #   DIR=$(scripts/qwen2-vocab.sh)
-#   SAMESUM_QWEN2_VOCAB=$DIR/ggml-vocab-qwen2.gguf SAMESUM_QWEN2_VECTORS=$DIR cargo test ...
+#   SAMESUM_QWEN2_VOCAB=$DIR/ggml-vocab-qwen2.gguf cargo test ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=0.3.36

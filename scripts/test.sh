@@ -138,7 +138,7 @@ fi
 echo "== tokenizer: llama.cpp's test vectors for Qwen's vocabulary (its ggml-vocab-qwen2.gguf from the pinned sdist)"
 join "$VOCAB_JOB" "$OUT/vocab.log" "fetching llama.cpp's Qwen vocabulary"
 VOCAB_DIR="$(cat "$OUT/vocab-path")"
-SAMESUM_QWEN2_VOCAB="$VOCAB_DIR/ggml-vocab-qwen2.gguf" SAMESUM_QWEN2_VECTORS="$VOCAB_DIR" \
+SAMESUM_QWEN2_VOCAB="$VOCAB_DIR/ggml-vocab-qwen2.gguf" \
     cargo test --workspace --release --locked -q --test tokenizer -- --ignored llama_cpp_qwen2_vectors \
     > "$OUT/vectors.log" 2>&1 || { cat "$OUT/vectors.log"; echo "tokenizer vectors failed"; exit 1; }
 grep -E "test result" "$OUT/vectors.log"

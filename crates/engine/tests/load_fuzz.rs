@@ -15,9 +15,9 @@
 //! `fuzz/fuzz_targets/load_model.rs` checks the same property without bounds
 //! under cargo-fuzz, starting from the small models built here:
 //! `SAMESUM_FUZZ_SEEDS=DIR cargo test -p samesum-engine --test load_fuzz`
-//! writes them to `DIR`. `SAMESUM_LOAD_FUZZ_CASES=N` sets the mutations per
+//! writes them to `DIR`. `SAMESUM_LOAD_FUZZ=N` sets the mutations per
 //! small model (default 400; the full-width models get an eighth of that),
-//! and `SAMESUM_LOAD_FUZZ_ONLY=K` runs only case `K` (base * 1000000 + case,
+//! and `SAMESUM_LOAD_FUZZ=case:K` runs only case `K` (base * 1000000 + case,
 //! as a failure names it).
 
 use samesum_engine::model::weights::{DeltaBa, DeltaInput, Matrix, Mixer};
@@ -633,9 +633,7 @@ static LAST_PANIC: Mutex<Option<String>> = Mutex::new(None);
 /// directory, named in the line).
 fn fuzz_base(b: usize, base: &Base, cases: u64, dir: &Path) -> (u64, u64, Vec<String>) {
     let (mut ok, mut run, mut panics) = (0, 0, Vec::new());
-    let only: Option<u64> = std::env::var("SAMESUM_LOAD_FUZZ_ONLY")
-        .ok()
-        .and_then(|s| s.parse().ok());
+    let only = fuzz_setting().1;
     for case in 0..cases {
         if only.is_some_and(|o| o != b as u64 * 1_000_000 + case) {
             continue;
@@ -690,12 +688,24 @@ fn small_models_load() {
     }
 }
 
+/// `SAMESUM_LOAD_FUZZ`: the number of cases per base model (default 400),
+/// or `case:ID` to rerun one case (ID as a failure's line names it):
+/// (cases, the one case).
+fn fuzz_setting() -> (u64, Option<u64>) {
+    let v = std::env::var("SAMESUM_LOAD_FUZZ").unwrap_or_default();
+    match v
+        .strip_prefix("case:")
+        .and_then(|id| id.parse::<u64>().ok())
+    {
+        // Enough cases that the full-width models' eighth reaches it too.
+        Some(id) => ((id % 1_000_000 + 1) * 8, Some(id)),
+        None => (v.parse().unwrap_or(400), None),
+    }
+}
+
 #[test]
 fn mutated_models_load_or_fail_cleanly() {
-    let cases: u64 = std::env::var("SAMESUM_LOAD_FUZZ_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(400);
+    let cases = fuzz_setting().0;
     let dir = tempfile::tempdir().unwrap();
     let mut bases: Vec<Base> = small_models()
         .into_iter()

@@ -163,18 +163,23 @@ fn a_runaway_chat_template_is_an_error_not_a_hang() {
 /// on the vocabulary file llama.cpp ships beside them. Neither is in this
 /// repository: `scripts/test.sh` takes them from the pinned llama.cpp
 /// sources (`scripts/qwen2-vocab.sh`) and passes the vocabulary's path in
-/// `SAMESUM_QWEN2_VOCAB`, the vectors' folder in `SAMESUM_QWEN2_VECTORS`.
+/// `SAMESUM_QWEN2_VOCAB`; the vectors are read from beside it.
 #[test]
 #[ignore = "needs SAMESUM_QWEN2_VOCAB (scripts/test.sh provides it)"]
 fn llama_cpp_qwen2_vectors() {
     let vocab = std::env::var("SAMESUM_QWEN2_VOCAB").expect("SAMESUM_QWEN2_VOCAB");
-    let refdir = std::env::var("SAMESUM_QWEN2_VECTORS").map_or_else(
-        |_| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../../shared/qwen-tokenizer-ref/llamacpp")
-        },
-        PathBuf::from,
-    );
+    // The vectors beside the vocabulary (as scripts/qwen2-vocab.sh leaves
+    // them), else the shared reference copy.
+    let beside = std::path::Path::new(&vocab)
+        .parent()
+        .map(PathBuf::from)
+        .unwrap_or_default();
+    let refdir = if beside.join("ggml-vocab-qwen2.gguf.inp").is_file() {
+        beside
+    } else {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/qwen-tokenizer-ref/llamacpp")
+    };
     let f = GgufFile::open(&vocab).unwrap();
     let tok = Tokenizer::from_metadata(f.metadata()).unwrap();
     let inp = std::fs::read_to_string(refdir.join("ggml-vocab-qwen2.gguf.inp")).unwrap();

@@ -14,8 +14,7 @@ type Job = Box<dyn FnOnce() + Send>;
 
 /// The pool: jobs run in arrival order on `n` threads.
 pub struct PrepPool {
-    tx: Mutex<mpsc::Sender<Job>>,
-    threads: usize,
+    tx: mpsc::Sender<Job>,
 }
 
 impl PrepPool {
@@ -41,15 +40,7 @@ impl PrepPool {
                     }
                 })?;
         }
-        Ok(PrepPool {
-            tx: Mutex::new(tx),
-            threads: n,
-        })
-    }
-
-    /// The number of threads.
-    pub fn threads(&self) -> usize {
-        self.threads
+        Ok(PrepPool { tx })
     }
 
     /// Run `f` on the pool and wait for its result; `None` if it panicked.
@@ -62,10 +53,7 @@ impl PrepPool {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
             let _ = tx.send(r.ok());
         });
-        let sent = self.tx.lock().map(|t| t.send(job).is_ok()).unwrap_or(false);
-        if !sent {
-            return None;
-        }
+        self.tx.send(job).ok()?;
         rx.await.ok().flatten()
     }
 }
