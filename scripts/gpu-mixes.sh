@@ -5,6 +5,8 @@
 #   scripts/gpu-mixes.sh carry       # here: .gpu/samesum, and in .cache/gpu-carry
 #                                    # llama.cpp's source (from the pinned
 #                                    # llama-cpp-python sdist) and cmake/ninja wheels
+#                                    # (carry only llama.cpp.tar.xz where the GPU
+#                                    # machine has cmake and ninja)
 #   scripts/gpu-mixes.sh start OUT   # there: starts the run in the background
 #   scripts/gpu-mixes.sh wait OUT S  # there: shows progress for up to S seconds
 #
@@ -14,8 +16,11 @@
 # with `samesum synth --mix`, runs `samesum bench --device cuda -p 4096 -n 128`
 # and, once built, `llama-bench -fa 1 -ub 2048 -ngl 99` with the same tests,
 # then deletes the file (a 30B file is 17-32 GiB); SAMESUM_MIX_LLAMA=0 runs
-# samesum alone. Results: OUT/mixes.log,
-# one line per figure in OUT/results.tsv.
+# samesum alone, SAMESUM_MIX_PROFILE=1 adds a kernel profile at pp4096
+# (OUT/profile-SHAPE-MIX.txt), SAMESUM_MIX_AFTER=FILE holds the benchmarks
+# back while FILE exists (another job on the GPU). The mixes are the outer
+# loop, so a run cut short has both shapes of the first mixes. Results:
+# OUT/mixes.log, one line per figure in OUT/results.tsv.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -72,9 +77,13 @@ run)
             cd "$work"
             rm -rf llama.cpp venv
             tar xJf "$OLDPWD/$CARRY/llama.cpp.tar.xz"
-            python3 -m venv venv
-            venv/bin/pip install --quiet --no-index --find-links "$OLDPWD/$CARRY/wheels" cmake ninja
-            export PATH=$work/venv/bin:/usr/local/cuda/bin:$PATH
+            # The CUDA image has cmake and ninja; elsewhere, the carried wheels.
+            if ! command -v cmake >/dev/null || ! command -v ninja >/dev/null; then
+                python3 -m venv venv
+                venv/bin/pip install --quiet --no-index --find-links "$OLDPWD/$CARRY/wheels" cmake ninja
+                export PATH=$work/venv/bin:$PATH
+            fi
+            export PATH=$PATH:/usr/local/cuda/bin
             cmake -S llama.cpp -B llama.cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
                 -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
                 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF
@@ -85,18 +94,20 @@ run)
     res=$out/results.tsv
     echo "=== identity gate on the tiny shapes at each mix"
     for mix in ${SAMESUM_ID_MIXES:-q4_k_m ud-q4_k_xl q5_k_m q6_k q8_0 iq4_xs iq4_nl mxfp4 q3_k_m q2_k iq3_s iq3_xxs iq2_m iq2_xxs bf16}; do
-        for shape in tiny-qwen3moe tiny-qwen35moe; do
+        for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
             f=$work/$shape-$mix.gguf
             .gpu/samesum synth --force --shape "$shape" --mix "$mix" -o "$f" >/dev/null 2>&1 \
                 || { echo "synth $shape $mix failed"; continue; }
-            line=$(timeout 120 .gpu/samesum identity --device cuda -m "$f" --chunk 1,64,256 --gen 16 2>&1 | tail -n 1)
+            line=$(timeout 120 .gpu/samesum identity --device cuda -m "$f" --chunk 1,64,256 \
+                --max-len "${SAMESUM_ID_MAX_LEN:-515}" --gen 16 2>&1 | tail -n 1)
             echo "identity $shape $mix: $line"
             printf 'identity\t%s\t%s\t%s\n' "$shape" "$mix" "$line" >>"$res"
             rm -f "$f"
         done
     done
-    for shape in ${SAMESUM_MIX_SHAPES:-qwen3moe-30b-a3b qwen35moe-35b-a3b}; do
-        for mix in ${SAMESUM_MIXES:-q4_k_m ud-q4_k_xl iq4_xs q8_0}; do
+    while [ -n "${SAMESUM_MIX_AFTER:-}" ] && [ -e "$SAMESUM_MIX_AFTER" ]; do sleep 5; done
+    for mix in ${SAMESUM_MIXES:-q4_k_m ud-q4_k_xl iq4_xs q8_0}; do
+        for shape in ${SAMESUM_MIX_SHAPES:-qwen35moe-35b-a3b qwen3moe-30b-a3b}; do
             f=$work/$shape-$mix.gguf
             echo "=== $shape $mix: synth"
             t0=$SECONDS
@@ -107,6 +118,10 @@ run)
                 -r "${SAMESUM_MIX_REPS:-2}" --prefill batched 2>&1 | tee "$work/s.txt" | grep -E '^\|'
             grep -E '\| (pp|tg)[0-9]+ ' "$work/s.txt" | awk -F'|' -v s="$shape" -v m="$mix" \
                 '{gsub(/ /,"",$6); gsub(/ /,"",$7); print "samesum\t" s "\t" m "\t" $6 "\t" $7}' >>"$res"
+            if [ "${SAMESUM_MIX_PROFILE:-0}" = 1 ]; then
+                timeout 200 .gpu/samesum bench --device cuda -m "$f" -p 4096 -n 0 -r 1 \
+                    --prefill batched --profile >"$out/profile-$shape-$mix.txt" 2>&1
+            fi
             if [ -n "${build:-}" ]; then
                 echo "=== waiting for llama-bench"
                 wait "$build" || { echo "llama.cpp build failed:"; tail -n 20 "$out/llama-build.log"; }

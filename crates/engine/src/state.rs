@@ -160,23 +160,24 @@ impl KvLayer {
         }
     }
 
-    /// Element `i` of key row `pos` (width `w`).
+    /// Element `i` of key row `pos` (width `w`); a row in a block never
+    /// written reads as zero, as a freshly allocated cache does.
     #[inline]
     pub fn k_at(&self, pos: usize, w: usize, i: usize) -> f32 {
         let (b, at) = (pos / KV_BLOCK, (pos % KV_BLOCK) * w + i);
         match self {
-            KvLayer::F32 { blocks, .. } => blocks[b].k[at],
-            KvLayer::F16 { blocks, .. } => blocks[b].k[at].to_f32(),
+            KvLayer::F32 { blocks, .. } => blocks.get(b).map_or(0.0, |x| x.k[at]),
+            KvLayer::F16 { blocks, .. } => blocks.get(b).map_or(0.0, |x| x.k[at].to_f32()),
         }
     }
 
-    /// Element `i` of value row `pos`.
+    /// Element `i` of value row `pos` (zero where never written).
     #[inline]
     pub fn v_at(&self, pos: usize, w: usize, i: usize) -> f32 {
         let (b, at) = (pos / KV_BLOCK, (pos % KV_BLOCK) * w + i);
         match self {
-            KvLayer::F32 { blocks, .. } => blocks[b].v[at],
-            KvLayer::F16 { blocks, .. } => blocks[b].v[at].to_f32(),
+            KvLayer::F32 { blocks, .. } => blocks.get(b).map_or(0.0, |x| x.v[at]),
+            KvLayer::F16 { blocks, .. } => blocks.get(b).map_or(0.0, |x| x.v[at].to_f32()),
         }
     }
 }
@@ -315,6 +316,27 @@ impl SeqState {
         for l in self.linear.iter_mut().flatten() {
             l.conv.fill(0.0);
             l.s.fill(0.0);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_never_written_read_as_zero() {
+        for ty in [KvType::F32, KvType::F16] {
+            let mut kv = KvLayer::new(ty, 4);
+            // An empty cache (a layer no call has reached yet) reads zero.
+            assert_eq!(kv.k_at(KV_BLOCK + 3, 4, 1), 0.0);
+            assert_eq!(kv.v_at(0, 4, 0), 0.0);
+            kv.write(1, 4, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0]);
+            assert_eq!(kv.k_at(1, 4, 2), 3.0);
+            assert_eq!(kv.v_at(1, 4, 3), 8.0);
+            assert_eq!(kv.k_at(0, 4, 0), 0.0);
+            // Past the last allocated block: zero, not a panic.
+            assert_eq!(kv.k_at(3 * KV_BLOCK, 4, 0), 0.0);
         }
     }
 }
