@@ -2,6 +2,7 @@
 //! and value passes, the combine of the key tiles, and the kernel choice.
 
 use super::*;
+use cudarc::driver::{CudaView, CudaViewMut};
 
 /// The attention kernels (ops unit, kernels/attention.cu). The exact ones
 /// take a block per (KV head, row tile, key tile of 256 positions) and
@@ -103,7 +104,7 @@ impl AttentionKernel {
 /// of `hd`) at positions `*pos0 ..` over a cache of `hkv` KV heads (f32, or
 /// halves with `f16`), `nb` key tiles a pair.
 struct Pass<'a> {
-    q: &'a CudaSlice<f32>,
+    q: CudaView<'a, f32>,
     ck: &'a CudaSlice<u8>,
     cv: &'a CudaSlice<u8>,
     pos0: &'a CudaSlice<i32>,
@@ -113,6 +114,37 @@ struct Pass<'a> {
     hd: usize,
     nb: usize,
     f16: bool,
+}
+
+/// The key tiles' partials (a max and a sum, and a head-dim row, per pair
+/// and tile or split) of the attention calls of one layer: made at the
+/// first call's size and grown when a later one needs more, so the
+/// sequences of a step share one allocation. Stream order keeps one
+/// call's combine reading them before the next call's passes write them.
+#[derive(Default)]
+pub(super) struct Partials {
+    ml: Option<CudaSlice<f32>>,
+    acc: Option<CudaSlice<f32>>,
+}
+
+impl Partials {
+    fn take(
+        &mut self,
+        d: &crate::device::Device,
+        ml: usize,
+        acc: usize,
+    ) -> Result<(&mut CudaSlice<f32>, &mut CudaSlice<f32>)> {
+        if self.ml.as_ref().is_none_or(|b| b.len() < ml) {
+            self.ml = Some(d.scratch::<f32>(ml)?);
+        }
+        if self.acc.as_ref().is_none_or(|b| b.len() < acc) {
+            self.acc = Some(d.scratch::<f32>(acc)?);
+        }
+        match (&mut self.ml, &mut self.acc) {
+            (Some(ml), Some(acc)) => Ok((ml, acc)),
+            _ => unreachable!("both made above"),
+        }
+    }
 }
 
 impl Cuda {
@@ -184,7 +216,7 @@ impl Cuda {
         let pos0 = d.upload(&[pos as i32])?;
         let mut o = d.upload(&vec![f32::NAN; m * qw])?;
         let pass = Pass {
-            q: &qd,
+            q: qd.as_view(),
             ck: &ck,
             cv: &cv,
             pos0: &pos0,
@@ -195,7 +227,13 @@ impl Cuda {
             nb: (pos + m).div_ceil(256),
             f16,
         };
-        self.attend(&pass, &mut o, None, reference)?;
+        self.attend(
+            &pass,
+            &mut o.as_view_mut(),
+            None,
+            reference,
+            &mut Partials::default(),
+        )?;
         d.download(&o, m * qw)
     }
 
@@ -209,25 +247,46 @@ impl Cuda {
         st: &mut CudaState,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        let m = x.len() / model.hp.n_embd;
+        self.attention_seq_rows(model, l, a, x, xq, &mut [st], &[m], y)
+    }
+
+    /// Attention over the rows of several sequences (`rows[i]` consecutive
+    /// rows of `x` for `sts[i]`): the q, k and v projections, the gate and
+    /// the output projection over all rows in one call each; the head norms,
+    /// RoPE, the KV write and the score and value passes per sequence, on
+    /// that sequence's rows and cache, with the kernels a call of its rows
+    /// alone would pick. Every op is row-wise (the row contract), so each
+    /// sequence gets the bytes of a call of its own.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_seq_rows(
+        &self,
+        model: &Model,
+        l: usize,
+        a: &AttentionW,
+        x: &CudaSlice<f32>,
+        xq: Option<&CudaSlice<u8>>,
+        sts: &mut [&mut CudaState],
+        rows: &[usize],
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
         let hp = &model.hp;
         let d = &self.dev;
         let (hq, hkv, hd) = (hp.n_head, hp.n_head_kv, hp.head_dim);
         let m = x.len() / hp.n_embd;
+        if rows.iter().sum::<usize>() != m || rows.len() != sts.len() {
+            return Err(CudaError::Driver {
+                op: "attention".into(),
+                msg: format!("{} rows for {} sequences of {:?} rows", m, sts.len(), rows),
+            });
+        }
         let (qw, kvw) = (hq * hd, hkv * hd);
         let mut qg = d.scratch::<f32>(m * a.q.rows)?;
         let mut k = d.scratch::<f32>(m * kvw)?;
         let mut v = d.scratch::<f32>(m * kvw)?;
         let xin = Input::with_given_q8k(x, m, xq);
         self.mm_group(&xin, &mut [(&a.q, &mut qg), (&a.k, &mut k), (&a.v, &mut v)])?;
-        self.sync_pos(st)?;
-        let (ck, cv) = st.kv[l].as_mut().ok_or_else(|| CudaError::Driver {
-            op: "attention".into(),
-            msg: format!("layer {l} has no KV cache"),
-        })?;
-        let (mi, hqi, hkvi, hdi, nrot) =
-            (m as i32, hq as i32, hkv as i32, hd as i32, hp.n_rot as i32);
-        let f16 = st.f16 as i32;
-        let pos0 = &st.pos_dev;
+        let (hqi, hkvi, hdi, nrot) = (hq as i32, hkv as i32, hd as i32, hp.n_rot as i32);
         let rope = hp.rope();
         let rp = crate::device::RopeArg {
             theta: rope.theta,
@@ -262,60 +321,96 @@ impl Cuda {
         };
         let (qn, kn) = (self.vec(&a.q_norm)?, self.vec(&a.k_norm)?);
         let eps = hp.eps;
-        launch!(
-            d,
-            "qk_norm_rope_kv",
-            cfg(((m * (hq + hkv)).div_ceil(8) as u32, 1, 1), 256, 0),
-            &qg,
-            &q_row,
-            &q_head,
-            &k,
-            &v,
-            qn,
-            kn,
-            &mut q,
-            &mut *ck,
-            &mut *cv,
-            pos0,
-            &mi,
-            &hqi,
-            &hkvi,
-            &hdi,
-            &nrot,
-            &rp,
-            &eps,
-            &f16
-        )?;
-        let mut o = d.scratch::<f32>(m * qw)?;
-        // A recorded step covers the whole context (blocks past a row's
-        // position return at once), so its replays serve every position.
-        let nb = if st.whole_ctx {
-            st.ctx.div_ceil(256)
-        } else {
-            (st.pos + m).div_ceil(256)
-        };
         // Ungated attention into a K-quant out projection: the combine also
-        // writes the rows' Q8_K blocks (no quantize launch).
-        let flash = AttentionKernel::select(hd, hq / hkv, m, self.fast_attention())
-            == AttentionKernel::Flash;
+        // writes the rows' Q8_K blocks (no quantize launch). The flash
+        // kernel writes none, so where any sequence's rows take it, the out
+        // projection quantizes the rows itself (the same blocks).
+        let fast = self.fast_attention();
+        let flash = rows.iter().any(|&n| {
+            n > 0 && AttentionKernel::select(hd, hq / hkv, n, fast) == AttentionKernel::Flash
+        });
         let mut oq = if !flash && gate.is_none() && k_quant(a.o.ty) && qw.is_multiple_of(256) {
             Some(d.scratch::<u8>(m * qw / 256 * 304)?)
         } else {
             None
         };
-        let pass = Pass {
-            q: &q,
-            ck,
-            cv,
-            pos0,
-            m,
-            hq,
-            hkv,
-            hd,
-            nb,
-            f16: st.f16,
-        };
-        self.attend(&pass, &mut o, oq.as_mut(), false)?;
+        let row_q = qw / 256 * 304;
+        let mut o = d.scratch::<f32>(m * qw)?;
+        let mut parts = Partials::default();
+        let mut r0 = 0;
+        for (st, &n) in sts.iter_mut().zip(rows) {
+            if n == 0 {
+                continue;
+            }
+            self.sync_pos(st)?;
+            // A recorded step covers the whole context (blocks past a row's
+            // position return at once), so its replays serve every position.
+            let nb = if st.whole_ctx {
+                st.ctx.div_ceil(256)
+            } else {
+                (st.pos + n).div_ceil(256)
+            };
+            let f16 = st.f16;
+            let (ck, cv) = st.kv[l].as_mut().ok_or_else(|| CudaError::Driver {
+                op: "attention".into(),
+                msg: format!("layer {l} has no KV cache"),
+            })?;
+            let pos0 = &st.pos_dev;
+            let ni = n as i32;
+            let qr = q_row as usize;
+            let (qg_s, k_s, v_s) = (
+                qg.slice(r0 * qr..(r0 + n) * qr),
+                k.slice(r0 * kvw..(r0 + n) * kvw),
+                v.slice(r0 * kvw..(r0 + n) * kvw),
+            );
+            let mut q_s = q.slice_mut(r0 * qw..(r0 + n) * qw);
+            let f16i = f16 as i32;
+            launch!(
+                d,
+                "qk_norm_rope_kv",
+                cfg(((n * (hq + hkv)).div_ceil(8) as u32, 1, 1), 256, 0),
+                &qg_s,
+                &q_row,
+                &q_head,
+                &k_s,
+                &v_s,
+                qn,
+                kn,
+                &mut q_s,
+                &mut *ck,
+                &mut *cv,
+                pos0,
+                &ni,
+                &hqi,
+                &hkvi,
+                &hdi,
+                &nrot,
+                &rp,
+                &eps,
+                &f16i
+            )?;
+            let pass = Pass {
+                q: q.slice(r0 * qw..(r0 + n) * qw),
+                ck,
+                cv,
+                pos0,
+                m: n,
+                hq,
+                hkv,
+                hd,
+                nb,
+                f16,
+            };
+            let mut o_s = o.slice_mut(r0 * qw..(r0 + n) * qw);
+            match oq.as_mut() {
+                Some(oq) => {
+                    let mut oq_s = oq.slice_mut(r0 * row_q..(r0 + n) * row_q);
+                    self.attend(&pass, &mut o_s, Some(&mut oq_s), false, &mut parts)?
+                }
+                None => self.attend(&pass, &mut o_s, None, false, &mut parts)?,
+            }
+            r0 += n;
+        }
         if let Some(g) = gate {
             // With the out projection reading Q8_K rows, the gate writes
             // them too (a warp per 256-block).
@@ -350,9 +445,10 @@ impl Cuda {
     fn attend(
         &self,
         p: &Pass,
-        o: &mut CudaSlice<f32>,
-        mut oq: Option<&mut CudaSlice<u8>>,
+        o: &mut CudaViewMut<f32>,
+        mut oq: Option<&mut CudaViewMut<u8>>,
         reference: bool,
+        parts: &mut Partials,
     ) -> Result<()> {
         let d = &self.dev;
         let (m, hq, hkv, hd, nb) = (p.m, p.hq, p.hkv, p.hd, p.nb);
@@ -362,7 +458,7 @@ impl Cuda {
         if !reference
             && AttentionKernel::select(hd, gs, m, self.fast_attention()) == AttentionKernel::Flash
         {
-            return self.attend_flash(p, o, oq.is_some());
+            return self.attend_flash(p, o, oq.is_some(), parts);
         }
         // The partials (a max, a sum and a head-dim row per pair and tile)
         // grow with rows x context, so long contexts run the rows in groups
@@ -371,8 +467,7 @@ impl Cuda {
         let per_row = hq * nb * (hd + 2) * 4;
         let group = (self.attn_partials / per_row).clamp(1, m);
         let group = m.div_ceil(m.div_ceil(group)); // groups of even size
-        let mut pml = d.scratch::<f32>(group * hq * nb * 2)?;
-        let mut pacc = d.scratch::<f32>(group * hq * nb * hd)?;
+        let (pml, pacc) = parts.take(d, group * hq * nb * 2, group * hq * nb * hd)?;
         let (hqi, hkvi, hdi, nbi, f16) =
             (hq as i32, hkv as i32, hd as i32, nb as i32, p.f16 as i32);
         for r0 in (0..m).step_by(group) {
@@ -400,8 +495,8 @@ impl Cuda {
                 &qg,
                 p.ck,
                 p.cv,
-                &mut pml,
-                &mut pacc,
+                &mut *pml,
+                &mut *pacc,
                 &mri,
                 &hqi,
                 &hkvi,
@@ -420,8 +515,8 @@ impl Cuda {
                     d,
                     "attention_combine_q8k",
                     cfg(((qw / 256) as u32, mr as u32, 1), 256, 0),
-                    &pml,
-                    &pacc,
+                    &*pml,
+                    &*pacc,
                     &mut og,
                     &mut qg,
                     &mri,
@@ -437,8 +532,8 @@ impl Cuda {
                 d,
                 "attention_combine",
                 cfg(((mr * hq) as u32, 1, 1), hd.div_ceil(32) as u32 * 32, 0),
-                &pml,
-                &pacc,
+                &*pml,
+                &*pacc,
                 &mut og,
                 &mri,
                 &hqi,
@@ -458,7 +553,13 @@ impl Cuda {
     /// 512 keys) and fold the splits' partials in `attention_flash_combine`;
     /// larger calls a block per (KV head, row tile), folding the splits in
     /// the block: the same folds in the same order (attention.cu).
-    fn attend_flash(&self, p: &Pass, o: &mut CudaSlice<f32>, wants_q8k: bool) -> Result<()> {
+    fn attend_flash(
+        &self,
+        p: &Pass,
+        o: &mut CudaViewMut<f32>,
+        wants_q8k: bool,
+        parts_buf: &mut Partials,
+    ) -> Result<()> {
         if wants_q8k {
             return Err(CudaError::Driver {
                 op: "attention".into(),
@@ -487,8 +588,7 @@ impl Cuda {
         );
         let r0 = 0i32;
         let parts = if split { m * hq * nsplit } else { 1 };
-        let mut pml = d.scratch::<f32>(parts * 2)?;
-        let mut pacc = d.scratch::<f32>(parts * hd)?;
+        let (pml, pacc) = parts_buf.take(d, parts * 2, parts * hd)?;
         launch!(
             d,
             name,
@@ -501,12 +601,12 @@ impl Cuda {
                 256,
                 flash_smem(hd, p.f16) as u32
             ),
-            p.q,
+            &p.q,
             p.ck,
             p.cv,
             &mut *o,
-            &mut pml,
-            &mut pacc,
+            &mut *pml,
+            &mut *pacc,
             &mi,
             &hqi,
             &hkvi,
@@ -522,8 +622,8 @@ impl Cuda {
                 d,
                 "attention_flash_combine",
                 cfg(((m * hq) as u32, 1, 1), hd.div_ceil(32) as u32 * 32, 0),
-                &pml,
-                &pacc,
+                &*pml,
+                &*pacc,
                 &mut *o,
                 &hqi,
                 &hdi,

@@ -126,6 +126,29 @@ impl Cuda {
         st: &mut CudaState,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        let m = x.len() / model.hp.n_embd;
+        self.delta_seq_rows(model, l, dn, x, xq, &mut [st], &[m], y)
+    }
+
+    /// The delta-net layer over the rows of several sequences (`rows[i]`
+    /// consecutive rows of `x` for `sts[i]`): the input projections, the
+    /// gated norm and the output projection over all rows in one call each;
+    /// the short conv, the q/k norms and the delta rule per sequence, on its
+    /// rows and states, with the kernels a call of its rows alone would
+    /// pick. Every op is row-wise or per sequence, so each sequence gets the
+    /// bytes of a call of its own.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn delta_seq_rows(
+        &self,
+        model: &Model,
+        l: usize,
+        dn: &DeltaNetW,
+        x: &CudaSlice<f32>,
+        xq: Option<&CudaSlice<u8>>,
+        sts: &mut [&mut CudaState],
+        rows: &[usize],
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
         let hp = &model.hp;
         let d = &self.dev;
         let s = hp.ssm.ok_or_else(|| CudaError::Driver {
@@ -133,6 +156,12 @@ impl Cuda {
             msg: "no ssm sizes".into(),
         })?;
         let m = x.len() / hp.n_embd;
+        if rows.iter().sum::<usize>() != m || rows.len() != sts.len() {
+            return Err(CudaError::Driver {
+                op: "delta_net".into(),
+                msg: format!("{m} rows for {} sequences of {rows:?} rows", sts.len()),
+            });
+        }
         let (kd, vd, cd) = (s.key_dim(), s.value_dim(), s.conv_dim());
         let (hk, hv, dk, dv, kc) = (
             s.n_k_heads,
@@ -223,156 +252,172 @@ impl Cuda {
                 self.mm(alpha, &xin, None, &mut a)?;
             }
         }
-        let (conv_state, s_state) = st.linear[l].as_mut().ok_or_else(|| CudaError::Driver {
-            op: "delta_net".into(),
-            msg: format!("layer {l} has no delta-net state"),
-        })?;
         if kc > 8 || kc == 0 {
             return Err(CudaError::Driver {
                 op: "conv_rows".into(),
                 msg: format!("conv kernel of {kc} taps: the kernel takes 1 to 8"),
             });
         }
-        let mut conv = d.scratch::<f32>(m * cd)?;
-        let taps = self.vec(&dn.conv)?;
-        let (mi, cdi, kci) = (m as i32, cd as i32, kc as i32);
-        let mut qk = d.scratch::<f32>(m * 2 * kd)?;
-        let (hki, dki, eps) = (hk as i32, dk as i32, hp.eps);
-        let conv_kernel = Conv::select(m, kc, dk);
-        match conv_kernel {
-            // A block a q/k head, then a thread a value channel.
-            Conv::OneRow => launch!(
-                d,
-                "conv_l2_one",
-                cfg(
-                    ((2 * hk + (cd - 2 * hk * dk).div_ceil(128)) as u32, 1, 1),
-                    128,
-                    0
-                ),
-                &qkv,
-                taps,
-                conv_state,
-                &mut conv,
-                &mut qk,
-                &cdi,
-                &kci,
-                &hki,
-                &dki,
-                &eps
-            )?,
-            Conv::Small => launch!(
-                d,
-                "conv_small",
-                cfg1(cd),
-                &qkv,
-                taps,
-                conv_state,
-                &mut conv,
-                &mi,
-                &cdi,
-                &kci
-            )?,
-            Conv::Tile => launch!(
-                d,
-                "conv_tile",
-                cfg(
-                    (cd.div_ceil(128) as u32, m.div_ceil(CONV_TR) as u32, 1),
-                    128,
-                    0
-                ),
-                &qkv,
-                taps,
-                &*conv_state,
-                &mut conv,
-                &mi,
-                &cdi
-            )?,
-            Conv::Rows => launch!(
-                d,
-                "conv_rows",
-                cfg1(m * cd),
-                &qkv,
-                taps,
-                &*conv_state,
-                &mut conv,
-                &mi,
-                &cdi,
-                &kci
-            )?,
-        }
-        if matches!(conv_kernel, Conv::Tile | Conv::Rows) {
-            // The state shift, after every row's conv has read the old state.
-            launch!(d, "conv_shift", cfg1(cd), &qkv, conv_state, &mi, &cdi, &kci)?;
-        }
-        if conv_kernel != Conv::OneRow {
-            let (kernel, c) = if lane_a_head(m, dk) {
-                ("l2norm_qk_h", head_sums_cfg(m * 2 * hk, dk))
-            } else {
-                (
-                    "l2norm_qk",
-                    cfg(((m * 2 * hk).div_ceil(4) as u32, 1, 1), 128, 0),
-                )
-            };
-            launch!(d, kernel, c, &conv, &mut qk, &mi, &cdi, &hki, &dki, &eps)?;
-        }
-        let mut o = d.scratch::<f32>(m * vd)?;
-        let (hvi, dvi, tiled) = (hv as i32, dv as i32, (hp.arch == Arch::Qwen35Moe) as i32);
         if dk > 512 {
             return Err(CudaError::Driver {
                 op: "delta_rows".into(),
                 msg: format!("key head dim {dk}: the delta-rule kernel takes at most 512"),
             });
         }
+        let mut conv = d.scratch::<f32>(m * cd)?;
+        let taps = self.vec(&dn.conv)?;
+        let (cdi, kci) = (cd as i32, kc as i32);
+        let mut qk = d.scratch::<f32>(m * 2 * kd)?;
+        let (hki, dki, eps) = (hk as i32, dk as i32, hp.eps);
+        let mut o = d.scratch::<f32>(m * vd)?;
+        let (hvi, dvi, tiled) = (hv as i32, dv as i32, (hp.arch == Arch::Qwen35Moe) as i32);
         let (dtb, sa, nw) = (
             self.vec(&dn.dt_bias)?,
             self.vec(&dn.a)?,
             self.vec(&dn.norm)?,
         );
-        match DeltaKernel::select(dk, m) {
-            // A thread a state column, the columns and the staged rows in
-            // dynamic shared memory.
-            k @ DeltaKernel::Rows => launch!(
-                d,
-                k.name(),
-                cfg(
-                    (hv as u32, dv.div_ceil(32) as u32, 1),
-                    32,
-                    ((dk * 32 + 16 * 2 * dk + 32) * 4) as u32
-                ),
-                &qk,
-                &conv,
-                &b,
-                &a,
-                dtb,
-                sa,
-                s_state,
-                &mut o,
-                &mi,
-                &hki,
-                &hvi,
-                &dki,
-                &dvi,
-                &tiled
-            )?,
-            // Eight lanes a state column, 16 columns a block.
-            k => launch!(
-                d,
-                k.name(),
-                cfg((hv as u32, dv.div_ceil(16) as u32, 1), 128, 0),
-                &qk,
-                &conv,
-                &b,
-                &a,
-                dtb,
-                sa,
-                s_state,
-                &mut o,
-                &mi,
-                &hki,
-                &hvi,
-                &dvi,
-                &tiled
-            )?,
+        let mut r0 = 0;
+        for (st, &n) in sts.iter_mut().zip(rows) {
+            if n == 0 {
+                continue;
+            }
+            let (conv_state, s_state) = st.linear[l].as_mut().ok_or_else(|| CudaError::Driver {
+                op: "delta_net".into(),
+                msg: format!("layer {l} has no delta-net state"),
+            })?;
+            let mi = n as i32;
+            let qkv = qkv.slice(r0 * cd..(r0 + n) * cd);
+            let (b, a) = (
+                b.slice(r0 * hv..(r0 + n) * hv),
+                a.slice(r0 * hv..(r0 + n) * hv),
+            );
+            let mut conv = conv.slice_mut(r0 * cd..(r0 + n) * cd);
+            let mut qk = qk.slice_mut(r0 * 2 * kd..(r0 + n) * 2 * kd);
+            let mut o = o.slice_mut(r0 * vd..(r0 + n) * vd);
+            let conv_kernel = Conv::select(n, kc, dk);
+            match conv_kernel {
+                // A block a q/k head, then a thread a value channel.
+                Conv::OneRow => launch!(
+                    d,
+                    "conv_l2_one",
+                    cfg(
+                        ((2 * hk + (cd - 2 * hk * dk).div_ceil(128)) as u32, 1, 1),
+                        128,
+                        0
+                    ),
+                    &qkv,
+                    taps,
+                    conv_state,
+                    &mut conv,
+                    &mut qk,
+                    &cdi,
+                    &kci,
+                    &hki,
+                    &dki,
+                    &eps
+                )?,
+                Conv::Small => launch!(
+                    d,
+                    "conv_small",
+                    cfg1(cd),
+                    &qkv,
+                    taps,
+                    conv_state,
+                    &mut conv,
+                    &mi,
+                    &cdi,
+                    &kci
+                )?,
+                Conv::Tile => launch!(
+                    d,
+                    "conv_tile",
+                    cfg(
+                        (cd.div_ceil(128) as u32, n.div_ceil(CONV_TR) as u32, 1),
+                        128,
+                        0
+                    ),
+                    &qkv,
+                    taps,
+                    &*conv_state,
+                    &mut conv,
+                    &mi,
+                    &cdi
+                )?,
+                Conv::Rows => launch!(
+                    d,
+                    "conv_rows",
+                    cfg1(n * cd),
+                    &qkv,
+                    taps,
+                    &*conv_state,
+                    &mut conv,
+                    &mi,
+                    &cdi,
+                    &kci
+                )?,
+            }
+            if matches!(conv_kernel, Conv::Tile | Conv::Rows) {
+                // The state shift, after every row's conv has read the old state.
+                launch!(d, "conv_shift", cfg1(cd), &qkv, conv_state, &mi, &cdi, &kci)?;
+            }
+            if conv_kernel != Conv::OneRow {
+                let (kernel, c) = if lane_a_head(n, dk) {
+                    ("l2norm_qk_h", head_sums_cfg(n * 2 * hk, dk))
+                } else {
+                    (
+                        "l2norm_qk",
+                        cfg(((n * 2 * hk).div_ceil(4) as u32, 1, 1), 128, 0),
+                    )
+                };
+                launch!(d, kernel, c, &conv, &mut qk, &mi, &cdi, &hki, &dki, &eps)?;
+            }
+            match DeltaKernel::select(dk, n) {
+                // A thread a state column, the columns and the staged rows in
+                // dynamic shared memory.
+                k @ DeltaKernel::Rows => launch!(
+                    d,
+                    k.name(),
+                    cfg(
+                        (hv as u32, dv.div_ceil(32) as u32, 1),
+                        32,
+                        ((dk * 32 + 16 * 2 * dk + 32) * 4) as u32
+                    ),
+                    &qk,
+                    &conv,
+                    &b,
+                    &a,
+                    dtb,
+                    sa,
+                    s_state,
+                    &mut o,
+                    &mi,
+                    &hki,
+                    &hvi,
+                    &dki,
+                    &dvi,
+                    &tiled
+                )?,
+                // Eight lanes a state column, 16 columns a block.
+                k => launch!(
+                    d,
+                    k.name(),
+                    cfg((hv as u32, dv.div_ceil(16) as u32, 1), 128, 0),
+                    &qk,
+                    &conv,
+                    &b,
+                    &a,
+                    dtb,
+                    sa,
+                    s_state,
+                    &mut o,
+                    &mi,
+                    &hki,
+                    &hvi,
+                    &dvi,
+                    &tiled
+                )?,
+            }
+            r0 += n;
         }
         let rh = (m * hv) as i32;
         // With the out projection reading Q8_K rows, the norm writes them

@@ -328,6 +328,34 @@ impl Backend for Cuda {
             .map_err(e)
     }
 
+    fn attention_seqs(
+        &self,
+        model: &Model,
+        l: usize,
+        a: &AttentionW,
+        x: &CudaBuf,
+        sts: &mut [&mut CudaState],
+        rows: &[usize],
+        y: &mut CudaBuf,
+    ) -> R<()> {
+        self.attention_seq_rows(model, l, a, &x.rows, x.q8k(), sts, rows, y.write())
+            .map_err(e)
+    }
+
+    fn delta_net_seqs(
+        &self,
+        model: &Model,
+        l: usize,
+        dn: &DeltaNetW,
+        x: &CudaBuf,
+        sts: &mut [&mut CudaState],
+        rows: &[usize],
+        y: &mut CudaBuf,
+    ) -> R<()> {
+        self.delta_seq_rows(model, l, dn, &x.rows, x.q8k(), sts, rows, y.write())
+            .map_err(e)
+    }
+
     fn moe(&self, model: &Model, mw: &MoeW, x: &CudaBuf, y: &mut CudaBuf) -> R<()> {
         self.moe_rows(model, mw, &x.rows, x.q8k(), y.write())
             .map_err(e)
