@@ -155,12 +155,8 @@ impl Sampler {
         if c.temp <= 0.0 {
             return argmax(&l);
         }
-        // Candidates sorted by logit, highest first; ties by lower id.
-        let mut cand: Vec<(u32, f32)> = l.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if c.top_k > 0 && c.top_k < cand.len() {
-            cand.truncate(c.top_k);
-        }
+        let cand = top_candidates(&l, c.top_k);
+        let mut cand = cand;
         let probs = |cand: &[(u32, f32)], t: f32| -> Vec<f32> {
             let max = cand[0].1;
             let e: Vec<f32> = cand.iter().map(|&(_, v)| ((v - max) / t).exp()).collect();
@@ -199,6 +195,22 @@ impl Sampler {
     }
 }
 
+/// The candidates `(id, logit)` sorted by logit, highest first, ties by
+/// lower id; only the `top_k` first when `top_k > 0`. With a top-k the
+/// first k are selected in linear time and only they are sorted (a full
+/// sort of a 152K vocabulary took milliseconds a token); the order is a
+/// total one, so the list is the full sort's first k either way.
+fn top_candidates(l: &[f32], top_k: usize) -> Vec<(u32, f32)> {
+    let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let mut cand: Vec<(u32, f32)> = l.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
+    if top_k > 0 && top_k < cand.len() {
+        cand.select_nth_unstable_by(top_k - 1, order);
+        cand.truncate(top_k);
+    }
+    cand.sort_unstable_by(order);
+    cand
+}
+
 /// Index of the largest logit (lowest index among equals).
 pub fn argmax(l: &[f32]) -> u32 {
     let mut best = 0;
@@ -213,6 +225,34 @@ pub fn argmax(l: &[f32]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn top_k_selection_is_the_full_sorts_head() {
+        let mut rng = Rng::new(3);
+        for n in [1usize, 2, 7, 100, 5000] {
+            // Few distinct values, so ties (broken by id) are common; and
+            // infinities as a ban leaves them.
+            let mut l: Vec<f32> = (0..n).map(|_| (rng.below(9) as f32) - 4.0).collect();
+            if n > 3 {
+                l[1] = f32::NEG_INFINITY;
+                l[n - 1] = f32::INFINITY;
+            }
+            let mut full: Vec<(u32, f32)> =
+                l.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
+            full.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            for k in [0usize, 1, 2, 3, 40, n - 1, n, n + 5] {
+                let got = top_candidates(&l, k);
+                let want = if k > 0 && k < n {
+                    &full[..k]
+                } else {
+                    &full[..]
+                };
+                let bits =
+                    |v: &[(u32, f32)]| v.iter().map(|&(i, x)| (i, x.to_bits())).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(want), "n {n} k {k}");
+            }
+        }
+    }
 
     #[test]
     fn greedy_and_seeded_sampling() {
