@@ -20,6 +20,9 @@
 #   replay       qwen35moe replay prefill at SAMESUM_GPU_REPLAY_PP (4096), one run
 #   depth        decode tg128 after SAMESUM_GPU_DEPTHS (0,4096,16384) tokens, both models
 #   profiles     bench --profile (kernel times) at pp SAMESUM_GPU_PROFILE_PP (4096), both models
+#   parallel     several sequences a step through the serving scheduler
+#                (bench --parallel SAMESUM_GPU_NPL, default 8,64; prompts of 128,
+#                64 generated tokens), both models
 #   tier         tier mode: the identity gate with --vram-budget 2G, then qwen35moe
 #                at budgets SAMESUM_GPU_BUDGETS ("24G 12G")
 #   serve        the server: one request alone, then six at once, the same text
@@ -155,6 +158,12 @@ run)
         for shape in qwen35moe-35b-a3b qwen3moe-30b-a3b; do
             ab "profile-$shape" 200 bench --device cuda -m "$(model "$shape")" \
                 -p "${SAMESUM_GPU_PROFILE_PP:-4096}" -n 0 -r 1 --prefill batched --profile
+        done
+    fi
+    if [[ $steps == *,parallel,* ]]; then
+        for shape in qwen35moe-35b-a3b qwen3moe-30b-a3b; do
+            ab "parallel-$shape" 300 bench --device cuda -m "$(model "$shape")" -p 128 -n 64 -r 1 \
+                --parallel "${SAMESUM_GPU_NPL:-8,64}"
         done
     fi
     if [[ $steps == *,tier,* ]]; then
