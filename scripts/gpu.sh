@@ -23,6 +23,8 @@
 #   parallel     several sequences a step through the serving scheduler
 #                (bench --parallel SAMESUM_GPU_NPL, default 8,64; prompts of 128,
 #                64 generated tokens), both models
+#   gemm         bench-gemm: the MoE block per weight format (qwen3moe and
+#                qwen35moe shapes, 4,096 rows), with kernel profiles
 #   tier         tier mode: the identity gate with --vram-budget 2G, then qwen35moe
 #                at budgets SAMESUM_GPU_BUDGETS ("24G 12G")
 #   serve        the server: one request alone, then six at once, the same text
@@ -164,6 +166,12 @@ run)
         for shape in qwen35moe-35b-a3b qwen3moe-30b-a3b; do
             ab "parallel-$shape" 300 bench --device cuda -m "$(model "$shape")" -p 128 -n 64 -r 1 \
                 --parallel "${SAMESUM_GPU_NPL:-8,64}"
+        done
+    fi
+    if [[ $steps == *,gemm,* ]]; then
+        for shape in qwen3moe-30b-a3b qwen35moe-35b-a3b; do
+            step "gemm-$shape" timeout 500 .gpu/samesum bench-gemm --device cuda --shape "$shape" \
+                -m 4096 -r 10 --profile
         done
     fi
     if [[ $steps == *,tier,* ]]; then

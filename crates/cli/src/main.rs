@@ -3,6 +3,7 @@
 mod agree;
 mod args;
 mod bench;
+mod bench_gemm;
 mod bench_quant;
 mod bench_serve;
 mod chat;
@@ -47,6 +48,9 @@ enum Command {
     Perplexity(perplexity::Args),
     /// Measure dequantize and dot-product throughput per block format.
     BenchQuant(bench_quant::Args),
+    /// Measure the MoE block's speed per weight format (one layer of a model
+    /// shape at each format, its expert matmuls' operations a second).
+    BenchGemm(bench_gemm::Args),
     /// Serve the model over an OpenAI-compatible HTTP API (no -m: the built-in
     /// tiny synthetic model).
     Serve(serve::Args),
@@ -130,6 +134,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::BenchQuant(a) => bench_quant::run(a),
+        Command::BenchGemm(a) => bench_gemm::run(a),
         Command::Serve(a) => serve::run(a),
         Command::BenchServe(a) => bench_serve::run(a),
     };

@@ -231,6 +231,9 @@ fn bad_input_is_a_plain_error() {
         vec!["synth", "--quant", "iq1_s", "-o", "/tmp/x.gguf"],
         vec!["synth", "--layers", "0", "-o", "/tmp/x.gguf"],
         vec!["bench-quant", "--row", "100"],
+        vec!["bench-gemm", "--formats", "q9_9"],
+        vec!["bench-gemm", "--shape", "nope"],
+        vec!["bench-gemm", "-m", "0"],
     ] {
         let (ok, _, err) = samesum(&args);
         assert!(!ok, "{args:?} succeeded");
@@ -239,6 +242,33 @@ fn bad_input_is_a_plain_error() {
     }
     let (_, _, err) = samesum(&["inspect", bad.to_str().unwrap()]);
     assert!(err.contains("truncated") || err.contains("offset"), "{err}");
+}
+
+#[test]
+fn bench_gemm_times_the_moe_block_of_each_format() {
+    let (ok, out, err) = samesum(&[
+        "bench-gemm",
+        "--shape",
+        "tiny-qwen3moe",
+        "-m",
+        "24",
+        "-r",
+        "1",
+        "--formats",
+        "q8_0,iq4_xs",
+    ]);
+    assert!(ok, "{err}");
+    let rows: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("| tiny-qwen3moe |"))
+        .collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    for (row, name) in rows.iter().zip(["q8_0", "iq4_xs"]) {
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        assert_eq!(cells[2], name, "{row}");
+        let ms: f64 = cells[5].parse().unwrap();
+        assert!(ms > 0.0 && ms.is_finite(), "{row}");
+    }
 }
 
 #[test]

@@ -20,6 +20,11 @@ pub(super) const AVX2_FORMATS: &[GgmlType] = &[
     GgmlType::F16,
     GgmlType::BF16,
     GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::IQ4_NL,
+    GgmlType::MXFP4,
     GgmlType::Q8_0,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
@@ -97,6 +102,11 @@ pub(super) fn dot_rows(
             (_, T::BF16, ActRow::F32(x)) => each_row!(bf16_avx2, x),
             (_, T::Q8_0, ActRow::Q8_0(a)) => each_row!(q8_0_avx2, a),
             (_, T::Q4_0, ActRow::Q8_0(a)) => each_row!(q4_0_avx2, a),
+            (_, T::Q5_0, ActRow::Q8_0(a)) => each_row!(q5_0_avx2, a),
+            (_, T::IQ4_NL, ActRow::Q8_0(a)) => each_row!(iq4_nl_avx2, a),
+            (_, T::MXFP4, ActRow::Q8_0(a)) => each_row!(mxfp4_avx2, a),
+            (_, T::Q4_1, ActRow::Q8_1(a)) => each_row!(q4_1_avx2, a),
+            (_, T::Q5_1, ActRow::Q8_1(a)) => each_row!(q5_1_avx2, a),
             (_, T::Q4_K, ActRow::Q8K(a)) => each_row!(q4_k_avx2, a),
             (_, T::Q5_K, ActRow::Q8K(a)) => each_row!(q5_k_avx2, a),
             (_, T::Q6_K, ActRow::Q8K(a)) => each_row!(q6_k_avx2, a),
@@ -342,7 +352,7 @@ unsafe fn q8_0_avx2(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
 
 /// The 32 signed values `q - 8` of a Q4_0 block, in element order.
 #[inline(always)]
-unsafe fn q4_0_values(b: &BlockQ4_0) -> __m256i {
+pub(super) unsafe fn q4_0_values(b: &BlockQ4_0) -> __m256i {
     unsafe {
         let q = _mm_loadu_si128(b.qs.as_ptr() as *const __m128i);
         let m4 = _mm_set1_epi8(0x0F);
@@ -371,6 +381,203 @@ unsafe fn q4_0_avx2(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
                     scalar::sumi_q4_0(&w[b], &a[b]),
                 )
             },
+        )
+    }
+}
+
+/// The 32 nibbles of a 32-value block as unsigned bytes in element order
+/// (element j the low nibble of byte j, element j + 16 its high nibble).
+#[inline(always)]
+unsafe fn nibbles32(qs: &[u8; 16]) -> __m256i {
+    unsafe {
+        let q = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
+        let m4 = _mm_set1_epi8(0x0F);
+        _mm256_set_m128i(
+            _mm_and_si128(_mm_srli_epi16::<4>(q), m4),
+            _mm_and_si128(q, m4),
+        )
+    }
+}
+
+/// The 5-bit values of a Q5_0 / Q5_1 block (nibble | fifth bit << 4),
+/// unsigned, in element order.
+#[inline(always)]
+pub(super) unsafe fn q5_values(qh: &[u8; 4], qs: &[u8; 16]) -> __m256i {
+    unsafe {
+        let high = _mm256_and_si256(sign_masks(u32::from_le_bytes(*qh)), _mm256_set1_epi8(0x10));
+        _mm256_or_si256(nibbles32(qs), high)
+    }
+}
+
+/// A 16-entry signed byte table looked up by a block's nibbles.
+#[inline(always)]
+pub(super) unsafe fn table_values(table: &[i8; 16], qs: &[u8; 16]) -> __m256i {
+    unsafe {
+        let t = _mm256_broadcastsi128_si256(_mm_loadu_si128(table.as_ptr() as *const __m128i));
+        _mm256_shuffle_epi8(t, nibbles32(qs))
+    }
+}
+
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn q5_0_avx2(w: &[BlockQ5_0], a: &[BlockQ8_0]) -> f32 {
+    let nb = w.len().min(a.len());
+    unsafe {
+        lanes8_avx2(
+            nb,
+            |b| {
+                let v = _mm256_sub_epi8(q5_values(&w[b].qh, &w[b].qs), _mm256_set1_epi8(16));
+                (
+                    dot_i8(v, load256(&a[b].qs)),
+                    w[b].d.to_bits(),
+                    a[b].d.to_bits(),
+                )
+            },
+            |b| scalar::q5_0_q8_0(&w[b..b + 1], &a[b..b + 1]),
+        )
+    }
+}
+
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn iq4_nl_avx2(w: &[BlockIq4Nl], a: &[BlockQ8_0]) -> f32 {
+    let nb = w.len().min(a.len());
+    unsafe {
+        lanes8_avx2(
+            nb,
+            |b| {
+                let v = table_values(&KVALUES_IQ4NL, &w[b].qs);
+                (
+                    dot_i8(v, load256(&a[b].qs)),
+                    w[b].d.to_bits(),
+                    a[b].d.to_bits(),
+                )
+            },
+            |b| scalar::iq4_nl_q8_0(&w[b..b + 1], &a[b..b + 1]),
+        )
+    }
+}
+
+/// [`lanes8_avx2`] with the block's scales given as f32 (MXFP4's E8M0
+/// exponent): the same products and sums.
+#[inline(always)]
+unsafe fn lanes8_f32_avx2(
+    nb: usize,
+    mut block: impl FnMut(usize) -> (__m256i, f32, f32),
+    tail: impl Fn(usize) -> f32,
+) -> f32 {
+    unsafe {
+        let mut acc = _mm256_setzero_ps();
+        let groups = nb / 8;
+        for g in 0..groups {
+            let mut v = [_mm256_setzero_si256(); 8];
+            let mut dw = [0f32; 8];
+            let mut da = [0f32; 8];
+            for k in 0..8 {
+                (v[k], dw[k], da[k]) = block(8 * g + k);
+            }
+            let (dw, da) = (_mm256_loadu_ps(dw.as_ptr()), _mm256_loadu_ps(da.as_ptr()));
+            let s = _mm256_cvtepi32_ps(hsum8(&v));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dw, da), s));
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+        for b in groups * 8..nb {
+            lanes[b % 8] = lanes[b % 8] + tail(b);
+        }
+        scalar::reduce8(&lanes)
+    }
+}
+
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn mxfp4_avx2(w: &[BlockMxfp4], a: &[BlockQ8_0]) -> f32 {
+    let nb = w.len().min(a.len());
+    unsafe {
+        lanes8_f32_avx2(
+            nb,
+            |b| {
+                let v = table_values(&KVALUES_MXFP4, &w[b].qs);
+                let dw = e8m0_to_f32_half(w[b].e);
+                (dot_i8(v, load256(&a[b].qs)), dw, f16_to_f32(a[b].d))
+            },
+            |b| scalar::mxfp4_q8_0(&w[b..b + 1], &a[b..b + 1]),
+        )
+    }
+}
+
+/// The 8-lane combination of the formats with a min ([`scalar::lanes8`] of
+/// `(dw * da) * sumi + m * s`), eight blocks at a time: `block(b)` gives
+/// block `b`'s integer sum (8 partial lanes) and the f16 bits of its scale,
+/// the activation's scale, its min and the activation's `s`.
+#[inline(always)]
+unsafe fn lanes8_min_avx2(
+    nb: usize,
+    mut block: impl FnMut(usize) -> (__m256i, [u16; 4]),
+    tail: impl Fn(usize) -> f32,
+) -> f32 {
+    unsafe {
+        let mut acc = _mm256_setzero_ps();
+        let groups = nb / 8;
+        for g in 0..groups {
+            let mut v = [_mm256_setzero_si256(); 8];
+            let mut f = [[0u16; 8]; 4];
+            for k in 0..8 {
+                let (vk, h) = block(8 * g + k);
+                v[k] = vk;
+                for (i, x) in h.into_iter().enumerate() {
+                    f[i][k] = x;
+                }
+            }
+            let cvt = |x: &[u16; 8]| _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr() as *const __m128i));
+            let (dw, da, m, sa) = (cvt(&f[0]), cvt(&f[1]), cvt(&f[2]), cvt(&f[3]));
+            let s = _mm256_cvtepi32_ps(hsum8(&v));
+            let t = _mm256_add_ps(
+                _mm256_mul_ps(_mm256_mul_ps(dw, da), s),
+                _mm256_mul_ps(m, sa),
+            );
+            acc = _mm256_add_ps(acc, t);
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+        for b in groups * 8..nb {
+            lanes[b % 8] = lanes[b % 8] + tail(b);
+        }
+        scalar::reduce8(&lanes)
+    }
+}
+
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn q4_1_avx2(w: &[BlockQ4_1], a: &[BlockQ8_1]) -> f32 {
+    let nb = w.len().min(a.len());
+    unsafe {
+        lanes8_min_avx2(
+            nb,
+            |b| {
+                let (w, a) = (&w[b], &a[b]);
+                let v = dot_i8(nibbles32(&w.qs), load256(&a.qs));
+                (
+                    v,
+                    [w.d.to_bits(), a.d.to_bits(), w.m.to_bits(), a.s.to_bits()],
+                )
+            },
+            |b| scalar::q4_1_q8_1(&w[b..b + 1], &a[b..b + 1]),
+        )
+    }
+}
+
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn q5_1_avx2(w: &[BlockQ5_1], a: &[BlockQ8_1]) -> f32 {
+    let nb = w.len().min(a.len());
+    unsafe {
+        lanes8_min_avx2(
+            nb,
+            |b| {
+                let (w, a) = (&w[b], &a[b]);
+                let v = dot_i8(q5_values(&w.qh, &w.qs), load256(&a.qs));
+                (
+                    v,
+                    [w.d.to_bits(), a.d.to_bits(), w.m.to_bits(), a.s.to_bits()],
+                )
+            },
+            |b| scalar::q5_1_q8_1(&w[b..b + 1], &a[b..b + 1]),
         )
     }
 }

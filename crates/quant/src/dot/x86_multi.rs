@@ -22,6 +22,10 @@ use std::arch::x86_64::*;
 /// Formats with a multi-row AVX-512 kernel.
 pub(super) const MULTI_FORMATS: &[GgmlType] = &[
     GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q5_0,
+    GgmlType::IQ4_NL,
+    GgmlType::MXFP4,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
@@ -126,7 +130,21 @@ pub(super) fn dot_rows_multi(
 ) -> Result<bool> {
     use GgmlType as T;
     match weight {
-        T::Q8_0 if has_vnni() => drive_tile(weight, w, acts, n, rows, out, q8_0_tile_vnni),
+        T::Q8_0 if has_vnni() => {
+            drive_tile(weight, w, acts, n, rows, out, tile32_vnni::<BlockQ8_0>)
+        }
+        T::Q4_0 if has_vnni() => {
+            drive_tile(weight, w, acts, n, rows, out, tile32_vnni::<BlockQ4_0>)
+        }
+        T::Q5_0 if has_vnni() => {
+            drive_tile(weight, w, acts, n, rows, out, tile32_vnni::<BlockQ5_0>)
+        }
+        T::IQ4_NL if has_vnni() => {
+            drive_tile(weight, w, acts, n, rows, out, tile32_vnni::<BlockIq4Nl>)
+        }
+        T::MXFP4 if has_vnni() => {
+            drive_tile(weight, w, acts, n, rows, out, tile32_vnni::<BlockMxfp4>)
+        }
         T::Q8_0 => drive::<BlockQ8_0, BlockQ8_0>(weight, w, acts, n, rows, out, q8_0_multi2),
         T::Q4_K => drive_tile(weight, w, acts, n, rows, out, k::q4_k_tile),
         T::Q5_K => drive_tile(weight, w, acts, n, rows, out, k::q5_k_tile),
@@ -155,7 +173,19 @@ pub(super) fn dot_rows8(
         (T::Q6_K, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, k::q6_k_rows8),
         (T::IQ4_XS, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, k::iq4_xs_rows8),
         (T::Q8_0, ActRow::Q8_0(a)) if has_vnni() => {
-            drive8(weight, w, a, per_row, out, q8_0_rows8_vnni)
+            drive8(weight, w, a, per_row, out, rows8_32_vnni::<BlockQ8_0>)
+        }
+        (T::Q4_0, ActRow::Q8_0(a)) if has_vnni() => {
+            drive8(weight, w, a, per_row, out, rows8_32_vnni::<BlockQ4_0>)
+        }
+        (T::Q5_0, ActRow::Q8_0(a)) if has_vnni() => {
+            drive8(weight, w, a, per_row, out, rows8_32_vnni::<BlockQ5_0>)
+        }
+        (T::IQ4_NL, ActRow::Q8_0(a)) if has_vnni() => {
+            drive8(weight, w, a, per_row, out, rows8_32_vnni::<BlockIq4Nl>)
+        }
+        (T::MXFP4, ActRow::Q8_0(a)) if has_vnni() => {
+            drive8(weight, w, a, per_row, out, rows8_32_vnni::<BlockMxfp4>)
         }
         _ => Ok(0),
     }
@@ -361,6 +391,110 @@ unsafe fn scales4(b: &[BlockQ8_0]) -> __m256 {
     unsafe { _mm256_cvtph_ps(_mm_loadu_si128(bits.as_ptr() as *const __m128i)) }
 }
 
+/// A weight block of 32 values and one scale, dotted with a Q8_0 block as
+/// `(dw * da) * sumi` (Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4): what the VNNI
+/// kernels need of it.
+trait Vals32: bytemuck::Pod {
+    /// The 32 values as signed bytes, in element order.
+    unsafe fn vals(&self) -> __m256i;
+    /// The scales of blocks `PERM4[k]` of `b`, as f32 (the reference's
+    /// conversion: F16C is exact).
+    unsafe fn scales(b: &[Self]) -> __m256;
+    /// The scalar reference's term of this block with `a`.
+    fn term(&self, a: &BlockQ8_0) -> f32;
+}
+
+/// [`Vals32::scales`] of blocks with an f16 scale `d`.
+macro_rules! f16_scales {
+    () => {
+        #[inline(always)]
+        unsafe fn scales(b: &[Self]) -> __m256 {
+            let mut bits = [0u16; 8];
+            for (x, &k) in bits.iter_mut().zip(&PERM4) {
+                *x = b[k].d.to_bits();
+            }
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(bits.as_ptr() as *const __m128i)) }
+        }
+    };
+}
+
+impl Vals32 for BlockQ8_0 {
+    #[inline(always)]
+    unsafe fn vals(&self) -> __m256i {
+        unsafe { load256(&self.qs) }
+    }
+    f16_scales!();
+    fn term(&self, a: &BlockQ8_0) -> f32 {
+        scalar::term(
+            f16_to_f32(self.d),
+            f16_to_f32(a.d),
+            scalar::sumi_q8_0(self, a),
+        )
+    }
+}
+
+impl Vals32 for BlockQ4_0 {
+    #[inline(always)]
+    unsafe fn vals(&self) -> __m256i {
+        unsafe { super::x86::q4_0_values(self) }
+    }
+    f16_scales!();
+    fn term(&self, a: &BlockQ8_0) -> f32 {
+        scalar::q4_0_q8_0(std::slice::from_ref(self), std::slice::from_ref(a))
+    }
+}
+
+impl Vals32 for BlockQ5_0 {
+    #[inline(always)]
+    unsafe fn vals(&self) -> __m256i {
+        unsafe {
+            _mm256_sub_epi8(
+                super::x86::q5_values(&self.qh, &self.qs),
+                _mm256_set1_epi8(16),
+            )
+        }
+    }
+    f16_scales!();
+    fn term(&self, a: &BlockQ8_0) -> f32 {
+        scalar::q5_0_q8_0(std::slice::from_ref(self), std::slice::from_ref(a))
+    }
+}
+
+impl Vals32 for BlockIq4Nl {
+    #[inline(always)]
+    unsafe fn vals(&self) -> __m256i {
+        unsafe { super::x86::table_values(&KVALUES_IQ4NL, &self.qs) }
+    }
+    f16_scales!();
+    fn term(&self, a: &BlockQ8_0) -> f32 {
+        scalar::iq4_nl_q8_0(std::slice::from_ref(self), std::slice::from_ref(a))
+    }
+}
+
+impl Vals32 for BlockMxfp4 {
+    #[inline(always)]
+    unsafe fn vals(&self) -> __m256i {
+        unsafe { super::x86::table_values(&KVALUES_MXFP4, &self.qs) }
+    }
+    #[inline(always)]
+    unsafe fn scales(b: &[Self]) -> __m256 {
+        let mut d = [0f32; 8];
+        for (x, &k) in d.iter_mut().zip(&PERM4) {
+            *x = e8m0_to_f32_half(b[k].e);
+        }
+        unsafe { _mm256_loadu_ps(d.as_ptr()) }
+    }
+    fn term(&self, a: &BlockQ8_0) -> f32 {
+        scalar::mxfp4_q8_0(std::slice::from_ref(self), std::slice::from_ref(a))
+    }
+}
+
+/// Two weight blocks' values in one register.
+#[inline(always)]
+unsafe fn two_vals<W: Vals32>(a: &W, b: &W) -> __m512i {
+    unsafe { super::x86::join(a.vals(), b.vals()) }
+}
+
 /// One activation row's group of 8 Q8_0 blocks, prepared for [`q8_0_tile_vnni`]:
 /// the quants offset to unsigned (`a + 128`), two blocks a register, and the
 /// scales in the order [`PERM4`].
@@ -377,8 +511,8 @@ struct Q8Prep {
 /// [`PERM4`] (each lane still takes its blocks in order); the tail and the
 /// reduction are the reference's.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-unsafe fn q8_0_tile_vnni(
-    w: &[BlockQ8_0],
+unsafe fn tile32_vnni<W: Vals32>(
+    w: &[W],
     nb: usize,
     rows: usize,
     acts: &[&[BlockQ8_0]],
@@ -404,7 +538,7 @@ unsafe fn q8_0_tile_vnni(
                 };
             }
         }
-        let size = std::mem::size_of::<BlockQ8_0>();
+        let size = std::mem::size_of::<W>();
         for j in (0..rows).step_by(2) {
             let j1 = (j + 1).min(rows - 1);
             let ws = [&w[j * nb..(j + 1) * nb], &w[j1 * nb..(j1 + 1) * nb]];
@@ -423,10 +557,10 @@ unsafe fn q8_0_tile_vnni(
                         _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast());
                     }
                     let b = &ws[t][blk..blk + 8];
-                    wz[t] = arr!(i in 4 => two_blocks(&b[2 * i], &b[2 * i + 1]));
+                    wz[t] = arr!(i in 4 => two_vals(&b[2 * i], &b[2 * i + 1]));
                     let s = arr!(i in 4 => _mm512_dpbusd_epi32(zero, ones, wz[t][i]));
                     sw[t] = _mm256_slli_epi32::<7>(sums4(&s));
-                    dw[t] = scales4(b);
+                    dw[t] = W::scales(b);
                 }
                 for (r, pr) in prep[g * nr..(g + 1) * nr].iter().enumerate() {
                     for t in 0..2 {
@@ -447,10 +581,7 @@ unsafe fn q8_0_tile_vnni(
                         lanes[b] = perm[k];
                     }
                     for b in groups * 8..nb {
-                        let (w, a) = (&ws[t][b], &acts[r][b]);
-                        let term =
-                            scalar::term(f16_to_f32(w.d), f16_to_f32(a.d), scalar::sumi_q8_0(w, a));
-                        lanes[b % 8] = lanes[b % 8] + term;
+                        lanes[b % 8] = lanes[b % 8] + ws[t][b].term(&acts[r][b]);
                     }
                     out[(row0 + r) * rows + jt] = scalar::reduce8(&lanes);
                 }
@@ -463,10 +594,10 @@ unsafe fn q8_0_tile_vnni(
 /// one activation row with VNNI, one weight row per accumulator: per row
 /// exactly [`scalar::q8_0_q8_0`] (the steps of [`q8_0_tile_vnni`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-unsafe fn q8_0_rows8_vnni(w: &[&[BlockQ8_0]; 8], a: &[BlockQ8_0], out: &mut [f32; 8]) {
+unsafe fn rows8_32_vnni<W: Vals32>(w: &[&[W]; 8], a: &[BlockQ8_0], out: &mut [f32; 8]) {
     let nb = a.len();
     let groups = nb / 8;
-    let size = std::mem::size_of::<BlockQ8_0>();
+    let size = std::mem::size_of::<W>();
     // The rows are read in an interleaved order the hardware prefetcher follows
     // poorly: each step fetches the same blocks of the next run instead.
     let next = w[0].as_ptr().cast::<u8>().wrapping_add(8 * nb * size);
@@ -486,12 +617,12 @@ unsafe fn q8_0_rows8_vnni(w: &[&[BlockQ8_0]; 8], a: &[BlockQ8_0], out: &mut [f32
                     _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast());
                 }
                 let b = &w[t][blk..blk + 8];
-                let wz = arr!(i in 4 => two_blocks(&b[2 * i], &b[2 * i + 1]));
+                let wz = arr!(i in 4 => two_vals(&b[2 * i], &b[2 * i + 1]));
                 let sw = arr!(i in 4 => _mm512_dpbusd_epi32(zero, ones, wz[i]));
                 let v = arr!(i in 4 => _mm512_dpbusd_epi32(zero, az[i], wz[i]));
                 let s = _mm256_sub_epi32(sums4(&v), _mm256_slli_epi32::<7>(sums4(&sw)));
                 let s = _mm256_cvtepi32_ps(s);
-                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_mul_ps(scales4(b), da), s));
+                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_mul_ps(W::scales(b), da), s));
             }
         }
         for t in 0..8 {
@@ -502,9 +633,7 @@ unsafe fn q8_0_rows8_vnni(w: &[&[BlockQ8_0]; 8], a: &[BlockQ8_0], out: &mut [f32
                 lanes[b] = perm[k];
             }
             for b in groups * 8..nb {
-                let (w, a) = (&w[t][b], &a[b]);
-                let term = scalar::term(f16_to_f32(w.d), f16_to_f32(a.d), scalar::sumi_q8_0(w, a));
-                lanes[b % 8] = lanes[b % 8] + term;
+                lanes[b % 8] = lanes[b % 8] + w[t][b].term(&a[b]);
             }
             out[t] = scalar::reduce8(&lanes);
         }
@@ -549,7 +678,7 @@ mod tests {
                 let mut tile = vec![f32::NAN; 2 * per.len()];
                 if has_vnni() {
                     // SAFETY: AVX-512 and VNNI checked.
-                    unsafe { q8_0_tile_vnni(wb, nb, 2, &per, &mut tile, 0) };
+                    unsafe { tile32_vnni(wb, nb, 2, &per, &mut tile, 0) };
                 }
                 for (r, a) in per.iter().enumerate() {
                     for (t, o) in [o0, o1].iter().enumerate() {
