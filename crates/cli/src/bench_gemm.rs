@@ -95,7 +95,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         samesum_synth::write_model(&opts, &path, &mut |_, _| {})
             .with_context(|| format!("writing the {name} layer"))?;
         let model = Model::load(&path).with_context(|| format!("loading {}", path.display()))?;
-        let backend = match crate::args::open(dev.clone(), &model) {
+        let backend = match crate::args::open(dev, &model) {
             Ok(b) => b,
             Err(e) => {
                 // A format this backend has no kernel for: say so, go on.
