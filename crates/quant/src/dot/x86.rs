@@ -609,7 +609,7 @@ unsafe fn two_groups(v: __m256i, a: __m256i, s_lo: i32, s_hi: i32) -> __m256i {
 
 /// The 2-bit fields at bit `2 sh` of 32 bytes, as bytes 0..3.
 #[inline(always)]
-unsafe fn crumbs(q: __m256i, sh: usize) -> __m256i {
+pub(super) unsafe fn crumbs(q: __m256i, sh: usize) -> __m256i {
     unsafe {
         _mm256_and_si256(
             _mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * sh as i32)),

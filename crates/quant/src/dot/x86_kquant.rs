@@ -13,7 +13,7 @@
 //! (separate multiply and add, no FMA), so every value has the bits of
 //! [`super::scalar`].
 
-use super::x86::{IDX_PAIRS, hsum8, join, load256, load256u};
+use super::x86::{IDX_PAIRS, crumbs, hsum8, join, load256, load256u};
 use crate::blocks::*;
 use std::arch::x86_64::*;
 
@@ -28,8 +28,11 @@ pub(super) trait Format {
     /// The block has mins: `acc - (dmin*da)*summ` after each block, with
     /// `summ = Σ fac·bsums`.
     const MINS: bool;
-    /// The block's sum is `dot − 32·Σ fac·bsums` (Q6_K's offset).
+    /// The block's sum is `dot − 2^CORR_SHIFT·Σ fac·bsums` (Q6_K's offset of
+    /// 32, Q3_K's of 4).
     const CORR: bool;
+    /// The power of two of the `CORR` offset.
+    const CORR_SHIFT: i32 = 5;
     unsafe fn unpack(&self, w: &Self::W) -> Self::U;
     unsafe fn prep(&self, a: &BlockQ8K) -> Self::P;
     /// 16 lanes whose total is the exact integer dot of the block pair (before
@@ -221,7 +224,10 @@ pub(super) unsafe fn tile<F: Format>(
                     let (d, dmin) = F::scales(&u[t]);
                     if F::CORR {
                         let m = bsum_dot(f.fac(&u[t]), &pb.bt, &bidx);
-                        s = _mm256_sub_epi32(s, _mm256_slli_epi32::<5>(m));
+                        s = _mm256_sub_epi32(
+                            s,
+                            _mm256_sll_epi32(m, _mm_cvtsi32_si128(F::CORR_SHIFT)),
+                        );
                     }
                     let sumi = _mm256_cvtepi32_ps(s);
                     acc[t] = _mm256_add_ps(
@@ -279,7 +285,10 @@ pub(super) unsafe fn rows8<F: Format>(f: &F, w: &[&[F::W]; 8], a: &[BlockQ8K], o
             let da = _mm256_set1_ps(ab.d);
             let mut s = tree8(&v);
             if F::CORR {
-                s = _mm256_sub_epi32(s, _mm256_slli_epi32::<5>(hsum8(&ms)));
+                s = _mm256_sub_epi32(
+                    s,
+                    _mm256_sll_epi32(hsum8(&ms), _mm_cvtsi32_si128(F::CORR_SHIFT)),
+                );
             }
             let sumi = _mm256_cvtepi32_ps(s);
             let d = _mm256_loadu_ps(d.as_ptr());
@@ -656,6 +665,151 @@ impl Format for Iq4 {
     }
 }
 
+// ---------------------------------------------------------------- Q2_K, Q3_K
+
+/// A Q2_K or Q3_K block unpacked: chunk `k` holds elements `32k..32k+32` as
+/// i16 values already times their 16-element group's scale (Q2_K: the 2-bit
+/// value and the low scale nibble; Q3_K: the 2-bit value plus 4 where the
+/// high bit is set, and the signed 6-bit scale); `fac` the factors against
+/// the bsums (Q2_K: the mins; Q3_K: the scales, for its offset of 4).
+#[derive(Clone, Copy)]
+pub(super) struct K23Block {
+    v: [__m512i; 8],
+    fac: __m256i,
+    d: f32,
+    dmin: f32,
+}
+
+/// Chunk `k`'s values (32 bytes) widened and times the scales of its two
+/// groups.
+#[inline(always)]
+unsafe fn scaled_chunk(vals: __m256i, lo: i16, hi: i16) -> __m512i {
+    unsafe {
+        let sc = _mm512_inserti64x4::<1>(_mm512_set1_epi16(lo), _mm256_set1_epi16(hi));
+        _mm512_mullo_epi16(_mm512_cvtepu8_epi16(vals), sc)
+    }
+}
+
+/// The 256 activations of a Q8_K block as i16, 32 a register.
+#[inline(always)]
+unsafe fn widen_q8k(a: &BlockQ8K) -> [__m512i; 8] {
+    unsafe { arr!(k in 8 => _mm512_cvtepi8_epi16(load256(&a.qs[k * 32..]))) }
+}
+
+/// `Σ_k madd(v[k], p[k])`: 16 lanes whose total is the block's scaled dot.
+#[inline(always)]
+unsafe fn dot16(v: &[__m512i; 8], p: &[__m512i; 8]) -> __m512i {
+    unsafe {
+        let mut s = _mm512_madd_epi16(v[0], p[0]);
+        for k in 1..8 {
+            s = _mm512_add_epi32(s, _mm512_madd_epi16(v[k], p[k]));
+        }
+        s
+    }
+}
+
+/// Q2_K: `Σ_g (scales_g & 15)·Σ q·a`, mins `scales_g >> 4` against the bsums.
+pub(super) struct Q2;
+
+impl Format for Q2 {
+    type W = BlockQ2K;
+    type U = K23Block;
+    type P = [__m512i; 8];
+    const MINS: bool = true;
+    const CORR: bool = false;
+    #[inline(always)]
+    unsafe fn unpack(&self, w: &BlockQ2K) -> K23Block {
+        unsafe {
+            let q = [load256u(&w.qs[..32]), load256u(&w.qs[32..])];
+            let mut mins = [0i16; 16];
+            for (m, &s) in mins.iter_mut().zip(&w.scales) {
+                *m = (s >> 4) as i16;
+            }
+            let s = |g: usize| (w.scales[g] & 0x0F) as i16;
+            K23Block {
+                // Elements 128 n + 32 sh + l: bits 2 sh of byte 32 n + l.
+                v: arr!(k in 8 => scaled_chunk(crumbs(q[k / 4], k % 4), s(2 * k), s(2 * k + 1))),
+                fac: _mm256_loadu_si256(mins.as_ptr() as *const __m256i),
+                d: h2f(w.d),
+                dmin: h2f(w.dmin),
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn prep(&self, a: &BlockQ8K) -> [__m512i; 8] {
+        unsafe { widen_q8k(a) }
+    }
+    #[inline(always)]
+    unsafe fn dot(&self, u: &K23Block, p: &[__m512i; 8]) -> __m512i {
+        unsafe { dot16(&u.v, p) }
+    }
+    #[inline(always)]
+    unsafe fn fac(&self, u: &K23Block) -> __m256i {
+        u.fac
+    }
+    #[inline(always)]
+    fn scales(u: &K23Block) -> (f32, f32) {
+        (u.d, u.dmin)
+    }
+}
+
+/// Q3_K: `Σ_g sc_g·Σ (q + 4h)·a − 4·Σ_g sc_g·bsum_g` (the value is 4 lower
+/// where the high bit is clear).
+pub(super) struct Q3;
+
+impl Format for Q3 {
+    type W = BlockQ3K;
+    type U = K23Block;
+    type P = [__m512i; 8];
+    const MINS: bool = false;
+    const CORR: bool = true;
+    const CORR_SHIFT: i32 = 2;
+    #[inline(always)]
+    unsafe fn unpack(&self, w: &BlockQ3K) -> K23Block {
+        let sc = q3k_scales(&w.scales);
+        unsafe {
+            let q = [load256u(&w.qs[..32]), load256u(&w.qs[32..])];
+            let hm = load256u(&w.hmask);
+            let mut fac = [0i16; 16];
+            for (f, &s) in fac.iter_mut().zip(&sc) {
+                *f = s as i16;
+            }
+            let chunk = |k: usize| {
+                // Chunk k's high bits: bit k of hmask[l].
+                let bit = _mm256_set1_epi8(1 << k);
+                let high = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+                let u = _mm256_or_si256(
+                    crumbs(q[k / 4], k % 4),
+                    _mm256_and_si256(high, _mm256_set1_epi8(4)),
+                );
+                scaled_chunk(u, sc[2 * k] as i16, sc[2 * k + 1] as i16)
+            };
+            K23Block {
+                v: arr!(k in 8 => chunk(k)),
+                fac: _mm256_loadu_si256(fac.as_ptr() as *const __m256i),
+                d: h2f(w.d),
+                dmin: 0.0,
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn prep(&self, a: &BlockQ8K) -> [__m512i; 8] {
+        unsafe { widen_q8k(a) }
+    }
+    #[inline(always)]
+    unsafe fn dot(&self, u: &K23Block, p: &[__m512i; 8]) -> __m512i {
+        unsafe { dot16(&u.v, p) }
+    }
+    #[inline(always)]
+    unsafe fn fac(&self, u: &K23Block) -> __m256i {
+        u.fac
+    }
+    #[inline(always)]
+    fn scales(u: &K23Block) -> (f32, f32) {
+        (u.d, 0.0)
+    }
+}
+
 /// The tile (prefill) and eight-row (decode) entry points of a [`Format`].
 macro_rules! kernels {
     ($w:ty, $tile:ident, $rows8:ident, $name:literal, $make:expr) => {
@@ -698,3 +852,5 @@ kernels!(
 );
 kernels!(BlockQ6K, q6_k_tile, q6_k_rows8, "Q6_K", Q6::new());
 kernels!(BlockIq4Xs, iq4_xs_tile, iq4_xs_rows8, "IQ4_XS", Iq4::new());
+kernels!(BlockQ2K, q2_k_tile, q2_k_rows8, "Q2_K", Q2);
+kernels!(BlockQ3K, q3_k_tile, q3_k_rows8, "Q3_K", Q3);

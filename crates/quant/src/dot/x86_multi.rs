@@ -26,6 +26,8 @@ pub(super) const MULTI_FORMATS: &[GgmlType] = &[
     GgmlType::Q5_0,
     GgmlType::IQ4_NL,
     GgmlType::MXFP4,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
@@ -146,6 +148,8 @@ pub(super) fn dot_rows_multi(
             drive_tile(weight, w, acts, n, rows, out, tile32_vnni::<BlockMxfp4>)
         }
         T::Q8_0 => drive::<BlockQ8_0, BlockQ8_0>(weight, w, acts, n, rows, out, q8_0_multi2),
+        T::Q2_K => drive_tile(weight, w, acts, n, rows, out, k::q2_k_tile),
+        T::Q3_K => drive_tile(weight, w, acts, n, rows, out, k::q3_k_tile),
         T::Q4_K => drive_tile(weight, w, acts, n, rows, out, k::q4_k_tile),
         T::Q5_K => drive_tile(weight, w, acts, n, rows, out, k::q5_k_tile),
         T::Q6_K => drive_tile(weight, w, acts, n, rows, out, k::q6_k_tile),
@@ -168,6 +172,8 @@ pub(super) fn dot_rows8(
 ) -> Result<usize> {
     use GgmlType as T;
     match (weight, act) {
+        (T::Q2_K, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, k::q2_k_rows8),
+        (T::Q3_K, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, k::q3_k_rows8),
         (T::Q4_K, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, k::q4_k_rows8),
         (T::Q5_K, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, k::q5_k_rows8),
         (T::Q6_K, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, k::q6_k_rows8),
