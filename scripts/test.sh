@@ -176,7 +176,7 @@ done
 # each tiny shape in turn, prompts of up to 130 tokens, two chunk sizes.
 echo "== identity gate on the quant mixes (synth --mix; prompts of up to 130 tokens, chunks 7/64, 8 tokens decoded)"
 i=0
-for mix in q4_k_m ud-q4_k_xl iq4_xs mxfp4 q2_k q3_k_m iq2_xxs iq2_m iq3_xxs; do
+for mix in q4_k_m ud-q4_k_xl iq4_xs mxfp4 q2_k q3_k_m iq2_xxs iq2_m iq3_xxs iq4_nl q5_k_m q8_0; do
     shape=(tiny-qwen3moe tiny-qwen3next tiny-qwen35moe); shape=${shape[$((i % 3))]}; i=$((i + 1))
     "$BIN" synth --shape "$shape" --mix "$mix" --seed 5 -o "$OUT/mix-$mix.gguf" > /dev/null
     "$BIN" identity -m "$OUT/mix-$mix.gguf" --chunk 7,64 --threads 2 --gen 8 --max-len 130 \
