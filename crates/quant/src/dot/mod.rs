@@ -33,6 +33,8 @@ mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_amx;
 #[cfg(target_arch = "x86_64")]
+mod x86_iq;
+#[cfg(target_arch = "x86_64")]
 mod x86_kquant;
 #[cfg(target_arch = "x86_64")]
 mod x86_multi;

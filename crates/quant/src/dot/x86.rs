@@ -5,11 +5,10 @@
 //! and add (no FMA).
 
 use super::ActRow;
-use super::scalar::{self, combine, combine_min, combine_scaled};
+use super::scalar::{self, combine, combine_min};
+use super::x86_iq as iq;
 use crate::blocks::*;
-use crate::dequant::{iq2_s_index, iq2_xxs_words, iq3_xxs_word};
 use crate::error::Result;
-use crate::iq_tables::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
 use crate::isa::Isa;
 use samesum_gguf::GgmlType;
 use std::arch::x86_64::*;
@@ -64,7 +63,7 @@ pub(super) fn dot_rows(
 ) -> Result<bool> {
     use GgmlType as T;
     macro_rules! each_row {
-        ($kernel:ident, $a:expr) => {{
+        ($kernel:path, $a:expr) => {{
             let blocks = crate::cast_blocks(weight, w)?;
             for (o, wr) in out.iter_mut().zip(blocks.chunks_exact(per_row)) {
                 *o = $kernel(wr, $a);
@@ -115,11 +114,11 @@ pub(super) fn dot_rows(
             (_, T::Q5_K, ActRow::Q8K(a)) => each_row!(q5_k_avx2, a),
             (_, T::Q6_K, ActRow::Q8K(a)) => each_row!(q6_k_avx2, a),
             (_, T::IQ4_XS, ActRow::Q8K(a)) => each_row!(iq4_xs_avx2, a),
-            (_, T::IQ2_XXS, ActRow::Q8K(a)) => each_row!(iq2_xxs_avx2, a),
-            (_, T::IQ2_S, ActRow::Q8K(a)) => each_row!(iq2_s_avx2, a),
-            (_, T::IQ3_XXS, ActRow::Q8K(a)) => each_row!(iq3_xxs_avx2, a),
-            (_, T::IQ2_XS, ActRow::Q8K(a)) => each_row!(iq2_xs_avx2, a),
-            (_, T::IQ3_S, ActRow::Q8K(a)) => each_row!(iq3_s_avx2, a),
+            (_, T::IQ2_XXS, ActRow::Q8K(a)) => each_row!(iq::iq2_xxs_avx2, a),
+            (_, T::IQ2_S, ActRow::Q8K(a)) => each_row!(iq::iq2_s_avx2, a),
+            (_, T::IQ3_XXS, ActRow::Q8K(a)) => each_row!(iq::iq3_xxs_avx2, a),
+            (_, T::IQ2_XS, ActRow::Q8K(a)) => each_row!(iq::iq2_xs_avx2, a),
+            (_, T::IQ3_S, ActRow::Q8K(a)) => each_row!(iq::iq3_s_avx2, a),
             _ => return Ok(false),
         }
     };
@@ -247,7 +246,7 @@ float_avx512!(bf16_avx512, u16, ld_bf16_16, |v: &u16| scalar::bf16_to_f32(
 // ---------------------------------------------------------------- integer helpers
 
 #[inline(always)]
-unsafe fn hsum_i32(v: __m256i) -> i32 {
+pub(super) unsafe fn hsum_i32(v: __m256i) -> i32 {
     unsafe {
         let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
         let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
@@ -530,8 +529,8 @@ unsafe fn lanes8_min_avx2(
                     f[i][k] = x;
                 }
             }
-            let cvt = |x: &[u16; 8]| _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr() as *const __m128i));
-            let (dw, da, m, sa) = (cvt(&f[0]), cvt(&f[1]), cvt(&f[2]), cvt(&f[3]));
+            let [dw, da, m, sa] =
+                arr!(i in 4 => _mm256_cvtph_ps(_mm_loadu_si128(f[i].as_ptr() as *const __m128i)));
             let s = _mm256_cvtepi32_ps(hsum8(&v));
             let t = _mm256_add_ps(
                 _mm256_mul_ps(_mm256_mul_ps(dw, da), s),
@@ -591,15 +590,13 @@ unsafe fn q5_1_avx2(w: &[BlockQ5_1], a: &[BlockQ8_1]) -> f32 {
 #[inline(always)]
 unsafe fn two_groups(v: __m256i, a: __m256i, s_lo: i32, s_hi: i32) -> __m256i {
     unsafe {
-        let half = |x: __m256i, hi: bool| {
-            _mm256_cvtepi8_epi16(if hi {
-                _mm256_extracti128_si256::<1>(x)
-            } else {
-                _mm256_castsi256_si128(x)
-            })
-        };
-        let lo = _mm256_madd_epi16(half(v, false), half(a, false));
-        let hi = _mm256_madd_epi16(half(v, true), half(a, true));
+        let (v0, a0) = (_mm256_castsi256_si128(v), _mm256_castsi256_si128(a));
+        let (v1, a1) = (
+            _mm256_extracti128_si256::<1>(v),
+            _mm256_extracti128_si256::<1>(a),
+        );
+        let lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(v0), _mm256_cvtepi8_epi16(a0));
+        let hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(v1), _mm256_cvtepi8_epi16(a1));
         _mm256_add_epi32(
             _mm256_mullo_epi32(lo, _mm256_set1_epi32(s_lo)),
             _mm256_mullo_epi32(hi, _mm256_set1_epi32(s_hi)),
@@ -908,7 +905,7 @@ unsafe fn iq4_xs_avx2(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
 
 /// Byte masks of 32 sign bits: byte `i` is all ones where bit `i` of `s` is set.
 #[inline(always)]
-unsafe fn sign_masks(s: u32) -> __m256i {
+pub(super) unsafe fn sign_masks(s: u32) -> __m256i {
     unsafe {
         let spread = _mm256_set_epi64x(
             0x0303_0303_0303_0303,
@@ -920,160 +917,6 @@ unsafe fn sign_masks(s: u32) -> __m256i {
         let b = _mm256_shuffle_epi8(_mm256_set1_epi32(s as i32), spread);
         _mm256_cmpeq_epi8(_mm256_and_si256(b, bits), bits)
     }
-}
-
-/// `Σ ±grid·scale·a` over 32 elements, in 8 i32 lanes: `grid` holds magnitudes
-/// below 64, bit `i` of `signs` negates element `i`, elements 0..16 take
-/// `scale_lo` and 16..32 `scale_hi` (odd, below 32). Exact: the signed, scaled
-/// grid values fit i16 (|g·scale| < 2048) and each product pair fits i32.
-#[inline(always)]
-unsafe fn signed_grid_dot(
-    grid: __m256i,
-    signs: u32,
-    a: __m256i,
-    scale_lo: i16,
-    scale_hi: i16,
-) -> __m256i {
-    unsafe {
-        let m = sign_masks(signs);
-        let g = _mm256_sub_epi8(_mm256_xor_si256(grid, m), m);
-        let g0 = _mm256_mullo_epi16(
-            _mm256_cvtepi8_epi16(_mm256_castsi256_si128(g)),
-            _mm256_set1_epi16(scale_lo),
-        );
-        let g1 = _mm256_mullo_epi16(
-            _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(g)),
-            _mm256_set1_epi16(scale_hi),
-        );
-        let a0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(a));
-        let a1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(a));
-        _mm256_add_epi32(_mm256_madd_epi16(g0, a0), _mm256_madd_epi16(g1, a1))
-    }
-}
-
-/// Four sign bytes from four 7-bit indices into [`KSIGNS_IQ2XS`] (the low 28
-/// bits of `aux`), byte `l` for index `l`.
-#[inline(always)]
-fn ksigns4(aux: u32) -> u32 {
-    (0..4).fold(0u32, |s, l| {
-        s | (KSIGNS_IQ2XS[((aux >> (7 * l)) & 127) as usize] as u32) << (8 * l)
-    })
-}
-
-#[target_feature(enable = "avx2")]
-unsafe fn iq2_xxs_avx2(w: &[BlockIq2Xxs], a: &[BlockQ8K]) -> f32 {
-    let mut acc = 0f32;
-    for (w, a) in w.iter().zip(a) {
-        let sumi = unsafe {
-            let mut v = _mm256_setzero_si256();
-            for ib in 0..8 {
-                let (grids, aux) = iq2_xxs_words(w, ib);
-                let g = |l: u32| IQ2XXS_GRID[((grids >> (8 * l)) & 0xff) as usize] as i64;
-                let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
-                let ls = (2 * (aux >> 28) + 1) as i16;
-                let q = load256(&a.qs[ib * 32..]);
-                v = _mm256_add_epi32(v, signed_grid_dot(grid, ksigns4(aux), q, ls, ls));
-            }
-            hsum_i32(v)
-        };
-        acc = combine_scaled(acc, f16_to_f32(w.d), a.d, 0.125, sumi);
-    }
-    acc
-}
-
-#[target_feature(enable = "avx2")]
-unsafe fn iq3_xxs_avx2(w: &[BlockIq3Xxs], a: &[BlockQ8K]) -> f32 {
-    let mut acc = 0f32;
-    for (w, a) in w.iter().zip(a) {
-        let sumi = unsafe {
-            let mut v = _mm256_setzero_si256();
-            for ib in 0..8 {
-                let aux = iq3_xxs_word(w, ib);
-                let g = |m: usize| IQ3XXS_GRID[w.qs[ib * 8 + m] as usize] as i32;
-                let grid = _mm256_set_epi32(g(7), g(6), g(5), g(4), g(3), g(2), g(1), g(0));
-                let ls = (2 * (aux >> 28) + 1) as i16;
-                let q = load256(&a.qs[ib * 32..]);
-                v = _mm256_add_epi32(v, signed_grid_dot(grid, ksigns4(aux), q, ls, ls));
-            }
-            hsum_i32(v)
-        };
-        acc = combine_scaled(acc, f16_to_f32(w.d), a.d, 0.25, sumi);
-    }
-    acc
-}
-
-#[target_feature(enable = "avx2")]
-unsafe fn iq2_s_avx2(w: &[BlockIq2S], a: &[BlockQ8K]) -> f32 {
-    let mut acc = 0f32;
-    for (w, a) in w.iter().zip(a) {
-        let sumi = unsafe {
-            let mut v = _mm256_setzero_si256();
-            for ib in 0..8 {
-                let g = |l: usize| IQ2S_GRID[iq2_s_index(w, 4 * ib + l)] as i64;
-                let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
-                let s = &w.signs[4 * ib..4 * ib + 4];
-                let signs = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-                let sc = w.scales[ib];
-                let (lo, hi) = (2 * (sc & 0x0F) as i16 + 1, 2 * (sc >> 4) as i16 + 1);
-                let q = load256(&a.qs[ib * 32..]);
-                v = _mm256_add_epi32(v, signed_grid_dot(grid, signs, q, lo, hi));
-            }
-            hsum_i32(v)
-        };
-        acc = combine_scaled(acc, f16_to_f32(w.d), a.d, 0.125, sumi);
-    }
-    acc
-}
-
-#[target_feature(enable = "avx2")]
-unsafe fn iq2_xs_avx2(w: &[BlockIq2Xs], a: &[BlockQ8K]) -> f32 {
-    let mut acc = 0f32;
-    for (w, a) in w.iter().zip(a) {
-        let sumi = unsafe {
-            let mut v = _mm256_setzero_si256();
-            for ib in 0..8 {
-                let q2 = &w.qs[4 * ib..4 * ib + 4];
-                let g = |l: usize| i64::from_le_bytes(IQ2XS_GRID[(q2[l] & 511) as usize]);
-                let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
-                let signs = (0..4).fold(0u32, |s, l| {
-                    s | (KSIGNS_IQ2XS[(q2[l] >> 9) as usize] as u32) << (8 * l)
-                });
-                let sc = w.scales[ib];
-                let (lo, hi) = (2 * (sc & 0x0F) as i16 + 1, 2 * (sc >> 4) as i16 + 1);
-                let q = load256(&a.qs[ib * 32..]);
-                v = _mm256_add_epi32(v, signed_grid_dot(grid, signs, q, lo, hi));
-            }
-            hsum_i32(v)
-        };
-        acc = combine_scaled(acc, f16_to_f32(w.d), a.d, 0.125, sumi);
-    }
-    acc
-}
-
-#[target_feature(enable = "avx2")]
-unsafe fn iq3_s_avx2(w: &[BlockIq3S], a: &[BlockQ8K]) -> f32 {
-    let mut acc = 0f32;
-    for (w, a) in w.iter().zip(a) {
-        let sumi = unsafe {
-            let mut v = _mm256_setzero_si256();
-            for ib in 0..8 {
-                let g = |m: usize| {
-                    let e = ib * 8 + m;
-                    let idx = w.qs[e] as usize | ((((w.qh[ib] >> m) & 1) as usize) << 8);
-                    i32::from_le_bytes(IQ3S_GRID[idx])
-                };
-                let grid = _mm256_set_epi32(g(7), g(6), g(5), g(4), g(3), g(2), g(1), g(0));
-                let s = &w.signs[4 * ib..4 * ib + 4];
-                let signs = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-                let ls = 2 * ((w.scales[ib / 2] >> (4 * (ib % 2))) & 0x0F) as i16 + 1;
-                let q = load256(&a.qs[ib * 32..]);
-                v = _mm256_add_epi32(v, signed_grid_dot(grid, signs, q, ls, ls));
-            }
-            hsum_i32(v)
-        };
-        acc = combine(acc, f16_to_f32(w.d), a.d, sumi);
-    }
-    acc
 }
 
 // ---------------------------------------------------------------- AVX-512 quantized

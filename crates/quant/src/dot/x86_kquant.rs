@@ -692,13 +692,13 @@ unsafe fn scaled_chunk(vals: __m256i, lo: i16, hi: i16) -> __m512i {
 
 /// The 256 activations of a Q8_K block as i16, 32 a register.
 #[inline(always)]
-unsafe fn widen_q8k(a: &BlockQ8K) -> [__m512i; 8] {
+pub(super) unsafe fn widen_q8k(a: &BlockQ8K) -> [__m512i; 8] {
     unsafe { arr!(k in 8 => _mm512_cvtepi8_epi16(load256(&a.qs[k * 32..]))) }
 }
 
 /// `Σ_k madd(v[k], p[k])`: 16 lanes whose total is the block's scaled dot.
 #[inline(always)]
-unsafe fn dot16(v: &[__m512i; 8], p: &[__m512i; 8]) -> __m512i {
+pub(super) unsafe fn dot16(v: &[__m512i; 8], p: &[__m512i; 8]) -> __m512i {
     unsafe {
         let mut s = _mm512_madd_epi16(v[0], p[0]);
         for k in 1..8 {
@@ -753,6 +753,21 @@ impl Format for Q2 {
     }
 }
 
+/// Chunk `k` of a Q3_K block: the 2-bit values plus 4 where the high bit
+/// (bit `k` of `hmask[l]`) is set, times the scales of its two groups.
+#[inline(always)]
+unsafe fn q3_chunk(q: &[__m256i; 2], hm: __m256i, sc: &[i8; 16], k: usize) -> __m512i {
+    unsafe {
+        let bit = _mm256_set1_epi8(1 << k);
+        let high = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+        let u = _mm256_or_si256(
+            crumbs(q[k / 4], k % 4),
+            _mm256_and_si256(high, _mm256_set1_epi8(4)),
+        );
+        scaled_chunk(u, sc[2 * k] as i16, sc[2 * k + 1] as i16)
+    }
+}
+
 /// Q3_K: `Σ_g sc_g·Σ (q + 4h)·a − 4·Σ_g sc_g·bsum_g` (the value is 4 lower
 /// where the high bit is clear).
 pub(super) struct Q3;
@@ -774,18 +789,8 @@ impl Format for Q3 {
             for (f, &s) in fac.iter_mut().zip(&sc) {
                 *f = s as i16;
             }
-            let chunk = |k: usize| {
-                // Chunk k's high bits: bit k of hmask[l].
-                let bit = _mm256_set1_epi8(1 << k);
-                let high = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
-                let u = _mm256_or_si256(
-                    crumbs(q[k / 4], k % 4),
-                    _mm256_and_si256(high, _mm256_set1_epi8(4)),
-                );
-                scaled_chunk(u, sc[2 * k] as i16, sc[2 * k + 1] as i16)
-            };
             K23Block {
-                v: arr!(k in 8 => chunk(k)),
+                v: arr!(k in 8 => q3_chunk(&q, hm, &sc, k)),
                 fac: _mm256_loadu_si256(fac.as_ptr() as *const __m256i),
                 d: h2f(w.d),
                 dmin: 0.0,

@@ -13,6 +13,7 @@
 use super::ActRow;
 use super::scalar;
 use super::x86::{hsum8, load256};
+use super::x86_iq as iq;
 use super::x86_kquant as k;
 use crate::blocks::*;
 use crate::error::{QuantError, Result};
@@ -28,6 +29,11 @@ pub(super) const MULTI_FORMATS: &[GgmlType] = &[
     GgmlType::MXFP4,
     GgmlType::Q2_K,
     GgmlType::Q3_K,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ3_S,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
@@ -149,6 +155,11 @@ pub(super) fn dot_rows_multi(
         }
         T::Q8_0 => drive::<BlockQ8_0, BlockQ8_0>(weight, w, acts, n, rows, out, q8_0_multi2),
         T::Q2_K => drive_tile(weight, w, acts, n, rows, out, k::q2_k_tile),
+        T::IQ2_XXS => drive_tile(weight, w, acts, n, rows, out, iq::iq2_xxs_tile),
+        T::IQ2_XS => drive_tile(weight, w, acts, n, rows, out, iq::iq2_xs_tile),
+        T::IQ2_S => drive_tile(weight, w, acts, n, rows, out, iq::iq2_s_tile),
+        T::IQ3_XXS => drive_tile(weight, w, acts, n, rows, out, iq::iq3_xxs_tile),
+        T::IQ3_S => drive_tile(weight, w, acts, n, rows, out, iq::iq3_s_tile),
         T::Q3_K => drive_tile(weight, w, acts, n, rows, out, k::q3_k_tile),
         T::Q4_K => drive_tile(weight, w, acts, n, rows, out, k::q4_k_tile),
         T::Q5_K => drive_tile(weight, w, acts, n, rows, out, k::q5_k_tile),
@@ -173,6 +184,11 @@ pub(super) fn dot_rows8(
     use GgmlType as T;
     match (weight, act) {
         (T::Q2_K, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, k::q2_k_rows8),
+        (T::IQ2_XXS, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, iq::iq2_xxs_rows8),
+        (T::IQ2_XS, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, iq::iq2_xs_rows8),
+        (T::IQ2_S, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, iq::iq2_s_rows8),
+        (T::IQ3_XXS, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, iq::iq3_xxs_rows8),
+        (T::IQ3_S, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, iq::iq3_s_rows8),
         (T::Q3_K, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, k::q3_k_rows8),
         (T::Q4_K, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, k::q4_k_rows8),
         (T::Q5_K, ActRow::Q8K(a)) => drive8(weight, w, a, per_row, out, k::q5_k_rows8),
