@@ -639,7 +639,14 @@ fn serve_outlives_a_client_that_leaves_mid_stream() {
         s.write_all(request(body, "/v1/completions").as_bytes())
             .unwrap();
         let mut buf = [0u8; 4096];
-        let n = s.read(&mut buf).unwrap();
+        // A signal delivered to this process may interrupt the read
+        // (EINTR): that is no answer yet, so read again.
+        let n = loop {
+            match s.read(&mut buf) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                r => break r.unwrap(),
+            }
+        };
         let head = String::from_utf8_lossy(&buf[..n]);
         assert!(head.starts_with("HTTP/1.1 200"), "{head}");
         #[cfg(unix)]

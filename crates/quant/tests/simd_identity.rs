@@ -308,7 +308,9 @@ fn multi_row_kernels_handle_extreme_values() {
                     // The f16 super-scale(s): keep the generator's, or the largest.
                     let d_at: &[usize] = match ty {
                         GgmlType::Q6_K => &[208],
-                        GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+                        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q4_1 | GgmlType::Q5_1 => {
+                            &[0, 2]
+                        }
                         _ => &[0],
                     };
                     for (i, b) in w.chunks_exact_mut(ts).enumerate() {
@@ -331,6 +333,15 @@ fn multi_row_kernels_handle_extreme_values() {
                                 (0..n / 32)
                                     .map(|_| {
                                         let mut b = random_q8_0(&mut rng);
+                                        b.qs = [act_fill; 32];
+                                        b
+                                    })
+                                    .collect(),
+                            ),
+                            GgmlType::Q8_1 => ActRow::Q8_1(
+                                (0..n / 32)
+                                    .map(|_| {
+                                        let mut b = random_q8_1(&mut rng);
                                         b.qs = [act_fill; 32];
                                         b
                                     })
@@ -422,7 +433,9 @@ fn eight_row_kernels_handle_extreme_values() {
                     let mut w = random_weight_blocks(ty, rows * n / bs, &mut rng).unwrap();
                     let keep: &[usize] = match ty {
                         GgmlType::Q6_K => &[208, 209],
-                        GgmlType::Q4_K | GgmlType::Q5_K => &[0, 1, 2, 3],
+                        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q4_1 | GgmlType::Q5_1 => {
+                            &[0, 1, 2, 3]
+                        }
                         _ => &[0, 1],
                     };
                     for b in w.chunks_exact_mut(ty.type_size()) {
@@ -432,7 +445,17 @@ fn eight_row_kernels_handle_extreme_values() {
                             b[i] = v;
                         }
                     }
-                    let act = if bs == 32 {
+                    let act = if dot::act_type(ty) == Some(GgmlType::Q8_1) {
+                        ActRow::Q8_1(
+                            (0..n / 32)
+                                .map(|_| {
+                                    let mut b = random_q8_1(&mut rng);
+                                    b.qs = [act_fill; 32];
+                                    b
+                                })
+                                .collect(),
+                        )
+                    } else if bs == 32 {
                         ActRow::Q8_0(
                             (0..n / 32)
                                 .map(|_| {

@@ -391,7 +391,7 @@ unsafe fn q4_0_avx2(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
 /// The 32 nibbles of a 32-value block as unsigned bytes in element order
 /// (element j the low nibble of byte j, element j + 16 its high nibble).
 #[inline(always)]
-unsafe fn nibbles32(qs: &[u8; 16]) -> __m256i {
+pub(super) unsafe fn nibbles32(qs: &[u8; 16]) -> __m256i {
     unsafe {
         let q = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
         let m4 = _mm_set1_epi8(0x0F);

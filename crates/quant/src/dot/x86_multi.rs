@@ -25,6 +25,8 @@ pub(super) const MULTI_FORMATS: &[GgmlType] = &[
     GgmlType::Q8_0,
     GgmlType::Q4_0,
     GgmlType::Q5_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_1,
     GgmlType::IQ4_NL,
     GgmlType::MXFP4,
     GgmlType::Q2_K,
@@ -110,6 +112,16 @@ impl ActBlock for BlockQ8K {
     }
 }
 
+impl ActBlock for BlockQ8_1 {
+    const TYPE: GgmlType = GgmlType::Q8_1;
+    fn blocks(a: &ActRow) -> Option<&[Self]> {
+        match a {
+            ActRow::Q8_1(b) => Some(b),
+            _ => None,
+        }
+    }
+}
+
 impl ActBlock for BlockQ8_0 {
     const TYPE: GgmlType = GgmlType::Q8_0;
     fn blocks(a: &ActRow) -> Option<&[Self]> {
@@ -146,6 +158,12 @@ pub(super) fn dot_rows_multi(
         }
         T::Q5_0 if has_vnni() => {
             drive_tile(weight, w, acts, n, rows, out, tile32_vnni::<BlockQ5_0>)
+        }
+        T::Q4_1 if has_vnni() => {
+            drive_tile(weight, w, acts, n, rows, out, tile32_vnni::<BlockQ4_1>)
+        }
+        T::Q5_1 if has_vnni() => {
+            drive_tile(weight, w, acts, n, rows, out, tile32_vnni::<BlockQ5_1>)
         }
         T::IQ4_NL if has_vnni() => {
             drive_tile(weight, w, acts, n, rows, out, tile32_vnni::<BlockIq4Nl>)
@@ -202,6 +220,12 @@ pub(super) fn dot_rows8(
         }
         (T::Q5_0, ActRow::Q8_0(a)) if has_vnni() => {
             drive8(weight, w, a, per_row, out, rows8_32_vnni::<BlockQ5_0>)
+        }
+        (T::Q4_1, ActRow::Q8_1(a)) if has_vnni() => {
+            drive8(weight, w, a, per_row, out, rows8_32_vnni::<BlockQ4_1>)
+        }
+        (T::Q5_1, ActRow::Q8_1(a)) if has_vnni() => {
+            drive8(weight, w, a, per_row, out, rows8_32_vnni::<BlockQ5_1>)
         }
         (T::IQ4_NL, ActRow::Q8_0(a)) if has_vnni() => {
             drive8(weight, w, a, per_row, out, rows8_32_vnni::<BlockIq4Nl>)
@@ -397,33 +421,73 @@ unsafe fn sums4(v: &[__m512i; 4]) -> __m256i {
     }
 }
 
-/// Two Q8_0 blocks in one register.
-#[inline(always)]
-unsafe fn two_blocks(a: &BlockQ8_0, b: &BlockQ8_0) -> __m512i {
-    unsafe { super::x86::join(load256(&a.qs), load256(&b.qs)) }
-}
-
-/// The f16 scales of blocks `blk + PERM4[k]`, as f32.
-#[inline(always)]
-unsafe fn scales4(b: &[BlockQ8_0]) -> __m256 {
-    let mut bits = [0u16; 8];
-    for (x, &k) in bits.iter_mut().zip(&PERM4) {
-        *x = b[k].d.to_bits();
-    }
-    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(bits.as_ptr() as *const __m128i)) }
-}
-
 /// A weight block of 32 values and one scale, dotted with a Q8_0 block as
 /// `(dw * da) * sumi` (Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4): what the VNNI
 /// kernels need of it.
 trait Vals32: bytemuck::Pod {
+    /// The activation block it is dotted with (Q8_0, or Q8_1 with a min).
+    type A: Act32;
+    /// The term has a min: `(dw * da) * sumi + m * s` (Q4_1, Q5_1).
+    const MIN: bool = false;
     /// The 32 values as signed bytes, in element order.
     unsafe fn vals(&self) -> __m256i;
     /// The scales of blocks `PERM4[k]` of `b`, as f32 (the reference's
     /// conversion: F16C is exact).
     unsafe fn scales(b: &[Self]) -> __m256;
+    /// The mins of blocks `PERM4[k]` of `b`, as f32 (with `MIN`).
+    unsafe fn mins(_b: &[Self]) -> __m256 {
+        unsafe { _mm256_setzero_ps() }
+    }
     /// The scalar reference's term of this block with `a`.
-    fn term(&self, a: &BlockQ8_0) -> f32;
+    fn term(&self, a: &Self::A) -> f32;
+}
+
+/// A 32-value activation block: Q8_0, or Q8_1 (with `s = d · Σ q`).
+trait Act32: bytemuck::Pod + ActBlock {
+    fn qs(&self) -> &[i8; 32];
+    fn d_bits(&self) -> u16;
+    /// `s` as f16 bits (0 for Q8_0, which has none).
+    fn s_bits(&self) -> u16;
+}
+
+impl Act32 for BlockQ8_0 {
+    fn qs(&self) -> &[i8; 32] {
+        &self.qs
+    }
+    fn d_bits(&self) -> u16 {
+        self.d.to_bits()
+    }
+    fn s_bits(&self) -> u16 {
+        0
+    }
+}
+
+impl Act32 for BlockQ8_1 {
+    fn qs(&self) -> &[i8; 32] {
+        &self.qs
+    }
+    fn d_bits(&self) -> u16 {
+        self.d.to_bits()
+    }
+    fn s_bits(&self) -> u16 {
+        self.s.to_bits()
+    }
+}
+
+/// Two activation blocks' quants in one register.
+#[inline(always)]
+unsafe fn act_two<A: Act32>(a: &A, b: &A) -> __m512i {
+    unsafe { super::x86::join(load256(a.qs()), load256(b.qs())) }
+}
+
+/// F16 bits of blocks `PERM4[k]` (from `f`) as f32.
+#[inline(always)]
+unsafe fn perm_f16<T>(b: &[T], f: impl Fn(&T) -> u16) -> __m256 {
+    let mut bits = [0u16; 8];
+    for (x, &k) in bits.iter_mut().zip(&PERM4) {
+        *x = f(&b[k]);
+    }
+    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(bits.as_ptr() as *const __m128i)) }
 }
 
 /// [`Vals32::scales`] of blocks with an f16 scale `d`.
@@ -441,6 +505,7 @@ macro_rules! f16_scales {
 }
 
 impl Vals32 for BlockQ8_0 {
+    type A = BlockQ8_0;
     #[inline(always)]
     unsafe fn vals(&self) -> __m256i {
         unsafe { load256(&self.qs) }
@@ -456,6 +521,7 @@ impl Vals32 for BlockQ8_0 {
 }
 
 impl Vals32 for BlockQ4_0 {
+    type A = BlockQ8_0;
     #[inline(always)]
     unsafe fn vals(&self) -> __m256i {
         unsafe { super::x86::q4_0_values(self) }
@@ -467,6 +533,7 @@ impl Vals32 for BlockQ4_0 {
 }
 
 impl Vals32 for BlockQ5_0 {
+    type A = BlockQ8_0;
     #[inline(always)]
     unsafe fn vals(&self) -> __m256i {
         unsafe {
@@ -483,6 +550,7 @@ impl Vals32 for BlockQ5_0 {
 }
 
 impl Vals32 for BlockIq4Nl {
+    type A = BlockQ8_0;
     #[inline(always)]
     unsafe fn vals(&self) -> __m256i {
         unsafe { super::x86::table_values(&KVALUES_IQ4NL, &self.qs) }
@@ -494,6 +562,7 @@ impl Vals32 for BlockIq4Nl {
 }
 
 impl Vals32 for BlockMxfp4 {
+    type A = BlockQ8_0;
     #[inline(always)]
     unsafe fn vals(&self) -> __m256i {
         unsafe { super::x86::table_values(&KVALUES_MXFP4, &self.qs) }
@@ -511,6 +580,40 @@ impl Vals32 for BlockMxfp4 {
     }
 }
 
+impl Vals32 for BlockQ4_1 {
+    type A = BlockQ8_1;
+    const MIN: bool = true;
+    #[inline(always)]
+    unsafe fn vals(&self) -> __m256i {
+        unsafe { super::x86::nibbles32(&self.qs) }
+    }
+    f16_scales!();
+    #[inline(always)]
+    unsafe fn mins(b: &[Self]) -> __m256 {
+        unsafe { perm_f16(b, |x| x.m.to_bits()) }
+    }
+    fn term(&self, a: &BlockQ8_1) -> f32 {
+        scalar::q4_1_q8_1(std::slice::from_ref(self), std::slice::from_ref(a))
+    }
+}
+
+impl Vals32 for BlockQ5_1 {
+    type A = BlockQ8_1;
+    const MIN: bool = true;
+    #[inline(always)]
+    unsafe fn vals(&self) -> __m256i {
+        unsafe { super::x86::q5_values(&self.qh, &self.qs) }
+    }
+    f16_scales!();
+    #[inline(always)]
+    unsafe fn mins(b: &[Self]) -> __m256 {
+        unsafe { perm_f16(b, |x| x.m.to_bits()) }
+    }
+    fn term(&self, a: &BlockQ8_1) -> f32 {
+        scalar::q5_1_q8_1(std::slice::from_ref(self), std::slice::from_ref(a))
+    }
+}
+
 /// Two weight blocks' values in one register.
 #[inline(always)]
 unsafe fn two_vals<W: Vals32>(a: &W, b: &W) -> __m512i {
@@ -524,6 +627,7 @@ unsafe fn two_vals<W: Vals32>(a: &W, b: &W) -> __m512i {
 struct Q8Prep {
     az: [__m512i; 4],
     da: __m256,
+    sa: __m256,
 }
 
 /// [`q8_0_multi2`] for a whole tile with VNNI: every weight row of `w` (`rows`
@@ -537,7 +641,7 @@ unsafe fn tile32_vnni<W: Vals32>(
     w: &[W],
     nb: usize,
     rows: usize,
-    acts: &[&[BlockQ8_0]],
+    acts: &[&[W::A]],
     out: &mut [f32],
     row0: usize,
 ) {
@@ -555,8 +659,13 @@ unsafe fn tile32_vnni<W: Vals32>(
             for (r, a) in acts[..nr].iter().enumerate() {
                 let a = &a[8 * g..8 * g + 8];
                 prep[g * nr + r] = Q8Prep {
-                    az: arr!(i in 4 => _mm512_xor_si512(two_blocks(&a[2 * i], &a[2 * i + 1]), flip)),
-                    da: scales4(a),
+                    az: arr!(i in 4 => _mm512_xor_si512(act_two(&a[2 * i], &a[2 * i + 1]), flip)),
+                    da: perm_f16(a, |x| x.d_bits()),
+                    sa: if W::MIN {
+                        perm_f16(a, |x| x.s_bits())
+                    } else {
+                        _mm256_setzero_ps()
+                    },
                 };
             }
         }
@@ -571,6 +680,7 @@ unsafe fn tile32_vnni<W: Vals32>(
                 let mut wz = [[zero; 4]; 2];
                 let mut sw = [_mm256_setzero_si256(); 2];
                 let mut dw = [_mm256_setzero_ps(); 2];
+                let mut mw = [_mm256_setzero_ps(); 2];
                 for t in 0..2 {
                     // The next pair of rows follows this one (prefetches never
                     // fault, past the end of the weights included).
@@ -583,13 +693,19 @@ unsafe fn tile32_vnni<W: Vals32>(
                     let s = arr!(i in 4 => _mm512_dpbusd_epi32(zero, ones, wz[t][i]));
                     sw[t] = _mm256_slli_epi32::<7>(sums4(&s));
                     dw[t] = W::scales(b);
+                    if W::MIN {
+                        mw[t] = W::mins(b);
+                    }
                 }
                 for (r, pr) in prep[g * nr..(g + 1) * nr].iter().enumerate() {
                     for t in 0..2 {
                         let v = arr!(i in 4 => _mm512_dpbusd_epi32(zero, pr.az[i], wz[t][i]));
                         let s = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums4(&v), sw[t]));
-                        acc[t][r] =
-                            _mm256_add_ps(acc[t][r], _mm256_mul_ps(_mm256_mul_ps(dw[t], pr.da), s));
+                        let mut term = _mm256_mul_ps(_mm256_mul_ps(dw[t], pr.da), s);
+                        if W::MIN {
+                            term = _mm256_add_ps(term, _mm256_mul_ps(mw[t], pr.sa));
+                        }
+                        acc[t][r] = _mm256_add_ps(acc[t][r], term);
                     }
                 }
             }
@@ -616,7 +732,7 @@ unsafe fn tile32_vnni<W: Vals32>(
 /// one activation row with VNNI, one weight row per accumulator: per row
 /// exactly [`scalar::q8_0_q8_0`] (the steps of [`q8_0_tile_vnni`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-unsafe fn rows8_32_vnni<W: Vals32>(w: &[&[W]; 8], a: &[BlockQ8_0], out: &mut [f32; 8]) {
+unsafe fn rows8_32_vnni<W: Vals32>(w: &[&[W]; 8], a: &[W::A], out: &mut [f32; 8]) {
     let nb = a.len();
     let groups = nb / 8;
     let size = std::mem::size_of::<W>();
@@ -631,8 +747,13 @@ unsafe fn rows8_32_vnni<W: Vals32>(w: &[&[W]; 8], a: &[BlockQ8_0], out: &mut [f3
         for g in 0..groups {
             let blk = 8 * g;
             let ab = &a[blk..blk + 8];
-            let az = arr!(i in 4 => _mm512_xor_si512(two_blocks(&ab[2 * i], &ab[2 * i + 1]), flip));
-            let da = scales4(ab);
+            let az = arr!(i in 4 => _mm512_xor_si512(act_two(&ab[2 * i], &ab[2 * i + 1]), flip));
+            let da = perm_f16(ab, |x| x.d_bits());
+            let sa = if W::MIN {
+                perm_f16(ab, |x| x.s_bits())
+            } else {
+                _mm256_setzero_ps()
+            };
             for t in 0..8 {
                 let p = next.wrapping_add((t * nb + blk) * size);
                 for line in (0..8 * size).step_by(64) {
@@ -644,7 +765,11 @@ unsafe fn rows8_32_vnni<W: Vals32>(w: &[&[W]; 8], a: &[BlockQ8_0], out: &mut [f3
                 let v = arr!(i in 4 => _mm512_dpbusd_epi32(zero, az[i], wz[i]));
                 let s = _mm256_sub_epi32(sums4(&v), _mm256_slli_epi32::<7>(sums4(&sw)));
                 let s = _mm256_cvtepi32_ps(s);
-                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_mul_ps(W::scales(b), da), s));
+                let mut term = _mm256_mul_ps(_mm256_mul_ps(W::scales(b), da), s);
+                if W::MIN {
+                    term = _mm256_add_ps(term, _mm256_mul_ps(W::mins(b), sa));
+                }
+                acc[t] = _mm256_add_ps(acc[t], term);
             }
         }
         for t in 0..8 {
