@@ -65,7 +65,7 @@ run)
     out=${2:?usage: scripts/gpu.sh run OUTDIR}
     mkdir -p "$out"
     steps=",${SAMESUM_GPU_STEPS:-compile,tests,identity,bigidentity,bench,q3moe},"
-    export SAMESUM_REQUIRE_GPU=1 SAMESUM_REQUIRE_NVRTC=1
+    export SAMESUM_REQUIRE=gpu,nvrtc
     export SAMESUM_KERNEL_CACHE=${SAMESUM_KERNEL_CACHE:-/tmp/samesum-kernels}
     for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
         [ -d "$d" ] && export LD_LIBRARY_PATH=$d:${LD_LIBRARY_PATH:-}

@@ -11,7 +11,7 @@
 #   SAMESUM_SKIP_CUDA=1 scripts/test.sh     # without the NVRTC compile
 #   SAMESUM_LLAMA_CHECK=1 scripts/test.sh   # also build llama.cpp and run it on synth models
 #   LLAMA_SIMPLE=/path/to/llama-simple scripts/test.sh   # ... with a llama.cpp you built
-#   SAMESUM_REQUIRE_BROWSER=1 scripts/test.sh   # fail, not skip, without Chromium (CI)
+#   SAMESUM_REQUIRE=browser scripts/test.sh     # fail, not skip, without Chromium (CI)
 #
 # The chat page's test drives Debian's Chromium (/usr/bin/chromium and
 # /usr/bin/chromedriver: apt-get install chromium chromium-driver) with
@@ -38,8 +38,8 @@ ORACLE=1 CUDA=1 LLAMA=0
 [[ ( "${SAMESUM_LLAMA_CHECK:-0}" == "1" || $FULL == 1 ) && -z "${LLAMA_SIMPLE:-}" && $ORACLE == 1 ]] && LLAMA=1
 BROWSER=0
 [[ -x /usr/bin/chromium && -x /usr/bin/chromedriver ]] && BROWSER=1
-if [[ $BROWSER == 0 && $ORACLE == 1 && "${SAMESUM_REQUIRE_BROWSER:-0}" == "1" ]]; then
-    echo "SAMESUM_REQUIRE_BROWSER=1 but /usr/bin/chromium or /usr/bin/chromedriver is missing (apt-get install chromium chromium-driver)" >&2
+if [[ $BROWSER == 0 && $ORACLE == 1 && ",${SAMESUM_REQUIRE:-}," == *,browser,* ]]; then
+    echo "SAMESUM_REQUIRE names browser but /usr/bin/chromium or /usr/bin/chromedriver is missing (apt-get install chromium chromium-driver)" >&2
     exit 1
 fi
 TARGET="${CARGO_TARGET_DIR:-target}/release"
@@ -130,7 +130,7 @@ if [[ $CUDA == 1 ]]; then
     # --workspace: the build the tests above ran (no crate rebuilt).
     NVRTC_LIB="$("$CUDA_VENV/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')"
     background "$OUT/nvrtc.log" env LD_LIBRARY_PATH="$NVRTC_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-        SAMESUM_REQUIRE_NVRTC=1 cargo test --workspace --release --locked -q --test kernels_compile \
+        SAMESUM_REQUIRE=nvrtc cargo test --workspace --release --locked -q --test kernels_compile \
         -- --nocapture --test-threads=1
     NVRTC_JOB=$JOB
 fi

@@ -5,7 +5,7 @@
 //! Every test is ignored unless asked for (`cargo test -- --include-ignored`,
 //! as scripts/gpu.sh runs them), so a machine without a GPU reports them
 //! ignored, not passed; asked for there, a test skips, unless
-//! `SAMESUM_REQUIRE_GPU=1` (the GPU script sets it).
+//! `SAMESUM_REQUIRE` names `gpu` (the GPU script sets it).
 
 use samesum_cuda::tier::{RESERVE, TierSizes};
 use samesum_cuda::{Cuda, CudaError, CudaOptions};
@@ -41,8 +41,9 @@ fn gpu() -> bool {
     let n = samesum_cuda::device_count();
     if n == 0 {
         assert!(
-            std::env::var("SAMESUM_REQUIRE_GPU").as_deref() != Ok("1"),
-            "SAMESUM_REQUIRE_GPU=1 but no CUDA device was found"
+            !std::env::var("SAMESUM_REQUIRE")
+                .is_ok_and(|v| v.split(',').any(|w| w.trim() == "gpu")),
+            "SAMESUM_REQUIRE names gpu but no CUDA device was found"
         );
         eprintln!("skipped: no CUDA device");
     }
