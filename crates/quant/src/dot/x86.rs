@@ -356,15 +356,7 @@ unsafe fn q8_0_avx2(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
 /// The 32 signed values `q - 8` of a Q4_0 block, in element order.
 #[inline(always)]
 pub(super) unsafe fn q4_0_values(b: &BlockQ4_0) -> __m256i {
-    unsafe {
-        let q = _mm_loadu_si128(b.qs.as_ptr() as *const __m128i);
-        let m4 = _mm_set1_epi8(0x0F);
-        let both = _mm256_set_m128i(
-            _mm_and_si128(_mm_srli_epi16::<4>(q), m4),
-            _mm_and_si128(q, m4),
-        );
-        _mm256_sub_epi8(both, _mm256_set1_epi8(8))
-    }
+    unsafe { _mm256_sub_epi8(nibbles32(&b.qs), _mm256_set1_epi8(8)) }
 }
 
 #[target_feature(enable = "avx2,f16c")]

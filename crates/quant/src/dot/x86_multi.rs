@@ -495,11 +495,7 @@ macro_rules! f16_scales {
     () => {
         #[inline(always)]
         unsafe fn scales(b: &[Self]) -> __m256 {
-            let mut bits = [0u16; 8];
-            for (x, &k) in bits.iter_mut().zip(&PERM4) {
-                *x = b[k].d.to_bits();
-            }
-            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(bits.as_ptr() as *const __m128i)) }
+            unsafe { perm_f16(b, |x| x.d.to_bits()) }
         }
     };
 }
