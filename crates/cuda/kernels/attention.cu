@@ -855,8 +855,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // split into tiles of FA_KT keys. Within a split the tiles are folded in
 // order by the online softmax (running max m, sum l, output o); the splits
 // are then folded in order by fa_fold. Prefill blocks run a pair's splits
-// one after another and fold them in registers; decode blocks (few rows)
-// take one split each, write its (m, l, o) and attention_flash_combine folds
+// one after another and fold them in registers; decode blocks (few rows,
+// attention_flash_dec below) take one split each, write its (m, l, o) and attention_flash_combine folds
 // them, with the same fa_fold, in the same order: the same bytes either way.
 // A tile past a pair's position (prefill blocks run up to their last row's)
 // adds nothing: its scores are -inf, its probabilities 0, the running
@@ -928,13 +928,13 @@ struct FaLayout {
 };
 
 // An f16 cache's keys j0 .. j0 + FA_KT - 1 of KV head g copied to shared
-// memory asynchronously (zeros past key `last`).
-template <int HD>
+// memory asynchronously (zeros past key `last`) by the block's NTH threads.
+template <int HD, int NTH = FA_W * 32>
 __device__ __forceinline__ void fa_issue_kv(u16* ks, const void* ck, const void* cv, int hkv, int g, int j0,
                                             int last) {
     typedef FaLayout<HD> L;
     constexpr int CH = HD / 8;
-    for (int i = threadIdx.x; i < 2 * FA_KT * CH; i += FA_W * 32) {
+    for (int i = threadIdx.x; i < 2 * FA_KT * CH; i += NTH) {
         int mat = i / (FA_KT * CH), r = (i / CH) % FA_KT, c = i % CH;
         int j = min(j0 + r, last);
         const u16* src = (const u16*)(mat ? cv : ck) + ((i64)j * hkv + g) * HD + 8 * c;
@@ -944,13 +944,13 @@ __device__ __forceinline__ void fa_issue_kv(u16* ks, const void* ck, const void*
 
 // An f32 cache's keys j0 .. j0 + FA_KT - 1 of KV head g into shared memory
 // as halves (rounded to nearest: the bytes an f16 cache holds), zeros past
-// key `last`.
-template <int HD>
+// key `last`, by the block's NTH threads.
+template <int HD, int NTH = FA_W * 32>
 __device__ __forceinline__ void fa_load_kv(u16* ks, const void* ck, const void* cv, int hkv, int g, int j0,
                                            int last) {
     typedef FaLayout<HD> L;
     constexpr int CH = HD / 8;  // 8-value chunks a row
-    for (int i = threadIdx.x; i < 2 * FA_KT * CH; i += FA_W * 32) {
+    for (int i = threadIdx.x; i < 2 * FA_KT * CH; i += NTH) {
         int mat = i / (FA_KT * CH), r = (i / CH) % FA_KT, c = i % CH;
         int j = j0 + r;
         uint4 w = make_uint4(0u, 0u, 0u, 0u);
@@ -964,14 +964,12 @@ __device__ __forceinline__ void fa_load_kv(u16* ks, const void* ck, const void* 
     }
 }
 
-// Pairs p of the block: (row r0 + p / gs, head g * gs + p % gs); `split`
-// >= 0: that split only, its (m, l) to pml and o to pacc (nsplit splits a
-// pair); -1: every split of the block's rows, folded, the output to `o`.
+// Pairs p of the block: (row r0 + p / gs, head g * gs + p % gs): every
+// split of the block's rows, folded, the output to `o`.
 template <int HD>
-__device__ __forceinline__ void attention_flash_k(const float* q, const void* ck, const void* cv, float* o,
-                                                  float* pml, float* pacc, int m, int hq, int hkv,
-                                                  const int* posp, int rbase, float sl2, int f16, int split,
-                                                  int nsplit) {
+__device__ __forceinline__ void attention_flash_k(const float* q, const void* ck, const void* cv, float* o, int m,
+                                                  int hq, int hkv, const int* posp, int rbase, float sl2,
+                                                  int f16) {
     typedef FaLayout<HD> L;
     constexpr int NT = HD / 8;  // output n-tiles a warp
     extern __shared__ __align__(16) u16 fa_smem[];
@@ -983,8 +981,6 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const void* ck
     int g = blockIdx.x, r0 = blockIdx.y * rows;
     int np = min(rows, m - r0) * gs;
     int last = pos0 + r0 + (np - 1) / gs;  // the block's last key
-    int s_lo = split < 0 ? 0 : split, s_hi = split < 0 ? last / FA_SPLIT : split;
-    if (s_lo * FA_SPLIT > last) return;
     for (int i = tid; i < FA_P * (HD / 2); i += FA_W * 32) {
         int p = i / (HD / 2), d = 2 * (i % (HD / 2));
         u32 w = 0u;
@@ -1012,7 +1008,7 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const void* ck
     // The block's tiles in order, the splits' boundaries every
     // FA_SPLIT / FA_KT tiles. An f16 cache's tiles are copied a tile ahead
     // into alternate buffers; an f32 cache's are converted in place.
-    int jbeg = s_lo * FA_SPLIT, jall = min((s_hi + 1) * FA_SPLIT, last + 1);
+    int jbeg = 0, jall = last + 1;
     if (f16) {
         fa_issue_kv<HD>(fa_smem + L::K, ck, cv, hkv, g, jbeg, last);
         cp_async_commit();
@@ -1121,26 +1117,13 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const void* ck
         if (f16) __syncthreads();
         if ((j0 + FA_KT) % FA_SPLIT != 0 && j0 + FA_KT < jall) continue;
         // The split ends: its sum over the quad's lanes (every lane of the
-        // quad gets the same bits: fadd commutes), then its partial out
-        // (decode) or its fold into the running values (prefill).
+        // quad gets the same bits: fadd commutes), then its fold into the
+        // running values (decode writes the split's partial instead and
+        // attention_flash_combine folds it the same way).
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             lr[h] = __fadd_rn(lr[h], __shfl_xor_sync(0xffffffffu, lr[h], 1));
             lr[h] = __fadd_rn(lr[h], __shfl_xor_sync(0xffffffffu, lr[h], 2));
-        }
-        if (split >= 0) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                if (posr[h] < s * FA_SPLIT) continue;
-                i64 pair = (i64)(r0 + (pa + 8 * h) / gs) * hq + g * gs + (pa + 8 * h) % gs;
-                i64 at = pair * nsplit + s;
-                if (c == 0) *reinterpret_cast<float2*>(pml + 2 * at) = make_float2(mr[h], lr[h]);
-#pragma unroll
-                for (int n = 0; n < NT; n++)
-                    *reinterpret_cast<float2*>(pacc + at * HD + 8 * n + 2 * c) =
-                        make_float2(os[n][2 * h], os[n][2 * h + 1]);
-            }
-            continue;
         }
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -1163,7 +1146,6 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const void* ck
             }
         }
     }
-    if (split >= 0) return;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         if (posr[h] < 0) continue;
@@ -1178,19 +1160,218 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const void* ck
 
 #define FA_KERNEL(name, HD)                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_W * 32, 1)                                                     \
-        name(const float* q, const void* ck, const void* cv, float* o, float* pml, float* pacc, int m, int hq,     \
-             int hkv, const int* posp, int rbase, float sl2, int f16, int split_mode, int nsplit) {                \
+        name(const float* q, const void* ck, const void* cv, float* o, int m, int hq, int hkv, const int* posp,    \
+             int rbase, float sl2, int f16) {                                                                      \
         pdl_wait();                                                                                                \
-        attention_flash_k<HD>(q, ck, cv, o, pml, pacc, m, hq, hkv, posp, rbase, sl2, f16,                          \
-                              split_mode ? (int)blockIdx.z : -1, nsplit);                                          \
+        attention_flash_k<HD>(q, ck, cv, o, m, hq, hkv, posp, rbase, sl2, f16);                                    \
     }
 FA_KERNEL(attention_flash_64, 64)
 FA_KERNEL(attention_flash_128, 128)
 FA_KERNEL(attention_flash_256, 256)
 
+// Decode's blocks: one split of FD_P (row, head) pairs of KV head g (the
+// rows of one mma tile), its (m, l) to pml and o to pacc, the function of
+// attention_flash_k's split mode to the bit with four warps at work on each
+// tile instead of one. Warp w takes the tile's keys 16 w .. 16 w + 15 for
+// the scores (an mma output element depends on its row's q and its key
+// only, so the same bits whichever warp makes it) and writes them, scaled
+// and masked, to shared memory; then every warp reads the whole tile's
+// scores back in the mma layout and runs the online softmax on them as
+// attention_flash_k's lane does (the same maxima, exponentials and sums in
+// the same order, so every warp holds the same running max and sum), and
+// multiplies the probabilities by its quarter of the head dim's value
+// columns (an output column's chain of scalings and mma accumulations is
+// that column's alone). Decode's per-tile chain is a quarter as long, the
+// split's keys read once a block as before.
+#define FD_W 4   // warps a decode block
+#define FD_P 16  // (row, head) pairs a decode block
+#define FD_SS (FA_KT + 4)  // a score row's stride in floats (bank spread)
+
+template <int HD>
+struct FdLayout {
+    static constexpr int ST = HD + 8;
+    static constexpr int K = FD_P * ST;         // after the pairs' q
+    static constexpr int BUF = 2 * FA_KT * ST;  // keys then values
+    static constexpr int S = K + 2 * BUF;       // the scores (floats) after two buffers
+    static constexpr int BYTES = S * 2 + FD_P * FD_SS * 4;
+};
+
+template <int HD>
+__device__ __forceinline__ void attention_flash_dec_k(const float* q, const void* ck, const void* cv, float* pml,
+                                                      float* pacc, int m, int hq, int hkv, const int* posp,
+                                                      int rbase, float sl2, int f16, int nsplit) {
+    typedef FdLayout<HD> L;
+    constexpr int NW = HD / 8 / FD_W;  // a warp's output n-tiles
+    constexpr int NTH = FD_W * 32;
+    extern __shared__ __align__(16) u16 fa_smem[];
+    u16* qs = fa_smem;
+    float* ss = reinterpret_cast<float*>(fa_smem + L::S);
+    int pos0 = *posp + rbase;
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    int gr = lane >> 2, c = lane & 3;
+    int gs = hq / hkv;
+    int g = blockIdx.x, p0 = blockIdx.y * FD_P, s = blockIdx.z;
+    int np = min(FD_P, m * gs - p0);
+    if (np <= 0) return;
+    int last = pos0 + (p0 + np - 1) / gs;  // the block's last key
+    if (s * FA_SPLIT > last) return;
+    for (int i = tid; i < FD_P * (HD / 2); i += NTH) {
+        int p = i / (HD / 2), d = 2 * (i % (HD / 2));
+        u32 w = 0u;
+        if (p < np) {
+            int pp = p0 + p;
+            float2 x = *reinterpret_cast<const float2*>(q + ((i64)(pp / gs) * hq + g * gs + pp % gs) * HD + d);
+            w = fa_pack(x.x, x.y);
+        }
+        *reinterpret_cast<u32*>(qs + p * L::ST + d) = w;
+    }
+    int posr[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) posr[h] = gr + 8 * h < np ? pos0 + (p0 + gr + 8 * h) / gs : -1;
+    const u16* qa = qs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * L::ST + 8 * (lane >> 4);
+    float mr[2] = {-INFINITY, -INFINITY}, lr[2] = {0.0f, 0.0f}, os[NW][4];
+#pragma unroll
+    for (int n = 0; n < NW; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) os[n][e] = 0.0f;
+    int jbeg = s * FA_SPLIT, jall = min((s + 1) * FA_SPLIT, last + 1);
+    if (f16) {
+        fa_issue_kv<HD, NTH>(fa_smem + L::K, ck, cv, hkv, g, jbeg, last);
+        cp_async_commit();
+    }
+    for (int j0 = jbeg, it = 0; j0 < jall; j0 += FA_KT, it++) {
+        u16* kb = fa_smem + L::K + (f16 ? (it & 1) * L::BUF : 0);
+        if (f16) {
+            if (j0 + FA_KT < jall) {
+                fa_issue_kv<HD, NTH>(fa_smem + L::K + ((it + 1) & 1) * L::BUF, ck, cv, hkv, g, j0 + FA_KT, last);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
+        } else {
+            __syncthreads();
+            fa_load_kv<HD, NTH>(kb, ck, cv, hkv, g, j0, last);
+            __syncthreads();
+        }
+        {
+            // This warp's 16 keys: attention_flash_k's n-tiles 2 warp and
+            // 2 warp + 1, the same k-steps in the same order.
+            const u16* ka = kb + (16 * warp + (lane & 7) + 8 * (lane >> 4)) * L::ST + 8 * ((lane >> 3) & 1);
+            float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+            for (int k0 = 0; k0 < HD; k0 += 16) {
+                u32 a[4], b[4];
+                fa_ldsm4(a, qa + k0);
+                fa_ldsm4(b, ka + k0);
+                fa_mma(sc[0], a[0], a[1], a[2], a[3], b[0], b[1]);
+                fa_mma(sc[1], a[0], a[1], a[2], a[3], b[2], b[3]);
+            }
+#pragma unroll
+            for (int n = 0; n < 2; n++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    int col = 8 * (2 * warp + n) + 2 * c, j = j0 + col;
+                    float v0 = j <= posr[h] ? __fmul_rn(sc[n][2 * h], sl2) : -INFINITY;
+                    float v1 = j + 1 <= posr[h] ? __fmul_rn(sc[n][2 * h + 1], sl2) : -INFINITY;
+                    *reinterpret_cast<float2*>(ss + (gr + 8 * h) * FD_SS + col) = make_float2(v0, v1);
+                }
+        }
+        __syncthreads();
+        float sc[FA_KT / 8][4];
+#pragma unroll
+        for (int n = 0; n < FA_KT / 8; n++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float2 v = *reinterpret_cast<const float2*>(ss + (gr + 8 * h) * FD_SS + 8 * n + 2 * c);
+                sc[n][2 * h] = v.x;
+                sc[n][2 * h + 1] = v.y;
+            }
+        // From here attention_flash_k's steps exactly, on this warp's
+        // output columns.
+        float mt[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < FA_KT / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) mt[e / 2] = fmaxf(mt[e / 2], sc[n][e]);
+        float al[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 1));
+            mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 2));
+            al[h] = mt[h] > mr[h] ? fa_ex2(__fsub_rn(mr[h], mt[h])) : 1.0f;
+            mr[h] = fmaxf(mr[h], mt[h]);
+        }
+        float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int n = 0; n < FA_KT / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int h = e / 2;
+                float p = mr[h] == -INFINITY ? 0.0f : fa_ex2(__fsub_rn(sc[n][e], mr[h]));
+                sc[n][e] = p;
+                ps[h] = __fadd_rn(ps[h], p);
+            }
+#pragma unroll
+        for (int h = 0; h < 2; h++) lr[h] = __fmaf_rn(lr[h], al[h], ps[h]);
+#pragma unroll
+        for (int n = 0; n < NW; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) os[n][e] = __fmul_rn(os[n][e], al[e / 2]);
+        const u16* va = kb + FA_KT * L::ST + ((lane & 7) + 8 * ((lane >> 3) & 1)) * L::ST + 8 * (lane >> 4) +
+                        8 * NW * warp;
+#pragma unroll
+        for (int kk = 0; kk < FA_KT / 16; kk++) {
+            u32 a0 = fa_pack(sc[2 * kk][0], sc[2 * kk][1]), a1 = fa_pack(sc[2 * kk][2], sc[2 * kk][3]);
+            u32 a2 = fa_pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            u32 a3 = fa_pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+            for (int n = 0; n < NW; n += 2) {
+                u32 b[4];
+                fa_ldsm4t(b, va + 16 * kk * L::ST + 8 * n);
+                fa_mma(os[n], a0, a1, a2, a3, b[0], b[1]);
+                fa_mma(os[n + 1], a0, a1, a2, a3, b[2], b[3]);
+            }
+        }
+        // The buffer just read is the one the next tile but one is copied
+        // to, and the scores' rows are rewritten by the next tile.
+        __syncthreads();
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        lr[h] = __fadd_rn(lr[h], __shfl_xor_sync(0xffffffffu, lr[h], 1));
+        lr[h] = __fadd_rn(lr[h], __shfl_xor_sync(0xffffffffu, lr[h], 2));
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        if (posr[h] < s * FA_SPLIT) continue;  // no pair, or no key of the row in this split
+        int pp = p0 + gr + 8 * h;
+        i64 at = ((i64)(pp / gs) * hq + g * gs + pp % gs) * nsplit + s;
+        if (warp == 0 && c == 0) *reinterpret_cast<float2*>(pml + 2 * at) = make_float2(mr[h], lr[h]);
+#pragma unroll
+        for (int n = 0; n < NW; n++)
+            *reinterpret_cast<float2*>(pacc + at * HD + 8 * (NW * warp + n) + 2 * c) =
+                make_float2(os[n][2 * h], os[n][2 * h + 1]);
+    }
+}
+
+#define FD_KERNEL(name, HD)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(FD_W * 32, 1)                                                 \
+        name(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq, int hkv, \
+             const int* posp, int rbase, float sl2, int f16, int nsplit) {                                     \
+        pdl_wait();                                                                                            \
+        attention_flash_dec_k<HD>(q, ck, cv, pml, pacc, m, hq, hkv, posp, rbase, sl2, f16, nsplit);           \
+    }
+FD_KERNEL(attention_flash_dec_64, 64)
+FD_KERNEL(attention_flash_dec_128, 128)
+FD_KERNEL(attention_flash_dec_256, 256)
+
 // The splits of each (row, head) pair folded in order (a block per pair, a
 // thread per output dim): fa_fold from split 0, then o / l, as the prefill
-// blocks do in registers.
+// blocks do in registers. Four splits a step with the step's loads issued
+// first (a rolled loop waits on memory once a split); the folds are the
+// same, split by split in order.
 extern "C" __global__ void attention_flash_combine(const float* pml, const float* pacc, float* o, int hq, int hd,
                                                    const int* posp, int rbase, int nsplit) {
     pdl_wait();
@@ -1200,7 +1381,22 @@ extern "C" __global__ void attention_flash_combine(const float* pml, const float
     const float* ml = pml + (i64)pair * nsplit * 2;
     const float* pa = pacc + (i64)pair * nsplit * hd + t;
     float M = ml[0], L = ml[1], acc = pa[0];
-    for (int s = 1; s <= pos / FA_SPLIT; s++) {
+    int ns = pos / FA_SPLIT + 1, s = 1;
+    for (; s + 4 <= ns; s += 4) {
+        float2 v[4];
+        float a[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = *reinterpret_cast<const float2*>(ml + 2 * (s + i));
+            a[i] = pa[(i64)(s + i) * hd];
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            FaFold f(M, L, v[i].x, v[i].y);
+            acc = f.out(acc, a[i]);
+        }
+    }
+    for (; s < ns; s++) {
         FaFold f(M, L, ml[2 * s], ml[2 * s + 1]);
         acc = f.out(acc, pa[(i64)s * hd]);
     }

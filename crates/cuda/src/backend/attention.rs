@@ -35,10 +35,15 @@ const AP: usize = 16;
 const FA_P: usize = 128;
 const FA_KT: usize = 64;
 const FA_SPLIT: usize = 512;
-/// Calls of up to this many rows run the flash kernel a split a block (the
-/// splits fill the GPU at depth) and fold the splits in a second launch;
-/// larger calls fold them in the blocks (no partials).
+/// Calls of up to this many rows run the decode flash kernel, a split a
+/// block (the splits fill the GPU at depth), and fold the splits in a second
+/// launch; larger calls fold them in the blocks (no partials).
 const FA_SPLIT_ROWS: usize = 4;
+/// The decode flash kernel's (row, head) pairs a block (`FD_P`), threads
+/// (`FD_W` warps) and score rows' stride in floats (`FD_SS`).
+const FD_P: usize = 16;
+const FD_THREADS: u32 = 128;
+const FD_SS: usize = FA_KT + 4;
 /// `attention_tiles_q4w2`'s dynamic shared memory (`ATT_P32_SMEM`): 2 x 16
 /// pairs' q rows (`ATT_HD` = 256 floats) and score rows (`ATT_S` = 260).
 const P32_SMEM: usize = 2 * AP * (256 + 260) * 4;
@@ -49,6 +54,22 @@ const P32_SMEM: usize = 2 * AP * (256 + 260) * 4;
 /// tiles are converted in place); halves, rows hd + 8 apart.
 fn flash_smem(hd: usize, f16: bool) -> usize {
     (FA_P + if f16 { 4 } else { 2 } * FA_KT) * (hd + 8) * 2
+}
+
+/// The decode flash kernel's dynamic shared memory in bytes at head dim
+/// `hd` (`FdLayout::BYTES`): its pairs' q, two buffers of a tile's keys and
+/// values (halves, rows hd + 8 apart), then the tile's scores.
+fn flash_dec_smem(hd: usize) -> usize {
+    (FD_P + 4 * FA_KT) * (hd + 8) * 2 + FD_P * FD_SS * 4
+}
+
+/// The decode flash kernel at head dim `hd` (64, 128 or 256).
+fn flash_dec_name(hd: usize) -> &'static str {
+    match hd {
+        64 => "attention_flash_dec_64",
+        128 => "attention_flash_dec_128",
+        _ => "attention_flash_dec_256",
+    }
 }
 
 impl AttentionKernel {
@@ -549,10 +570,11 @@ impl Cuda {
 
 impl Cuda {
     /// Flash attention into `o` (m x hq x hd). Calls of up to
-    /// `FA_SPLIT_ROWS` rows take a block per (KV head, row tile, split of
-    /// 512 keys) and fold the splits' partials in `attention_flash_combine`;
-    /// larger calls a block per (KV head, row tile), folding the splits in
-    /// the block: the same folds in the same order (attention.cu).
+    /// `FA_SPLIT_ROWS` rows take `attention_flash_dec_*`, a block per (KV
+    /// head, 16 pairs, split of 512 keys), and fold the splits' partials in
+    /// `attention_flash_combine`; larger calls a block per (KV head, row
+    /// tile), folding the splits in the block: the same folds in the same
+    /// order (attention.cu).
     fn attend_flash(
         &self,
         p: &Pass,
@@ -577,34 +599,54 @@ impl Cuda {
         let nsplit = (p.nb * 256).div_ceil(FA_SPLIT);
         let split = m <= FA_SPLIT_ROWS;
         let sl2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
-        let (mi, hqi, hkvi, hdi, nsi, f16, spi) = (
+        let (mi, hqi, hkvi, hdi, nsi, f16) = (
             m as i32,
             hq as i32,
             hkv as i32,
             hd as i32,
             nsplit as i32,
             p.f16 as i32,
-            split as i32,
         );
         let r0 = 0i32;
-        let parts = if split { m * hq * nsplit } else { 1 };
+        if !split {
+            return launch!(
+                d,
+                name,
+                cfg(
+                    (hkv as u32, m.div_ceil(FA_P / gs) as u32, 1),
+                    256,
+                    flash_smem(hd, p.f16) as u32
+                ),
+                &p.q,
+                p.ck,
+                p.cv,
+                &mut *o,
+                &mi,
+                &hqi,
+                &hkvi,
+                p.pos0,
+                &r0,
+                &sl2,
+                &f16
+            );
+        }
+        let parts = m * hq * nsplit;
         let (pml, pacc) = parts_buf.take(d, parts * 2, parts * hd)?;
         launch!(
             d,
-            name,
+            flash_dec_name(hd),
             cfg(
                 (
                     hkv as u32,
-                    m.div_ceil(FA_P / gs) as u32,
-                    if split { nsplit as u32 } else { 1 }
+                    (m * gs).div_ceil(FD_P) as u32,
+                    nsplit as u32
                 ),
-                256,
-                flash_smem(hd, p.f16) as u32
+                FD_THREADS,
+                flash_dec_smem(hd) as u32
             ),
             &p.q,
             p.ck,
             p.cv,
-            &mut *o,
             &mut *pml,
             &mut *pacc,
             &mi,
@@ -614,24 +656,21 @@ impl Cuda {
             &r0,
             &sl2,
             &f16,
-            &spi,
             &nsi
         )?;
-        if split {
-            launch!(
-                d,
-                "attention_flash_combine",
-                cfg(((m * hq) as u32, 1, 1), hd.div_ceil(32) as u32 * 32, 0),
-                &*pml,
-                &*pacc,
-                &mut *o,
-                &hqi,
-                &hdi,
-                p.pos0,
-                &r0,
-                &nsi
-            )?;
-        }
+        launch!(
+            d,
+            "attention_flash_combine",
+            cfg(((m * hq) as u32, 1, 1), hd.div_ceil(32) as u32 * 32, 0),
+            &*pml,
+            &*pacc,
+            &mut *o,
+            &hqi,
+            &hdi,
+            p.pos0,
+            &r0,
+            &nsi
+        )?;
         Ok(())
     }
 }
