@@ -1,9 +1,11 @@
 //! `samesum agree`: teacher-forced agreement between two arms, the measure a
 //! kernel variant that does not compute the same bytes needs before it may
-//! exist (docs/CAPABILITIES.md). Arm A is the backend's default; arm B the
-//! same device with the variant under test: `--attention fast` (CUDA's
-//! opt-in attention) or a CPU `--variant`; with neither, B is a same-arm
-//! control, which must agree everywhere. Per prompt, A's greedy continuation
+//! exist (docs/CAPABILITIES.md). Arm A is the reference configuration
+//! (exact attention, an f32 KV cache unless `--kv-type` says otherwise);
+//! arm B the same device as configured, defaults included (on CUDA: fast
+//! attention and an f16 cache), with any `--variant`. Where B equals A
+//! (the CPU without options, or CUDA with `--attention exact --kv-type-b
+//! f32`), B is a same-arm control, which must agree everywhere. Per prompt, A's greedy continuation
 //! is the reference; both arms then read the prompt and the reference and
 //! predict each next token, and the share of positions where their argmax
 //! tokens agree is compared with `--bar`. With `--probe`, a third arm (the
@@ -16,7 +18,7 @@
 //! CUDA arm holds the model's weights; two would need twice the memory):
 //! arm A's rows are kept for the arms after it.
 
-use crate::args::{Attention, BackendArgs, ChunkArgs, KvArgs, ModelArgs, ShapeArgs, ThreadsArgs};
+use crate::args::{BackendArgs, ChunkArgs, KvArgs, ModelArgs, ShapeArgs, ThreadsArgs};
 use anyhow::{Context, Result, bail};
 use samesum_engine::cpu::Cpu;
 use samesum_engine::identity::continue_greedy;
@@ -52,7 +54,7 @@ pub(crate) struct Args {
     /// Random prompts per length (seeds --seed, --seed + 1, ...).
     #[arg(long, default_value_t = 1)]
     seeds: usize,
-    /// A probe arm: arm A with these CPU variants (the smallest change to a
+    /// A probe arm: arm A with these variants (the smallest change to a
     /// result), run on the same prompts; with it the verdict is the probe
     /// bar: arm B's share of agreeing positions over all prompts at least
     /// the probe's share less --probe-margin points.
@@ -66,8 +68,8 @@ pub(crate) struct Args {
     /// length.
     #[arg(long, value_name = "FILE")]
     text: Option<PathBuf>,
-    /// Arm B's CPU variants (comma-separated). On CUDA, arm B's variant is
-    /// `--attention fast`. None: a same-arm control.
+    /// Arm B's variants (comma-separated), on top of its device's
+    /// configuration (see --attention and --kv-type-b).
     #[arg(long, value_enum, value_delimiter = ',')]
     variant: Vec<Variant>,
     #[command(flatten)]
@@ -76,16 +78,18 @@ pub(crate) struct Args {
     threads: ThreadsArgs,
     #[command(flatten)]
     kv: KvArgs,
-    /// Arm B's KV cache type (default: arm A's, --kv-type): measures a
-    /// cache type against another, e.g. `--kv-type f32 --kv-type-b f16`.
+    /// Arm B's KV cache type (default: --kv-type when given, else the
+    /// device's default: f16 on CUDA, f32 on the CPU): measures a cache
+    /// type against another, e.g. `--kv-type f32 --kv-type-b f16`.
     #[arg(long = "kv-type-b", value_name = "TYPE", value_parser = ["f32", "f16"])]
     kv_type_b: Option<String>,
-    // `--attention` applies to arm B; arm A runs the default passes.
+    // `--attention` applies to arm B (default: the device's, fast on CUDA);
+    // arm A runs the exact passes.
     #[command(flatten)]
     backend: BackendArgs,
 }
 
-/// A variant of the CPU backend.
+/// A variant of a backend (CPU or CUDA).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Variant {
     /// The MoE's top-k experts summed in reverse order.
@@ -109,20 +113,9 @@ struct Arm {
 }
 
 impl Arm {
-    /// Whether the arm's device has its variants (before the long runs).
-    fn check(&self) -> Result<()> {
-        match (self.device, self.variants.first()) {
-            (Device::Cuda(..), Some(v)) => bail!(
-                "{} is a CPU variant; on CUDA, arm B's variant is --attention fast",
-                v.name()
-            ),
-            _ => Ok(()),
-        }
-    }
 
     /// Open the arm's backend.
     fn open(&self, model: &Model) -> Result<AnyBackend> {
-        self.check()?;
         match self.device {
             Device::Cpu(threads) => {
                 let mut cpu = Cpu::new(threads);
@@ -133,7 +126,17 @@ impl Arm {
                 }
                 Ok(AnyBackend::Cpu(cpu))
             }
-            Device::Cuda(..) => crate::args::open(self.device, model),
+            Device::Cuda(..) => {
+                let mut b = crate::args::open(self.device, model)?;
+                for v in &self.variants {
+                    if let AnyBackend::Cuda(c) = b {
+                        b = AnyBackend::Cuda(Box::new(match v {
+                            Variant::ReversedTopk => c.with_reversed_topk(),
+                        }));
+                    }
+                }
+                Ok(b)
+            }
         }
     }
 }
@@ -295,7 +298,6 @@ fn random_prompt(len: usize, seed: u64, vocab: usize) -> Vec<u32> {
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
-    let kv = a.kv.kv();
     if a.r#gen == 0 {
         bail!("--gen must be at least 1");
     }
@@ -315,7 +317,10 @@ pub(crate) fn run(a: Args) -> Result<()> {
         bail!("--probe-margin must be a number of points");
     }
     let device = a.backend.device(a.threads.threads)?;
-    // Arm A: the device with the default attention passes.
+    // Arm A: the reference configuration (exact attention, an f32 cache
+    // unless --kv-type says otherwise); arm B the device as given, its
+    // defaults included (on CUDA: fast attention, an f16 cache).
+    let kv = a.kv.given().unwrap_or(KvType::F32);
     let base = match device {
         Device::Cuda(n, opts) => Device::Cuda(
             n,
@@ -329,7 +334,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     let kv_b = match a.kv_type_b.as_deref() {
         Some("f32") => KvType::F32,
         Some(_) => KvType::F16,
-        None => kv,
+        None => a.kv.given().unwrap_or(a.kv.kv(&device)),
     };
     let arm_a = Arm {
         device: base,
@@ -347,9 +352,6 @@ pub(crate) fn run(a: Args) -> Result<()> {
         variants: a.probe.clone(),
         kv,
     });
-    for arm in std::iter::once(&arm_b).chain(&arm_p) {
-        arm.check()?;
-    }
     let (path, _tmp) = a.model.path_or_synth(&a.shape.shape, "q4_k", None)?;
     let model = Model::load(&path).with_context(|| format!("loading {}", path.display()))?;
     let vocab = model.w.n_vocab;
@@ -379,8 +381,8 @@ pub(crate) fn run(a: Args) -> Result<()> {
         .collect();
     let prompts: Vec<Vec<u32>> = specs.iter().map(|&(len, s)| prompt_of(len, s)).collect();
     let mut b_changes: Vec<&str> = a.variant.iter().map(|v| v.name()).collect();
-    if a.backend.attention() == Attention::Fast {
-        b_changes.push("--attention fast");
+    if matches!(device, Device::Cuda(_, o) if o.fast_attention) {
+        b_changes.push("fast attention");
     }
     let kv_name = |k: KvType| {
         if k == KvType::F16 {

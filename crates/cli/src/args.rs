@@ -55,11 +55,10 @@ pub(crate) struct BackendArgs {
           allow_negative_numbers = true)]
     n_gpu_layers: Option<GpuLayers>,
     /// Flash attention, as llama.cpp's -fa (which samesum also takes):
-    /// accepted, changes nothing. samesum has one exact attention per device
-    /// (on CUDA already tiled, flash-style, with a running max; on the CPU a
-    /// softmax of each row); `on` and `off` print a note saying so. The
-    /// f16 tensor-core flash kernel is `--attention fast`, opt-in: -fa never
-    /// turns it on.
+    /// accepted, changes nothing; `on` and `off` print a note saying so.
+    /// samesum's attention is chosen by --attention: on CUDA the default is
+    /// already flash attention (f16 tensor cores), on the CPU the exact
+    /// softmax of each row.
     #[arg(long = "flash-attn", value_enum, value_name = "on|off|auto")]
     flash_attn: Option<FlashAttn>,
     /// Tier mode within this VRAM budget (e.g. 24G): routed experts in host
@@ -67,11 +66,13 @@ pub(crate) struct BackendArgs {
     /// Without it, tier mode starts by itself when the model does not fit.
     #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
     vram_budget: Option<u64>,
-    /// Attention passes on CUDA: `exact` (default) or `fast`, opt-in: tensor
-    /// cores, not the same bytes as `exact`, batched still equal to replay
-    /// (docs/CAPABILITIES.md: its agreement with `exact`).
-    #[arg(long, value_enum, default_value_t = Attention::Exact)]
-    attention: Attention,
+    /// Attention passes: `fast` (the default on CUDA: flash attention on f16
+    /// tensor cores) or `exact` (f32 on CUDA cores; the CPU's only one).
+    /// Batched prefill equals replay with either; `--attention exact
+    /// --kv-type f32` is the reference configuration (docs/CAPABILITIES.md:
+    /// the default's bars against it).
+    #[arg(long, value_enum)]
+    attention: Option<Attention>,
 }
 
 /// `--n-gpu-layers`: a count of layers, or all of them.
@@ -127,16 +128,16 @@ pub(crate) enum FlashAttn {
     Auto,
 }
 
-/// `--attention`: which attention passes a CUDA backend runs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+/// `--attention`: which attention passes a backend runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Attention {
-    /// The default passes: CUDA cores, samesum's exact order.
-    #[default]
+    /// f32 attention in samesum's exact order (CUDA cores on the GPU): the
+    /// reference configuration with `--kv-type f32`, and the CPU's only one.
     Exact,
-    /// Opt-in: flash attention on f16 tensor cores with f32 accumulation (q,
-    /// k, v and the probabilities rounded to f16, as llama.cpp's default).
-    /// Not the same bytes as `exact`, one function for decode and prefill
-    /// (batched still equals replay); docs/CAPABILITIES.md has its bars.
+    /// Flash attention on f16 tensor cores with f32 accumulation (q, k, v
+    /// and the probabilities rounded to f16, as llama.cpp's default), CUDA
+    /// only and its default. One function for decode and prefill (batched
+    /// equals replay); docs/CAPABILITIES.md has its bars against `exact`.
     Fast,
 }
 
@@ -157,11 +158,12 @@ impl BackendArgs {
     fn device_with(&self, threads: usize, cuda_devices: impl Fn() -> usize) -> Result<Device> {
         match self.flash_attn {
             Some(FlashAttn::On) => eprintln!(
-                "note: -fa on changes nothing: samesum's exact attention is already tiled, \
-                 flash-style, on CUDA (--attention fast is the opt-in tensor-core option)"
+                "note: -fa on changes nothing: --attention picks samesum's attention \
+                 (on CUDA flash attention by default)"
             ),
             Some(FlashAttn::Off) => eprintln!(
-                "note: -fa off changes nothing: samesum has one exact attention per device"
+                "note: -fa off changes nothing: --attention picks samesum's attention \
+                 (--attention exact for the f32 reference)"
             ),
             Some(FlashAttn::Auto) | None => {}
         }
@@ -191,7 +193,7 @@ impl BackendArgs {
                 if self.vram_budget.is_some() {
                     bail!("--vram-budget applies to --device cuda, not the CPU");
                 }
-                if self.attention == Attention::Fast {
+                if self.attention == Some(Attention::Fast) {
                     bail!("--attention fast applies to --device cuda, not the CPU");
                 }
                 Ok(Device::Cpu(threads))
@@ -200,14 +202,15 @@ impl BackendArgs {
                 n,
                 CudaOptions {
                     vram_budget: self.vram_budget,
-                    fast_attention: self.attention == Attention::Fast,
+                    fast_attention: self.attention.unwrap_or(Attention::Fast) == Attention::Fast,
                 },
             )),
         }
     }
 
-    /// `--attention`.
-    pub(crate) fn attention(&self) -> Attention {
+    /// `--attention` as given (None: the device's default).
+    #[cfg(test)]
+    fn attention(&self) -> Option<Attention> {
         self.attention
     }
 }
@@ -221,10 +224,11 @@ pub(crate) struct ThreadsArgs {
 
 #[derive(clap::Args, Clone, Debug)]
 pub(crate) struct KvArgs {
-    /// KV cache type: f32 (exact; the default) or f16 (half the memory per
-    /// token; opt-in, see docs/CAPABILITIES.md).
-    #[arg(long = "kv-type", value_enum, default_value_t = Kv::F32)]
-    kv_type: Kv,
+    /// KV cache type: f16 (half the memory per token; the default on CUDA,
+    /// as llama.cpp's) or f32 (exact; the default on the CPU, and with
+    /// `--attention exact` the reference configuration).
+    #[arg(long = "kv-type", value_enum)]
+    kv_type: Option<Kv>,
 }
 
 /// `--kv-type`.
@@ -237,20 +241,31 @@ enum Kv {
 }
 
 impl KvArgs {
-    /// The KV cache type.
-    pub(crate) fn kv(&self) -> KvType {
-        match self.kv_type {
-            Kv::F32 => KvType::F32,
-            Kv::F16 => KvType::F16,
+    /// The KV cache type on `device`: `--kv-type`, else the device's default
+    /// (f16 on CUDA, f32 on the CPU).
+    pub(crate) fn kv(&self, device: &Device) -> KvType {
+        match (self.kv_type, device) {
+            (Some(Kv::F32), _) => KvType::F32,
+            (Some(Kv::F16), _) => KvType::F16,
+            (None, Device::Cuda(..)) => KvType::F16,
+            (None, Device::Cpu(_)) => KvType::F32,
         }
     }
 
-    /// Its name as given on the command line.
-    pub(crate) fn name(&self) -> &'static str {
-        match self.kv_type {
-            Kv::F32 => "f32",
-            Kv::F16 => "f16",
-        }
+    /// `--kv-type` as given (None: the device's default).
+    pub(crate) fn given(&self) -> Option<KvType> {
+        self.kv_type.map(|k| match k {
+            Kv::F32 => KvType::F32,
+            Kv::F16 => KvType::F16,
+        })
+    }
+}
+
+/// A KV cache type's name on the command line.
+pub(crate) fn kv_name(kv: KvType) -> &'static str {
+    match kv {
+        KvType::F32 => "f32",
+        KvType::F16 => "f16",
     }
 }
 
@@ -374,14 +389,20 @@ mod tests {
     fn devices_take_their_options() {
         let d = |args: &[&str]| parse(args).unwrap().backend.device(3).unwrap();
         assert_eq!(d(&[]), Device::Cpu(3));
-        assert_eq!(d(&["--device", "CUDA:2"]), cuda(2, None, false));
+        assert_eq!(d(&["--attention", "exact"]), Device::Cpu(3));
+        // CUDA's default attention is the fast (tensor-core) one.
+        assert_eq!(d(&["--device", "CUDA:2"]), cuda(2, None, true));
         assert_eq!(
             d(&["--device", "cuda", "--vram-budget", "24G"]),
-            cuda(0, Some(24 << 30), false)
+            cuda(0, Some(24 << 30), true)
         );
         assert_eq!(
             d(&["--device", "gpu", "--attention", "fast"]),
             cuda(0, None, true)
+        );
+        assert_eq!(
+            d(&["--device", "gpu", "--attention", "exact"]),
+            cuda(0, None, false)
         );
     }
 
@@ -415,39 +436,48 @@ mod tests {
     fn gpu_layers_pick_the_device_when_none_is_given() {
         let d = |args: &[&str], gpus: usize| parse(args).unwrap().backend.device_with(3, || gpus);
         for n in ["1", "99", "all", "auto", "-1"] {
-            assert_eq!(d(&["--n-gpu-layers", n], 1).unwrap(), cuda(0, None, false));
+            assert_eq!(d(&["--n-gpu-layers", n], 1).unwrap(), cuda(0, None, true));
             assert_eq!(d(&["--n-gpu-layers", n], 0).unwrap(), Device::Cpu(3));
         }
         assert_eq!(d(&["--n-gpu-layers", "0"], 1).unwrap(), Device::Cpu(3));
         // The CUDA options go with the device -ngl picked.
         assert_eq!(
             d(&["--n-gpu-layers", "99", "--vram-budget", "24G"], 1).unwrap(),
-            cuda(0, Some(24 << 30), false)
+            cuda(0, Some(24 << 30), true)
         );
         // A given --device stands, and must agree with -ngl.
         assert_eq!(
             d(&["--n-gpu-layers", "5", "--device", "cuda:1"], 2).unwrap(),
-            cuda(1, None, false)
+            cuda(1, None, true)
         );
         assert!(d(&["--n-gpu-layers", "5", "--device", "cpu"], 1).is_err());
         assert!(d(&["--n-gpu-layers", "0", "--device", "cuda"], 1).is_err());
     }
 
     #[test]
-    fn flash_attn_never_switches_on_fast_attention() {
+    fn flash_attn_never_changes_the_attention() {
         for v in ["on", "off", "auto", "1", "0"] {
             let b = parse(&["--flash-attn", v, "--device", "cuda"])
                 .unwrap()
                 .backend;
-            assert_eq!(b.attention(), Attention::Exact);
+            assert_eq!(b.attention(), None);
+            assert_eq!(b.device(0).unwrap(), cuda(0, None, true));
+            let b = parse(&["--flash-attn", v, "--attention", "exact", "--device", "cuda"])
+                .unwrap()
+                .backend;
             assert_eq!(b.device(0).unwrap(), cuda(0, None, false));
         }
     }
 
     #[test]
-    fn kv_types_parse() {
-        assert_eq!(parse(&[]).unwrap().kv.kv(), KvType::F32);
+    fn kv_types_parse_with_the_devices_defaults() {
+        let cpu = Device::Cpu(1);
+        let gpu = cuda(0, None, true);
+        let none = parse(&[]).unwrap().kv;
+        assert_eq!((none.kv(&cpu), none.kv(&gpu), none.given()), (KvType::F32, KvType::F16, None));
         let f16 = parse(&["--kv-type", "f16"]).unwrap().kv;
-        assert_eq!((f16.kv(), f16.name()), (KvType::F16, "f16"));
+        assert_eq!((f16.kv(&cpu), f16.given()), (KvType::F16, Some(KvType::F16)));
+        let f32 = parse(&["--kv-type", "f32"]).unwrap().kv;
+        assert_eq!((f32.kv(&gpu), kv_name(f32.kv(&gpu))), (KvType::F32, "f32"));
     }
 }

@@ -93,8 +93,8 @@ fn mean_sd(v: &[f64]) -> (f64, f64) {
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
-    let kv = a.kv.kv();
     let dev = a.backend.device(a.threads.threads)?;
+    let kv = a.kv.kv(&dev);
     if a.repetitions == 0 {
         bail!("--repetitions must be at least 1");
     }

@@ -78,8 +78,8 @@ fn tokens_of(spec: &PromptSpec, tok: &Tokenizer, vocab: usize) -> Result<Vec<u32
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
-    let kv = a.kv.kv();
     let dev = a.backend.device(0)?;
+    let kv = a.kv.kv(&dev);
     if a.negative_control && !matches!(dev, Device::Cpu(_)) {
         bail!("--negative-control runs on the CPU backend only");
     }
@@ -111,7 +111,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         a.chunk,
         a.threads,
         a.r#gen,
-        a.kv.name()
+        crate::args::kv_name(kv)
     );
     println!(
         "| prompt | tokens | chunk | threads | rows batched | logits | state | gen | verdict |"
@@ -125,7 +125,14 @@ pub(crate) fn run(a: Args) -> Result<()> {
         cuda => vec![cuda],
     };
     for &d in &devices {
-        let backend = crate::args::open(d, &model)?;
+        let mut backend = crate::args::open(d, &model)?;
+        // On CUDA one backend serves both sides: its reordering applies to
+        // calls of more than one row only, so replay stays as it was.
+        if a.negative_control
+            && let AnyBackend::Cuda(c) = backend
+        {
+            backend = AnyBackend::Cuda(Box::new(c.with_reversed_topk()));
+        }
         let (f, v) = match (&backend, d) {
             (AnyBackend::Cpu(cpu), Device::Cpu(threads)) => {
                 let label = cpu.threads().to_string();

@@ -148,8 +148,8 @@ pub(crate) fn run(a: Args) -> Result<()> {
     };
     // Refuse a bad key or origin before loading the model.
     access.check().map_err(anyhow::Error::msg)?;
-    let kv = a.kv.kv();
     let device = a.backend.device(a.threads.threads)?;
+    let kv = a.kv.kv(&device);
     let chunk = a.chunk.unwrap_or_else(|| device.serve_chunk());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(

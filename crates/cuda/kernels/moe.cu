@@ -517,6 +517,25 @@ extern "C" __global__ void __launch_bounds__(32)
     route_one_warp_r(logits, ids, wts, e, k, pad, placed_row, placed_mat, slot, cap, threadIdx.x);
 }
 
+// The negative control's reordering (Cuda::with_reversed_topk): each of m
+// rows' k slots and weights reversed in place, so that the combine below
+// sums the row's experts in reverse order.
+extern "C" __global__ void reverse_topk(int* slot, float* wts, int m, int k) {
+    pdl_wait();
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= m) return;
+    int* sl = slot + (i64)r * k;
+    float* w = wts + (i64)r * k;
+    for (int a = 0, b = k - 1; a < b; a++, b--) {
+        int t = sl[a];
+        sl[a] = sl[b];
+        sl[b] = t;
+        float u = w[a];
+        w[a] = w[b];
+        w[b] = u;
+    }
+}
+
 // y[r] = sum over slots s in k order of w[r][s] * out[slot[r][s]] (skipped ids
 // left out), plus sigmoid(gi[r]) * ys[r] when there is a shared expert.
 // (sg = sigmoid(gi[r]), computed once a row by the caller.)

@@ -99,8 +99,10 @@ pub struct Cuda {
     att_last: Mutex<&'static str>,
     /// Each lane's marks (see `Backend::lane_mark`): an event per layer.
     lane_marks: Mutex<[Vec<Option<cudarc::driver::CudaEvent>>; 2]>,
-    /// Attention on the opt-in tensor-core passes ([`CudaOptions::fast_attention`]).
+    /// Attention on the tensor-core passes ([`CudaOptions::fast_attention`]).
     fast_attention: bool,
+    /// The negative control's reordering ([`Cuda::with_reversed_topk`]).
+    reversed_topk: bool,
     /// Most bytes of attention partials one call may use (rows run in groups
     /// under it; [`ATTN_PARTIALS`] unless set for a test).
     attn_partials: usize,
@@ -131,12 +133,13 @@ pub struct CudaOptions {
     /// memory as the budget when it does not.
     pub vram_budget: Option<u64>,
     /// Flash attention on f16 tensor cores with f32 accumulation
-    /// (`--attention fast`). Opt-in: q, k, v and the probabilities rounded
-    /// to f16, so not the same bytes as the default, but one function for
-    /// decode and prefill (key splits fixed by position), so batched
-    /// prefill still equals replay with it on. Measured against the bars in
-    /// docs/CAPABILITIES.md. Head dims 64, 128 and 256 with query groups
-    /// dividing 128; other shapes keep the default.
+    /// (`--attention fast`, the command line's default on CUDA; off here,
+    /// where the library's default is the exact f32 passes): q, k, v and
+    /// the probabilities rounded to f16, so not the same bytes as the exact
+    /// passes, but one function for decode and prefill (key splits fixed by
+    /// position), so batched prefill equals replay with it on. Measured
+    /// against the bars in docs/CAPABILITIES.md. Head dims 64, 128 and 256
+    /// with query groups dividing 128; other shapes keep the exact passes.
     pub fast_attention: bool,
 }
 
@@ -381,6 +384,7 @@ impl Cuda {
             att_last: Mutex::new(""),
             lane_marks: Mutex::new([Vec::new(), Vec::new()]),
             fast_attention: false,
+            reversed_topk: false,
             attn_partials: ATTN_PARTIALS,
             graphs: std::env::var("SAMESUM_CUDA_GRAPHS").as_deref() != Ok("0"),
             trunk,
@@ -431,10 +435,20 @@ impl Cuda {
             })
     }
 
-    /// Whether attention takes the opt-in tensor-core passes
+    /// Whether attention takes the tensor-core passes
     /// ([`CudaOptions::fast_attention`]).
     pub fn fast_attention(&self) -> bool {
         self.fast_attention
+    }
+
+    /// The backend with calls of more than one row summing each row's top-k
+    /// experts in reverse order (as the CPU's `with_reversed_topk`): a
+    /// different function in batched prefill than in decode, so the
+    /// identity gate must catch it (its negative control), and the smallest
+    /// change to a result, for `samesum agree --probe`.
+    pub fn with_reversed_topk(mut self) -> Self {
+        self.reversed_topk = true;
+        self
     }
 
     /// Record one-token steps as CUDA graphs (`true`, the default unless

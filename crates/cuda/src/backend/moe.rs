@@ -438,6 +438,7 @@ impl Cuda {
             None => d.scratch::<f32>(1)?,
         };
         let (mi, ki, dmi, shared) = (m as i32, k as i32, dm as i32, sh.is_some() as i32);
+        self.reverse_topk_if(slot, wts, m, k)?;
         if let Some(an) = after {
             launch!(
                 d,
@@ -815,8 +816,25 @@ impl Cuda {
             self.shared_expert(sh, &xin, m, fs, &mut ys, &mut gi)?;
         }
         let shared = mw.shared.is_some().then_some((&ys, &gi));
+        self.reverse_topk_if(&slot, &wts, m, k)?;
         self.moe_combine_on(&oe, &slot, &wts, shared, y, m, k, dm, false)?;
         Ok(false)
+    }
+
+    /// With [`Cuda::with_reversed_topk`] and more than one row, each row's
+    /// top-k slots and weights reversed in place before the combine.
+    fn reverse_topk_if(
+        &self,
+        slot: &CudaSlice<i32>,
+        wts: &CudaSlice<f32>,
+        m: usize,
+        k: usize,
+    ) -> Result<()> {
+        if !self.reversed_topk || m < 2 {
+            return Ok(());
+        }
+        let (mi, ki) = (m as i32, k as i32);
+        launch!(&self.dev, "reverse_topk", cfg1(m), slot, wts, &mi, &ki)
     }
 
     /// A wide call's MoE combine: `y[r] = sum over s < k, slot[r k + s] >= 0,

@@ -8,13 +8,17 @@ impl Backend for Cuda {
     type State = CudaState;
 
     fn name(&self) -> String {
-        // The opt-in attention (a different function) shows in the name, so
-        // that benchmark tables and logs say which arm ran.
+        // The tensor-core attention (a different function from the exact
+        // passes) and the negative control show in the name, so that
+        // benchmark tables and logs say which arm ran.
+        let mut name = self.dev.name.clone();
         if self.fast_attention() {
-            with_note(&self.dev.name, "fast attention")
-        } else {
-            self.dev.name.clone()
+            name = with_note(&name, "fast attention");
         }
+        if self.reversed_topk {
+            name = with_note(&name, "reversed top-k");
+        }
+        name
     }
 
     fn alloc(&self, n: usize) -> R<CudaBuf> {
