@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# CUDA's default attention (flash attention over an f16 cache) on a GPU
+# machine without Rust or network: its gates, its agreement with the
+# reference configuration, and its speed at depth against the build it
+# replaces and llama.cpp on the same files, in one run.
+#
+#   scripts/gpu-attention.sh start OUT   # there: starts the run in the background
+#   scripts/gpu-attention.sh wait OUT S  # there: shows progress for up to S seconds
+#
+# Needs .gpu/ (`scripts/gpu.sh bundle`), .gpu-old/samesum (the build being
+# replaced, run with `--attention fast --kv-type f16`) and
+# .cache/gpu-carry/llama.cpp.tar.xz (`scripts/gpu-mixes.sh carry`). Steps, in
+# order (SAMESUM_ATT_STEPS picks some): compile (the machine's NVRTC, spills),
+# tests (the GPU tests of attention, sequences, block ops, graphs), identity
+# (the gate with the defaults on the tiny models, and its negative control),
+# bench (pp and tg at depth on qwen35moe-35b-a3b and qwen3moe-30b-a3b at the
+# q4_k_m mix, qwen3moe with YaRN x4 so that 65,536 fits; samesum, the old
+# build, llama.cpp), agree (teacher-forced agreement with the reference and
+# the probe). The models and llama.cpp are made in the background from the
+# start. Results: OUT/log.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-}
+case "$mode" in
+start)
+    out=${2:?usage: scripts/gpu-attention.sh start OUT}
+    mkdir -p "$out"
+    setsid nohup "$0" run "$out" >"$out/log.txt" 2>&1 </dev/null &
+    echo "started: $out/log.txt"
+    ;;
+wait)
+    out=${2:?} secs=${3:-540}
+    end=$((SECONDS + secs))
+    while [ $SECONDS -lt $end ] && ! grep -q "^=== done" "$out/log.txt" 2>/dev/null; do sleep 10; done
+    tail -n "${SAMESUM_ATT_TAIL:-60}" "$out/log.txt"
+    ;;
+run)
+    out=${2:?}
+    steps=",${SAMESUM_ATT_STEPS:-compile,tests,identity,bench,agree},"
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+        [ -d "$d" ] && export LD_LIBRARY_PATH=$d:${LD_LIBRARY_PATH:-}
+    done
+    export SAMESUM_REQUIRE=gpu,nvrtc
+    export SAMESUM_KERNEL_CACHE=${SAMESUM_KERNEL_CACHE:-/tmp/samesum-kernels}
+    work=${SAMESUM_ATT_WORK:-/tmp/att}
+    mkdir -p "$work"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    q35=$work/qwen35moe-q4_k_m.gguf q3=$work/qwen3moe-yarn4-q4_k_m.gguf
+    (
+        .gpu/samesum synth --force --shape qwen35moe-35b-a3b --mix q4_k_m -o "$q35" 2>&1 | tail -n 1
+        .gpu/samesum synth --force --shape qwen3moe-30b-a3b --mix q4_k_m --yarn 4 -o "$q3" 2>&1 | tail -n 1
+        touch "$work/synth.done"
+    ) >"$out/synth.log" 2>&1 &
+    llama=$work/llama.cpp/build/bin
+    if [ ! -x "$llama/llama-bench" ]; then
+        (
+            set -e
+            cd "$work"
+            rm -rf llama.cpp
+            tar xJf "$OLDPWD/.cache/gpu-carry/llama.cpp.tar.xz"
+            export PATH=$PATH:/usr/local/cuda/bin
+            cmake -S llama.cpp -B llama.cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+                -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+                -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF
+            cmake --build llama.cpp/build -j10 --target llama-bench llama-batched-bench
+        ) >"$out/llama-build.log" 2>&1 &
+    fi
+    step() { # name, command...
+        local name=$1
+        shift
+        local t0=$SECONDS
+        echo "=== $name"
+        "$@"
+        echo "=== $name: rc=$? ($((SECONDS - t0)) s)"
+    }
+    if [[ $steps == *,compile,* ]]; then
+        step compile .gpu/test-kernels_compile --nocapture
+    fi
+    if [[ $steps == *,tests,* ]]; then
+        step tests .gpu/test-gpu attention flash f16_kv sequences_batched every_block_op \
+            graph_replayed moe_combine forked batched --include-ignored --test-threads=1
+    fi
+    if [[ $steps == *,identity,* ]]; then
+        for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
+            step "identity $shape" timeout 300 .gpu/samesum identity --device cuda \
+                --shape "$shape" --chunk 1,7,64,256 --gen 32
+        done
+        step "negative control (must fail)" timeout 300 .gpu/samesum identity --device cuda \
+            --shape tiny-qwen3moe --chunk 64 --gen 16 --negative-control
+    fi
+    while [ ! -e "$work/synth.done" ]; do sleep 5; done
+    cat "$out/synth.log"
+    if [[ $steps == *,bench,* ]]; then
+        for m in "$q35" "$q3"; do
+            pp=4096,16384
+            [ "$m" = "$q35" ] && pp=4096,16384,32768
+            step "samesum pp $m" timeout 600 .gpu/samesum bench --device cuda -m "$m" -p "$pp" \
+                -n 0 -r 1 --prefill batched
+            step "samesum tg $m" timeout 600 .gpu/samesum bench --device cuda -m "$m" -p 0 \
+                -n 128 -d 0,16384,65536 -r 1
+            step "old build tg $m" timeout 300 .gpu-old/samesum bench --device cuda -m "$m" -p 0 \
+                -n 128 -d 16384 -r 1 --attention fast --kv-type f16
+            step "samesum profile tg $m" timeout 300 .gpu/samesum bench --device cuda -m "$m" \
+                -p 0 -n 32 -d 16384 -r 1 --profile
+        done
+        for i in $(seq 60); do [ -x "$llama/llama-bench" ] && break; sleep 5; done
+        tail -n 3 "$out/llama-build.log"
+        for m in "$q35" "$q3"; do
+            pp=4096,16384
+            [ "$m" = "$q35" ] && pp=4096,16384,32768
+            step "llama.cpp pp $m" timeout 600 "$llama/llama-bench" -m "$m" -fa 1 -ub 2048 -ngl 99 \
+                -r 1 -p "$pp" -n 0
+            step "llama.cpp tg $m" timeout 600 "$llama/llama-bench" -m "$m" -fa 1 -ub 2048 -ngl 99 \
+                -r 1 -p 0 -n 128 -d 0,16384,65536
+        done
+    fi
+    if [[ $steps == *,agree,* ]]; then
+        for m in "$q35" "$q3"; do
+            step "agree $m" timeout 900 .gpu/samesum agree --device cuda -m "$m" \
+                --lens 512,8192,32768 --gen 64 --seeds 2 --probe reversed-topk
+            step "control $m" timeout 300 .gpu/samesum agree --device cuda -m "$m" \
+                --lens 512 --gen 64 --attention exact --kv-type-b f32
+        done
+    fi
+    echo "=== done"
+    ;;
+*)
+    sed -n 2,20p "$0"
+    exit 2
+    ;;
+esac
