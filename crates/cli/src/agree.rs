@@ -113,7 +113,6 @@ struct Arm {
 }
 
 impl Arm {
-
     /// Open the arm's backend.
     fn open(&self, model: &Model) -> Result<AnyBackend> {
         match self.device {

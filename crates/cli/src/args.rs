@@ -462,9 +462,16 @@ mod tests {
                 .backend;
             assert_eq!(b.attention(), None);
             assert_eq!(b.device(0).unwrap(), cuda(0, None, true));
-            let b = parse(&["--flash-attn", v, "--attention", "exact", "--device", "cuda"])
-                .unwrap()
-                .backend;
+            let b = parse(&[
+                "--flash-attn",
+                v,
+                "--attention",
+                "exact",
+                "--device",
+                "cuda",
+            ])
+            .unwrap()
+            .backend;
             assert_eq!(b.device(0).unwrap(), cuda(0, None, false));
         }
     }
@@ -474,9 +481,15 @@ mod tests {
         let cpu = Device::Cpu(1);
         let gpu = cuda(0, None, true);
         let none = parse(&[]).unwrap().kv;
-        assert_eq!((none.kv(&cpu), none.kv(&gpu), none.given()), (KvType::F32, KvType::F16, None));
+        assert_eq!(
+            (none.kv(&cpu), none.kv(&gpu), none.given()),
+            (KvType::F32, KvType::F16, None)
+        );
         let f16 = parse(&["--kv-type", "f16"]).unwrap().kv;
-        assert_eq!((f16.kv(&cpu), f16.given()), (KvType::F16, Some(KvType::F16)));
+        assert_eq!(
+            (f16.kv(&cpu), f16.given()),
+            (KvType::F16, Some(KvType::F16))
+        );
         let f32 = parse(&["--kv-type", "f32"]).unwrap().kv;
         assert_eq!((f32.kv(&gpu), kv_name(f32.kv(&gpu))), (KvType::F32, "f32"));
     }

@@ -41,16 +41,35 @@ __device__ __forceinline__ void rope_pair(float* head, int i, int n_rot, RopeP r
 // with the same head of v. q is read in place from the projection's rows
 // (`q_row` floats a row, `q_head` floats between heads: the gated projection
 // interleaves q and gate heads).
-extern "C" __global__ void __launch_bounds__(256)
-    qk_norm_rope_kv(const float* qsrc, int q_row, int q_head, const float* k, const float* v, const float* qnw,
-                    const float* knw, float* q, void* ck, void* cv, const int* posp, int m, int hq, int hkv, int hd,
-                    int n_rot, RopeP rp, float eps, int f16) {
-    pdl_wait();
+// Where a row's position and cache are: one sequence's rows at pos0, pos0 +
+// 1, ... in one cache, or (OfSeqs) each row a sequence of its own, its cache
+// addresses and position in a table (kvt: m keys' caches, m values' caches,
+// m positions).
+struct OneSeq {
+    int pos0;
+    void* ck;
+    void* cv;
+    __device__ __forceinline__ int pos(int r) const { return pos0 + r; }
+    __device__ __forceinline__ void* k(int) const { return ck; }
+    __device__ __forceinline__ void* v(int) const { return cv; }
+};
+struct OfSeqs {
+    const u64* kvt;
+    int m;
+    __device__ __forceinline__ int pos(int r) const { return (int)kvt[2 * m + r]; }
+    __device__ __forceinline__ void* k(int r) const { return (void*)kvt[r]; }
+    __device__ __forceinline__ void* v(int r) const { return (void*)kvt[m + r]; }
+};
+
+template <typename Rows>
+__device__ __forceinline__ void qk_norm_rope_kv_k(const float* qsrc, int q_row, int q_head, const float* k,
+                                                  const float* v, const float* qnw, const float* knw, float* q,
+                                                  Rows rows, int m, int hq, int hkv, int hd, int n_rot, RopeP rp,
+                                                  float eps, int f16) {
     __shared__ float rowbuf[8][256];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     i64 g = (i64)blockIdx.x * 8 + warp;
     if (g >= (i64)m * (hq + hkv)) return;
-    int pos0 = *posp;
     float* sr = rowbuf[warp];
     bool isq = g < (i64)m * hq;
     int r, h;
@@ -62,8 +81,9 @@ extern "C" __global__ void __launch_bounds__(256)
         r = (int)(gk / hkv), h = (int)(gk % hkv);
         norm_small_row(k + ((i64)r * hkv + h) * hd, knw, sr, hd, eps, lane);
     }
+    int pos = rows.pos(r);
     __syncwarp();
-    for (int i = lane; i < n_rot / 2; i += 32) rope_pair(sr, i, n_rot, rp, pos0 + r);
+    for (int i = lane; i < n_rot / 2; i += 32) rope_pair(sr, i, n_rot, rp, pos);
     __syncwarp();
     if (isq) {
         float* qo = q + ((i64)r * hq + h) * hd;
@@ -71,8 +91,9 @@ extern "C" __global__ void __launch_bounds__(256)
         return;
     }
     int kvw = hkv * hd;
-    i64 at = (i64)(pos0 + r) * kvw + (i64)h * hd;
+    i64 at = (i64)pos * kvw + (i64)h * hd;
     const float* vr = v + (i64)r * kvw + (i64)h * hd;
+    void *ck = rows.k(r), *cv = rows.v(r);
     for (int i = lane; i < hd; i += 32) {
         if (f16) {
             ((u16*)ck)[at + i] = f32_to_f16(sr[i]);
@@ -82,6 +103,26 @@ extern "C" __global__ void __launch_bounds__(256)
             ((float*)cv)[at + i] = vr[i];
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    qk_norm_rope_kv(const float* qsrc, int q_row, int q_head, const float* k, const float* v, const float* qnw,
+                    const float* knw, float* q, void* ck, void* cv, const int* posp, int m, int hq, int hkv, int hd,
+                    int n_rot, RopeP rp, float eps, int f16) {
+    pdl_wait();
+    qk_norm_rope_kv_k(qsrc, q_row, q_head, k, v, qnw, knw, q, OneSeq{*posp, ck, cv}, m, hq, hkv, hd, n_rot, rp,
+                      eps, f16);
+}
+
+// qk_norm_rope_kv for m rows of m sequences (a decode step of several): row
+// r at its sequence's position into its sequence's cache (OfSeqs).
+extern "C" __global__ void __launch_bounds__(256)
+    qk_norm_rope_kv_seqs(const float* qsrc, int q_row, int q_head, const float* k, const float* v,
+                         const float* qnw, const float* knw, float* q, const u64* kvt, int m, int hq, int hkv,
+                         int hd, int n_rot, RopeP rp, float eps, int f16) {
+    pdl_wait();
+    qk_norm_rope_kv_k(qsrc, q_row, q_head, k, v, qnw, knw, q, OfSeqs{kvt, m}, m, hq, hkv, hd, n_rot, rp, eps,
+                      f16);
 }
 
 __device__ __forceinline__ float kv_at(const void* c, i64 i, int f16) {
@@ -1169,8 +1210,8 @@ FA_KERNEL(attention_flash_64, 64)
 FA_KERNEL(attention_flash_128, 128)
 FA_KERNEL(attention_flash_256, 256)
 
-// Decode's blocks: one split of FD_P (row, head) pairs of KV head g (the
-// rows of one mma tile), its (m, l) to pml and o to pacc, the function of
+// Decode's blocks: one split of up to FD_P (row, head) pairs of one row and
+// KV head g (the rows of one mma tile), its (m, l) to pml and o to pacc, the function of
 // attention_flash_k's split mode to the bit with four warps at work on each
 // tile instead of one. Warp w takes the tile's keys 16 w .. 16 w + 15 for
 // the scores (an mma output element depends on its row's q and its key
@@ -1196,38 +1237,41 @@ struct FdLayout {
     static constexpr int BYTES = S * 2 + FD_P * FD_SS * 4;
 };
 
-template <int HD>
-__device__ __forceinline__ void attention_flash_dec_k(const float* q, const void* ck, const void* cv, float* pml,
-                                                      float* pacc, int m, int hq, int hkv, const int* posp,
-                                                      int rbase, float sl2, int f16, int nsplit) {
+// Block (g, y, s): row y / tpr, its query heads g gs + FD_P (y % tpr) ..
+// (tpr = ceil(gs / FD_P) tiles a row), split s; `rows` says where the row's
+// keys are and its position.
+template <int HD, typename Rows>
+__device__ __forceinline__ void attention_flash_dec_k(const float* q, Rows rows, float* pml, float* pacc, int m,
+                                                      int hq, int hkv, float sl2, int f16, int nsplit) {
     typedef FdLayout<HD> L;
     constexpr int NW = HD / 8 / FD_W;  // a warp's output n-tiles
     constexpr int NTH = FD_W * 32;
     extern __shared__ __align__(16) u16 fa_smem[];
     u16* qs = fa_smem;
     float* ss = reinterpret_cast<float*>(fa_smem + L::S);
-    int pos0 = *posp + rbase;
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     int gr = lane >> 2, c = lane & 3;
-    int gs = hq / hkv;
-    int g = blockIdx.x, p0 = blockIdx.y * FD_P, s = blockIdx.z;
-    int np = min(FD_P, m * gs - p0);
-    if (np <= 0) return;
-    int last = pos0 + (p0 + np - 1) / gs;  // the block's last key
+    int gs = hq / hkv, tpr = (gs + FD_P - 1) / FD_P;
+    int g = blockIdx.x, r = blockIdx.y / tpr, p0 = (blockIdx.y % tpr) * FD_P, s = blockIdx.z;
+    if (r >= m) return;
+    int np = min(FD_P, gs - p0);
+    int last = rows.pos(r);  // the row's last key
     if (s * FA_SPLIT > last) return;
+    const void *ck = rows.k(r), *cv = rows.v(r);
+    // Pair p: head g gs + p0 + p of row r, output pair (r hq + that head).
+    i64 pair0 = (i64)r * hq + g * gs + p0;
     for (int i = tid; i < FD_P * (HD / 2); i += NTH) {
         int p = i / (HD / 2), d = 2 * (i % (HD / 2));
         u32 w = 0u;
         if (p < np) {
-            int pp = p0 + p;
-            float2 x = *reinterpret_cast<const float2*>(q + ((i64)(pp / gs) * hq + g * gs + pp % gs) * HD + d);
+            float2 x = *reinterpret_cast<const float2*>(q + (pair0 + p) * HD + d);
             w = fa_pack(x.x, x.y);
         }
         *reinterpret_cast<u32*>(qs + p * L::ST + d) = w;
     }
     int posr[2];
 #pragma unroll
-    for (int h = 0; h < 2; h++) posr[h] = gr + 8 * h < np ? pos0 + (p0 + gr + 8 * h) / gs : -1;
+    for (int h = 0; h < 2; h++) posr[h] = gr + 8 * h < np ? last : -1;
     const u16* qa = qs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * L::ST + 8 * (lane >> 4);
     float mr[2] = {-INFINITY, -INFINITY}, lr[2] = {0.0f, 0.0f}, os[NW][4];
 #pragma unroll
@@ -1345,9 +1389,8 @@ __device__ __forceinline__ void attention_flash_dec_k(const float* q, const void
     }
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        if (posr[h] < s * FA_SPLIT) continue;  // no pair, or no key of the row in this split
-        int pp = p0 + gr + 8 * h;
-        i64 at = ((i64)(pp / gs) * hq + g * gs + pp % gs) * nsplit + s;
+        if (posr[h] < 0) continue;  // no pair
+        i64 at = (pair0 + gr + 8 * h) * nsplit + s;
         if (warp == 0 && c == 0) *reinterpret_cast<float2*>(pml + 2 * at) = make_float2(mr[h], lr[h]);
 #pragma unroll
         for (int n = 0; n < NW; n++)
@@ -1356,27 +1399,39 @@ __device__ __forceinline__ void attention_flash_dec_k(const float* q, const void
     }
 }
 
+// One sequence's m rows at positions *posp + rbase + r, or (_seqs) a row
+// each of m sequences, their caches and positions in the table kvt.
 #define FD_KERNEL(name, HD)                                                                                    \
     extern "C" __global__ void __launch_bounds__(FD_W * 32, 1)                                                 \
-        name(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq, int hkv, \
+        name(const float* q, void* ck, void* cv, float* pml, float* pacc, int m, int hq, int hkv,             \
              const int* posp, int rbase, float sl2, int f16, int nsplit) {                                     \
         pdl_wait();                                                                                            \
-        attention_flash_dec_k<HD>(q, ck, cv, pml, pacc, m, hq, hkv, posp, rbase, sl2, f16, nsplit);           \
+        attention_flash_dec_k<HD>(q, OneSeq{*posp + rbase, ck, cv}, pml, pacc, m, hq, hkv, sl2, f16, nsplit); \
+    }
+#define FD_SEQS_KERNEL(name, HD)                                                                              \
+    extern "C" __global__ void __launch_bounds__(FD_W * 32, 1)                                                \
+        name(const float* q, const u64* kvt, float* pml, float* pacc, int m, int hq, int hkv, float sl2, int f16, \
+             int nsplit) {                                                                                    \
+        pdl_wait();                                                                                           \
+        attention_flash_dec_k<HD>(q, OfSeqs{kvt, m}, pml, pacc, m, hq, hkv, sl2, f16, nsplit);               \
     }
 FD_KERNEL(attention_flash_dec_64, 64)
 FD_KERNEL(attention_flash_dec_128, 128)
 FD_KERNEL(attention_flash_dec_256, 256)
+FD_SEQS_KERNEL(attention_flash_dec_64_seqs, 64)
+FD_SEQS_KERNEL(attention_flash_dec_128_seqs, 128)
+FD_SEQS_KERNEL(attention_flash_dec_256_seqs, 256)
 
 // The splits of each (row, head) pair folded in order (a block per pair, a
 // thread per output dim): fa_fold from split 0, then o / l, as the prefill
 // blocks do in registers. Four splits a step with the step's loads issued
 // first (a rolled loop waits on memory once a split); the folds are the
 // same, split by split in order.
-extern "C" __global__ void attention_flash_combine(const float* pml, const float* pacc, float* o, int hq, int hd,
-                                                   const int* posp, int rbase, int nsplit) {
-    pdl_wait();
+template <typename Rows>
+__device__ __forceinline__ void attention_flash_combine_k(const float* pml, const float* pacc, float* o, int hq,
+                                                          int hd, Rows rows, int nsplit) {
     int pair = blockIdx.x, t = threadIdx.x;
-    int pos = *posp + rbase + pair / hq;
+    int pos = rows.pos(pair / hq);
     if (t >= hd) return;
     const float* ml = pml + (i64)pair * nsplit * 2;
     const float* pa = pacc + (i64)pair * nsplit * hd + t;
@@ -1401,6 +1456,19 @@ extern "C" __global__ void attention_flash_combine(const float* pml, const float
         acc = f.out(acc, pa[(i64)s * hd]);
     }
     o[(i64)pair * hd + t] = __fdiv_rn(acc, L);
+}
+
+extern "C" __global__ void attention_flash_combine(const float* pml, const float* pacc, float* o, int hq, int hd,
+                                                   const int* posp, int rbase, int nsplit) {
+    pdl_wait();
+    attention_flash_combine_k(pml, pacc, o, hq, hd, OneSeq{*posp + rbase, nullptr, nullptr}, nsplit);
+}
+
+// attention_flash_combine for a row each of m sequences (positions in kvt).
+extern "C" __global__ void attention_flash_combine_seqs(const float* pml, const float* pacc, float* o, int hq,
+                                                        int hd, const u64* kvt, int m, int nsplit) {
+    pdl_wait();
+    attention_flash_combine_k(pml, pacc, o, hq, hd, OfSeqs{kvt, m}, nsplit);
 }
 
 // Output dim t of pair `pair` (of `tiles` key tiles): the tiles folded in

@@ -72,6 +72,15 @@ fn flash_dec_name(hd: usize) -> &'static str {
     }
 }
 
+/// The decode flash kernel for a row each of several sequences.
+fn flash_dec_seqs_name(hd: usize) -> &'static str {
+    match hd {
+        64 => "attention_flash_dec_64_seqs",
+        128 => "attention_flash_dec_128_seqs",
+        _ => "attention_flash_dec_256_seqs",
+    }
+}
+
 impl AttentionKernel {
     /// The kernel for head dim `hd`, query groups of `gs` heads and a call
     /// of `rows` rows, with or without fast attention. The 32-pair kernel
@@ -358,8 +367,91 @@ impl Cuda {
         let row_q = qw / 256 * 304;
         let mut o = d.scratch::<f32>(m * qw)?;
         let mut parts = Partials::default();
+        // A decode step of several sequences on the flash kernels: every
+        // sequence's row in one launch of each kernel, each row's cache and
+        // position from a table (the bytes of each row's own call).
+        let one_launch = fast
+            && sts.len() > 1
+            && rows.iter().all(|&n| n == 1)
+            && AttentionKernel::select(hd, hq / hkv, 1, fast) == AttentionKernel::Flash
+            && sts
+                .iter()
+                .all(|st| st.f16 == sts[0].f16 && st.kv[l].is_some());
+        if one_launch {
+            let (ns, f16) = (sts.len(), sts[0].f16 as i32);
+            let mut table = vec![0u64; 3 * ns];
+            let mut nsplit = 1;
+            for (i, st) in sts.iter().enumerate() {
+                let (ck, cv) = st.kv[l].as_ref().expect("checked above");
+                table[i] = crate::device::addr(d, ck);
+                table[ns + i] = crate::device::addr(d, cv);
+                table[2 * ns + i] = st.pos as u64;
+                nsplit = nsplit.max((st.pos + 1).div_ceil(FA_SPLIT));
+            }
+            let kvt = d.upload(&table)?;
+            let (nsi, nsp) = (ns as i32, nsplit as i32);
+            launch!(
+                d,
+                "qk_norm_rope_kv_seqs",
+                cfg(((ns * (hq + hkv)).div_ceil(8) as u32, 1, 1), 256, 0),
+                &qg,
+                &q_row,
+                &q_head,
+                &k,
+                &v,
+                qn,
+                kn,
+                &mut q,
+                &kvt,
+                &nsi,
+                &hqi,
+                &hkvi,
+                &hdi,
+                &nrot,
+                &rp,
+                &eps,
+                &f16
+            )?;
+            let parts_n = ns * hq * nsplit;
+            let (pml, pacc) = parts.take(d, parts_n * 2, parts_n * hd)?;
+            let sl2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
+            let gs = hq / hkv;
+            launch!(
+                d,
+                flash_dec_seqs_name(hd),
+                cfg(
+                    (hkv as u32, (ns * gs.div_ceil(FD_P)) as u32, nsplit as u32),
+                    FD_THREADS,
+                    flash_dec_smem(hd) as u32
+                ),
+                &q,
+                &kvt,
+                &mut *pml,
+                &mut *pacc,
+                &nsi,
+                &hqi,
+                &hkvi,
+                &sl2,
+                &f16,
+                &nsp
+            )?;
+            launch!(
+                d,
+                "attention_flash_combine_seqs",
+                cfg(((ns * hq) as u32, 1, 1), hd.div_ceil(32) as u32 * 32, 0),
+                &*pml,
+                &*pacc,
+                &mut o,
+                &hqi,
+                &hdi,
+                &kvt,
+                &nsi,
+                &nsp
+            )?;
+            *self.att_last.lock().unwrap_or_else(|p| p.into_inner()) = "attention_flash_dec_seqs";
+        }
         let mut r0 = 0;
-        for (st, &n) in sts.iter_mut().zip(rows) {
+        for (st, &n) in sts.iter_mut().zip(rows).filter(|_| !one_launch) {
             if n == 0 {
                 continue;
             }
@@ -636,11 +728,7 @@ impl Cuda {
             d,
             flash_dec_name(hd),
             cfg(
-                (
-                    hkv as u32,
-                    (m * gs).div_ceil(FD_P) as u32,
-                    nsplit as u32
-                ),
+                (hkv as u32, (m * gs.div_ceil(FD_P)) as u32, nsplit as u32),
                 FD_THREADS,
                 flash_dec_smem(hd) as u32
             ),

@@ -411,3 +411,97 @@ fn flash_attention_meets_the_hugging_face_bar() {
         }
     }
 }
+
+/// A decode step of several sequences on the flash kernels (every
+/// sequence's row in one launch of the head norms and KV write, the split
+/// passes and the combine, each row's cache and position from a table):
+/// each sequence's logits and state byte-equal to the same tokens alone, at
+/// depths on both sides of the 512-key splits (prompts of 3 to 1,100
+/// tokens), f16 and f32 caches, at the real models' head shapes and on the
+/// tiny models.
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
+fn flash_decode_rows_of_several_sequences_equal_each_alone() {
+    use samesum_engine::{Segment, forward_batch};
+    if !gpu() {
+        return;
+    }
+    let fast = CudaOptions {
+        fast_attention: true,
+        ..Default::default()
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut models: Vec<(String, tempfile::TempDir, Model)> = Vec::new();
+    for (h, kvh, hd) in [(32u32, 4u32, 128u32), (16, 2, 256)] {
+        let (d, m) = attention_model(h, kvh, hd);
+        models.push((format!("heads {h}/{kvh} x {hd}"), d, m));
+    }
+    for shape in SHAPES {
+        let (d, m) = synth(shape, GgmlType::Q4_K, 23);
+        models.push((shape.to_string(), d, m));
+    }
+    for (what, _dir, model) in &models {
+        let cuda = Cuda::with_options(0, model, false, fast).unwrap();
+        let mut rng = Rng::new(41);
+        let v = model.w.n_vocab as u64;
+        let lens = [3usize, 511, 700, 1100];
+        let steps = 5;
+        let toks: Vec<Vec<u32>> = lens
+            .iter()
+            .map(|&n| (0..n + steps).map(|_| rng.below(v) as u32).collect())
+            .collect();
+        for kv in [KvType::F16, KvType::F32] {
+            let state = || cuda.new_state(model, 1100 + steps, kv).unwrap();
+            let mut together: Vec<_> = lens.iter().map(|_| state()).collect();
+            let mut alone: Vec<_> = lens.iter().map(|_| state()).collect();
+            for (i, &n) in lens.iter().enumerate() {
+                forward(model, &cuda, &mut together[i], &toks[i][..n], Logits::Last).unwrap();
+                forward(model, &cuda, &mut alone[i], &toks[i][..n], Logits::Last).unwrap();
+            }
+            for k in 0..steps {
+                let mut segs: Vec<Segment<'_, _>> = together
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, st)| Segment {
+                        state: st,
+                        tokens: &toks[i][lens[i] + k..lens[i] + k + 1],
+                        want: Logits::Last,
+                    })
+                    .collect();
+                let got = forward_batch(model, &cuda, &mut segs).unwrap();
+                if model.hp.n_head_kv > 0
+                    && model
+                        .w
+                        .layers
+                        .iter()
+                        .all(|l| matches!(l.mixer, Mixer::Attention(_)))
+                {
+                    assert_eq!(
+                        cuda.last_attention_kernel(),
+                        "attention_flash_dec_seqs",
+                        "{what}: a step of several decode rows takes the one-launch kernels"
+                    );
+                }
+                for (i, want) in got.iter().enumerate() {
+                    let tok = &toks[i][lens[i] + k..lens[i] + k + 1];
+                    let one = forward(model, &cuda, &mut alone[i], tok, Logits::Last).unwrap();
+                    assert!(want.iter().all(|x| x.is_finite()), "{what}: non-finite");
+                    assert_eq!(
+                        bits(want),
+                        bits(&one),
+                        "{what} {kv:?}: step {k}, sequence {i} (depth {}) differs from alone",
+                        lens[i] + k
+                    );
+                }
+            }
+            for i in 0..lens.len() {
+                assert_eq!(
+                    bits(&cuda.download_state(&together[i]).unwrap()),
+                    bits(&cuda.download_state(&alone[i]).unwrap()),
+                    "{what} {kv:?}: state of sequence {i}"
+                );
+            }
+        }
+        eprintln!("{what}: several sequences' decode rows == each alone (f16 and f32 caches)");
+    }
+}
