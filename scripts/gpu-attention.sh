@@ -78,7 +78,7 @@ run)
     fi
     if [[ $steps == *,tests,* ]]; then
         step tests .gpu/test-gpu attention flash f16_kv sequences_batched every_block_op \
-            graph_replayed moe_combine forked batched --include-ignored --test-threads=1
+            graph_replayed moe_combine forked batched several_sequences --include-ignored --test-threads=1
     fi
     if [[ $steps == *,identity,* ]]; then
         for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
@@ -102,6 +102,10 @@ run)
                 -n 128 -d 16384 -r 1 --attention fast --kv-type f16
             step "samesum profile tg $m" timeout 300 .gpu/samesum bench --device cuda -m "$m" \
                 -p 0 -n 32 -d 16384 -r 1 --profile
+            step "samesum parallel $m" timeout 300 .gpu/samesum bench --device cuda -m "$m" \
+                -p 128 -n 64 -r 1 --parallel 8,64
+            step "old build parallel $m" timeout 300 .gpu-old/samesum bench --device cuda -m "$m" \
+                -p 128 -n 64 -r 1 --parallel 8,64 --attention fast --kv-type f16
         done
         for i in $(seq 60); do [ -x "$llama/llama-bench" ] && break; sleep 5; done
         tail -n 3 "$out/llama-build.log"
