@@ -13,10 +13,11 @@
 # order (SAMESUM_ATT_STEPS picks some): compile (the machine's NVRTC, spills),
 # tests (the GPU tests of attention, sequences, block ops, graphs), identity
 # (the gate with the defaults on the tiny models, and its negative control),
-# bench (pp and tg at depth on qwen35moe-35b-a3b and qwen3moe-30b-a3b at the
-# q4_k_m mix, qwen3moe with YaRN x4 so that 65,536 fits; samesum, the old
-# build, llama.cpp), agree (teacher-forced agreement with the reference and
-# the probe). The models and llama.cpp are made in the background from the
+# bench (pp and tg at depth, several sequences a step, on qwen35moe-35b-a3b
+# and qwen3moe-30b-a3b at the q4_k_m mix, qwen3moe with YaRN x4 so that
+# 65,536 fits; samesum and the old build), agree (teacher-forced agreement
+# with the reference and the probe), llama (llama.cpp's figures on the same
+# files). The models and llama.cpp are made in the background from the
 # start. Results: OUT/log.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +37,7 @@ wait)
     ;;
 run)
     out=${2:?}
-    steps=",${SAMESUM_ATT_STEPS:-compile,tests,identity,bench,agree},"
+    steps=",${SAMESUM_ATT_STEPS:-compile,tests,identity,bench,agree,llama},"
     for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
         [ -d "$d" ] && export LD_LIBRARY_PATH=$d:${LD_LIBRARY_PATH:-}
     done
@@ -107,6 +108,16 @@ run)
             step "old build parallel $m" timeout 300 .gpu-old/samesum bench --device cuda -m "$m" \
                 -p 128 -n 64 -r 1 --parallel 8,64 --attention fast --kv-type f16
         done
+    fi
+    if [[ $steps == *,agree,* ]]; then
+        for m in "$q35" "$q3"; do
+            step "agree $m" timeout 900 .gpu/samesum agree --device cuda -m "$m" \
+                --lens 512,8192,32768 --gen 64 --seeds 2 --probe reversed-topk
+            step "control $m" timeout 300 .gpu/samesum agree --device cuda -m "$m" \
+                --lens 512 --gen 64 --attention exact --kv-type-b f32
+        done
+    fi
+    if [[ $steps == *,llama,* ]]; then
         for i in $(seq 60); do [ -x "$llama/llama-bench" ] && break; sleep 5; done
         tail -n 3 "$out/llama-build.log"
         for m in "$q35" "$q3"; do
@@ -116,14 +127,6 @@ run)
                 -r 1 -p "$pp" -n 0
             step "llama.cpp tg $m" timeout 600 "$llama/llama-bench" -m "$m" -fa 1 -ub 2048 -ngl 99 \
                 -r 1 -p 0 -n 128 -d 0,16384,65536
-        done
-    fi
-    if [[ $steps == *,agree,* ]]; then
-        for m in "$q35" "$q3"; do
-            step "agree $m" timeout 900 .gpu/samesum agree --device cuda -m "$m" \
-                --lens 512,8192,32768 --gen 64 --seeds 2 --probe reversed-topk
-            step "control $m" timeout 300 .gpu/samesum agree --device cuda -m "$m" \
-                --lens 512 --gen 64 --attention exact --kv-type-b f32
         done
     fi
     echo "=== done"
