@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# CUDA's default attention (flash attention over an f16 cache) on a GPU
-# machine without Rust or network: its gates, its agreement with the
-# reference configuration, and its speed at depth against the build it
-# replaces and llama.cpp on the same files, in one run.
+# CUDA's candidate default attention (`--attention fast --kv-type f16`:
+# flash attention over an f16 cache) on a GPU machine without Rust or
+# network: its gates, its agreement with the reference configuration, and
+# its speed at depth against the build being replaced and llama.cpp on the
+# same files, in one run.
 #
 #   scripts/gpu-attention.sh start OUT   # there: starts the run in the background
 #   scripts/gpu-attention.sh wait OUT S  # there: shows progress for up to S seconds
@@ -44,6 +45,7 @@ run)
     export SAMESUM_REQUIRE=gpu,nvrtc
     export SAMESUM_KERNEL_CACHE=${SAMESUM_KERNEL_CACHE:-/tmp/samesum-kernels}
     work=${SAMESUM_ATT_WORK:-/tmp/att}
+    FAST="--attention fast --kv-type f16"
     mkdir -p "$work"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     q35=$work/qwen35moe-q4_k_m.gguf q3=$work/qwen3moe-yarn4-q4_k_m.gguf
@@ -84,10 +86,10 @@ run)
     if [[ $steps == *,identity,* ]]; then
         for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
             step "identity $shape" timeout 300 .gpu/samesum identity --device cuda \
-                --shape "$shape" --chunk 1,7,64,256 --gen 32
+                --shape "$shape" --chunk 1,7,64,256 --gen 32 $FAST
         done
         step "negative control (must fail)" timeout 300 .gpu/samesum identity --device cuda \
-            --shape tiny-qwen3moe --chunk 64 --gen 16 --negative-control
+            --shape tiny-qwen3moe --chunk 64 --gen 16 --negative-control $FAST
     fi
     while [ ! -e "$work/synth.done" ]; do sleep 5; done
     cat "$out/synth.log"
@@ -96,15 +98,15 @@ run)
             pp=4096,16384
             [ "$m" = "$q35" ] && pp=4096,16384,32768
             step "samesum pp $m" timeout 600 .gpu/samesum bench --device cuda -m "$m" -p "$pp" \
-                -n 0 -r 1 --prefill batched
+                -n 0 -r 1 --prefill batched $FAST
             step "samesum tg $m" timeout 600 .gpu/samesum bench --device cuda -m "$m" -p 0 \
-                -n 128 -d 0,16384,65536 -r 1
+                -n 128 -d 0,16384,65536 -r 1 $FAST
             step "old build tg $m" timeout 300 .gpu-old/samesum bench --device cuda -m "$m" -p 0 \
                 -n 128 -d 16384 -r 1 --attention fast --kv-type f16
             step "samesum profile tg $m" timeout 300 .gpu/samesum bench --device cuda -m "$m" \
-                -p 0 -n 32 -d 16384 -r 1 --profile
+                -p 0 -n 32 -d 16384 -r 1 --profile $FAST
             step "samesum parallel $m" timeout 300 .gpu/samesum bench --device cuda -m "$m" \
-                -p 128 -n 64 -r 1 --parallel 8,64
+                -p 128 -n 64 -r 1 --parallel 8,64 $FAST
             step "old build parallel $m" timeout 300 .gpu-old/samesum bench --device cuda -m "$m" \
                 -p 128 -n 64 -r 1 --parallel 8,64 --attention fast --kv-type f16
         done
@@ -112,9 +114,10 @@ run)
     if [[ $steps == *,agree,* ]]; then
         for m in "$q35" "$q3"; do
             step "agree $m" timeout 900 .gpu/samesum agree --device cuda -m "$m" \
-                --lens 512,8192,32768 --gen 64 --seeds 2 --probe reversed-topk
+                --lens 512,8192,32768 --gen 64 --seeds 2 --probe reversed-topk \
+                --attention fast --kv-type-b f16
             step "control $m" timeout 300 .gpu/samesum agree --device cuda -m "$m" \
-                --lens 512 --gen 64 --attention exact --kv-type-b f32
+                --lens 512 --gen 64
         done
     fi
     if [[ $steps == *,llama,* ]]; then

@@ -2,10 +2,9 @@
 //! kernel variant that does not compute the same bytes needs before it may
 //! exist (docs/CAPABILITIES.md). Arm A is the reference configuration
 //! (exact attention, an f32 KV cache unless `--kv-type` says otherwise);
-//! arm B the same device as configured, defaults included (on CUDA: fast
-//! attention and an f16 cache), with any `--variant`. Where B equals A
-//! (the CPU without options, or CUDA with `--attention exact --kv-type-b
-//! f32`), B is a same-arm control, which must agree everywhere. Per prompt, A's greedy continuation
+//! arm B the same device as configured (`--attention`, `--kv-type-b`), with
+//! any `--variant`. Where B equals A (no such options), B is a same-arm
+//! control, which must agree everywhere. Per prompt, A's greedy continuation
 //! is the reference; both arms then read the prompt and the reference and
 //! predict each next token, and the share of positions where their argmax
 //! tokens agree is compared with `--bar`. With `--probe`, a third arm (the
@@ -79,12 +78,11 @@ pub(crate) struct Args {
     #[command(flatten)]
     kv: KvArgs,
     /// Arm B's KV cache type (default: --kv-type when given, else the
-    /// device's default: f16 on CUDA, f32 on the CPU): measures a cache
-    /// type against another, e.g. `--kv-type f32 --kv-type-b f16`.
+    /// device's default): measures a cache type against another, e.g.
+    /// `--kv-type f32 --kv-type-b f16`.
     #[arg(long = "kv-type-b", value_name = "TYPE", value_parser = ["f32", "f16"])]
     kv_type_b: Option<String>,
-    // `--attention` applies to arm B (default: the device's, fast on CUDA);
-    // arm A runs the exact passes.
+    // `--attention` applies to arm B; arm A runs the exact passes.
     #[command(flatten)]
     backend: BackendArgs,
 }
@@ -317,8 +315,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     }
     let device = a.backend.device(a.threads.threads)?;
     // Arm A: the reference configuration (exact attention, an f32 cache
-    // unless --kv-type says otherwise); arm B the device as given, its
-    // defaults included (on CUDA: fast attention, an f16 cache).
+    // unless --kv-type says otherwise); arm B the device as given.
     let kv = a.kv.given().unwrap_or(KvType::F32);
     let base = match device {
         Device::Cuda(n, opts) => Device::Cuda(

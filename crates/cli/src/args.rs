@@ -56,9 +56,9 @@ pub(crate) struct BackendArgs {
     n_gpu_layers: Option<GpuLayers>,
     /// Flash attention, as llama.cpp's -fa (which samesum also takes):
     /// accepted, changes nothing; `on` and `off` print a note saying so.
-    /// samesum's attention is chosen by --attention: on CUDA the default is
-    /// already flash attention (f16 tensor cores), on the CPU the exact
-    /// softmax of each row.
+    /// samesum's attention is chosen by --attention: exact by default (on
+    /// CUDA already tiled, flash-style, with a running max), the f16
+    /// tensor-core flash kernel with `--attention fast`.
     #[arg(long = "flash-attn", value_enum, value_name = "on|off|auto")]
     flash_attn: Option<FlashAttn>,
     /// Tier mode within this VRAM budget (e.g. 24G): routed experts in host
@@ -66,11 +66,11 @@ pub(crate) struct BackendArgs {
     /// Without it, tier mode starts by itself when the model does not fit.
     #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
     vram_budget: Option<u64>,
-    /// Attention passes: `fast` (the default on CUDA: flash attention on f16
-    /// tensor cores) or `exact` (f32 on CUDA cores; the CPU's only one).
-    /// Batched prefill equals replay with either; `--attention exact
-    /// --kv-type f32` is the reference configuration (docs/CAPABILITIES.md:
-    /// the default's bars against it).
+    /// Attention passes: `exact` (the default: f32, on CUDA cores on the
+    /// GPU; the CPU's only one) or `fast` (CUDA, opt-in: flash attention on
+    /// f16 tensor cores, not the same bytes as `exact`). Batched prefill
+    /// equals replay with either (docs/CAPABILITIES.md: fast's bars against
+    /// the reference, `--attention exact --kv-type f32`).
     #[arg(long, value_enum)]
     attention: Option<Attention>,
 }
@@ -132,12 +132,13 @@ pub(crate) enum FlashAttn {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Attention {
     /// f32 attention in samesum's exact order (CUDA cores on the GPU): the
-    /// reference configuration with `--kv-type f32`, and the CPU's only one.
+    /// default, the reference configuration with `--kv-type f32`, and the
+    /// CPU's only one.
     Exact,
     /// Flash attention on f16 tensor cores with f32 accumulation (q, k, v
     /// and the probabilities rounded to f16, as llama.cpp's default), CUDA
-    /// only and its default. One function for decode and prefill (batched
-    /// equals replay); docs/CAPABILITIES.md has its bars against `exact`.
+    /// only, opt-in. One function for decode and prefill (batched equals
+    /// replay); docs/CAPABILITIES.md has its bars against `exact`.
     Fast,
 }
 
@@ -159,7 +160,7 @@ impl BackendArgs {
         match self.flash_attn {
             Some(FlashAttn::On) => eprintln!(
                 "note: -fa on changes nothing: --attention picks samesum's attention \
-                 (on CUDA flash attention by default)"
+                 (--attention fast: flash attention on CUDA's tensor cores)"
             ),
             Some(FlashAttn::Off) => eprintln!(
                 "note: -fa off changes nothing: --attention picks samesum's attention \
@@ -202,7 +203,7 @@ impl BackendArgs {
                 n,
                 CudaOptions {
                     vram_budget: self.vram_budget,
-                    fast_attention: self.attention.unwrap_or(Attention::Fast) == Attention::Fast,
+                    fast_attention: self.attention == Some(Attention::Fast),
                 },
             )),
         }
@@ -224,9 +225,9 @@ pub(crate) struct ThreadsArgs {
 
 #[derive(clap::Args, Clone, Debug)]
 pub(crate) struct KvArgs {
-    /// KV cache type: f16 (half the memory per token; the default on CUDA,
-    /// as llama.cpp's) or f32 (exact; the default on the CPU, and with
-    /// `--attention exact` the reference configuration).
+    /// KV cache type: f32 (exact; the default, and with `--attention exact`
+    /// the reference configuration) or f16 (half the memory per token, as
+    /// llama.cpp's default; opt-in, see docs/CAPABILITIES.md).
     #[arg(long = "kv-type", value_enum)]
     kv_type: Option<Kv>,
 }
@@ -242,13 +243,12 @@ enum Kv {
 
 impl KvArgs {
     /// The KV cache type on `device`: `--kv-type`, else the device's default
-    /// (f16 on CUDA, f32 on the CPU).
+    /// (f32 on both).
     pub(crate) fn kv(&self, device: &Device) -> KvType {
         match (self.kv_type, device) {
             (Some(Kv::F32), _) => KvType::F32,
             (Some(Kv::F16), _) => KvType::F16,
-            (None, Device::Cuda(..)) => KvType::F16,
-            (None, Device::Cpu(_)) => KvType::F32,
+            (None, _) => KvType::F32,
         }
     }
 
@@ -390,11 +390,10 @@ mod tests {
         let d = |args: &[&str]| parse(args).unwrap().backend.device(3).unwrap();
         assert_eq!(d(&[]), Device::Cpu(3));
         assert_eq!(d(&["--attention", "exact"]), Device::Cpu(3));
-        // CUDA's default attention is the fast (tensor-core) one.
-        assert_eq!(d(&["--device", "CUDA:2"]), cuda(2, None, true));
+        assert_eq!(d(&["--device", "CUDA:2"]), cuda(2, None, false));
         assert_eq!(
             d(&["--device", "cuda", "--vram-budget", "24G"]),
-            cuda(0, Some(24 << 30), true)
+            cuda(0, Some(24 << 30), false)
         );
         assert_eq!(
             d(&["--device", "gpu", "--attention", "fast"]),
@@ -436,19 +435,19 @@ mod tests {
     fn gpu_layers_pick_the_device_when_none_is_given() {
         let d = |args: &[&str], gpus: usize| parse(args).unwrap().backend.device_with(3, || gpus);
         for n in ["1", "99", "all", "auto", "-1"] {
-            assert_eq!(d(&["--n-gpu-layers", n], 1).unwrap(), cuda(0, None, true));
+            assert_eq!(d(&["--n-gpu-layers", n], 1).unwrap(), cuda(0, None, false));
             assert_eq!(d(&["--n-gpu-layers", n], 0).unwrap(), Device::Cpu(3));
         }
         assert_eq!(d(&["--n-gpu-layers", "0"], 1).unwrap(), Device::Cpu(3));
         // The CUDA options go with the device -ngl picked.
         assert_eq!(
             d(&["--n-gpu-layers", "99", "--vram-budget", "24G"], 1).unwrap(),
-            cuda(0, Some(24 << 30), true)
+            cuda(0, Some(24 << 30), false)
         );
         // A given --device stands, and must agree with -ngl.
         assert_eq!(
             d(&["--n-gpu-layers", "5", "--device", "cuda:1"], 2).unwrap(),
-            cuda(1, None, true)
+            cuda(1, None, false)
         );
         assert!(d(&["--n-gpu-layers", "5", "--device", "cpu"], 1).is_err());
         assert!(d(&["--n-gpu-layers", "0", "--device", "cuda"], 1).is_err());
@@ -461,18 +460,11 @@ mod tests {
                 .unwrap()
                 .backend;
             assert_eq!(b.attention(), None);
-            assert_eq!(b.device(0).unwrap(), cuda(0, None, true));
-            let b = parse(&[
-                "--flash-attn",
-                v,
-                "--attention",
-                "exact",
-                "--device",
-                "cuda",
-            ])
-            .unwrap()
-            .backend;
             assert_eq!(b.device(0).unwrap(), cuda(0, None, false));
+            let b = parse(&["--flash-attn", v, "--attention", "fast", "--device", "cuda"])
+                .unwrap()
+                .backend;
+            assert_eq!(b.device(0).unwrap(), cuda(0, None, true));
         }
     }
 
@@ -483,7 +475,7 @@ mod tests {
         let none = parse(&[]).unwrap().kv;
         assert_eq!(
             (none.kv(&cpu), none.kv(&gpu), none.given()),
-            (KvType::F32, KvType::F16, None)
+            (KvType::F32, KvType::F32, None)
         );
         let f16 = parse(&["--kv-type", "f16"]).unwrap().kv;
         assert_eq!(

@@ -786,7 +786,7 @@ fn llama_cpp_flash_attn_is_accepted_with_a_note() {
     assert!(ok, "{err}");
     assert!(!err.contains("-fa"), "{err}");
     for (value, note) in [
-        ("on", "on CUDA flash attention by default"),
+        ("on", "flash attention on CUDA's tensor cores"),
         ("off", "--attention exact for the f32 reference"),
     ] {
         let (ok, out, err) = samesum(&["run", "-n", "6", "--temp", "0", "-fa", value]);
