@@ -37,6 +37,7 @@ pub const MODULES: &[(&str, &str)] = &[
         concat!(
             include_str!("../kernels/norm.cu"),
             include_str!("../kernels/attention.cu"),
+            include_str!("../kernels/attention_flash.cu"),
             include_str!("../kernels/delta_net.cu"),
             include_str!("../kernels/moe.cu"),
         ),

@@ -4,7 +4,7 @@
 use super::*;
 use cudarc::driver::{CudaView, CudaViewMut};
 
-/// The attention kernels (ops unit, kernels/attention.cu). The exact ones
+/// The attention kernels (ops unit, kernels/attention.cu and attention_flash.cu). The exact ones
 /// take a block per (KV head, row tile, key tile of 256 positions) and
 /// write the tiles' partials, which `attention_combine` folds in order; the
 /// flash kernel folds its key tiles and splits itself (or, for decode, one
