@@ -21,7 +21,9 @@
 //! nothing wait in the kernel. The connection cap: past it, the connection
 //! idle the longest (no request in flight, none waiting unread in the
 //! kernel, no response still being written) is closed to make room, as nginx
-//! reuses keep-alive connections; when every connection has a request in
+//! reuses keep-alive connections (connections already being closed are
+//! waited for, up to [`CLOSING_WAIT`], since a burst of accepts can find the
+//! registry full of them); when every connection has a request in
 //! flight, a new client is served one answer on an overflow lane of
 //! [`OVERFLOW`] connections (`/health` answers as usual, anything else gets a
 //! 503 `too_many_connections` with `Retry-After`) and is closed; past the
@@ -76,6 +78,9 @@ pub const OVERFLOW: usize = 32;
 pub const OVERFLOW_TIMEOUT: Duration = Duration::from_secs(2);
 /// The interval of the probes written after a client's end of stream.
 pub const PROBE: Duration = Duration::from_millis(100);
+/// How long a new connection past the cap waits for connections being
+/// closed to leave before it is sent to the overflow lane.
+const CLOSING_WAIT: Duration = Duration::from_millis(200);
 /// File descriptors kept for everything but connections.
 const FD_RESERVE: usize = 32;
 /// hyper's read and write buffer limit per connection.
@@ -441,6 +446,29 @@ impl Shared {
             }
         }
         false
+    }
+
+    /// Wait (at most [`CLOSING_WAIT`]) while connections being closed still
+    /// hold places in the registry; true once it has room below the cap.
+    async fn wait_for_closing(&self) -> bool {
+        let until = Instant::now() + CLOSING_WAIT;
+        loop {
+            let (n, closing) = {
+                let conns = self.conns();
+                let closing = conns
+                    .values()
+                    .filter(|c| c.phase.load(Ordering::Acquire) == CLOSING)
+                    .count();
+                (conns.len(), closing)
+            };
+            if n < self.max_connections {
+                return true;
+            }
+            if closing == 0 || Instant::now() >= until {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
     }
 
     /// Connections with a request in flight.
@@ -904,24 +932,32 @@ pub async fn run(
         };
         let _ = stream.set_nodelay(true);
         shared.metrics.connections.inc(1);
-        let full = shared.conns().len() >= shared.max_connections;
-        if full && shared.evict_idle() {
-            // Let the evicted connection's task close its socket before the
-            // next accept takes another descriptor.
-            tokio::task::yield_now().await;
-        } else if full {
-            if shared.overflow.fetch_add(1, Ordering::AcqRel) < OVERFLOW {
-                tasks.spawn(serve_overflow(
-                    shared.clone(),
-                    stream,
-                    shared.max_connections,
-                ));
+        if shared.conns().len() >= shared.max_connections {
+            // Make room: close the connection idle the longest. With none
+            // idle, connections just evicted or swept may still hold places
+            // (they leave once their tasks run, and a burst of accepts can
+            // find the registry full of them): wait for those, briefly,
+            // before turning the client away.
+            let room =
+                shared.evict_idle() || shared.wait_for_closing().await || shared.evict_idle();
+            if room {
+                // Let an evicted connection's task close its socket before
+                // the next accept takes another descriptor.
+                tokio::task::yield_now().await;
             } else {
-                shared.overflow.fetch_sub(1, Ordering::AcqRel);
-                shared.metrics.connections_refused.inc(1);
-                drop(stream);
+                if shared.overflow.fetch_add(1, Ordering::AcqRel) < OVERFLOW {
+                    tasks.spawn(serve_overflow(
+                        shared.clone(),
+                        stream,
+                        shared.max_connections,
+                    ));
+                } else {
+                    shared.overflow.fetch_sub(1, Ordering::AcqRel);
+                    shared.metrics.connections_refused.inc(1);
+                    drop(stream);
+                }
+                continue;
             }
-            continue;
         }
         next_id += 1;
         let conn = Arc::new(Conn::with_socket(shared.clock.now(), &stream));
@@ -1024,6 +1060,36 @@ mod tests {
         assert_eq!(old_busy.phase.load(Ordering::Acquire), BUSY);
         assert_eq!(old_writing.phase.load(Ordering::Acquire), IDLE);
         assert_eq!(s.metrics.connections_evicted.get(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_full_registry_waits_for_its_closing_connections_only() {
+        let s = Arc::new(shared(Limits::default()));
+        for id in 0..4 {
+            add(&s, id, Conn::new(1))
+                .phase
+                .store(BUSY, Ordering::Release);
+        }
+        // Full, every connection busy, none closing: no room, no wait.
+        let t = Instant::now();
+        assert!(!s.wait_for_closing().await);
+        assert!(t.elapsed() < CLOSING_WAIT / 2);
+        // One being closed leaves the registry a moment later: room.
+        s.conns()[&3].phase.store(CLOSING, Ordering::Release);
+        let s2 = s.clone();
+        let leave = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            s2.conns().remove(&3);
+        });
+        assert!(s.wait_for_closing().await);
+        leave.await.unwrap();
+        // One closing that never leaves: the wait ends, without room.
+        add(&s, 3, Conn::new(1))
+            .phase
+            .store(CLOSING, Ordering::Release);
+        let t = Instant::now();
+        assert!(!s.wait_for_closing().await);
+        assert!(t.elapsed() >= CLOSING_WAIT);
     }
 
     #[cfg(unix)]
