@@ -297,6 +297,32 @@ pub(super) unsafe fn hsum8(v: &[__m256i; 8]) -> __m256i {
     }
 }
 
+/// [`scalar::reduce8`] of the eight lanes of `acc` after the blocks `tail`
+/// (each into lane `b % 8`, as the reference adds them): without a tail, the
+/// same three rounds of additions, operands in the same order, by shuffles.
+#[inline(always)]
+unsafe fn finish_lanes8(
+    acc: __m256,
+    tail: std::ops::Range<usize>,
+    term: impl Fn(usize) -> f32,
+) -> f32 {
+    unsafe {
+        if tail.is_empty() {
+            // [l0 + l4, l1 + l5, l2 + l6, l3 + l7], then lane 0: (l0 + l4) +
+            // (l2 + l6), lane 1: (l1 + l5) + (l3 + l7), then their sum.
+            let t = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+            let u = _mm_add_ps(t, _mm_movehl_ps(t, t));
+            return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+        for b in tail {
+            lanes[b % 8] = lanes[b % 8] + term(b);
+        }
+        scalar::reduce8(&lanes)
+    }
+}
+
 /// The 8-lane combination of 32-element formats ([`scalar::lanes8`]), eight blocks
 /// at a time: `block(b)` gives block `b`'s exact integer sum (as 8 partial lanes)
 /// and the f16 bits of its two scales; a group's scales are converted by F16C
@@ -323,12 +349,7 @@ unsafe fn lanes8_avx2(
             let s = _mm256_cvtepi32_ps(hsum8(&v));
             acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dw, da), s));
         }
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-        for b in groups * 8..nb {
-            lanes[b % 8] = lanes[b % 8] + tail(b);
-        }
-        scalar::reduce8(&lanes)
+        finish_lanes8(acc, groups * 8..nb, tail)
     }
 }
 
@@ -473,12 +494,7 @@ unsafe fn lanes8_f32_avx2(
             let s = _mm256_cvtepi32_ps(hsum8(&v));
             acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dw, da), s));
         }
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-        for b in groups * 8..nb {
-            lanes[b % 8] = lanes[b % 8] + tail(b);
-        }
-        scalar::reduce8(&lanes)
+        finish_lanes8(acc, groups * 8..nb, tail)
     }
 }
 
@@ -530,12 +546,7 @@ unsafe fn lanes8_min_avx2(
             );
             acc = _mm256_add_ps(acc, t);
         }
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-        for b in groups * 8..nb {
-            lanes[b % 8] = lanes[b % 8] + tail(b);
-        }
-        scalar::reduce8(&lanes)
+        finish_lanes8(acc, groups * 8..nb, tail)
     }
 }
 

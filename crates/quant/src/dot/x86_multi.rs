@@ -406,6 +406,46 @@ pub(super) fn has_vnni() -> bool {
 /// The block order of [`sums4`]'s lanes.
 const PERM4: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
 
+/// [`scalar::reduce8`] of eight lanes held in the order [`PERM4`] (register
+/// lane `k` is block lane `PERM4[k]`): the same three rounds of additions with
+/// the same operands in the same order, done by shuffles instead of a store
+/// and scalar adds. `acc` = `[l0, l2, l4, l6, l1, l3, l5, l7]`.
+#[inline(always)]
+unsafe fn reduce8_perm4(acc: __m256) -> f32 {
+    unsafe {
+        // Lanes 0, 1, 4, 5: l0 + l4, l2 + l6, l1 + l5, l3 + l7.
+        let t = _mm256_add_ps(acc, _mm256_permute_ps::<0b01_00_11_10>(acc));
+        // Lane 0: (l0 + l4) + (l2 + l6); lane 4: (l1 + l5) + (l3 + l7).
+        let u = _mm256_add_ps(t, _mm256_permute_ps::<0b10_11_00_01>(t));
+        _mm_cvtss_f32(_mm_add_ss(
+            _mm256_castps256_ps128(u),
+            _mm256_extractf128_ps::<1>(u),
+        ))
+    }
+}
+
+/// The reduction of one accumulator in the order [`PERM4`] with the blocks
+/// past the last whole group (`tail`, each into lane `b % 8` first) as the
+/// reference takes them.
+#[inline(always)]
+unsafe fn finish_perm4(acc: __m256, tail: impl ExactSizeIterator<Item = (usize, f32)>) -> f32 {
+    if tail.len() == 0 {
+        // SAFETY: the caller runs with AVX.
+        return unsafe { reduce8_perm4(acc) };
+    }
+    let mut perm = [0f32; 8];
+    // SAFETY: as above; `perm` holds 8 values.
+    unsafe { _mm256_storeu_ps(perm.as_mut_ptr(), acc) };
+    let mut lanes = [0f32; 8];
+    for (k, &b) in PERM4.iter().enumerate() {
+        lanes[b] = perm[k];
+    }
+    for (b, term) in tail {
+        lanes[b % 8] = lanes[b % 8] + term;
+    }
+    scalar::reduce8(&lanes)
+}
+
 /// Eight block sums from four registers of two blocks' 8-lane partials each
 /// (`v[i]`: block `2i` in the low half, `2i + 1` in the high): lane `k` of the
 /// result is the total of block `PERM4[k]` (exact: i32 additions reordered).
@@ -708,16 +748,8 @@ unsafe fn tile32_vnni<W: Vals32>(
             for t in 0..2 {
                 let jt = [j, j1][t];
                 for r in 0..nr {
-                    let mut perm = [0f32; 8];
-                    _mm256_storeu_ps(perm.as_mut_ptr(), acc[t][r]);
-                    let mut lanes = [0f32; 8];
-                    for (k, &b) in PERM4.iter().enumerate() {
-                        lanes[b] = perm[k];
-                    }
-                    for b in groups * 8..nb {
-                        lanes[b % 8] = lanes[b % 8] + ws[t][b].term(&acts[r][b]);
-                    }
-                    out[(row0 + r) * rows + jt] = scalar::reduce8(&lanes);
+                    let tail = (groups * 8..nb).map(|b| (b, ws[t][b].term(&acts[r][b])));
+                    out[(row0 + r) * rows + jt] = finish_perm4(acc[t][r], tail);
                 }
             }
         }
@@ -769,16 +801,8 @@ unsafe fn rows8_32_vnni<W: Vals32>(w: &[&[W]; 8], a: &[W::A], out: &mut [f32; 8]
             }
         }
         for t in 0..8 {
-            let mut perm = [0f32; 8];
-            _mm256_storeu_ps(perm.as_mut_ptr(), acc[t]);
-            let mut lanes = [0f32; 8];
-            for (k, &b) in PERM4.iter().enumerate() {
-                lanes[b] = perm[k];
-            }
-            for b in groups * 8..nb {
-                lanes[b % 8] = lanes[b % 8] + w[t][b].term(&a[b]);
-            }
-            out[t] = scalar::reduce8(&lanes);
+            let tail = (groups * 8..nb).map(|b| (b, w[t][b].term(&a[b])));
+            out[t] = finish_perm4(acc[t], tail);
         }
     }
 }
