@@ -5,8 +5,12 @@
 # its speed at depth against the build being replaced and llama.cpp on the
 # same files, in one run.
 #
-#   scripts/gpu-attention.sh start OUT   # there: starts the run in the background
-#   scripts/gpu-attention.sh wait OUT S  # there: shows progress for up to S seconds
+#   scripts/gpu-attention.sh start OUT [LAYERS]  # there: starts the run in the background
+#   scripts/gpu-attention.sh wait OUT S          # there: shows progress for up to S seconds
+#
+# LAYERS (default: the shapes' own) writes the models with that many layers:
+# a short lease still measures decode attention at depth per layer, the
+# tests and the gates, in minutes instead of the full models' twenty.
 #
 # Needs .gpu/ (`scripts/gpu.sh bundle`), .gpu-old/samesum (the build being
 # replaced, run with `--attention fast --kv-type f16`) and
@@ -27,7 +31,7 @@ case "$mode" in
 start)
     out=${2:?usage: scripts/gpu-attention.sh start OUT}
     mkdir -p "$out"
-    setsid nohup "$0" run "$out" >"$out/log.txt" 2>&1 </dev/null &
+    setsid nohup "$0" run "$out" "${3:-}" >"$out/log.txt" 2>&1 </dev/null &
     echo "started: $out/log.txt"
     ;;
 wait)
@@ -38,6 +42,8 @@ wait)
     ;;
 run)
     out=${2:?}
+    layers=()
+    [ -n "${3:-}" ] && layers=(--layers "$3")
     steps=",${SAMESUM_ATT_STEPS:-compile,tests,identity,bench,agree,llama},"
     for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
         [ -d "$d" ] && export LD_LIBRARY_PATH=$d:${LD_LIBRARY_PATH:-}
@@ -50,8 +56,8 @@ run)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     q35=$work/qwen35moe-q4_k_m.gguf q3=$work/qwen3moe-yarn4-q4_k_m.gguf
     (
-        .gpu/samesum synth --force --shape qwen35moe-35b-a3b --mix q4_k_m -o "$q35" 2>&1 | tail -n 1
-        .gpu/samesum synth --force --shape qwen3moe-30b-a3b --mix q4_k_m --yarn 4 -o "$q3" 2>&1 | tail -n 1
+        .gpu/samesum synth --force --shape qwen35moe-35b-a3b --mix q4_k_m "${layers[@]}" -o "$q35" 2>&1 | tail -n 1
+        .gpu/samesum synth --force --shape qwen3moe-30b-a3b --mix q4_k_m --yarn 4 "${layers[@]}" -o "$q3" 2>&1 | tail -n 1
         touch "$work/synth.done"
     ) >"$out/synth.log" 2>&1 &
     llama=$work/llama.cpp/build/bin
