@@ -96,8 +96,8 @@ __device__ __forceinline__ void qk_norm_rope_kv_k(const float* qsrc, int q_row, 
     void *ck = rows.k(r), *cv = rows.v(r);
     for (int i = lane; i < hd; i += 32) {
         if (f16) {
-            ((u16*)ck)[at + i] = f32_to_f16(sr[i]);
-            ((u16*)cv)[at + i] = f32_to_f16(vr[i]);
+            ((u16*)ck)[at + i] = f32_to_f16_kv(sr[i]);
+            ((u16*)cv)[at + i] = f32_to_f16_kv(vr[i]);
         } else {
             ((float*)ck)[at + i] = sr[i];
             ((float*)cv)[at + i] = vr[i];

@@ -39,6 +39,11 @@ __device__ __forceinline__ u32 fa_pack(float lo, float hi) {
     return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
 }
 
+// Two cache values as halves, as an f16 cache stores them (f32_to_f16_kv).
+__device__ __forceinline__ u32 fa_pack_kv(float lo, float hi) {
+    return (u32)f32_to_f16_kv(lo) | ((u32)f32_to_f16_kv(hi) << 16);
+}
+
 __device__ __forceinline__ void fa_ldsm4(u32 (&r)[4], const u16* p) {
     u32 a = smem_addr(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -161,7 +166,7 @@ __device__ __forceinline__ void fa_issue_kv(u16* ks, const void* ck, const void*
 }
 
 // An f32 cache's keys j0 .. j0 + FA_KT - 1 of KV head g into shared memory
-// as halves (rounded to nearest: the bytes an f16 cache holds), zeros past
+// as halves (f32_to_f16_kv: the bytes an f16 cache holds), zeros past
 // key `last`, by the block's NTH threads.
 template <int HD, int NTH = FA_W * 32>
 __device__ __forceinline__ void fa_load_kv(u16* ks, const void* ck, const void* cv, int hkv, int g, int j0,
@@ -176,7 +181,8 @@ __device__ __forceinline__ void fa_load_kv(u16* ks, const void* ck, const void* 
             const float* src = (const float*)(mat ? cv : ck) + ((i64)j * hkv + g) * HD + 8 * c;
             float4 x = *reinterpret_cast<const float4*>(src);
             float4 y = *reinterpret_cast<const float4*>(src + 4);
-            w = make_uint4(fa_pack(x.x, x.y), fa_pack(x.z, x.w), fa_pack(y.x, y.y), fa_pack(y.z, y.w));
+            w = make_uint4(fa_pack_kv(x.x, x.y), fa_pack_kv(x.z, x.w), fa_pack_kv(y.x, y.y),
+                           fa_pack_kv(y.z, y.w));
         }
         *reinterpret_cast<uint4*>(ks + mat * FA_KT * L::ST + r * L::ST + 8 * c) = w;
     }

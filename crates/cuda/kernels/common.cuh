@@ -26,6 +26,15 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
     return h;
 }
 
+// A KV-cache value as a half: rounded to nearest, but magnitudes past the
+// largest finite half kept at +-65504 instead of infinity (NaN stays NaN).
+// Prefill multiplies the values of keys past a row's position by
+// probabilities of exactly 0, where decode never reads them: an infinite
+// value would turn that 0 into NaN in prefill alone.
+__device__ __forceinline__ u16 f32_to_f16_kv(float f) {
+    return f32_to_f16(fabsf(f) > 65504.0f ? copysignf(65504.0f, f) : f);
+}
+
 __device__ __forceinline__ float bf16_to_f32(u16 h) {
     return __uint_as_float(((u32)h) << 16);
 }

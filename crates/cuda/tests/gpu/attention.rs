@@ -51,9 +51,16 @@ fn attention_at_the_real_models_head_shapes() {
     }
     let cpu = Cpu::new(2);
     // (query heads, KV heads, head dim): qwen3moe-30b-a3b, qwen35moe-35b-a3b,
-    // a group of 16, and a head dim whose thread groups do not divide the
+    // a group of 16, a group of 32 (two 16-pair tiles a row in the flash
+    // decode block), and a head dim whose thread groups do not divide the
     // 256-thread block (96).
-    for (heads, kv_heads, head_dim) in [(32, 4, 128), (16, 2, 256), (16, 1, 128), (6, 3, 96)] {
+    for (heads, kv_heads, head_dim) in [
+        (32, 4, 128),
+        (16, 2, 256),
+        (16, 1, 128),
+        (32, 1, 128),
+        (6, 3, 96),
+    ] {
         let (_dir, model) = attention_model(heads, kv_heads, head_dim);
         let (hq, hkv, hd) = (heads as usize, kv_heads as usize, head_dim as usize);
         let gs = hq / hkv;
@@ -503,5 +510,57 @@ fn flash_decode_rows_of_several_sequences_equal_each_alone() {
             }
         }
         eprintln!("{what}: several sequences' decode rows == each alone (f16 and f32 caches)");
+    }
+}
+
+/// A value past the largest finite half in the cache: prefill multiplies the
+/// values of keys past each row's position by probabilities of exactly 0,
+/// which decode never reads, so the cache keeps such a value finite (else 0
+/// times infinity would make the earlier rows NaN in prefill alone). The
+/// flash passes over an f32 cache, 64 rows in one call against each row
+/// alone, byte for byte, with a row of values of 1e6 at the end.
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
+fn flash_rows_equal_alone_with_values_past_the_half_range() {
+    if !gpu() {
+        return;
+    }
+    let (_dir, model) = attention_model(32, 4, 128);
+    let fast = CudaOptions {
+        fast_attention: true,
+        ..Default::default()
+    };
+    let cuda = Cuda::with_options(0, &model, false, fast).unwrap();
+    let heads = (32, 4, 128);
+    let (qw, kvw) = (32 * 128, 4 * 128);
+    let m = 64;
+    let (q, k, mut v) = attention_inputs(heads, 0, m, 77);
+    for x in &mut v[(m - 1) * kvw..] {
+        *x = 1e6;
+    }
+    let batched = cuda
+        .attention_host(&q, &k, &v, heads, 0, false, false)
+        .unwrap();
+    assert!(
+        batched.iter().all(|x| x.is_finite()),
+        "batched rows not finite"
+    );
+    for r in 0..m {
+        let one = cuda
+            .attention_host(
+                &q[r * qw..(r + 1) * qw],
+                &k[..(r + 1) * kvw],
+                &v[..(r + 1) * kvw],
+                heads,
+                r,
+                false,
+                false,
+            )
+            .unwrap();
+        let same = one
+            .iter()
+            .zip(&batched[r * qw..(r + 1) * qw])
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "row {r}: the 64-row call differs from the row alone");
     }
 }
