@@ -111,30 +111,18 @@ struct Arm {
 }
 
 impl Arm {
-    /// Open the arm's backend.
+    /// Open the arm's backend, with its variants.
     fn open(&self, model: &Model) -> Result<AnyBackend> {
-        match self.device {
-            Device::Cpu(threads) => {
-                let mut cpu = Cpu::new(threads);
-                for v in &self.variants {
-                    cpu = match v {
-                        Variant::ReversedTopk => cpu.with_reversed_topk(),
-                    };
-                }
-                Ok(AnyBackend::Cpu(cpu))
+        let b = match self.device {
+            Device::Cpu(threads) => AnyBackend::Cpu(Cpu::new(threads)),
+            Device::Cuda(..) => crate::args::open(self.device, model)?,
+        };
+        Ok(self.variants.iter().fold(b, |b, v| match (v, b) {
+            (Variant::ReversedTopk, AnyBackend::Cpu(c)) => AnyBackend::Cpu(c.with_reversed_topk()),
+            (Variant::ReversedTopk, AnyBackend::Cuda(c)) => {
+                AnyBackend::Cuda(Box::new(c.with_reversed_topk()))
             }
-            Device::Cuda(..) => {
-                let mut b = crate::args::open(self.device, model)?;
-                for v in &self.variants {
-                    if let AnyBackend::Cuda(c) = b {
-                        b = AnyBackend::Cuda(Box::new(match v {
-                            Variant::ReversedTopk => c.with_reversed_topk(),
-                        }));
-                    }
-                }
-                Ok(b)
-            }
-        }
+        }))
     }
 }
 
@@ -330,7 +318,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     let kv_b = match a.kv_type_b.as_deref() {
         Some("f32") => KvType::F32,
         Some(_) => KvType::F16,
-        None => a.kv.given().unwrap_or(a.kv.kv(&device)),
+        None => a.kv.kv(&device),
     };
     let arm_a = Arm {
         device: base,

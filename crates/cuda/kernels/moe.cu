@@ -57,15 +57,18 @@ __device__ __forceinline__ bool pick_before(float av, int ai, float bv, int bi) 
     return av > bv || (av == bv && ai < bi);
 }
 
+// Entries a and b of the parallel arrays v and id exchanged.
+__device__ __forceinline__ void swap_entries(float* v, int* id, int a, int b) {
+    float tv = v[a];
+    v[a] = v[b];
+    v[b] = tv;
+    int ti = id[a];
+    id[a] = id[b];
+    id[b] = ti;
+}
+
 __device__ __forceinline__ void pick_cas(float* v, int* id, int a, int b) {
-    if (pick_before(v[b], id[b], v[a], id[a])) {
-        float tv = v[a];
-        v[a] = v[b];
-        v[b] = tv;
-        int ti = id[a];
-        id[a] = id[b];
-        id[b] = ti;
-    }
+    if (pick_before(v[b], id[b], v[a], id[a])) swap_entries(v, id, a, b);
 }
 
 // Batcher's odd-even merge sort of a lane's U entries (U = 4 or 8) into
@@ -524,16 +527,7 @@ extern "C" __global__ void reverse_topk(int* slot, float* wts, int m, int k) {
     pdl_wait();
     int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= m) return;
-    int* sl = slot + (i64)r * k;
-    float* w = wts + (i64)r * k;
-    for (int a = 0, b = k - 1; a < b; a++, b--) {
-        int t = sl[a];
-        sl[a] = sl[b];
-        sl[b] = t;
-        float u = w[a];
-        w[a] = w[b];
-        w[b] = u;
-    }
+    for (int a = 0, b = k - 1; a < b; a++, b--) swap_entries(wts + (i64)r * k, slot + (i64)r * k, a, b);
 }
 
 // y[r] = sum over slots s in k order of w[r][s] * out[slot[r][s]] (skipped ids

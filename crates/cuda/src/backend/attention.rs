@@ -666,7 +666,7 @@ impl Cuda {
     /// head, 16 pairs, split of 512 keys), and fold the splits' partials in
     /// `attention_flash_combine`; larger calls a block per (KV head, row
     /// tile), folding the splits in the block: the same folds in the same
-    /// order (attention.cu).
+    /// order (attention_flash.cu).
     fn attend_flash(
         &self,
         p: &Pass,

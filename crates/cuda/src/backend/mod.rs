@@ -133,8 +133,8 @@ pub struct CudaOptions {
     /// memory as the budget when it does not.
     pub vram_budget: Option<u64>,
     /// Flash attention on f16 tensor cores with f32 accumulation
-    /// (`--attention fast`, the command line's default on CUDA; off here,
-    /// where the library's default is the exact f32 passes): q, k, v and
+    /// (`--attention fast`, opt-in; the default is the exact f32 passes
+    /// until this one meets its bars): q, k, v and
     /// the probabilities rounded to f16, so not the same bytes as the exact
     /// passes, but one function for decode and prefill (key splits fixed by
     /// position), so batched prefill equals replay with it on. Measured
