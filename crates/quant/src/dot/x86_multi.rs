@@ -656,20 +656,35 @@ unsafe fn two_vals<W: Vals32>(a: &W, b: &W) -> __m512i {
     unsafe { super::x86::join(a.vals(), b.vals()) }
 }
 
-/// One activation row's group of 8 Q8_0 blocks, prepared for [`q8_0_tile_vnni`]:
-/// the quants offset to unsigned (`a + 128`), two blocks a register, and the
-/// scales in the order [`PERM4`].
+/// One activation row's group of 8 Q8_0 blocks, prepared for [`tile32_vnni`]:
+/// the quants, two blocks a register, `128 · Σ a` of each block and the
+/// scales, in the order [`PERM4`].
 #[derive(Clone, Copy)]
 struct Q8Prep {
-    az: [__m512i; 4],
+    aq: [__m512i; 4],
+    a128: __m256i,
     da: __m256,
     sa: __m256,
 }
 
+/// `128 · Σ a` of each of 8 Q8_0 blocks held two a register (`aq`), in the
+/// order [`PERM4`]: the offset a `vpdpbusd` of weights made unsigned (`w +
+/// 128`) with these quants carries.
+#[inline(always)]
+unsafe fn act_offsets(aq: &[__m512i; 4]) -> __m256i {
+    unsafe {
+        let ones = _mm512_set1_epi8(1);
+        let zero = _mm512_setzero_si512();
+        let s = arr!(i in 4 => _mm512_dpbusd_epi32(zero, ones, aq[i]));
+        _mm256_slli_epi32::<7>(sums4(&s))
+    }
+}
+
 /// [`q8_0_multi2`] for a whole tile with VNNI: every weight row of `w` (`rows`
 /// rows of `nb` blocks) against `acts` (1 to 8 rows), `out[(row0 + r) * rows +
-/// j]`. `vpdpbusd` gives `Σ (a + 128)·w` exactly, less `128 · Σ w` (per weight
-/// block, shared by every activation row). Lanes hold blocks in the order
+/// j]`. `vpdpbusd` of the weights made unsigned gives `Σ (w + 128)·a`
+/// exactly, less `128 · Σ a` (per activation block, prepared once with its
+/// row and shared by every weight row). Lanes hold blocks in the order
 /// [`PERM4`] (each lane still takes its blocks in order); the tail and the
 /// reduction are the reference's.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
@@ -684,7 +699,6 @@ unsafe fn tile32_vnni<W: Vals32>(
     let nr = acts.len().min(8);
     let groups = nb / 8;
     unsafe {
-        let ones = _mm512_set1_epi8(1);
         let flip = _mm512_set1_epi8(-128);
         let zero = _mm512_setzero_si512();
         // [group][row]
@@ -694,8 +708,10 @@ unsafe fn tile32_vnni<W: Vals32>(
         for g in 0..groups {
             for (r, a) in acts[..nr].iter().enumerate() {
                 let a = &a[8 * g..8 * g + 8];
+                let aq = arr!(i in 4 => act_two(&a[2 * i], &a[2 * i + 1]));
                 prep[g * nr + r] = Q8Prep {
-                    az: arr!(i in 4 => _mm512_xor_si512(act_two(&a[2 * i], &a[2 * i + 1]), flip)),
+                    aq,
+                    a128: act_offsets(&aq),
                     da: perm_f16(a, |x| x.d_bits()),
                     sa: if W::MIN {
                         perm_f16(a, |x| x.s_bits())
@@ -713,8 +729,7 @@ unsafe fn tile32_vnni<W: Vals32>(
             let mut acc = [[_mm256_setzero_ps(); 8]; 2];
             for g in 0..groups {
                 let blk = 8 * g;
-                let mut wz = [[zero; 4]; 2];
-                let mut sw = [_mm256_setzero_si256(); 2];
+                let mut wu = [[zero; 4]; 2];
                 let mut dw = [_mm256_setzero_ps(); 2];
                 let mut mw = [_mm256_setzero_ps(); 2];
                 for t in 0..2 {
@@ -725,9 +740,8 @@ unsafe fn tile32_vnni<W: Vals32>(
                         _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast());
                     }
                     let b = &ws[t][blk..blk + 8];
-                    wz[t] = arr!(i in 4 => two_vals(&b[2 * i], &b[2 * i + 1]));
-                    let s = arr!(i in 4 => _mm512_dpbusd_epi32(zero, ones, wz[t][i]));
-                    sw[t] = _mm256_slli_epi32::<7>(sums4(&s));
+                    wu[t] =
+                        arr!(i in 4 => _mm512_xor_si512(two_vals(&b[2 * i], &b[2 * i + 1]), flip));
                     dw[t] = W::scales(b);
                     if W::MIN {
                         mw[t] = W::mins(b);
@@ -735,8 +749,8 @@ unsafe fn tile32_vnni<W: Vals32>(
                 }
                 for (r, pr) in prep[g * nr..(g + 1) * nr].iter().enumerate() {
                     for t in 0..2 {
-                        let v = arr!(i in 4 => _mm512_dpbusd_epi32(zero, pr.az[i], wz[t][i]));
-                        let s = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums4(&v), sw[t]));
+                        let v = arr!(i in 4 => _mm512_dpbusd_epi32(zero, wu[t][i], pr.aq[i]));
+                        let s = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums4(&v), pr.a128));
                         let mut term = _mm256_mul_ps(_mm256_mul_ps(dw[t], pr.da), s);
                         if W::MIN {
                             term = _mm256_add_ps(term, _mm256_mul_ps(mw[t], pr.sa));
@@ -758,7 +772,7 @@ unsafe fn tile32_vnni<W: Vals32>(
 
 /// Eight Q8_0 weight rows (one contiguous run of `8 * a.len()` blocks) against
 /// one activation row with VNNI, one weight row per accumulator: per row
-/// exactly [`scalar::q8_0_q8_0`] (the steps of [`q8_0_tile_vnni`]).
+/// exactly [`scalar::q8_0_q8_0`] (the steps of [`tile32_vnni`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 unsafe fn rows8_32_vnni<W: Vals32>(w: &[&[W]; 8], a: &[W::A], out: &mut [f32; 8]) {
     let nb = a.len();
@@ -768,14 +782,14 @@ unsafe fn rows8_32_vnni<W: Vals32>(w: &[&[W]; 8], a: &[W::A], out: &mut [f32; 8]
     // poorly: each step fetches the same blocks of the next run instead.
     let next = w[0].as_ptr().cast::<u8>().wrapping_add(8 * nb * size);
     unsafe {
-        let ones = _mm512_set1_epi8(1);
         let flip = _mm512_set1_epi8(-128);
         let zero = _mm512_setzero_si512();
         let mut acc = [_mm256_setzero_ps(); 8];
         for g in 0..groups {
             let blk = 8 * g;
             let ab = &a[blk..blk + 8];
-            let az = arr!(i in 4 => _mm512_xor_si512(act_two(&ab[2 * i], &ab[2 * i + 1]), flip));
+            let aq = arr!(i in 4 => act_two(&ab[2 * i], &ab[2 * i + 1]));
+            let a128 = act_offsets(&aq);
             let da = perm_f16(ab, |x| x.d_bits());
             let sa = if W::MIN {
                 perm_f16(ab, |x| x.s_bits())
@@ -788,11 +802,9 @@ unsafe fn rows8_32_vnni<W: Vals32>(w: &[&[W]; 8], a: &[W::A], out: &mut [f32; 8]
                     _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast());
                 }
                 let b = &w[t][blk..blk + 8];
-                let wz = arr!(i in 4 => two_vals(&b[2 * i], &b[2 * i + 1]));
-                let sw = arr!(i in 4 => _mm512_dpbusd_epi32(zero, ones, wz[i]));
-                let v = arr!(i in 4 => _mm512_dpbusd_epi32(zero, az[i], wz[i]));
-                let s = _mm256_sub_epi32(sums4(&v), _mm256_slli_epi32::<7>(sums4(&sw)));
-                let s = _mm256_cvtepi32_ps(s);
+                let wu = arr!(i in 4 => _mm512_xor_si512(two_vals(&b[2 * i], &b[2 * i + 1]), flip));
+                let v = arr!(i in 4 => _mm512_dpbusd_epi32(zero, wu[i], aq[i]));
+                let s = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums4(&v), a128));
                 let mut term = _mm256_mul_ps(_mm256_mul_ps(W::scales(b), da), s);
                 if W::MIN {
                     term = _mm256_add_ps(term, _mm256_mul_ps(W::mins(b), sa));
