@@ -191,11 +191,12 @@ __device__ __forceinline__ void fa_load_kv(u16* ks, const void* ck, const void* 
 // The key tile at j0 (iteration it of a loop over keys up to jall) in
 // shared memory for every thread of the block, which it returns: an f16
 // cache's tile was issued one iteration ahead (double-buffered), and the
-// next one is issued here; an f32 cache's tile is converted here.
-template <int HD, int NTH = FA_W * 32>
+// next one is issued here; an f32 cache's tile is converted here. L is the
+// calling kernel's shared-memory layout (where its tile buffers start).
+template <typename L, int HD, int NTH>
 __device__ __forceinline__ u16* fa_stage_kv(u16* smem, const void* ck, const void* cv, int hkv, int g, int j0,
                                             int jall, int last, int it, int f16) {
-    typedef FaLayout<HD> L;
+    static_assert(L::ST == HD + 8, "tile rows hd + 8 halves apart");
     u16* kb = smem + L::K + (f16 ? (it & 1) * L::BUF : 0);
     if (f16) {
         if (j0 + FA_KT < jall) {
@@ -264,7 +265,7 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const void* ck
         cp_async_commit();
     }
     for (int j0 = jbeg, it = 0; j0 < jall; j0 += FA_KT, it++) {
-        u16* kb = fa_stage_kv<HD>(fa_smem, ck, cv, hkv, g, j0, jall, last, it, f16);
+        u16* kb = fa_stage_kv<L, HD, FA_W * 32>(fa_smem, ck, cv, hkv, g, j0, jall, last, it, f16);
         int s = j0 / FA_SPLIT;
         if (j0 % FA_SPLIT == 0) {
 #pragma unroll
@@ -440,7 +441,7 @@ __device__ __forceinline__ void attention_flash_dec_k(const float* q, Rows rows,
         cp_async_commit();
     }
     for (int j0 = jbeg, it = 0; j0 < jall; j0 += FA_KT, it++) {
-        u16* kb = fa_stage_kv<HD, NTH>(fa_smem, ck, cv, hkv, g, j0, jall, last, it, f16);
+        u16* kb = fa_stage_kv<L, HD, NTH>(fa_smem, ck, cv, hkv, g, j0, jall, last, it, f16);
         {
             // This warp's 16 keys: attention_flash_k's n-tiles 2 warp and
             // 2 warp + 1, the same k-steps in the same order.
