@@ -95,7 +95,7 @@ run)
                 --shape "$shape" --chunk 1,7,64,256 --gen 32 $FAST
         done
         step "negative control (must fail)" timeout 300 .gpu/samesum identity --device cuda \
-            --shape tiny-qwen3moe --chunk 64 --gen 16 --negative-control $FAST | tee "$work/neg.log"
+            --shape tiny-qwen3moe --chunk 64 --gen 16 --negative-control $FAST 2>&1 | tee "$work/neg.log"
         if grep -Eq "identity gate failed: [1-9][0-9]* different" "$work/neg.log"; then
             echo "negative control: caught"
         else

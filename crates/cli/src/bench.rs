@@ -57,7 +57,8 @@ pub(crate) struct Args {
     /// Per-kernel time breakdown (CUDA events around every launch; slows the
     /// run). On CUDA it also launches everything on one stream (the prefill's
     /// shared expert does not run beside the routed experts) and decode
-    /// without graphs, so its schedule is not the unprofiled run's.
+    /// without graphs, so its schedule is not the unprofiled run's. Each
+    /// test's table is its last timed run's, the depth fill (-d) left out.
     #[arg(long)]
     profile: bool,
     /// Skip the uncounted warm-up run before each test (llama-bench's
@@ -230,23 +231,25 @@ fn bench<B: Backend>(
         for (&np, &depth) in tests(&a.n_prompt, &a.n_depth) {
             let mut rates = Vec::new();
             let mut off = Offload::default();
+            let mut report = None;
             for rep in first..=a.repetitions {
                 let mut st = b.new_state(model, depth + np, kv)?;
                 prefill_depth(b, model, &mut st, &tokens(depth), batch_chunk)?;
+                // The depth fill is not part of the test's kernel times.
+                b.take_report()?;
                 let prompt = tokens(np);
                 off.begin(b);
                 let t = Instant::now();
                 prefill(model, b, &mut st, &prompt, chunk, Logits::Last)?;
                 let secs = t.elapsed().as_secs_f64();
                 off.end(b, rep, secs);
+                let r = b.take_report()?;
                 if rep > 0 {
                     // The first run warms caches and is not counted, as llama-bench does.
                     rates.push(np as f64 / secs);
-                } else {
-                    b.take_report()?;
+                    report = r;
                 }
             }
-            let report = b.take_report()?;
             let name = if a.prefill.len() > 1 || *arm != Prefill::Batched {
                 format!("pp{np} {arm}{}", at(depth))
             } else {
@@ -255,19 +258,18 @@ fn bench<B: Backend>(
             row(name.clone(), &rates);
             off.print(&name);
             if let Some(r) = report {
-                println!(
-                    "\nkernel time, {name}, {} timed runs:\n\n{r}",
-                    a.repetitions
-                );
+                println!("\nkernel time, {name}, the last timed run:\n\n{r}");
             }
         }
     }
     for (&ng, &depth) in tests(&a.n_gen, &a.n_depth) {
         let mut rates = Vec::new();
         let mut off = Offload::default();
+        let mut report = None;
         for rep in first..=a.repetitions {
             let mut st = b.new_state(model, depth + ng, kv)?;
             prefill_depth(b, model, &mut st, &tokens(depth), batch_chunk)?;
+            b.take_report()?;
             let toks = tokens(ng);
             off.begin(b);
             let t = Instant::now();
@@ -276,19 +278,17 @@ fn bench<B: Backend>(
             }
             let secs = t.elapsed().as_secs_f64();
             off.end(b, rep, secs);
+            let r = b.take_report()?;
             if rep > 0 {
                 rates.push(ng as f64 / secs);
-            } else {
-                b.take_report()?;
+                report = r;
             }
         }
-        row(format!("tg{ng}{}", at(depth)), &rates);
-        off.print(&format!("tg{ng}{}", at(depth)));
-        if let Some(r) = b.take_report()? {
-            println!(
-                "\nkernel time, tg{ng}, {} timed runs:\n\n{r}",
-                a.repetitions
-            );
+        let name = format!("tg{ng}{}", at(depth));
+        row(name.clone(), &rates);
+        off.print(&name);
+        if let Some(r) = report {
+            println!("\nkernel time, {name}, the last timed run:\n\n{r}");
         }
     }
     if !a.parallel.is_empty() {
