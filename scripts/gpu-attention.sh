@@ -20,9 +20,10 @@
 # (the gate with the defaults on the tiny models, and its negative control),
 # bench (pp and tg at depth, several sequences a step, on qwen35moe-35b-a3b
 # and qwen3moe-30b-a3b at the q4_k_m mix, qwen3moe with YaRN x4 so that
-# 65,536 fits; samesum and the old build), agree (teacher-forced agreement
-# with the reference and the probe), llama (llama.cpp's figures on the same
-# files). The models and llama.cpp are made in the background from the
+# 65,536 fits; samesum and the old build), probe (decode by depth with and
+# without recorded steps, the kernel table of 64 sequences a step), agree
+# (teacher-forced agreement with the reference and the probe), llama
+# (llama.cpp's figures on the same files). The models and llama.cpp are made in the background from the
 # start. Results: OUT/log.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +45,7 @@ run)
     out=${2:?}
     layers=()
     [ -n "${3:-}" ] && layers=(--layers "$3")
-    steps=",${SAMESUM_ATT_STEPS:-compile,tests,identity,bench,agree,llama},"
+    steps=",${SAMESUM_ATT_STEPS:-compile,tests,identity,bench,probe,agree,llama},"
     for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
         [ -d "$d" ] && export LD_LIBRARY_PATH=$d:${LD_LIBRARY_PATH:-}
     done
@@ -120,6 +121,19 @@ run)
                 -p 128 -n 64 -r 1 --parallel 8,64 $FAST
             step "old build parallel $m" timeout 300 .gpu-old/samesum bench --device cuda -m "$m" \
                 -p 128 -n 64 -r 1 --parallel 8,64 --attention fast --kv-type f16
+        done
+    fi
+    if [[ $steps == *,probe,* ]]; then
+        # Where decode's time goes at depth and with many sequences: the
+        # slope over depth with recorded steps and without, and the kernel
+        # table of a 64-sequence run.
+        for m in "$q3" "$q35"; do
+            step "samesum tg by depth $m" timeout 300 .gpu/samesum bench --device cuda -m "$m" \
+                -p 0 -n 32 -d 0,4096,16384,65536 -r 1 $FAST
+            step "samesum tg by depth, no graphs $m" env SAMESUM_CUDA_GRAPHS=0 timeout 300 \
+                .gpu/samesum bench --device cuda -m "$m" -p 0 -n 32 -d 0,16384,65536 -r 1 $FAST
+            step "samesum parallel profile $m" timeout 300 .gpu/samesum bench --device cuda \
+                -m "$m" -p 128 -n 16 -r 1 --parallel 64 --profile $FAST
         done
     fi
     if [[ $steps == *,agree,* ]]; then

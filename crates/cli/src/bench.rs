@@ -309,8 +309,10 @@ fn parallel<B: Backend>(b: &B, model: &Model, a: &Args, kv: KvType, chunk: usize
     println!();
     println!("| PP | TG | B | S_PP t/s | S_TG t/s | S t/s | TG t/s per sequence (min .. max) |");
     println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let mut reports = Vec::new();
     for &n in a.parallel.iter().filter(|&&n| n > 0) {
         let (mut pp, mut tg, mut all, mut per) = (vec![], vec![], vec![], vec![]);
+        let mut report = None;
         for rep in usize::from(a.no_warmup)..=a.repetitions {
             let mut s = Scheduler::new(
                 model,
@@ -358,9 +360,11 @@ fn parallel<B: Backend>(b: &B, model: &Model, a: &Args, kv: KvType, chunk: usize
                 }
             }
             let secs = t.elapsed().as_secs_f64();
+            let r = b.take_report()?;
             if rep == 0 {
                 continue;
             }
+            report = r;
             let st = s.stats();
             pp.push(st.prompt_tokens as f64 / st.prefill_seconds.max(1e-12));
             let decoded = st.completion_tokens.saturating_sub(n as u64);
@@ -383,6 +387,14 @@ fn parallel<B: Backend>(b: &B, model: &Model, a: &Args, kv: KvType, chunk: usize
             format!("{:.2} ({lo:.2} .. {hi:.2})", mean_sd(&per).0)
         };
         println!("| {np} | {ng} | {n} | {pp:.2} | {tg:.2} | {all:.2} | {per_seq} |");
+        if let Some(r) = report {
+            reports.push((n, r));
+        }
+    }
+    for (n, r) in reports {
+        println!(
+            "\nkernel time, {n} sequences (prefill and decode steps), the last timed run:\n\n{r}"
+        );
     }
     Ok(())
 }

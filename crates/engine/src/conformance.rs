@@ -180,8 +180,18 @@ impl<B: Backend, F: Fn(&Model) -> Option<B>> Suite<B, F> {
         let mut rng = Rng::new(17);
         let v = model.w.n_vocab as u64;
         // Three sequences, fed in steps of different sizes (a prefill chunk
-        // beside decode rows, a sequence idle in a step).
-        let steps: [[usize; 3]; 5] = [[9, 1, 0], [1, 30, 2], [1, 1, 17], [0, 1, 1], [5, 1, 1]];
+        // beside decode rows, a sequence idle in a step, a decode row of
+        // each: the backends' one-launch decode step).
+        let steps: [[usize; 3]; 8] = [
+            [9, 1, 0],
+            [1, 30, 2],
+            [1, 1, 1],
+            [1, 1, 17],
+            [0, 1, 1],
+            [1, 1, 1],
+            [5, 1, 1],
+            [1, 1, 1],
+        ];
         let toks: Vec<Vec<u32>> = (0..3)
             .map(|i| {
                 let n: usize = steps.iter().map(|s| s[i]).sum();

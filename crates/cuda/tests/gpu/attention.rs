@@ -53,12 +53,7 @@ fn attention_at_the_real_models_head_shapes() {
     // (query heads, KV heads, head dim): qwen3moe-30b-a3b, qwen35moe-35b-a3b,
     // a group of 16 (the largest the backend takes), and a head dim whose
     // thread groups do not divide the 256-thread block (96).
-    for (heads, kv_heads, head_dim) in [
-        (32, 4, 128),
-        (16, 2, 256),
-        (16, 1, 128),
-        (6, 3, 96),
-    ] {
+    for (heads, kv_heads, head_dim) in [(32, 4, 128), (16, 2, 256), (16, 1, 128), (6, 3, 96)] {
         let (_dir, model) = attention_model(heads, kv_heads, head_dim);
         let (hq, hkv, hd) = (heads as usize, kv_heads as usize, head_dim as usize);
         let gs = hq / hkv;
