@@ -64,9 +64,63 @@ pub fn forward<B: Backend>(
         tokens,
         want,
     }];
-    Ok(forward_batch(model, b, &mut segs)?
-        .pop()
-        .unwrap_or_default())
+    Ok(forward_batch(model, b, &mut segs)?.into_first())
+}
+
+/// The logits of a [`forward_batch`] call: every segment's requested rows
+/// in one buffer, as the backend returned them (a step of many sequences
+/// over a large vocabulary is tens of megabytes; no per-segment copies).
+/// `logits[i]` and [`BatchLogits::iter`] give segment `i`'s rows.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BatchLogits {
+    data: Vec<f32>,
+    /// Segment i's values end at `ends[i]` (and start at `ends[i - 1]`).
+    ends: Vec<usize>,
+}
+
+impl BatchLogits {
+    /// How many segments.
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    /// Whether there are no segments.
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    /// Each segment's logits, in order.
+    pub fn iter(&self) -> impl Iterator<Item = &[f32]> {
+        (0..self.len()).map(|i| &self[i])
+    }
+
+    /// The first segment's logits, owned (the whole buffer when there is
+    /// one segment: no copy); empty when there are none.
+    pub fn into_first(mut self) -> Vec<f32> {
+        match self.ends.first() {
+            None => Vec::new(),
+            Some(&end) => {
+                self.data.truncate(end);
+                self.data
+            }
+        }
+    }
+}
+
+impl std::ops::Index<usize> for BatchLogits {
+    type Output = [f32];
+    fn index(&self, i: usize) -> &[f32] {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] };
+        &self.data[start..self.ends[i]]
+    }
+}
+
+impl<'a> IntoIterator for &'a BatchLogits {
+    type Item = &'a [f32];
+    type IntoIter = Box<dyn Iterator<Item = &'a [f32]> + 'a>;
+    fn into_iter(self) -> Self::IntoIter {
+        Box::new(self.iter())
+    }
 }
 
 /// Several sequences in one forward call: their rows go through the norms and
@@ -77,11 +131,14 @@ pub fn forward_batch<B: Backend>(
     model: &Model,
     b: &B,
     segs: &mut [Segment<'_, B::State>],
-) -> Result<Vec<Vec<f32>>> {
+) -> Result<BatchLogits> {
     let d = model.hp.n_embd;
     let m: usize = segs.iter().map(|s| s.tokens.len()).sum();
     if m == 0 {
-        return Ok(segs.iter().map(|_| Vec::new()).collect());
+        return Ok(BatchLogits {
+            data: Vec::new(),
+            ends: vec![0; segs.len()],
+        });
     }
     for s in segs.iter() {
         let (pos, n) = (b.position(s.state), s.tokens.len());
@@ -96,7 +153,9 @@ pub fn forward_batch<B: Backend>(
         && let [token] = seg.tokens
         && b.records_steps()
     {
-        return Ok(vec![decode_step(model, b, seg.state, *token, seg.want)?]);
+        let data = decode_step(model, b, seg.state, *token, seg.want)?;
+        let ends = vec![data.len()];
+        return Ok(BatchLogits { data, ends });
     }
     let tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
     let mut h = b.alloc(m * d)?;
@@ -143,14 +202,24 @@ pub fn forward_batch<B: Backend>(
         b.logits(model, &h, &rows)?
     };
     let v = model.w.n_vocab;
-    let mut out = Vec::with_capacity(segs.len());
+    let mut ends = Vec::with_capacity(segs.len());
     let mut at = 0;
     for s in segs.iter() {
-        let k = s.want.rows(0, s.tokens.len()).len();
-        out.push(logits[at * v..(at + k) * v].to_vec());
-        at += k;
+        at += s.want.rows(0, s.tokens.len()).len() * v;
+        ends.push(at);
     }
-    Ok(out)
+    if logits.len() != at {
+        return Err(EngineError::Device {
+            backend: "engine",
+            op: "logits".into(),
+            msg: format!(
+                "the backend returned {} values for {} rows of {v}",
+                logits.len(),
+                at / v.max(1)
+            ),
+        });
+    }
+    Ok(BatchLogits { data: logits, ends })
 }
 
 /// One token of one sequence on a backend that records steps

@@ -61,7 +61,7 @@ pub struct Penalties {
 /// `l -= count * p.frequency + p.presence`. Ids outside `l` are ignored.
 /// With `repeat == 1` and both penalties 0, `l` is untouched.
 pub fn apply_penalties(l: &mut [f32], history: &[u32], last_n: usize, repeat: f32, p: Penalties) {
-    if last_n == 0 || (repeat == 1.0 && p.presence == 0.0 && p.frequency == 0.0) {
+    if !penalties_apply(last_n, repeat, p) {
         return;
     }
     let start = history.len().saturating_sub(last_n);
@@ -80,6 +80,11 @@ pub fn apply_penalties(l: &mut [f32], history: &[u32], last_n: usize, repeat: f3
             *v -= count as f32 * p.frequency + p.presence;
         }
     }
+}
+
+/// Whether [`apply_penalties`] with these settings changes anything.
+fn penalties_apply(last_n: usize, repeat: f32, p: Penalties) -> bool {
+    !(last_n == 0 || (repeat == 1.0 && p.presence == 0.0 && p.frequency == 0.0))
 }
 
 /// A sampler: settings plus its random stream.
@@ -131,27 +136,38 @@ impl Sampler {
         history: &[u32],
         allowed: Option<&[bool]>,
     ) -> u32 {
-        let mut l = logits.to_vec();
         let c = &self.cfg;
-        for &(t, b) in &self.logit_bias {
-            if let Some(v) = l.get_mut(t as usize) {
-                *v += b;
-            }
-        }
-        apply_penalties(
-            &mut l,
-            history,
-            c.repeat_last_n,
-            c.repeat_penalty,
-            self.penalties,
-        );
-        if let Some(a) = allowed {
-            for (v, &ok) in l.iter_mut().zip(a) {
-                if !ok {
-                    *v = f32::NEG_INFINITY;
+        // The logits are copied only when something edits them (a bias,
+        // penalties in effect, a mask): a 248K vocabulary is a megabyte a
+        // row, and a step of many sequences samples every row.
+        let edits = !self.logit_bias.is_empty()
+            || penalties_apply(c.repeat_last_n, c.repeat_penalty, self.penalties)
+            || allowed.is_some();
+        let l: std::borrow::Cow<'_, [f32]> = if edits {
+            let mut l = logits.to_vec();
+            for &(t, b) in &self.logit_bias {
+                if let Some(v) = l.get_mut(t as usize) {
+                    *v += b;
                 }
             }
-        }
+            apply_penalties(
+                &mut l,
+                history,
+                c.repeat_last_n,
+                c.repeat_penalty,
+                self.penalties,
+            );
+            if let Some(a) = allowed {
+                for (v, &ok) in l.iter_mut().zip(a) {
+                    if !ok {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            std::borrow::Cow::Owned(l)
+        } else {
+            std::borrow::Cow::Borrowed(logits)
+        };
         if c.temp <= 0.0 {
             return argmax(&l);
         }
@@ -211,8 +227,39 @@ fn top_candidates(l: &[f32], top_k: usize) -> Vec<(u32, f32)> {
     cand
 }
 
-/// Index of the largest logit (lowest index among equals).
+/// Index of the largest logit (lowest index among equals; NaNs never win,
+/// and a NaN first logit wins as the plain scan `if v > l[best]` leaves
+/// it). Two passes that give the scan's index: the largest value by lanes
+/// (`>` keeps the first of equals, so only the sign of a zero can depend
+/// on the lane order, and equality ignores it), then the first index
+/// holding a value equal to it; the first pass vectorizes.
 pub fn argmax(l: &[f32]) -> u32 {
+    const W: usize = 16;
+    let Some(&first) = l.first() else {
+        return 0;
+    };
+    if first.is_nan() {
+        return 0;
+    }
+    let mut lanes = [first; W];
+    let mut chunks = l.chunks_exact(W);
+    for c in &mut chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    let mut max = first;
+    for &v in lanes.iter().chain(chunks.remainder()) {
+        if v > max {
+            max = v;
+        }
+    }
+    l.iter().position(|&v| v == max).unwrap_or(0) as u32
+}
+
+/// The plain scan [`argmax`] must agree with.
+#[cfg(test)]
+fn argmax_scan(l: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &v) in l.iter().enumerate() {
         if v > l[best] {
@@ -225,6 +272,65 @@ pub fn argmax(l: &[f32]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The two-pass argmax returns the plain scan's index on random rows,
+    /// ties, signed zeros, infinities and NaNs anywhere (first included),
+    /// at lengths around the lane width.
+    #[test]
+    fn argmax_equals_the_plain_scan() {
+        let mut rng = Rng::new(5);
+        let specials = [
+            0.0f32,
+            -0.0,
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1.0,
+            -1.0,
+        ];
+        let mut checked = 0;
+        for len in [0usize, 1, 2, 15, 16, 17, 31, 33, 64, 100, 1000] {
+            for trial in 0..200 {
+                let row: Vec<f32> = (0..len)
+                    .map(|_| match trial % 4 {
+                        0 => rng.range(-4.0, 4.0),
+                        1 => specials[rng.below(specials.len() as u64) as usize],
+                        2 => (rng.below(3) as f32) - 1.0,
+                        _ if rng.below(10) == 0 => specials[rng.below(7) as usize],
+                        _ => rng.range(-1.0, 1.0),
+                    })
+                    .collect();
+                assert_eq!(argmax(&row), argmax_scan(&row), "{row:?}");
+                checked += 1;
+            }
+        }
+        assert_eq!(argmax(&[-0.0, 0.0, -1.0]), 0);
+        assert_eq!(argmax(&[-1.0, -0.0, 0.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, 5.0]), 0);
+        assert_eq!(argmax(&[1.0, f32::NAN, 5.0, 5.0]), 2);
+        assert!(checked > 2000);
+    }
+
+    /// Greedy sampling without edits reads the logits in place and picks
+    /// what the edited path picks when its edits are no-ops (a zero bias).
+    #[test]
+    fn greedy_without_edits_equals_the_copying_path() {
+        let mut rng = Rng::new(9);
+        for _ in 0..50 {
+            let l: Vec<f32> = (0..4096).map(|_| rng.range(-8.0, 8.0)).collect();
+            let mut plain = Sampler::new(SamplerConfig {
+                temp: 0.0,
+                ..Default::default()
+            });
+            let mut biased = Sampler::new(SamplerConfig {
+                temp: 0.0,
+                ..Default::default()
+            })
+            .with_logit_bias(vec![(3, 0.0)]);
+            assert_eq!(plain.sample(&l, &[1, 2]), biased.sample(&l, &[1, 2]));
+            assert_eq!(plain.sample(&l, &[]), argmax_scan(&l));
+        }
+    }
 
     #[test]
     fn top_k_selection_is_the_full_sorts_head() {
