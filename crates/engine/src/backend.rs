@@ -323,6 +323,15 @@ pub trait Backend: Sync {
     }
     /// Final norm and LM head for `rows` of `h`, to host logits.
     fn logits(&self, model: &Model, h: &Self::Buf, rows: &[usize]) -> Result<Vec<f32>>;
+    /// Each of `rows`' most likely token: [`crate::sample::argmax`] of the
+    /// logits [`Backend::logits`] computes, exactly (a device backend may
+    /// pick on the device and return only the ids).
+    fn logits_argmax(&self, model: &Model, h: &Self::Buf, rows: &[usize]) -> Result<Vec<u32>> {
+        let l = self.logits(model, h, rows)?;
+        Ok(l.chunks(model.w.n_vocab.max(1))
+            .map(crate::sample::argmax)
+            .collect())
+    }
     /// Lanes: how many consecutive prefill chunks of one sequence this
     /// backend can run at once ([`crate::forward::forward_pair`]), each on a
     /// lane of its own, the later chunk's layer `l` ordered after the earlier

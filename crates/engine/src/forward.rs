@@ -24,6 +24,11 @@ pub enum Logits {
     All,
     /// The last row's only.
     Last,
+    /// The last row's most likely token only (the lowest id among equal
+    /// largest logits, [`crate::sample::argmax`]'s pick), not its logits: a
+    /// backend may pick it where the logits are and return one id
+    /// ([`Backend::logits_argmax`]).
+    Greedy,
     /// None (state update only).
     None,
 }
@@ -33,7 +38,7 @@ impl Logits {
     pub fn rows(self, r0: usize, n: usize) -> std::ops::Range<usize> {
         match self {
             Logits::All => r0..r0 + n,
-            Logits::Last if n > 0 => r0 + n - 1..r0 + n,
+            Logits::Last | Logits::Greedy if n > 0 => r0 + n - 1..r0 + n,
             _ => r0..r0,
         }
     }
@@ -76,9 +81,17 @@ pub struct BatchLogits {
     data: Vec<f32>,
     /// Segment i's values end at `ends[i]` (and start at `ends[i - 1]`).
     ends: Vec<usize>,
+    /// Segment i's most likely token where it asked for [`Logits::Greedy`].
+    tokens: Vec<Option<u32>>,
 }
 
 impl BatchLogits {
+    /// Segment `i`'s most likely token, where it asked for
+    /// [`Logits::Greedy`] (its logits are then empty).
+    pub fn token(&self, i: usize) -> Option<u32> {
+        self.tokens.get(i).copied().flatten()
+    }
+
     /// How many segments.
     pub fn len(&self) -> usize {
         self.ends.len()
@@ -138,6 +151,7 @@ pub fn forward_batch<B: Backend>(
         return Ok(BatchLogits {
             data: Vec::new(),
             ends: vec![0; segs.len()],
+            tokens: vec![None; segs.len()],
         });
     }
     for s in segs.iter() {
@@ -153,9 +167,7 @@ pub fn forward_batch<B: Backend>(
         && let [token] = seg.tokens
         && b.records_steps()
     {
-        let data = decode_step(model, b, seg.state, *token, seg.want)?;
-        let ends = vec![data.len()];
-        return Ok(BatchLogits { data, ends });
+        return decode_step(model, b, seg.state, *token, seg.want);
     }
     let tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
     let mut h = b.alloc(m * d)?;
@@ -188,12 +200,15 @@ pub fn forward_batch<B: Backend>(
             }
         }
     }
-    let mut rows = Vec::new();
+    let (mut rows, mut greedy) = (Vec::new(), Vec::new());
     let mut r0 = 0;
     for s in segs.iter_mut() {
         let n = s.tokens.len();
         b.advance(s.state, n);
-        rows.extend(s.want.rows(r0, n));
+        match s.want {
+            Logits::Greedy => greedy.extend(s.want.rows(r0, n)),
+            w => rows.extend(w.rows(r0, n)),
+        }
         r0 += n;
     }
     let logits = if rows.is_empty() {
@@ -201,11 +216,32 @@ pub fn forward_batch<B: Backend>(
     } else {
         b.logits(model, &h, &rows)?
     };
+    let mut picked = if greedy.is_empty() {
+        Vec::new()
+    } else {
+        b.logits_argmax(model, &h, &greedy)?
+    }
+    .into_iter();
     let v = model.w.n_vocab;
     let mut ends = Vec::with_capacity(segs.len());
+    let mut tokens = Vec::with_capacity(segs.len());
     let mut at = 0;
     for s in segs.iter() {
-        at += s.want.rows(0, s.tokens.len()).len() * v;
+        let k = s.want.rows(0, s.tokens.len()).len();
+        match s.want {
+            Logits::Greedy if k > 0 => {
+                tokens.push(Some(picked.next().ok_or_else(|| EngineError::Device {
+                    backend: "engine",
+                    op: "logits".into(),
+                    msg: format!("the backend picked fewer tokens than {} rows", greedy.len()),
+                })?))
+            }
+            Logits::Greedy => tokens.push(None),
+            _ => {
+                at += k * v;
+                tokens.push(None);
+            }
+        }
         ends.push(at);
     }
     if logits.len() != at {
@@ -219,7 +255,11 @@ pub fn forward_batch<B: Backend>(
             ),
         });
     }
-    Ok(BatchLogits { data: logits, ends })
+    Ok(BatchLogits {
+        data: logits,
+        ends,
+        tokens,
+    })
 }
 
 /// One token of one sequence on a backend that records steps
@@ -234,7 +274,7 @@ pub fn decode_step<B: Backend>(
     st: &mut B::State,
     token: u32,
     want: Logits,
-) -> Result<Vec<f32>> {
+) -> Result<BatchLogits> {
     let d = model.hp.n_embd;
     let mut step = match b.take_step(st) {
         Some(s) => s,
@@ -259,7 +299,7 @@ fn run_decode_step<B: Backend>(
     s: &mut DecodeStep<B>,
     token: u32,
     want: Logits,
-) -> Result<Vec<f32>> {
+) -> Result<BatchLogits> {
     b.embed(model, &[token], &mut s.h)?;
     if let Some(g) = &s.graph {
         b.replay(st, g)?;
@@ -288,10 +328,19 @@ fn run_decode_step<B: Backend>(
         }
     }
     b.advance(st, 1);
-    match want {
-        Logits::None => Ok(Vec::new()),
-        _ => b.logits(model, &s.h, &[0]),
-    }
+    let (data, token) = match want {
+        Logits::None => (Vec::new(), None),
+        Logits::Greedy => {
+            let t = b.logits_argmax(model, &s.h, &[0])?;
+            (Vec::new(), t.first().copied())
+        }
+        _ => (b.logits(model, &s.h, &[0])?, None),
+    };
+    Ok(BatchLogits {
+        ends: vec![data.len()],
+        data,
+        tokens: vec![token],
+    })
 }
 
 /// The layer stack over one sequence's rows: `h` (the embedded rows) is

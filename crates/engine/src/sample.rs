@@ -121,6 +121,15 @@ impl Sampler {
         self
     }
 
+    /// Whether this sampler's pick is the logits' [`argmax`] whatever the
+    /// history (greedy, with no bias and no penalty in effect).
+    pub fn is_plain_greedy(&self) -> bool {
+        let c = &self.cfg;
+        c.temp <= 0.0
+            && self.logit_bias.is_empty()
+            && !penalties_apply(c.repeat_last_n, c.repeat_penalty, self.penalties)
+    }
+
     /// Pick the next token from `logits`, given the tokens so far.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         self.sample_masked(logits, history, None)

@@ -620,7 +620,15 @@ impl<'a, B: Backend> Scheduler<'a, B> {
             .map(|&(i, n)| {
                 let r = &self.running[i];
                 if r.next.is_some() || r.fed + n == r.req.prompt.len() {
-                    Logits::Last
+                    // A plain greedy pick needs no logits on the host.
+                    if r.req.constraint.is_none()
+                        && r.req.logprobs.is_none()
+                        && r.sampler.is_plain_greedy()
+                    {
+                        Logits::Greedy
+                    } else {
+                        Logits::Last
+                    }
                 } else {
                     Logits::None
                 }
@@ -683,7 +691,7 @@ impl<'a, B: Backend> Scheduler<'a, B> {
             }
         };
         let mut ended: Vec<Option<Finish>> = vec![None; self.running.len()];
-        for (&(i, n), l) in plan.iter().zip(&logits) {
+        for (k, (&(i, n), l)) in plan.iter().zip(&logits).enumerate() {
             let r = &mut self.running[i];
             if r.next.is_none() {
                 r.fed += n;
@@ -692,7 +700,7 @@ impl<'a, B: Backend> Scheduler<'a, B> {
                 }
                 r.prefilled = Some(Instant::now());
             }
-            ended[i] = advance(r, l, &mut self.stats, &mut out);
+            ended[i] = advance(r, l, logits.token(k), &mut self.stats, &mut out);
             // Saved after the token is reported: the state at the end of
             // the prompt, and at the end of the request (the prompt and the
             // generated tokens fed, which are the history but for a last
@@ -781,17 +789,20 @@ impl<'a, B: Backend> Scheduler<'a, B> {
     }
 }
 
-/// Take the logits of a request's next token: sample, report, and say
-/// whether (and why) it ends.
+/// Take the logits of a request's next token (or the token itself, where
+/// the step picked it greedily: `picked`): sample, report, and say whether
+/// (and why) it ends.
 fn advance<S>(
     r: &mut Seq<S>,
     logits: &[f32],
+    picked: Option<u32>,
     stats: &mut Stats,
     out: &mut Vec<Output>,
 ) -> Option<Finish> {
-    let t = match &r.req.constraint {
-        None => r.sampler.sample(logits, &r.history),
-        Some(c) => {
+    let t = match (&r.req.constraint, picked) {
+        (None, Some(t)) => t,
+        (None, None) => r.sampler.sample(logits, &r.history),
+        (Some(c), _) => {
             let mut c = c.0.lock().unwrap_or_else(|e| e.into_inner());
             let allowed = match crate::constraint::step(&mut **c, logits.len(), &r.req.stop_tokens)
             {

@@ -386,3 +386,59 @@ fn a_constraint_decides_the_tokens_and_nothing_else() {
     assert_eq!(solo.0[..2], free.0[..2]);
     assert_eq!(run(3), solo);
 }
+
+/// Greedy requests without log-probabilities, a bias or penalties take the
+/// step's greedy pick (`Logits::Greedy`, no logits on the host); their
+/// tokens equal those of the same requests sampled from the logits (a zero
+/// bias, which changes nothing but takes the sampler's path), batched four
+/// together; and the greedy pick of `forward_batch` is the argmax of the
+/// logits it would return.
+#[test]
+fn greedy_picks_equal_sampling_from_the_logits() {
+    let (_d, model) = model("tiny-qwen3next");
+    let cpu = Cpu::new(2);
+    let tokens_of = |bias: Vec<(u32, f32)>| -> Vec<Vec<u32>> {
+        let mut s = Scheduler::new(&model, &cpu, config(4, 0, None));
+        let ids: Vec<SeqId> = (0..4)
+            .map(|k| {
+                let mut r = request(tokens(5 + 9 * k, k as u32), 12, false);
+                r.logprobs = None;
+                r.logit_bias = bias.clone();
+                s.submit(r).unwrap()
+            })
+            .collect();
+        let mut got = vec![Vec::new(); 4];
+        while !s.is_idle() {
+            for o in s.step() {
+                if let Output::Token { id, token, .. } = o {
+                    got[ids.iter().position(|&i| i == id).unwrap()].push(token);
+                }
+            }
+        }
+        got
+    };
+    let picked = tokens_of(Vec::new());
+    let sampled = tokens_of(vec![(0, 0.0)]);
+    assert!(picked.iter().all(|t| t.len() == 12));
+    assert_eq!(picked, sampled);
+
+    let toks = tokens(7, 3);
+    let mut a = cpu.new_state(&model, 16, KvType::F32).unwrap();
+    let mut b = cpu.new_state(&model, 16, KvType::F32).unwrap();
+    let mut segs = [
+        Segment {
+            state: &mut a,
+            tokens: &toks,
+            want: Logits::Greedy,
+        },
+        Segment {
+            state: &mut b,
+            tokens: &toks,
+            want: Logits::Last,
+        },
+    ];
+    let out = forward_batch(&model, &cpu, &mut segs).unwrap();
+    assert!(out[0].is_empty());
+    assert_eq!(out.token(1), None);
+    assert_eq!(out.token(0), Some(crate::sample::argmax(&out[1])));
+}
