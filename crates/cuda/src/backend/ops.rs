@@ -467,7 +467,7 @@ impl Cuda {
     /// `argmax_rows` over the rows of `n` values in `x`, for the tests.
     #[doc(hidden)]
     pub fn argmax_host(&self, x: &[f32], n: usize) -> Result<Vec<u32>> {
-        let rows = if n == 0 { 0 } else { x.len() / n };
+        let rows = x.len().checked_div(n).unwrap_or(0);
         let xs = self.dev.upload(x)?;
         let mut ids = self.dev.scratch::<u32>(rows.max(1))?;
         let ni = n as i32;
