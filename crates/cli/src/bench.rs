@@ -107,7 +107,9 @@ pub(crate) fn run(a: Args) -> Result<()> {
     let model = crate::run::load_with_progress(&path)?;
     let backend = crate::args::open(dev, &model)?;
     let chunk = a.chunk.or_default(&backend);
-    with_backend!(&backend, |b| bench(b, &model, &path, &a, kv, chunk))
+    with_backend!(&backend, |b| bench(b, &model, &path, &a, kv, chunk))?;
+    println!("\nbuild: {}", env!("BUILD_COMMIT"));
+    Ok(())
 }
 
 /// Tier mode's counters over a test's timed runs (the untimed warm-up and

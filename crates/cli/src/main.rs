@@ -21,7 +21,12 @@ use std::process::ExitCode;
 /// samesum: Mixture-of-Experts inference from GGUF, where batched prefill computes
 /// the same sums as one-token decode.
 #[derive(Parser)]
-#[command(name = "samesum", version, about, propagate_version = true)]
+#[command(
+    name = "samesum",
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("BUILD_COMMIT"), ")"),
+    about,
+    propagate_version = true
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -95,6 +95,13 @@ fn bench_runs_each_test_at_each_context_depth() {
     for test in ["| pp8 |", "| pp8 @ d16 |", "| tg2 |", "| tg2 @ d16 |"] {
         assert!(out.contains(test), "{test} missing:\n{out}");
     }
+    // The build is named under the tables, as in --version.
+    let build = out.lines().last().unwrap_or_default();
+    let commit = build.strip_prefix("build: ").expect("a build line last");
+    assert!(!commit.is_empty() && !commit.contains(' '), "{build}");
+    let (ok, version, err) = samesum(&["--version"]);
+    assert!(ok, "{err}");
+    assert!(version.contains(&format!("({commit})")), "{version}");
 }
 
 #[test]

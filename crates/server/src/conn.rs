@@ -428,6 +428,17 @@ impl Shared {
         self.conns.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Set the open-connections gauge from the registry: the connections
+    /// not being closed (an evicted or timed-out one keeps its place until
+    /// its task ends, and would read as open past the cap).
+    fn count_open(&self, conns: &HashMap<u64, Arc<Conn>>) {
+        let open = conns
+            .values()
+            .filter(|c| c.phase.load(Ordering::Acquire) != CLOSING)
+            .count();
+        self.metrics.connections_open.set(open as u64);
+    }
+
     /// Close the connection idle the longest; false when none is idle. One
     /// whose next request waits in the kernel, not read yet, is not idle.
     fn evict_idle(&self) -> bool {
@@ -442,6 +453,7 @@ impl Shared {
             // request waits in the kernel.
             if c.write_stalled.load(Ordering::Acquire) == 0 && !c.has_unread() && c.close_if(IDLE) {
                 self.metrics.connections_evicted.inc(1);
+                self.count_open(&conns);
                 return true;
             }
         }
@@ -488,7 +500,8 @@ impl Shared {
             ms(self.limits.timeout),
             ms(self.limits.keep_alive),
         );
-        for c in self.conns().values() {
+        let conns = self.conns();
+        for c in conns.values() {
             let phase = c.phase.load(Ordering::Acquire);
             let stalled = c.write_stalled.load(Ordering::Acquire);
             // A write waiting (the tail of a response, too, once the
@@ -510,6 +523,7 @@ impl Shared {
                 self.metrics.connections_timed_out.inc(1);
             }
         }
+        self.count_open(&conns);
     }
 }
 
@@ -696,7 +710,7 @@ impl Drop for Registered {
     fn drop(&mut self) {
         let mut conns = self.shared.conns();
         conns.remove(&self.id);
-        self.shared.metrics.connections_open.set(conns.len() as u64);
+        self.shared.count_open(&conns);
     }
 }
 
@@ -961,12 +975,11 @@ pub async fn run(
         }
         next_id += 1;
         let conn = Arc::new(Conn::with_socket(shared.clock.now(), &stream));
-        let n = {
+        {
             let mut conns = shared.conns();
             conns.insert(next_id, conn.clone());
-            conns.len()
-        };
-        shared.metrics.connections_open.set(n as u64);
+            shared.count_open(&conns);
+        }
         tasks.spawn(serve_conn(
             shared.clone(),
             next_id,
@@ -985,6 +998,7 @@ pub async fn run(
         for c in conns.values() {
             c.close_if(IDLE);
         }
+        shared.count_open(&conns);
         conns
             .values()
             .filter(|c| c.phase.load(Ordering::Acquire) == BUSY)
@@ -1060,6 +1074,9 @@ mod tests {
         assert_eq!(old_busy.phase.load(Ordering::Acquire), BUSY);
         assert_eq!(old_writing.phase.load(Ordering::Acquire), IDLE);
         assert_eq!(s.metrics.connections_evicted.get(), 2);
+        // The two being closed still hold places but no longer count as open.
+        assert_eq!(s.conns().len(), 4);
+        assert_eq!(s.metrics.connections_open.get(), 2);
     }
 
     #[tokio::test]

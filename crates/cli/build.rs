@@ -1,0 +1,31 @@
+//! Names the build: the git commit the binary was built from (short hash),
+//! or "unknown" outside a git checkout, for `--version` and the benchmark
+//! tables (as llama-bench prints its build).
+
+use std::process::Command;
+
+fn main() {
+    let git = |args: &[&str]| -> Option<String> {
+        let out = Command::new("git").args(args).output().ok()?;
+        if !out.status.success() {
+            return None;
+        }
+        let s = String::from_utf8(out.stdout).ok()?.trim().to_string();
+        (!s.is_empty()).then_some(s)
+    };
+    let commit = git(&["rev-parse", "--short=7", "HEAD"]).unwrap_or_else(|| "unknown".into());
+    println!("cargo:rustc-env=BUILD_COMMIT={commit}");
+    // A new commit (or checkout) moves HEAD or the ref it names.
+    if let Some(dir) = git(&["rev-parse", "--git-dir"]) {
+        let dir = std::path::PathBuf::from(dir);
+        println!("cargo:rerun-if-changed={}", dir.join("HEAD").display());
+        if let Some(r) = git(&["symbolic-ref", "-q", "HEAD"]) {
+            println!("cargo:rerun-if-changed={}", dir.join(r).display());
+        }
+        println!(
+            "cargo:rerun-if-changed={}",
+            dir.join("packed-refs").display()
+        );
+    }
+    println!("cargo:rerun-if-changed=build.rs");
+}
