@@ -15,17 +15,24 @@ fn main() {
     };
     let commit = git(&["rev-parse", "--short=7", "HEAD"]).unwrap_or_else(|| "unknown".into());
     println!("cargo:rustc-env=BUILD_COMMIT={commit}");
-    // A new commit (or checkout) moves HEAD or the ref it names.
-    if let Some(dir) = git(&["rev-parse", "--git-dir"]) {
-        let dir = std::path::PathBuf::from(dir);
-        println!("cargo:rerun-if-changed={}", dir.join("HEAD").display());
-        if let Some(r) = git(&["symbolic-ref", "-q", "HEAD"]) {
-            println!("cargo:rerun-if-changed={}", dir.join(r).display());
+    // A new commit (or checkout) moves HEAD or the ref it names. Only
+    // files that exist are watched: cargo reruns the script on every build
+    // for a watched path that is missing.
+    let watch = |p: std::path::PathBuf| {
+        if p.exists() {
+            println!("cargo:rerun-if-changed={}", p.display());
         }
-        println!(
-            "cargo:rerun-if-changed={}",
-            dir.join("packed-refs").display()
-        );
+    };
+    if let Some(dir) = git(&["rev-parse", "--git-dir"]).map(std::path::PathBuf::from) {
+        watch(dir.join("HEAD"));
+        let common = git(&["rev-parse", "--git-common-dir"])
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| dir.clone());
+        if let Some(r) = git(&["symbolic-ref", "-q", "HEAD"]) {
+            watch(dir.join(&r));
+            watch(common.join(&r));
+        }
+        watch(common.join("packed-refs"));
     }
     println!("cargo:rerun-if-changed=build.rs");
 }

@@ -27,7 +27,10 @@ pub enum Logits {
     /// The last row's most likely token only (the lowest id among equal
     /// largest logits, [`crate::sample::argmax`]'s pick), not its logits: a
     /// backend may pick it where the logits are and return one id
-    /// ([`Backend::logits_argmax`]).
+    /// ([`Backend::logits_argmax`]). [`forward_batch`] returns it as
+    /// [`BatchLogits::token`] (and [`forward`] no logits); the prefill
+    /// helpers (`prefill`, `forward_chunks`, `forward_pair`) read it as
+    /// [`Logits::Last`].
     Greedy,
     /// None (state update only).
     None,
@@ -216,12 +219,15 @@ pub fn forward_batch<B: Backend>(
     } else {
         b.logits(model, &h, &rows)?
     };
-    let mut picked = if greedy.is_empty() {
+    let picked = if greedy.is_empty() {
         Vec::new()
     } else {
         b.logits_argmax(model, &h, &greedy)?
+    };
+    if picked.len() != greedy.len() {
+        return Err(picked_count(picked.len(), greedy.len()));
     }
-    .into_iter();
+    let mut picked = picked.into_iter();
     let v = model.w.n_vocab;
     let mut ends = Vec::with_capacity(segs.len());
     let mut tokens = Vec::with_capacity(segs.len());
@@ -229,13 +235,7 @@ pub fn forward_batch<B: Backend>(
     for s in segs.iter() {
         let k = s.want.rows(0, s.tokens.len()).len();
         match s.want {
-            Logits::Greedy if k > 0 => {
-                tokens.push(Some(picked.next().ok_or_else(|| EngineError::Device {
-                    backend: "engine",
-                    op: "logits".into(),
-                    msg: format!("the backend picked fewer tokens than {} rows", greedy.len()),
-                })?))
-            }
+            Logits::Greedy if k > 0 => tokens.push(picked.next()),
             Logits::Greedy => tokens.push(None),
             _ => {
                 at += k * v;
@@ -260,6 +260,15 @@ pub fn forward_batch<B: Backend>(
         ends,
         tokens,
     })
+}
+
+/// A backend's greedy pick that did not give one token a row.
+fn picked_count(got: usize, rows: usize) -> EngineError {
+    EngineError::Device {
+        backend: "engine",
+        op: "logits".into(),
+        msg: format!("the backend picked {got} tokens for {rows} rows"),
+    }
 }
 
 /// One token of one sequence on a backend that records steps
@@ -330,10 +339,10 @@ fn run_decode_step<B: Backend>(
     b.advance(st, 1);
     let (data, token) = match want {
         Logits::None => (Vec::new(), None),
-        Logits::Greedy => {
-            let t = b.logits_argmax(model, &s.h, &[0])?;
-            (Vec::new(), t.first().copied())
-        }
+        Logits::Greedy => match b.logits_argmax(model, &s.h, &[0])?[..] {
+            [t] => (Vec::new(), Some(t)),
+            ref got => return Err(picked_count(got.len(), 1)),
+        },
         _ => (b.logits(model, &s.h, &[0])?, None),
     };
     Ok(BatchLogits {

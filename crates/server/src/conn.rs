@@ -1016,9 +1016,11 @@ pub async fn run(
             _ = &mut deadline => {
                 let left = shared.conns().len();
                 tracing::warn!(left, "drain timeout: closing the remaining connections (their requests are cancelled)");
-                for c in shared.conns().values() {
+                let conns = shared.conns();
+                for c in conns.values() {
                     c.close_now();
                 }
+                shared.count_open(&conns);
                 break;
             }
             r = tasks.join_next() => if r.is_none() { break },

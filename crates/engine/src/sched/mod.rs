@@ -225,6 +225,9 @@ pub struct Stats {
     pub prompt_tokens: u64,
     /// Tokens generated.
     pub completion_tokens: u64,
+    /// Of those, the ones the backend picked greedily (`Logits::Greedy`:
+    /// no logits brought to the host).
+    pub greedy_picks: u64,
     /// Forward time attributed to prompt rows.
     pub prefill_seconds: f64,
     /// Forward time attributed to decode rows.
@@ -800,7 +803,10 @@ fn advance<S>(
     out: &mut Vec<Output>,
 ) -> Option<Finish> {
     let t = match (&r.req.constraint, picked) {
-        (None, Some(t)) => t,
+        (None, Some(t)) => {
+            stats.greedy_picks += 1;
+            t
+        }
         (None, None) => r.sampler.sample(logits, &r.history),
         (Some(c), _) => {
             let mut c = c.0.lock().unwrap_or_else(|e| e.into_inner());

@@ -397,7 +397,7 @@ fn a_constraint_decides_the_tokens_and_nothing_else() {
 fn greedy_picks_equal_sampling_from_the_logits() {
     let (_d, model) = model("tiny-qwen3next");
     let cpu = Cpu::new(2);
-    let tokens_of = |bias: Vec<(u32, f32)>| -> Vec<Vec<u32>> {
+    let tokens_of = |bias: Vec<(u32, f32)>| -> (Vec<Vec<u32>>, u64) {
         let mut s = Scheduler::new(&model, &cpu, config(4, 0, None));
         let ids: Vec<SeqId> = (0..4)
             .map(|k| {
@@ -415,12 +415,17 @@ fn greedy_picks_equal_sampling_from_the_logits() {
                 }
             }
         }
-        got
+        (got, s.stats().greedy_picks)
     };
-    let picked = tokens_of(Vec::new());
-    let sampled = tokens_of(vec![(0, 0.0)]);
+    let (picked, n_picked) = tokens_of(Vec::new());
+    let (sampled, n_sampled) = tokens_of(vec![(0, 0.0)]);
     assert!(picked.iter().all(|t| t.len() == 12));
     assert_eq!(picked, sampled);
+    assert_eq!(
+        (n_picked, n_sampled),
+        (48, 0),
+        "every plain greedy token picked by the step"
+    );
 
     let toks = tokens(7, 3);
     let mut a = cpu.new_state(&model, 16, KvType::F32).unwrap();
