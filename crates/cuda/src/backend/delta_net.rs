@@ -555,6 +555,12 @@ mod tests {
                     "dk {dk} m {m}: {} is not defined",
                     k.name()
                 );
+                if let Some(seqs) = k.seqs_name() {
+                    assert!(
+                        defined.iter().any(|n| n == seqs),
+                        "dk {dk}: {seqs} is not defined"
+                    );
+                }
                 let one_kernel = match dk {
                     16 => Some(DeltaKernel::Cols16),
                     32 => Some(DeltaKernel::Cols32),
@@ -575,6 +581,24 @@ mod tests {
                     ),
                 }
             }
+        }
+    }
+
+    /// Decode rows of several sequences have a one-launch form at the head
+    /// dims whose one-row kernel is the cp.async family, and its conv too.
+    #[test]
+    fn one_launch_decode_kernels_exist_where_chosen() {
+        let ops = MODULES.iter().find(|(n, _)| *n == "ops").unwrap().1;
+        let defined = kernels_defined(ops);
+        assert!(defined.iter().any(|n| n == "conv_l2_one_seqs"));
+        for (dk, want) in [
+            (64, Some("delta_cols_async_pipe_64_seqs")),
+            (128, Some("delta_cols_async_pipe_128_seqs")),
+            (256, Some("delta_cols_async_256_seqs")),
+            (32, None),
+            (96, None),
+        ] {
+            assert_eq!(DeltaKernel::select(dk, 1).seqs_name(), want, "dk {dk}");
         }
     }
 

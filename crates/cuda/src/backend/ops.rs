@@ -446,6 +446,9 @@ impl Backend for Cuda {
     fn logits_argmax(&self, model: &Model, h: &CudaBuf, rows: &[usize]) -> R<Vec<u32>> {
         let run = || -> Result<Vec<u32>> {
             let n = rows.len();
+            if n == 0 {
+                return Ok(Vec::new());
+            }
             let logits = self.device_logits(model, &h.rows, rows)?;
             let mut ids = self.dev.scratch::<u32>(n)?;
             let vi = model.w.n_vocab as i32;
@@ -467,7 +470,13 @@ impl Cuda {
     /// `argmax_rows` over the rows of `n` values in `x`, for the tests.
     #[doc(hidden)]
     pub fn argmax_host(&self, x: &[f32], n: usize) -> Result<Vec<u32>> {
-        let rows = x.len().checked_div(n).unwrap_or(0);
+        if n == 0 || x.is_empty() || !x.len().is_multiple_of(n) {
+            return Err(crate::device::drv(
+                "argmax",
+                format!("{} values are not whole rows of {n}", x.len()),
+            ));
+        }
+        let rows = x.len() / n;
         let xs = self.dev.upload(x)?;
         let mut ids = self.dev.scratch::<u32>(rows.max(1))?;
         let ni = n as i32;

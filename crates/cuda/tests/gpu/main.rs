@@ -582,6 +582,22 @@ fn device_greedy_pick_equals_the_host_argmax() {
         if n > 1 {
             x[n] = f32::NAN; // row 1 starts with a NaN
         }
+        if n >= 64 {
+            // Row 2: a +0 / -0 maximum in several warps' elements (the
+            // lowest index must win, whatever the zero's sign); row 3 all
+            // -inf; row 4 (when there is one) NaN after a -inf first value.
+            let r2 = &mut x[2 * n..3 * n];
+            r2.fill(-1.0);
+            for (i, z) in [(n - 1, 0.0f32), (n / 2, -0.0), (37, 0.0), (n / 3, -0.0)] {
+                r2[i] = z;
+            }
+            x[3 * n..4 * n].fill(f32::NEG_INFINITY);
+            if rows > 4 {
+                let r4 = &mut x[4 * n..5 * n];
+                r4.fill(f32::NAN);
+                r4[0] = f32::NEG_INFINITY;
+            }
+        }
         let got = cuda.argmax_host(&x, n).unwrap();
         let want: Vec<u32> = x.chunks(n).map(argmax).collect();
         assert_eq!(got, want, "rows of {n}");
