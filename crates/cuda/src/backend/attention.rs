@@ -34,7 +34,7 @@ const AP: usize = 16;
 /// keys a split (`FA_SPLIT`).
 const FA_P: usize = 128;
 const FA_KT: usize = 64;
-const FA_SPLIT: usize = 512;
+pub(super) const FA_SPLIT: usize = 512;
 /// Calls of up to this many rows run the decode flash kernel, a split a
 /// block (the splits fill the GPU at depth), and fold the splits in a second
 /// launch; larger calls fold them in the blocks (no partials).
@@ -304,7 +304,13 @@ impl Cuda {
         let d = &self.dev;
         let (hq, hkv, hd) = (hp.n_head, hp.n_head_kv, hp.head_dim);
         let m = x.len() / hp.n_embd;
-        if rows.iter().sum::<usize>() != m || rows.len() != sts.len() {
+        // A bound step of several sequences runs its rows through its table.
+        let bound = self.bound_seqs();
+        let fits = match bound {
+            Some(bd) => bd.rows == m && rows.iter().all(|&n| n == 1) && rows.len() <= m,
+            None => rows.iter().sum::<usize>() == m,
+        };
+        if !fits || rows.len() != sts.len() {
             return Err(CudaError::Driver {
                 op: "attention".into(),
                 msg: format!("{} rows for {} sequences of {:?} rows", m, sts.len(), rows),
@@ -370,25 +376,36 @@ impl Cuda {
         // A decode step of several sequences on the flash kernels: every
         // sequence's row in one launch of each kernel, each row's cache and
         // position from a table (the bytes of each row's own call).
-        let one_launch = fast
-            && sts.len() > 1
-            && rows.iter().all(|&n| n == 1)
-            && AttentionKernel::select(hd, hq / hkv, 1, fast) == AttentionKernel::Flash
-            && sts
-                .iter()
-                .all(|st| st.f16 == sts[0].f16 && st.kv[l].is_some());
+        let one_launch = bound.is_some()
+            || fast
+                && sts.len() > 1
+                && rows.iter().all(|&n| n == 1)
+                && self.flash_for_one_row(model)
+                && sts
+                    .iter()
+                    .all(|st| st.f16 == sts[0].f16 && st.kv[l].is_some());
         if one_launch {
-            let (ns, f16) = (sts.len(), sts[0].f16 as i32);
-            let mut table = vec![0u64; 3 * ns];
-            let mut nsplit = 1;
-            for (i, st) in sts.iter().enumerate() {
-                let (ck, cv) = st.kv[l].as_ref().expect("checked above");
-                table[i] = crate::device::addr(d, ck);
-                table[ns + i] = crate::device::addr(d, cv);
-                table[2 * ns + i] = st.pos as u64;
-                nsplit = nsplit.max((st.pos + 1).div_ceil(FA_SPLIT));
-            }
-            let kvt = d.upload(&table)?;
+            // The rows' caches and positions: the bound step's table (its
+            // splits fixed, so its recording replays at any position below
+            // them), or this call's.
+            let mut table_buf = None;
+            let (kvt, ns, nsplit, f16) = match bound {
+                Some(bd) => (bd.layer(l), bd.rows, bd.nsplit, bd.f16 as i32),
+                None => {
+                    let ns = sts.len();
+                    let mut table = vec![0u64; 3 * ns];
+                    let mut nsplit = 1;
+                    for (i, st) in sts.iter().enumerate() {
+                        let (ck, cv) = st.kv[l].as_ref().expect("checked above");
+                        table[i] = crate::device::addr(d, ck);
+                        table[ns + i] = crate::device::addr(d, cv);
+                        table[2 * ns + i] = st.pos as u64;
+                        nsplit = nsplit.max((st.pos + 1).div_ceil(FA_SPLIT));
+                    }
+                    let buf = table_buf.insert(d.upload(&table)?);
+                    (crate::device::addr(d, buf), ns, nsplit, sts[0].f16 as i32)
+                }
+            };
             let (nsi, nsp) = (ns as i32, nsplit as i32);
             launch!(
                 d,
@@ -449,6 +466,9 @@ impl Cuda {
                 &nsp
             )?;
             *self.att_last.lock().unwrap_or_else(|p| p.into_inner()) = "attention_flash_dec_seqs";
+            // The call's own table is freed after the launches that read it
+            // (a stream-ordered free).
+            drop(table_buf);
         }
         let mut r0 = 0;
         for (st, &n) in sts.iter_mut().zip(rows).filter(|_| !one_launch) {
@@ -548,6 +568,20 @@ impl Cuda {
             return self.mm(&a.o, &Input::with_q8k(&o, m, Some(oq)), None, y);
         }
         self.matmul(&a.o, &o, m, None, y)
+    }
+
+    /// Whether a call of one row takes the flash kernels (whose decode
+    /// launches take a row each of several sequences).
+    pub(super) fn flash_for_one_row(&self, model: &Model) -> bool {
+        let hp = &model.hp;
+        hp.n_head_kv > 0
+            && hp.n_head.is_multiple_of(hp.n_head_kv)
+            && AttentionKernel::select(
+                hp.head_dim,
+                hp.n_head / hp.n_head_kv,
+                1,
+                self.fast_attention(),
+            ) == AttentionKernel::Flash
     }
 
     /// The score and value passes of one attention call, then the combine

@@ -2,6 +2,8 @@
 //! recording ([`samesum_engine::decode_step`]); this is the backend's part
 //! (the position on the device, the capture on the compute stream, launch).
 
+use super::attention::FA_SPLIT;
+use super::delta_net::delta_one_launch;
 use super::*;
 
 impl Cuda {
@@ -52,5 +54,305 @@ impl Cuda {
     ) -> Result<()> {
         self.sync_pos(st)?;
         g.launch().map_err(|x| drv("launch the decode graph", x))
+    }
+}
+
+/// Most rows of a recorded step of several sequences (more run call by call).
+const SEQS_MAX_ROWS: usize = 256;
+
+/// The rows a recorded step of `n` sequences runs: powers of two up to 32,
+/// then multiples of 32, so a few recordings serve every count and at most
+/// 31 rows are padding.
+pub(super) fn seqs_bucket(n: usize) -> usize {
+    if n <= 32 {
+        n.next_power_of_two()
+    } else {
+        n.div_ceil(32) * 32
+    }
+}
+
+/// A bound step of several sequences ([`Backend::bind_seqs`]): where its
+/// kernels read each row's cache or state and position.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Bound {
+    /// The step's table on the device: per layer `3 * rows` addresses and
+    /// positions (attention: the rows' K caches, V caches, positions; delta
+    /// net: conv states, delta-rule states, unused), the layout of the
+    /// one-launch kernels' tables (`OfSeqs` in attention_flash.cu,
+    /// `conv_l2_one_seqs` and the delta rule's `_seqs` kernels).
+    table: u64,
+    /// Rows of the step (its sequences, then padding rows).
+    pub(super) rows: usize,
+    /// Key splits the attention grids cover: every bound row's position is
+    /// below `nsplit * FA_SPLIT` (blocks past a row's position return).
+    pub(super) nsplit: usize,
+    /// The rows' caches are f16.
+    pub(super) f16: bool,
+}
+
+impl Bound {
+    /// Layer `l`'s part of the table.
+    pub(super) fn layer(&self, l: usize) -> u64 {
+        self.table + (l * 3 * self.rows * 8) as u64
+    }
+}
+
+/// A padding row's scratch state, shared by its layers: a K and a V cache
+/// of one split's positions (f32-sized, so either cache type fits; a
+/// padding row is at position 0), a conv state and a delta-rule state.
+struct Pad {
+    k: CudaSlice<u8>,
+    v: CudaSlice<u8>,
+    conv: CudaSlice<f32>,
+    s: CudaSlice<f32>,
+}
+
+/// A recorded step of several sequences: its table (the graph reads it at
+/// this address) and its row buffers and recording.
+struct SeqsEntry {
+    table: CudaSlice<u64>,
+    step: Option<KeptStep>,
+}
+
+/// A step's buffers and recording kept by the backend between steps.
+struct KeptStep(DecodeStep<Cuda>);
+
+// SAFETY: a CUDA graph's handles (cudarc's `CudaGraph` holds them as raw
+// pointers, hence not `Send`) belong to the context, not to the thread that
+// made them: the driver API takes them from any thread. The backend keeps a
+// step under its mutex and hands it to one caller at a time
+// (`take_seqs_entry` / `put_seqs_entry`), so no two threads use it at once.
+unsafe impl Send for KeptStep {}
+
+/// The multi-sequence steps of [`Backend::seqs_step`]: one entry a key
+/// (rows, splits, cache type), the padding rows' states, and the step bound
+/// now.
+#[derive(Default)]
+pub(super) struct SeqsSteps {
+    steps: HashMap<u64, SeqsEntry>,
+    pads: Vec<Pad>,
+    bound: Option<Bound>,
+}
+
+/// A multi-sequence step's key: its rows, attention splits and cache type.
+fn seqs_key(rows: usize, nsplit: usize, f16: bool) -> u64 {
+    rows as u64 | (nsplit as u64) << 20 | (f16 as u64) << 60
+}
+
+fn seqs_key_parts(key: u64) -> (usize, usize, bool) {
+    (
+        (key & 0xF_FFFF) as usize,
+        ((key >> 20) & 0xFF_FFFF_FFFF) as usize,
+        key >> 60 & 1 == 1,
+    )
+}
+
+impl Cuda {
+    /// The bound multi-sequence step, if one is bound.
+    pub(super) fn bound_seqs(&self) -> Option<Bound> {
+        self.seqs.lock().unwrap_or_else(|p| p.into_inner()).bound
+    }
+
+    /// How a decode step of `sts` runs recorded ([`Backend::seqs_step`]):
+    /// with the flash attention and every layer's one-launch kernels, the
+    /// sequences' caches of one type, up to [`SEQS_MAX_ROWS`] rows.
+    pub(super) fn plan_seqs_step(&self, model: &Model, sts: &[&CudaState]) -> Option<SeqsStep> {
+        if sts.len() < 2 || !self.fast_attention() || !self.one_launch_layers(model) {
+            return None;
+        }
+        let f16 = sts[0].f16;
+        let rows = seqs_bucket(sts.len());
+        if rows > SEQS_MAX_ROWS
+            || sts.iter().any(|st| {
+                st.f16 != f16
+                    || st
+                        .kv
+                        .iter()
+                        .zip(&st.linear)
+                        .any(|(k, c)| k.is_none() == c.is_none())
+            })
+        {
+            return None;
+        }
+        let need = sts.iter().map(|st| (st.pos + 1).div_ceil(FA_SPLIT)).max()?;
+        Some(SeqsStep {
+            key: seqs_key(rows, need.next_power_of_two(), f16),
+            rows,
+        })
+    }
+
+    /// Whether every layer of `model` has one-launch kernels for a row each
+    /// of several sequences (flash attention; the one-row conv and a
+    /// `_seqs` delta rule).
+    fn one_launch_layers(&self, model: &Model) -> bool {
+        model.w.layers.iter().all(|lw| match &lw.mixer {
+            Mixer::Attention(_) => self.flash_for_one_row(model),
+            Mixer::Linear(_) => delta_one_launch(model),
+        })
+    }
+
+    /// A padding row's state for `model`.
+    fn new_pad(&self, model: &Model) -> Result<Pad> {
+        let hp = &model.hp;
+        let kv = hp.n_head_kv * hp.head_dim * FA_SPLIT * 4;
+        let (conv, s) = match hp.ssm {
+            Some(s) => (
+                (s.d_conv - 1) * s.conv_dim(),
+                s.n_v_heads * s.head_k_dim * s.head_v_dim,
+            ),
+            None => (1, 1),
+        };
+        Ok(Pad {
+            k: self.dev.zeros::<u8>(kv)?,
+            v: self.dev.zeros::<u8>(kv)?,
+            conv: self.dev.zeros::<f32>(conv)?,
+            s: self.dev.zeros::<f32>(s)?,
+        })
+    }
+
+    /// Bind `sts` to the rows of `step` ([`Backend::bind_seqs`]): write the
+    /// step's table (the sequences' rows, then padding rows at position 0
+    /// on their scratch states) where its kernels and recording read it.
+    pub(super) fn bind_seqs_step(
+        &self,
+        model: &Model,
+        step: SeqsStep,
+        sts: &[&CudaState],
+    ) -> Result<()> {
+        let (rows, nsplit, f16) = seqs_key_parts(step.key);
+        let bad = |msg: String| CudaError::Driver {
+            op: "bind a step of several sequences".into(),
+            msg,
+        };
+        if rows != step.rows || sts.len() > rows {
+            return Err(bad(format!(
+                "{} sequences for {} rows",
+                sts.len(),
+                step.rows
+            )));
+        }
+        if let Some(st) = sts
+            .iter()
+            .find(|st| st.f16 != f16 || st.pos >= nsplit * FA_SPLIT)
+        {
+            return Err(bad(format!(
+                "a sequence at position {} (f16 cache: {}) in a step of {nsplit} splits (f16: {f16})",
+                st.pos, st.f16
+            )));
+        }
+        let mut g = self.seqs.lock().unwrap_or_else(|p| p.into_inner());
+        while g.pads.len() < rows - sts.len() {
+            let pad = self.new_pad(model)?;
+            g.pads.push(pad);
+        }
+        let d = &self.dev;
+        let n_layers = model.w.layers.len();
+        let mut host = vec![0u64; n_layers * 3 * rows];
+        for (l, t) in host.chunks_mut(3 * rows).enumerate() {
+            for i in 0..rows {
+                let (a, b, pos) = match sts.get(i) {
+                    Some(st) => match (&st.kv[l], &st.linear[l]) {
+                        (Some((k, v)), _) => (addr(d, k), addr(d, v), st.pos),
+                        (None, Some((c, s))) => (addr(d, c), addr(d, s), 0),
+                        (None, None) => return Err(bad(format!("layer {l} has no state"))),
+                    },
+                    None => {
+                        let p = &g.pads[i - sts.len()];
+                        match model.w.layers[l].mixer {
+                            Mixer::Attention(_) => (addr(d, &p.k), addr(d, &p.v), 0),
+                            Mixer::Linear(_) => (addr(d, &p.conv), addr(d, &p.s), 0),
+                        }
+                    }
+                };
+                t[i] = a;
+                t[rows + i] = b;
+                t[2 * rows + i] = pos as u64;
+            }
+        }
+        let entry = match g.steps.entry(step.key) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(SeqsEntry {
+                table: d.scratch::<u64>(host.len())?,
+                step: None,
+            }),
+        };
+        if entry.table.len() != host.len() {
+            return Err(bad(format!(
+                "a table of {} entries for {} layers of {rows} rows",
+                entry.table.len(),
+                n_layers
+            )));
+        }
+        d.current()
+            .memcpy_htod(&host, &mut entry.table)
+            .map_err(|x| drv("copy the step's table", x))?;
+        let table = addr(d, &entry.table);
+        g.bound = Some(Bound {
+            table,
+            rows,
+            nsplit,
+            f16,
+        });
+        Ok(())
+    }
+
+    /// End the binding (the entries and their recordings stay).
+    pub(super) fn unbind_seqs_step(&self) {
+        self.seqs.lock().unwrap_or_else(|p| p.into_inner()).bound = None;
+    }
+
+    /// The row buffers and recording of step `key`.
+    pub(super) fn take_seqs_entry(&self, key: u64) -> Option<DecodeStep<Cuda>> {
+        let mut g = self.seqs.lock().unwrap_or_else(|p| p.into_inner());
+        g.steps
+            .get_mut(&key)
+            .and_then(|e| e.step.take())
+            .map(|k| k.0)
+    }
+
+    /// Keep step `key`'s buffers and recording (its entry was made when it
+    /// was bound).
+    pub(super) fn put_seqs_entry(&self, key: u64, step: DecodeStep<Cuda>) {
+        let mut g = self.seqs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = g.steps.get_mut(&key) {
+            e.step = Some(KeptStep(step));
+        }
+    }
+
+    /// Start capturing the compute stream for the bound step.
+    pub(super) fn begin_record_seqs(&self) -> Result<()> {
+        if self.bound_seqs().is_none() {
+            return Err(drv(
+                "record a step of several sequences",
+                "no step is bound",
+            ));
+        }
+        self.dev
+            .stream
+            .begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .map_err(|x| drv("begin recording a step of several sequences", x))
+    }
+
+    /// End the capture and return the recorded step.
+    pub(super) fn end_record_seqs(&self) -> Result<cudarc::driver::CudaGraph> {
+        self.dev
+            .stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .map_err(|x| drv("record a step of several sequences", x))?
+            .ok_or_else(|| drv("record a step of several sequences", "an empty graph"))
+    }
+
+    /// Launch a recorded multi-sequence step on the bound sequences.
+    pub(super) fn replay_seqs_step(&self, g: &cudarc::driver::CudaGraph) -> Result<()> {
+        if self.bound_seqs().is_none() {
+            return Err(drv(
+                "replay a step of several sequences",
+                "no step is bound",
+            ));
+        }
+        g.launch()
+            .map_err(|x| drv("launch a step of several sequences", x))
     }
 }

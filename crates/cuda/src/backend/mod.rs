@@ -14,7 +14,7 @@ use crate::error::{CudaError, Result};
 use crate::tier::{RESERVE, TierSizes, plan as tier_plan};
 use crate::tiered::{Tier, TierStats};
 use cudarc::driver::CudaSlice;
-use samesum_engine::backend::{Backend, DecodeStep, Norm};
+use samesum_engine::backend::{Backend, DecodeStep, Norm, SeqsStep};
 use samesum_engine::model::Matrix;
 use samesum_engine::model::weights::{AttentionW, DeltaBa, DeltaInput, DeltaNetW, Mixer, MoeW};
 use samesum_engine::{Arch, EngineError, KvType, Model};
@@ -116,6 +116,9 @@ pub struct Cuda {
     /// One-token steps recorded as CUDA graphs and replayed (unless
     /// `SAMESUM_CUDA_GRAPHS=0`: the same launches one by one).
     graphs: bool,
+    /// Recorded decode steps of several sequences, by key, and the one
+    /// bound now ([`Backend::seqs_step`]).
+    seqs: Mutex<graphs::SeqsSteps>,
 }
 
 /// `name` with `note` inside its closing parenthesis ("GPU (cuda:0, sm_90a)"
@@ -390,6 +393,7 @@ impl Cuda {
             reversed_topk: false,
             attn_partials: ATTN_PARTIALS,
             graphs: std::env::var("SAMESUM_CUDA_GRAPHS").as_deref() != Ok("0"),
+            seqs: Mutex::new(graphs::SeqsSteps::default()),
             trunk,
             tier,
         })
