@@ -18,11 +18,11 @@
 # order (SAMESUM_ATT_STEPS picks some): compile (the machine's NVRTC, spills),
 # tests (the GPU tests of attention, sequences, block ops, graphs), identity
 # (the gate with the defaults on the tiny models, and its negative control),
-# bench (pp and tg at depth, several sequences a step, on qwen35moe-35b-a3b
-# and qwen3moe-30b-a3b at the q4_k_m mix, qwen3moe with YaRN x4 so that
-# 65,536 fits; samesum and the old build), probe (decode by depth with and
-# without recorded steps, the kernel table of 64 sequences a step), agree
-# (teacher-forced agreement with the reference and the probe), llama
+# probe (decode by depth with and without recorded steps, the kernel
+# table of 64 sequences a step, on qwen3moe-30b-a3b and qwen35moe-35b-a3b at
+# the q4_k_m mix, qwen3moe with YaRN x4 so that 65,536 fits), agree
+# (teacher-forced agreement with the reference and the probe), bench (pp and
+# tg at depth, several sequences a step; samesum and the old build), llama
 # (llama.cpp's figures on the same files). The models and llama.cpp are made in the background from the
 # start. Results: OUT/log.txt.
 set -uo pipefail
@@ -56,10 +56,14 @@ run)
     mkdir -p "$work"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     q35=$work/qwen35moe-q4_k_m.gguf q3=$work/qwen3moe-yarn4-q4_k_m.gguf
-    (
+    # The models are kept in WORK for a later run with the same LAYERS.
+    stamp="$work/synth.done.${3:-full}"
+    [ -e "$stamp" ] && [ -e "$q35" ] && [ -e "$q3" ] && cp "$stamp" "$work/synth.done"
+    [ -e "$work/synth.done" ] && [ ! -e "$stamp" ] && rm -f "$work/synth.done"
+    [ -e "$work/synth.done" ] || (
         .gpu/samesum synth --force --shape qwen35moe-35b-a3b --mix q4_k_m "${layers[@]}" -o "$q35" 2>&1 | tail -n 1
         .gpu/samesum synth --force --shape qwen3moe-30b-a3b --mix q4_k_m --yarn 4 "${layers[@]}" -o "$q3" 2>&1 | tail -n 1
-        touch "$work/synth.done"
+        touch "$work/synth.done" "$stamp"
     ) >"$out/synth.log" 2>&1 &
     llama=$work/llama.cpp/build/bin
     if [ ! -x "$llama/llama-bench" ]; then
@@ -88,7 +92,7 @@ run)
     fi
     if [[ $steps == *,tests,* ]]; then
         step tests .gpu/test-gpu attention flash f16_kv sequences_batched every_block_op \
-            graph_replayed moe_combine forked batched several_sequences --include-ignored --test-threads=1
+            graph_replayed moe_combine forked batched several_sequences greedy --include-ignored --test-threads=1
     fi
     if [[ $steps == *,identity,* ]]; then
         for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
@@ -105,24 +109,6 @@ run)
     fi
     while [ ! -e "$work/synth.done" ]; do sleep 5; done
     cat "$out/synth.log"
-    if [[ $steps == *,bench,* ]]; then
-        for m in "$q35" "$q3"; do
-            pp=4096,16384
-            [ "$m" = "$q35" ] && pp=4096,16384,32768
-            step "samesum pp $m" timeout 600 .gpu/samesum bench --device cuda -m "$m" -p "$pp" \
-                -n 0 -r 1 --prefill batched $FAST
-            step "samesum tg $m" timeout 600 .gpu/samesum bench --device cuda -m "$m" -p 0 \
-                -n 128 -d 0,16384,65536 -r 1 $FAST
-            step "old build tg $m" timeout 300 .gpu-old/samesum bench --device cuda -m "$m" -p 0 \
-                -n 128 -d 16384 -r 1 --attention fast --kv-type f16
-            step "samesum profile tg $m" timeout 300 .gpu/samesum bench --device cuda -m "$m" \
-                -p 0 -n 32 -d 16384 -r 1 --profile $FAST
-            step "samesum parallel $m" timeout 300 .gpu/samesum bench --device cuda -m "$m" \
-                -p 128 -n 64 -r 1 --parallel 8,64 $FAST
-            step "old build parallel $m" timeout 300 .gpu-old/samesum bench --device cuda -m "$m" \
-                -p 128 -n 64 -r 1 --parallel 8,64 --attention fast --kv-type f16
-        done
-    fi
     if [[ $steps == *,probe,* ]]; then
         # Where decode's time goes at depth and with many sequences: the
         # slope over depth with recorded steps and without, and the kernel
@@ -143,6 +129,24 @@ run)
                 --attention fast --kv-type-b f16
             step "control $m" timeout 300 .gpu/samesum agree --device cuda -m "$m" \
                 --lens 512 --gen 64
+        done
+    fi
+    if [[ $steps == *,bench,* ]]; then
+        for m in "$q35" "$q3"; do
+            pp=4096,16384
+            [ "$m" = "$q35" ] && pp=4096,16384,32768
+            step "samesum pp $m" timeout 600 .gpu/samesum bench --device cuda -m "$m" -p "$pp" \
+                -n 0 -r 1 --prefill batched $FAST
+            step "samesum tg $m" timeout 600 .gpu/samesum bench --device cuda -m "$m" -p 0 \
+                -n 128 -d 0,16384,65536 -r 1 $FAST
+            step "old build tg $m" timeout 300 .gpu-old/samesum bench --device cuda -m "$m" -p 0 \
+                -n 128 -d 16384 -r 1 --attention fast --kv-type f16
+            step "samesum profile tg $m" timeout 300 .gpu/samesum bench --device cuda -m "$m" \
+                -p 0 -n 32 -d 16384 -r 1 --profile $FAST
+            step "samesum parallel $m" timeout 300 .gpu/samesum bench --device cuda -m "$m" \
+                -p 128 -n 64 -r 1 --parallel 8,64 $FAST
+            step "old build parallel $m" timeout 300 .gpu-old/samesum bench --device cuda -m "$m" \
+                -p 128 -n 64 -r 1 --parallel 8,64 --attention fast --kv-type f16
         done
     fi
     if [[ $steps == *,llama,* ]]; then

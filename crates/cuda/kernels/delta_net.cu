@@ -260,10 +260,8 @@ extern "C" __global__ void __launch_bounds__(128, 6)
 // head's outputs staged in shared memory and normed as l2norm_qk does
 // (sumsq_lane0 by warp 0, then the scale); the other blocks take the
 // value channels, a thread each.
-extern "C" __global__ void __launch_bounds__(128)
-    conv_l2_one(const float* x, const float* taps, float* state, float* out, float* qk, int cd, int kc, int hk,
-                int dk, float eps) {
-    pdl_wait();
+__device__ __forceinline__ void conv_l2_one_k(const float* x, const float* taps, float* state, float* out,
+                                              float* qk, int cd, int kc, int hk, int dk, float eps) {
     __shared__ __align__(16) float sv[256];
     __shared__ float scale_s;
     int h = blockIdx.x, t = threadIdx.x;
@@ -283,6 +281,25 @@ extern "C" __global__ void __launch_bounds__(128)
     }
     int c = 2 * hk * dk + (h - 2 * hk) * 128 + t;
     if (c < cd) conv_channel(x, taps, state, out, 1, cd, kc, c);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    conv_l2_one(const float* x, const float* taps, float* state, float* out, float* qk, int cd, int kc, int hk,
+                int dk, float eps) {
+    pdl_wait();
+    conv_l2_one_k(x, taps, state, out, qk, cd, kc, hk, dk, eps);
+}
+
+// conv_l2_one for a decode row each of several sequences (row blockIdx.y,
+// its conv state at tab[row]): each row's block runs the one-row kernel's
+// code on that row's inputs and state, so its bytes are its own call's.
+extern "C" __global__ void __launch_bounds__(128)
+    conv_l2_one_seqs(const float* x, const float* taps, const u64* tab, float* out, float* qk, int cd, int kc,
+                     int hk, int dk, float eps) {
+    pdl_wait();
+    int r = blockIdx.y;
+    conv_l2_one_k(x + (i64)r * cd, taps, reinterpret_cast<float*>(tab[r]), out + (i64)r * cd,
+                  qk + (i64)r * 2 * hk * dk, cd, kc, hk, dk, eps);
 }
 
 // Gated delta rule: block (n, c) holds columns 32c..32c+31 of value head n's
@@ -763,11 +780,28 @@ __device__ void delta_cols_async(const float* qk, const float* conv, const float
         delta_cols_async<DK, RG, PIPE>(qk, conv, b, a, dt_bias, ssm_a, state, o, m, hk, hv, dv, tiled); \
     }
 
+// A decode row each of ns sequences (row blockIdx.z, its state at
+// tab[ns + row]): the one-row call's code on each row's inputs and state.
+#define DELTA_COLS_ASYNC_SEQS(name, DK, RG, PIPE)                                                      \
+    extern "C" __global__ void __launch_bounds__(DC_COLS * DC_PARTS, 4)                                 \
+        name(const float* qk, const float* conv, const float* b, const float* a, const float* dt_bias,   \
+             const float* ssm_a, const u64* tab, float* o, int ns, int hk, int hv, int dv, int tiled) {  \
+        pdl_wait();                                                                                      \
+        int r = blockIdx.z, kd = hk * DK, vd = hv * dv;                                                  \
+        delta_cols_async<DK, RG, PIPE>(qk + (i64)r * 2 * kd, conv + (i64)r * (2 * kd + vd),              \
+                                       b + (i64)r * hv, a + (i64)r * hv, dt_bias, ssm_a,                 \
+                                       reinterpret_cast<float*>(tab[ns + r]), o + (i64)r * vd, 1, hk, hv, \
+                                       dv, tiled);                                                       \
+    }
+
 DELTA_COLS_ASYNC(delta_cols_async_256, 256, 8, 0)
 DELTA_COLS_ASYNC(delta_cols_async_pipe_64, 64, 16, 1)
 DELTA_COLS_ASYNC(delta_cols_async_pipe_128, 128, 16, 1)
 DELTA_COLS_ASYNC(delta_cols_async_unroll_64, 64, 16, 2)
 DELTA_COLS_ASYNC(delta_cols_async_unroll_128, 128, 16, 2)
+DELTA_COLS_ASYNC_SEQS(delta_cols_async_256_seqs, 256, 8, 0)
+DELTA_COLS_ASYNC_SEQS(delta_cols_async_pipe_64_seqs, 64, 16, 1)
+DELTA_COLS_ASYNC_SEQS(delta_cols_async_pipe_128_seqs, 128, 16, 1)
 
 // The delta net's gated RMSNorm, one warp per (row, value head): the head is
 // read once, coalesced, into shared memory (head dims up to 256; larger ones

@@ -283,3 +283,50 @@ extern "C" __global__ void gather_words_live(const int4* src, const int* rows, i
     gather_words_k<false>(src, rows, dst, words, n);
 }
 
+
+// Each row's most likely token, as the host's sample::argmax picks it: the
+// lowest index among the values equal to the row's largest non-NaN value
+// (so +0 and -0 tie), NaNs never chosen, and index 0 when the row's first
+// value is NaN or no value exceeds -inf. A block a row: each thread keeps
+// the first of its strided values that is strictly larger than all before
+// it, then the block keeps the larger value, the lower index on a tie.
+#define AM_THREADS 1024
+extern "C" __global__ void __launch_bounds__(AM_THREADS) argmax_rows(const float* x, u32* out, int n) {
+    pdl_wait();
+    __shared__ float sv[AM_THREADS / 32];
+    __shared__ int si[AM_THREADS / 32];
+    const float* row = x + (i64)blockIdx.x * n;
+    int t = threadIdx.x, lane = t % 32, warp = t / 32;
+    const int NONE = 0x7fffffff;
+    float bv = -INFINITY;
+    int bi = NONE;  // none yet
+    for (int i = t; i < n; i += AM_THREADS) {
+        float v = row[i];
+        if (v > bv) bv = v, bi = i;
+    }
+    // (value, index) pairs folded: the larger value, the lower index on
+    // equal values; a thread with none (NONE) loses to any other.
+    auto keep = [NONE](float& v, int& i, float ov, int oi) {
+        if (oi == NONE) return;
+        if (i == NONE || ov > v || (ov == v && oi < i)) v = ov, i = oi;
+    };
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        keep(bv, bi, ov, oi);
+    }
+    if (lane == 0) sv[warp] = bv, si[warp] = bi;
+    __syncthreads();
+    if (warp == 0) {
+        bv = lane < AM_THREADS / 32 ? sv[lane] : -INFINITY;
+        bi = lane < AM_THREADS / 32 ? si[lane] : NONE;
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            keep(bv, bi, ov, oi);
+        }
+        if (lane == 0) out[blockIdx.x] = (n == 0 || isnan(row[0]) || bi == NONE) ? 0u : (u32)bi;
+    }
+}

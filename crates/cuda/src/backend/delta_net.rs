@@ -101,6 +101,17 @@ impl DeltaKernel {
         }
     }
 
+    /// The kernel's form for a decode row each of several sequences in one
+    /// launch (each row's state from a table), where it has one.
+    fn seqs_name(self) -> Option<&'static str> {
+        match self {
+            DeltaKernel::Async256 => Some("delta_cols_async_256_seqs"),
+            DeltaKernel::Pipe64 => Some("delta_cols_async_pipe_64_seqs"),
+            DeltaKernel::Pipe128 => Some("delta_cols_async_pipe_128_seqs"),
+            _ => None,
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             DeltaKernel::Cols16 => "delta_cols_16",
@@ -116,6 +127,13 @@ impl DeltaKernel {
 }
 
 impl Cuda {
+    /// The delta-rule kernel the last delta-net call launched ("" before
+    /// any).
+    #[doc(hidden)]
+    pub fn last_delta_kernel(&self) -> &'static str {
+        *self.delta_last.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub(super) fn delta_rows(
         &self,
         model: &Model,
@@ -276,8 +294,72 @@ impl Cuda {
             self.vec(&dn.a)?,
             self.vec(&dn.norm)?,
         );
+        // A decode step of several sequences: every sequence's row in one
+        // launch of the conv (with the head norms) and one of the delta
+        // rule, each row's states from a table; each row runs the one-row
+        // kernels' code on its own inputs and states, so it gets the bytes
+        // of its own call.
+        let seqs_kernel = DeltaKernel::select(dk, 1).seqs_name();
+        let one_launch = sts.len() > 1
+            && rows.iter().all(|&n| n == 1)
+            && Conv::select(1, kc, dk) == Conv::OneRow
+            && seqs_kernel.is_some()
+            && sts.iter().all(|st| st.linear[l].is_some());
+        if let (true, Some(kernel)) = (one_launch, seqs_kernel) {
+            let ns = sts.len();
+            let mut table = vec![0u64; 2 * ns];
+            for (i, st) in sts.iter().enumerate() {
+                let (conv_state, s_state) = st.linear[l].as_ref().expect("checked above");
+                table[i] = crate::device::addr(d, conv_state);
+                table[ns + i] = crate::device::addr(d, s_state);
+            }
+            let tab = d.upload(&table)?;
+            let nsi = ns as i32;
+            launch!(
+                d,
+                "conv_l2_one_seqs",
+                cfg(
+                    (
+                        (2 * hk + (cd - 2 * hk * dk).div_ceil(128)) as u32,
+                        ns as u32,
+                        1
+                    ),
+                    128,
+                    0
+                ),
+                &qkv,
+                taps,
+                &tab,
+                &mut conv,
+                &mut qk,
+                &cdi,
+                &kci,
+                &hki,
+                &dki,
+                &eps
+            )?;
+            launch!(
+                d,
+                kernel,
+                cfg((hv as u32, dv.div_ceil(16) as u32, ns as u32), 128, 0),
+                &qk,
+                &conv,
+                &b,
+                &a,
+                dtb,
+                sa,
+                &tab,
+                &mut o,
+                &nsi,
+                &hki,
+                &hvi,
+                &dvi,
+                &tiled
+            )?;
+            *self.delta_last.lock().unwrap_or_else(|p| p.into_inner()) = kernel;
+        }
         let mut r0 = 0;
-        for (st, &n) in sts.iter_mut().zip(rows) {
+        for (st, &n) in sts.iter_mut().zip(rows).filter(|_| !one_launch) {
             if n == 0 {
                 continue;
             }
@@ -371,6 +453,8 @@ impl Cuda {
                 };
                 launch!(d, kernel, c, &conv, &mut qk, &mi, &cdi, &hki, &dki, &eps)?;
             }
+            *self.delta_last.lock().unwrap_or_else(|p| p.into_inner()) =
+                DeltaKernel::select(dk, n).name();
             match DeltaKernel::select(dk, n) {
                 // A thread a state column, the columns and the staged rows in
                 // dynamic shared memory.
@@ -471,6 +555,12 @@ mod tests {
                     "dk {dk} m {m}: {} is not defined",
                     k.name()
                 );
+                if let Some(seqs) = k.seqs_name() {
+                    assert!(
+                        defined.iter().any(|n| n == seqs),
+                        "dk {dk}: {seqs} is not defined"
+                    );
+                }
                 let one_kernel = match dk {
                     16 => Some(DeltaKernel::Cols16),
                     32 => Some(DeltaKernel::Cols32),
@@ -491,6 +581,24 @@ mod tests {
                     ),
                 }
             }
+        }
+    }
+
+    /// Decode rows of several sequences have a one-launch form at the head
+    /// dims whose one-row kernel is the cp.async family, and its conv too.
+    #[test]
+    fn one_launch_decode_kernels_exist_where_chosen() {
+        let ops = MODULES.iter().find(|(n, _)| *n == "ops").unwrap().1;
+        let defined = kernels_defined(ops);
+        assert!(defined.iter().any(|n| n == "conv_l2_one_seqs"));
+        for (dk, want) in [
+            (64, Some("delta_cols_async_pipe_64_seqs")),
+            (128, Some("delta_cols_async_pipe_128_seqs")),
+            (256, Some("delta_cols_async_256_seqs")),
+            (32, None),
+            (96, None),
+        ] {
+            assert_eq!(DeltaKernel::select(dk, 1).seqs_name(), want, "dk {dk}");
         }
     }
 

@@ -97,6 +97,8 @@ pub struct Cuda {
     maps: Mutex<HashMap<MapKey, CudaSlice<i32>>>,
     /// The kernel of the last attention score pass (for tests).
     att_last: Mutex<&'static str>,
+    /// The delta-rule kernel the last delta-net call launched (for the tests).
+    delta_last: Mutex<&'static str>,
     /// Each lane's marks (see `Backend::lane_mark`): an event per layer.
     lane_marks: Mutex<[Vec<Option<cudarc::driver::CudaEvent>>; 2]>,
     /// Attention on the tensor-core passes ([`CudaOptions::fast_attention`]).
@@ -382,6 +384,7 @@ impl Cuda {
             counters,
             maps: Mutex::new(HashMap::new()),
             att_last: Mutex::new(""),
+            delta_last: Mutex::new(""),
             lane_marks: Mutex::new([Vec::new(), Vec::new()]),
             fast_attention: false,
             reversed_topk: false,

@@ -433,31 +433,93 @@ impl Backend for Cuda {
     }
 
     fn logits(&self, model: &Model, h: &CudaBuf, rows: &[usize]) -> R<Vec<f32>> {
-        let h = &h.rows;
+        let run = || -> Result<Vec<f32>> {
+            let logits = self.device_logits(model, &h.rows, rows)?;
+            self.dev.download(&logits, rows.len() * model.w.n_vocab)
+        };
+        run().map_err(e)
+    }
+
+    /// The rows' argmax picked on the device (`argmax_rows`, the host's
+    /// `sample::argmax` to the index): four bytes a row come back instead
+    /// of the row's logits.
+    fn logits_argmax(&self, model: &Model, h: &CudaBuf, rows: &[usize]) -> R<Vec<u32>> {
+        let run = || -> Result<Vec<u32>> {
+            let n = rows.len();
+            if n == 0 {
+                return Ok(Vec::new());
+            }
+            let logits = self.device_logits(model, &h.rows, rows)?;
+            let mut ids = self.dev.scratch::<u32>(n)?;
+            let vi = model.w.n_vocab as i32;
+            launch!(
+                self.dev,
+                "argmax_rows",
+                cfg((n as u32, 1, 1), 1024, 0),
+                &logits,
+                &mut ids,
+                &vi
+            )?;
+            self.dev.download(&ids, n)
+        };
+        run().map_err(e)
+    }
+}
+
+impl Cuda {
+    /// `argmax_rows` over the rows of `n` values in `x`, for the tests.
+    #[doc(hidden)]
+    pub fn argmax_host(&self, x: &[f32], n: usize) -> Result<Vec<u32>> {
+        if n == 0 || x.is_empty() || !x.len().is_multiple_of(n) {
+            return Err(crate::device::drv(
+                "argmax",
+                format!("{} values are not whole rows of {n}", x.len()),
+            ));
+        }
+        let rows = x.len() / n;
+        let xs = self.dev.upload(x)?;
+        let mut ids = self.dev.scratch::<u32>(rows.max(1))?;
+        let ni = n as i32;
+        launch!(
+            self.dev,
+            "argmax_rows",
+            cfg((rows as u32, 1, 1), 1024, 0),
+            &xs,
+            &mut ids,
+            &ni
+        )?;
+        self.dev.download(&ids, rows)
+    }
+
+    /// The final norm and the LM head over `rows` of `h`, on the device
+    /// (`rows.len() * n_vocab` values).
+    fn device_logits(
+        &self,
+        model: &Model,
+        h: &CudaSlice<f32>,
+        rows: &[usize],
+    ) -> Result<CudaSlice<f32>> {
         let d = model.hp.n_embd;
         let w = &model.w;
         let n = rows.len();
         let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
-        let run = || -> Result<Vec<f32>> {
-            let idx = self.dev.upload(&idx)?;
-            let mut g = self.dev.scratch::<f32>(n * d)?;
-            let (di, ni) = (d as i32, n as i32);
-            launch!(
-                self.dev,
-                "gather_rows",
-                cfg1(n * d),
-                h,
-                &idx,
-                &mut g,
-                &di,
-                &ni
-            )?;
-            let mut xs = self.dev.scratch::<f32>(n * d)?;
-            self.rms_norm_rows(&g, &w.output_norm, n, model.hp.eps, &mut xs)?;
-            let mut logits = self.dev.scratch::<f32>(n * w.n_vocab)?;
-            self.matmul(&w.output, &xs, n, None, &mut logits)?;
-            self.dev.download(&logits, n * w.n_vocab)
-        };
-        run().map_err(e)
+        let idx = self.dev.upload(&idx)?;
+        let mut g = self.dev.scratch::<f32>(n * d)?;
+        let (di, ni) = (d as i32, n as i32);
+        launch!(
+            self.dev,
+            "gather_rows",
+            cfg1(n * d),
+            h,
+            &idx,
+            &mut g,
+            &di,
+            &ni
+        )?;
+        let mut xs = self.dev.scratch::<f32>(n * d)?;
+        self.rms_norm_rows(&g, &w.output_norm, n, model.hp.eps, &mut xs)?;
+        let mut logits = self.dev.scratch::<f32>(n * w.n_vocab)?;
+        self.matmul(&w.output, &xs, n, None, &mut logits)?;
+        Ok(logits)
     }
 }

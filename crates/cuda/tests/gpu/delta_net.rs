@@ -106,3 +106,80 @@ fn delta_net_matches_the_cpu_backend_at_wide_head_dims() {
         }
     }
 }
+
+/// A decode step of several sequences runs the conv and the delta rule of
+/// all their rows in one launch each (`conv_l2_one_seqs`, the delta rule's
+/// `_seqs` form, each row's states from a table): every sequence's logits
+/// and final state byte-equal to the same steps run alone, at key head
+/// dims 64, 128 and 256, sequences at different positions.
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
+fn delta_net_decode_rows_of_several_sequences_equal_each_alone() {
+    use samesum_engine::{Segment, forward_batch};
+    if !gpu() {
+        return;
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for shape in delta_head_dim_shapes() {
+        let what = head_dim_label(&shape);
+        let dk = shape.delta.unwrap().key_head_dim;
+        let (_d, model) = synth_shape(shape, GgmlType::Q4_K, 43);
+        let cuda = Cuda::new(0, &model, false).unwrap();
+        let mut rng = Rng::new(47);
+        let v = model.w.n_vocab as u64;
+        let lens = [1usize, 9, 40, 17, 70];
+        let steps = 4;
+        let toks: Vec<Vec<u32>> = lens
+            .iter()
+            .map(|&n| (0..n + steps).map(|_| rng.below(v) as u32).collect())
+            .collect();
+        let state = || cuda.new_state(&model, 128, KvType::F32).unwrap();
+        let mut together: Vec<_> = lens.iter().map(|_| state()).collect();
+        let mut alone: Vec<_> = lens.iter().map(|_| state()).collect();
+        for (i, &n) in lens.iter().enumerate() {
+            forward(&model, &cuda, &mut together[i], &toks[i][..n], Logits::Last).unwrap();
+            forward(&model, &cuda, &mut alone[i], &toks[i][..n], Logits::Last).unwrap();
+        }
+        for k in 0..steps {
+            let mut segs: Vec<Segment<'_, _>> = together
+                .iter_mut()
+                .enumerate()
+                .map(|(i, st)| Segment {
+                    state: st,
+                    tokens: &toks[i][lens[i] + k..lens[i] + k + 1],
+                    want: Logits::Last,
+                })
+                .collect();
+            let got = forward_batch(&model, &cuda, &mut segs).unwrap();
+            assert_eq!(
+                cuda.last_delta_kernel(),
+                match dk {
+                    256 => "delta_cols_async_256_seqs".to_string(),
+                    _ => format!("delta_cols_async_pipe_{dk}_seqs"),
+                },
+                "{what}: a step of several decode rows takes the one-launch kernels"
+            );
+            for (i, want) in got.iter().enumerate() {
+                let tok = &toks[i][lens[i] + k..lens[i] + k + 1];
+                let one = forward(&model, &cuda, &mut alone[i], tok, Logits::Last).unwrap();
+                assert!(want.iter().all(|x| x.is_finite()), "{what}: non-finite");
+                assert_eq!(
+                    bits(want),
+                    bits(&one),
+                    "{what}: step {k}, sequence {i} differs from alone"
+                );
+            }
+        }
+        for i in 0..lens.len() {
+            assert_eq!(
+                bits(&cuda.download_state(&together[i]).unwrap()),
+                bits(&cuda.download_state(&alone[i]).unwrap()),
+                "{what}: state of sequence {i}"
+            );
+        }
+        eprintln!(
+            "{what}: decode rows of {} sequences in one launch == each alone",
+            lens.len()
+        );
+    }
+}

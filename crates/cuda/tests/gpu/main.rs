@@ -540,3 +540,73 @@ fn a_forked_state_equals_a_cold_run() {
         eprintln!("{shape}: forked states equal cold runs (f32 and f16 caches)");
     }
 }
+
+/// The device's greedy pick (`argmax_rows`) is the host's `sample::argmax`
+/// to the index on random rows and on rows of ties, signed zeros,
+/// infinities and NaNs (a NaN first), at lengths around the block's 1,024
+/// threads and a real vocabulary's; and `logits_argmax` equals the argmax
+/// of `logits` on the tiny models' rows.
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
+fn device_greedy_pick_equals_the_host_argmax() {
+    use samesum_engine::sample::argmax;
+    if !gpu() {
+        return;
+    }
+    let (_d, model) = synth("tiny-qwen3moe", GgmlType::Q4_K, 5);
+    let cuda = Cuda::new(0, &model, false).unwrap();
+    let mut rng = Rng::new(61);
+    let specials = [
+        0.0f32,
+        -0.0,
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        1.0,
+        -1.0,
+    ];
+    for n in [1usize, 2, 31, 1023, 1024, 1025, 4096, 151_936] {
+        let rows = if n > 10_000 { 4 } else { 40 };
+        let mut x = Vec::with_capacity(rows * n);
+        for r in 0..rows {
+            for _ in 0..n {
+                x.push(match r % 4 {
+                    0 => rng.range(-4.0, 4.0),
+                    1 => specials[rng.below(specials.len() as u64) as usize],
+                    2 => (rng.below(3) as f32) - 1.0,
+                    _ if rng.below(50) == 0 => specials[rng.below(7) as usize],
+                    _ => rng.range(-1.0, 1.0),
+                });
+            }
+        }
+        if n > 1 {
+            x[n] = f32::NAN; // row 1 starts with a NaN
+        }
+        if n >= 64 {
+            // Row 2: a +0 / -0 maximum in several warps' elements (the
+            // lowest index must win, whatever the zero's sign); row 3 all
+            // -inf; row 4 (when there is one) NaN after a -inf first value.
+            let r2 = &mut x[2 * n..3 * n];
+            r2.fill(-1.0);
+            for (i, z) in [(n - 1, 0.0f32), (n / 2, -0.0), (37, 0.0), (n / 3, -0.0)] {
+                r2[i] = z;
+            }
+            x[3 * n..4 * n].fill(f32::NEG_INFINITY);
+            if rows > 4 {
+                let r4 = &mut x[4 * n..5 * n];
+                r4.fill(f32::NAN);
+                r4[0] = f32::NEG_INFINITY;
+            }
+        }
+        let got = cuda.argmax_host(&x, n).unwrap();
+        let want: Vec<u32> = x.chunks(n).map(argmax).collect();
+        assert_eq!(got, want, "rows of {n}");
+    }
+    let toks = test_tokens(&model, 7);
+    let mut h = cuda.alloc(16 * model.hp.n_embd).unwrap();
+    cuda.embed(&model, &toks[..16], &mut h).unwrap();
+    let rows: Vec<usize> = (0..16).collect();
+    let logits = cuda.logits(&model, &h, &rows).unwrap();
+    let want: Vec<u32> = logits.chunks(model.w.n_vocab).map(argmax).collect();
+    assert_eq!(cuda.logits_argmax(&model, &h, &rows).unwrap(), want);
+}
