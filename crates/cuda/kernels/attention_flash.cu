@@ -112,6 +112,17 @@ __device__ __forceinline__ void fa_softmax_tile(float (&sc)[FA_KT / 8][4], float
     for (int h = 0; h < 2; h++) lr[h] = __fmaf_rn(lr[h], al[h], ps[h]);
 }
 
+// A split's running sums over the quad's four lanes (lanes 4r .. 4r + 3
+// hold row r's columns), the same adds in the same order in the prefill
+// and decode blocks; every lane of the quad gets the same bits.
+__device__ __forceinline__ void fa_quad_sum(float (&lr)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        lr[h] = __fadd_rn(lr[h], __shfl_xor_sync(0xffffffffu, lr[h], 1));
+        lr[h] = __fadd_rn(lr[h], __shfl_xor_sync(0xffffffffu, lr[h], 2));
+    }
+}
+
 // N output n-tiles os (8 value columns each from va, rows ST halves apart)
 // rescaled by al, then o += p v: the probabilities' C fragments are the A
 // fragments of the next product (keys 16 kk .. 16 kk + 15).
@@ -318,11 +329,7 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const void* ck
         // quad gets the same bits: fadd commutes), then its fold into the
         // running values (decode writes the split's partial instead and
         // attention_flash_combine folds it the same way).
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            lr[h] = __fadd_rn(lr[h], __shfl_xor_sync(0xffffffffu, lr[h], 1));
-            lr[h] = __fadd_rn(lr[h], __shfl_xor_sync(0xffffffffu, lr[h], 2));
-        }
+        fa_quad_sum(lr);
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             if (posr[h] < s * FA_SPLIT) continue;  // the row has no key in this split
@@ -491,11 +498,7 @@ __device__ __forceinline__ void attention_flash_dec_k(const float* q, Rows rows,
         // to, and the scores' rows are rewritten by the next tile.
         __syncthreads();
     }
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        lr[h] = __fadd_rn(lr[h], __shfl_xor_sync(0xffffffffu, lr[h], 1));
-        lr[h] = __fadd_rn(lr[h], __shfl_xor_sync(0xffffffffu, lr[h], 2));
-    }
+    fa_quad_sum(lr);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         if (posr[h] < 0) continue;  // no pair

@@ -245,15 +245,11 @@ pub fn forward_batch<B: Backend>(
         ends.push(at);
     }
     if logits.len() != at {
-        return Err(EngineError::Device {
-            backend: "engine",
-            op: "logits".into(),
-            msg: format!(
-                "the backend returned {} values for {} rows of {v}",
-                logits.len(),
-                at / v.max(1)
-            ),
-        });
+        return Err(logits_mismatch(format!(
+            "the backend returned {} values for {} rows of {v}",
+            logits.len(),
+            at / v.max(1)
+        )));
     }
     Ok(BatchLogits {
         data: logits,
@@ -262,13 +258,18 @@ pub fn forward_batch<B: Backend>(
     })
 }
 
-/// A backend's greedy pick that did not give one token a row.
-fn picked_count(got: usize, rows: usize) -> EngineError {
+/// A backend's logits or greedy picks that do not match the rows asked.
+fn logits_mismatch(msg: String) -> EngineError {
     EngineError::Device {
         backend: "engine",
         op: "logits".into(),
-        msg: format!("the backend picked {got} tokens for {rows} rows"),
+        msg,
     }
+}
+
+/// A backend's greedy pick that did not give one token a row.
+fn picked_count(got: usize, rows: usize) -> EngineError {
+    logits_mismatch(format!("the backend picked {got} tokens for {rows} rows"))
 }
 
 /// One token of one sequence on a backend that records steps

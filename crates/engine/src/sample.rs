@@ -124,10 +124,15 @@ impl Sampler {
     /// Whether this sampler's pick is the logits' [`argmax`] whatever the
     /// history (greedy, with no bias and no penalty in effect).
     pub fn is_plain_greedy(&self) -> bool {
+        self.cfg.temp <= 0.0 && !self.edits_logits()
+    }
+
+    /// Whether a bias or penalties in effect change the logits before the
+    /// pick.
+    fn edits_logits(&self) -> bool {
         let c = &self.cfg;
-        c.temp <= 0.0
-            && self.logit_bias.is_empty()
-            && !penalties_apply(c.repeat_last_n, c.repeat_penalty, self.penalties)
+        !self.logit_bias.is_empty()
+            || penalties_apply(c.repeat_last_n, c.repeat_penalty, self.penalties)
     }
 
     /// Pick the next token from `logits`, given the tokens so far.
@@ -149,9 +154,7 @@ impl Sampler {
         // The logits are copied only when something edits them (a bias,
         // penalties in effect, a mask): a 248K vocabulary is a megabyte a
         // row, and a step of many sequences samples every row.
-        let edits = !self.logit_bias.is_empty()
-            || penalties_apply(c.repeat_last_n, c.repeat_penalty, self.penalties)
-            || allowed.is_some();
+        let edits = self.edits_logits() || allowed.is_some();
         let l: std::borrow::Cow<'_, [f32]> = if edits {
             let mut l = logits.to_vec();
             for &(t, b) in &self.logit_bias {
