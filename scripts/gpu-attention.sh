@@ -128,7 +128,7 @@ run)
                 --lens 512,8192,32768 --gen 64 --seeds 2 --probe reversed-topk \
                 --attention fast --kv-type-b f16
             step "control $m" timeout 300 .gpu/samesum agree --device cuda -m "$m" \
-                --lens 512 --gen 64
+                --lens 512 --gen 64 --attention exact --kv-type-b f32
         done
     fi
     if [[ $steps == *,bench,* ]]; then
