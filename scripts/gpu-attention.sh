@@ -6,7 +6,12 @@
 # same files, in one run.
 #
 #   scripts/gpu-attention.sh start OUT [LAYERS]  # there: starts the run in the background
-#   scripts/gpu-attention.sh wait OUT S          # there: shows progress for up to S seconds
+#   scripts/gpu-attention.sh wait OUT S [COPY]   # there: shows progress for up to S seconds
+#                                                # (and copies OUT's logs to COPY)
+#
+# A run outlives the call that started it: start it in a fixed OUT (e.g.
+# /tmp/att-run) and give each call's own output folder as COPY, so every
+# call brings the log so far back.
 #
 # LAYERS (default: the shapes' own) writes the models with that many layers:
 # a short lease still measures decode attention at depth per layer, the
@@ -36,9 +41,14 @@ start)
     echo "started: $out/log.txt"
     ;;
 wait)
-    out=${2:?} secs=${3:-540}
+    out=${2:?} secs=${3:-540} copy=${4:-}
+    [ -e "$out/log.txt" ] || { echo "no run in $out (scripts/gpu-attention.sh start $out first)"; exit 2; }
     end=$((SECONDS + secs))
-    while [ $SECONDS -lt $end ] && ! grep -q "^=== done" "$out/log.txt" 2>/dev/null; do sleep 10; done
+    while [ $SECONDS -lt $end ] && ! grep -q "^=== done" "$out/log.txt" 2>/dev/null; do
+        sleep 10
+        [ -n "$copy" ] && mkdir -p "$copy" && cp "$out"/*.log "$out/log.txt" "$copy"/ 2>/dev/null
+    done
+    [ -n "$copy" ] && mkdir -p "$copy" && cp "$out"/*.log "$out/log.txt" "$copy"/ 2>/dev/null
     tail -n "${SAMESUM_ATT_TAIL:-60}" "$out/log.txt"
     ;;
 run)
