@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CUDA's candidate default attention (`--attention fast --kv-type f16`:
+# CUDA's default attention (`--attention fast --kv-type f16`:
 # flash attention over an f16 cache) on a GPU machine without Rust or
 # network: its gates, its agreement with the reference configuration, and
 # its speed at depth against the build being replaced and llama.cpp on the
