@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# CUDA's candidate default attention (`--attention fast --kv-type f16`:
+# CUDA's default attention (`--attention fast --kv-type f16`:
 # flash attention over an f16 cache) on a GPU machine without Rust or
 # network: its gates, its agreement with the reference configuration, and
 # its speed at depth against the build being replaced and llama.cpp on the
 # same files, in one run.
 #
 #   scripts/gpu-attention.sh start OUT [LAYERS]  # there: starts the run in the background
-#   scripts/gpu-attention.sh wait OUT S          # there: shows progress for up to S seconds
+#   scripts/gpu-attention.sh wait OUT S [COPY]   # there: shows progress for up to S seconds
+#                                                # (and copies OUT's logs to COPY)
+#
+# A run outlives the call that started it: start it in a fixed OUT (e.g.
+# /tmp/att-run) and give each call's own output folder as COPY, so every
+# call brings the log so far back.
 #
 # LAYERS (default: the shapes' own) writes the models with that many layers:
 # a short lease still measures decode attention at depth per layer, the
@@ -36,9 +41,14 @@ start)
     echo "started: $out/log.txt"
     ;;
 wait)
-    out=${2:?} secs=${3:-540}
+    out=${2:?} secs=${3:-540} copy=${4:-}
+    [ -e "$out/log.txt" ] || { echo "no run in $out (scripts/gpu-attention.sh start $out first)"; exit 2; }
     end=$((SECONDS + secs))
-    while [ $SECONDS -lt $end ] && ! grep -q "^=== done" "$out/log.txt" 2>/dev/null; do sleep 10; done
+    while [ $SECONDS -lt $end ] && ! grep -q "^=== done" "$out/log.txt" 2>/dev/null; do
+        sleep 10
+        [ -n "$copy" ] && mkdir -p "$copy" && cp "$out"/*.log "$out/log.txt" "$copy"/ 2>/dev/null
+    done
+    [ -n "$copy" ] && mkdir -p "$copy" && cp "$out"/*.log "$out/log.txt" "$copy"/ 2>/dev/null
     tail -n "${SAMESUM_ATT_TAIL:-60}" "$out/log.txt"
     ;;
 run)
@@ -128,7 +138,7 @@ run)
                 --lens 512,8192,32768 --gen 64 --seeds 2 --probe reversed-topk \
                 --attention fast --kv-type-b f16
             step "control $m" timeout 300 .gpu/samesum agree --device cuda -m "$m" \
-                --lens 512 --gen 64
+                --lens 512 --gen 64 --attention exact --kv-type-b f32
         done
     fi
     if [[ $steps == *,bench,* ]]; then

@@ -56,9 +56,9 @@ pub(crate) struct BackendArgs {
     n_gpu_layers: Option<GpuLayers>,
     /// Flash attention, as llama.cpp's -fa (which samesum also takes):
     /// accepted, changes nothing; `on` and `off` print a note saying so.
-    /// samesum's attention is chosen by --attention: exact by default (on
-    /// CUDA already tiled, flash-style, with a running max), the f16
-    /// tensor-core flash kernel with `--attention fast`.
+    /// samesum's attention is chosen by --attention: on CUDA the f16
+    /// tensor-core flash kernel by default, `--attention exact` for the f32
+    /// reference; on the CPU exact f32.
     #[arg(long = "flash-attn", value_enum, value_name = "on|off|auto")]
     flash_attn: Option<FlashAttn>,
     /// Tier mode within this VRAM budget (e.g. 24G): routed experts in host
@@ -66,11 +66,11 @@ pub(crate) struct BackendArgs {
     /// Without it, tier mode starts by itself when the model does not fit.
     #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
     vram_budget: Option<u64>,
-    /// Attention passes: `exact` (the default: f32, on CUDA cores on the
-    /// GPU; the CPU's only one) or `fast` (CUDA, opt-in: flash attention on
-    /// f16 tensor cores, not the same bytes as `exact`). Batched prefill
-    /// equals replay with either (docs/CAPABILITIES.md: fast's bars against
-    /// the reference, `--attention exact --kv-type f32`).
+    /// Attention passes: `fast` (CUDA's default: flash attention on f16
+    /// tensor cores, as llama.cpp computes it) or `exact` (f32; the CPU's
+    /// only one, and on CUDA with `--kv-type f32` the reference
+    /// configuration). Batched prefill equals replay with either
+    /// (docs/CAPABILITIES.md: fast's bars against the reference).
     #[arg(long, value_enum)]
     attention: Option<Attention>,
 }
@@ -164,7 +164,7 @@ impl BackendArgs {
             ),
             Some(FlashAttn::Off) => eprintln!(
                 "note: -fa off changes nothing: --attention picks samesum's attention \
-                 (--attention exact for the f32 reference)"
+                 (--attention exact for the f32 reference; CUDA's default is fast)"
             ),
             Some(FlashAttn::Auto) | None => {}
         }
@@ -203,7 +203,7 @@ impl BackendArgs {
                 n,
                 CudaOptions {
                     vram_budget: self.vram_budget,
-                    fast_attention: self.attention == Some(Attention::Fast),
+                    fast_attention: self.attention != Some(Attention::Exact),
                 },
             )),
         }
@@ -225,9 +225,9 @@ pub(crate) struct ThreadsArgs {
 
 #[derive(clap::Args, Clone, Debug)]
 pub(crate) struct KvArgs {
-    /// KV cache type: f32 (exact; the default, and with `--attention exact`
-    /// the reference configuration) or f16 (half the memory per token, as
-    /// llama.cpp's default; opt-in, see docs/CAPABILITIES.md).
+    /// KV cache type: f16 (CUDA's default, as llama.cpp's: half the memory
+    /// per token) or f32 (the CPU's default, and with `--attention exact`
+    /// the reference configuration); see docs/CAPABILITIES.md.
     #[arg(long = "kv-type", value_enum)]
     kv_type: Option<Kv>,
 }
@@ -243,9 +243,12 @@ enum Kv {
 
 impl KvArgs {
     /// The KV cache type on `device`: `--kv-type`, else the device's default
-    /// (f32 on both today; the device decides where the defaults part).
-    pub(crate) fn kv(&self, _device: &Device) -> KvType {
-        self.given().unwrap_or(KvType::F32)
+    /// (f16 on CUDA, f32 on the CPU: measured there, docs/CAPABILITIES.md).
+    pub(crate) fn kv(&self, device: &Device) -> KvType {
+        self.given().unwrap_or(match device {
+            Device::Cuda(..) => KvType::F16,
+            Device::Cpu(_) => KvType::F32,
+        })
     }
 
     /// `--kv-type` as given (None: the device's default).
@@ -386,10 +389,10 @@ mod tests {
         let d = |args: &[&str]| parse(args).unwrap().backend.device(3).unwrap();
         assert_eq!(d(&[]), Device::Cpu(3));
         assert_eq!(d(&["--attention", "exact"]), Device::Cpu(3));
-        assert_eq!(d(&["--device", "CUDA:2"]), cuda(2, None, false));
+        assert_eq!(d(&["--device", "CUDA:2"]), cuda(2, None, true));
         assert_eq!(
             d(&["--device", "cuda", "--vram-budget", "24G"]),
-            cuda(0, Some(24 << 30), false)
+            cuda(0, Some(24 << 30), true)
         );
         assert_eq!(
             d(&["--device", "gpu", "--attention", "fast"]),
@@ -431,19 +434,19 @@ mod tests {
     fn gpu_layers_pick_the_device_when_none_is_given() {
         let d = |args: &[&str], gpus: usize| parse(args).unwrap().backend.device_with(3, || gpus);
         for n in ["1", "99", "all", "auto", "-1"] {
-            assert_eq!(d(&["--n-gpu-layers", n], 1).unwrap(), cuda(0, None, false));
+            assert_eq!(d(&["--n-gpu-layers", n], 1).unwrap(), cuda(0, None, true));
             assert_eq!(d(&["--n-gpu-layers", n], 0).unwrap(), Device::Cpu(3));
         }
         assert_eq!(d(&["--n-gpu-layers", "0"], 1).unwrap(), Device::Cpu(3));
         // The CUDA options go with the device -ngl picked.
         assert_eq!(
             d(&["--n-gpu-layers", "99", "--vram-budget", "24G"], 1).unwrap(),
-            cuda(0, Some(24 << 30), false)
+            cuda(0, Some(24 << 30), true)
         );
         // A given --device stands, and must agree with -ngl.
         assert_eq!(
             d(&["--n-gpu-layers", "5", "--device", "cuda:1"], 2).unwrap(),
-            cuda(1, None, false)
+            cuda(1, None, true)
         );
         assert!(d(&["--n-gpu-layers", "5", "--device", "cpu"], 1).is_err());
         assert!(d(&["--n-gpu-layers", "0", "--device", "cuda"], 1).is_err());
@@ -456,6 +459,17 @@ mod tests {
                 .unwrap()
                 .backend;
             assert_eq!(b.attention(), None);
+            assert_eq!(b.device(0).unwrap(), cuda(0, None, true));
+            let b = parse(&[
+                "--flash-attn",
+                v,
+                "--attention",
+                "exact",
+                "--device",
+                "cuda",
+            ])
+            .unwrap()
+            .backend;
             assert_eq!(b.device(0).unwrap(), cuda(0, None, false));
             let b = parse(&["--flash-attn", v, "--attention", "fast", "--device", "cuda"])
                 .unwrap()
@@ -471,7 +485,7 @@ mod tests {
         let none = parse(&[]).unwrap().kv;
         assert_eq!(
             (none.kv(&cpu), none.kv(&gpu), none.given()),
-            (KvType::F32, KvType::F32, None)
+            (KvType::F32, KvType::F16, None)
         );
         let f16 = parse(&["--kv-type", "f16"]).unwrap().kv;
         assert_eq!(

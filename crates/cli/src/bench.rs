@@ -183,7 +183,10 @@ fn at(depth: usize) -> String {
     }
 }
 
-/// Fill the context with `toks` before a test (batched, no logits; untimed).
+/// Fill the context with `toks` before a test (batched, no logits; untimed),
+/// and wait for the device to finish it: without logits nothing waits for
+/// the fill's last calls, and the test's timer would count them (as
+/// llama-bench synchronizes after its depth fill).
 fn prefill_depth<B: Backend>(
     b: &B,
     model: &Model,
@@ -192,6 +195,7 @@ fn prefill_depth<B: Backend>(
     chunk: usize,
 ) -> Result<()> {
     prefill(model, b, st, toks, chunk, Logits::None)?;
+    b.synchronize()?;
     Ok(())
 }
 

@@ -296,6 +296,12 @@ pub trait Backend: Sync {
         self.moe(model, mw, x, y)?;
         self.add_rms_norm(model, which, h, y, x)
     }
+    /// Wait until every call made so far has finished: a device backend's
+    /// calls may return before the device ran them, so a timer started
+    /// after them would count their work (the default: nothing to wait for).
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
     /// Backend-specific measurements since the last call (a per-kernel time
     /// table on the GPU when profiling is on), as Markdown; `None` if it has none.
     fn take_report(&self) -> Result<Option<String>> {

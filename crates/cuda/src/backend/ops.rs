@@ -449,6 +449,10 @@ impl Backend for Cuda {
         self.replay_seqs_step(g).map_err(e)
     }
 
+    fn synchronize(&self) -> R<()> {
+        self.dev.sync().map_err(e)
+    }
+
     fn take_report(&self) -> R<Option<String>> {
         let Some(rows) = self.dev.take_profile().map_err(e)? else {
             return Ok(None);
