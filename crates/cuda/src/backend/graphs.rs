@@ -60,6 +60,10 @@ impl Cuda {
 /// Most rows of a recorded step of several sequences (more run call by call).
 const SEQS_MAX_ROWS: usize = 256;
 
+/// Most multi-sequence recordings kept (each holds its launches' scratch):
+/// past it, the one used longest ago is dropped.
+const SEQS_MAX_KEYS: usize = 24;
+
 /// The rows a recorded step of `n` sequences runs: powers of two up to 32,
 /// then multiples of 32, so a few recordings serve every count and at most
 /// 31 rows are padding.
@@ -112,6 +116,8 @@ struct Pad {
 struct SeqsEntry {
     table: CudaSlice<u64>,
     step: Option<KeptStep>,
+    /// The bind count when it was last bound (which entry to drop first).
+    used: u64,
 }
 
 /// A step's buffers and recording kept by the backend between steps.
@@ -132,6 +138,8 @@ pub(super) struct SeqsSteps {
     steps: HashMap<u64, SeqsEntry>,
     pads: Vec<Pad>,
     bound: Option<Bound>,
+    /// Binds so far.
+    binds: u64,
 }
 
 /// A multi-sequence step's key: its rows, attention splits and cache type.
@@ -148,6 +156,20 @@ fn seqs_key_parts(key: u64) -> (usize, usize, bool) {
 }
 
 impl Cuda {
+    /// The multi-sequence steps recorded so far, by rows (for the tests).
+    #[doc(hidden)]
+    pub fn recorded_seqs_steps(&self) -> Vec<usize> {
+        let g = self.seqs.lock().unwrap_or_else(|p| p.into_inner());
+        let mut rows: Vec<usize> = g
+            .steps
+            .iter()
+            .filter(|(_, e)| e.step.as_ref().is_some_and(|k| k.0.graph.is_some()))
+            .map(|(&key, _)| seqs_key_parts(key).0)
+            .collect();
+        rows.sort_unstable();
+        rows
+    }
+
     /// The bound multi-sequence step, if one is bound.
     pub(super) fn bound_seqs(&self) -> Option<Bound> {
         self.seqs.lock().unwrap_or_else(|p| p.into_inner()).bound
@@ -269,13 +291,25 @@ impl Cuda {
                 t[2 * rows + i] = pos as u64;
             }
         }
+        if !g.steps.contains_key(&step.key) && g.steps.len() >= SEQS_MAX_KEYS {
+            // Drop the recording used longest ago, after the device is done
+            // with whatever of it is still queued.
+            if let Some(old) = g.steps.iter().min_by_key(|(_, e)| e.used).map(|(&k, _)| k) {
+                d.sync()?;
+                g.steps.remove(&old);
+            }
+        }
+        g.binds += 1;
+        let used = g.binds;
         let entry = match g.steps.entry(step.key) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => v.insert(SeqsEntry {
                 table: d.scratch::<u64>(host.len())?,
                 step: None,
+                used,
             }),
         };
+        entry.used = used;
         if entry.table.len() != host.len() {
             return Err(bad(format!(
                 "a table of {} entries for {} layers of {rows} rows",
@@ -354,5 +388,35 @@ impl Cuda {
         }
         g.launch()
             .map_err(|x| drv("launch a step of several sequences", x))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_powers_of_two_then_multiples_of_32() {
+        let got: Vec<usize> = [2, 3, 4, 5, 9, 17, 32, 33, 64, 65, 100, 256]
+            .iter()
+            .map(|&n| seqs_bucket(n))
+            .collect();
+        assert_eq!(got, [2, 4, 4, 8, 16, 32, 32, 64, 64, 96, 128, 256]);
+        for n in 2..=SEQS_MAX_ROWS {
+            let b = seqs_bucket(n);
+            assert!(b >= n && b - n < 32, "{n} sequences: {b} rows");
+        }
+    }
+
+    #[test]
+    fn a_key_gives_back_its_rows_splits_and_cache_type() {
+        for (rows, nsplit, f16) in [(2, 1, false), (256, 512, true), (96, 1 << 20, true)] {
+            assert_eq!(
+                seqs_key_parts(seqs_key(rows, nsplit, f16)),
+                (rows, nsplit, f16)
+            );
+        }
+        assert_ne!(seqs_key(4, 2, true), seqs_key(4, 2, false));
+        assert_ne!(seqs_key(4, 2, true), seqs_key(4, 4, true));
     }
 }

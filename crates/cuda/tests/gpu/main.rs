@@ -610,3 +610,125 @@ fn device_greedy_pick_equals_the_host_argmax() {
     let want: Vec<u32> = logits.chunks(model.w.n_vocab).map(argmax).collect();
     assert_eq!(cuda.logits_argmax(&model, &h, &rows).unwrap(), want);
 }
+
+/// Decode steps of several sequences recorded per row bucket and replayed
+/// whichever sequences fill the rows: padding rows (3 sequences in 4 rows,
+/// 5 in 8), sequences joining and leaving between steps, a row's position
+/// crossing a key split (a new recording), greedy picks and logits; every
+/// sequence's logits and picks equal the same sequence stepped alone, on
+/// every tiny shape with both cache types.
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
+fn recorded_steps_of_several_sequences_equal_each_alone() {
+    use samesum_engine::{Segment, forward_batch};
+    if !gpu() {
+        return;
+    }
+    let fast = CudaOptions {
+        fast_attention: true,
+        ..Default::default()
+    };
+    // Which sequences share each step (indices into the prompts below).
+    let plan: &[&[usize]] = &[
+        &[0, 1, 2],
+        &[0, 1, 2],
+        &[0, 1, 2],
+        &[0, 1, 2, 3, 4],
+        &[0, 1, 2, 3, 4],
+        &[4, 2],
+        &[4, 2],
+        &[5, 3, 1, 0],
+        &[5, 3, 1, 0],
+        &[5, 3, 1, 0],
+        &[0, 1, 2, 3, 4, 5],
+        &[0, 1, 2, 3, 4, 5],
+    ];
+    let lens = [3usize, 40, 509, 600, 90, 1030];
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 31);
+        let cuda = Cuda::with_options(0, &model, false, fast).unwrap();
+        let mut rng = Rng::new(43);
+        let v = model.w.n_vocab as u64;
+        let toks: Vec<Vec<u32>> = lens
+            .iter()
+            .map(|&n| (0..n + plan.len()).map(|_| rng.below(v) as u32).collect())
+            .collect();
+        for kv in [KvType::F16, KvType::F32] {
+            let ctx = 1030 + plan.len() + 1;
+            let mut together: Vec<_> = lens
+                .iter()
+                .map(|_| cuda.new_state(&model, ctx, kv).unwrap())
+                .collect();
+            let mut alone: Vec<_> = lens
+                .iter()
+                .map(|_| cuda.new_state(&model, ctx, kv).unwrap())
+                .collect();
+            let mut fed = lens.to_vec();
+            for (i, &n) in lens.iter().enumerate() {
+                forward(&model, &cuda, &mut together[i], &toks[i][..n], Logits::Last).unwrap();
+                forward(&model, &cuda, &mut alone[i], &toks[i][..n], Logits::Last).unwrap();
+            }
+            for (k, seqs) in plan.iter().enumerate() {
+                // The step's sequences in the plan's order, each one token.
+                let mut states: Vec<Option<&mut _>> = together.iter_mut().map(Some).collect();
+                let mut segs: Vec<Segment<'_, _>> = Vec::new();
+                for (j, &i) in seqs.iter().enumerate() {
+                    segs.push(Segment {
+                        state: states[i].take().unwrap(),
+                        tokens: &toks[i][fed[i]..fed[i] + 1],
+                        want: if (j + k) % 2 == 0 {
+                            Logits::Greedy
+                        } else {
+                            Logits::Last
+                        },
+                    });
+                }
+                let got = forward_batch(&model, &cuda, &mut segs).unwrap();
+                drop(segs);
+                for (j, &i) in seqs.iter().enumerate() {
+                    let tok = &toks[i][fed[i]..fed[i] + 1];
+                    let one = forward(&model, &cuda, &mut alone[i], tok, Logits::Last).unwrap();
+                    let what = format!(
+                        "{shape} {kv:?}: step {k}, sequence {i} at position {}",
+                        fed[i]
+                    );
+                    if (j + k) % 2 == 0 {
+                        let pick = samesum_engine::sample::argmax(&one);
+                        assert_eq!(
+                            got.token(j),
+                            Some(pick),
+                            "{what}: the greedy pick differs from alone"
+                        );
+                    } else {
+                        assert!(
+                            same_bits(&got[j], &one) && got[j].len() == one.len(),
+                            "{what}: logits differ from alone"
+                        );
+                    }
+                    fed[i] += 1;
+                }
+            }
+            // Five keys a cache type, each stepped at least twice, so each
+            // recorded: 3 sequences in 4 rows (1 split), 5 in 8 (2 splits),
+            // 2 in 2 (2 splits), 4 in 4 (4 splits: a position past 1,024),
+            // 6 in 8 (4 splits).
+            let rec = cuda.recorded_seqs_steps();
+            let rounds = if kv == KvType::F16 { 1 } else { 2 };
+            assert_eq!(
+                rec.len(),
+                5 * rounds,
+                "{shape} {kv:?}: recorded steps by rows {rec:?}"
+            );
+            for rows in [2, 4, 8] {
+                assert!(
+                    rec.contains(&rows),
+                    "{shape} {kv:?}: no recorded step of {rows} rows"
+                );
+            }
+        }
+        eprintln!(
+            "{shape}: recorded steps of several sequences == each alone ({:?})",
+            cuda.recorded_seqs_steps()
+        );
+    }
+}
