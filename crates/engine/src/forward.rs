@@ -325,11 +325,24 @@ fn decode_seqs_step<B: Backend>(
             no_graph: false,
         },
     };
-    let ran = run_seqs_step(model, b, segs, plan, &mut step);
-    b.unbind_seqs();
+    let ran = {
+        // Unbound however the step ends (an error or a panic), so no later
+        // call of the same shape runs through this step's table.
+        let _unbind = Unbind(b);
+        run_seqs_step(model, b, segs, plan, &mut step)
+    };
     let out = ran.and_then(|()| advance_and_read(model, b, segs, &step.h));
     b.put_seqs_step(plan.key, step);
     out
+}
+
+/// Calls [`Backend::unbind_seqs`] when dropped.
+struct Unbind<'a, B: Backend>(&'a B);
+
+impl<B: Backend> Drop for Unbind<'_, B> {
+    fn drop(&mut self) {
+        self.0.unbind_seqs();
+    }
 }
 
 fn run_seqs_step<B: Backend>(

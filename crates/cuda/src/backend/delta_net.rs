@@ -187,7 +187,7 @@ impl Cuda {
         // A bound step of several sequences runs its rows through its table.
         let bound = self.bound_seqs();
         let fits = match bound {
-            Some(bd) => bd.rows == m && rows.iter().all(|&n| n == 1) && rows.len() <= m,
+            Some(bd) => bd.rows == m && bd.seqs == rows.len() && rows.iter().all(|&n| n == 1),
             None => rows.iter().sum::<usize>() == m,
         };
         if !fits || rows.len() != sts.len() {

@@ -87,6 +87,8 @@ pub(super) struct Bound {
     table: u64,
     /// Rows of the step (its sequences, then padding rows).
     pub(super) rows: usize,
+    /// The sequences bound (the first rows).
+    pub(super) seqs: usize,
     /// Key splits the attention grids cover: every bound row's position is
     /// below `nsplit * FA_SPLIT` (blocks past a row's position return).
     pub(super) nsplit: usize,
@@ -196,9 +198,20 @@ impl Cuda {
         {
             return None;
         }
-        let need = sts.iter().map(|st| (st.pos + 1).div_ceil(FA_SPLIT)).max()?;
+        let nsplit = sts
+            .iter()
+            .map(|st| (st.pos + 1).div_ceil(FA_SPLIT))
+            .max()?
+            .next_power_of_two();
+        // The decode attention's partials (a max, a sum and a head-dim row
+        // per row, head and split) stay under the cap one attention call
+        // has; past it the step runs call by call.
+        let hp = &model.hp;
+        if rows * hp.n_head * nsplit * (hp.head_dim + 2) * 4 > self.attn_partials {
+            return None;
+        }
         Some(SeqsStep {
-            key: seqs_key(rows, need.next_power_of_two(), f16),
+            key: seqs_key(rows, nsplit, f16),
             rows,
         })
     }
@@ -317,13 +330,16 @@ impl Cuda {
                 n_layers
             )));
         }
-        d.current()
+        // On the stream the step runs and is recorded on, ordered after
+        // the steps before it.
+        d.stream
             .memcpy_htod(&host, &mut entry.table)
             .map_err(|x| drv("copy the step's table", x))?;
         let table = addr(d, &entry.table);
         g.bound = Some(Bound {
             table,
             rows,
+            seqs: sts.len(),
             nsplit,
             f16,
         });
