@@ -13,6 +13,12 @@
 #                (space-separated) keeps those whose names contain one
 #   identity     the identity gate on the tiny models (chunks SAMESUM_GPU_ID_CHUNKS)
 #   bigidentity  the identity gate on qwen35moe-35b-a3b, chunks 128 and 2048
+#   longidentity the identity gate at long contexts: random prompts of 8
+#                tokens short of 32,768 (qwen35moe-35b-a3b and qwen3moe-30b-a3b
+#                with YaRN x4) and of 131,072 (qwen35moe) (SAMESUM_GPU_LONG,
+#                default both lengths), chunk 2,048 (CUDA's default), 16
+#                generated tokens, so decode crosses a key split; the
+#                one-token replay of 131,072 tokens takes minutes
 #   bench        qwen35moe-35b-a3b: replay and batched prefill at SAMESUM_GPU_PP
 #                (512,4096), decode of SAMESUM_GPU_TG (128) tokens, SAMESUM_GPU_REPS
 #                (2) runs; then a kernel profile at pp4096
@@ -129,6 +135,22 @@ run)
         q35=$(model qwen35moe-35b-a3b)
         step identity-q35-40l timeout 400 .gpu/samesum identity --device cuda -m "$q35" \
             --chunk 128,2048 --gen 16
+    fi
+    if [[ $steps == *,longidentity,* ]]; then
+        for len in ${SAMESUM_GPU_LONG:-32768 131072}; do
+            n=$((len - 8))
+            printf '[{"name": "random-%s", "random": %s, "seed": 5}]\n' "$n" "$n" >"/tmp/long-$n.json"
+            q3y=/tmp/models/qwen3moe-30b-a3b-yarn4.gguf
+            [ -f "$q3y" ] || .gpu/samesum synth --shape qwen3moe-30b-a3b --quant q4_k --yarn 4 \
+                -o "$q3y" >>"$out/log.txt" 2>&1
+            models=("$(model qwen35moe-35b-a3b)")
+            # qwen3moe's replay slows with depth: 131,072 on qwen35moe only.
+            [ "$len" -le 32768 ] && models+=("$q3y")
+            for m in "${models[@]}"; do
+                step "identity-$len-$(basename "$m" .gguf)" timeout 900 .gpu/samesum identity \
+                    --device cuda -m "$m" --prompts "/tmp/long-$n.json" --chunk 2048 --gen 16
+            done
+        done
     fi
     bench() { # step name, model: replay and batched prefill, decode
         ab "$1" 400 bench --device cuda -m "$2" -p "${SAMESUM_GPU_PP:-512,4096}" \

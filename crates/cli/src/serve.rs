@@ -96,7 +96,8 @@ pub(crate) struct Args {
     /// fit beside the running ones waits in the queue, one larger than the
     /// whole budget is refused with a 400. The prefix cache has its own
     /// budget. [default: auto: on the CPU half the memory available at
-    /// start; on CUDA no limit]
+    /// start; on CUDA 90% of the VRAM free with the weights placed, less
+    /// the prefix cache and a reserve of 4 GiB or a tenth of the card]
     #[arg(long, value_name = "SIZE", default_value = "auto")]
     kv_budget: samesum_server::KvBudget,
     /// How a chat reply's `<think>...</think>` block is returned: `deepseek`

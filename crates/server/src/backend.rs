@@ -111,6 +111,15 @@ impl AnyBackend {
         })
     }
 
+    /// A CUDA device's free and total memory now (`None` on the CPU, or
+    /// when the driver does not say).
+    pub fn device_memory(&self) -> Option<(u64, u64)> {
+        match self {
+            AnyBackend::Cpu(_) => None,
+            AnyBackend::Cuda(c) => c.memory_info().ok(),
+        }
+    }
+
     /// The backend's name (as [`Backend::name`]).
     pub fn name(&self) -> String {
         match self {

@@ -89,8 +89,10 @@ pub const DEFAULT_PREFIX_CACHE_MB: u64 = 512;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum KvBudget {
     /// On the CPU, half the memory available when the server starts
-    /// (`MemAvailable`, Linux; no limit elsewhere). On CUDA no limit: the
-    /// backend does not report free VRAM to the server.
+    /// (`MemAvailable`, Linux; no limit elsewhere). On CUDA, 90% of the
+    /// VRAM left free once the weights are placed, less the prefix cache
+    /// and a reserve for the steps' activations and scratch
+    /// ([`CUDA_STEP_RESERVE`], or a tenth of the card if that is more).
     #[default]
     Auto,
     /// No limit.
@@ -139,10 +141,23 @@ impl std::str::FromStr for KvBudget {
     }
 }
 
+/// VRAM `--kv-budget auto` leaves on CUDA for what is not KV or state:
+/// the activations and scratch of a step (two prompt chunks in flight, the
+/// attention partials of up to 256 MiB a call), recorded steps and the
+/// driver's own.
+pub const CUDA_STEP_RESERVE: u64 = 4 << 30;
+
 impl KvBudget {
     /// The budget in bytes on `device` (`None`: no limit), and a line
-    /// saying where it came from.
-    pub fn resolve(self, device: Device) -> (Option<u64>, String) {
+    /// saying where it came from. `vram` is a CUDA device's free and total
+    /// memory with the weights placed, `prefix_cache` the bytes the prefix
+    /// cache may hold there.
+    pub fn resolve(
+        self,
+        device: Device,
+        vram: Option<(u64, u64)>,
+        prefix_cache: u64,
+    ) -> (Option<u64>, String) {
         match (self, device) {
             (KvBudget::Bytes(b), _) => (Some(b), format!("{b} bytes (--kv-budget)")),
             (KvBudget::Unlimited, _) => (None, "no limit (--kv-budget none)".into()),
@@ -159,9 +174,19 @@ impl KvBudget {
                     "no limit (available memory unknown; set --kv-budget)".into(),
                 ),
             },
-            (KvBudget::Auto, Device::Cuda(..)) => {
-                (None, "no limit on CUDA unless --kv-budget is given".into())
-            }
+            (KvBudget::Auto, Device::Cuda(..)) => match vram {
+                Some((free, total)) => {
+                    let reserve = CUDA_STEP_RESERVE.max(total / 10);
+                    let b = free.saturating_sub(prefix_cache + reserve) / 10 * 9;
+                    (
+                        Some(b),
+                        format!(
+                            "{b} bytes: 90% of the {free} bytes of VRAM free with the weights placed, less {prefix_cache} for the prefix cache and {reserve} for the steps"
+                        ),
+                    )
+                }
+                None => (None, "no limit (free VRAM unknown; set --kv-budget)".into()),
+            },
         }
     }
 }
@@ -300,21 +325,20 @@ pub async fn serve(
     let tok = Arc::new(tok);
     let metrics = Arc::new(metrics::Metrics::default());
     let (tx, rx) = std::sync::mpsc::sync_channel::<scheduler::Job>(opts.max_queue);
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String, String>>();
-    let (kv_budget, budget_note) = opts.kv_budget.resolve(opts.device);
-    tracing::info!("KV budget: {budget_note}");
-    let kv_check = kv_budget.map(|budget| http::KvCheck {
-        hp: model.hp.clone(),
-        kv: opts.kv,
-        budget,
-    });
-    let cfg = scheduler::Config {
+    // The model thread sends the backend's name and the KV budget once the
+    // weights are placed (on CUDA the budget comes from the VRAM left).
+    type Ready = Result<(String, Option<u64>), String>;
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Ready>();
+    let prefix_cache_bytes = opts.prefix_cache_mb.saturating_mul(1 << 20);
+    let mut cfg = scheduler::Config {
         max_batch: opts.max_batch,
         prefill_chunk: opts.prefill_chunk,
         kv: opts.kv,
-        prefix_cache_bytes: opts.prefix_cache_mb.saturating_mul(1 << 20),
-        kv_budget,
+        prefix_cache_bytes,
+        kv_budget: None,
     };
+    let (hp, kv, ctx, budget_opt) = (model.hp.clone(), opts.kv, opts.ctx, opts.kv_budget);
+    let hp_check = model.hp.clone();
     let (tok2, m2, device) = (tok.clone(), metrics.clone(), opts.device);
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
     std::thread::Builder::new()
@@ -326,7 +350,17 @@ pub async fn serve(
                     if let Some(p) = b.placement(t.elapsed().as_secs_f64()) {
                         tracing::info!("{p}");
                     }
-                    let _ = ready_tx.send(Ok(b.name()));
+                    let (kv_budget, note) =
+                        budget_opt.resolve(device, b.device_memory(), prefix_cache_bytes);
+                    tracing::info!("KV budget: {note}");
+                    let one = samesum_engine::sched::context_bytes(&hp, kv, ctx);
+                    if kv_budget.is_some_and(|bytes| bytes < one) {
+                        tracing::warn!(
+                            "the KV budget is below one request of the whole context ({one} bytes at --ctx-size {ctx}): longer requests are refused"
+                        );
+                    }
+                    cfg.kv_budget = kv_budget;
+                    let _ = ready_tx.send(Ok((b.name(), kv_budget)));
                     with_backend!(&b, |b| scheduler::run(&model, &tok2, b, rx, &cfg, &m2));
                 }
                 Err(e) => {
@@ -335,10 +369,15 @@ pub async fn serve(
             }
             let _ = stopped_tx.send(());
         })?;
-    let backend = ready_rx
+    let (backend, kv_budget) = ready_rx
         .recv()
         .map_err(|_| ServeError::Setup("the model thread stopped while starting".into()))?
         .map_err(ServeError::Setup)?;
+    let kv_check = kv_budget.map(|budget| http::KvCheck {
+        hp: hp_check,
+        kv: opts.kv,
+        budget,
+    });
     limit_heap_retention();
     let grammars = structured::Grammars::new(&tok);
     if let Err(e) = &grammars {
@@ -423,10 +462,30 @@ mod tests {
             assert!(p(bad).is_err(), "{bad:?}");
         }
         let cuda = Device::Cuda(0, Default::default());
-        assert_eq!(KvBudget::Bytes(7).resolve(cuda).0, Some(7));
-        assert_eq!(KvBudget::Auto.resolve(cuda).0, None);
-        assert_eq!(KvBudget::Unlimited.resolve(Device::Cpu(1)).0, None);
-        if let (Some(b), _) = KvBudget::Auto.resolve(Device::Cpu(1)) {
+        let gib = 1u64 << 30;
+        let vram = Some((100 * gib, 140 * gib));
+        assert_eq!(KvBudget::Bytes(7).resolve(cuda, vram, 0).0, Some(7));
+        assert_eq!(KvBudget::Unlimited.resolve(cuda, vram, 0).0, None);
+        // 90% of the free VRAM less the prefix cache and the reserve (a
+        // tenth of the card here: 14 GiB).
+        assert_eq!(
+            KvBudget::Auto.resolve(cuda, vram, gib / 2).0,
+            Some((100 * gib - gib / 2 - 14 * gib) / 10 * 9)
+        );
+        // On a small card the fixed reserve.
+        let small = Some((20 * gib, 24 * gib));
+        assert_eq!(
+            KvBudget::Auto.resolve(cuda, small, 0).0,
+            Some((20 * gib - super::CUDA_STEP_RESERVE) / 10 * 9)
+        );
+        // Nothing left: a budget of zero, not an underflow.
+        assert_eq!(
+            KvBudget::Auto.resolve(cuda, Some((gib, 24 * gib)), 0).0,
+            Some(0)
+        );
+        assert_eq!(KvBudget::Auto.resolve(cuda, None, 0).0, None);
+        assert_eq!(KvBudget::Unlimited.resolve(Device::Cpu(1), None, 0).0, None);
+        if let (Some(b), _) = KvBudget::Auto.resolve(Device::Cpu(1), None, 0) {
             assert!(b > 0);
         }
     }

@@ -471,6 +471,16 @@ impl Cuda {
         &self.dev
     }
 
+    /// The device's free and total memory in bytes now.
+    pub fn memory_info(&self) -> Result<(u64, u64)> {
+        let (free, total) = self
+            .dev
+            .ctx
+            .mem_get_info()
+            .map_err(|e| drv("cuMemGetInfo", e))?;
+        Ok((free as u64, total as u64))
+    }
+
     /// Bytes of weights on the device (in tier mode: the trunk, the expert
     /// cache and the staging buffers).
     pub fn resident_bytes(&self) -> usize {
