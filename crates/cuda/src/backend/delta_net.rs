@@ -294,21 +294,23 @@ impl Cuda {
             self.vec(&dn.a)?,
             self.vec(&dn.norm)?,
         );
-        // A decode step of several sequences: every sequence's row in one
-        // launch of the conv (with the head norms) and one of the delta
-        // rule, each row's states from a table; each row runs the one-row
-        // kernels' code on its own inputs and states, so it gets the bytes
-        // of its own call.
+        // The decode rows that lead the call (the scheduler puts them
+        // first): every such sequence's row in one launch of the conv (with
+        // the head norms) and one of the delta rule, each row's states from
+        // a table; each row runs the one-row kernels' code on its own inputs
+        // and states, so it gets the bytes of its own call. The sequences
+        // after them run call by call below.
         let seqs_kernel = DeltaKernel::select(dk, 1).seqs_name();
-        let one_launch = sts.len() > 1
-            && rows.iter().all(|&n| n == 1)
+        let lead = rows.iter().take_while(|&&n| n == 1).count();
+        let one_launch = lead > 1
             && Conv::select(1, kc, dk) == Conv::OneRow
             && seqs_kernel.is_some()
-            && sts.iter().all(|st| st.linear[l].is_some());
+            && sts[..lead].iter().all(|st| st.linear[l].is_some());
+        let done = if one_launch { lead } else { 0 };
         if let (true, Some(kernel)) = (one_launch, seqs_kernel) {
-            let ns = sts.len();
+            let ns = lead;
             let mut table = vec![0u64; 2 * ns];
-            for (i, st) in sts.iter().enumerate() {
+            for (i, st) in sts[..lead].iter().enumerate() {
                 let (conv_state, s_state) = st.linear[l].as_ref().expect("checked above");
                 table[i] = crate::device::addr(d, conv_state);
                 table[ns + i] = crate::device::addr(d, s_state);
@@ -358,8 +360,8 @@ impl Cuda {
             )?;
             *self.delta_last.lock().unwrap_or_else(|p| p.into_inner()) = kernel;
         }
-        let mut r0 = 0;
-        for (st, &n) in sts.iter_mut().zip(rows).filter(|_| !one_launch) {
+        let mut r0 = done;
+        for (st, &n) in sts.iter_mut().zip(rows).skip(done) {
             if n == 0 {
                 continue;
             }
