@@ -243,8 +243,10 @@ pub trait Backend: Sync {
     /// `rows[i]` rows of sequence `sts[i]` after each other (sequences with
     /// no rows hold none), `y` receives their outputs in the same order.
     /// Each sequence's rows get the bytes of a call of their own (the row
-    /// contract); a backend may run the projections of all rows at once.
-    /// The default makes one call per sequence.
+    /// contract); a backend may run the projections of all rows at once,
+    /// and the sequences of one row each that lead the call in one launch
+    /// per op (so callers put decode rows first). The default makes one
+    /// call per sequence.
     #[allow(clippy::too_many_arguments)]
     fn attention_seqs(
         &self,

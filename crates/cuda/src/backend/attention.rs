@@ -191,6 +191,13 @@ impl Cuda {
         *self.att_last.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Rows the one-launch decode attention has taken so far, over every
+    /// layer (for the tests).
+    #[doc(hidden)]
+    pub fn one_launch_attention_rows(&self) -> usize {
+        self.att_seq_rows.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Cap the attention partials of one call at `bytes` (rows then run in
     /// groups; 1 runs one row at a time), for the tests.
     #[doc(hidden)]
@@ -373,17 +380,25 @@ impl Cuda {
         let row_q = qw / 256 * 304;
         let mut o = d.scratch::<f32>(m * qw)?;
         let mut parts = Partials::default();
-        // A decode step of several sequences on the flash kernels: every
-        // sequence's row in one launch of each kernel, each row's cache and
-        // position from a table (the bytes of each row's own call).
+        // The decode rows that lead the call (the scheduler puts them
+        // first), on the flash kernels: every such sequence's row in one
+        // launch of each kernel, each row's cache and position from a table
+        // (the bytes of each row's own call); the sequences after them run
+        // call by call below. A bound step of several sequences runs all
+        // its rows so, from its own table.
+        let lead = rows.iter().take_while(|&&n| n == 1).count();
         let one_launch = bound.is_some()
             || fast
-                && sts.len() > 1
-                && rows.iter().all(|&n| n == 1)
+                && lead > 1
                 && self.flash_for_one_row(model)
-                && sts
+                && sts[..lead]
                     .iter()
                     .all(|st| st.f16 == sts[0].f16 && st.kv[l].is_some());
+        let done = match (bound, one_launch) {
+            (Some(_), _) => sts.len(),
+            (None, true) => lead,
+            (None, false) => 0,
+        };
         if one_launch {
             // The rows' caches and positions: the bound step's table (its
             // splits fixed, so its recording replays at any position below
@@ -392,10 +407,10 @@ impl Cuda {
             let (kvt, ns, nsplit, f16) = match bound {
                 Some(bd) => (bd.layer(l), bd.rows, bd.nsplit, bd.f16 as i32),
                 None => {
-                    let ns = sts.len();
+                    let ns = lead;
                     let mut table = vec![0u64; 3 * ns];
                     let mut nsplit = 1;
-                    for (i, st) in sts.iter().enumerate() {
+                    for (i, st) in sts[..lead].iter().enumerate() {
                         let (ck, cv) = st.kv[l].as_ref().expect("checked above");
                         table[i] = crate::device::addr(d, ck);
                         table[ns + i] = crate::device::addr(d, cv);
@@ -466,12 +481,14 @@ impl Cuda {
                 &nsp
             )?;
             *self.att_last.lock().unwrap_or_else(|p| p.into_inner()) = "attention_flash_dec_seqs";
+            self.att_seq_rows
+                .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
             // The call's own table is freed after the launches that read it
             // (a stream-ordered free).
             drop(table_buf);
         }
-        let mut r0 = 0;
-        for (st, &n) in sts.iter_mut().zip(rows).filter(|_| !one_launch) {
+        let mut r0 = done;
+        for (st, &n) in sts.iter_mut().zip(rows).skip(done) {
             if n == 0 {
                 continue;
             }

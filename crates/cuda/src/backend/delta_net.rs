@@ -310,24 +310,30 @@ impl Cuda {
             self.vec(&dn.a)?,
             self.vec(&dn.norm)?,
         );
-        // A decode step of several sequences: every sequence's row in one
-        // launch of the conv (with the head norms) and one of the delta
-        // rule, each row's states from a table; each row runs the one-row
-        // kernels' code on its own inputs and states, so it gets the bytes
-        // of its own call.
+        // The decode rows that lead the call (the scheduler puts them
+        // first): every such sequence's row in one launch of the conv (with
+        // the head norms) and one of the delta rule, each row's states from
+        // a table; each row runs the one-row kernels' code on its own inputs
+        // and states, so it gets the bytes of its own call. The sequences
+        // after them run call by call below.
         let seqs_kernel = DeltaKernel::select(dk, 1).seqs_name();
+        let lead = rows.iter().take_while(|&&n| n == 1).count();
         let one_launch = bound.is_some()
-            || sts.len() > 1
-                && rows.iter().all(|&n| n == 1)
+            || lead > 1
                 && Conv::select(1, kc, dk) == Conv::OneRow
                 && seqs_kernel.is_some()
-                && sts.iter().all(|st| st.linear[l].is_some());
+                && sts[..lead].iter().all(|st| st.linear[l].is_some());
         if one_launch && seqs_kernel.is_none() {
             return Err(CudaError::Driver {
                 op: "delta_net".into(),
                 msg: format!("a bound step of several sequences at key head dim {dk}"),
             });
         }
+        let done = match (bound, one_launch) {
+            (Some(_), _) => sts.len(),
+            (None, true) => lead,
+            (None, false) => 0,
+        };
         if let (true, Some(kernel)) = (one_launch, seqs_kernel) {
             // The rows' states: the bound step's table, or this call's
             // (conv states, then delta-rule states).
@@ -335,9 +341,9 @@ impl Cuda {
             let (tab, ns) = match bound {
                 Some(bd) => (bd.layer(l), bd.rows),
                 None => {
-                    let ns = sts.len();
+                    let ns = lead;
                     let mut table = vec![0u64; 2 * ns];
-                    for (i, st) in sts.iter().enumerate() {
+                    for (i, st) in sts[..lead].iter().enumerate() {
                         let (conv_state, s_state) = st.linear[l].as_ref().expect("checked above");
                         table[i] = crate::device::addr(d, conv_state);
                         table[ns + i] = crate::device::addr(d, s_state);
@@ -391,8 +397,8 @@ impl Cuda {
             *self.delta_last.lock().unwrap_or_else(|p| p.into_inner()) = kernel;
             drop(table_buf);
         }
-        let mut r0 = 0;
-        for (st, &n) in sts.iter_mut().zip(rows).filter(|_| !one_launch) {
+        let mut r0 = done;
+        for (st, &n) in sts.iter_mut().zip(rows).skip(done) {
             if n == 0 {
                 continue;
             }

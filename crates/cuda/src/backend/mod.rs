@@ -97,6 +97,8 @@ pub struct Cuda {
     maps: Mutex<HashMap<MapKey, CudaSlice<i32>>>,
     /// The kernel of the last attention score pass (for tests).
     att_last: Mutex<&'static str>,
+    /// Rows the one-launch decode attention has taken (for the tests).
+    att_seq_rows: std::sync::atomic::AtomicUsize,
     /// The delta-rule kernel the last delta-net call launched (for the tests).
     delta_last: Mutex<&'static str>,
     /// Each lane's marks (see `Backend::lane_mark`): an event per layer.
@@ -387,6 +389,7 @@ impl Cuda {
             counters,
             maps: Mutex::new(HashMap::new()),
             att_last: Mutex::new(""),
+            att_seq_rows: Default::default(),
             delta_last: Mutex::new(""),
             lane_marks: Mutex::new([Vec::new(), Vec::new()]),
             fast_attention: false,
