@@ -27,7 +27,9 @@
 # table of 64 sequences a step, on qwen3moe-30b-a3b and qwen35moe-35b-a3b at
 # the q4_k_m mix, qwen3moe with YaRN x4 so that 65,536 fits), agree
 # (teacher-forced agreement with the reference and the probe), bench (pp and
-# tg at depth, several sequences a step; samesum and the old build), llama
+# tg at depth, several sequences a step; samesum and the old build), serving
+# (not in the default steps: `samesum serve` with 8 and 64 streaming clients
+# against llama-batched-bench, both builds), llama
 # (llama.cpp's figures on the same files). The models and llama.cpp are made in the background from the
 # start. Results: OUT/log.txt.
 set -uo pipefail
@@ -158,6 +160,31 @@ run)
             step "old build parallel $m" timeout 300 .gpu-old/samesum bench --device cuda -m "$m" \
                 -p 128 -n 64 -r 1 --parallel 8,64 --attention fast --kv-type f16
         done
+    fi
+    if [[ $steps == *,serving,* ]]; then
+        # The serving bars' setting: qwen35moe behind `samesum serve`, 8 and
+        # 64 streaming clients, prompts of about 512 tokens, 128 generated
+        # (bench-serve), then llama-batched-bench on the same file at 1, 8
+        # and 64 sequences (npp 512, ntg 128).
+        for bin in .gpu .gpu-old; do
+            "$bin/samesum" serve --device cuda -m "$q35" --max-batch 64 --port 8089 \
+                >"$out/serve-${bin#.}.log" 2>&1 &
+            spid=$!
+            for i in $(seq 120); do
+                curl -sf http://127.0.0.1:8089/health >/dev/null 2>&1 && break
+                sleep 1
+            done
+            for c in 8 64; do
+                step "serving $bin $c clients" timeout 300 .gpu/samesum bench-serve \
+                    --url http://127.0.0.1:8089 --clients "$c" --requests $((2 * c)) \
+                    --prompt-tokens 512 --max-tokens 128
+            done
+            kill "$spid"
+            wait "$spid" 2>/dev/null
+        done
+        for i in $(seq 60); do [ -x "$llama/llama-batched-bench" ] && break; sleep 5; done
+        step "llama.cpp batched $q35" timeout 600 "$llama/llama-batched-bench" -m "$q35" \
+            -c 90000 -b 2048 -ub 2048 -fa 1 -ngl 99 -npp 512 -ntg 128 -npl 1,8,64
     fi
     if [[ $steps == *,llama,* ]]; then
         for i in $(seq 60); do [ -x "$llama/llama-bench" ] && break; sleep 5; done
