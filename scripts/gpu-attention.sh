@@ -29,7 +29,8 @@
 # (teacher-forced agreement with the reference and the probe), bench (pp and
 # tg at depth, several sequences a step; samesum and the old build), serving
 # (not in the default steps: `samesum serve` with 8 and 64 streaming clients
-# against llama-batched-bench, both builds), llama
+# against llama-batched-bench, both builds, and a follow-up chat turn of an
+# ~8,000-token conversation from the prefix cache against cold), llama
 # (llama.cpp's figures on the same files). The models and llama.cpp are made in the background from the
 # start. Results: OUT/log.txt.
 set -uo pipefail
@@ -166,22 +167,36 @@ run)
         # 64 streaming clients, prompts of about 512 tokens, 128 generated
         # (bench-serve), then llama-batched-bench on the same file at 1, 8
         # and 64 sequences (npp 512, ntg 128).
-        for bin in .gpu .gpu-old; do
-            "$bin/samesum" serve --device cuda -m "$q35" --max-batch 64 --port 8089 \
-                >"$out/serve-${bin#.}.log" 2>&1 &
+        serve() { # name, binary dir, extra serve flags...
+            local name=$1 bin=$2
+            shift 2
+            "$bin/samesum" serve --device cuda -m "$q35" --max-batch 64 -c 16384 --port 8089 "$@" \
+                >"$out/serve-$name.log" 2>&1 &
             spid=$!
             for i in $(seq 120); do
                 curl -sf http://127.0.0.1:8089/health >/dev/null 2>&1 && break
                 sleep 1
             done
+        }
+        for bin in .gpu .gpu-old; do
+            serve "${bin#.}" "$bin"
             for c in 8 64; do
                 step "serving $bin $c clients" timeout 300 .gpu/samesum bench-serve \
                     --url http://127.0.0.1:8089 --clients "$c" --requests $((2 * c)) \
                     --prompt-tokens 512 --max-tokens 128
             done
+            # A follow-up turn of an ~8,000-token conversation from the
+            # prefix cache (the cold request: the server below).
+            [ "$bin" = .gpu ] && step "follow-up turn, prefix cache" timeout 300 \
+                python3 scripts/followup.py --url http://127.0.0.1:8089 --words 2600 --rounds 5
             kill "$spid"
             wait "$spid" 2>/dev/null
         done
+        serve cold .gpu --prefix-cache-mb 0
+        step "follow-up turn, cold" timeout 300 \
+            python3 scripts/followup.py --url http://127.0.0.1:8089 --words 2600 --rounds 5
+        kill "$spid"
+        wait "$spid" 2>/dev/null
         for i in $(seq 60); do [ -x "$llama/llama-batched-bench" ] && break; sleep 5; done
         step "llama.cpp batched $q35" timeout 600 "$llama/llama-batched-bench" -m "$q35" \
             -c 90000 -b 2048 -ub 2048 -fa 1 -ngl 99 -npp 512 -ntg 128 -npl 1,8,64
