@@ -76,8 +76,9 @@ pub(crate) struct Args {
     /// prompts of the first prompt length generates the first generation
     /// length (greedy), prompts prefilled --chunk rows a step beside the
     /// decoding ones. Reports the aggregate prompt and generation rates
-    /// (forward time split by rows), the whole run's rate and each
-    /// sequence's own generation rate.
+    /// (forward time split by rows), the whole run's rate, each sequence's
+    /// own generation rate, and the share of the steps' time spent outside
+    /// their forward calls (the scheduler's host work).
     #[arg(long = "parallel", value_name = "N", value_delimiter = ',')]
     parallel: Vec<usize>,
 }
@@ -313,11 +314,14 @@ fn parallel<B: Backend>(b: &B, model: &Model, a: &Args, kv: KvType, chunk: usize
     let mut rng = Rng::new(11);
     let vocab = model.w.n_vocab as u64;
     println!();
-    println!("| PP | TG | B | S_PP t/s | S_TG t/s | S t/s | TG t/s per sequence (min .. max) |");
-    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!(
+        "| PP | TG | B | S_PP t/s | S_TG t/s | S t/s | TG t/s per sequence (min .. max) | host share of steps |"
+    );
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     let mut reports = Vec::new();
     for &n in a.parallel.iter().filter(|&&n| n > 0) {
         let (mut pp, mut tg, mut all, mut per) = (vec![], vec![], vec![], vec![]);
+        let mut host = vec![];
         let mut report = None;
         for rep in usize::from(a.no_warmup)..=a.repetitions {
             let mut s = Scheduler::new(
@@ -375,6 +379,8 @@ fn parallel<B: Backend>(b: &B, model: &Model, a: &Args, kv: KvType, chunk: usize
             pp.push(st.prompt_tokens as f64 / st.prefill_seconds.max(1e-12));
             let decoded = st.completion_tokens.saturating_sub(n as u64);
             tg.push(decoded as f64 / st.decode_seconds.max(1e-12));
+            let busy = st.prefill_seconds + st.decode_seconds + st.host_seconds;
+            host.push(100.0 * st.host_seconds / busy.max(1e-12));
             all.push((n * (np + ng)) as f64 / secs);
             for (f, l) in first.iter().zip(&last) {
                 if let (Some(f), Some(l)) = (f, l)
@@ -392,7 +398,8 @@ fn parallel<B: Backend>(b: &B, model: &Model, a: &Args, kv: KvType, chunk: usize
         } else {
             format!("{:.2} ({lo:.2} .. {hi:.2})", mean_sd(&per).0)
         };
-        println!("| {np} | {ng} | {n} | {pp:.2} | {tg:.2} | {all:.2} | {per_seq} |");
+        let host = mean_sd(&host).0;
+        println!("| {np} | {ng} | {n} | {pp:.2} | {tg:.2} | {all:.2} | {per_seq} | {host:.1}% |");
         if let Some(r) = report {
             reports.push((n, r));
         }

@@ -232,6 +232,10 @@ pub struct Stats {
     pub prefill_seconds: f64,
     /// Forward time attributed to decode rows.
     pub decode_seconds: f64,
+    /// Time steps spent outside their forward call: admission, the step's
+    /// plan, sampling, stop checks, prefix-cache saves (host work a device
+    /// waits through).
+    pub host_seconds: f64,
     /// Forward calls made.
     pub steps: u64,
     /// The most requests one forward call has carried.
@@ -566,6 +570,16 @@ impl<'a, B: Backend> Scheduler<'a, B> {
     /// next rows, sample, and report. Nothing happens (an empty report)
     /// when nothing runs or can be admitted.
     pub fn step(&mut self) -> Vec<Output> {
+        let t = Instant::now();
+        let before = self.stats.prefill_seconds + self.stats.decode_seconds;
+        let out = self.run_step();
+        let forward = self.stats.prefill_seconds + self.stats.decode_seconds - before;
+        self.stats.host_seconds += (t.elapsed().as_secs_f64() - forward).max(0.0);
+        out
+    }
+
+    /// [`Scheduler::step`]'s work.
+    fn run_step(&mut self) -> Vec<Output> {
         let mut out = Vec::new();
         self.admit(&mut out);
         if self.running.is_empty() {

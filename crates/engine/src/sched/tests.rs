@@ -447,3 +447,29 @@ fn greedy_picks_equal_sampling_from_the_logits() {
     assert_eq!(out.token(1), None);
     assert_eq!(out.token(0), Some(crate::sample::argmax(&out[1])));
 }
+
+/// The steps' time splits into forward time (by rows) and host time: both
+/// counted, neither twice (together within the wall time of the steps).
+#[test]
+fn step_time_splits_into_forward_and_host() {
+    let (_d, model) = model("tiny-qwen3moe");
+    let cpu = Cpu::new(2);
+    let mut s = Scheduler::new(&model, &cpu, config(4, 0, None));
+    for k in 0..4 {
+        s.submit(request(tokens(5 + 9 * k, k as u32), 8, false))
+            .unwrap();
+    }
+    let t = std::time::Instant::now();
+    while !s.is_idle() {
+        s.step();
+    }
+    let wall = t.elapsed().as_secs_f64();
+    let st = s.stats();
+    let forward = st.prefill_seconds + st.decode_seconds;
+    assert!(forward > 0.0 && st.host_seconds > 0.0, "{st:?}");
+    assert!(
+        forward + st.host_seconds <= wall + 1e-6,
+        "{forward} + {} > {wall}",
+        st.host_seconds
+    );
+}
