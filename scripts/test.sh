@@ -184,12 +184,12 @@ for mix in q4_k_m ud-q4_k_xl iq4_xs mxfp4 q2_k q3_k_m iq2_xxs iq2_m iq3_xxs iq4_
         || { cat "$OUT/identity-mix-$mix.md"; echo "identity gate failed on the $mix mix ($shape)"; exit 1; }
     echo "$mix ($shape): $(tail -1 "$OUT/identity-mix-$mix.md")"
 done
-echo "== identity gate with an f16 KV cache (prompts of up to $F16_MAX_LEN tokens)"
+echo "== identity gate with the f32 KV cache, the reference configuration (prompts of up to $F16_MAX_LEN tokens)"
 for shape in tiny-qwen3moe tiny-qwen35moe; do
-    "$BIN" identity --shape "$shape" --kv-type f16 --chunk 7,256 --threads 2 --max-len "$F16_MAX_LEN" --gen 16 \
-        > "$OUT/identity-f16-$shape.md" \
-        || { cat "$OUT/identity-f16-$shape.md"; echo "identity gate failed with an f16 KV cache on $shape"; exit 1; }
-    tail -1 "$OUT/identity-f16-$shape.md"
+    "$BIN" identity --shape "$shape" --kv-type f32 --chunk 7,256 --threads 2 --max-len "$F16_MAX_LEN" --gen 16 \
+        > "$OUT/identity-f32-$shape.md" \
+        || { cat "$OUT/identity-f32-$shape.md"; echo "identity gate failed with the f32 KV cache on $shape"; exit 1; }
+    tail -1 "$OUT/identity-f32-$shape.md"
 done
 echo "== needle script, smoke run on a synthetic model (random weights: checks only that it runs)"
 "$BIN" synth --shape tiny-qwen3next --quant q8_0 -o "$OUT/needle.gguf" > /dev/null

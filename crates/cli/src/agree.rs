@@ -77,12 +77,13 @@ pub(crate) struct Args {
     threads: ThreadsArgs,
     #[command(flatten)]
     kv: KvArgs,
-    /// Arm B's KV cache type (default: --kv-type when given, else the
-    /// device's default): measures a cache type against another, e.g.
-    /// `--kv-type f32 --kv-type-b f16`.
+    /// Arm B's KV cache type (default: arm A's): measures a cache type
+    /// against another, e.g. `--kv-type f32 --kv-type-b f16` (the default
+    /// f16 cache against the reference's).
     #[arg(long = "kv-type-b", value_name = "TYPE", value_parser = ["f32", "f16"])]
     kv_type_b: Option<String>,
-    // `--attention` applies to arm B; arm A runs the exact passes.
+    // `--attention` applies to arm B (not given: arm A's exact passes);
+    // arm A runs the exact passes.
     #[command(flatten)]
     backend: BackendArgs,
 }
@@ -315,10 +316,18 @@ pub(crate) fn run(a: Args) -> Result<()> {
         ),
         cpu => cpu,
     };
+    // Arm B differs from arm A only where an option says so (the cache by
+    // --kv-type-b, the attention by --attention, --variant): with none it
+    // is a same-arm control, whatever the device's defaults are.
     let kv_b = match a.kv_type_b.as_deref() {
         Some("f32") => KvType::F32,
         Some(_) => KvType::F16,
-        None => a.kv.kv(&device),
+        None => kv,
+    };
+    let device = if a.backend.attention_given() {
+        device
+    } else {
+        base
     };
     let arm_a = Arm {
         device: base,

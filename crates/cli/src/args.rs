@@ -147,6 +147,11 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 }
 
 impl BackendArgs {
+    /// Whether `--attention` was given (else the device's default).
+    pub(crate) fn attention_given(&self) -> bool {
+        self.attention.is_some()
+    }
+
     /// The device with `--vram-budget` and `--attention` applied and `threads`
     /// CPU threads; both options apply to CUDA only. `--n-gpu-layers` picks
     /// the device when `--device` is not given (and must agree with it when
@@ -225,9 +230,9 @@ pub(crate) struct ThreadsArgs {
 
 #[derive(clap::Args, Clone, Debug)]
 pub(crate) struct KvArgs {
-    /// KV cache type: f16 (CUDA's default, as llama.cpp's: half the memory
-    /// per token) or f32 (the CPU's default, and with `--attention exact`
-    /// the reference configuration); see docs/CAPABILITIES.md.
+    /// KV cache type: f16 (the default, as llama.cpp's: half the memory per
+    /// token) or f32 (with exact attention the reference configuration);
+    /// see docs/CAPABILITIES.md.
     #[arg(long = "kv-type", value_enum)]
     kv_type: Option<Kv>,
 }
@@ -242,13 +247,10 @@ enum Kv {
 }
 
 impl KvArgs {
-    /// The KV cache type on `device`: `--kv-type`, else the device's default
-    /// (f16 on CUDA, f32 on the CPU: measured there, docs/CAPABILITIES.md).
-    pub(crate) fn kv(&self, device: &Device) -> KvType {
-        self.given().unwrap_or(match device {
-            Device::Cuda(..) => KvType::F16,
-            Device::Cpu(_) => KvType::F32,
-        })
+    /// The KV cache type on `device`: `--kv-type`, else f16 on every device
+    /// (each met the bars written for it, docs/CAPABILITIES.md).
+    pub(crate) fn kv(&self, _device: &Device) -> KvType {
+        self.given().unwrap_or(KvType::F16)
     }
 
     /// `--kv-type` as given (None: the device's default).
@@ -485,13 +487,15 @@ mod tests {
         let none = parse(&[]).unwrap().kv;
         assert_eq!(
             (none.kv(&cpu), none.kv(&gpu), none.given()),
-            (KvType::F32, KvType::F16, None)
+            (KvType::F16, KvType::F16, None)
         );
         let f16 = parse(&["--kv-type", "f16"]).unwrap().kv;
         assert_eq!(
             (f16.kv(&cpu), f16.given()),
             (KvType::F16, Some(KvType::F16))
         );
+        let f32 = parse(&["--kv-type", "f32"]).unwrap().kv;
+        assert_eq!(f32.kv(&cpu), KvType::F32);
         let f32 = parse(&["--kv-type", "f32"]).unwrap().kv;
         assert_eq!((f32.kv(&gpu), kv_name(f32.kv(&gpu))), (KvType::F32, "f32"));
     }
