@@ -299,6 +299,9 @@ impl Cuda {
         // rule, each row's states from a table; each row runs the one-row
         // kernels' code on its own inputs and states, so it gets the bytes
         // of its own call.
+        // The one-row conv's blocks: one a q/k head, then 128 value channels
+        // a block.
+        let conv_one_blocks = (2 * hk + (cd - 2 * hk * dk).div_ceil(128)) as u32;
         let seqs_kernel = DeltaKernel::select(dk, 1).seqs_name();
         let one_launch = sts.len() > 1
             && rows.iter().all(|&n| n == 1)
@@ -318,15 +321,7 @@ impl Cuda {
             launch!(
                 d,
                 "conv_l2_one_seqs",
-                cfg(
-                    (
-                        (2 * hk + (cd - 2 * hk * dk).div_ceil(128)) as u32,
-                        ns as u32,
-                        1
-                    ),
-                    128,
-                    0
-                ),
+                cfg((conv_one_blocks, ns as u32, 1), 128, 0),
                 &qkv,
                 taps,
                 &tab,
@@ -382,11 +377,7 @@ impl Cuda {
                 Conv::OneRow => launch!(
                     d,
                     "conv_l2_one",
-                    cfg(
-                        ((2 * hk + (cd - 2 * hk * dk).div_ceil(128)) as u32, 1, 1),
-                        128,
-                        0
-                    ),
+                    cfg((conv_one_blocks, 1, 1), 128, 0),
                     &qkv,
                     taps,
                     conv_state,
