@@ -247,9 +247,9 @@ enum Kv {
 }
 
 impl KvArgs {
-    /// The KV cache type on `device`: `--kv-type`, else f16 on every device
-    /// (each met the bars written for it, docs/CAPABILITIES.md).
-    pub(crate) fn kv(&self, _device: &Device) -> KvType {
+    /// The KV cache type: `--kv-type`, else f16, the default on every
+    /// device (each met the bars written for it, docs/CAPABILITIES.md).
+    pub(crate) fn kv(&self) -> KvType {
         self.given().unwrap_or(KvType::F16)
     }
 
@@ -481,22 +481,12 @@ mod tests {
     }
 
     #[test]
-    fn kv_types_parse_with_the_devices_defaults() {
-        let cpu = Device::Cpu(1);
-        let gpu = cuda(0, None, true);
+    fn kv_types_parse_with_the_default() {
         let none = parse(&[]).unwrap().kv;
-        assert_eq!(
-            (none.kv(&cpu), none.kv(&gpu), none.given()),
-            (KvType::F16, KvType::F16, None)
-        );
+        assert_eq!((none.kv(), none.given()), (KvType::F16, None));
         let f16 = parse(&["--kv-type", "f16"]).unwrap().kv;
-        assert_eq!(
-            (f16.kv(&cpu), f16.given()),
-            (KvType::F16, Some(KvType::F16))
-        );
+        assert_eq!((f16.kv(), f16.given()), (KvType::F16, Some(KvType::F16)));
         let f32 = parse(&["--kv-type", "f32"]).unwrap().kv;
-        assert_eq!(f32.kv(&cpu), KvType::F32);
-        let f32 = parse(&["--kv-type", "f32"]).unwrap().kv;
-        assert_eq!((f32.kv(&gpu), kv_name(f32.kv(&gpu))), (KvType::F32, "f32"));
+        assert_eq!((f32.kv(), kv_name(f32.kv())), (KvType::F32, "f32"));
     }
 }

@@ -310,6 +310,9 @@ impl Cuda {
             self.vec(&dn.a)?,
             self.vec(&dn.norm)?,
         );
+        // The one-row conv's blocks: one a q/k head, then 128 value channels
+        // a block.
+        let conv_one_blocks = (2 * hk + (cd - 2 * hk * dk).div_ceil(128)) as u32;
         // The decode rows that lead the call (the scheduler puts them
         // first): every such sequence's row in one launch of the conv (with
         // the head norms) and one of the delta rule, each row's states from
@@ -356,15 +359,7 @@ impl Cuda {
             launch!(
                 d,
                 "conv_l2_one_seqs",
-                cfg(
-                    (
-                        (2 * hk + (cd - 2 * hk * dk).div_ceil(128)) as u32,
-                        ns as u32,
-                        1
-                    ),
-                    128,
-                    0
-                ),
+                cfg((conv_one_blocks, ns as u32, 1), 128, 0),
                 &qkv,
                 taps,
                 &tab,
@@ -421,11 +416,7 @@ impl Cuda {
                 Conv::OneRow => launch!(
                     d,
                     "conv_l2_one",
-                    cfg(
-                        ((2 * hk + (cd - 2 * hk * dk).div_ceil(128)) as u32, 1, 1),
-                        128,
-                        0
-                    ),
+                    cfg((conv_one_blocks, 1, 1), 128, 0),
                     &qkv,
                     taps,
                     conv_state,
