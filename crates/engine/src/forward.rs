@@ -157,7 +157,7 @@ pub fn forward_batch<B: Backend>(
             tokens: vec![None; segs.len()],
         });
     }
-    for s in segs.iter() {
+    for s in segs.iter_mut() {
         let (pos, n) = (b.position(s.state), s.tokens.len());
         if pos + n > b.capacity(s.state) {
             return Err(EngineError::ContextFull {
@@ -165,6 +165,7 @@ pub fn forward_batch<B: Backend>(
                 ctx: b.capacity(s.state),
             });
         }
+        b.reserve(s.state, n)?;
     }
     if let [seg] = &mut *segs
         && let [token] = seg.tokens
@@ -591,6 +592,8 @@ fn pair_in_order<B: Backend>(
             ctx: b.capacity(st),
         });
     }
+    // Both chunks' positions, before either lane runs.
+    b.reserve(st, n0 + n1)?;
     let n_layers = model.w.layers.len();
     let mut bufs: Vec<(B::Buf, B::Buf, B::Buf)> = Vec::with_capacity(2);
     let run =
