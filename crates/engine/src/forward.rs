@@ -418,6 +418,9 @@ pub fn decode_step<B: Backend>(
     token: u32,
     want: Logits,
 ) -> Result<BatchLogits> {
+    // Its position writable before anything is recorded (a no-op where
+    // forward_batch reserved it).
+    b.reserve(st, 1)?;
     let d = model.hp.n_embd;
     let mut step = match b.take_step(st) {
         Some(s) => s,
@@ -489,7 +492,7 @@ fn run_decode_step<B: Backend>(
 /// The layer stack over one sequence's rows: `h` (the embedded rows) is
 /// updated in place, `x` and `y` are scratch of the same size. This is what
 /// [`forward_batch`] runs for a single sequence, and what [`decode_step`]
-/// records.
+/// records. The caller has reserved the rows ([`Backend::reserve`]).
 pub fn layers_one<B: Backend>(
     model: &Model,
     b: &B,

@@ -91,9 +91,11 @@ impl KvPages {
                 ),
             });
         }
-        // Keys then values.
+        // Keys then values. The new blocks are made first and taken only
+        // once the device's table points at them, so a failure leaves the
+        // cache as it was (the device table and this one agree).
         let bytes = 2 * self.block_bytes();
-        let (mut lo, mut hi) = (usize::MAX, 0);
+        let mut made = Vec::new();
         for b in b0..b1 {
             let fresh = match &self.blocks[b] {
                 Some(blk) if Arc::strong_count(blk) == 1 => continue,
@@ -107,28 +109,35 @@ impl KvPages {
                 }
                 None => dev.zeros::<u8>(bytes)?,
             };
-            let base = addr(dev, &fresh);
-            self.blocks[b] = Some(Arc::new(Block(fresh)));
-            let cap = self.cap();
-            self.host[b] = base;
-            self.host[cap + b] = base + (bytes / 2) as u64;
-            lo = lo.min(b);
-            hi = hi.max(b + 1);
+            made.push((b, fresh));
         }
-        if lo < hi {
-            self.upload(dev, lo, hi)?;
+        let (Some(&(lo, _)), Some(&(last, _))) = (made.first(), made.last()) else {
+            return Ok(());
+        };
+        let (hi, cap) = (last + 1, self.cap());
+        let mut host = self.host.clone();
+        for (b, fresh) in &made {
+            let base = addr(dev, fresh);
+            host[*b] = base;
+            host[cap + *b] = base + (bytes / 2) as u64;
+        }
+        self.upload(dev, &host, lo, hi)?;
+        self.host = host;
+        for (b, fresh) in made {
+            self.blocks[b] = Some(Arc::new(Block(fresh)));
         }
         Ok(())
     }
 
-    /// Copy table entries `lo..hi` (keys and values) to the device.
-    fn upload(&mut self, dev: &Device, lo: usize, hi: usize) -> Result<()> {
+    /// Copy entries `lo..hi` (keys and values) of `host`, this cache's
+    /// table as it is to be, to the device.
+    fn upload(&mut self, dev: &Device, host: &[u64], lo: usize, hi: usize) -> Result<()> {
         let cap = self.cap();
         for at in [lo, cap + lo] {
             let n = hi - lo;
             let mut dst = self.table.slice_mut(at..at + n);
             dev.current()
-                .memcpy_htod(&self.host[at..at + n], &mut dst)
+                .memcpy_htod(&host[at..at + n], &mut dst)
                 .map_err(|x| drv("copy the KV block table", x))?;
         }
         Ok(())
@@ -154,7 +163,8 @@ impl KvPages {
             }
         }
         if used > 0 {
-            f.upload(dev, 0, used)?;
+            let host = f.host.clone();
+            f.upload(dev, &host, 0, used)?;
         }
         Ok(f)
     }
@@ -164,7 +174,8 @@ impl KvPages {
     pub(super) fn download(&self, dev: &Device, pos: usize) -> Result<(Vec<u8>, Vec<u8>)> {
         let mut k = Vec::with_capacity(pos * self.row);
         let mut v = Vec::with_capacity(pos * self.row);
-        let half = self.block_bytes() / 2;
+        // A block holds its key rows, then its value rows.
+        let half = self.block_bytes();
         for b in 0..pos.div_ceil(KV_BLOCK) {
             let n = (pos - b * KV_BLOCK).min(KV_BLOCK) * self.row;
             let blk = self.blocks[b].as_ref().ok_or_else(|| CudaError::Driver {

@@ -517,10 +517,10 @@ impl Cuda {
 }
 
 impl Cuda {
-    /// [`Backend::fork_state`] on the device: new buffers for a context of
-    /// `ctx`, the KV rows `0..pos` of every attention layer copied (f16 or
-    /// f32 as the original stores them; rows past `pos` zero), the conv and
-    /// delta-rule states copied whole. The device positions are new buffers
+    /// [`Backend::fork_state`] on the device: a state for a context of
+    /// `ctx` sharing the original's KV blocks that hold rows `0..pos` (each
+    /// side copies a shared block on its first write to it, `kv.rs`), the
+    /// conv and delta-rule states copied whole. The device positions are new buffers
     /// written on first use (`sync_pos`), the copy starts on lane 0, and the
     /// original's decode step (row buffers and recorded graph, made for the
     /// original's addresses) does not come along: the copy records its own.
