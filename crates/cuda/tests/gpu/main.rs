@@ -512,10 +512,21 @@ fn a_forked_state_equals_a_cold_run() {
             // The paged cache: 253 positions are one block a layer, and the
             // fork shares the original's blocks, copying none.
             let (held, shared) = cuda.kv_blocks(&orig);
-            assert!(held > 0 && shared == 0, "{shape}: {held} blocks, {shared} shared");
+            assert!(
+                held > 0 && shared == 0,
+                "{shape}: {held} blocks, {shared} shared"
+            );
             let mut fork = cuda.fork_state(&orig, ctx + 64).unwrap();
-            assert_eq!(cuda.kv_blocks(&fork), (held, held), "{shape}: the fork's blocks");
-            assert_eq!(cuda.kv_blocks(&orig), (held, held), "{shape}: the original's blocks");
+            assert_eq!(
+                cuda.kv_blocks(&fork),
+                (held, held),
+                "{shape}: the fork's blocks"
+            );
+            assert_eq!(
+                cuda.kv_blocks(&orig),
+                (held, held),
+                "{shape}: the original's blocks"
+            );
             assert!(
                 same_bits(&cuda.download_state(&fork).unwrap(), &before),
                 "{shape} {kv:?}: the fork is not the original"
@@ -523,8 +534,16 @@ fn a_forked_state_equals_a_cold_run() {
             let got_fork = forward(&model, &cuda, &mut fork, a, Logits::Last).unwrap();
             // Writing position 253 on copied the shared block and reached
             // a second one: the fork shares nothing now.
-            assert_eq!(cuda.kv_blocks(&fork), (2 * held, 0), "{shape}: the fork after writing");
-            assert_eq!(cuda.kv_blocks(&orig), (held, 0), "{shape}: the original after the fork wrote");
+            assert_eq!(
+                cuda.kv_blocks(&fork),
+                (2 * held, 0),
+                "{shape}: the fork after writing"
+            );
+            assert_eq!(
+                cuda.kv_blocks(&orig),
+                (held, 0),
+                "{shape}: the original after the fork wrote"
+            );
             assert!(
                 same_bits(&cuda.download_state(&orig).unwrap(), &before),
                 "{shape} {kv:?}: writing to the fork changed the original"
