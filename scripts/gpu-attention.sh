@@ -30,8 +30,10 @@
 # tg at depth, several sequences a step; samesum and the old build), serving
 # (not in the default steps: `samesum serve` with 8 and 64 streaming clients
 # against llama-batched-bench, both builds, and a follow-up chat turn of an
-# ~8,000-token conversation from the prefix cache against cold), llama
-# (llama.cpp's figures on the same files). The models and llama.cpp are made in the background from the
+# ~8,000-token conversation from the prefix cache against cold;
+# SAMESUM_ATT_SERVE_BINS picks the builds, default ".gpu .gpu-old"), llama
+# (llama.cpp's figures on the same files). SAMESUM_ATT_PP=0 leaves
+# prefill out of bench and llama. The models and llama.cpp are made in the background from the
 # start. Results: OUT/log.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -98,14 +100,21 @@ run)
         local t0=$SECONDS
         echo "=== $name"
         "$@"
-        echo "=== $name: rc=$? ($((SECONDS - t0)) s)"
+        local rc=$?
+        echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
+        return $rc
     }
     if [[ $steps == *,compile,* ]]; then
         step compile .gpu/test-kernels_compile --nocapture
     fi
     if [[ $steps == *,tests,* ]]; then
-        step tests .gpu/test-gpu attention flash f16_kv sequences_batched every_block_op \
-            graph_replayed moe_combine forked batched several_sequences greedy recorded paged --include-ignored --test-threads=1
+        filter=(attention flash f16_kv sequences_batched every_block_op graph_replayed moe_combine
+            forked batched several_sequences greedy recorded paged)
+        # Where they fail and .gpu-sg/test-gpu is there (the tests of the
+        # build below this one's last change), those run too.
+        step tests .gpu/test-gpu "${filter[@]}" --include-ignored --test-threads=1 ||
+            { [ -x .gpu-sg/test-gpu ] && step "tests, .gpu-sg" .gpu-sg/test-gpu "${filter[@]}" \
+                --include-ignored --test-threads=1; }
     fi
     if [[ $steps == *,identity,* ]]; then
         for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
@@ -148,8 +157,8 @@ run)
         for m in "$q35" "$q3"; do
             pp=4096,16384
             [ "$m" = "$q35" ] && pp=4096,16384,32768
-            step "samesum pp $m" timeout 600 .gpu/samesum bench --device cuda -m "$m" -p "$pp" \
-                -n 0 -r 1 --prefill batched $FAST
+            [ "${SAMESUM_ATT_PP:-1}" = 1 ] && step "samesum pp $m" timeout 600 .gpu/samesum bench \
+                --device cuda -m "$m" -p "$pp" -n 0 -r 1 --prefill batched $FAST
             step "samesum tg $m" timeout 600 .gpu/samesum bench --device cuda -m "$m" -p 0 \
                 -n 128 -d 0,16384,65536 -r 1 $FAST
             step "old build tg $m" timeout 300 .gpu-old/samesum bench --device cuda -m "$m" -p 0 \
@@ -178,7 +187,7 @@ run)
                 sleep 1
             done
         }
-        for bin in .gpu .gpu-old; do
+        for bin in ${SAMESUM_ATT_SERVE_BINS:-.gpu .gpu-old}; do
             serve "${bin#.}" "$bin"
             for c in 8 64; do
                 step "serving $bin $c clients" timeout 300 .gpu/samesum bench-serve \
@@ -207,7 +216,7 @@ run)
         for m in "$q35" "$q3"; do
             pp=4096,16384
             [ "$m" = "$q35" ] && pp=4096,16384,32768
-            step "llama.cpp pp $m" timeout 600 "$llama/llama-bench" -m "$m" -fa 1 -ub 2048 -ngl 99 \
+            [ "${SAMESUM_ATT_PP:-1}" = 1 ] && step "llama.cpp pp $m" timeout 600 "$llama/llama-bench" -m "$m" -fa 1 -ub 2048 -ngl 99 \
                 -r 1 -p "$pp" -n 0
             step "llama.cpp tg $m" timeout 600 "$llama/llama-bench" -m "$m" -fa 1 -ub 2048 -ngl 99 \
                 -r 1 -p 0 -n 128 -d 0,16384,65536
