@@ -294,14 +294,14 @@ impl Cuda {
             self.vec(&dn.a)?,
             self.vec(&dn.norm)?,
         );
+        // The one-row conv's blocks: one a q/k head, then 128 value channels
+        // a block.
+        let conv_one_blocks = (2 * hk + (cd - 2 * hk * dk).div_ceil(128)) as u32;
         // A decode step of several sequences: every sequence's row in one
         // launch of the conv (with the head norms) and one of the delta
         // rule, each row's states from a table; each row runs the one-row
         // kernels' code on its own inputs and states, so it gets the bytes
         // of its own call.
-        // The one-row conv's blocks: one a q/k head, then 128 value channels
-        // a block.
-        let conv_one_blocks = (2 * hk + (cd - 2 * hk * dk).div_ceil(128)) as u32;
         let seqs_kernel = DeltaKernel::select(dk, 1).seqs_name();
         let one_launch = sts.len() > 1
             && rows.iter().all(|&n| n == 1)
