@@ -105,7 +105,7 @@ run)
     fi
     if [[ $steps == *,tests,* ]]; then
         step tests .gpu/test-gpu attention flash f16_kv sequences_batched every_block_op \
-            graph_replayed moe_combine forked batched several_sequences greedy --include-ignored --test-threads=1
+            graph_replayed moe_combine forked batched several_sequences greedy recorded --include-ignored --test-threads=1
     fi
     if [[ $steps == *,identity,* ]]; then
         for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do

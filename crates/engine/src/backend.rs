@@ -97,6 +97,20 @@ pub struct DecodeStep<B: Backend + ?Sized> {
     pub no_graph: bool,
 }
 
+/// A decode step of several sequences, a row each, that the backend runs
+/// recorded ([`Backend::seqs_step`]): `rows` rows, the sequences' rows
+/// first, then padding rows (token 0, their results never read, writing
+/// only the backend's own scratch state), and the key of the recording
+/// that serves it. Steps of the same key replay one recording whichever
+/// sequences fill its rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SeqsStep {
+    /// Which recording (and row buffers) serves the step.
+    pub key: u64,
+    /// Rows the step runs: at least the sequences.
+    pub rows: usize,
+}
+
 /// The error of the recording calls on a backend that records no steps.
 fn not_recording() -> crate::EngineError {
     crate::EngineError::Device {
@@ -229,8 +243,10 @@ pub trait Backend: Sync {
     /// `rows[i]` rows of sequence `sts[i]` after each other (sequences with
     /// no rows hold none), `y` receives their outputs in the same order.
     /// Each sequence's rows get the bytes of a call of their own (the row
-    /// contract); a backend may run the projections of all rows at once.
-    /// The default makes one call per sequence.
+    /// contract); a backend may run the projections of all rows at once,
+    /// and the sequences of one row each that lead the call in one launch
+    /// per op (so callers put decode rows first). The default makes one
+    /// call per sequence.
     #[allow(clippy::too_many_arguments)]
     fn attention_seqs(
         &self,
@@ -325,6 +341,42 @@ pub trait Backend: Sync {
     }
     /// Run a recorded step on `st` (at its current position).
     fn replay(&self, _st: &mut Self::State, _g: &Self::Graph) -> Result<()> {
+        Err(not_recording())
+    }
+    /// How a decode step of `sts` (a row each, at least two sequences)
+    /// runs recorded: its rows and recording key; `None` (the default) runs
+    /// it call by call. Only asked when [`Backend::records_steps`] is true.
+    fn seqs_step(&self, _model: &Model, _sts: &[&Self::State]) -> Option<SeqsStep> {
+        None
+    }
+    /// The row buffers and recording of the multi-sequence step `key`,
+    /// kept by the backend between steps (`None` before the first).
+    fn take_seqs_step(&self, _key: u64) -> Option<DecodeStep<Self>> {
+        None
+    }
+    /// Keep the multi-sequence step `key` for the next step of that key.
+    fn put_seqs_step(&self, _key: u64, _step: DecodeStep<Self>) {}
+    /// Bind `sts` to `step`'s rows: their caches, states and positions go
+    /// where the step's kernels read them (padding rows after them). Until
+    /// [`Backend::unbind_seqs`], [`Backend::attention_seqs`] and
+    /// [`Backend::delta_net_seqs`] run `step.rows` rows of `x`, one a
+    /// sequence, through that binding, and recorded steps replay on it.
+    fn bind_seqs(&self, _model: &Model, _step: SeqsStep, _sts: &[&Self::State]) -> Result<()> {
+        Err(not_recording())
+    }
+    /// End a binding of [`Backend::bind_seqs`] (also after a failed step).
+    fn unbind_seqs(&self) {}
+    /// Record the calls that follow for the bound multi-sequence step,
+    /// until [`Backend::end_recording_seqs`].
+    fn begin_recording_seqs(&self) -> Result<()> {
+        Err(not_recording())
+    }
+    /// End a multi-sequence recording (also when a recorded call failed).
+    fn end_recording_seqs(&self) -> Result<Self::Graph> {
+        Err(not_recording())
+    }
+    /// Run a recorded multi-sequence step on the bound sequences.
+    fn replay_seqs(&self, _g: &Self::Graph) -> Result<()> {
         Err(not_recording())
     }
     /// Final norm and LM head for `rows` of `h`, to host logits.

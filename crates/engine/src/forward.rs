@@ -172,6 +172,12 @@ pub fn forward_batch<B: Backend>(
     {
         return decode_step(model, b, seg.state, *token, seg.want);
     }
+    if segs.len() > 1 && segs.iter().all(|s| s.tokens.len() == 1) && b.records_steps() {
+        let sts: Vec<&B::State> = segs.iter().map(|s| &*s.state).collect();
+        if let Some(plan) = b.seqs_step(model, &sts) {
+            return decode_seqs_step(model, b, segs, plan);
+        }
+    }
     let tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
     let mut h = b.alloc(m * d)?;
     b.embed(model, &tokens, &mut h)?;
@@ -180,29 +186,56 @@ pub fn forward_batch<B: Backend>(
     if let [seg] = &mut *segs {
         layers_one(model, b, seg.state, &mut h, &mut x, &mut y)?;
     } else {
-        let n_layers = model.w.layers.len();
-        for (l, lw) in model.w.layers.iter().enumerate() {
-            if l == 0 {
-                b.rms_norm(model, Norm::Attn(l), &h, &mut x)?;
-            }
-            let rows: Vec<usize> = segs.iter().map(|s| s.tokens.len()).collect();
-            let mut sts: Vec<&mut B::State> = segs.iter_mut().map(|s| &mut *s.state).collect();
-            match &lw.mixer {
-                Mixer::Attention(a) => {
-                    b.attention_seqs(model, l, a, &x, &mut sts, &rows, &mut y)?
-                }
-                Mixer::Linear(dn) => b.delta_net_seqs(model, l, dn, &x, &mut sts, &rows, &mut y)?,
-            }
-            b.add_rms_norm(model, Norm::Ffn(l), &mut h, &y, &mut x)?;
-            // The residual add, fused with the next layer's input norm.
-            if l + 1 < n_layers {
-                b.moe_add_rms_norm(model, &lw.moe, Norm::Attn(l + 1), &mut h, &mut x, &mut y)?;
-            } else {
-                b.moe(model, &lw.moe, &x, &mut y)?;
-                b.add(&mut h, &y)?;
-            }
+        let rows: Vec<usize> = segs.iter().map(|s| s.tokens.len()).collect();
+        let mut sts: Vec<&mut B::State> = segs.iter_mut().map(|s| &mut *s.state).collect();
+        layers_seqs(model, b, &mut sts, &rows, &mut h, &mut x, &mut y)?;
+    }
+    advance_and_read(model, b, segs, &h)
+}
+
+/// The layer stack over several sequences' rows (`rows[i]` consecutive
+/// rows of `h` for `sts[i]`): each mixer over all of them in one call
+/// ([`Backend::attention_seqs`], [`Backend::delta_net_seqs`]), the norms and
+/// the MoE over all rows.
+fn layers_seqs<B: Backend>(
+    model: &Model,
+    b: &B,
+    sts: &mut [&mut B::State],
+    rows: &[usize],
+    h: &mut B::Buf,
+    x: &mut B::Buf,
+    y: &mut B::Buf,
+) -> Result<()> {
+    let n_layers = model.w.layers.len();
+    for (l, lw) in model.w.layers.iter().enumerate() {
+        if l == 0 {
+            b.rms_norm(model, Norm::Attn(l), h, x)?;
+        }
+        match &lw.mixer {
+            Mixer::Attention(a) => b.attention_seqs(model, l, a, x, sts, rows, y)?,
+            Mixer::Linear(dn) => b.delta_net_seqs(model, l, dn, x, sts, rows, y)?,
+        }
+        b.add_rms_norm(model, Norm::Ffn(l), h, y, x)?;
+        // The residual add, fused with the next layer's input norm.
+        if l + 1 < n_layers {
+            b.moe_add_rms_norm(model, &lw.moe, Norm::Attn(l + 1), h, x, y)?;
+        } else {
+            b.moe(model, &lw.moe, x, y)?;
+            b.add(h, y)?;
         }
     }
+    Ok(())
+}
+
+/// After the layers ran the segments' rows (in order, from row 0 of `h`;
+/// rows after them are ignored): move each state past its rows and return
+/// the logits and greedy picks the segments ask for.
+fn advance_and_read<B: Backend>(
+    model: &Model,
+    b: &B,
+    segs: &mut [Segment<'_, B::State>],
+    h: &B::Buf,
+) -> Result<BatchLogits> {
     let (mut rows, mut greedy) = (Vec::new(), Vec::new());
     let mut r0 = 0;
     for s in segs.iter_mut() {
@@ -217,12 +250,12 @@ pub fn forward_batch<B: Backend>(
     let logits = if rows.is_empty() {
         Vec::new()
     } else {
-        b.logits(model, &h, &rows)?
+        b.logits(model, h, &rows)?
     };
     let picked = if greedy.is_empty() {
         Vec::new()
     } else {
-        b.logits_argmax(model, &h, &greedy)?
+        b.logits_argmax(model, h, &greedy)?
     };
     if picked.len() != greedy.len() {
         return Err(picked_count(picked.len(), greedy.len()));
@@ -256,6 +289,105 @@ pub fn forward_batch<B: Backend>(
         ends,
         tokens,
     })
+}
+
+/// A decode step of several sequences (a row each) as the backend records
+/// it ([`Backend::seqs_step`]): the rows' buffers and recording of the
+/// step's key, the sequences bound to its rows ([`Backend::bind_seqs`]),
+/// then as [`decode_step`]: the first step of a key runs call by call, the
+/// second is recorded and replayed, later ones replay. Padding rows run
+/// token 0 on the backend's scratch state; only the sequences' rows are
+/// read. Each row computes what it computes in any other step (the row
+/// contract), so the bytes are those of [`forward_batch`] without
+/// recording.
+fn decode_seqs_step<B: Backend>(
+    model: &Model,
+    b: &B,
+    segs: &mut [Segment<'_, B::State>],
+    plan: crate::backend::SeqsStep,
+) -> Result<BatchLogits> {
+    if plan.rows < segs.len() {
+        return Err(EngineError::Device {
+            backend: "engine",
+            op: "a recorded step of several sequences".into(),
+            msg: format!("{} rows for {} sequences", plan.rows, segs.len()),
+        });
+    }
+    let d = model.hp.n_embd;
+    let mut step = match b.take_seqs_step(plan.key) {
+        Some(s) => s,
+        None => DecodeStep {
+            h: b.alloc(plan.rows * d)?,
+            x: b.alloc(plan.rows * d)?,
+            y: b.alloc(plan.rows * d)?,
+            graph: None,
+            eager_steps: 0,
+            no_graph: false,
+        },
+    };
+    let ran = {
+        // Unbound however the step ends (an error or a panic), so no later
+        // call of the same shape runs through this step's table.
+        let _unbind = Unbind(b);
+        run_seqs_step(model, b, segs, plan, &mut step)
+    };
+    let out = ran.and_then(|()| advance_and_read(model, b, segs, &step.h));
+    b.put_seqs_step(plan.key, step);
+    out
+}
+
+/// Calls [`Backend::unbind_seqs`] when dropped.
+struct Unbind<'a, B: Backend>(&'a B);
+
+impl<B: Backend> Drop for Unbind<'_, B> {
+    fn drop(&mut self) {
+        self.0.unbind_seqs();
+    }
+}
+
+fn run_seqs_step<B: Backend>(
+    model: &Model,
+    b: &B,
+    segs: &mut [Segment<'_, B::State>],
+    plan: crate::backend::SeqsStep,
+    s: &mut DecodeStep<B>,
+) -> Result<()> {
+    let mut tokens: Vec<u32> = segs.iter().map(|s| s.tokens[0]).collect();
+    tokens.resize(plan.rows, 0);
+    b.embed(model, &tokens, &mut s.h)?;
+    let mut sts: Vec<&mut B::State> = segs.iter_mut().map(|s| &mut *s.state).collect();
+    {
+        let view: Vec<&B::State> = sts.iter().map(|s| &**s).collect();
+        b.bind_seqs(model, plan, &view)?;
+    }
+    let rows = vec![1; sts.len()];
+    if let Some(g) = &s.graph {
+        b.replay_seqs(g)
+    } else if s.eager_steps == 0 || s.no_graph {
+        layers_seqs(model, b, &mut sts, &rows, &mut s.h, &mut s.x, &mut s.y)?;
+        s.eager_steps += 1;
+        Ok(())
+    } else {
+        b.begin_recording_seqs()?;
+        let ran = layers_seqs(model, b, &mut sts, &rows, &mut s.h, &mut s.x, &mut s.y);
+        // End the recording whatever happened, so the backend runs calls again.
+        let recorded = b.end_recording_seqs();
+        match ran.and(recorded) {
+            Ok(g) => {
+                b.replay_seqs(&g)?;
+                s.graph = Some(g);
+                Ok(())
+            }
+            Err(err) => {
+                eprintln!(
+                    "warning: recording a step of {} rows failed ({err}); steps of its size run without recording",
+                    plan.rows
+                );
+                s.no_graph = true;
+                layers_seqs(model, b, &mut sts, &rows, &mut s.h, &mut s.x, &mut s.y)
+            }
+        }
+    }
 }
 
 /// A backend's logits or greedy picks that do not match the rows asked.

@@ -34,7 +34,7 @@ const AP: usize = 16;
 /// keys a split (`FA_SPLIT`).
 const FA_P: usize = 128;
 const FA_KT: usize = 64;
-const FA_SPLIT: usize = 512;
+pub(super) const FA_SPLIT: usize = 512;
 /// Calls of up to this many rows run the decode flash kernel, a split a
 /// block (the splits fill the GPU at depth), and fold the splits in a second
 /// launch; larger calls fold them in the blocks (no partials).
@@ -191,6 +191,13 @@ impl Cuda {
         *self.att_last.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Rows the one-launch decode attention has taken so far, over every
+    /// layer (for the tests).
+    #[doc(hidden)]
+    pub fn one_launch_attention_rows(&self) -> usize {
+        self.att_seq_rows.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Cap the attention partials of one call at `bytes` (rows then run in
     /// groups; 1 runs one row at a time), for the tests.
     #[doc(hidden)]
@@ -304,7 +311,13 @@ impl Cuda {
         let d = &self.dev;
         let (hq, hkv, hd) = (hp.n_head, hp.n_head_kv, hp.head_dim);
         let m = x.len() / hp.n_embd;
-        if rows.iter().sum::<usize>() != m || rows.len() != sts.len() {
+        // A bound step of several sequences runs its rows through its table.
+        let bound = self.bound_seqs();
+        let fits = match bound {
+            Some(bd) => bd.rows == m && bd.seqs == rows.len() && rows.iter().all(|&n| n == 1),
+            None => rows.iter().sum::<usize>() == m,
+        };
+        if !fits || rows.len() != sts.len() {
             return Err(CudaError::Driver {
                 op: "attention".into(),
                 msg: format!("{} rows for {} sequences of {:?} rows", m, sts.len(), rows),
@@ -367,28 +380,47 @@ impl Cuda {
         let row_q = qw / 256 * 304;
         let mut o = d.scratch::<f32>(m * qw)?;
         let mut parts = Partials::default();
-        // A decode step of several sequences on the flash kernels: every
-        // sequence's row in one launch of each kernel, each row's cache and
-        // position from a table (the bytes of each row's own call).
-        let one_launch = fast
-            && sts.len() > 1
-            && rows.iter().all(|&n| n == 1)
-            && AttentionKernel::select(hd, hq / hkv, 1, fast) == AttentionKernel::Flash
-            && sts
-                .iter()
-                .all(|st| st.f16 == sts[0].f16 && st.kv[l].is_some());
+        // The decode rows that lead the call (the scheduler puts them
+        // first), on the flash kernels: every such sequence's row in one
+        // launch of each kernel, each row's cache and position from a table
+        // (the bytes of each row's own call); the sequences after them run
+        // call by call below. A bound step of several sequences runs all
+        // its rows so, from its own table.
+        let lead = rows.iter().take_while(|&&n| n == 1).count();
+        let one_launch = bound.is_some()
+            || fast
+                && lead > 1
+                && self.flash_for_one_row(model)
+                && sts[..lead]
+                    .iter()
+                    .all(|st| st.f16 == sts[0].f16 && st.kv[l].is_some());
+        let done = match (bound, one_launch) {
+            (Some(_), _) => sts.len(),
+            (None, true) => lead,
+            (None, false) => 0,
+        };
         if one_launch {
-            let (ns, f16) = (sts.len(), sts[0].f16 as i32);
-            let mut table = vec![0u64; 3 * ns];
-            let mut nsplit = 1;
-            for (i, st) in sts.iter().enumerate() {
-                let (ck, cv) = st.kv[l].as_ref().expect("checked above");
-                table[i] = crate::device::addr(d, ck);
-                table[ns + i] = crate::device::addr(d, cv);
-                table[2 * ns + i] = st.pos as u64;
-                nsplit = nsplit.max((st.pos + 1).div_ceil(FA_SPLIT));
-            }
-            let kvt = d.upload(&table)?;
+            // The rows' caches and positions: the bound step's table (its
+            // splits fixed, so its recording replays at any position below
+            // them), or this call's.
+            let mut table_buf = None;
+            let (kvt, ns, nsplit, f16) = match bound {
+                Some(bd) => (bd.layer(l), bd.rows, bd.nsplit, bd.f16 as i32),
+                None => {
+                    let ns = lead;
+                    let mut table = vec![0u64; 3 * ns];
+                    let mut nsplit = 1;
+                    for (i, st) in sts[..lead].iter().enumerate() {
+                        let (ck, cv) = st.kv[l].as_ref().expect("checked above");
+                        table[i] = crate::device::addr(d, ck);
+                        table[ns + i] = crate::device::addr(d, cv);
+                        table[2 * ns + i] = st.pos as u64;
+                        nsplit = nsplit.max((st.pos + 1).div_ceil(FA_SPLIT));
+                    }
+                    let buf = table_buf.insert(d.upload(&table)?);
+                    (crate::device::addr(d, buf), ns, nsplit, sts[0].f16 as i32)
+                }
+            };
             let (nsi, nsp) = (ns as i32, nsplit as i32);
             launch!(
                 d,
@@ -449,9 +481,14 @@ impl Cuda {
                 &nsp
             )?;
             *self.att_last.lock().unwrap_or_else(|p| p.into_inner()) = "attention_flash_dec_seqs";
+            self.att_seq_rows
+                .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
+            // The call's own table is freed after the launches that read it
+            // (a stream-ordered free).
+            drop(table_buf);
         }
-        let mut r0 = 0;
-        for (st, &n) in sts.iter_mut().zip(rows).filter(|_| !one_launch) {
+        let mut r0 = done;
+        for (st, &n) in sts.iter_mut().zip(rows).skip(done) {
             if n == 0 {
                 continue;
             }
@@ -548,6 +585,20 @@ impl Cuda {
             return self.mm(&a.o, &Input::with_q8k(&o, m, Some(oq)), None, y);
         }
         self.matmul(&a.o, &o, m, None, y)
+    }
+
+    /// Whether a call of one row takes the flash kernels (whose decode
+    /// launches take a row each of several sequences).
+    pub(super) fn flash_for_one_row(&self, model: &Model) -> bool {
+        let hp = &model.hp;
+        hp.n_head_kv > 0
+            && hp.n_head.is_multiple_of(hp.n_head_kv)
+            && AttentionKernel::select(
+                hp.head_dim,
+                hp.n_head / hp.n_head_kv,
+                1,
+                self.fast_attention(),
+            ) == AttentionKernel::Flash
     }
 
     /// The score and value passes of one attention call, then the combine

@@ -126,6 +126,16 @@ impl DeltaKernel {
     }
 }
 
+/// Whether the delta-net layers of `model` have one-launch kernels for a
+/// row each of several sequences (the one-row conv, a `_seqs` delta rule).
+pub(super) fn delta_one_launch(model: &Model) -> bool {
+    model.hp.ssm.is_some_and(|s| {
+        (1..=8).contains(&s.d_conv)
+            && Conv::select(1, s.d_conv, s.head_k_dim) == Conv::OneRow
+            && DeltaKernel::select(s.head_k_dim, 1).seqs_name().is_some()
+    })
+}
+
 impl Cuda {
     /// The delta-rule kernel the last delta-net call launched ("" before
     /// any).
@@ -174,7 +184,13 @@ impl Cuda {
             msg: "no ssm sizes".into(),
         })?;
         let m = x.len() / hp.n_embd;
-        if rows.iter().sum::<usize>() != m || rows.len() != sts.len() {
+        // A bound step of several sequences runs its rows through its table.
+        let bound = self.bound_seqs();
+        let fits = match bound {
+            Some(bd) => bd.rows == m && bd.seqs == rows.len() && rows.iter().all(|&n| n == 1),
+            None => rows.iter().sum::<usize>() == m,
+        };
+        if !fits || rows.len() != sts.len() {
             return Err(CudaError::Driver {
                 op: "delta_net".into(),
                 msg: format!("{m} rows for {} sequences of {rows:?} rows", sts.len()),
@@ -297,26 +313,48 @@ impl Cuda {
         // The one-row conv's blocks: one a q/k head, then 128 value channels
         // a block.
         let conv_one_blocks = (2 * hk + (cd - 2 * hk * dk).div_ceil(128)) as u32;
-        // A decode step of several sequences: every sequence's row in one
-        // launch of the conv (with the head norms) and one of the delta
-        // rule, each row's states from a table; each row runs the one-row
-        // kernels' code on its own inputs and states, so it gets the bytes
-        // of its own call.
+        // The decode rows that lead the call (the scheduler puts them
+        // first): every such sequence's row in one launch of the conv (with
+        // the head norms) and one of the delta rule, each row's states from
+        // a table; each row runs the one-row kernels' code on its own inputs
+        // and states, so it gets the bytes of its own call. The sequences
+        // after them run call by call below.
         let seqs_kernel = DeltaKernel::select(dk, 1).seqs_name();
-        let one_launch = sts.len() > 1
-            && rows.iter().all(|&n| n == 1)
-            && Conv::select(1, kc, dk) == Conv::OneRow
-            && seqs_kernel.is_some()
-            && sts.iter().all(|st| st.linear[l].is_some());
+        let lead = rows.iter().take_while(|&&n| n == 1).count();
+        let one_launch = bound.is_some()
+            || lead > 1
+                && Conv::select(1, kc, dk) == Conv::OneRow
+                && seqs_kernel.is_some()
+                && sts[..lead].iter().all(|st| st.linear[l].is_some());
+        if one_launch && seqs_kernel.is_none() {
+            return Err(CudaError::Driver {
+                op: "delta_net".into(),
+                msg: format!("a bound step of several sequences at key head dim {dk}"),
+            });
+        }
+        let done = match (bound, one_launch) {
+            (Some(_), _) => sts.len(),
+            (None, true) => lead,
+            (None, false) => 0,
+        };
         if let (true, Some(kernel)) = (one_launch, seqs_kernel) {
-            let ns = sts.len();
-            let mut table = vec![0u64; 2 * ns];
-            for (i, st) in sts.iter().enumerate() {
-                let (conv_state, s_state) = st.linear[l].as_ref().expect("checked above");
-                table[i] = crate::device::addr(d, conv_state);
-                table[ns + i] = crate::device::addr(d, s_state);
-            }
-            let tab = d.upload(&table)?;
+            // The rows' states: the bound step's table, or this call's
+            // (conv states, then delta-rule states).
+            let mut table_buf = None;
+            let (tab, ns) = match bound {
+                Some(bd) => (bd.layer(l), bd.rows),
+                None => {
+                    let ns = lead;
+                    let mut table = vec![0u64; 2 * ns];
+                    for (i, st) in sts[..lead].iter().enumerate() {
+                        let (conv_state, s_state) = st.linear[l].as_ref().expect("checked above");
+                        table[i] = crate::device::addr(d, conv_state);
+                        table[ns + i] = crate::device::addr(d, s_state);
+                    }
+                    let buf = table_buf.insert(d.upload(&table)?);
+                    (crate::device::addr(d, buf), ns)
+                }
+            };
             let nsi = ns as i32;
             launch!(
                 d,
@@ -352,9 +390,10 @@ impl Cuda {
                 &tiled
             )?;
             *self.delta_last.lock().unwrap_or_else(|p| p.into_inner()) = kernel;
+            drop(table_buf);
         }
-        let mut r0 = 0;
-        for (st, &n) in sts.iter_mut().zip(rows).filter(|_| !one_launch) {
+        let mut r0 = done;
+        for (st, &n) in sts.iter_mut().zip(rows).skip(done) {
             if n == 0 {
                 continue;
             }

@@ -14,7 +14,7 @@ use crate::error::{CudaError, Result};
 use crate::tier::{RESERVE, TierSizes, plan as tier_plan};
 use crate::tiered::{Tier, TierStats};
 use cudarc::driver::CudaSlice;
-use samesum_engine::backend::{Backend, DecodeStep, Norm};
+use samesum_engine::backend::{Backend, DecodeStep, Norm, SeqsStep};
 use samesum_engine::model::Matrix;
 use samesum_engine::model::weights::{AttentionW, DeltaBa, DeltaInput, DeltaNetW, Mixer, MoeW};
 use samesum_engine::{Arch, EngineError, KvType, Model};
@@ -97,6 +97,8 @@ pub struct Cuda {
     maps: Mutex<HashMap<MapKey, CudaSlice<i32>>>,
     /// The kernel of the last attention score pass (for tests).
     att_last: Mutex<&'static str>,
+    /// Rows the one-launch decode attention has taken (for the tests).
+    att_seq_rows: std::sync::atomic::AtomicUsize,
     /// The delta-rule kernel the last delta-net call launched (for the tests).
     delta_last: Mutex<&'static str>,
     /// Each lane's marks (see `Backend::lane_mark`): an event per layer.
@@ -116,6 +118,9 @@ pub struct Cuda {
     /// One-token steps recorded as CUDA graphs and replayed (unless
     /// `SAMESUM_CUDA_GRAPHS=0`: the same launches one by one).
     graphs: bool,
+    /// Recorded decode steps of several sequences, by key, and the one
+    /// bound now ([`Backend::seqs_step`]).
+    seqs: Mutex<graphs::SeqsSteps>,
 }
 
 /// `name` with `note` inside its closing parenthesis ("GPU (cuda:0, sm_90a)"
@@ -384,12 +389,14 @@ impl Cuda {
             counters,
             maps: Mutex::new(HashMap::new()),
             att_last: Mutex::new(""),
+            att_seq_rows: Default::default(),
             delta_last: Mutex::new(""),
             lane_marks: Mutex::new([Vec::new(), Vec::new()]),
             fast_attention: false,
             reversed_topk: false,
             attn_partials: ATTN_PARTIALS,
             graphs: std::env::var("SAMESUM_CUDA_GRAPHS").as_deref() != Ok("0"),
+            seqs: Mutex::new(graphs::SeqsSteps::default()),
             trunk,
             tier,
         })

@@ -413,6 +413,42 @@ impl Backend for Cuda {
         self.replay_step(st, g).map_err(e)
     }
 
+    fn seqs_step(&self, model: &Model, sts: &[&CudaState]) -> Option<SeqsStep> {
+        if self.records_steps() {
+            self.plan_seqs_step(model, sts)
+        } else {
+            None
+        }
+    }
+
+    fn take_seqs_step(&self, key: u64) -> Option<DecodeStep<Cuda>> {
+        self.take_seqs_entry(key)
+    }
+
+    fn put_seqs_step(&self, key: u64, step: DecodeStep<Cuda>) {
+        self.put_seqs_entry(key, step)
+    }
+
+    fn bind_seqs(&self, model: &Model, step: SeqsStep, sts: &[&CudaState]) -> R<()> {
+        self.bind_seqs_step(model, step, sts).map_err(e)
+    }
+
+    fn unbind_seqs(&self) {
+        self.unbind_seqs_step()
+    }
+
+    fn begin_recording_seqs(&self) -> R<()> {
+        self.begin_record_seqs().map_err(e)
+    }
+
+    fn end_recording_seqs(&self) -> R<cudarc::driver::CudaGraph> {
+        self.end_record_seqs().map_err(e)
+    }
+
+    fn replay_seqs(&self, g: &cudarc::driver::CudaGraph) -> R<()> {
+        self.replay_seqs_step(g).map_err(e)
+    }
+
     fn synchronize(&self) -> R<()> {
         self.dev.sync().map_err(e)
     }

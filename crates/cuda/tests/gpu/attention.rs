@@ -469,7 +469,11 @@ fn flash_decode_rows_of_several_sequences_equal_each_alone() {
                     })
                     .collect();
                 let got = forward_batch(model, &cuda, &mut segs).unwrap();
-                if model.hp.n_head_kv > 0
+                // The kernel the host launched last: the first step's (later
+                // steps are recorded and replayed, which launch from the
+                // recording, and the steps alone below launch their own).
+                if k == 0
+                    && model.hp.n_head_kv > 0
                     && model
                         .w
                         .layers
@@ -555,5 +559,111 @@ fn flash_rows_equal_alone_with_values_past_the_half_range() {
             .zip(&batched[r * qw..(r + 1) * qw])
             .all(|(a, b)| a.to_bits() == b.to_bits());
         assert!(same, "row {r}: the 64-row call differs from the row alone");
+    }
+}
+
+/// A step whose leading sequences are decode rows and whose later ones are
+/// prompt chunks (or decode rows after a chunk): the leading rows take the
+/// one-launch decode kernels, the rest their own calls, and every sequence
+/// gets the bytes of a call of its own, on every tiny shape with the flash
+/// attention.
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
+fn leading_decode_rows_beside_prompt_chunks_equal_each_alone() {
+    use samesum_engine::{Segment, forward_batch};
+    if !gpu() {
+        return;
+    }
+    let fast = CudaOptions {
+        fast_attention: true,
+        ..Default::default()
+    };
+    // Rows of each of four sequences per step, and how many lead as decode
+    // rows (one-launch) in it.
+    let steps: [([usize; 4], usize); 5] = [
+        ([1, 1, 1, 5], 3),
+        ([1, 1, 7, 1], 2),
+        ([1, 1, 1, 1], 4),
+        ([2, 1, 1, 1], 0),
+        ([1, 3, 1, 1], 0),
+    ];
+    let lens = [3usize, 511, 700, 40];
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 29);
+        let cuda = Cuda::with_options(0, &model, false, fast).unwrap();
+        let att_layers = model
+            .w
+            .layers
+            .iter()
+            .filter(|l| matches!(l.mixer, Mixer::Attention(_)))
+            .count();
+        let mut rng = Rng::new(53);
+        let v = model.w.n_vocab as u64;
+        let total: Vec<usize> = (0..4)
+            .map(|i| lens[i] + steps.iter().map(|s| s.0[i]).sum::<usize>())
+            .collect();
+        let toks: Vec<Vec<u32>> = total
+            .iter()
+            .map(|&n| (0..n).map(|_| rng.below(v) as u32).collect())
+            .collect();
+        let state = || cuda.new_state(&model, 800, KvType::F16).unwrap();
+        let mut together: Vec<_> = (0..4).map(|_| state()).collect();
+        let mut alone: Vec<_> = (0..4).map(|_| state()).collect();
+        let mut at = lens;
+        for i in 0..4 {
+            forward(
+                &model,
+                &cuda,
+                &mut together[i],
+                &toks[i][..lens[i]],
+                Logits::Last,
+            )
+            .unwrap();
+            forward(
+                &model,
+                &cuda,
+                &mut alone[i],
+                &toks[i][..lens[i]],
+                Logits::Last,
+            )
+            .unwrap();
+        }
+        for (k, (rows, lead)) in steps.iter().enumerate() {
+            let before = cuda.one_launch_attention_rows();
+            let mut segs: Vec<Segment<'_, _>> = together
+                .iter_mut()
+                .enumerate()
+                .map(|(i, st)| Segment {
+                    state: st,
+                    tokens: &toks[i][at[i]..at[i] + rows[i]],
+                    want: Logits::Last,
+                })
+                .collect();
+            let got = forward_batch(&model, &cuda, &mut segs).unwrap();
+            drop(segs);
+            // Steps of all decode rows may run recorded (no launches to
+            // count); the others run their leading rows in one launch.
+            if rows.iter().any(|&n| n > 1) {
+                assert_eq!(
+                    cuda.one_launch_attention_rows() - before,
+                    lead * att_layers,
+                    "{shape}: step {k} ({rows:?}) ran {lead} leading rows in one launch a layer"
+                );
+            }
+            for i in 0..4 {
+                let t = &toks[i][at[i]..at[i] + rows[i]];
+                let one = forward(&model, &cuda, &mut alone[i], t, Logits::Last).unwrap();
+                assert!(
+                    got[i].len() == one.len()
+                        && got[i]
+                            .iter()
+                            .zip(&one)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{shape}: step {k} ({rows:?}), sequence {i} differs from alone"
+                );
+                at[i] += rows[i];
+            }
+        }
+        eprintln!("{shape}: leading decode rows beside prompt chunks == each alone");
     }
 }

@@ -610,3 +610,211 @@ fn device_greedy_pick_equals_the_host_argmax() {
     let want: Vec<u32> = logits.chunks(model.w.n_vocab).map(argmax).collect();
     assert_eq!(cuda.logits_argmax(&model, &h, &rows).unwrap(), want);
 }
+
+/// Decode steps of several sequences recorded per row bucket and replayed
+/// whichever sequences fill the rows: padding rows (3 sequences in 4 rows,
+/// 5 in 8), sequences joining and leaving between steps, a row's position
+/// crossing a key split (a new recording), greedy picks and logits; every
+/// sequence's logits and picks equal the same sequence stepped alone, on
+/// every tiny shape with both cache types.
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
+fn recorded_steps_of_several_sequences_equal_each_alone() {
+    use samesum_engine::{Segment, forward_batch};
+    if !gpu() {
+        return;
+    }
+    let fast = CudaOptions {
+        fast_attention: true,
+        ..Default::default()
+    };
+    // Which sequences share each step (indices into the prompts below).
+    let plan: &[&[usize]] = &[
+        &[0, 1, 2],
+        &[0, 1, 2],
+        &[0, 1, 2],
+        &[0, 1, 2, 3, 4],
+        &[0, 1, 2, 3, 4],
+        &[4, 2],
+        &[4, 2],
+        &[5, 3, 1, 0],
+        &[5, 3, 1, 0],
+        &[5, 3, 1, 0],
+        // The recording of 4 sequences replayed on others, in another
+        // order, with a padding row.
+        &[0, 3, 5],
+        &[1, 5, 0, 3],
+        &[0, 1, 2, 3, 4, 5],
+        &[0, 1, 2, 3, 4, 5],
+    ];
+    let lens = [3usize, 40, 509, 600, 90, 1030];
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 31);
+        let mut cuda = Cuda::with_options(0, &model, false, fast).unwrap();
+        cuda.set_graphs(true);
+        let mut rng = Rng::new(43);
+        let v = model.w.n_vocab as u64;
+        let toks: Vec<Vec<u32>> = lens
+            .iter()
+            .map(|&n| (0..n + plan.len()).map(|_| rng.below(v) as u32).collect())
+            .collect();
+        for kv in [KvType::F16, KvType::F32] {
+            let ctx = 1030 + plan.len() + 1;
+            let mut together: Vec<_> = lens
+                .iter()
+                .map(|_| cuda.new_state(&model, ctx, kv).unwrap())
+                .collect();
+            let mut alone: Vec<_> = lens
+                .iter()
+                .map(|_| cuda.new_state(&model, ctx, kv).unwrap())
+                .collect();
+            let mut fed = lens.to_vec();
+            for (i, &n) in lens.iter().enumerate() {
+                forward(&model, &cuda, &mut together[i], &toks[i][..n], Logits::Last).unwrap();
+                forward(&model, &cuda, &mut alone[i], &toks[i][..n], Logits::Last).unwrap();
+            }
+            for (k, seqs) in plan.iter().enumerate() {
+                // The step's sequences in the plan's order, each one token.
+                let mut states: Vec<Option<&mut _>> = together.iter_mut().map(Some).collect();
+                let mut segs: Vec<Segment<'_, _>> = Vec::new();
+                for (j, &i) in seqs.iter().enumerate() {
+                    segs.push(Segment {
+                        state: states[i].take().unwrap(),
+                        tokens: &toks[i][fed[i]..fed[i] + 1],
+                        want: if (j + k) % 2 == 0 {
+                            Logits::Greedy
+                        } else {
+                            Logits::Last
+                        },
+                    });
+                }
+                let got = forward_batch(&model, &cuda, &mut segs).unwrap();
+                drop(segs);
+                for (j, &i) in seqs.iter().enumerate() {
+                    let tok = &toks[i][fed[i]..fed[i] + 1];
+                    let one = forward(&model, &cuda, &mut alone[i], tok, Logits::Last).unwrap();
+                    let what = format!(
+                        "{shape} {kv:?}: step {k}, sequence {i} at position {}",
+                        fed[i]
+                    );
+                    if (j + k) % 2 == 0 {
+                        let pick = samesum_engine::sample::argmax(&one);
+                        assert_eq!(
+                            got.token(j),
+                            Some(pick),
+                            "{what}: the greedy pick differs from alone"
+                        );
+                    } else {
+                        assert!(
+                            same_bits(&got[j], &one) && got[j].len() == one.len(),
+                            "{what}: logits differ from alone"
+                        );
+                    }
+                    fed[i] += 1;
+                }
+            }
+            // Five keys a cache type, each stepped at least twice, so each
+            // recorded: 3 sequences in 4 rows (1 split), 5 in 8 (2 splits),
+            // 2 in 2 (2 splits), 4 and then 3 in 4 (4 splits: a position
+            // past 1,024), 6 in 8 (4 splits).
+            let rec = cuda.recorded_seqs_steps();
+            let rounds = if kv == KvType::F16 { 1 } else { 2 };
+            assert_eq!(
+                rec.len(),
+                5 * rounds,
+                "{shape} {kv:?}: recorded steps by rows {rec:?}"
+            );
+            for rows in [2, 4, 8] {
+                assert!(
+                    rec.contains(&rows),
+                    "{shape} {kv:?}: no recorded step of {rows} rows"
+                );
+            }
+        }
+        eprintln!(
+            "{shape}: recorded steps of several sequences == each alone ({:?})",
+            cuda.recorded_seqs_steps()
+        );
+    }
+}
+
+/// A recorded step of 20 sequences in 32 rows: the MoE's wide launches (its
+/// shared expert on the second stream) and the many-row norms inside a
+/// recording; each sequence's logits equal the sequence stepped alone.
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
+fn a_recorded_step_of_twenty_sequences_equals_each_alone() {
+    use samesum_engine::{Segment, forward_batch};
+    if !gpu() {
+        return;
+    }
+    let fast = CudaOptions {
+        fast_attention: true,
+        ..Default::default()
+    };
+    for shape in SHAPES {
+        let (_d, model) = synth(shape, GgmlType::Q4_K, 37);
+        let mut cuda = Cuda::with_options(0, &model, false, fast).unwrap();
+        cuda.set_graphs(true);
+        let mut rng = Rng::new(47);
+        let v = model.w.n_vocab as u64;
+        let (n, steps) = (20usize, 4usize);
+        let lens: Vec<usize> = (0..n).map(|i| 1 + 13 * i).collect();
+        let toks: Vec<Vec<u32>> = lens
+            .iter()
+            .map(|&l| (0..l + steps).map(|_| rng.below(v) as u32).collect())
+            .collect();
+        let ctx = lens[n - 1] + steps + 1;
+        let mut together: Vec<_> = (0..n)
+            .map(|_| cuda.new_state(&model, ctx, KvType::F16).unwrap())
+            .collect();
+        let mut alone: Vec<_> = (0..n)
+            .map(|_| cuda.new_state(&model, ctx, KvType::F16).unwrap())
+            .collect();
+        for i in 0..n {
+            forward(
+                &model,
+                &cuda,
+                &mut together[i],
+                &toks[i][..lens[i]],
+                Logits::Last,
+            )
+            .unwrap();
+            forward(
+                &model,
+                &cuda,
+                &mut alone[i],
+                &toks[i][..lens[i]],
+                Logits::Last,
+            )
+            .unwrap();
+        }
+        for k in 0..steps {
+            let mut segs: Vec<Segment<'_, _>> = together
+                .iter_mut()
+                .enumerate()
+                .map(|(i, st)| Segment {
+                    state: st,
+                    tokens: &toks[i][lens[i] + k..lens[i] + k + 1],
+                    want: Logits::Last,
+                })
+                .collect();
+            let got = forward_batch(&model, &cuda, &mut segs).unwrap();
+            drop(segs);
+            for i in 0..n {
+                let tok = &toks[i][lens[i] + k..lens[i] + k + 1];
+                let one = forward(&model, &cuda, &mut alone[i], tok, Logits::Last).unwrap();
+                assert!(
+                    same_bits(&got[i], &one) && got[i].len() == one.len(),
+                    "{shape}: step {k}, sequence {i} differs from alone"
+                );
+            }
+        }
+        assert_eq!(
+            cuda.recorded_seqs_steps(),
+            [32],
+            "{shape}: the step of 32 rows was recorded"
+        );
+        eprintln!("{shape}: a recorded step of 20 sequences in 32 rows == each alone");
+    }
+}

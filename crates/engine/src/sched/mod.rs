@@ -619,7 +619,10 @@ impl<'a, B: Backend> Scheduler<'a, B> {
             r.passed_over = 0;
             plan.push((i, n));
         }
-        plan.sort_unstable();
+        // Decode rows first (in running order), then the prompt chunks: a
+        // backend runs the leading one-row sequences of a call in one launch
+        // per op (`Backend::attention_seqs`); any order gives the same bytes.
+        plan.sort_unstable_by_key(|&(i, _)| (self.running[i].next.is_none(), i));
         self.stats.max_step_seqs = self.stats.max_step_seqs.max(plan.len());
         let t0 = Instant::now();
         let tokens: Vec<Vec<u32>> = plan
