@@ -27,7 +27,7 @@
 # table of 64 sequences a step, on qwen3moe-30b-a3b and qwen35moe-35b-a3b at
 # the q4_k_m mix, qwen3moe with YaRN x4 so that 65,536 fits), agree
 # (teacher-forced agreement with the reference and the probe), bench (pp and
-# tg at depth, several sequences a step; samesum and the old build), serving
+# tg at depth, several sequences a step; samesum and the old build, prefill too), serving
 # (not in the default steps: `samesum serve` with 8 and 64 streaming clients
 # against llama-batched-bench, both builds, and a follow-up chat turn of an
 # ~8,000-token conversation from the prefix cache against cold;
@@ -159,6 +159,8 @@ run)
             [ "$m" = "$q35" ] && pp=4096,16384,32768
             [ "${SAMESUM_ATT_PP:-1}" = 1 ] && step "samesum pp $m" timeout 600 .gpu/samesum bench \
                 --device cuda -m "$m" -p "$pp" -n 0 -r 1 --prefill batched $FAST
+            [ "${SAMESUM_ATT_PP:-1}" = 1 ] && step "old build pp $m" timeout 600 .gpu-old/samesum bench \
+                --device cuda -m "$m" -p "$pp" -n 0 -r 1 --prefill batched --attention fast --kv-type f16
             step "samesum tg $m" timeout 600 .gpu/samesum bench --device cuda -m "$m" -p 0 \
                 -n 128 -d 0,16384,65536 -r 1 $FAST
             step "old build tg $m" timeout 300 .gpu-old/samesum bench --device cuda -m "$m" -p 0 \
