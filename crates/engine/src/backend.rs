@@ -173,6 +173,15 @@ pub trait Backend: Sync {
     /// A sequence's state as host values: position, the KV rows written so far,
     /// conv and delta-rule states (for comparing two runs bit for bit).
     fn download_state(&self, st: &Self::State) -> Result<Vec<f32>>;
+    /// Make a sequence's next `m` positions writable before a forward call
+    /// writes them (the forward functions call it first). A paged cache
+    /// allocates the blocks they fall in and copies those a fork shares;
+    /// a recorded step then replays over them. Default: nothing (the CPU
+    /// allocates as it writes).
+    fn reserve(&self, st: &mut Self::State, m: usize) -> Result<()> {
+        let _ = (st, m);
+        Ok(())
+    }
     /// Move a sequence past `m` rows (after a forward call wrote them).
     fn advance(&self, st: &mut Self::State, m: usize);
     /// A copy of a sequence's state with a context of `ctx` tokens (at least

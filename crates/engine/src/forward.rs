@@ -157,7 +157,7 @@ pub fn forward_batch<B: Backend>(
             tokens: vec![None; segs.len()],
         });
     }
-    for s in segs.iter() {
+    for s in segs.iter_mut() {
         let (pos, n) = (b.position(s.state), s.tokens.len());
         if pos + n > b.capacity(s.state) {
             return Err(EngineError::ContextFull {
@@ -165,6 +165,7 @@ pub fn forward_batch<B: Backend>(
                 ctx: b.capacity(s.state),
             });
         }
+        b.reserve(s.state, n)?;
     }
     if let [seg] = &mut *segs
         && let [token] = seg.tokens
@@ -417,6 +418,9 @@ pub fn decode_step<B: Backend>(
     token: u32,
     want: Logits,
 ) -> Result<BatchLogits> {
+    // Its position writable before anything is recorded (a no-op where
+    // forward_batch reserved it).
+    b.reserve(st, 1)?;
     let d = model.hp.n_embd;
     let mut step = match b.take_step(st) {
         Some(s) => s,
@@ -488,7 +492,7 @@ fn run_decode_step<B: Backend>(
 /// The layer stack over one sequence's rows: `h` (the embedded rows) is
 /// updated in place, `x` and `y` are scratch of the same size. This is what
 /// [`forward_batch`] runs for a single sequence, and what [`decode_step`]
-/// records.
+/// records. The caller has reserved the rows ([`Backend::reserve`]).
 pub fn layers_one<B: Backend>(
     model: &Model,
     b: &B,
@@ -591,6 +595,8 @@ fn pair_in_order<B: Backend>(
             ctx: b.capacity(st),
         });
     }
+    // Both chunks' positions, before either lane runs.
+    b.reserve(st, n0 + n1)?;
     let n_layers = model.w.layers.len();
     let mut bufs: Vec<(B::Buf, B::Buf, B::Buf)> = Vec::with_capacity(2);
     let run =

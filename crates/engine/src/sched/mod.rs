@@ -623,6 +623,16 @@ impl<'a, B: Backend> Scheduler<'a, B> {
         // backend runs the leading one-row sequences of a call in one launch
         // per op (`Backend::attention_seqs`); any order gives the same bytes.
         plan.sort_unstable_by_key(|&(i, _)| (self.running[i].next.is_none(), i));
+        if self.reserve_rows(&mut plan, &mut out) {
+            if plan.is_empty() {
+                return out;
+            }
+            prefill_rows = plan
+                .iter()
+                .filter(|&&(i, _)| self.running[i].next.is_none())
+                .map(|&(_, n)| n)
+                .sum();
+        }
         self.stats.max_step_seqs = self.stats.max_step_seqs.max(plan.len());
         let t0 = Instant::now();
         let tokens: Vec<Vec<u32>> = plan
@@ -773,6 +783,56 @@ impl<'a, B: Backend> Scheduler<'a, B> {
             &s.history[..fed],
             &mut self.stats,
         );
+    }
+
+    /// Make each planned request's rows writable on its own before the step
+    /// ([`Backend::reserve`]: a paged cache takes its blocks here). A request
+    /// the device has no memory for fails alone, after the prefix cache is
+    /// emptied once to make room; the rest of the step runs. Returns whether
+    /// a request failed (`plan` then holds the others, renumbered).
+    fn reserve_rows(&mut self, plan: &mut Vec<(usize, usize)>, out: &mut Vec<Output>) -> bool {
+        let b = self.b;
+        let mut lost = Vec::new();
+        for &(i, n) in plan.iter() {
+            let mut r = b.reserve(&mut self.running[i].state, n);
+            if r.is_err() && !self.cache.is_empty() {
+                self.cache.clear();
+                self.stats.prefix_cleared += 1;
+                r = b.reserve(&mut self.running[i].state, n);
+            }
+            if let Err(e) = r {
+                lost.push((i, e));
+            }
+        }
+        if lost.is_empty() {
+            return false;
+        }
+        let mut gone = vec![false; self.running.len()];
+        for (i, e) in lost {
+            let r = &self.running[i];
+            gone[i] = true;
+            self.stats.kv_reserved -= r.need;
+            out.push(Output::Failed {
+                id: r.id,
+                error: format!("no memory for the request's KV cache: {e}"),
+            });
+        }
+        let mut to = vec![0; gone.len()];
+        let mut k = 0;
+        for (i, &g) in gone.iter().enumerate() {
+            to[i] = k;
+            k += usize::from(!g);
+        }
+        plan.retain(|&(i, _)| !gone[i]);
+        for p in plan.iter_mut() {
+            p.0 = to[p.0];
+        }
+        let mut i = 0;
+        self.running.retain(|_| {
+            i += 1;
+            !gone[i - 1]
+        });
+        true
     }
 
     /// A state for `prompt` with a context of `ctx`: a copy of the longest

@@ -5,7 +5,11 @@
 //! that could never fit; cancel and finish give their reservation back.
 
 use super::*;
+use crate::Result;
+use crate::backend::Norm;
 use crate::cpu::Cpu;
+use crate::model::weights::{AttentionW, DeltaNetW, MoeW};
+use crate::state::SeqState;
 use samesum_gguf::GgmlType;
 use samesum_synth::{SynthOptions, shapes, write_model};
 
@@ -471,5 +475,200 @@ fn step_time_splits_into_forward_and_host() {
         forward + st.host_seconds <= wall + 1e-6,
         "{forward} + {} > {wall}",
         st.host_seconds
+    );
+}
+
+/// The CPU backend whose [`Backend::reserve`] fails the first `fails` calls
+/// for a state at position 0 taking `rows` rows (a request's first prompt
+/// chunk): a device without memory for one request's KV blocks.
+struct NoMemoryFor<'a> {
+    cpu: &'a Cpu,
+    rows: usize,
+    fails: std::sync::atomic::AtomicUsize,
+}
+
+impl Backend for NoMemoryFor<'_> {
+    type Buf = Vec<f32>;
+    type Graph = ();
+    type State = SeqState;
+
+    fn name(&self) -> String {
+        self.cpu.name()
+    }
+    fn alloc(&self, n: usize) -> Result<Vec<f32>> {
+        self.cpu.alloc(n)
+    }
+    fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
+        self.cpu.upload(host)
+    }
+    fn download(&self, buf: &Vec<f32>) -> Result<Vec<f32>> {
+        self.cpu.download(buf)
+    }
+    fn new_state(&self, model: &Model, ctx: usize, kv: KvType) -> Result<SeqState> {
+        self.cpu.new_state(model, ctx, kv)
+    }
+    fn position(&self, st: &SeqState) -> usize {
+        self.cpu.position(st)
+    }
+    fn capacity(&self, st: &SeqState) -> usize {
+        self.cpu.capacity(st)
+    }
+    fn download_state(&self, st: &SeqState) -> Result<Vec<f32>> {
+        self.cpu.download_state(st)
+    }
+    fn reserve(&self, st: &mut SeqState, m: usize) -> Result<()> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if st.pos == 0 && m == self.rows && self.fails.load(Relaxed) > 0 {
+            self.fails.fetch_sub(1, Relaxed);
+            return Err(crate::EngineError::Alloc {
+                what: "KV cache",
+                ctx: st.ctx,
+                bytes: 1 << 40,
+            });
+        }
+        self.cpu.reserve(st, m)
+    }
+    fn advance(&self, st: &mut SeqState, m: usize) {
+        self.cpu.advance(st, m)
+    }
+    fn fork_state(&self, st: &SeqState, ctx: usize) -> Result<SeqState> {
+        self.cpu.fork_state(st, ctx)
+    }
+    fn rows(&self, x: &Vec<f32>, width: usize, r0: usize, n: usize) -> Result<Vec<f32>> {
+        self.cpu.rows(x, width, r0, n)
+    }
+    fn set_rows(&self, dst: &mut Vec<f32>, width: usize, r0: usize, src: &Vec<f32>) -> Result<()> {
+        self.cpu.set_rows(dst, width, r0, src)
+    }
+    fn embed(&self, model: &Model, tokens: &[u32], out: &mut Vec<f32>) -> Result<()> {
+        self.cpu.embed(model, tokens, out)
+    }
+    fn rms_norm(&self, model: &Model, which: Norm, x: &Vec<f32>, out: &mut Vec<f32>) -> Result<()> {
+        self.cpu.rms_norm(model, which, x, out)
+    }
+    fn add(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> Result<()> {
+        self.cpu.add(acc, x)
+    }
+    fn attention(
+        &self,
+        model: &Model,
+        l: usize,
+        a: &AttentionW,
+        x: &Vec<f32>,
+        st: &mut SeqState,
+        y: &mut Vec<f32>,
+    ) -> Result<()> {
+        self.cpu.attention(model, l, a, x, st, y)
+    }
+    fn delta_net(
+        &self,
+        model: &Model,
+        l: usize,
+        dn: &DeltaNetW,
+        x: &Vec<f32>,
+        st: &mut SeqState,
+        y: &mut Vec<f32>,
+    ) -> Result<()> {
+        self.cpu.delta_net(model, l, dn, x, st, y)
+    }
+    fn moe(&self, model: &Model, mw: &MoeW, x: &Vec<f32>, y: &mut Vec<f32>) -> Result<()> {
+        self.cpu.moe(model, mw, x, y)
+    }
+    fn logits(&self, model: &Model, h: &Vec<f32>, rows: &[usize]) -> Result<Vec<f32>> {
+        self.cpu.logits(model, h, rows)
+    }
+}
+
+/// Run `reqs` together on `b` (all submitted at once), returning each
+/// one's bytes, or None where it failed, with the failure's text.
+fn run_all<B: Backend>(
+    model: &Model,
+    b: &B,
+    cache: u64,
+    reqs: &[Request],
+) -> (Vec<Option<Bytes>>, Vec<String>, Stats) {
+    let mut s = Scheduler::new(model, b, config(4, cache, None));
+    let ids: Vec<SeqId> = reqs.iter().map(|r| s.submit(r.clone()).unwrap()).collect();
+    let mut got = vec![Some(Bytes::default()); reqs.len()];
+    let mut errors = Vec::new();
+    let mut steps = 0;
+    while !s.is_idle() {
+        for o in s.step() {
+            for (k, &id) in ids.iter().enumerate() {
+                match &o {
+                    Output::Failed { id: i, error } if *i == id => {
+                        got[k] = None;
+                        errors.push(error.clone());
+                    }
+                    _ => {
+                        if let Some(g) = got[k].as_mut() {
+                            record(std::slice::from_ref(&o), id, g);
+                        }
+                    }
+                }
+            }
+        }
+        steps += 1;
+        assert!(steps < 1000, "the scheduler made no progress");
+    }
+    (got, errors, s.stats())
+}
+
+/// A request whose KV blocks the device cannot give fails alone: the
+/// requests beside it in the same steps get the bytes they get alone and
+/// its reservation is given back. With a prefix cache to empty, the cache
+/// gives its memory and nothing fails.
+#[test]
+fn a_request_without_memory_for_its_cache_fails_alone() {
+    let (_d, model) = model("tiny-qwen35moe");
+    let cpu = Cpu::new(2);
+    let reqs = [
+        request(tokens(40, 1), 6, false),
+        request(tokens(5, 2), 6, true),
+        request(tokens(23, 3), 6, false),
+    ];
+    let want: Vec<Bytes> = reqs.iter().map(|r| alone(&model, &cpu, r)).collect();
+    let b = NoMemoryFor {
+        cpu: &cpu,
+        rows: 5,
+        fails: 1.into(),
+    };
+    let (got, errors, st) = run_all(&model, &b, 0, &reqs);
+    assert_eq!(got[0].as_ref(), Some(&want[0]));
+    assert_eq!(got[1], None, "the request without memory did not fail");
+    assert_eq!(got[2].as_ref(), Some(&want[2]));
+    assert_eq!(errors.len(), 1);
+    assert!(errors[0].contains("no memory"), "{}", errors[0]);
+    assert_eq!((st.running, st.kv_reserved), (0, 0));
+    // The control: without the failure, all three get their bytes.
+    let (got, errors, _) = run_all(&model, &cpu, 0, &reqs);
+    assert!(errors.is_empty());
+    assert_eq!(got, want.iter().cloned().map(Some).collect::<Vec<_>>());
+
+    // With a saved state in the prefix cache, the cache is emptied and the
+    // reservation tried again: every request gets its bytes.
+    let b = NoMemoryFor {
+        cpu: &cpu,
+        rows: 5,
+        fails: 1.into(),
+    };
+    let mut s = Scheduler::new(&model, &b, config(4, 64 << 20, None));
+    let first = s.submit(reqs[0].clone()).unwrap();
+    let mut g0 = Bytes::default();
+    while !s.is_idle() {
+        record(&s.step(), first, &mut g0);
+    }
+    assert_eq!(g0, want[0]);
+    assert!(s.stats().prefix_entries > 0, "nothing was saved to empty");
+    let id = s.submit(reqs[1].clone()).unwrap();
+    let mut g1 = Bytes::default();
+    while !s.is_idle() {
+        record(&s.step(), id, &mut g1);
+    }
+    assert_eq!(g1, want[1]);
+    assert_eq!(
+        s.stats().prefix_cleared,
+        1,
+        "the cache was not emptied once"
     );
 }
