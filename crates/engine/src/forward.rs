@@ -411,16 +411,14 @@ fn picked_count(got: usize, rows: usize) -> EngineError {
 /// replay the recording. The recording holds the same calls with the same
 /// arguments (the backend reads the position from the state at replay), so
 /// every step computes the bytes of [`layers_one`] on its row.
-pub fn decode_step<B: Backend>(
+/// [`forward_batch`] (its caller) has reserved the row's position.
+fn decode_step<B: Backend>(
     model: &Model,
     b: &B,
     st: &mut B::State,
     token: u32,
     want: Logits,
 ) -> Result<BatchLogits> {
-    // Its position writable before anything is recorded (a no-op where
-    // forward_batch reserved it).
-    b.reserve(st, 1)?;
     let d = model.hp.n_embd;
     let mut step = match b.take_step(st) {
         Some(s) => s,
