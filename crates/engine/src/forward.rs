@@ -489,7 +489,7 @@ fn run_decode_step<B: Backend>(
 
 /// The layer stack over one sequence's rows: `h` (the embedded rows) is
 /// updated in place, `x` and `y` are scratch of the same size. This is what
-/// [`forward_batch`] runs for a single sequence, and what [`decode_step`]
+/// [`forward_batch`] runs for a single sequence, and what `decode_step`
 /// records. The caller has reserved the rows ([`Backend::reserve`]).
 pub fn layers_one<B: Backend>(
     model: &Model,
