@@ -411,16 +411,14 @@ fn picked_count(got: usize, rows: usize) -> EngineError {
 /// replay the recording. The recording holds the same calls with the same
 /// arguments (the backend reads the position from the state at replay), so
 /// every step computes the bytes of [`layers_one`] on its row.
-pub fn decode_step<B: Backend>(
+/// [`forward_batch`] (its caller) has reserved the row's position.
+fn decode_step<B: Backend>(
     model: &Model,
     b: &B,
     st: &mut B::State,
     token: u32,
     want: Logits,
 ) -> Result<BatchLogits> {
-    // Its position writable before anything is recorded (a no-op where
-    // forward_batch reserved it).
-    b.reserve(st, 1)?;
     let d = model.hp.n_embd;
     let mut step = match b.take_step(st) {
         Some(s) => s,
@@ -491,7 +489,7 @@ fn run_decode_step<B: Backend>(
 
 /// The layer stack over one sequence's rows: `h` (the embedded rows) is
 /// updated in place, `x` and `y` are scratch of the same size. This is what
-/// [`forward_batch`] runs for a single sequence, and what [`decode_step`]
+/// [`forward_batch`] runs for a single sequence, and what `decode_step`
 /// records. The caller has reserved the rows ([`Backend::reserve`]).
 pub fn layers_one<B: Backend>(
     model: &Model,

@@ -22,8 +22,8 @@ pub mod tokenizer;
 pub use backend::Backend;
 pub use error::{EngineError, Result};
 pub use forward::{
-    BatchLogits, DEFAULT_CHUNK, Logits, Segment, decode_step, forward, forward_batch,
-    forward_chunks, forward_pair, forward_pair_misordered, layers_one, prefill,
+    BatchLogits, DEFAULT_CHUNK, Logits, Segment, forward, forward_batch, forward_chunks,
+    forward_pair, forward_pair_misordered, layers_one, prefill,
 };
 pub use model::{Arch, HParams, Model};
 pub use state::{KvType, SeqState};

@@ -451,13 +451,8 @@ fn flash_decode_rows_of_several_sequences_equal_each_alone() {
             .map(|&n| (0..n + steps).map(|_| rng.below(v) as u32).collect())
             .collect();
         for kv in [KvType::F16, KvType::F32] {
-            let state = || cuda.new_state(model, 1100 + steps, kv).unwrap();
-            let mut together: Vec<_> = lens.iter().map(|_| state()).collect();
-            let mut alone: Vec<_> = lens.iter().map(|_| state()).collect();
-            for (i, &n) in lens.iter().enumerate() {
-                forward(model, &cuda, &mut together[i], &toks[i][..n], Logits::Last).unwrap();
-                forward(model, &cuda, &mut alone[i], &toks[i][..n], Logits::Last).unwrap();
-            }
+            let [mut together, mut alone] =
+                prefilled_twice(model, &cuda, &toks, &lens, 1100 + steps, kv);
             for k in 0..steps {
                 let mut segs: Vec<Segment<'_, _>> = together
                     .iter_mut()
@@ -606,28 +601,9 @@ fn leading_decode_rows_beside_prompt_chunks_equal_each_alone() {
             .iter()
             .map(|&n| (0..n).map(|_| rng.below(v) as u32).collect())
             .collect();
-        let state = || cuda.new_state(&model, 800, KvType::F16).unwrap();
-        let mut together: Vec<_> = (0..4).map(|_| state()).collect();
-        let mut alone: Vec<_> = (0..4).map(|_| state()).collect();
+        let [mut together, mut alone] =
+            prefilled_twice(&model, &cuda, &toks, &lens, 800, KvType::F16);
         let mut at = lens;
-        for i in 0..4 {
-            forward(
-                &model,
-                &cuda,
-                &mut together[i],
-                &toks[i][..lens[i]],
-                Logits::Last,
-            )
-            .unwrap();
-            forward(
-                &model,
-                &cuda,
-                &mut alone[i],
-                &toks[i][..lens[i]],
-                Logits::Last,
-            )
-            .unwrap();
-        }
         for (k, (rows, lead)) in steps.iter().enumerate() {
             let before = cuda.one_launch_attention_rows();
             let mut segs: Vec<Segment<'_, _>> = together

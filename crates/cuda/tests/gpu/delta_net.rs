@@ -133,13 +133,8 @@ fn delta_net_decode_rows_of_several_sequences_equal_each_alone() {
             .iter()
             .map(|&n| (0..n + steps).map(|_| rng.below(v) as u32).collect())
             .collect();
-        let state = || cuda.new_state(&model, 128, KvType::F32).unwrap();
-        let mut together: Vec<_> = lens.iter().map(|_| state()).collect();
-        let mut alone: Vec<_> = lens.iter().map(|_| state()).collect();
-        for (i, &n) in lens.iter().enumerate() {
-            forward(&model, &cuda, &mut together[i], &toks[i][..n], Logits::Last).unwrap();
-            forward(&model, &cuda, &mut alone[i], &toks[i][..n], Logits::Last).unwrap();
-        }
+        let [mut together, mut alone] =
+            prefilled_twice(&model, &cuda, &toks, &lens, 128, KvType::F32);
         for k in 0..steps {
             let mut segs: Vec<Segment<'_, _>> = together
                 .iter_mut()

@@ -74,6 +74,29 @@ fn test_tokens(model: &Model, salt: u32) -> Vec<u32> {
         .collect()
 }
 
+/// Two sets of states of context `ctx` with the cache type `kv`, state `i`
+/// of each prefilled with `toks[i][..lens[i]]`: the sequences a batched
+/// step test runs together, and the same sequences to step alone.
+fn prefilled_twice(
+    model: &Model,
+    cuda: &Cuda,
+    toks: &[Vec<u32>],
+    lens: &[usize],
+    ctx: usize,
+    kv: KvType,
+) -> [Vec<<Cuda as Backend>::State>; 2] {
+    [(); 2].map(|_| {
+        lens.iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let mut st = cuda.new_state(model, ctx, kv).unwrap();
+                forward(model, cuda, &mut st, &toks[i][..n], Logits::Last).unwrap();
+                st
+            })
+            .collect()
+    })
+}
+
 fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
 }
@@ -721,19 +744,8 @@ fn recorded_steps_of_several_sequences_equal_each_alone() {
             .collect();
         for kv in [KvType::F16, KvType::F32] {
             let ctx = 1030 + plan.len() + 1;
-            let mut together: Vec<_> = lens
-                .iter()
-                .map(|_| cuda.new_state(&model, ctx, kv).unwrap())
-                .collect();
-            let mut alone: Vec<_> = lens
-                .iter()
-                .map(|_| cuda.new_state(&model, ctx, kv).unwrap())
-                .collect();
+            let [mut together, mut alone] = prefilled_twice(&model, &cuda, &toks, &lens, ctx, kv);
             let mut fed = lens.to_vec();
-            for (i, &n) in lens.iter().enumerate() {
-                forward(&model, &cuda, &mut together[i], &toks[i][..n], Logits::Last).unwrap();
-                forward(&model, &cuda, &mut alone[i], &toks[i][..n], Logits::Last).unwrap();
-            }
             for (k, seqs) in plan.iter().enumerate() {
                 // The step's sequences in the plan's order, each one token.
                 let mut states: Vec<Option<&mut _>> = together.iter_mut().map(Some).collect();
@@ -826,30 +838,8 @@ fn a_recorded_step_of_twenty_sequences_equals_each_alone() {
             .map(|&l| (0..l + steps).map(|_| rng.below(v) as u32).collect())
             .collect();
         let ctx = lens[n - 1] + steps + 1;
-        let mut together: Vec<_> = (0..n)
-            .map(|_| cuda.new_state(&model, ctx, KvType::F16).unwrap())
-            .collect();
-        let mut alone: Vec<_> = (0..n)
-            .map(|_| cuda.new_state(&model, ctx, KvType::F16).unwrap())
-            .collect();
-        for i in 0..n {
-            forward(
-                &model,
-                &cuda,
-                &mut together[i],
-                &toks[i][..lens[i]],
-                Logits::Last,
-            )
-            .unwrap();
-            forward(
-                &model,
-                &cuda,
-                &mut alone[i],
-                &toks[i][..lens[i]],
-                Logits::Last,
-            )
-            .unwrap();
-        }
+        let [mut together, mut alone] =
+            prefilled_twice(&model, &cuda, &toks, &lens, ctx, KvType::F16);
         for k in 0..steps {
             let mut segs: Vec<Segment<'_, _>> = together
                 .iter_mut()
