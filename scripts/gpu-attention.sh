@@ -27,11 +27,13 @@
 # table of 64 sequences a step, on qwen3moe-30b-a3b and qwen35moe-35b-a3b at
 # the q4_k_m mix, qwen3moe with YaRN x4 so that 65,536 fits), agree
 # (teacher-forced agreement with the reference and the probe), bench (pp and
-# tg at depth, several sequences a step; samesum and the old build), serving
+# tg at depth, several sequences a step; samesum and the old build, prefill too), serving
 # (not in the default steps: `samesum serve` with 8 and 64 streaming clients
 # against llama-batched-bench, both builds, and a follow-up chat turn of an
-# ~8,000-token conversation from the prefix cache against cold), llama
-# (llama.cpp's figures on the same files). The models and llama.cpp are made in the background from the
+# ~8,000-token conversation from the prefix cache against cold;
+# SAMESUM_ATT_SERVE_BINS picks the builds, default ".gpu .gpu-old"), llama
+# (llama.cpp's figures on the same files). SAMESUM_ATT_PP=0 leaves
+# prefill out of bench and llama. The models and llama.cpp are made in the background from the
 # start. Results: OUT/log.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -98,14 +100,21 @@ run)
         local t0=$SECONDS
         echo "=== $name"
         "$@"
-        echo "=== $name: rc=$? ($((SECONDS - t0)) s)"
+        local rc=$?
+        echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
+        return $rc
     }
     if [[ $steps == *,compile,* ]]; then
         step compile .gpu/test-kernels_compile --nocapture
     fi
     if [[ $steps == *,tests,* ]]; then
-        step tests .gpu/test-gpu attention flash f16_kv sequences_batched every_block_op \
-            graph_replayed moe_combine forked batched several_sequences greedy recorded --include-ignored --test-threads=1
+        filter=(attention flash f16_kv sequences_batched every_block_op graph_replayed moe_combine
+            forked batched several_sequences greedy recorded paged)
+        # Where they fail and .gpu-sg/test-gpu is there (the tests of the
+        # build below this one's last change), those run too.
+        step tests .gpu/test-gpu "${filter[@]}" --include-ignored --test-threads=1 ||
+            { [ -x .gpu-sg/test-gpu ] && step "tests, .gpu-sg" .gpu-sg/test-gpu "${filter[@]}" \
+                --include-ignored --test-threads=1; }
     fi
     if [[ $steps == *,identity,* ]]; then
         for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
@@ -148,8 +157,10 @@ run)
         for m in "$q35" "$q3"; do
             pp=4096,16384
             [ "$m" = "$q35" ] && pp=4096,16384,32768
-            step "samesum pp $m" timeout 600 .gpu/samesum bench --device cuda -m "$m" -p "$pp" \
-                -n 0 -r 1 --prefill batched $FAST
+            [ "${SAMESUM_ATT_PP:-1}" = 1 ] && step "samesum pp $m" timeout 600 .gpu/samesum bench \
+                --device cuda -m "$m" -p "$pp" -n 0 -r 1 --prefill batched $FAST
+            [ "${SAMESUM_ATT_PP:-1}" = 1 ] && step "old build pp $m" timeout 600 .gpu-old/samesum bench \
+                --device cuda -m "$m" -p "$pp" -n 0 -r 1 --prefill batched --attention fast --kv-type f16
             step "samesum tg $m" timeout 600 .gpu/samesum bench --device cuda -m "$m" -p 0 \
                 -n 128 -d 0,16384,65536 -r 1 $FAST
             step "old build tg $m" timeout 300 .gpu-old/samesum bench --device cuda -m "$m" -p 0 \
@@ -178,7 +189,7 @@ run)
                 sleep 1
             done
         }
-        for bin in .gpu .gpu-old; do
+        for bin in ${SAMESUM_ATT_SERVE_BINS:-.gpu .gpu-old}; do
             serve "${bin#.}" "$bin"
             for c in 8 64; do
                 step "serving $bin $c clients" timeout 300 .gpu/samesum bench-serve \
@@ -207,7 +218,7 @@ run)
         for m in "$q35" "$q3"; do
             pp=4096,16384
             [ "$m" = "$q35" ] && pp=4096,16384,32768
-            step "llama.cpp pp $m" timeout 600 "$llama/llama-bench" -m "$m" -fa 1 -ub 2048 -ngl 99 \
+            [ "${SAMESUM_ATT_PP:-1}" = 1 ] && step "llama.cpp pp $m" timeout 600 "$llama/llama-bench" -m "$m" -fa 1 -ub 2048 -ngl 99 \
                 -r 1 -p "$pp" -n 0
             step "llama.cpp tg $m" timeout 600 "$llama/llama-bench" -m "$m" -fa 1 -ub 2048 -ngl 99 \
                 -r 1 -p 0 -n 128 -d 0,16384,65536

@@ -3,13 +3,19 @@
 //! for a side-by-side figure).
 //!
 //! `--clients` concurrent streams send `--requests` streaming completions
-//! (`/v1/completions`, a prompt of about `--prompt-tokens` tokens,
-//! `--max-tokens` generated with `ignore_eos`, temperature 0) over plain
+//! (`/v1/completions`, a prompt of `--prompt-tokens` tokens, `--max-tokens`
+//! generated with `ignore_eos`, temperature 0) over plain
 //! HTTP/1.1, one connection a request. The generator is deliberately light
 //! (one thread, raw sockets, no JSON parsing but for the final usage), so
 //! on a small machine it leaves the cores to the server. It prints the
 //! aggregate generated tokens per second, the per-stream rate and the time
 //! to first token (p50, p99).
+//!
+//! The prompts are token ids (as llama-batched-bench's are): filler text,
+//! different per request from its first tokens on, tokenized once by the
+//! server's `/tokenize` (llama.cpp's endpoint) and cut to exactly
+//! `--prompt-tokens`. A server without `/tokenize` gets the filler text, one
+//! word a token or more, and the table says the length is approximate.
 
 use anyhow::{Context, Result, bail};
 use std::time::{Duration, Instant};
@@ -28,7 +34,7 @@ pub(crate) struct Args {
     /// Requests in all (default: 4 per client).
     #[arg(long)]
     requests: Option<usize>,
-    /// Prompt length in tokens, about (words of filler text).
+    /// Prompt length in tokens (exact where the server has `/tokenize`).
     #[arg(long, default_value_t = 64)]
     prompt_tokens: usize,
     /// Tokens generated per request (1 to 65,536; `ignore_eos`).
@@ -77,6 +83,61 @@ fn prompt_text(n: usize, i: usize) -> String {
         s.push_str(WORDS[(k * 7 + i) % WORDS.len()]);
     }
     s
+}
+
+/// POST `body` to `path` and return the response's body, failing on a
+/// status other than 200.
+async fn post(auth: &str, key: &str, path: &str, body: &str) -> Result<String> {
+    let mut s = TcpStream::connect(auth)
+        .await
+        .with_context(|| format!("connecting to {auth}"))?;
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nHost: {auth}\r\nContent-Type: application/json\r\n{key}Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await?;
+    let mut buf = Vec::new();
+    (&mut s).take(256 << 20).read_to_end(&mut buf).await?;
+    let text = String::from_utf8_lossy(&buf);
+    let (head, rest) = text
+        .split_once("\r\n\r\n")
+        .with_context(|| format!("{path}: no HTTP response"))?;
+    let status = head.lines().next().unwrap_or("");
+    if !status.contains(" 200") {
+        bail!("{path}: the server answered {status}");
+    }
+    Ok(rest.to_string())
+}
+
+/// The prompts: `n` token ids each, request `i`'s from filler text that
+/// differs from its first word, cut from the server's tokenization of that
+/// text. `None` where the server cannot tokenize.
+async fn token_prompts(auth: &str, key: &str, n: usize, requests: usize) -> Option<Vec<Vec<u64>>> {
+    let mut out = Vec::with_capacity(requests);
+    for i in 0..requests {
+        // One word is one token or more, so `words` words give `n` tokens
+        // at least; the loop doubles them where a tokenizer merges words.
+        let mut words = n + 3;
+        loop {
+            let body = serde_json::json!({"content": prompt_text(words, i)}).to_string();
+            let r = post(auth, key, "/tokenize", &body).await.ok()?;
+            let v: serde_json::Value = serde_json::from_str(&r).ok()?;
+            let ids: Vec<u64> = v["tokens"]
+                .as_array()?
+                .iter()
+                .map(|t| t.as_u64())
+                .collect::<Option<_>>()?;
+            if ids.len() >= n {
+                out.push(ids[..n].to_vec());
+                break;
+            }
+            if words > 8 * (n + 3) {
+                return None;
+            }
+            words *= 2;
+        }
+    }
+    Some(out)
 }
 
 /// One streaming completion: time to the first data event, to the end, and
@@ -183,11 +244,26 @@ pub(crate) fn run(a: Args) -> Result<()> {
         None => std::sync::Arc::new(String::new()),
     };
     let timeout = Duration::from_secs(a.timeout.max(1));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let ids = if a.prompt_tokens == 0 {
+        None
+    } else {
+        rt.block_on(token_prompts(&auth, &key, a.prompt_tokens, requests))
+    };
+    if ids.is_none() && a.prompt_tokens > 0 {
+        eprintln!("the server did not tokenize the prompts (/tokenize): sending text, about one token a word");
+    }
     let bodies: Vec<String> = (0..requests)
         .map(|i| {
+            let prompt = match &ids {
+                Some(ids) => serde_json::json!(ids[i]),
+                None => serde_json::json!(prompt_text(a.prompt_tokens, i)),
+            };
             serde_json::json!({
                 "model": a.model,
-                "prompt": prompt_text(a.prompt_tokens, i),
+                "prompt": prompt,
                 "max_tokens": a.max_tokens,
                 "temperature": 0,
                 "ignore_eos": true,
@@ -197,9 +273,6 @@ pub(crate) fn run(a: Args) -> Result<()> {
             .to_string()
         })
         .collect();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
     let bodies = std::sync::Arc::new(bodies);
     let auth: std::sync::Arc<str> = auth.into();
     let (samples, wall) = rt.block_on(async {
@@ -240,9 +313,10 @@ pub(crate) fn run(a: Args) -> Result<()> {
     );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     println!(
-        "| {} | {} | ~{} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.3} |",
+        "| {} | {} | {}{} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.3} |",
         a.clients,
         requests,
+        if ids.is_some() { "" } else { "~" },
         a.prompt_tokens,
         a.max_tokens,
         tokens,

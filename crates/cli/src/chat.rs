@@ -96,7 +96,7 @@ pub(crate) fn converse<B: Backend>(
             .unwrap_or_default(),
         fed: Vec::new(),
     };
-    let mut st = b.new_state(model, s.ctx, s.kv)?;
+    let mut st = crate::run::state_with_room(b, model, s.ctx, s.kv, s.ctx)?;
     let mut sampler = Sampler::new(s.sampling.clone());
     let mut input = stdin.lock();
     let mut line = String::new();
@@ -138,7 +138,7 @@ pub(crate) fn converse<B: Backend>(
                     rendered = tokens.len(),
                     "conversation: the rendering does not extend the tokens fed; prefilling the whole conversation into a fresh state"
                 );
-                st = b.new_state(model, s.ctx, s.kv)?;
+                st = crate::run::state_with_room(b, model, s.ctx, s.kv, s.ctx)?;
                 h.fed.clear();
                 &tokens[..]
             }

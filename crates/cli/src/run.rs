@@ -377,7 +377,7 @@ fn generate<B: Backend>(
     stop: &AtomicBool,
 ) -> Result<()> {
     eprintln!("backend: {}", b.name());
-    let mut st = b.new_state(model, ctx, kv)?;
+    let mut st = state_with_room(b, model, ctx, kv, prompt.len() + n_predict)?;
     let mut sampler = Sampler::new(sampling);
     let t_prompt = Instant::now();
     let mut logits = Vec::new();
@@ -467,6 +467,23 @@ impl std::error::Error for Interrupted {}
 
 /// Open and bind the model, touching every page of the mapping once with a
 /// progress bar, so the first token does not pay for page faults.
+/// A new state of `ctx` positions whose first `need` are made writable now
+/// ([`Backend::reserve`]): a device without memory for the cache the
+/// command will fill says so before the prompt runs, not partway through.
+pub(crate) fn state_with_room<B: Backend>(
+    b: &B,
+    model: &Model,
+    ctx: usize,
+    kv: KvType,
+    need: usize,
+) -> Result<B::State> {
+    let mut st = b.new_state(model, ctx, kv)?;
+    b.reserve(&mut st, need).with_context(|| {
+        format!("no device memory for the KV cache of {need} positions (lower -c or -n)")
+    })?;
+    Ok(st)
+}
+
 pub(crate) fn load_with_progress(path: &std::path::Path) -> Result<Model> {
     let model = Model::load(path)?;
     let bytes = model.bytes();

@@ -985,7 +985,8 @@ fn run_interrupted_during_the_prefill_reports_how_far_it_got_and_exits_130() {
 }
 
 /// `samesum bench-serve` against a running `samesum serve`: every request
-/// answered, the generated tokens counted from the final usage (4 requests
+/// answered with a prompt of exactly the asked tokens (tokenized by the
+/// server), the generated tokens counted from the final usage (4 requests
 /// of 8 tokens), the table printed; and a server that is not there is a
 /// plain error.
 #[test]
@@ -1020,13 +1021,25 @@ fn bench_serve_loads_a_running_server() {
         "--prompt-tokens",
         "16",
     ]);
+    // The prompts were token ids, 16 each: the server prefilled 4 x 16.
+    let metrics = std::process::Command::new("curl")
+        .args(["-s", &format!("{url}/metrics")])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+        .unwrap_or_default();
     let _ = child.kill();
     let _ = child.wait();
     assert!(ok, "{err}");
     let row = out.lines().last().unwrap_or("");
     let cells: Vec<&str> = row.split('|').map(str::trim).collect();
     // | clients | requests | prompt | max | generated | tok/s | per-stream | p50 | p99 | wall |
-    assert_eq!(&cells[1..6], &["2", "4", "~16", "8", "32"], "{out}");
+    assert_eq!(&cells[1..6], &["2", "4", "16", "8", "32"], "{out}");
+    if !metrics.is_empty() {
+        assert!(
+            metrics.contains("samesum_prompt_tokens_total 64\n"),
+            "{metrics}"
+        );
+    }
     let tps: f64 = cells[6].parse().unwrap();
     let wall: f64 = cells[10].parse().unwrap();
     assert!(tps > 0.0 && wall > 0.0, "{out}");

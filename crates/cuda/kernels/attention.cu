@@ -41,24 +41,39 @@ __device__ __forceinline__ void rope_pair(float* head, int i, int n_rot, RopeP r
 // with the same head of v. q is read in place from the projection's rows
 // (`q_row` floats a row, `q_head` floats between heads: the gated projection
 // interleaves q and gate heads).
+// The KV cache of one layer and sequence is paged: blocks of KV_BLOCK
+// positions (the engine's `state::KV_BLOCK`), block b's key rows at kt[b]
+// and its value rows at vt[b] (the block tables), each row kvw values of
+// `el` bytes. A block is allocated when the sequence first reaches it and
+// may be shared with other sequences (a forked prefix) until written.
+// kv_block_base(t, j, ..) is the address of block j / KV_BLOCK less the
+// rows before it, so that position j' of that block sits at row j' from it
+// as in one contiguous cache: a tile within one block indexes its keys by
+// position, as before paging.
+#define KV_BLOCK 256
+__device__ __forceinline__ const void* kv_block_base(const u64* t, int j, int kvw, int el) {
+    int b = j / KV_BLOCK;
+    return (const void*)(t[b] - (u64)b * KV_BLOCK * (u64)kvw * (u64)el);
+}
+
 // Where a row's position and cache are: one sequence's rows at pos0, pos0 +
-// 1, ... in one cache, or (OfSeqs) each row a sequence of its own, its cache
-// addresses and position in a table (kvt: m keys' caches, m values' caches,
-// m positions).
+// 1, ... in one cache, or (OfSeqs) each row a sequence of its own, its
+// cache's block tables and position in a table (kvt: m key tables, m value
+// tables, m positions).
 struct OneSeq {
     int pos0;
-    void* ck;
-    void* cv;
+    const u64* kt;
+    const u64* vt;
     __device__ __forceinline__ int pos(int r) const { return pos0 + r; }
-    __device__ __forceinline__ void* k(int) const { return ck; }
-    __device__ __forceinline__ void* v(int) const { return cv; }
+    __device__ __forceinline__ const u64* k(int) const { return kt; }
+    __device__ __forceinline__ const u64* v(int) const { return vt; }
 };
 struct OfSeqs {
     const u64* kvt;
     int m;
     __device__ __forceinline__ int pos(int r) const { return (int)kvt[2 * m + r]; }
-    __device__ __forceinline__ void* k(int r) const { return (void*)kvt[r]; }
-    __device__ __forceinline__ void* v(int r) const { return (void*)kvt[m + r]; }
+    __device__ __forceinline__ const u64* k(int r) const { return (const u64*)kvt[r]; }
+    __device__ __forceinline__ const u64* v(int r) const { return (const u64*)kvt[m + r]; }
 };
 
 template <typename Rows>
@@ -93,7 +108,9 @@ __device__ __forceinline__ void qk_norm_rope_kv_k(const float* qsrc, int q_row, 
     int kvw = hkv * hd;
     i64 at = (i64)pos * kvw + (i64)h * hd;
     const float* vr = v + (i64)r * kvw + (i64)h * hd;
-    void *ck = rows.k(r), *cv = rows.v(r);
+    int el = f16 ? 2 : 4;
+    void* ck = (void*)kv_block_base(rows.k(r), pos, kvw, el);
+    void* cv = (void*)kv_block_base(rows.v(r), pos, kvw, el);
     for (int i = lane; i < hd; i += 32) {
         if (f16) {
             ((u16*)ck)[at + i] = f32_to_f16_kv(sr[i]);
@@ -107,10 +124,10 @@ __device__ __forceinline__ void qk_norm_rope_kv_k(const float* qsrc, int q_row, 
 
 extern "C" __global__ void __launch_bounds__(256)
     qk_norm_rope_kv(const float* qsrc, int q_row, int q_head, const float* k, const float* v, const float* qnw,
-                    const float* knw, float* q, void* ck, void* cv, const int* posp, int m, int hq, int hkv, int hd,
-                    int n_rot, RopeP rp, float eps, int f16) {
+                    const float* knw, float* q, const u64* kt, const u64* vt, const int* posp, int m, int hq, int hkv,
+                    int hd, int n_rot, RopeP rp, float eps, int f16) {
     pdl_wait();
-    qk_norm_rope_kv_k(qsrc, q_row, q_head, k, v, qnw, knw, q, OneSeq{*posp, ck, cv}, m, hq, hkv, hd, n_rot, rp,
+    qk_norm_rope_kv_k(qsrc, q_row, q_head, k, v, qnw, knw, q, OneSeq{*posp, kt, vt}, m, hq, hkv, hd, n_rot, rp,
                       eps, f16);
 }
 
@@ -132,6 +149,7 @@ __device__ __forceinline__ float kv_at(const void* c, i64 i, int f16) {
 #define ATT_THREADS 256
 #define ATT_WARPS (ATT_THREADS / 32)
 #define ATT_T 256  // keys per tile: tile b holds positions [256 b, 256 b + 256)
+static_assert(ATT_T == KV_BLOCK, "a key tile is one block of the paged cache");
 #define AP 16      // (row, head) pairs per block
 #define ATT_HD 256 // largest head dim
 #define ATT_KB 2   // keys a step in the score pass for head dims over 128
@@ -452,7 +470,7 @@ __device__ __forceinline__ void tile_write_pml(const float (*wsum)[ATT_WARPS], c
 // attention_tiles_q4w runs this code for head dims other than 128 and 256;
 // attention_tiles runs it for every head dim, the reference the lean code
 // (below) gives the bytes of.
-__device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck, const void* cv, float* pml,
+__device__ __forceinline__ void attention_tiles_k(const float* q, const u64* kt, const u64* vt, float* pml,
                                                   float* pacc, int m, int hq, int hkv, int hd, const int* posp,
                                                   int rbase, float scale, int f16, int nb) {
     int pos0 = *posp + rbase;  // this call's row 0 is row rbase of the step
@@ -485,6 +503,9 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
     int mine = lane >> 1;
     float mx;
     int last = pos0 + r0 + mine / gs;
+    // The tile is block b of the paged cache: its keys' and values'
+    // addresses, found where each pass starts (short live ranges).
+    const void* ck = kv_block_base(kt, j0, kvw, f16 ? 2 : 4);
     if (hd <= 32) mx = tile_scores<1, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
     else if (hd <= 64) mx = tile_scores<2, 1, true>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
     else if (hd <= 128) mx = tile_scores<4, 4, false>(qs, st, ck, kvw, g, hd, last, j0, jend, np, scale, f16);
@@ -497,6 +518,7 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
     // the pairs over G groups of threads (pair p to group p % G), so every
     // thread works; each (pair, dim) is one thread's fma chain.
     int hdp = (hd + 31) / 32 * 32;
+    const void* cv = kv_block_base(vt, j0, kvw, f16 ? 2 : 4);
     switch (ATT_THREADS % hdp == 0 ? ATT_THREADS / hdp : 1) {
     case 8: tile_values<8>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
     case 4: tile_values<4>(cv, st, pacc, hdp, kvw, np, gs, g, hq, hd, r0, pos0, j0, jend, b, nb, f16); break;
@@ -510,10 +532,10 @@ __device__ __forceinline__ void attention_tiles_k(const float* q, const void* ck
 // launch it (Cuda::attention_host), to show the default kernels give its
 // bytes.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_tiles(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
+    attention_tiles(const float* q, const u64* kt, const u64* vt, float* pml, float* pacc, int m, int hq,
                     int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
     pdl_wait();
-    attention_tiles_k(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+    attention_tiles_k(q, kt, vt, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
 }
 
 // ---- attention_tiles_q4w and _q4w2: attention_tiles_k's arithmetic in lean code
@@ -726,7 +748,7 @@ __device__ __forceinline__ void wide_values(const T* vt, const float (*st)[ATT_S
 // H: halves of AP pairs a block (H = 2, attention_tiles_q4w2: its q and
 // score rows live in ATT_P32_SMEM bytes of dynamic shared memory).
 template <typename T, int H = 1>
-__device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, const T* cv, float* pml, float* pacc,
+__device__ __forceinline__ void attention_lean_k(const float* q, const u64* kt, const u64* vt, float* pml, float* pacc,
                                                  int m, int hq, int hkv, int hd, const int* posp, int rbase,
                                                  float scale, int nb) {
     static_assert(H == 1 || H == 2, "one or two halves of AP pairs");
@@ -783,6 +805,7 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
         nph[h] = H == 1 ? np : h == 0 ? min(np, AP) : max(np - AP, 0);
     }
     float mx[H];
+    const T* ck = (const T*)kv_block_base(kt, j0, kvw, sizeof(T));
     if (hd == 128) lean_scores_h<4, 4, H>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
     else lean_scores_h<8, ATT_KB, H>(qs, st, ck + tile0, kvw, mylast, n, nph, scale, mx);
     if ((lane & 1) == 0)
@@ -812,6 +835,7 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
     __syncthreads();
     // Each value pass's threads cover the block's NP pairs (P = NP / the
     // thread groups of hd / 4).
+    const T* cv = (const T*)kv_block_base(vt, j0, kvw, sizeof(T));
     if (H == 2 && hd == 128) wide_values<4, 8>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
     else if (H == 2) wide_values<8, 4>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
     else if (hd == 128) wide_values<2, 8>(cv + tile0, st, pacc, kvw, hd, pcnt, pout, n, b, nb);
@@ -825,15 +849,15 @@ __device__ __forceinline__ void attention_lean_k(const float* q, const T* ck, co
 
 // The 16-pair kernel's entry: head dims 128 and 256 (the real models') in
 // lean code, others in attention_tiles_k's code.
-__device__ __forceinline__ void attention_lean_entry(const float* q, const void* ck, const void* cv, float* pml,
+__device__ __forceinline__ void attention_lean_entry(const float* q, const u64* kt, const u64* vt, float* pml,
                                                      float* pacc, int m, int hq, int hkv, int hd, const int* posp,
                                                      int rbase, float scale, int f16, int nb) {
     if (hd != 128 && hd != 256)
-        attention_tiles_k(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+        attention_tiles_k(q, kt, vt, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
     else if (f16)
-        attention_lean_k<u16>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, nb);
+        attention_lean_k<u16>(q, kt, vt, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, nb);
     else
-        attention_lean_k<float>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase,
+        attention_lean_k<float>(q, kt, vt, pml, pacc, m, hq, hkv, hd, posp, rbase,
                                 scale, nb);
 }
 
@@ -848,10 +872,10 @@ __device__ __forceinline__ void attention_lean_entry(const float* q, const void*
 // value pass 70.5 -> 63.8 ms (qwen35moe, head dim 256; no change at 128)
 // against a thread a dim.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_tiles_q4w(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
+    attention_tiles_q4w(const float* q, const u64* kt, const u64* vt, float* pml, float* pacc, int m, int hq,
                         int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
     pdl_wait();
-    attention_lean_entry(q, ck, cv, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
+    attention_lean_entry(q, kt, vt, pml, pacc, m, hq, hkv, hd, posp, rbase, scale, f16, nb);
 }
 
 // ---- 32 pairs a block
@@ -870,14 +894,14 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // head dims 128 and 256 with query groups dividing 16 (the launcher
 // checks); ATT_P32_SMEM bytes of dynamic shared memory. The same bytes.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_tiles_q4w2(const float* q, const void* ck, const void* cv, float* pml, float* pacc, int m, int hq,
+    attention_tiles_q4w2(const float* q, const u64* kt, const u64* vt, float* pml, float* pacc, int m, int hq,
                          int hkv, int hd, const int* posp, int rbase, float scale, int f16, int nb) {
     pdl_wait();
     if (f16)
-        attention_lean_k<u16, 2>(q, (const u16*)ck, (const u16*)cv, pml, pacc, m, hq, hkv, hd, posp, rbase,
+        attention_lean_k<u16, 2>(q, kt, vt, pml, pacc, m, hq, hkv, hd, posp, rbase,
                                  scale, nb);
     else
-        attention_lean_k<float, 2>(q, (const float*)ck, (const float*)cv, pml, pacc, m, hq, hkv, hd, posp,
+        attention_lean_k<float, 2>(q, kt, vt, pml, pacc, m, hq, hkv, hd, posp,
                                    rbase, scale, nb);
 }
 

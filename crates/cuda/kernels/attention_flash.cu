@@ -28,6 +28,7 @@
 #define FA_P (16 * FA_W)    // (row, head) pairs a block
 #define FA_KT 64            // keys a tile
 #define FA_SPLIT 512        // keys a split: fixed, so the fold order is fixed
+static_assert(KV_BLOCK % FA_KT == 0, "a key tile lies in one block of the paged cache");
 
 __device__ __forceinline__ float fa_ex2(float x) {
     float y;
@@ -164,10 +165,14 @@ struct FaLayout {
 // An f16 cache's keys j0 .. j0 + FA_KT - 1 of KV head g copied to shared
 // memory asynchronously (zeros past key `last`) by the block's NTH threads.
 template <int HD, int NTH = FA_W * 32>
-__device__ __forceinline__ void fa_issue_kv(u16* ks, const void* ck, const void* cv, int hkv, int g, int j0,
+__device__ __forceinline__ void fa_issue_kv(u16* ks, const u64* kt, const u64* vt, int hkv, int g, int j0,
                                             int last) {
     typedef FaLayout<HD> L;
     constexpr int CH = HD / 8;
+    // The tile's keys lie in one block of the paged cache (tiles start at
+    // multiples of FA_KT, which divides KV_BLOCK).
+    const void* ck = kv_block_base(kt, j0, hkv * HD, 2);
+    const void* cv = kv_block_base(vt, j0, hkv * HD, 2);
     for (int i = threadIdx.x; i < 2 * FA_KT * CH; i += NTH) {
         int mat = i / (FA_KT * CH), r = (i / CH) % FA_KT, c = i % CH;
         int j = min(j0 + r, last);
@@ -180,10 +185,12 @@ __device__ __forceinline__ void fa_issue_kv(u16* ks, const void* ck, const void*
 // as halves (f32_to_f16_kv: the bytes an f16 cache holds), zeros past
 // key `last`, by the block's NTH threads.
 template <int HD, int NTH = FA_W * 32>
-__device__ __forceinline__ void fa_load_kv(u16* ks, const void* ck, const void* cv, int hkv, int g, int j0,
+__device__ __forceinline__ void fa_load_kv(u16* ks, const u64* kt, const u64* vt, int hkv, int g, int j0,
                                            int last) {
     typedef FaLayout<HD> L;
     constexpr int CH = HD / 8;  // 8-value chunks a row
+    const void* ck = kv_block_base(kt, j0, hkv * HD, 4);
+    const void* cv = kv_block_base(vt, j0, hkv * HD, 4);
     for (int i = threadIdx.x; i < 2 * FA_KT * CH; i += NTH) {
         int mat = i / (FA_KT * CH), r = (i / CH) % FA_KT, c = i % CH;
         int j = j0 + r;
@@ -205,13 +212,13 @@ __device__ __forceinline__ void fa_load_kv(u16* ks, const void* ck, const void* 
 // next one is issued here; an f32 cache's tile is converted here. L is the
 // calling kernel's shared-memory layout (where its tile buffers start).
 template <typename L, int HD, int NTH>
-__device__ __forceinline__ u16* fa_stage_kv(u16* smem, const void* ck, const void* cv, int hkv, int g, int j0,
+__device__ __forceinline__ u16* fa_stage_kv(u16* smem, const u64* kt, const u64* vt, int hkv, int g, int j0,
                                             int jall, int last, int it, int f16) {
     static_assert(L::ST == HD + 8, "tile rows hd + 8 halves apart");
     u16* kb = smem + L::K + (f16 ? (it & 1) * L::BUF : 0);
     if (f16) {
         if (j0 + FA_KT < jall) {
-            fa_issue_kv<HD, NTH>(smem + L::K + ((it + 1) & 1) * L::BUF, ck, cv, hkv, g, j0 + FA_KT, last);
+            fa_issue_kv<HD, NTH>(smem + L::K + ((it + 1) & 1) * L::BUF, kt, vt, hkv, g, j0 + FA_KT, last);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -220,7 +227,7 @@ __device__ __forceinline__ u16* fa_stage_kv(u16* smem, const void* ck, const voi
         __syncthreads();
     } else {
         __syncthreads();
-        fa_load_kv<HD, NTH>(kb, ck, cv, hkv, g, j0, last);
+        fa_load_kv<HD, NTH>(kb, kt, vt, hkv, g, j0, last);
         __syncthreads();
     }
     return kb;
@@ -229,7 +236,7 @@ __device__ __forceinline__ u16* fa_stage_kv(u16* smem, const void* ck, const voi
 // Pairs p of the block: (row r0 + p / gs, head g * gs + p % gs): every
 // split of the block's rows, folded, the output to `o`.
 template <int HD>
-__device__ __forceinline__ void attention_flash_k(const float* q, const void* ck, const void* cv, float* o, int m,
+__device__ __forceinline__ void attention_flash_k(const float* q, const u64* kt, const u64* vt, float* o, int m,
                                                   int hq, int hkv, const int* posp, int rbase, float sl2,
                                                   int f16) {
     typedef FaLayout<HD> L;
@@ -272,11 +279,11 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const void* ck
     // into alternate buffers; an f32 cache's are converted in place.
     int jbeg = 0, jall = last + 1;
     if (f16) {
-        fa_issue_kv<HD>(fa_smem + L::K, ck, cv, hkv, g, jbeg, last);
+        fa_issue_kv<HD>(fa_smem + L::K, kt, vt, hkv, g, jbeg, last);
         cp_async_commit();
     }
     for (int j0 = jbeg, it = 0; j0 < jall; j0 += FA_KT, it++) {
-        u16* kb = fa_stage_kv<L, HD, FA_W * 32>(fa_smem, ck, cv, hkv, g, j0, jall, last, it, f16);
+        u16* kb = fa_stage_kv<L, HD, FA_W * 32>(fa_smem, kt, vt, hkv, g, j0, jall, last, it, f16);
         int s = j0 / FA_SPLIT;
         if (j0 % FA_SPLIT == 0) {
 #pragma unroll
@@ -365,10 +372,10 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const void* ck
 
 #define FA_KERNEL(name, HD)                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_W * 32, 1)                                                     \
-        name(const float* q, const void* ck, const void* cv, float* o, int m, int hq, int hkv, const int* posp,    \
+        name(const float* q, const u64* kt, const u64* vt, float* o, int m, int hq, int hkv, const int* posp,      \
              int rbase, float sl2, int f16) {                                                                      \
         pdl_wait();                                                                                                \
-        attention_flash_k<HD>(q, ck, cv, o, m, hq, hkv, posp, rbase, sl2, f16);                                    \
+        attention_flash_k<HD>(q, kt, vt, o, m, hq, hkv, posp, rbase, sl2, f16);                                    \
     }
 FA_KERNEL(attention_flash_64, 64)
 FA_KERNEL(attention_flash_128, 128)
@@ -421,7 +428,7 @@ __device__ __forceinline__ void attention_flash_dec_k(const float* q, Rows rows,
     int np = min(FD_P, gs - p0);
     int last = rows.pos(r);  // the row's last key
     if (s * FA_SPLIT > last) return;
-    const void *ck = rows.k(r), *cv = rows.v(r);
+    const u64 *kt = rows.k(r), *vt = rows.v(r);
     // Pair p: head g gs + p0 + p of row r, output pair (r hq + that head).
     i64 pair0 = (i64)r * hq + g * gs + p0;
     for (int i = tid; i < FD_P * (HD / 2); i += NTH) {
@@ -444,11 +451,11 @@ __device__ __forceinline__ void attention_flash_dec_k(const float* q, Rows rows,
         for (int e = 0; e < 4; e++) os[n][e] = 0.0f;
     int jbeg = s * FA_SPLIT, jall = min((s + 1) * FA_SPLIT, last + 1);
     if (f16) {
-        fa_issue_kv<HD, NTH>(fa_smem + L::K, ck, cv, hkv, g, jbeg, last);
+        fa_issue_kv<HD, NTH>(fa_smem + L::K, kt, vt, hkv, g, jbeg, last);
         cp_async_commit();
     }
     for (int j0 = jbeg, it = 0; j0 < jall; j0 += FA_KT, it++) {
-        u16* kb = fa_stage_kv<L, HD, NTH>(fa_smem, ck, cv, hkv, g, j0, jall, last, it, f16);
+        u16* kb = fa_stage_kv<L, HD, NTH>(fa_smem, kt, vt, hkv, g, j0, jall, last, it, f16);
         {
             // This warp's 16 keys: attention_flash_k's n-tiles 2 warp and
             // 2 warp + 1, the same k-steps in the same order.
@@ -515,10 +522,10 @@ __device__ __forceinline__ void attention_flash_dec_k(const float* q, Rows rows,
 // each of m sequences, their caches and positions in the table kvt.
 #define FD_KERNEL(name, HD)                                                                                    \
     extern "C" __global__ void __launch_bounds__(FD_W * 32, 1)                                                 \
-        name(const float* q, void* ck, void* cv, float* pml, float* pacc, int m, int hq, int hkv,             \
+        name(const float* q, const u64* kt, const u64* vt, float* pml, float* pacc, int m, int hq, int hkv,   \
              const int* posp, int rbase, float sl2, int f16, int nsplit) {                                     \
         pdl_wait();                                                                                            \
-        attention_flash_dec_k<HD>(q, OneSeq{*posp + rbase, ck, cv}, pml, pacc, m, hq, hkv, sl2, f16, nsplit); \
+        attention_flash_dec_k<HD>(q, OneSeq{*posp + rbase, kt, vt}, pml, pacc, m, hq, hkv, sl2, f16, nsplit); \
     }
 #define FD_SEQS_KERNEL(name, HD)                                                                              \
     extern "C" __global__ void __launch_bounds__(FD_W * 32, 1)                                                \

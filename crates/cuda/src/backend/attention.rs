@@ -131,12 +131,13 @@ impl AttentionKernel {
 }
 
 /// One attention call's score and value passes: `m` rows of q (`hq` heads
-/// of `hd`) at positions `*pos0 ..` over a cache of `hkv` KV heads (f32, or
-/// halves with `f16`), `nb` key tiles a pair.
+/// of `hd`) at positions `*pos0 ..` over a paged cache of `hkv` KV heads
+/// (f32, or halves with `f16`; `kt` and `vt` its block tables' device
+/// addresses, at least `nb` blocks each), `nb` key tiles a pair.
 struct Pass<'a> {
     q: CudaView<'a, f32>,
-    ck: &'a CudaSlice<u8>,
-    cv: &'a CudaSlice<u8>,
+    kt: u64,
+    vt: u64,
     pos0: &'a CudaSlice<i32>,
     m: usize,
     hq: usize,
@@ -252,10 +253,12 @@ impl Cuda {
         let (qd, ck, cv) = (d.upload(q)?, d.upload(&cache(k))?, d.upload(&cache(v))?);
         let pos0 = d.upload(&[pos as i32])?;
         let mut o = d.upload(&vec![f32::NAN; m * qw])?;
+        let el = if f16 { 2 } else { 4 };
+        let (kt, vt, _table) = super::kv::contiguous_table(d, &ck, &cv, pos + m, kvw * el)?;
         let pass = Pass {
             q: qd.as_view(),
-            ck: &ck,
-            cv: &cv,
+            kt,
+            vt,
             pos0: &pos0,
             m,
             hq,
@@ -394,6 +397,16 @@ impl Cuda {
                 && sts[..lead]
                     .iter()
                     .all(|st| st.f16 == sts[0].f16 && st.kv[l].is_some());
+        // The rows' positions writable in this layer's cache (the forward
+        // call reserved them: nothing runs here then).
+        if bound.is_none() {
+            for (st, &n) in sts.iter_mut().zip(rows) {
+                let from = st.pos;
+                if let Some(p) = st.kv[l].as_mut() {
+                    p.reserve(d, from, from + n)?;
+                }
+            }
+        }
         let done = match (bound, one_launch) {
             (Some(_), _) => sts.len(),
             (None, true) => lead,
@@ -411,9 +424,9 @@ impl Cuda {
                     let mut table = vec![0u64; 3 * ns];
                     let mut nsplit = 1;
                     for (i, st) in sts[..lead].iter().enumerate() {
-                        let (ck, cv) = st.kv[l].as_ref().expect("checked above");
-                        table[i] = crate::device::addr(d, ck);
-                        table[ns + i] = crate::device::addr(d, cv);
+                        let p = st.kv[l].as_ref().expect("checked above");
+                        table[i] = p.kt(d);
+                        table[ns + i] = p.vt(d);
                         table[2 * ns + i] = st.pos as u64;
                         nsplit = nsplit.max((st.pos + 1).div_ceil(FA_SPLIT));
                     }
@@ -501,10 +514,15 @@ impl Cuda {
                 (st.pos + n).div_ceil(256)
             };
             let f16 = st.f16;
-            let (ck, cv) = st.kv[l].as_mut().ok_or_else(|| CudaError::Driver {
-                op: "attention".into(),
-                msg: format!("layer {l} has no KV cache"),
-            })?;
+            let (kt, vt) = match st.kv[l].as_ref() {
+                Some(p) => (p.kt(d), p.vt(d)),
+                None => {
+                    return Err(CudaError::Driver {
+                        op: "attention".into(),
+                        msg: format!("layer {l} has no KV cache"),
+                    });
+                }
+            };
             let pos0 = &st.pos_dev;
             let ni = n as i32;
             let qr = q_row as usize;
@@ -527,8 +545,8 @@ impl Cuda {
                 qn,
                 kn,
                 &mut q_s,
-                &mut *ck,
-                &mut *cv,
+                &kt,
+                &vt,
                 pos0,
                 &ni,
                 &hqi,
@@ -541,8 +559,8 @@ impl Cuda {
             )?;
             let pass = Pass {
                 q: q.slice(r0 * qw..(r0 + n) * qw),
-                ck,
-                cv,
+                kt,
+                vt,
                 pos0,
                 m: n,
                 hq,
@@ -657,8 +675,8 @@ impl Cuda {
                     kernel.smem(hd) as u32
                 ),
                 &qg,
-                p.ck,
-                p.cv,
+                &p.kt,
+                &p.vt,
                 &mut *pml,
                 &mut *pacc,
                 &mri,
@@ -761,8 +779,8 @@ impl Cuda {
                     flash_smem(hd, p.f16) as u32
                 ),
                 &p.q,
-                p.ck,
-                p.cv,
+                &p.kt,
+                &p.vt,
                 &mut *o,
                 &mi,
                 &hqi,
@@ -784,8 +802,8 @@ impl Cuda {
                 flash_dec_smem(hd) as u32
             ),
             &p.q,
-            p.ck,
-            p.cv,
+            &p.kt,
+            &p.vt,
             &mut *pml,
             &mut *pacc,
             &mi,

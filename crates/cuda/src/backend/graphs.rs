@@ -53,6 +53,10 @@ impl Cuda {
         g: &cudarc::driver::CudaGraph,
     ) -> Result<()> {
         self.sync_pos(st)?;
+        // The recording reads the block table at its fixed address; the
+        // block of this step's position is made there first (a no-op where
+        // the forward call reserved it).
+        st.reserve_kv(&self.dev, 1)?;
         g.launch().map_err(|x| drv("launch the decode graph", x))
     }
 }
@@ -80,7 +84,8 @@ pub(super) fn seqs_bucket(n: usize) -> usize {
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Bound {
     /// The step's table on the device: per layer `3 * rows` addresses and
-    /// positions (attention: the rows' K caches, V caches, positions; delta
+    /// positions (attention: the rows' key and value block tables,
+    /// positions; delta
     /// net: conv states, delta-rule states, unused), the layout of the
     /// one-launch kernels' tables (`OfSeqs` in attention_flash.cu,
     /// `conv_l2_one_seqs` and the delta rule's `_seqs` kernels).
@@ -103,12 +108,15 @@ impl Bound {
     }
 }
 
-/// A padding row's scratch state, shared by its layers: a K and a V cache
-/// of one split's positions (f32-sized, so either cache type fits; a
-/// padding row is at position 0), a conv state and a delta-rule state.
+/// A padding row's scratch state, shared by its layers: a KV cache of one
+/// block (f32-sized, so either cache type fits; a padding row is at
+/// position 0) and its block table (the key block's address, then the
+/// value block's), a conv state and a delta-rule state.
 struct Pad {
-    k: CudaSlice<u8>,
-    v: CudaSlice<u8>,
+    /// Held for the table, which points into it.
+    #[allow(dead_code)]
+    kv: CudaSlice<u8>,
+    table: CudaSlice<u64>,
     conv: CudaSlice<f32>,
     s: CudaSlice<f32>,
 }
@@ -229,7 +237,7 @@ impl Cuda {
     /// A padding row's state for `model`.
     fn new_pad(&self, model: &Model) -> Result<Pad> {
         let hp = &model.hp;
-        let kv = hp.n_head_kv * hp.head_dim * FA_SPLIT * 4;
+        let block = hp.n_head_kv * hp.head_dim * samesum_engine::state::KV_BLOCK * 4;
         let (conv, s) = match hp.ssm {
             Some(s) => (
                 (s.d_conv - 1) * s.conv_dim(),
@@ -237,9 +245,12 @@ impl Cuda {
             ),
             None => (1, 1),
         };
+        let kv = self.dev.zeros::<u8>(2 * block)?;
+        let base = addr(&self.dev, &kv);
+        let table = self.dev.upload(&[base, base + block as u64])?;
         Ok(Pad {
-            k: self.dev.zeros::<u8>(kv)?,
-            v: self.dev.zeros::<u8>(kv)?,
+            kv,
+            table,
             conv: self.dev.zeros::<f32>(conv)?,
             s: self.dev.zeros::<f32>(s)?,
         })
@@ -287,14 +298,17 @@ impl Cuda {
             for i in 0..rows {
                 let (a, b, pos) = match sts.get(i) {
                     Some(st) => match (&st.kv[l], &st.linear[l]) {
-                        (Some((k, v)), _) => (addr(d, k), addr(d, v), st.pos),
+                        (Some(p), _) => (p.kt(d), p.vt(d), st.pos),
                         (None, Some((c, s))) => (addr(d, c), addr(d, s), 0),
                         (None, None) => return Err(bad(format!("layer {l} has no state"))),
                     },
                     None => {
                         let p = &g.pads[i - sts.len()];
                         match model.w.layers[l].mixer {
-                            Mixer::Attention(_) => (addr(d, &p.k), addr(d, &p.v), 0),
+                            Mixer::Attention(_) => {
+                                let t = addr(d, &p.table);
+                                (t, t + 8, 0)
+                            }
                             Mixer::Linear(_) => (addr(d, &p.conv), addr(d, &p.s), 0),
                         }
                     }

@@ -28,6 +28,7 @@ mod buf;
 mod delta_net;
 mod graphs;
 mod input;
+mod kv;
 mod matmul;
 mod moe;
 mod norm;
@@ -164,7 +165,8 @@ pub struct CudaState {
     pos: usize,
     ctx: usize,
     kvw: usize,
-    kv: Vec<Option<(CudaSlice<u8>, CudaSlice<u8>)>>,
+    /// Each attention layer's paged KV cache (`kv.rs`).
+    kv: Vec<Option<kv::KvPages>>,
     f16: bool,
     linear: Vec<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
     /// The position on the device (the kernels read it there, so a recorded
@@ -515,10 +517,10 @@ impl Cuda {
 }
 
 impl Cuda {
-    /// [`Backend::fork_state`] on the device: new buffers for a context of
-    /// `ctx`, the KV rows `0..pos` of every attention layer copied (f16 or
-    /// f32 as the original stores them; rows past `pos` zero), the conv and
-    /// delta-rule states copied whole. The device positions are new buffers
+    /// [`Backend::fork_state`] on the device: a state for a context of
+    /// `ctx` sharing the original's KV blocks that hold rows `0..pos` (each
+    /// side copies a shared block on its first write to it, `kv.rs`), the
+    /// conv and delta-rule states copied whole. The device positions are new buffers
     /// written on first use (`sync_pos`), the copy starts on lane 0, and the
     /// original's decode step (row buffers and recorded graph, made for the
     /// original's addresses) does not come along: the copy records its own.
@@ -529,31 +531,7 @@ impl Cuda {
         if ctx < st.pos {
             return Err(EngineError::ContextFull { pos: st.pos, ctx });
         }
-        let el = if st.f16 { 2 } else { 4 };
-        let row_bytes = st.kvw * el;
-        let (bytes, used) = match (ctx.checked_mul(row_bytes), st.pos.checked_mul(row_bytes)) {
-            (Some(b), Some(u)) => (b, u),
-            _ => {
-                return Err(EngineError::Alloc {
-                    what: "KV cache",
-                    ctx,
-                    bytes: ctx as u128 * row_bytes as u128,
-                });
-            }
-        };
         self.dev.sync().map_err(e)?;
-        let kv_copy = |src: &CudaSlice<u8>| -> R<CudaSlice<u8>> {
-            let mut dst = self.dev.zeros::<u8>(bytes).map_err(e)?;
-            if used > 0 {
-                let from = src.slice(0..used);
-                let mut to = dst.slice_mut(0..used);
-                self.dev
-                    .current()
-                    .memcpy_dtod(&from, &mut to)
-                    .map_err(|x| e(drv("copy KV rows", x)))?;
-            }
-            Ok(dst)
-        };
         let f32_copy = |src: &CudaSlice<f32>| -> R<CudaSlice<f32>> {
             let mut dst = self.dev.scratch::<f32>(src.len()).map_err(e)?;
             self.dev
@@ -562,10 +540,12 @@ impl Cuda {
                 .map_err(|x| e(drv("copy a recurrent state", x)))?;
             Ok(dst)
         };
+        // The KV blocks are shared (copied on the first write to one).
+        let cap = ctx.div_ceil(samesum_engine::state::KV_BLOCK);
         let mut kv = Vec::with_capacity(st.kv.len());
         for l in &st.kv {
             kv.push(match l {
-                Some((k, v)) => Some((kv_copy(k)?, kv_copy(v)?)),
+                Some(p) => Some(p.fork(&self.dev, cap, st.pos).map_err(e)?),
                 None => None,
             });
         }

@@ -42,10 +42,15 @@ impl Backend for Cuda {
         let mut lin = Vec::new();
         for kind in &hp.layers {
             if *kind == samesum_engine::model::LayerKind::Attention {
-                kvs.push(Some((
-                    self.dev.zeros::<u8>(ctx * kvw * el).map_err(e)?,
-                    self.dev.zeros::<u8>(ctx * kvw * el).map_err(e)?,
-                )));
+                // Paged: blocks come as the sequence reaches them.
+                kvs.push(Some(
+                    kv::KvPages::new(
+                        &self.dev,
+                        ctx.div_ceil(samesum_engine::state::KV_BLOCK),
+                        kvw * el,
+                    )
+                    .map_err(e)?,
+                ));
                 lin.push(None);
             } else {
                 let s = hp.ssm.ok_or_else(|| {
@@ -90,8 +95,6 @@ impl Backend for Cuda {
     fn download_state(&self, st: &CudaState) -> R<Vec<f32>> {
         let mut out = vec![st.pos as f32];
         let w = st.kvw;
-        let el = if st.f16 { 2 } else { 4 };
-        let n = st.pos * w * el;
         let val = |b: &[u8], i: usize| -> f32 {
             if st.f16 {
                 half::f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32()
@@ -99,9 +102,8 @@ impl Backend for Cuda {
                 f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
             }
         };
-        for (k, v) in st.kv.iter().flatten() {
-            let kh = self.dev.download(k, n).map_err(e)?;
-            let vh = self.dev.download(v, n).map_err(e)?;
+        for p in st.kv.iter().flatten() {
+            let (kh, vh) = p.download(&self.dev, st.pos).map_err(e)?;
             for pos in 0..st.pos {
                 for i in 0..w {
                     out.push(val(&kh, pos * w + i));
@@ -114,6 +116,10 @@ impl Backend for Cuda {
             out.extend(self.dev.download(s, s.len()).map_err(e)?);
         }
         Ok(out)
+    }
+
+    fn reserve(&self, st: &mut CudaState, m: usize) -> R<()> {
+        st.reserve_kv(&self.dev, m).map_err(e)
     }
 
     fn advance(&self, st: &mut CudaState, m: usize) {

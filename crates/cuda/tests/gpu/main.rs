@@ -532,12 +532,41 @@ fn a_forked_state_equals_a_cold_run() {
             let mut orig = cuda.new_state(&model, ctx, kv).unwrap();
             forward(&model, &cuda, &mut orig, head, Logits::None).unwrap();
             let before = cuda.download_state(&orig).unwrap();
+            // The paged cache: 253 positions are one block a layer, and the
+            // fork shares the original's blocks, copying none.
+            let (held, shared) = cuda.kv_blocks(&orig);
+            assert!(
+                held > 0 && shared == 0,
+                "{shape}: {held} blocks, {shared} shared"
+            );
             let mut fork = cuda.fork_state(&orig, ctx + 64).unwrap();
+            assert_eq!(
+                cuda.kv_blocks(&fork),
+                (held, held),
+                "{shape}: the fork's blocks"
+            );
+            assert_eq!(
+                cuda.kv_blocks(&orig),
+                (held, held),
+                "{shape}: the original's blocks"
+            );
             assert!(
                 same_bits(&cuda.download_state(&fork).unwrap(), &before),
                 "{shape} {kv:?}: the fork is not the original"
             );
             let got_fork = forward(&model, &cuda, &mut fork, a, Logits::Last).unwrap();
+            // Writing position 253 on copied the shared block and reached
+            // a second one: the fork shares nothing now.
+            assert_eq!(
+                cuda.kv_blocks(&fork),
+                (2 * held, 0),
+                "{shape}: the fork after writing"
+            );
+            assert_eq!(
+                cuda.kv_blocks(&orig),
+                (held, 0),
+                "{shape}: the original after the fork wrote"
+            );
             assert!(
                 same_bits(&cuda.download_state(&orig).unwrap(), &before),
                 "{shape} {kv:?}: writing to the fork changed the original"
@@ -561,6 +590,38 @@ fn a_forked_state_equals_a_cold_run() {
             }
         }
         eprintln!("{shape}: forked states equal cold runs (f32 and f16 caches)");
+    }
+}
+
+/// A state's KV cache costs the blocks it has reached: none for a new
+/// state of 65,536 positions, one a layer per 256 positions written
+/// (prefill and decode steps, recorded ones included).
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
+fn a_paged_cache_holds_only_the_blocks_reached() {
+    if !gpu() {
+        return;
+    }
+    let (_d, model) = synth("tiny-qwen35moe", GgmlType::Q4_K, 23);
+    let cuda = Cuda::new(0, &model, false).unwrap();
+    let attn = model
+        .hp
+        .layers
+        .iter()
+        .filter(|k| **k == samesum_engine::model::LayerKind::Attention)
+        .count();
+    let toks: Vec<u32> = (0..520u32)
+        .map(|i| (i * 7919 + 11) % model.w.n_vocab as u32)
+        .collect();
+    for kv in [KvType::F32, KvType::F16] {
+        let mut st = cuda.new_state(&model, 1 << 16, kv).unwrap();
+        assert_eq!(cuda.kv_blocks(&st), (0, 0), "{kv:?}: a new state");
+        forward(&model, &cuda, &mut st, &toks[..300], Logits::None).unwrap();
+        assert_eq!(cuda.kv_blocks(&st), (2 * attn, 0), "{kv:?}: 300 positions");
+        for &t in &toks[300..520] {
+            forward(&model, &cuda, &mut st, &[t], Logits::Last).unwrap();
+        }
+        assert_eq!(cuda.kv_blocks(&st), (3 * attn, 0), "{kv:?}: 520 positions");
     }
 }
 

@@ -12,10 +12,10 @@
 //! Entries are copies ([`crate::Backend::fork_state`]) that no
 //! request runs on: a request gets a copy of an entry, so evicting an entry
 //! never touches a running request's state. The budget counts each entry's
-//! KV rows (rounded up to whole [`KV_BLOCK`]s, what the CPU allocates) and
-//! recurrent states at full size, also where the CPU shares KV blocks
-//! between entries and running requests: the bytes counted are an upper
-//! bound of what the entries hold. Past the budget the least recently used
+//! KV rows (rounded up to whole [`KV_BLOCK`]s, what both backends
+//! allocate) and recurrent states at full size, also where KV blocks are
+//! shared between entries and running requests (a fork shares them until
+//! written): the bytes counted are an upper bound of what the entries hold. Past the budget the least recently used
 //! entries go first.
 
 use crate::KvType;
