@@ -253,7 +253,9 @@ pub(crate) fn run(a: Args) -> Result<()> {
         rt.block_on(token_prompts(&auth, &key, a.prompt_tokens, requests))
     };
     if ids.is_none() && a.prompt_tokens > 0 {
-        eprintln!("the server did not tokenize the prompts (/tokenize): sending text, about one token a word");
+        eprintln!(
+            "the server did not tokenize the prompts (/tokenize): sending text, about one token a word"
+        );
     }
     let bodies: Vec<String> = (0..requests)
         .map(|i| {
