@@ -90,7 +90,7 @@ fn record(out: &[Output], id: SeqId, into: &mut Bytes) {
     }
 }
 
-fn alone(model: &Model, b: &Cpu, req: &Request) -> Bytes {
+fn alone<B: Backend>(model: &Model, b: &B, req: &Request) -> Bytes {
     let mut s = Scheduler::new(model, b, config(1, 0, None));
     let id = s.submit(req.clone()).unwrap();
     let mut got = Bytes::default();
@@ -152,6 +152,72 @@ fn batched_requests_get_the_bytes_they_get_alone() {
             "{shape}: the follow-up was not restored"
         );
         assert_eq!((st.running, st.waiting, st.kv_reserved), (0, 0, 0));
+    }
+}
+
+/// The 64 requests of the test below: prompts of 1 to 150 tokens, 20 to 28
+/// generated, every other one seeded.
+fn sixty_four() -> Vec<Request> {
+    (0..64)
+        .map(|k| request(tokens(1 + (k * 37) % 150, k as u32), 20 + k % 9, k % 2 == 1))
+        .collect()
+}
+
+/// `reqs` through one scheduler of 64 slots: 48 submitted at once, the
+/// rest joining one a step from the third step on. Each one's bytes, and
+/// the most requests a step carried.
+fn batched<B: Backend>(model: &Model, b: &B, reqs: &[Request]) -> (Vec<Bytes>, usize) {
+    let cfg = Config {
+        prefill_chunk: 256,
+        ..config(64, 0, None)
+    };
+    let mut s = Scheduler::new(model, b, cfg);
+    let (mut ids, mut got, mut steps) = (Vec::new(), vec![Bytes::default(); reqs.len()], 0);
+    while ids.len() < reqs.len() || !s.is_idle() {
+        let due = if steps == 0 {
+            48
+        } else if steps >= 3 {
+            ids.len() + 1
+        } else {
+            ids.len()
+        };
+        while ids.len() < due.min(reqs.len()) {
+            ids.push(s.submit(reqs[ids.len()].clone()).unwrap());
+        }
+        let out = s.step();
+        for (k, &id) in ids.iter().enumerate() {
+            record(&out, id, &mut got[k]);
+        }
+        steps += 1;
+        assert!(steps < 5000, "the scheduler made no progress");
+    }
+    assert_eq!(s.stats().kv_reserved, 0);
+    (got, s.stats().max_step_seqs)
+}
+
+/// Batch invariance at scale: 64 requests of mixed prompt lengths, greedy
+/// and seeded, 16 of them joining late, each get the bytes (tokens,
+/// log-probabilities, alternatives) they get alone, on an attention model
+/// and a hybrid one. The negative control: a backend whose MoE output
+/// depends on the rows in the call gives other bytes batched than alone.
+#[test]
+fn sixty_four_requests_get_the_bytes_they_get_alone() {
+    for shape in ["tiny-qwen3moe", "tiny-qwen35moe"] {
+        let (_dir, m) = model(shape);
+        let cpu = Cpu::new(2);
+        let reqs = sixty_four();
+        let want: Vec<Bytes> = reqs.iter().map(|r| alone(&m, &cpu, r)).collect();
+        let (got, most) = batched(&m, &cpu, &reqs);
+        assert!(most >= 40, "{shape}: at most {most} requests shared a step");
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "{shape}: request {k} changed in a batch of 64");
+        }
+        // The control: a batch-variant backend is caught.
+        let bad = Faulty::batch_variant(&cpu);
+        let want: Vec<Bytes> = reqs.iter().map(|r| alone(&m, &bad, r)).collect();
+        let (got, _) = batched(&m, &bad, &reqs);
+        let differ = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+        assert!(differ > 0, "{shape}: a batch-variant MoE went unnoticed");
     }
 }
 
@@ -478,16 +544,38 @@ fn step_time_splits_into_forward_and_host() {
     );
 }
 
-/// The CPU backend whose [`Backend::reserve`] fails the first `fails` calls
-/// for a state at position 0 taking `rows` rows (a request's first prompt
-/// chunk): a device without memory for one request's KV blocks.
-struct NoMemoryFor<'a> {
+/// The CPU backend with a fault: [`Backend::reserve`] fails the first
+/// `fails` calls for a state at position 0 taking `rows` rows (a request's
+/// first prompt chunk: a device without memory for one request's KV
+/// blocks); with `batch_variant`, the MoE's output depends on how many rows
+/// share the call (a kernel that breaks the row contract).
+struct Faulty<'a> {
     cpu: &'a Cpu,
     rows: usize,
     fails: std::sync::atomic::AtomicUsize,
+    batch_variant: bool,
 }
 
-impl Backend for NoMemoryFor<'_> {
+impl<'a> Faulty<'a> {
+    fn no_memory_for(cpu: &'a Cpu, rows: usize) -> Self {
+        Faulty {
+            cpu,
+            rows,
+            fails: 1.into(),
+            batch_variant: false,
+        }
+    }
+    fn batch_variant(cpu: &'a Cpu) -> Self {
+        Faulty {
+            cpu,
+            rows: 0,
+            fails: 0.into(),
+            batch_variant: true,
+        }
+    }
+}
+
+impl Backend for Faulty<'_> {
     type Buf = Vec<f32>;
     type Graph = ();
     type State = SeqState;
@@ -572,7 +660,17 @@ impl Backend for NoMemoryFor<'_> {
         self.cpu.delta_net(model, l, dn, x, st, y)
     }
     fn moe(&self, model: &Model, mw: &MoeW, x: &Vec<f32>, y: &mut Vec<f32>) -> Result<()> {
-        self.cpu.moe(model, mw, x, y)
+        self.cpu.moe(model, mw, x, y)?;
+        if self.batch_variant {
+            // Each row's first value moved by an amount that grows with
+            // the rows in the call: alone (one row) it stays as it was.
+            let width = model.hp.n_embd;
+            let rows = y.len() / width;
+            for r in 0..rows {
+                y[r * width] += 1e-3 * (rows - 1) as f32;
+            }
+        }
+        Ok(())
     }
     fn logits(&self, model: &Model, h: &Vec<f32>, rows: &[usize]) -> Result<Vec<f32>> {
         self.cpu.logits(model, h, rows)
@@ -628,11 +726,7 @@ fn a_request_without_memory_for_its_cache_fails_alone() {
         request(tokens(23, 3), 6, false),
     ];
     let want: Vec<Bytes> = reqs.iter().map(|r| alone(&model, &cpu, r)).collect();
-    let b = NoMemoryFor {
-        cpu: &cpu,
-        rows: 5,
-        fails: 1.into(),
-    };
+    let b = Faulty::no_memory_for(&cpu, 5);
     let (got, errors, st) = run_all(&model, &b, 0, &reqs);
     assert_eq!(got[0].as_ref(), Some(&want[0]));
     assert_eq!(got[1], None, "the request without memory did not fail");
@@ -647,11 +741,7 @@ fn a_request_without_memory_for_its_cache_fails_alone() {
 
     // With a saved state in the prefix cache, the cache is emptied and the
     // reservation tried again: every request gets its bytes.
-    let b = NoMemoryFor {
-        cpu: &cpu,
-        rows: 5,
-        fails: 1.into(),
-    };
+    let b = Faulty::no_memory_for(&cpu, 5);
     let mut s = Scheduler::new(&model, &b, config(4, 64 << 20, None));
     let first = s.submit(reqs[0].clone()).unwrap();
     let mut g0 = Bytes::default();
