@@ -32,7 +32,10 @@
 # against llama-batched-bench, both builds, and a follow-up chat turn of an
 # ~8,000-token conversation from the prefix cache against cold;
 # SAMESUM_ATT_SERVE_BINS picks the builds, default ".gpu .gpu-old"), llama
-# (llama.cpp's figures on the same files). SAMESUM_ATT_PP=0 leaves
+# (llama.cpp's figures on the same files), ab (not in the default steps:
+# the builds in the directories SAMESUM_ATT_AB, default ".gpu-old .gpu",
+# alternated SAMESUM_ATT_ROUNDS (2) times: pp4096 and pp16384 (-r 2),
+# tg128 at depth 16,384, both models). SAMESUM_ATT_PP=0 leaves
 # prefill out of bench and llama. The models and llama.cpp are made in the background from the
 # start. Results: OUT/log.txt.
 set -uo pipefail
@@ -151,6 +154,18 @@ run)
                 --attention fast --kv-type-b f16
             step "control $m" timeout 300 .gpu/samesum agree --device cuda -m "$m" \
                 --lens 512 --gen 64 --attention exact --kv-type-b f32
+        done
+    fi
+    if [[ $steps == *,ab,* ]]; then
+        for r in $(seq "${SAMESUM_ATT_ROUNDS:-2}"); do
+            for m in "$q35" "$q3"; do
+                for bin in ${SAMESUM_ATT_AB:-.gpu-old .gpu}; do
+                    step "ab round $r $bin pp $m" timeout 300 "$bin/samesum" bench --device cuda \
+                        -m "$m" -p 4096,16384 -n 0 -r 2 --prefill batched $FAST
+                    step "ab round $r $bin tg $m" timeout 300 "$bin/samesum" bench --device cuda \
+                        -m "$m" -p 0 -n 128 -d 16384 -r 1 $FAST
+                done
+            done
         done
     fi
     if [[ $steps == *,bench,* ]]; then
