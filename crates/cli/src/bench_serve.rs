@@ -8,8 +8,11 @@
 //! HTTP/1.1, one connection a request. The generator is deliberately light
 //! (one thread, raw sockets, no JSON parsing but for the final usage), so
 //! on a small machine it leaves the cores to the server. It prints the
-//! aggregate generated tokens per second, the per-stream rate and the time
-//! to first token (p50, p99).
+//! aggregate generated tokens per second (over the wall time), the
+//! per-stream rate, the time to first token (p50, p99), and the decode rate
+//! of the whole load: the tokens after each stream's first over the time
+//! some stream was generating (prefill waits left out, as in
+//! llama-batched-bench's S_TG).
 //!
 //! The prompts are token ids (as llama-batched-bench's are): filler text,
 //! different per request from its first tokens on, tokenized once by the
@@ -54,9 +57,34 @@ pub(crate) struct Args {
 
 /// One request's timings.
 struct Sample {
+    /// When the request was sent.
+    start: Instant,
     ttft: Duration,
     total: Duration,
     tokens: usize,
+}
+
+/// Seconds covered by the union of the intervals `(from, to)`: the time
+/// during which at least one stream was generating.
+fn covered(mut spans: Vec<(Instant, Instant)>) -> f64 {
+    spans.sort_by_key(|s| s.0);
+    let mut total = Duration::ZERO;
+    let mut cur: Option<(Instant, Instant)> = None;
+    for (a, b) in spans {
+        match &mut cur {
+            Some((_, e)) if a <= *e => *e = (*e).max(b),
+            _ => {
+                if let Some((s, e)) = cur {
+                    total += e - s;
+                }
+                cur = Some((a, b));
+            }
+        }
+    }
+    if let Some((s, e)) = cur {
+        total += e - s;
+    }
+    total.as_secs_f64()
 }
 
 /// `host:port` of an `http://host:port[/...]` URL.
@@ -200,6 +228,7 @@ async fn one(auth: &str, key: &str, body: &str, timeout: Duration) -> Result<Sam
         }
         let ttft = ttft.context("the stream ended without a data event")?;
         Ok(Sample {
+            start: t0,
             ttft,
             total: t0.elapsed(),
             tokens: usage.unwrap_or(events),
@@ -310,12 +339,23 @@ pub(crate) fn run(a: Args) -> Result<()> {
         .map(|s| (s.tokens - 1) as f64 / (s.total - s.ttft).as_secs_f64())
         .collect();
     per.sort_by(f64::total_cmp);
-    println!(
-        "| clients | requests | prompt tokens | max tokens | generated | generated tok/s | per-stream tok/s (p50) | TTFT p50 (ms) | TTFT p99 (ms) | wall (s) |"
+    // Tokens after each stream's first, over the time some stream was
+    // generating: the decode rate of the whole load, prefill waits left
+    // out (llama-batched-bench's S_TG counts its generation phase alone).
+    let later: usize = samples.iter().map(|s| s.tokens.saturating_sub(1)).sum();
+    let span = covered(
+        samples
+            .iter()
+            .map(|s| (s.start + s.ttft, s.start + s.total))
+            .collect(),
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let decode = if span > 0.0 { later as f64 / span } else { 0.0 };
     println!(
-        "| {} | {} | {}{} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.3} |",
+        "| clients | requests | prompt tokens | max tokens | generated | generated tok/s | per-stream tok/s (p50) | TTFT p50 (ms) | TTFT p99 (ms) | wall (s) | decode tok/s |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| {} | {} | {}{} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.3} | {:.1} |",
         a.clients,
         requests,
         if ids.is_some() { "" } else { "~" },
@@ -326,7 +366,8 @@ pub(crate) fn run(a: Args) -> Result<()> {
         if per.is_empty() { 0.0 } else { pct(&per, 0.5) },
         pct(&ttft, 0.5),
         pct(&ttft, 0.99),
-        wall.as_secs_f64()
+        wall.as_secs_f64(),
+        decode
     );
     Ok(())
 }
@@ -344,6 +385,22 @@ mod tests {
         assert_eq!(authority("http://localhost:9/v1").unwrap(), "localhost:9");
         assert!(authority("https://x:1").is_err());
         assert!(authority("http://localhost").is_err());
+    }
+
+    #[test]
+    fn covered_time_is_the_union_of_the_spans() {
+        let t = Instant::now();
+        let at = |ms: u64| t + Duration::from_millis(ms);
+        // [0, 10] and [5, 20] overlap, [30, 40] stands apart, [32, 35]
+        // lies inside it: 20 + 10 ms.
+        let spans = vec![
+            (at(30), at(40)),
+            (at(5), at(20)),
+            (at(0), at(10)),
+            (at(32), at(35)),
+        ];
+        assert!((covered(spans) - 0.030).abs() < 1e-9);
+        assert_eq!(covered(Vec::new()), 0.0);
     }
 
     #[test]

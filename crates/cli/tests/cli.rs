@@ -1032,7 +1032,7 @@ fn bench_serve_loads_a_running_server() {
     assert!(ok, "{err}");
     let row = out.lines().last().unwrap_or("");
     let cells: Vec<&str> = row.split('|').map(str::trim).collect();
-    // | clients | requests | prompt | max | generated | tok/s | per-stream | p50 | p99 | wall |
+    // | clients | requests | prompt | max | generated | tok/s | per-stream | p50 | p99 | wall | decode |
     assert_eq!(&cells[1..6], &["2", "4", "16", "8", "32"], "{out}");
     if !metrics.is_empty() {
         assert!(
@@ -1042,7 +1042,8 @@ fn bench_serve_loads_a_running_server() {
     }
     let tps: f64 = cells[6].parse().unwrap();
     let wall: f64 = cells[10].parse().unwrap();
-    assert!(tps > 0.0 && wall > 0.0, "{out}");
+    let decode: f64 = cells[11].parse().unwrap();
+    assert!(tps > 0.0 && wall > 0.0 && decode > 0.0, "{out}");
     let (ok, _, err) = samesum(&[
         "bench-serve",
         "--url",
