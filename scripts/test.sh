@@ -191,6 +191,11 @@ for shape in tiny-qwen3moe tiny-qwen35moe; do
         || { cat "$OUT/identity-f32-$shape.md"; echo "identity gate failed with the f32 KV cache on $shape"; exit 1; }
     tail -1 "$OUT/identity-f32-$shape.md"
 done
+echo "== identity gate with the bf16 KV cache (CPU only; prompts of up to $F16_MAX_LEN tokens)"
+"$BIN" identity --shape tiny-qwen35moe --kv-type bf16 --chunk 7,256 --threads 2 --max-len "$F16_MAX_LEN" --gen 16 \
+    > "$OUT/identity-bf16.md" \
+    || { cat "$OUT/identity-bf16.md"; echo "identity gate failed with the bf16 KV cache"; exit 1; }
+tail -1 "$OUT/identity-bf16.md"
 echo "== needle script, smoke run on a synthetic model (random weights: checks only that it runs)"
 "$BIN" synth --shape tiny-qwen3next --quant q8_0 -o "$OUT/needle.gguf" > /dev/null
 "$PY" scripts/needle.py -m "$OUT/needle.gguf" --bin "$BIN" --tokens 1024,4096 --depth 0.1,0.9 --smoke > "$OUT/needle.log" 2>&1 \

@@ -80,7 +80,7 @@ pub(crate) struct Args {
     /// Arm B's KV cache type (default: arm A's): measures a cache type
     /// against another, e.g. `--kv-type f32 --kv-type-b f16` (the default
     /// f16 cache against the reference's).
-    #[arg(long = "kv-type-b", value_name = "TYPE", value_parser = ["f32", "f16"])]
+    #[arg(long = "kv-type-b", value_name = "TYPE", value_parser = ["f32", "f16", "bf16"])]
     kv_type_b: Option<String>,
     // `--attention` applies to arm B (not given: arm A's exact passes);
     // arm A runs the exact passes.
@@ -321,6 +321,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     // is a same-arm control, whatever the device's defaults are.
     let kv_b = match a.kv_type_b.as_deref() {
         Some("f32") => KvType::F32,
+        Some("bf16") => KvType::BF16,
         Some(_) => KvType::F16,
         None => kv,
     };
@@ -377,12 +378,10 @@ pub(crate) fn run(a: Args) -> Result<()> {
     if matches!(device, Device::Cuda(_, o) if o.fast_attention) {
         b_changes.push("fast attention");
     }
-    let kv_name = |k: KvType| {
-        if k == KvType::F16 {
-            "an f16 KV cache"
-        } else {
-            "an f32 KV cache"
-        }
+    let kv_name = |k: KvType| match k {
+        KvType::F16 => "an f16 KV cache",
+        KvType::BF16 => "a bf16 KV cache",
+        KvType::F32 => "an f32 KV cache",
     };
     if kv_b != kv {
         b_changes.push(kv_name(kv_b));

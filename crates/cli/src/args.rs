@@ -244,13 +244,20 @@ enum Kv {
     F32,
     /// 16-bit floats.
     F16,
+    /// bfloat16 (CPU only).
+    Bf16,
 }
 
 impl KvArgs {
-    /// The KV cache type: `--kv-type`, else f16, the default on every
-    /// device (each met the bars written for it, docs/CAPABILITIES.md).
-    pub(crate) fn kv(&self) -> KvType {
-        self.given().unwrap_or(KvType::F16)
+    /// The KV cache type on `dev`: `--kv-type`, else f16, the default on
+    /// every device (each met the bars written for it, docs/CAPABILITIES.md).
+    /// bf16 is the CPU's only.
+    pub(crate) fn kv(&self, dev: &Device) -> Result<KvType> {
+        let kv = self.given().unwrap_or(KvType::F16);
+        if kv == KvType::BF16 && matches!(dev, Device::Cuda(..)) {
+            bail!("--kv-type bf16 runs on the CPU only; on CUDA use f16 (the default) or f32");
+        }
+        Ok(kv)
     }
 
     /// `--kv-type` as given (None: the device's default).
@@ -258,6 +265,7 @@ impl KvArgs {
         self.kv_type.map(|k| match k {
             Kv::F32 => KvType::F32,
             Kv::F16 => KvType::F16,
+            Kv::Bf16 => KvType::BF16,
         })
     }
 }
@@ -267,6 +275,7 @@ pub(crate) fn kv_name(kv: KvType) -> &'static str {
     match kv {
         KvType::F32 => "f32",
         KvType::F16 => "f16",
+        KvType::BF16 => "bf16",
     }
 }
 
@@ -482,11 +491,23 @@ mod tests {
 
     #[test]
     fn kv_types_parse_with_the_default() {
+        let cpu = Device::Cpu(1);
         let none = parse(&[]).unwrap().kv;
-        assert_eq!((none.kv(), none.given()), (KvType::F16, None));
+        assert_eq!((none.kv(&cpu).unwrap(), none.given()), (KvType::F16, None));
         let f16 = parse(&["--kv-type", "f16"]).unwrap().kv;
-        assert_eq!((f16.kv(), f16.given()), (KvType::F16, Some(KvType::F16)));
+        assert_eq!(
+            (f16.kv(&cpu).unwrap(), f16.given()),
+            (KvType::F16, Some(KvType::F16))
+        );
         let f32 = parse(&["--kv-type", "f32"]).unwrap().kv;
-        assert_eq!((f32.kv(), kv_name(f32.kv())), (KvType::F32, "f32"));
+        assert_eq!(
+            (f32.kv(&cpu).unwrap(), kv_name(f32.kv(&cpu).unwrap())),
+            (KvType::F32, "f32")
+        );
+        // bf16: the CPU's only, a plain error on CUDA.
+        let bf16 = parse(&["--kv-type", "bf16"]).unwrap().kv;
+        assert_eq!(bf16.kv(&cpu).unwrap(), KvType::BF16);
+        let err = bf16.kv(&cuda(0, None, true)).unwrap_err().to_string();
+        assert!(err.contains("CPU only"), "{err}");
     }
 }

@@ -96,7 +96,7 @@ fn mean_sd(v: &[f64]) -> (f64, f64) {
 
 pub(crate) fn run(a: Args) -> Result<()> {
     let dev = a.backend.device(a.threads.threads)?;
-    let kv = a.kv.kv();
+    let kv = a.kv.kv(&dev)?;
     if a.repetitions == 0 {
         bail!("--repetitions must be at least 1");
     }

@@ -79,7 +79,7 @@ fn tokens_of(spec: &PromptSpec, tok: &Tokenizer, vocab: usize) -> Result<Vec<u32
 
 pub(crate) fn run(a: Args) -> Result<()> {
     let dev = a.backend.device(0)?;
-    let kv = a.kv.kv();
+    let kv = a.kv.kv(&dev)?;
     let (path, _tmp) = a.model.path_or_synth(&a.shape.shape, "q4_k", None)?;
     let model = Model::load(&path)?;
     let tok = Tokenizer::from_metadata(model.file.metadata())?;

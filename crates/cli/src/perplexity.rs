@@ -92,7 +92,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     let text = std::fs::read_to_string(&a.file)
         .with_context(|| format!("reading the text file {}", a.file.display()))?;
     let dev = a.backend.device(a.threads.threads)?;
-    let kv = a.kv.kv();
+    let kv = a.kv.kv(&dev)?;
     let (path, _tmp) = a.model.path_or_synth(
         "tiny-qwen3next",
         "q8_0",

@@ -193,7 +193,7 @@ fn warn_sampling(a: &Args) {
 
 pub(crate) fn run(a: Args) -> Result<()> {
     let dev = a.backend.device(a.threads.threads)?;
-    let kv = a.kv.kv();
+    let kv = a.kv.kv(&dev)?;
     let (path, _tmp) = a.model.path_or_synth(
         "tiny-qwen3next",
         "q8_0",

@@ -150,7 +150,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     // Refuse a bad key or origin before loading the model.
     access.check().map_err(anyhow::Error::msg)?;
     let device = a.backend.device(a.threads.threads)?;
-    let kv = a.kv.kv();
+    let kv = a.kv.kv(&device)?;
     let chunk = a.chunk.unwrap_or_else(|| device.serve_chunk());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(

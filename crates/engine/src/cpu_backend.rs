@@ -714,13 +714,13 @@ pub(crate) mod tests {
     /// original written to leaves the fork's unchanged; each then equals a
     /// sequence fed its tokens from the start. The fork point sits inside a
     /// KV block and the writes cross into the next, on every architecture
-    /// and both KV types.
+    /// and every KV type.
     #[test]
     fn a_fork_and_its_original_are_independent_and_equal_a_cold_run() {
         let cpu = Cpu::new(2);
         for shape in ["tiny-qwen3moe", "tiny-qwen3next", "tiny-qwen35moe"] {
             let (_dir, m) = model(shape);
-            for kv in [KvType::F32, KvType::F16] {
+            for kv in [KvType::F32, KvType::F16, KvType::BF16] {
                 let head = tokens(KV_BLOCK - 3, 1);
                 let (a, b) = (tokens(7, 5), tokens(7, 11));
                 let ctx = KV_BLOCK + 8;

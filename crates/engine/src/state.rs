@@ -17,6 +17,9 @@ pub enum KvType {
     F32,
     /// f16 (half the memory; values rounded on write).
     F16,
+    /// bf16 (half the memory, f32's range; values rounded to nearest even
+    /// on write, 8 bits of mantissa).
+    BF16,
 }
 
 /// Positions per KV cache block: the cache of a layer is a table of blocks
@@ -40,7 +43,7 @@ impl KvType {
     pub fn size(self) -> usize {
         match self {
             KvType::F32 => 4,
-            KvType::F16 => 2,
+            KvType::F16 | KvType::BF16 => 2,
         }
     }
 }
@@ -64,6 +67,13 @@ pub enum KvLayer {
         /// The block table.
         blocks: Vec<KvBlock<half::f16>>,
     },
+    /// bf16 rows.
+    BF16 {
+        /// Values per row.
+        width: usize,
+        /// The block table.
+        blocks: Vec<KvBlock<half::bf16>>,
+    },
 }
 
 fn block<T: Copy>(zero: T, n: usize) -> KvBlock<T> {
@@ -85,6 +95,10 @@ impl KvLayer {
                 width,
                 blocks: Vec::new(),
             },
+            KvType::BF16 => KvLayer::BF16 {
+                width,
+                blocks: Vec::new(),
+            },
         }
     }
 
@@ -93,13 +107,16 @@ impl KvLayer {
         match self {
             KvLayer::F32 { .. } => KvType::F32,
             KvLayer::F16 { .. } => KvType::F16,
+            KvLayer::BF16 { .. } => KvType::BF16,
         }
     }
 
     /// Values per row.
     pub fn width(&self) -> usize {
         match self {
-            KvLayer::F32 { width, .. } | KvLayer::F16 { width, .. } => *width,
+            KvLayer::F32 { width, .. }
+            | KvLayer::F16 { width, .. }
+            | KvLayer::BF16 { width, .. } => *width,
         }
     }
 
@@ -135,6 +152,24 @@ impl KvLayer {
                     *d = half::f16::from_f32(*s);
                 }
             }
+            KvLayer::BF16 { width, blocks } => {
+                debug_assert_eq!(*width, w);
+                while blocks.len() <= b {
+                    blocks.push(block(half::bf16::ZERO, KV_BLOCK * w));
+                }
+                for (d, s) in Arc::make_mut(&mut blocks[b].k)[at..at + w]
+                    .iter_mut()
+                    .zip(k)
+                {
+                    *d = half::bf16::from_f32(*s);
+                }
+                for (d, s) in Arc::make_mut(&mut blocks[b].v)[at..at + w]
+                    .iter_mut()
+                    .zip(v)
+                {
+                    *d = half::bf16::from_f32(*s);
+                }
+            }
         }
     }
 
@@ -143,6 +178,7 @@ impl KvLayer {
         match self {
             KvLayer::F32 { blocks, .. } => blocks.len(),
             KvLayer::F16 { blocks, .. } => blocks.len(),
+            KvLayer::BF16 { blocks, .. } => blocks.len(),
         }
     }
 
@@ -157,6 +193,7 @@ impl KvLayer {
         match self {
             KvLayer::F32 { blocks, .. } => shared(blocks),
             KvLayer::F16 { blocks, .. } => shared(blocks),
+            KvLayer::BF16 { blocks, .. } => shared(blocks),
         }
     }
 
@@ -168,6 +205,7 @@ impl KvLayer {
         match self {
             KvLayer::F32 { blocks, .. } => blocks.get(b).map_or(0.0, |x| x.k[at]),
             KvLayer::F16 { blocks, .. } => blocks.get(b).map_or(0.0, |x| x.k[at].to_f32()),
+            KvLayer::BF16 { blocks, .. } => blocks.get(b).map_or(0.0, |x| x.k[at].to_f32()),
         }
     }
 
@@ -178,6 +216,7 @@ impl KvLayer {
         match self {
             KvLayer::F32 { blocks, .. } => blocks.get(b).map_or(0.0, |x| x.v[at]),
             KvLayer::F16 { blocks, .. } => blocks.get(b).map_or(0.0, |x| x.v[at].to_f32()),
+            KvLayer::BF16 { blocks, .. } => blocks.get(b).map_or(0.0, |x| x.v[at].to_f32()),
         }
     }
 }
@@ -326,7 +365,7 @@ mod tests {
 
     #[test]
     fn rows_never_written_read_as_zero() {
-        for ty in [KvType::F32, KvType::F16] {
+        for ty in [KvType::F32, KvType::F16, KvType::BF16] {
             let mut kv = KvLayer::new(ty, 4);
             // An empty cache (a layer no call has reached yet) reads zero.
             assert_eq!(kv.k_at(KV_BLOCK + 3, 4, 1), 0.0);

@@ -230,6 +230,7 @@ fn attention_rows_with_cache() {
         }
     }
     attn_case(17, 2, KvType::F16, &mut rng);
+    attn_case(17, 2, KvType::BF16, &mut rng);
 }
 
 #[test]

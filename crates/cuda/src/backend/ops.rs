@@ -36,6 +36,13 @@ impl Backend for Cuda {
     fn new_state(&self, model: &Model, ctx: usize, kv: KvType) -> R<CudaState> {
         let hp = &model.hp;
         let kvw = hp.n_head_kv * hp.head_dim;
+        if kv == KvType::BF16 {
+            return Err(EngineError::Device {
+                backend: "cuda",
+                op: "new state".into(),
+                msg: "no bf16 KV cache on CUDA (--kv-type f16 or f32)".into(),
+            });
+        }
         let f16 = kv == KvType::F16;
         let el = if f16 { 2 } else { 4 };
         let mut kvs = Vec::new();

@@ -47,6 +47,17 @@ impl KvElem for half::f16 {
         None
     }
 }
+impl KvElem for half::bf16 {
+    /// Exact: a bf16 is an f32's upper half.
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+    #[inline(always)]
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+}
 
 /// `q · k` with element `i` accumulated into lane `i % 16` (multiply, then add)
 /// and the lanes reduced by a fixed tree: one order for every caller, and one the
@@ -508,6 +519,7 @@ impl Cpu {
                 match cache {
                     KvLayer::F32 { blocks, .. } => attend_task(&task, blocks, sc, res),
                     KvLayer::F16 { blocks, .. } => attend_task(&task, blocks, sc, res),
+                    KvLayer::BF16 { blocks, .. } => attend_task(&task, blocks, sc, res),
                 }
                 for (k, r) in (r0..r1).enumerate() {
                     let src = &res[k * per * hd..(k + 1) * per * hd];
@@ -556,7 +568,7 @@ mod tests {
                 rope: crate::model::Rope::new(hd, 1e4, Default::default()),
             };
             let (qw, kvw) = (n_head * hd, n_kv * hd);
-            for ty in [KvType::F32, KvType::F16] {
+            for ty in [KvType::F32, KvType::F16, KvType::BF16] {
                 for (pos0, m) in [(0usize, 1usize), (0, 9), (250, 13), (511, 3), (700, 40)] {
                     let mut cache = KvLayer::new(ty, kvw);
                     let k = rnd_vec(&mut x, (pos0 + m) * kvw);
