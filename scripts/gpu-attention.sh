@@ -137,14 +137,14 @@ run)
     if [[ $steps == *,probe,* ]]; then
         # Where decode's time goes at depth and with many sequences: the
         # slope over depth with recorded steps and without, and the kernel
-        # table of a 64-sequence run.
+        # tables of 8- and 64-sequence runs.
         for m in "$q3" "$q35"; do
             step "samesum tg by depth $m" timeout 300 .gpu/samesum bench --device cuda -m "$m" \
                 -p 0 -n 32 -d 0,4096,16384,65536 -r 1 $FAST
             step "samesum tg by depth, no graphs $m" env SAMESUM_CUDA_GRAPHS=0 timeout 300 \
                 .gpu/samesum bench --device cuda -m "$m" -p 0 -n 32 -d 0,16384,65536 -r 1 $FAST
             step "samesum parallel profile $m" timeout 300 .gpu/samesum bench --device cuda \
-                -m "$m" -p 128 -n 16 -r 1 --parallel 64 --profile $FAST
+                -m "$m" -p 128 -n 16 -r 1 --parallel 8,64 --profile $FAST
         done
     fi
     if [[ $steps == *,agree,* ]]; then
