@@ -31,8 +31,11 @@
 # (not in the default steps: `samesum serve` with 8 and 64 streaming clients
 # against llama-batched-bench, both builds, and a follow-up chat turn of an
 # ~8,000-token conversation from the prefix cache against cold;
-# SAMESUM_ATT_SERVE_BINS picks the builds, default ".gpu .gpu-old"), llama
-# (llama.cpp's figures on the same files), ab (not in the default steps:
+# SAMESUM_ATT_SERVE_BINS picks the builds, default ".gpu .gpu-old"; the
+# follow-up turns use the first), llama
+# (llama.cpp's figures on the same files), long (not in the default
+# steps: pp131072 on qwen35moe against llama.cpp, and the identity gate on
+# prompts of 32,768 and 131,072 tokens), ab (not in the default steps:
 # the builds in the directories SAMESUM_ATT_AB, default ".gpu-old .gpu",
 # alternated SAMESUM_ATT_ROUNDS (2) times: pp4096 and pp16384 (-r 2),
 # tg128 at depth 16,384, both models). SAMESUM_ATT_PP=0 leaves
@@ -204,7 +207,8 @@ run)
                 sleep 1
             done
         }
-        for bin in ${SAMESUM_ATT_SERVE_BINS:-.gpu .gpu-old}; do
+        bins=(${SAMESUM_ATT_SERVE_BINS:-.gpu .gpu-old})
+        for bin in "${bins[@]}"; do
             serve "${bin#.}" "$bin"
             for c in 8 64; do
                 step "serving $bin $c clients" timeout 300 .gpu/samesum bench-serve \
@@ -213,12 +217,12 @@ run)
             done
             # A follow-up turn of an ~8,000-token conversation from the
             # prefix cache (the cold request: the server below).
-            [ "$bin" = .gpu ] && step "follow-up turn, prefix cache" timeout 300 \
+            [ "$bin" = "${bins[0]}" ] && step "follow-up turn, prefix cache" timeout 300 \
                 python3 scripts/followup.py --url http://127.0.0.1:8089 --words 2600 --rounds 5
             kill "$spid"
             wait "$spid" 2>/dev/null
         done
-        serve cold .gpu --prefix-cache-mb 0
+        serve cold "${bins[0]}" --prefix-cache-mb 0
         step "follow-up turn, cold" timeout 300 \
             python3 scripts/followup.py --url http://127.0.0.1:8089 --words 2600 --rounds 5
         kill "$spid"
@@ -237,6 +241,28 @@ run)
                 -r 1 -p "$pp" -n 0
             step "llama.cpp tg $m" timeout 600 "$llama/llama-bench" -m "$m" -fa 1 -ub 2048 -ngl 99 \
                 -r 1 -p 0 -n 128 -d 0,16384,65536
+        done
+    fi
+    if [[ $steps == *,long,* ]]; then
+        # 131,072-token prompts: qwen35moe's prefill against llama.cpp, then
+        # the identity gate on random prompts 8 tokens short of each length
+        # in SAMESUM_ATT_LONG (default "32768 131072"; 131,072 on qwen35moe
+        # only), CUDA's default chunk, 16 generated tokens so decode crosses
+        # a key split. The one-token replay of 131,072 tokens takes minutes.
+        step "samesum pp131072 $q35" timeout 600 .gpu/samesum bench --device cuda -m "$q35" \
+            -p 131072 -n 0 -r 1 --prefill batched $FAST
+        for i in $(seq 60); do [ -x "$llama/llama-bench" ] && break; sleep 5; done
+        step "llama.cpp pp131072 $q35" timeout 600 "$llama/llama-bench" -m "$q35" -fa 1 \
+            -ub 2048 -ngl 99 -r 1 -p 131072 -n 0
+        for len in ${SAMESUM_ATT_LONG:-32768 131072}; do
+            n=$((len - 8))
+            printf '[{"name": "random-%s", "random": %s, "seed": 5}]\n' "$n" "$n" >"$work/long-$n.json"
+            models=("$q35")
+            [ "$len" -le 32768 ] && models+=("$q3")
+            for m in "${models[@]}"; do
+                step "identity $len $m" timeout 1200 .gpu/samesum identity --device cuda -m "$m" \
+                    --prompts "$work/long-$n.json" --chunk 2048 --gen 16 $FAST
+            done
         done
     fi
     echo "=== done"
