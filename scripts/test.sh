@@ -113,6 +113,12 @@ fi
 echo "== cargo fmt --check, cargo clippy -D warnings"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --release --locked -- -D warnings
+# The layering: the server is HTTP over the engine's scheduler for any
+# backend; only the command line names devices.
+if cargo tree -p samesum-server -e normal --locked --prefix none | grep -q '^samesum-cuda '; then
+    echo "samesum-server depends on samesum-cuda: devices belong to the command line" >&2
+    exit 1
+fi
 
 echo "== cargo test (workspace)"
 cargo test --workspace --release --locked

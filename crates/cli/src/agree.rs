@@ -18,6 +18,8 @@
 //! arm A's rows are kept for the arms after it.
 
 use crate::args::{BackendArgs, ChunkArgs, KvArgs, ModelArgs, ShapeArgs, ThreadsArgs};
+use crate::backend::{AnyBackend, CudaOptions, Device};
+use crate::with_backend;
 use anyhow::{Context, Result, bail};
 use samesum_engine::cpu::Cpu;
 use samesum_engine::identity::continue_greedy;
@@ -25,8 +27,6 @@ use samesum_engine::sample::argmax;
 use samesum_engine::tokenizer::Tokenizer;
 use samesum_engine::{Backend, KvType, Logits, Model, forward};
 use samesum_quant::rng::Rng;
-use samesum_server::backend::{AnyBackend, CudaOptions, Device};
-use samesum_server::with_backend;
 use std::path::PathBuf;
 use std::time::Instant;
 

@@ -6,9 +6,9 @@
 //! `--chunk` is clap's usage error); what depends on two flags is checked by
 //! the group's accessor.
 
+use crate::backend::{AnyBackend, CudaOptions, Device};
 use anyhow::{Result, bail};
 use samesum_engine::{KvType, Model};
-use samesum_server::backend::{AnyBackend, CudaOptions, Device};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Clone, Debug)]

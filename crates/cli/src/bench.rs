@@ -1,12 +1,12 @@
 //! `samesum bench`: llama-bench-style prompt-processing and generation speed.
 
 use crate::args::{BackendArgs, ChunkArgs, KvArgs, ModelArgs, Prefill, ThreadsArgs};
+use crate::with_backend;
 use anyhow::{Result, bail};
 use samesum_engine::sample::SamplerConfig;
 use samesum_engine::sched::{Config as SchedConfig, Output, Request, Scheduler};
 use samesum_engine::{Backend, KvType, Logits, Model, forward, prefill};
 use samesum_quant::rng::Rng;
-use samesum_server::with_backend;
 use std::path::PathBuf;
 use std::time::Instant;
 

@@ -9,11 +9,11 @@
 //! where the GEMM kernels' own share is read off.
 
 use crate::args::{BackendArgs, ThreadsArgs};
+use crate::with_backend;
 use anyhow::{Context, Result, bail};
 use samesum_engine::{Backend, Model};
 use samesum_gguf::GgmlType;
 use samesum_quant::rng::Rng;
-use samesum_server::with_backend;
 use std::time::Instant;
 
 /// Arguments of `samesum bench-gemm`.

@@ -2,6 +2,8 @@
 //! set: logits bytes at every position, state after the prompt, greedy tokens.
 
 use crate::args::{BackendArgs, KvArgs, ModelArgs, ShapeArgs, at_least_one};
+use crate::backend::{AnyBackend, Device};
+use crate::with_backend;
 use anyhow::{Context, Result, bail};
 use samesum_engine::Backend;
 use samesum_engine::cpu::Cpu;
@@ -9,8 +11,6 @@ use samesum_engine::identity::{batched, replay};
 use samesum_engine::tokenizer::Tokenizer;
 use samesum_engine::{KvType, Model};
 use samesum_quant::rng::Rng;
-use samesum_server::backend::{AnyBackend, Device};
-use samesum_server::with_backend;
 use std::path::PathBuf;
 use std::time::Instant;
 

@@ -2,6 +2,7 @@
 
 mod agree;
 mod args;
+mod backend;
 mod bench;
 mod bench_gemm;
 mod bench_quant;

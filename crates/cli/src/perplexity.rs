@@ -11,11 +11,11 @@
 //! `ppl * sqrt((mean(nll^2) - mean(nll)^2) / (n - 1))`.
 
 use crate::args::{BackendArgs, ChunkArgs, KvArgs, ModelArgs, ThreadsArgs};
+use crate::with_backend;
 use anyhow::{Context, Result, bail};
 use samesum_engine::score::score_tokens;
 use samesum_engine::tokenizer::Tokenizer;
 use samesum_engine::{Backend, KvType, Model};
-use samesum_server::with_backend;
 use serde_json::json;
 use std::io::Write;
 use std::path::PathBuf;

@@ -1,12 +1,12 @@
 //! `samesum run`: generate text from a prompt, streaming it as it comes.
 
 use crate::args::{BackendArgs, ChunkArgs, CtxArgs, KvArgs, ModelArgs, Prefill, ThreadsArgs};
+use crate::with_backend;
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use samesum_engine::sample::{Sampler, SamplerConfig};
 use samesum_engine::tokenizer::Tokenizer;
 use samesum_engine::{Backend, KvType, Logits, Model, forward, forward_chunks};
-use samesum_server::with_backend;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -316,7 +316,7 @@ fn sampling(a: &Args) -> SamplerConfig {
 /// in progress; at the prompt it exits (130).
 fn conversation(
     a: &Args,
-    dev: samesum_server::backend::Device,
+    dev: crate::backend::Device,
     model: &Model,
     tok: &Tokenizer,
     kv: KvType,

@@ -176,7 +176,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     let opts = samesum_server::Options {
         host: a.host,
         port: a.port,
-        device,
+        backend: std::sync::Arc::new(device),
         max_batch: a.max_batch,
         max_queue: a.max_queue,
         max_body: a.max_body,

@@ -1,234 +1,102 @@
-//! Which backend a model runs on, and opening it: a [`Device`] names the
-//! backend and its options, [`AnyBackend::open`] makes it, and
-//! [`with_backend!`](crate::with_backend) runs code generic over
-//! [`Backend`] on it. `samesum serve`'s model thread and every `samesum`
-//! command that runs a model open their backend here.
+//! The backend the model thread runs on, as the server sees it. The server
+//! knows no device kinds: an [`OpenBackend`] opens the backend on the model
+//! thread (a CUDA context belongs to the thread that made it) and hands it
+//! to [`ModelThread::run`], which is generic over [`Backend`] and runs the
+//! step scheduler on it. `samesum serve` passes its own opener (the CPU or a
+//! CUDA device); [`CpuBackend`] opens the CPU backend.
 
-pub use samesum_cuda::{Cuda, CudaOptions};
-pub use samesum_engine::cpu::Cpu;
-use samesum_engine::{Backend, Model};
+use crate::KvBudget;
+use crate::metrics::Metrics;
+use crate::scheduler::{self, Job};
+use samesum_engine::backend::Backend;
+use samesum_engine::cpu::Cpu;
+use samesum_engine::tokenizer::Tokenizer;
+use samesum_engine::{KvType, Model};
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender};
 
-/// A backend and its options.
+/// Opens the model thread's backend.
+pub trait OpenBackend: Send + Sync + std::fmt::Debug {
+    /// Open the backend for `model` and call [`ModelThread::run`] with it
+    /// (it returns when the server stops); `Err` says why the backend could
+    /// not be opened.
+    fn open_and_run(&self, model: &Model, thread: ModelThread<'_>) -> Result<(), String>;
+}
+
+/// Where a backend keeps the KV cache: what `--kv-budget auto` is a share of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Device {
-    /// The CPU backend with this many threads (0: all cores).
-    Cpu(usize),
-    /// CUDA device N, with its placement and attention options (a VRAM
-    /// budget for tier mode, `None`: resident when the model fits, tier mode
-    /// by itself when it does not).
-    Cuda(usize, CudaOptions),
+pub enum Memory {
+    /// Host memory (the CPU backend).
+    Host,
+    /// A device's memory: its free and total bytes with the weights placed
+    /// (`None` where the driver does not say).
+    Device(Option<(u64, u64)>),
 }
 
-/// A device name that is not `cpu`, `cuda`, `gpu` or `cuda:N`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct ParseDeviceError(String);
-
-impl std::str::FromStr for Device {
-    type Err = ParseDeviceError;
-
-    /// `cpu` (all cores), `cuda` or `gpu` (device 0), or `cuda:N`, in any
-    /// case; CUDA with the default options.
-    fn from_str(s: &str) -> Result<Device, ParseDeviceError> {
-        let s = s.trim().to_ascii_lowercase();
-        let cuda = |n| Ok(Device::Cuda(n, CudaOptions::default()));
-        if s == "cpu" {
-            Ok(Device::Cpu(0))
-        } else if s == "cuda" || s == "gpu" {
-            cuda(0)
-        } else if let Some(n) = s.strip_prefix("cuda:") {
-            match n.parse() {
-                Ok(i) => cuda(i),
-                Err(_) => Err(ParseDeviceError(format!(
-                    "{s:?}: expected cuda:N with N a device number"
-                ))),
-            }
-        } else {
-            Err(ParseDeviceError(format!(
-                "{s:?} is not supported (cpu, cuda, cuda:N)"
-            )))
-        }
-    }
-}
-
-/// The default prompt rows per batched call on CUDA (qwen35moe pp4096 on
-/// the H200: 6,576 tok/s at 512, 7,005 at 1024, 7,164 at 2048).
-pub const CUDA_CHUNK: usize = 2048;
-/// The default on CUDA in tier mode: the size its activations were measured
-/// at inside a VRAM budget.
-pub const CUDA_TIER_CHUNK: usize = 512;
-/// `samesum serve`'s default prompt rows per scheduler step on CUDA: a step
-/// also carries every running request's next decode row, so a prefill step
-/// delays their tokens; 512 rows is ~55 ms on the H200 (qwen35moe), against
-/// ~220 ms for 2,048.
-pub const CUDA_SERVE_CHUNK: usize = 512;
-/// `samesum serve`'s default on the CPU.
-pub const CPU_SERVE_CHUNK: usize = 128;
-
-impl Device {
-    /// The device with `threads` CPU threads (CUDA devices unchanged).
-    pub fn with_threads(self, threads: usize) -> Device {
-        match self {
-            Device::Cpu(_) => Device::Cpu(threads),
-            d => d,
-        }
-    }
-
-    /// Prompt rows per scheduler step of `samesum serve` by default (any
-    /// value computes the same bytes; it trades a prompt's prefill speed
-    /// against the other requests' token latency).
-    pub fn serve_chunk(self) -> usize {
-        match self {
-            Device::Cpu(_) => CPU_SERVE_CHUNK,
-            Device::Cuda(..) => CUDA_SERVE_CHUNK,
-        }
-    }
-}
-
-/// An open backend: the CPU or a CUDA device with the model's weights
-/// placed. Run generic code on it with [`with_backend!`](crate::with_backend).
-pub enum AnyBackend {
-    /// The CPU backend.
-    Cpu(Cpu),
-    /// A CUDA device (boxed: it is far larger than the CPU backend).
-    Cuda(Box<Cuda>),
-}
-
-impl AnyBackend {
-    /// Open `device` for `model`: on CUDA, upload its weights (with
-    /// progress bars when `progress` is set); errors say what is missing
-    /// (driver, NVRTC, device, memory).
-    pub fn open(
-        device: Device,
-        model: &Model,
-        progress: bool,
-    ) -> Result<AnyBackend, samesum_cuda::CudaError> {
-        Ok(match device {
-            Device::Cpu(threads) => AnyBackend::Cpu(Cpu::new(threads)),
-            Device::Cuda(n, opts) => {
-                AnyBackend::Cuda(Box::new(Cuda::with_options(n, model, progress, opts)?))
-            }
-        })
-    }
-
-    /// A CUDA device's free and total memory now (`None` on the CPU, or
-    /// when the driver does not say).
-    pub fn device_memory(&self) -> Option<(u64, u64)> {
-        match self {
-            AnyBackend::Cpu(_) => None,
-            AnyBackend::Cuda(c) => c.memory_info().ok(),
-        }
-    }
-
+/// What an opened backend tells the server.
+#[derive(Clone, Debug)]
+pub struct Opened {
     /// The backend's name (as [`Backend::name`]).
-    pub fn name(&self) -> String {
-        match self {
-            AnyBackend::Cpu(c) => c.name(),
-            AnyBackend::Cuda(c) => c.name(),
-        }
-    }
+    pub name: String,
+    /// Where the weights went, logged at start (`None`: nothing to say).
+    pub placement: Option<String>,
+    /// Where the KV cache lives.
+    pub memory: Memory,
+}
 
-    /// Where the weights went, for a CUDA backend opened in `load_secs`
-    /// seconds: resident, or tier mode's split between VRAM and host memory.
-    /// `None` on the CPU.
-    pub fn placement(&self, load_secs: f64) -> Option<String> {
-        let AnyBackend::Cuda(c) = self else {
-            return None;
+/// Sent once by the model thread: the backend's name and the KV budget, or
+/// why it could not start.
+pub(crate) type Ready = Result<(String, Option<u64>), String>;
+
+/// The model thread's work once its backend is open: resolve the KV budget,
+/// report ready, run the step scheduler until the request queue closes.
+pub struct ModelThread<'a> {
+    pub(crate) model: &'a Model,
+    pub(crate) tok: Arc<Tokenizer>,
+    pub(crate) rx: Receiver<Job>,
+    pub(crate) cfg: scheduler::Config,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) ready: Sender<Ready>,
+    pub(crate) budget: KvBudget,
+    pub(crate) kv: KvType,
+    pub(crate) ctx: usize,
+}
+
+impl ModelThread<'_> {
+    /// Serve on `b` until the server stops.
+    pub fn run<B: Backend>(self, b: &B, opened: Opened) {
+        if let Some(p) = &opened.placement {
+            tracing::info!("{p}");
+        }
+        let mut cfg = self.cfg;
+        let (kv_budget, note) = self.budget.resolve(opened.memory, cfg.prefix_cache_bytes);
+        tracing::info!("KV budget: {note}");
+        let one = samesum_engine::sched::context_bytes(&self.model.hp, self.kv, self.ctx);
+        if kv_budget.is_some_and(|bytes| bytes < one) {
+            tracing::warn!(
+                "the KV budget is below one request of the whole context ({one} bytes at --ctx-size {}): longer requests are refused",
+                self.ctx
+            );
+        }
+        cfg.kv_budget = kv_budget;
+        let _ = self.ready.send(Ok((opened.name, kv_budget)));
+        scheduler::run(self.model, &self.tok, b, self.rx, &cfg, &self.metrics);
+    }
+}
+
+/// The CPU backend with this many threads (0: all cores).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuBackend(pub usize);
+
+impl OpenBackend for CpuBackend {
+    fn open_and_run(&self, _model: &Model, thread: ModelThread<'_>) -> Result<(), String> {
+        let cpu = Cpu::new(self.0);
+        let opened = Opened {
+            name: cpu.name(),
+            placement: None,
+            memory: Memory::Host,
         };
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        Some(match c.tier_stats() {
-            None => format!(
-                "{}: {:.2} GiB of weights resident in {load_secs:.2}s",
-                c.name(),
-                gib(c.resident_bytes() as u64),
-            ),
-            Some((plan, _, pinned)) => format!(
-                "{}: tier mode, {:.2} GiB in VRAM (trunk {:.2} GiB, {} expert slots per layer, two staging buffers of {:.2} GiB), {:.2} GiB of experts in {} host memory, in {load_secs:.2}s",
-                c.name(),
-                gib(c.resident_bytes() as u64),
-                gib(plan.sizes.trunk),
-                plan.slots,
-                gib(plan.sizes.layer_experts()),
-                gib(plan.sizes.layer_experts() * plan.sizes.layers as u64),
-                if pinned {
-                    "page-locked"
-                } else {
-                    "partly pageable"
-                },
-            ),
-        })
-    }
-
-    /// Prompt rows per batched forward call by default: 256 on the CPU
-    /// (measured best on the build machine), [`CUDA_CHUNK`] on CUDA,
-    /// [`CUDA_TIER_CHUNK`] on CUDA in tier mode. Any chunk computes the same
-    /// bytes.
-    pub fn default_chunk(&self) -> usize {
-        match self {
-            AnyBackend::Cpu(_) => samesum_engine::DEFAULT_CHUNK,
-            AnyBackend::Cuda(c) if c.tier_stats().is_some() => CUDA_TIER_CHUNK,
-            AnyBackend::Cuda(_) => CUDA_CHUNK,
-        }
-    }
-}
-
-/// Evaluate `$body` with `$b` bound to the backend inside `$backend` (a
-/// `&AnyBackend`), as `&Cpu` or `&Cuda`: `$body` is compiled once for each,
-/// so it may call functions generic over [`Backend`].
-///
-/// ```ignore
-/// let backend = AnyBackend::open(device, &model, true)?;
-/// let name = with_backend!(&backend, |b| generic_fn(b, &model));
-/// ```
-#[macro_export]
-macro_rules! with_backend {
-    ($backend:expr, |$b:ident| $body:expr) => {
-        match $backend {
-            $crate::backend::AnyBackend::Cpu(cpu) => {
-                let $b: &$crate::backend::Cpu = cpu;
-                $body
-            }
-            $crate::backend::AnyBackend::Cuda(cuda) => {
-                let $b: &$crate::backend::Cuda = cuda;
-                $body
-            }
-        }
-    };
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{AnyBackend, CudaOptions, Device};
-
-    fn cuda(n: usize) -> Device {
-        Device::Cuda(n, CudaOptions::default())
-    }
-
-    #[test]
-    fn parses_device_names() {
-        assert_eq!("cpu".parse(), Ok(Device::Cpu(0)));
-        assert_eq!("cuda".parse(), Ok(cuda(0)));
-        assert_eq!("gpu".parse(), Ok(cuda(0)));
-        assert_eq!(" CUDA:3 ".parse(), Ok(cuda(3)));
-        for bad in ["cuda:x", "tpu", "cuda:", ""] {
-            assert!(bad.parse::<Device>().is_err(), "{bad:?}");
-        }
-        let e = "tpu".parse::<Device>().unwrap_err().to_string();
-        assert!(e.contains("cpu, cuda, cuda:N"), "{e}");
-    }
-
-    #[test]
-    fn threads_apply_to_the_cpu_only() {
-        assert_eq!(Device::Cpu(0).with_threads(3), Device::Cpu(3));
-        assert_eq!(cuda(1).with_threads(3), cuda(1));
-    }
-
-    #[test]
-    fn default_chunks_follow_the_device() {
-        assert_eq!(Device::Cpu(0).serve_chunk(), 128);
-        assert_eq!(cuda(0).serve_chunk(), 512);
-        let cpu = AnyBackend::Cpu(super::Cpu::new(1));
-        assert_eq!(cpu.default_chunk(), samesum_engine::DEFAULT_CHUNK);
-        assert!(cpu.placement(1.0).is_none());
+        thread.run(&cpu, opened);
+        Ok(())
     }
 }

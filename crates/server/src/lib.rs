@@ -30,7 +30,7 @@ pub mod scheduler;
 pub mod structured;
 
 pub use auth::Access;
-pub use backend::Device;
+pub use backend::{CpuBackend, Memory, ModelThread, OpenBackend, Opened};
 
 use samesum_engine::tokenizer::Tokenizer;
 use samesum_engine::{KvType, Model};
@@ -44,8 +44,9 @@ pub struct Options {
     pub host: String,
     /// Port (0: any free port).
     pub port: u16,
-    /// Backend.
-    pub device: Device,
+    /// Opens the backend on the model thread ([`CpuBackend`], or the
+    /// caller's own for other devices).
+    pub backend: Arc<dyn OpenBackend>,
     /// Requests running at once.
     pub max_batch: usize,
     /// Requests waiting at most (then 503).
@@ -148,20 +149,14 @@ impl std::str::FromStr for KvBudget {
 pub const CUDA_STEP_RESERVE: u64 = 4 << 30;
 
 impl KvBudget {
-    /// The budget in bytes on `device` (`None`: no limit), and a line
-    /// saying where it came from. `vram` is a CUDA device's free and total
-    /// memory with the weights placed, `prefix_cache` the bytes the prefix
-    /// cache may hold there.
-    pub fn resolve(
-        self,
-        device: Device,
-        vram: Option<(u64, u64)>,
-        prefix_cache: u64,
-    ) -> (Option<u64>, String) {
-        match (self, device) {
+    /// The budget in bytes for a KV cache in `memory` (`None`: no limit),
+    /// and a line saying where it came from. `prefix_cache` is the bytes the
+    /// prefix cache may hold there.
+    pub fn resolve(self, memory: Memory, prefix_cache: u64) -> (Option<u64>, String) {
+        match (self, memory) {
             (KvBudget::Bytes(b), _) => (Some(b), format!("{b} bytes (--kv-budget)")),
             (KvBudget::Unlimited, _) => (None, "no limit (--kv-budget none)".into()),
-            (KvBudget::Auto, Device::Cpu(_)) => match mem_available() {
+            (KvBudget::Auto, Memory::Host) => match mem_available() {
                 Some(avail) => (
                     Some(avail / 2),
                     format!(
@@ -174,7 +169,7 @@ impl KvBudget {
                     "no limit (available memory unknown; set --kv-budget)".into(),
                 ),
             },
-            (KvBudget::Auto, Device::Cuda(..)) => match vram {
+            (KvBudget::Auto, Memory::Device(vram)) => match vram {
                 Some((free, total)) => {
                     let reserve = CUDA_STEP_RESERVE.max(total / 10);
                     let b = free.saturating_sub(prefix_cache + reserve) / 10 * 9;
@@ -326,46 +321,35 @@ pub async fn serve(
     let metrics = Arc::new(metrics::Metrics::default());
     let (tx, rx) = std::sync::mpsc::sync_channel::<scheduler::Job>(opts.max_queue);
     // The model thread sends the backend's name and the KV budget once the
-    // weights are placed (on CUDA the budget comes from the VRAM left).
-    type Ready = Result<(String, Option<u64>), String>;
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Ready>();
-    let prefix_cache_bytes = opts.prefix_cache_mb.saturating_mul(1 << 20);
-    let mut cfg = scheduler::Config {
+    // weights are placed (on a GPU the budget comes from the memory left).
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<backend::Ready>();
+    let cfg = scheduler::Config {
         max_batch: opts.max_batch,
         prefill_chunk: opts.prefill_chunk,
         kv: opts.kv,
-        prefix_cache_bytes,
+        prefix_cache_bytes: opts.prefix_cache_mb.saturating_mul(1 << 20),
         kv_budget: None,
     };
-    let (hp, kv, ctx, budget_opt) = (model.hp.clone(), opts.kv, opts.ctx, opts.kv_budget);
     let hp_check = model.hp.clone();
-    let (tok2, m2, device) = (tok.clone(), metrics.clone(), opts.device);
+    let (tok2, m2, opener) = (tok.clone(), metrics.clone(), opts.backend.clone());
+    let (budget, kv, ctx) = (opts.kv_budget, opts.kv, opts.ctx);
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
     std::thread::Builder::new()
         .name("samesum-model".into())
         .spawn(move || {
-            let t = std::time::Instant::now();
-            match backend::AnyBackend::open(device, &model, true) {
-                Ok(b) => {
-                    if let Some(p) = b.placement(t.elapsed().as_secs_f64()) {
-                        tracing::info!("{p}");
-                    }
-                    let (kv_budget, note) =
-                        budget_opt.resolve(device, b.device_memory(), prefix_cache_bytes);
-                    tracing::info!("KV budget: {note}");
-                    let one = samesum_engine::sched::context_bytes(&hp, kv, ctx);
-                    if kv_budget.is_some_and(|bytes| bytes < one) {
-                        tracing::warn!(
-                            "the KV budget is below one request of the whole context ({one} bytes at --ctx-size {ctx}): longer requests are refused"
-                        );
-                    }
-                    cfg.kv_budget = kv_budget;
-                    let _ = ready_tx.send(Ok((b.name(), kv_budget)));
-                    with_backend!(&b, |b| scheduler::run(&model, &tok2, b, rx, &cfg, &m2));
-                }
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e.to_string()));
-                }
+            let thread = ModelThread {
+                model: &model,
+                tok: tok2,
+                rx,
+                cfg,
+                metrics: m2,
+                ready: ready_tx.clone(),
+                budget,
+                kv,
+                ctx,
+            };
+            if let Err(e) = opener.open_and_run(&model, thread) {
+                let _ = ready_tx.send(Err(e));
             }
             let _ = stopped_tx.send(());
         })?;
@@ -447,7 +431,7 @@ pub async fn serve(
 
 #[cfg(test)]
 mod tests {
-    use super::{Device, KvBudget};
+    use super::{KvBudget, Memory};
 
     #[test]
     fn kv_budgets_parse_and_resolve() {
@@ -461,31 +445,32 @@ mod tests {
         for bad in ["", "0", "-1G", "2X", "G", "nanG", "1e30T"] {
             assert!(p(bad).is_err(), "{bad:?}");
         }
-        let cuda = Device::Cuda(0, Default::default());
         let gib = 1u64 << 30;
-        let vram = Some((100 * gib, 140 * gib));
-        assert_eq!(KvBudget::Bytes(7).resolve(cuda, vram, 0).0, Some(7));
-        assert_eq!(KvBudget::Unlimited.resolve(cuda, vram, 0).0, None);
+        let vram = Memory::Device(Some((100 * gib, 140 * gib)));
+        assert_eq!(KvBudget::Bytes(7).resolve(vram, 0).0, Some(7));
+        assert_eq!(KvBudget::Unlimited.resolve(vram, 0).0, None);
         // 90% of the free VRAM less the prefix cache and the reserve (a
         // tenth of the card here: 14 GiB).
         assert_eq!(
-            KvBudget::Auto.resolve(cuda, vram, gib / 2).0,
+            KvBudget::Auto.resolve(vram, gib / 2).0,
             Some((100 * gib - gib / 2 - 14 * gib) / 10 * 9)
         );
         // On a small card the fixed reserve.
-        let small = Some((20 * gib, 24 * gib));
+        let small = Memory::Device(Some((20 * gib, 24 * gib)));
         assert_eq!(
-            KvBudget::Auto.resolve(cuda, small, 0).0,
+            KvBudget::Auto.resolve(small, 0).0,
             Some((20 * gib - super::CUDA_STEP_RESERVE) / 10 * 9)
         );
         // Nothing left: a budget of zero, not an underflow.
         assert_eq!(
-            KvBudget::Auto.resolve(cuda, Some((gib, 24 * gib)), 0).0,
+            KvBudget::Auto
+                .resolve(Memory::Device(Some((gib, 24 * gib))), 0)
+                .0,
             Some(0)
         );
-        assert_eq!(KvBudget::Auto.resolve(cuda, None, 0).0, None);
-        assert_eq!(KvBudget::Unlimited.resolve(Device::Cpu(1), None, 0).0, None);
-        if let (Some(b), _) = KvBudget::Auto.resolve(Device::Cpu(1), None, 0) {
+        assert_eq!(KvBudget::Auto.resolve(Memory::Device(None), 0).0, None);
+        assert_eq!(KvBudget::Unlimited.resolve(Memory::Host, 0).0, None);
+        if let (Some(b), _) = KvBudget::Auto.resolve(Memory::Host, 0) {
             assert!(b > 0);
         }
     }

@@ -6,7 +6,7 @@
 
 use samesum_engine::{KvType, Model};
 use samesum_gguf::GgmlType;
-use samesum_server::{Access, Device, Options};
+use samesum_server::{Access, CpuBackend, Options};
 use samesum_synth::{SynthOptions, shapes, write_model};
 use serde_json::{Value, json};
 use std::io::{Read, Write};
@@ -35,7 +35,7 @@ fn options(access: Access) -> Options {
     Options {
         host: "127.0.0.1".into(),
         port: 0,
-        device: Device::Cpu(1),
+        backend: std::sync::Arc::new(CpuBackend(1)),
         max_batch: 2,
         max_queue: 4,
         max_body: 1 << 16,

@@ -9,7 +9,7 @@
 use samesum_engine::sched::context_bytes;
 use samesum_engine::{KvType, Model};
 use samesum_gguf::GgmlType;
-use samesum_server::{Device, KvBudget, Limits, Options};
+use samesum_server::{CpuBackend, KvBudget, Limits, Options};
 use samesum_synth::{SynthOptions, shapes, write_model};
 use serde_json::{Value, json};
 use std::io::{ErrorKind, Read, Write};
@@ -114,7 +114,7 @@ fn start_with(
     let opts = Options {
         host: "127.0.0.1".into(),
         port: 0,
-        device: Device::Cpu(2),
+        backend: std::sync::Arc::new(CpuBackend(2)),
         max_batch,
         max_queue: 8,
         max_body: 1 << 20,

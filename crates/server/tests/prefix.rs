@@ -14,7 +14,7 @@ use samesum_engine::{KvType, Model};
 use samesum_gguf::GgmlType;
 use samesum_server::metrics::Metrics;
 use samesum_server::scheduler::{self, Config, Event, Job, Usage};
-use samesum_server::{Device, Options};
+use samesum_server::{CpuBackend, Options};
 use samesum_synth::{SynthOptions, shapes, write_model};
 use serde_json::{Value, json};
 use std::io::{Read, Write};
@@ -371,7 +371,7 @@ fn start(prefix_cache_mb: u64) -> Server {
     let opts = Options {
         host: "127.0.0.1".into(),
         port: 0,
-        device: Device::Cpu(2),
+        backend: std::sync::Arc::new(CpuBackend(2)),
         max_batch: 4,
         max_queue: 8,
         max_body: 1 << 16,

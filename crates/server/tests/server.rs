@@ -5,7 +5,7 @@
 
 use samesum_engine::{KvType, Model};
 use samesum_gguf::GgmlType;
-use samesum_server::{Device, Options};
+use samesum_server::{CpuBackend, Options};
 use samesum_synth::{SynthOptions, shapes, write_model};
 use serde_json::{Value, json};
 use std::io::{Read, Write};
@@ -61,7 +61,7 @@ fn start_template(
     let opts = Options {
         host: "127.0.0.1".into(),
         port: 0,
-        device: Device::Cpu(2),
+        backend: std::sync::Arc::new(CpuBackend(2)),
         max_batch,
         max_queue,
         max_body,
