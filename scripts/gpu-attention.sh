@@ -24,7 +24,7 @@
 # tests (the GPU tests of attention, sequences, block ops, graphs), identity
 # (the gate with the defaults on the tiny models, and its negative control),
 # probe (decode by depth with and without recorded steps, the kernel
-# table of 64 sequences a step, on qwen3moe-30b-a3b and qwen35moe-35b-a3b at
+# tables of 8 and 64 sequences a step, the MoE block at 1, 8 and 64 rows, on qwen3moe-30b-a3b and qwen35moe-35b-a3b at
 # the q4_k_m mix, qwen3moe with YaRN x4 so that 65,536 fits), agree
 # (teacher-forced agreement with the reference and the probe), bench (pp and
 # tg at depth, several sequences a step; samesum and the old build, prefill too), serving
@@ -148,6 +148,11 @@ run)
                 .gpu/samesum bench --device cuda -m "$m" -p 0 -n 32 -d 0,16384,65536 -r 1 $FAST
             step "samesum parallel profile $m" timeout 300 .gpu/samesum bench --device cuda \
                 -m "$m" -p 128 -n 16 -r 1 --parallel 8,64 --profile $FAST
+        done
+        # The MoE block alone at the rows of 1, 8 and 64 decode sequences.
+        for rows in 1 8 64; do
+            step "bench-gemm qwen35moe q4_k $rows rows" timeout 120 .gpu/samesum bench-gemm \
+                --device cuda --shape qwen35moe-35b-a3b --formats q4_k,q6_k -m "$rows" -r 20 --profile
         done
     fi
     if [[ $steps == *,agree,* ]]; then
