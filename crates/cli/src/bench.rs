@@ -58,7 +58,8 @@ pub(crate) struct Args {
     /// run). On CUDA it also launches everything on one stream (the prefill's
     /// shared expert does not run beside the routed experts) and decode
     /// without graphs, so its schedule is not the unprofiled run's. Each
-    /// test's table is its last timed run's, the depth fill (-d) left out.
+    /// test's table is its last timed run's, the depth fill (-d) left out;
+    /// `--parallel`'s covers the steps after every prompt's first token.
     #[arg(long)]
     profile: bool,
     /// Skip the uncounted warm-up run before each test (llama-bench's
@@ -338,6 +339,9 @@ fn parallel<B: Backend>(b: &B, model: &Model, a: &Args, kv: KvType, chunk: usize
             let mut first = vec![None; n];
             let mut last = vec![None; n];
             let t = Instant::now();
+            // Steps after every prompt's first token (decode only): the
+            // kernel table covers those.
+            let mut decode_steps: Option<usize> = None;
             let mut ids = Vec::with_capacity(n);
             for _ in 0..n {
                 let prompt = (0..np).map(|_| rng.below(vocab) as u32).collect();
@@ -368,13 +372,22 @@ fn parallel<B: Backend>(b: &B, model: &Model, a: &Args, kv: KvType, chunk: usize
                         _ => {}
                     }
                 }
+                match &mut decode_steps {
+                    Some(k) => *k += 1,
+                    None if first.iter().all(Option::is_some) => {
+                        // The prefill steps' kernel times are dropped.
+                        b.take_report()?;
+                        decode_steps = Some(0);
+                    }
+                    None => {}
+                }
             }
             let secs = t.elapsed().as_secs_f64();
             let r = b.take_report()?;
             if rep == 0 {
                 continue;
             }
-            report = r;
+            report = r.map(|r| (r, decode_steps.unwrap_or(0)));
             let st = s.stats();
             pp.push(st.prompt_tokens as f64 / st.prefill_seconds.max(1e-12));
             let decoded = st.completion_tokens.saturating_sub(n as u64);
@@ -404,9 +417,9 @@ fn parallel<B: Backend>(b: &B, model: &Model, a: &Args, kv: KvType, chunk: usize
             reports.push((n, r));
         }
     }
-    for (n, r) in reports {
+    for (n, (r, steps)) in reports {
         println!(
-            "\nkernel time, {n} sequences (prefill and decode steps), the last timed run:\n\n{r}"
+            "\nkernel time, {n} sequences, the {steps} steps after every prompt's first token (decode only), the last timed run:\n\n{r}"
         );
     }
     Ok(())
