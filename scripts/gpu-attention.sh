@@ -39,7 +39,8 @@
 # the builds in the directories SAMESUM_ATT_AB, default ".gpu-old .gpu",
 # alternated SAMESUM_ATT_ROUNDS (2) times: pp4096 and pp16384 (-r 2),
 # tg128 at depth 16,384, both models). SAMESUM_ATT_PP=0 leaves
-# prefill out of bench and llama. The models and llama.cpp are made in the background from the
+# prefill out of bench and llama; the llama.cpp steps wait up to
+# SAMESUM_ATT_LLAMA_WAIT x 5 s (60) for its build. The models and llama.cpp are made in the background from the
 # start. Results: OUT/log.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -232,12 +233,12 @@ run)
             python3 scripts/followup.py --url http://127.0.0.1:8089 --words 2600 --rounds 5
         kill "$spid"
         wait "$spid" 2>/dev/null
-        for i in $(seq 60); do [ -x "$llama/llama-batched-bench" ] && break; sleep 5; done
+        for i in $(seq "${SAMESUM_ATT_LLAMA_WAIT:-60}"); do [ -x "$llama/llama-batched-bench" ] && break; sleep 5; done
         step "llama.cpp batched $q35" timeout 600 "$llama/llama-batched-bench" -m "$q35" \
             -c 90000 -b 2048 -ub 2048 -fa 1 -ngl 99 -npp 512 -ntg 128 -npl 1,8,64
     fi
     if [[ $steps == *,llama,* ]]; then
-        for i in $(seq 60); do [ -x "$llama/llama-bench" ] && break; sleep 5; done
+        for i in $(seq "${SAMESUM_ATT_LLAMA_WAIT:-60}"); do [ -x "$llama/llama-bench" ] && break; sleep 5; done
         tail -n 3 "$out/llama-build.log"
         for m in "$q35" "$q3"; do
             pp=4096,16384
@@ -256,7 +257,7 @@ run)
         # a key split. The one-token replay of 131,072 tokens takes minutes.
         step "samesum pp131072 $q35" timeout 600 .gpu/samesum bench --device cuda -m "$q35" \
             -p 131072 -n 0 -r 1 --prefill batched $FAST
-        for i in $(seq 60); do [ -x "$llama/llama-bench" ] && break; sleep 5; done
+        for i in $(seq "${SAMESUM_ATT_LLAMA_WAIT:-60}"); do [ -x "$llama/llama-bench" ] && break; sleep 5; done
         step "llama.cpp pp131072 $q35" timeout 600 "$llama/llama-bench" -m "$q35" -fa 1 \
             -ub 2048 -ngl 99 -r 1 -p 131072 -n 0
         for len in ${SAMESUM_ATT_LONG:-32768 131072}; do
