@@ -1,6 +1,6 @@
-//! AMX-INT8 tile kernels for batched prefill: Q4_K and Q5_K (against Q8_K
-//! activations) and Q8_0 (against Q8_0 activations), 16 weight rows by 16
-//! activation rows per tile multiply.
+//! AMX-INT8 tile kernels for batched prefill: Q4_K, Q5_K and IQ4_XS (against
+//! Q8_K activations) and Q8_0 (against Q8_0 activations), 16 weight rows by
+//! 16 activation rows per tile multiply.
 //!
 //! The tile multiplies (`tdpbusd`, `tdpbssd`) produce the integer block sums
 //! of ggml's dot products, and integer sums are exact in any order, so only
@@ -15,6 +15,10 @@
 //!   `q·(sc >> 3)` (each below 256 for quants up to 31) and `m_j` repeated
 //!   over its sub-block, so `sumi = C₀ + 8·C₁` and `summ = C₂` come from
 //!   three tile multiplies over the whole block.
+//! * **IQ4_XS.** The non-linear table's values (i8) times a signed 6-bit
+//!   scale do not fit a byte, so the values are unpacked as they are, each
+//!   32-element sub-block's sum comes from its own tile multiply (K = 32),
+//!   and the scales multiply the stored sums.
 //! * **Q8_0.** The weight tiles are read straight from the file (a row's
 //!   32 quants at the row stride); each 32-element block's sum is stored and
 //!   folded into lane `b % 8` as [`super::scalar::lanes8`] does.
@@ -617,5 +621,142 @@ pub(super) unsafe fn q8_0_tiles(
             }
             release();
         }
+    }
+}
+
+/// Bytes per block of [`prep_iq4xs`]'s output for a tile of 16 weight rows:
+/// eight operand tiles (one a sub-block: 16 rows of its 32 values), then the
+/// rows' `d`, then their eight sub-block scales as i32.
+const IQ4XS_PREP: usize = 8 * 512 + 16 * 4 + 16 * 8 * 4;
+
+/// One tile of 16 weight rows (`w`: the first of them, `nj` valid; the rest
+/// zero) unpacked, per block `b` at `b * IQ4XS_PREP`: for sub-block `ib` a
+/// 16 × 32-byte operand whose row `r` holds row `r`'s 32 values (the
+/// non-linear table's i8 entries, in element order), then the rows' `d` and
+/// their scales (`ls - 32`, row-major).
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn prep_iq4xs(w: &[BlockIq4Xs], nb: usize, nj: usize, base: *mut u8) {
+    unsafe {
+        let table = _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast());
+        let mask = _mm_set1_epi8(0x0F);
+        for b in 0..nb {
+            let at = base.add(b * IQ4XS_PREP);
+            let d = at.add(8 * 512).cast::<f32>();
+            let sc = d.add(16).cast::<i32>();
+            for r in 0..16 {
+                let Some(blk) = (r < nj).then(|| &w[r * nb + b]) else {
+                    for ib in 0..8 {
+                        std::ptr::write_bytes(at.add(ib * 512 + r * 32), 0, 32);
+                        sc.add(r * 8 + ib).write(0);
+                    }
+                    d.add(r).write(0.0);
+                    continue;
+                };
+                let s = iq4xs_scales(blk);
+                for (ib, &s) in s.iter().enumerate() {
+                    // Byte j of the sub-block: element j (low nibble) and
+                    // element j + 16 (high nibble).
+                    let q = _mm_loadu_si128(blk.qs.as_ptr().add(ib * 16).cast());
+                    let lo = _mm_shuffle_epi8(table, _mm_and_si128(q, mask));
+                    let hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(q), mask));
+                    let row = at.add(ib * 512 + r * 32);
+                    _mm_storeu_si128(row.cast(), lo);
+                    _mm_storeu_si128(row.add(16).cast(), hi);
+                    sc.add(r * 8 + ib).write(s as i32);
+                }
+                d.add(r).write(h2f(blk.d));
+            }
+        }
+    }
+}
+
+/// [`kquant_tiles`] for IQ4_XS weights: a block's sum is `Σ_j sc_j · Σ_{k∈j}
+/// v_k a_k` with signed 6-bit scales and the non-linear table's values `v`,
+/// whose products with a scale do not fit a byte, so each 32-element
+/// sub-block takes its own tile multiply (`tdpbssd`, K = 32) and the scales
+/// are applied to the stored sums.
+///
+/// # Safety
+/// As [`kquant_tiles`].
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+pub(super) unsafe fn iq4xs_tiles(
+    w: &[BlockIq4Xs],
+    nb: usize,
+    rows: usize,
+    acts: &[&[BlockQ8K]],
+    out: &mut [f32],
+) {
+    let m = acts.len();
+    // tmm0..3: four sub-blocks' sums; tmm4: weights (16 rows × 32 values);
+    // tmm5: activations (8 × 16 dwords).
+    let cfg = TileConfig::new([
+        (16, 64),
+        (16, 64),
+        (16, 64),
+        (16, 64),
+        (16, 32),
+        (8, 64),
+        (16, 64),
+        (16, 64),
+    ]);
+    let (abase, wbase) = scratch(m.div_ceil(16) * nb * Q8K_PREP, nb * IQ4XS_PREP + 8 * 1024);
+    unsafe {
+        prep_q8k(acts, nb, abase);
+        let cbuf = wbase.add(nb * IQ4XS_PREP);
+        cfg.load();
+        for j0 in (0..rows).step_by(16) {
+            let nj = (rows - j0).min(16);
+            prep_iq4xs(&w[j0 * nb..(j0 + nj) * nb], nb, nj, wbase);
+            for g in 0..m.div_ceil(16) {
+                let mut acc = [_mm512_setzero_ps(); 16];
+                for b in 0..nb {
+                    let ap = abase.add((g * nb + b) * Q8K_PREP);
+                    let wp = wbase.add(b * IQ4XS_PREP);
+                    // Sub-block ib: the activations' rows 8 ib .. 8 ib + 8
+                    // (elements 32 ib .. + 32), the weights' operand ib.
+                    macro_rules! sub {
+                        ($ib:expr, $tmm:literal) => {
+                            asm!(
+                                concat!("tilezero tmm", $tmm),
+                                "tileloadd tmm4, [{w} + {ws}]",
+                                "tileloadd tmm5, [{a} + {st}]",
+                                concat!("tdpbssd tmm", $tmm, ", tmm4, tmm5"),
+                                concat!("tilestored [{c} + {st}], tmm", $tmm),
+                                w = in(reg) wp.add($ib * 512),
+                                ws = in(reg) 32usize,
+                                a = in(reg) ap.add($ib * 512),
+                                c = in(reg) cbuf.add($ib * 1024),
+                                st = in(reg) 64usize,
+                                options(nostack),
+                            )
+                        };
+                    }
+                    for h in [0usize, 4] {
+                        sub!(h, "0");
+                        sub!(h + 1, "1");
+                        sub!(h + 2, "2");
+                        sub!(h + 3, "3");
+                    }
+                    let da = _mm512_load_ps(ap.add(4096).cast());
+                    let d = wp.add(8 * 512).cast::<f32>();
+                    let sc = d.add(16).cast::<i32>();
+                    let c = cbuf.cast::<__m512i>();
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let mut sumi = _mm512_setzero_si512();
+                        for ib in 0..8 {
+                            let t = _mm512_mullo_epi32(
+                                _mm512_load_si512(c.add(ib * 16 + r)),
+                                _mm512_set1_epi32(*sc.add(r * 8 + ib)),
+                            );
+                            sumi = _mm512_add_epi32(sumi, t);
+                        }
+                        let dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
+                        *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
+                    }
+                }
+                store_results(&acc, out, rows, j0, nj, g * 16, (m - g * 16).min(16));
+            }
+        }
+        release();
     }
 }

@@ -43,7 +43,12 @@ pub(super) const MULTI_FORMATS: &[GgmlType] = &[
 ];
 
 /// Formats with an AMX tile kernel ([`super::x86_amx`]).
-pub(super) const AMX_FORMATS: &[GgmlType] = &[GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_K];
+pub(super) const AMX_FORMATS: &[GgmlType] = &[
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::IQ4_XS,
+];
 
 /// An AMX tile kernel: (weights, blocks a row, rows, activation rows, out).
 type AmxFn<W, A> = unsafe fn(&[W], usize, usize, &[&[A]], &mut [f32]);
@@ -83,6 +88,7 @@ pub(super) fn dot_rows_multi_amx(
         T::Q4_K => run(weight, w, acts, n, rows, out, amx::kquant_tiles::<BlockQ4K>),
         T::Q5_K => run(weight, w, acts, n, rows, out, amx::kquant_tiles::<BlockQ5K>),
         T::Q8_0 => run(weight, w, acts, n, rows, out, amx::q8_0_tiles),
+        T::IQ4_XS => run(weight, w, acts, n, rows, out, amx::iq4xs_tiles),
         _ => Ok(false),
     }
 }
