@@ -1,5 +1,5 @@
-//! AMX-INT8 tile kernels for batched prefill: Q4_K, Q5_K and IQ4_XS (against
-//! Q8_K activations) and Q8_0 (against Q8_0 activations), 16 weight rows by
+//! AMX-INT8 tile kernels for batched prefill: Q4_K, Q5_K, Q3_K and IQ4_XS
+//! (against Q8_K activations) and Q8_0 (against Q8_0 activations), 16 weight rows by
 //! 16 activation rows per tile multiply.
 //!
 //! The tile multiplies (`tdpbusd`, `tdpbssd`) produce the integer block sums
@@ -15,6 +15,9 @@
 //!   `q·(sc >> 3)` (each below 256 for quants up to 31) and `m_j` repeated
 //!   over its sub-block, so `sumi = C₀ + 8·C₁` and `summ = C₂` come from
 //!   three tile multiplies over the whole block.
+//! * **Q3_K.** Values in -4..=3 and signed 6-bit scales over 16 elements:
+//!   the operands `v·(sc & 7)` and `v·(sc >> 3)` are signed bytes, so
+//!   `sumi = C₀ + 8·C₁` from two `tdpbssd` a step (no mins).
 //! * **IQ4_XS.** The non-linear table's values (i8) times a signed 6-bit
 //!   scale do not fit a byte, so the values are unpacked as they are, each
 //!   32-element sub-block's sum comes from its own tile multiply (K = 32),
@@ -750,6 +753,140 @@ pub(super) unsafe fn iq4xs_tiles(
                             );
                             sumi = _mm512_add_epi32(sumi, t);
                         }
+                        let dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
+                        *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
+                    }
+                }
+                store_results(&acc, out, rows, j0, nj, g * 16, (m - g * 16).min(16));
+            }
+        }
+        release();
+    }
+}
+
+/// Bytes per block of [`prep_q3k`]'s output for a tile of 16 weight rows:
+/// eight operand tiles, then the rows' `d`.
+const Q3K_PREP: usize = 8 * 1024 + 16 * 4;
+
+/// One tile of 16 weight rows (`w`: the first of them, `nj` valid; the rest
+/// zero) unpacked, per block `b` at `b * Q3K_PREP`: the i8 operands
+/// `v·(sc & 7)` (tile `2 s`) and `v·(sc >> 3)` (tile `2 s + 1`) of each step
+/// `s` of 64 elements, for the values `v` in -4..=3 and the signed 6-bit
+/// scale `sc` of each element's 16, so both products fit a byte and `sc·v =
+/// v·(sc & 7) + 8·v·(sc >> 3)`; then the rows' `d`.
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn prep_q3k(w: &[BlockQ3K], nb: usize, nj: usize, base: *mut u8) {
+    unsafe {
+        let (three, one, four) = (
+            _mm256_set1_epi8(3),
+            _mm256_set1_epi8(1),
+            _mm256_set1_epi8(4),
+        );
+        for b in 0..nb {
+            let at = base.add(b * Q3K_PREP);
+            let d = at.add(8 * 1024).cast::<f32>();
+            for r in 0..16 {
+                let Some(blk) = (r < nj).then(|| &w[r * nb + b]) else {
+                    for t in 0..8 {
+                        std::ptr::write_bytes(at.add(t * 1024 + r * 64), 0, 64);
+                    }
+                    d.add(r).write(0.0);
+                    continue;
+                };
+                let sc = q3k_scales(&blk.scales);
+                let hm = _mm256_loadu_si256(blk.hmask.as_ptr().cast());
+                // Elements 32 j .. + 32: bits 2 (j % 4) of the low-bit bytes
+                // 32 (j / 4) .. + 32, bit j of the high-bit bytes.
+                for j in 0..8 {
+                    let q = _mm256_loadu_si256(blk.qs.as_ptr().add((j / 4) * 32).cast());
+                    let ql = _mm256_and_si256(
+                        _mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * (j % 4) as i32)),
+                        three,
+                    );
+                    let h =
+                        _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(j as i32)), one);
+                    let v = _mm256_sub_epi8(_mm256_add_epi8(ql, _mm256_slli_epi16::<2>(h)), four);
+                    let v = _mm512_cvtepi8_epi16(v);
+                    let (s0, s1) = (sc[2 * j] as i16, sc[2 * j + 1] as i16);
+                    let lo = _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(_mm256_set1_epi16(s0 & 7)),
+                        _mm256_set1_epi16(s1 & 7),
+                    );
+                    let hi = _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(_mm256_set1_epi16(s0 >> 3)),
+                        _mm256_set1_epi16(s1 >> 3),
+                    );
+                    let (s, off) = (j / 2, (j % 2) * 32);
+                    let t0 = at.add(2 * s * 1024 + r * 64 + off);
+                    let t1 = at.add((2 * s + 1) * 1024 + r * 64 + off);
+                    _mm256_storeu_si256(t0.cast(), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(v, lo)));
+                    _mm256_storeu_si256(t1.cast(), _mm512_cvtepi16_epi8(_mm512_mullo_epi16(v, hi)));
+                }
+                d.add(r).write(h2f(blk.d));
+            }
+        }
+    }
+}
+
+/// [`kquant_tiles`] for Q3_K weights: `sumi = C₀ + 8·C₁` from two signed tile
+/// multiplies (`tdpbssd`) a step over [`prep_q3k`]'s operands.
+///
+/// # Safety
+/// As [`kquant_tiles`].
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+pub(super) unsafe fn q3k_tiles(
+    w: &[BlockQ3K],
+    nb: usize,
+    rows: usize,
+    acts: &[&[BlockQ8K]],
+    out: &mut [f32],
+) {
+    let m = acts.len();
+    // tmm0, tmm1: the two sums; tmm3: activations; tmm4, tmm5: weights.
+    let cfg = TileConfig::new([(16, 64); 8]);
+    let (abase, wbase) = scratch(m.div_ceil(16) * nb * Q8K_PREP, nb * Q3K_PREP + 2 * 1024);
+    unsafe {
+        prep_q8k(acts, nb, abase);
+        let cbuf = wbase.add(nb * Q3K_PREP);
+        cfg.load();
+        for j0 in (0..rows).step_by(16) {
+            let nj = (rows - j0).min(16);
+            prep_q3k(&w[j0 * nb..(j0 + nj) * nb], nb, nj, wbase);
+            for g in 0..m.div_ceil(16) {
+                let mut acc = [_mm512_setzero_ps(); 16];
+                for b in 0..nb {
+                    let ap = abase.add((g * nb + b) * Q8K_PREP);
+                    let wp = wbase.add(b * Q3K_PREP);
+                    asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
+                    for s in 0..4 {
+                        asm!(
+                            "tileloadd tmm3, [{a} + {st}]",
+                            "tileloadd tmm4, [{w0} + {st}]",
+                            "tileloadd tmm5, [{w1} + {st}]",
+                            "tdpbssd tmm0, tmm4, tmm3",
+                            "tdpbssd tmm1, tmm5, tmm3",
+                            a = in(reg) ap.add(s * 1024),
+                            w0 = in(reg) wp.add(2 * s * 1024),
+                            w1 = in(reg) wp.add((2 * s + 1) * 1024),
+                            st = in(reg) 64usize,
+                            options(nostack, readonly),
+                        );
+                    }
+                    asm!(
+                        "tilestored [{c0} + {st}], tmm0",
+                        "tilestored [{c1} + {st}], tmm1",
+                        c0 = in(reg) cbuf,
+                        c1 = in(reg) cbuf.add(1024),
+                        st = in(reg) 64usize,
+                        options(nostack),
+                    );
+                    let da = _mm512_load_ps(ap.add(4096).cast());
+                    let d = wp.add(8 * 1024).cast::<f32>();
+                    let c = cbuf.cast::<__m512i>();
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let lo = _mm512_load_si512(c.add(r));
+                        let hi = _mm512_load_si512(c.add(16 + r));
+                        let sumi = _mm512_add_epi32(lo, _mm512_slli_epi32::<3>(hi));
                         let dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
                         *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
                     }
