@@ -260,9 +260,10 @@ fn multi_row_kernels_equal_scalar_bitwise() {
             for &n in &lens {
                 // Odd row counts pair the last weight row with itself; weight
                 // rows past a 16-row tile; activation counts below, at and past
-                // the 8-row groups and the 16-row tiles.
+                // the 8-row groups and the 16-row tiles, and past the
+                // largest per-format AMX threshold (Q6_K's 40).
                 for rows in [1usize, 2, 3, 6, 17] {
-                    for nr in [1usize, 2, 5, 8, 9, 16, 19, 33] {
+                    for nr in [1usize, 2, 5, 8, 9, 16, 19, 33, 41] {
                         let w = random_weight_blocks(ty, rows * n / bs, &mut rng).unwrap();
                         let acts: Vec<ActRow> =
                             (0..nr).map(|_| random_act(ty, n, &mut rng)).collect();

@@ -1,5 +1,5 @@
-//! AMX-INT8 tile kernels for batched prefill: Q4_K, Q5_K, Q3_K and IQ4_XS
-//! (against Q8_K activations) and Q8_0 (against Q8_0 activations), 16 weight rows by
+//! AMX-INT8 tile kernels for batched prefill: Q4_K, Q5_K, Q3_K, Q6_K and
+//! IQ4_XS (against Q8_K activations) and Q8_0 (against Q8_0 activations), 16 weight rows by
 //! 16 activation rows per tile multiply.
 //!
 //! The tile multiplies (`tdpbusd`, `tdpbssd`) produce the integer block sums
@@ -18,6 +18,11 @@
 //! * **Q3_K.** Values in -4..=3 and signed 6-bit scales over 16 elements:
 //!   the operands `v·(sc & 7)` and `v·(sc >> 3)` are signed bytes, so
 //!   `sumi = C₀ + 8·C₁` from two `tdpbssd` a step (no mins).
+//! * **Q6_K.** Values `q - 32` in -32..=31 and signed 8-bit scales over 16
+//!   elements: the scale's four 2-bit digits (the top one signed) give four
+//!   signed byte operands, `sumi = C₀ + 4 C₁ + 16 C₂ + 64 C₃`. Unpacking four
+//!   operands costs more than the tiles save below about 32 activation rows,
+//!   so Q6_K takes them from 40 (`amx_min_rows`).
 //! * **IQ4_XS.** The non-linear table's values (i8) times a signed 6-bit
 //!   scale do not fit a byte, so the values are unpacked as they are, each
 //!   32-element sub-block's sum comes from its own tile multiply (K = 32),
@@ -887,6 +892,160 @@ pub(super) unsafe fn q3k_tiles(
                         let lo = _mm512_load_si512(c.add(r));
                         let hi = _mm512_load_si512(c.add(16 + r));
                         let sumi = _mm512_add_epi32(lo, _mm512_slli_epi32::<3>(hi));
+                        let dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
+                        *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
+                    }
+                }
+                store_results(&acc, out, rows, j0, nj, g * 16, (m - g * 16).min(16));
+            }
+        }
+        release();
+    }
+}
+
+/// Bytes per block of [`prep_q6k`]'s output for a tile of 16 weight rows:
+/// sixteen operand tiles (four a step), then the rows' `d`.
+const Q6K_PREP: usize = 16 * 1024 + 16 * 4;
+
+/// One tile of 16 weight rows (`w`: the first of them, `nj` valid; the rest
+/// zero) unpacked, per block `b` at `b * Q6K_PREP`: for each step `s` of 64
+/// elements the i8 operands `v·t_i` (tile `4 s + i`), for the values `v =
+/// q - 32` in -32..=31 and the 2-bit digits `t_0..t_3` of each element's
+/// signed 8-bit scale (`sc = t_0 + 4 t_1 + 16 t_2 + 64 t_3`, `t_3` signed),
+/// so every product fits a signed byte; then the rows' `d`.
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn prep_q6k(w: &[BlockQ6K], nb: usize, nj: usize, base: *mut u8) {
+    unsafe {
+        let (lo4, three, off) = (
+            _mm256_set1_epi8(0x0F),
+            _mm256_set1_epi8(3),
+            _mm256_set1_epi8(32),
+        );
+        for b in 0..nb {
+            let at = base.add(b * Q6K_PREP);
+            let d = at.add(16 * 1024).cast::<f32>();
+            for r in 0..16 {
+                let Some(blk) = (r < nj).then(|| &w[r * nb + b]) else {
+                    for t in 0..16 {
+                        std::ptr::write_bytes(at.add(t * 1024 + r * 64), 0, 64);
+                    }
+                    d.add(r).write(0.0);
+                    continue;
+                };
+                // Elements 32 j .. + 32 (n = j / 4, k = j % 4): low nibbles
+                // (k < 2) or high nibbles of ql[64 n + 32 (k % 2) ..], bits
+                // 2 k, 2 k + 1 of qh[32 n ..].
+                for j in 0..8 {
+                    let (n, k) = (j / 4, j % 4);
+                    let ql = _mm256_loadu_si256(blk.ql.as_ptr().add(64 * n + 32 * (k % 2)).cast());
+                    let ql = _mm256_and_si256(
+                        _mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (k / 2) as i32)),
+                        lo4,
+                    );
+                    let qh = _mm256_loadu_si256(blk.qh.as_ptr().add(32 * n).cast());
+                    let qh = _mm256_and_si256(
+                        _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k as i32)),
+                        three,
+                    );
+                    let q = _mm256_or_si256(ql, _mm256_slli_epi16::<4>(qh));
+                    let v = _mm512_cvtepi8_epi16(_mm256_sub_epi8(q, off));
+                    let (s0, s1) = (blk.scales[2 * j] as i16, blk.scales[2 * j + 1] as i16);
+                    let (s, half) = (j / 2, (j % 2) * 32);
+                    for i in 0..4 {
+                        // Digit i: bits 2 i, 2 i + 1 (the top digit signed).
+                        let digit = |x: i16| if i == 3 { x >> 6 } else { (x >> (2 * i)) & 3 };
+                        let t = _mm512_inserti64x4::<1>(
+                            _mm512_castsi256_si512(_mm256_set1_epi16(digit(s0))),
+                            _mm256_set1_epi16(digit(s1)),
+                        );
+                        let dst = at.add((4 * s + i) * 1024 + r * 64 + half);
+                        _mm256_storeu_si256(
+                            dst.cast(),
+                            _mm512_cvtepi16_epi8(_mm512_mullo_epi16(v, t)),
+                        );
+                    }
+                }
+                d.add(r).write(h2f(blk.d));
+            }
+        }
+    }
+}
+
+/// [`kquant_tiles`] for Q6_K weights: `sumi = C₀ + 4 C₁ + 16 C₂ + 64 C₃` from
+/// four signed tile multiplies (`tdpbssd`) a step over [`prep_q6k`]'s
+/// operands; the offset of 32 is in the values, so no block sums are needed.
+///
+/// # Safety
+/// As [`kquant_tiles`].
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+pub(super) unsafe fn q6k_tiles(
+    w: &[BlockQ6K],
+    nb: usize,
+    rows: usize,
+    acts: &[&[BlockQ8K]],
+    out: &mut [f32],
+) {
+    let m = acts.len();
+    // tmm0..3: the four digits' sums; tmm4, tmm5: weights; tmm6: activations.
+    let cfg = TileConfig::new([(16, 64); 8]);
+    let (abase, wbase) = scratch(m.div_ceil(16) * nb * Q8K_PREP, nb * Q6K_PREP + 4 * 1024);
+    unsafe {
+        prep_q8k(acts, nb, abase);
+        let cbuf = wbase.add(nb * Q6K_PREP);
+        cfg.load();
+        for j0 in (0..rows).step_by(16) {
+            let nj = (rows - j0).min(16);
+            prep_q6k(&w[j0 * nb..(j0 + nj) * nb], nb, nj, wbase);
+            for g in 0..m.div_ceil(16) {
+                let mut acc = [_mm512_setzero_ps(); 16];
+                for b in 0..nb {
+                    let ap = abase.add((g * nb + b) * Q8K_PREP);
+                    let wp = wbase.add(b * Q6K_PREP);
+                    asm!(
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "tilezero tmm2",
+                        "tilezero tmm3",
+                        options(nostack, nomem)
+                    );
+                    for s in 0..4 {
+                        asm!(
+                            "tileloadd tmm6, [{a} + {st}]",
+                            "tileloadd tmm4, [{w} + {st}]",
+                            "tdpbssd tmm0, tmm4, tmm6",
+                            "tileloadd tmm5, [{w} + {st} + 1024]",
+                            "tdpbssd tmm1, tmm5, tmm6",
+                            "tileloadd tmm4, [{w} + {st} + 2048]",
+                            "tdpbssd tmm2, tmm4, tmm6",
+                            "tileloadd tmm5, [{w} + {st} + 3072]",
+                            "tdpbssd tmm3, tmm5, tmm6",
+                            a = in(reg) ap.add(s * 1024),
+                            w = in(reg) wp.add(4 * s * 1024),
+                            st = in(reg) 64usize,
+                            options(nostack, readonly),
+                        );
+                    }
+                    asm!(
+                        "tilestored [{c} + {st}], tmm0",
+                        "tilestored [{c} + {st} + 1024], tmm1",
+                        "tilestored [{c} + {st} + 2048], tmm2",
+                        "tilestored [{c} + {st} + 3072], tmm3",
+                        c = in(reg) cbuf,
+                        st = in(reg) 64usize,
+                        options(nostack),
+                    );
+                    let da = _mm512_load_ps(ap.add(4096).cast());
+                    let d = wp.add(16 * 1024).cast::<f32>();
+                    let c = cbuf.cast::<__m512i>();
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let t = arr!(i in 4 => _mm512_load_si512(c.add(16 * i + r)));
+                        let sumi = _mm512_add_epi32(
+                            _mm512_add_epi32(t[0], _mm512_slli_epi32::<2>(t[1])),
+                            _mm512_add_epi32(
+                                _mm512_slli_epi32::<4>(t[2]),
+                                _mm512_slli_epi32::<6>(t[3]),
+                            ),
+                        );
                         let dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
                         *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
                     }

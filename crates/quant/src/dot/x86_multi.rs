@@ -49,6 +49,7 @@ pub(super) const AMX_FORMATS: &[GgmlType] = &[
     GgmlType::Q5_K,
     GgmlType::IQ4_XS,
     GgmlType::Q3_K,
+    GgmlType::Q6_K,
 ];
 
 /// An AMX tile kernel: (weights, blocks a row, rows, activation rows, out).
@@ -91,6 +92,7 @@ pub(super) fn dot_rows_multi_amx(
         T::Q8_0 => run(weight, w, acts, n, rows, out, amx::q8_0_tiles),
         T::IQ4_XS => run(weight, w, acts, n, rows, out, amx::iq4xs_tiles),
         T::Q3_K => run(weight, w, acts, n, rows, out, amx::q3k_tiles),
+        T::Q6_K => run(weight, w, acts, n, rows, out, amx::q6k_tiles),
         _ => Ok(false),
     }
 }
