@@ -1,5 +1,5 @@
-//! AMX-INT8 tile kernels for batched prefill: Q4_K, Q5_K, Q3_K, Q6_K and
-//! IQ4_XS (against Q8_K activations) and Q8_0 (against Q8_0 activations), 16 weight rows by
+//! AMX-INT8 tile kernels for batched prefill: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+//! and IQ4_XS (against Q8_K activations) and Q8_0 (against Q8_0 activations), 16 weight rows by
 //! 16 activation rows per tile multiply.
 //!
 //! The tile multiplies (`tdpbusd`, `tdpbssd`) produce the integer block sums
@@ -15,6 +15,8 @@
 //!   `q·(sc >> 3)` (each below 256 for quants up to 31) and `m_j` repeated
 //!   over its sub-block, so `sumi = C₀ + 8·C₁` and `summ = C₂` come from
 //!   three tile multiplies over the whole block.
+//! * **Q2_K.** Quants 0..=3 times 4-bit scales, and the 4-bit mins repeated
+//!   over their 16 elements: `sumi = C₀`, `summ = C₁` (`tdpbusd`).
 //! * **Q3_K.** Values in -4..=3 and signed 6-bit scales over 16 elements:
 //!   the operands `v·(sc & 7)` and `v·(sc >> 3)` are signed bytes, so
 //!   `sumi = C₀ + 8·C₁` from two `tdpbssd` a step (no mins).
@@ -1048,6 +1050,136 @@ pub(super) unsafe fn q6k_tiles(
                         );
                         let dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
                         *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
+                    }
+                }
+                store_results(&acc, out, rows, j0, nj, g * 16, (m - g * 16).min(16));
+            }
+        }
+        release();
+    }
+}
+
+/// Bytes per block of [`prep_q2k`]'s output for a tile of 16 weight rows:
+/// eight operand tiles, then the rows' `d` and `dmin`.
+const Q2K_PREP: usize = 8 * 1024 + 16 * 8;
+
+/// One tile of 16 weight rows (`w`: the first of them, `nj` valid; the rest
+/// zero) unpacked, per block `b` at `b * Q2K_PREP`: for each step `s` of 64
+/// elements the u8 operands `q·sc` (tile `2 s`; quants 0..=3, 4-bit scales)
+/// and `m` (tile `2 s + 1`: each element's 4-bit min, so that tile's sums
+/// are `Σ m_g · bsum_g`); then the rows' `d` and `dmin`.
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn prep_q2k(w: &[BlockQ2K], nb: usize, nj: usize, base: *mut u8) {
+    unsafe {
+        let three = _mm256_set1_epi8(3);
+        for b in 0..nb {
+            let at = base.add(b * Q2K_PREP);
+            let d = at.add(8 * 1024).cast::<f32>();
+            let dmin = d.add(16);
+            for r in 0..16 {
+                let Some(blk) = (r < nj).then(|| &w[r * nb + b]) else {
+                    for t in 0..8 {
+                        std::ptr::write_bytes(at.add(t * 1024 + r * 64), 0, 64);
+                    }
+                    d.add(r).write(0.0);
+                    dmin.add(r).write(0.0);
+                    continue;
+                };
+                // Elements 32 j .. + 32: bits 2 (j % 4) of qs[32 (j / 4) ..].
+                for j in 0..8 {
+                    let q = _mm256_loadu_si256(blk.qs.as_ptr().add((j / 4) * 32).cast());
+                    let q = _mm256_and_si256(
+                        _mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * (j % 4) as i32)),
+                        three,
+                    );
+                    let (s0, s1) = (blk.scales[2 * j], blk.scales[2 * j + 1]);
+                    let pair = |lo: u8, hi: u8| {
+                        _mm512_inserti64x4::<1>(
+                            _mm512_castsi256_si512(_mm256_set1_epi16(lo as i16)),
+                            _mm256_set1_epi16(hi as i16),
+                        )
+                    };
+                    let qs = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(q), pair(s0 & 15, s1 & 15));
+                    let mins = _mm256_inserti128_si256::<1>(
+                        _mm256_castsi128_si256(_mm_set1_epi8((s0 >> 4) as i8)),
+                        _mm_set1_epi8((s1 >> 4) as i8),
+                    );
+                    let (s, half) = (j / 2, (j % 2) * 32);
+                    let t0 = at.add(2 * s * 1024 + r * 64 + half);
+                    let t1 = at.add((2 * s + 1) * 1024 + r * 64 + half);
+                    _mm256_storeu_si256(t0.cast(), _mm512_cvtepi16_epi8(qs));
+                    _mm256_storeu_si256(t1.cast(), mins);
+                }
+                d.add(r).write(h2f(blk.d));
+                dmin.add(r).write(h2f(blk.dmin));
+            }
+        }
+    }
+}
+
+/// [`kquant_tiles`] for Q2_K weights: `sumi = C₀` and `summ = C₁` from two
+/// tile multiplies (`tdpbusd`) a step over [`prep_q2k`]'s operands.
+///
+/// # Safety
+/// As [`kquant_tiles`].
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+pub(super) unsafe fn q2k_tiles(
+    w: &[BlockQ2K],
+    nb: usize,
+    rows: usize,
+    acts: &[&[BlockQ8K]],
+    out: &mut [f32],
+) {
+    let m = acts.len();
+    // tmm0, tmm1: the two sums; tmm3: activations; tmm4, tmm5: weights.
+    let cfg = TileConfig::new([(16, 64); 8]);
+    let (abase, wbase) = scratch(m.div_ceil(16) * nb * Q8K_PREP, nb * Q2K_PREP + 2 * 1024);
+    unsafe {
+        prep_q8k(acts, nb, abase);
+        let cbuf = wbase.add(nb * Q2K_PREP);
+        cfg.load();
+        for j0 in (0..rows).step_by(16) {
+            let nj = (rows - j0).min(16);
+            prep_q2k(&w[j0 * nb..(j0 + nj) * nb], nb, nj, wbase);
+            for g in 0..m.div_ceil(16) {
+                let mut acc = [_mm512_setzero_ps(); 16];
+                for b in 0..nb {
+                    let ap = abase.add((g * nb + b) * Q8K_PREP);
+                    let wp = wbase.add(b * Q2K_PREP);
+                    asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
+                    for s in 0..4 {
+                        asm!(
+                            "tileloadd tmm3, [{a} + {st}]",
+                            "tileloadd tmm4, [{w0} + {st}]",
+                            "tileloadd tmm5, [{w1} + {st}]",
+                            "tdpbusd tmm0, tmm4, tmm3",
+                            "tdpbusd tmm1, tmm5, tmm3",
+                            a = in(reg) ap.add(s * 1024),
+                            w0 = in(reg) wp.add(2 * s * 1024),
+                            w1 = in(reg) wp.add((2 * s + 1) * 1024),
+                            st = in(reg) 64usize,
+                            options(nostack, readonly),
+                        );
+                    }
+                    asm!(
+                        "tilestored [{c0} + {st}], tmm0",
+                        "tilestored [{c1} + {st}], tmm1",
+                        c0 = in(reg) cbuf,
+                        c1 = in(reg) cbuf.add(1024),
+                        st = in(reg) 64usize,
+                        options(nostack),
+                    );
+                    let da = _mm512_load_ps(ap.add(4096).cast());
+                    let d = wp.add(8 * 1024).cast::<f32>();
+                    let dmin = d.add(16);
+                    let c = cbuf.cast::<__m512i>();
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let sumi = _mm512_load_si512(c.add(r));
+                        let summ = _mm512_load_si512(c.add(16 + r));
+                        let dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
+                        *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
+                        let dm = _mm512_mul_ps(_mm512_set1_ps(*dmin.add(r)), da);
+                        *acc = _mm512_sub_ps(*acc, _mm512_mul_ps(dm, _mm512_cvtepi32_ps(summ)));
                     }
                 }
                 store_results(&acc, out, rows, j0, nj, g * 16, (m - g * 16).min(16));

@@ -50,6 +50,7 @@ pub(super) const AMX_FORMATS: &[GgmlType] = &[
     GgmlType::IQ4_XS,
     GgmlType::Q3_K,
     GgmlType::Q6_K,
+    GgmlType::Q2_K,
 ];
 
 /// An AMX tile kernel: (weights, blocks a row, rows, activation rows, out).
@@ -93,6 +94,7 @@ pub(super) fn dot_rows_multi_amx(
         T::IQ4_XS => run(weight, w, acts, n, rows, out, amx::iq4xs_tiles),
         T::Q3_K => run(weight, w, acts, n, rows, out, amx::q3k_tiles),
         T::Q6_K => run(weight, w, acts, n, rows, out, amx::q6k_tiles),
+        T::Q2_K => run(weight, w, acts, n, rows, out, amx::q2k_tiles),
         _ => Ok(false),
     }
 }
