@@ -1,6 +1,7 @@
 //! AMX-INT8 tile kernels for batched prefill: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
-//! and IQ4_XS (against Q8_K activations) and Q8_0 (against Q8_0 activations), 16 weight rows by
-//! 16 activation rows per tile multiply.
+//! and IQ4_XS (against Q8_K activations) and Q8_0, Q4_0, IQ4_NL and MXFP4
+//! (against Q8_0 activations), 16 weight rows by 16 activation rows per tile
+//! multiply.
 //!
 //! The tile multiplies (`tdpbusd`, `tdpbssd`) produce the integer block sums
 //! of ggml's dot products, and integer sums are exact in any order, so only
@@ -29,9 +30,11 @@
 //!   scale do not fit a byte, so the values are unpacked as they are, each
 //!   32-element sub-block's sum comes from its own tile multiply (K = 32),
 //!   and the scales multiply the stored sums.
-//! * **Q8_0.** The weight tiles are read straight from the file (a row's
-//!   32 quants at the row stride); each 32-element block's sum is stored and
-//!   folded into lane `b % 8` as [`super::scalar::lanes8`] does.
+//! * **Q8_0, Q4_0, IQ4_NL, MXFP4** ([`Block32`]). Q8_0's weight tiles are
+//!   read straight from the file (a row's 32 quants at the row stride); the
+//!   nibble formats' are unpacked through their 16-entry tables (`pshufb`)
+//!   once per call. Each 32-element block's sum is stored and folded into
+//!   lane `b % 8` as [`super::scalar::lanes8`] does.
 //!
 //! The activations are rearranged once per call into the tile layout (four
 //! consecutive quants of 16 rows interleaved by dword), so a call should
@@ -510,13 +513,129 @@ unsafe fn prep_q8_0(acts: &[&[BlockQ8_0]], nb: usize, base: *mut u8) -> (*const 
     (tiles.cast(), das)
 }
 
-/// [`kquant_tiles`] for Q8_0 weights and activations.
+/// A 32-element format against Q8_0 activations: a block's sum is one
+/// tile multiply of its 32 signed values, times `dw · da`, folded into lane
+/// `b % 8` ([`super::scalar::lanes8`]).
+pub(super) trait Block32: bytemuck::Pod {
+    /// Scratch bytes [`Block32::operands`] needs for `nb` blocks a row.
+    fn scratch(nb: usize) -> usize;
+
+    /// The operands of 16 weight rows (`w`: `nj` rows of `nb` blocks, the
+    /// rest zero): returns `(base, step, stride)`, block `b`'s 16 × 32-byte
+    /// tile at `base + b * step` with rows `stride` bytes apart, and writes
+    /// row `r`'s scale of block `b` to `dw[b * 16 + r]`.
+    ///
+    /// # Safety
+    /// `scratch` holds [`Block32::scratch`] bytes and `dw` `16 * nb` floats.
+    unsafe fn operands(
+        w: &[Self],
+        nb: usize,
+        nj: usize,
+        scratch: *mut u8,
+        dw: *mut f32,
+    ) -> (*const u8, usize, usize);
+}
+
+impl Block32 for BlockQ8_0 {
+    fn scratch(nb: usize) -> usize {
+        16 * nb * 34
+    }
+
+    /// The quants straight from the file (a partial tile copied, padded).
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn operands(
+        w: &[Self],
+        nb: usize,
+        nj: usize,
+        pad: *mut u8,
+        dw: *mut f32,
+    ) -> (*const u8, usize, usize) {
+        let row_bytes = nb * 34;
+        let mut tile = bytemuck::cast_slice::<_, u8>(w).as_ptr();
+        unsafe {
+            if nj < 16 {
+                std::ptr::copy_nonoverlapping(tile, pad, nj * row_bytes);
+                std::ptr::write_bytes(pad.add(nj * row_bytes), 0, (16 - nj) * row_bytes);
+                tile = pad;
+            }
+            for b in 0..nb {
+                for r in 0..16 {
+                    let h = tile
+                        .add(r * row_bytes + b * 34)
+                        .cast::<u16>()
+                        .read_unaligned();
+                    dw.add(b * 16 + r).write(h2f(half::f16::from_bits(h)));
+                }
+            }
+            (tile.add(2), 34, row_bytes)
+        }
+    }
+}
+
+/// The 32-element formats of 16 nibbles, each a 16-entry table's index:
+/// unpacked by `pshufb` into 16 × 32-byte tiles.
+macro_rules! nibble_block32 {
+    ($ty:ty, $table:expr, |$blk:ident| $scale:expr) => {
+        impl Block32 for $ty {
+            fn scratch(nb: usize) -> usize {
+                nb * 512
+            }
+
+            #[target_feature(enable = "avx512f,avx512bw,f16c")]
+            unsafe fn operands(
+                w: &[Self],
+                nb: usize,
+                nj: usize,
+                base: *mut u8,
+                dw: *mut f32,
+            ) -> (*const u8, usize, usize) {
+                let table: [i8; 16] = $table;
+                unsafe {
+                    let table = _mm_loadu_si128(table.as_ptr().cast());
+                    let mask = _mm_set1_epi8(0x0F);
+                    for b in 0..nb {
+                        for r in 0..16 {
+                            let row = base.add(b * 512 + r * 32);
+                            let Some($blk) = (r < nj).then(|| &w[r * nb + b]) else {
+                                std::ptr::write_bytes(row, 0, 32);
+                                dw.add(b * 16 + r).write(0.0);
+                                continue;
+                            };
+                            // Byte j: element j (low nibble), j + 16 (high).
+                            let q = _mm_loadu_si128($blk.qs.as_ptr().cast());
+                            let lo = _mm_shuffle_epi8(table, _mm_and_si128(q, mask));
+                            let hi = _mm_shuffle_epi8(
+                                table,
+                                _mm_and_si128(_mm_srli_epi16::<4>(q), mask),
+                            );
+                            _mm_storeu_si128(row.cast(), lo);
+                            _mm_storeu_si128(row.add(16).cast(), hi);
+                            dw.add(b * 16 + r).write($scale);
+                        }
+                    }
+                }
+                (base, 512, 32)
+            }
+        }
+    };
+}
+
+nibble_block32!(
+    BlockQ4_0,
+    [-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7],
+    |blk| h2f(blk.d)
+);
+nibble_block32!(BlockIq4Nl, KVALUES_IQ4NL, |blk| h2f(blk.d));
+nibble_block32!(BlockMxfp4, KVALUES_MXFP4, |blk| e8m0_to_f32_half(blk.e));
+
+/// [`kquant_tiles`] for 32-element weights ([`Block32`]: Q8_0, Q4_0,
+/// IQ4_NL, MXFP4) and Q8_0 activations.
 ///
 /// # Safety
 /// As [`kquant_tiles`].
 #[target_feature(enable = "avx512f,avx512bw,f16c")]
-pub(super) unsafe fn q8_0_tiles(
-    w: &[BlockQ8_0],
+pub(super) unsafe fn block32_tiles<W: Block32>(
+    w: &[W],
     nb: usize,
     rows: usize,
     acts: &[&[BlockQ8_0]],
@@ -535,12 +654,11 @@ pub(super) unsafe fn q8_0_tiles(
         (8, 64),
         (8, 64),
     ]);
-    let row_bytes = nb * 34;
     // Activations; eight lanes of 16 × 16 partial sums, four blocks' sums,
-    // the scales of one tile, and room for a partial tile's rows padded to 16.
+    // the scales of one tile, and the weights' operands.
     let (abase, wbase) = scratch(
         m.div_ceil(16) * nb * (512 + 64),
-        8 * 1024 + 4 * 1024 + nb * 64 + 16 * row_bytes,
+        8 * 1024 + 4 * 1024 + nb * 64 + W::scratch(nb),
     );
     {
         unsafe {
@@ -548,26 +666,11 @@ pub(super) unsafe fn q8_0_tiles(
             let lanes = wbase.cast::<__m512>();
             let cbuf = wbase.add(8 * 1024);
             let dw = cbuf.add(4 * 1024).cast::<f32>();
-            let pad = dw.add(nb * 16).cast::<u8>();
+            let ops = dw.add(nb * 16).cast::<u8>();
             cfg.load();
-            let bytes: &[u8] = bytemuck::cast_slice(w);
             for j0 in (0..rows).step_by(16) {
                 let nj = (rows - j0).min(16);
-                let mut tile = bytes[j0 * row_bytes..].as_ptr();
-                if nj < 16 {
-                    std::ptr::copy_nonoverlapping(tile, pad, nj * row_bytes);
-                    std::ptr::write_bytes(pad.add(nj * row_bytes), 0, (16 - nj) * row_bytes);
-                    tile = pad;
-                }
-                for b in 0..nb {
-                    for r in 0..16 {
-                        let h = tile
-                            .add(r * row_bytes + b * 34)
-                            .cast::<u16>()
-                            .read_unaligned();
-                        dw.add(b * 16 + r).write(h2f(half::f16::from_bits(h)));
-                    }
-                }
+                let (tile, step, ws) = W::operands(&w[j0 * nb..(j0 + nj) * nb], nb, nj, ops, dw);
                 for g in 0..m.div_ceil(16) {
                     for l in 0..8 * 16 {
                         lanes.add(l).write(_mm512_setzero_ps());
@@ -584,8 +687,8 @@ pub(super) unsafe fn q8_0_tiles(
                                         "tileloadd tmm6, [{a} + {st}]",
                                         concat!("tdpbssd tmm", $tmm, ", tmm4, tmm6"),
                                         concat!("tilestored [{c} + {st}], tmm", $tmm),
-                                        w = in(reg) tile.add(b * 34 + 2),
-                                        ws = in(reg) row_bytes,
+                                        w = in(reg) tile.add(b * step),
+                                        ws = in(reg) ws,
                                         a = in(reg) atiles.add((g * nb + b) * 512),
                                         c = in(reg) cbuf.add($i * 1024),
                                         st = in(reg) 64usize,

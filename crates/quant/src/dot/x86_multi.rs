@@ -51,6 +51,9 @@ pub(super) const AMX_FORMATS: &[GgmlType] = &[
     GgmlType::Q3_K,
     GgmlType::Q6_K,
     GgmlType::Q2_K,
+    GgmlType::Q4_0,
+    GgmlType::IQ4_NL,
+    GgmlType::MXFP4,
 ];
 
 /// An AMX tile kernel: (weights, blocks a row, rows, activation rows, out).
@@ -90,7 +93,42 @@ pub(super) fn dot_rows_multi_amx(
     match weight {
         T::Q4_K => run(weight, w, acts, n, rows, out, amx::kquant_tiles::<BlockQ4K>),
         T::Q5_K => run(weight, w, acts, n, rows, out, amx::kquant_tiles::<BlockQ5K>),
-        T::Q8_0 => run(weight, w, acts, n, rows, out, amx::q8_0_tiles),
+        T::Q8_0 => run(
+            weight,
+            w,
+            acts,
+            n,
+            rows,
+            out,
+            amx::block32_tiles::<BlockQ8_0>,
+        ),
+        T::Q4_0 => run(
+            weight,
+            w,
+            acts,
+            n,
+            rows,
+            out,
+            amx::block32_tiles::<BlockQ4_0>,
+        ),
+        T::IQ4_NL => run(
+            weight,
+            w,
+            acts,
+            n,
+            rows,
+            out,
+            amx::block32_tiles::<BlockIq4Nl>,
+        ),
+        T::MXFP4 => run(
+            weight,
+            w,
+            acts,
+            n,
+            rows,
+            out,
+            amx::block32_tiles::<BlockMxfp4>,
+        ),
         T::IQ4_XS => run(weight, w, acts, n, rows, out, amx::iq4xs_tiles),
         T::Q3_K => run(weight, w, acts, n, rows, out, amx::q3k_tiles),
         T::Q6_K => run(weight, w, acts, n, rows, out, amx::q6k_tiles),
