@@ -54,6 +54,8 @@ pub(super) const AMX_FORMATS: &[GgmlType] = &[
     GgmlType::Q4_0,
     GgmlType::IQ4_NL,
     GgmlType::MXFP4,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ3_XXS,
 ];
 
 /// An AMX tile kernel: (weights, blocks a row, rows, activation rows, out).
@@ -129,7 +131,33 @@ pub(super) fn dot_rows_multi_amx(
             out,
             amx::block32_tiles::<BlockMxfp4>,
         ),
-        T::IQ4_XS => run(weight, w, acts, n, rows, out, amx::iq4xs_tiles),
+        T::IQ4_XS => run(
+            weight,
+            w,
+            acts,
+            n,
+            rows,
+            out,
+            amx::sub32_tiles::<BlockIq4Xs>,
+        ),
+        T::IQ2_XXS => run(
+            weight,
+            w,
+            acts,
+            n,
+            rows,
+            out,
+            amx::sub32_tiles::<BlockIq2Xxs>,
+        ),
+        T::IQ3_XXS => run(
+            weight,
+            w,
+            acts,
+            n,
+            rows,
+            out,
+            amx::sub32_tiles::<BlockIq3Xxs>,
+        ),
         T::Q3_K => run(weight, w, acts, n, rows, out, amx::q3k_tiles),
         T::Q6_K => run(weight, w, acts, n, rows, out, amx::q6k_tiles),
         T::Q2_K => run(weight, w, acts, n, rows, out, amx::q2k_tiles),
