@@ -1041,76 +1041,6 @@ unsafe fn prep_q3k(w: &[BlockQ3K], nb: usize, nj: usize, base: *mut u8) {
     }
 }
 
-/// [`kquant_tiles`] for Q3_K weights: `sumi = C₀ + 8·C₁` from two signed tile
-/// multiplies (`tdpbssd`) a step over [`prep_q3k`]'s operands.
-///
-/// # Safety
-/// As [`kquant_tiles`].
-#[target_feature(enable = "avx512f,avx512bw,f16c")]
-pub(super) unsafe fn q3k_tiles(
-    w: &[BlockQ3K],
-    nb: usize,
-    rows: usize,
-    acts: &[&[BlockQ8K]],
-    out: &mut [f32],
-) {
-    let m = acts.len();
-    // tmm0, tmm1: the two sums; tmm3: activations; tmm4, tmm5: weights.
-    let cfg = TileConfig::new([(16, 64); 8]);
-    let (abase, wbase) = scratch(m.div_ceil(16) * nb * Q8K_PREP, nb * Q3K_PREP + 2 * 1024);
-    unsafe {
-        prep_q8k(acts, nb, abase);
-        let cbuf = wbase.add(nb * Q3K_PREP);
-        cfg.load();
-        for j0 in (0..rows).step_by(16) {
-            let nj = (rows - j0).min(16);
-            prep_q3k(&w[j0 * nb..(j0 + nj) * nb], nb, nj, wbase);
-            for g in 0..m.div_ceil(16) {
-                let mut acc = [_mm512_setzero_ps(); 16];
-                for b in 0..nb {
-                    let ap = abase.add((g * nb + b) * Q8K_PREP);
-                    let wp = wbase.add(b * Q3K_PREP);
-                    asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
-                    for s in 0..4 {
-                        asm!(
-                            "tileloadd tmm3, [{a} + {st}]",
-                            "tileloadd tmm4, [{w0} + {st}]",
-                            "tileloadd tmm5, [{w1} + {st}]",
-                            "tdpbssd tmm0, tmm4, tmm3",
-                            "tdpbssd tmm1, tmm5, tmm3",
-                            a = in(reg) ap.add(s * 1024),
-                            w0 = in(reg) wp.add(2 * s * 1024),
-                            w1 = in(reg) wp.add((2 * s + 1) * 1024),
-                            st = in(reg) 64usize,
-                            options(nostack, readonly),
-                        );
-                    }
-                    asm!(
-                        "tilestored [{c0} + {st}], tmm0",
-                        "tilestored [{c1} + {st}], tmm1",
-                        c0 = in(reg) cbuf,
-                        c1 = in(reg) cbuf.add(1024),
-                        st = in(reg) 64usize,
-                        options(nostack),
-                    );
-                    let da = _mm512_load_ps(ap.add(4096).cast());
-                    let d = wp.add(8 * 1024).cast::<f32>();
-                    let c = cbuf.cast::<__m512i>();
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        let lo = _mm512_load_si512(c.add(r));
-                        let hi = _mm512_load_si512(c.add(16 + r));
-                        let sumi = _mm512_add_epi32(lo, _mm512_slli_epi32::<3>(hi));
-                        let dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
-                        *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
-                    }
-                }
-                store_results(&acc, out, rows, j0, nj, g * 16, (m - g * 16).min(16));
-            }
-        }
-        release();
-    }
-}
-
 /// Bytes per block of [`prep_q6k`]'s output for a tile of 16 weight rows:
 /// sixteen operand tiles (four a step), then the rows' `d`.
 const Q6K_PREP: usize = 16 * 1024 + 16 * 4;
@@ -1323,14 +1253,99 @@ unsafe fn prep_q2k(w: &[BlockQ2K], nb: usize, nj: usize, base: *mut u8) {
     }
 }
 
-/// [`kquant_tiles`] for Q2_K weights: `sumi = C₀` and `summ = C₁` from two
-/// tile multiplies (`tdpbusd`) a step over [`prep_q2k`]'s operands.
+/// A 256-element format whose block sums come from two tile multiplies a
+/// 64-element step over two operands unpacked by [`PairOps::prep`] (Q2_K,
+/// Q3_K), folded into the result by [`PairOps::fold`].
+pub(super) trait PairOps: bytemuck::Pod {
+    /// Bytes per block of [`PairOps::prep`]'s output: the eight operand
+    /// tiles (`2 s`, `2 s + 1` for step `s`), then the rows' scales.
+    const PREP: usize;
+    /// The operands are signed bytes (`tdpbssd`), else unsigned (`tdpbusd`).
+    const SIGNED: bool;
+
+    /// Unpack 16 weight rows (`nj` valid, the rest zero) to `base`.
+    ///
+    /// # Safety
+    /// `base` holds `nb * PREP` bytes.
+    unsafe fn prep(w: &[Self], nb: usize, nj: usize, base: *mut u8);
+
+    /// `acc` after a block whose two sums for weight row `r` are `c0`, `c1`
+    /// (`wp`: the block's [`PairOps::prep`] output, `da`: the activation
+    /// rows' scales), in the scalar reference's float steps.
+    ///
+    /// # Safety
+    /// `wp` is a block of [`PairOps::prep`]'s output.
+    unsafe fn fold(
+        acc: __m512,
+        c0: __m512i,
+        c1: __m512i,
+        wp: *const u8,
+        r: usize,
+        da: __m512,
+    ) -> __m512;
+}
+
+impl PairOps for BlockQ3K {
+    const PREP: usize = Q3K_PREP;
+    const SIGNED: bool = true;
+
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn prep(w: &[Self], nb: usize, nj: usize, base: *mut u8) {
+        unsafe { prep_q3k(w, nb, nj, base) }
+    }
+
+    /// `sumi = C₀ + 8·C₁`, then `acc + (d·da)·sumi`.
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn fold(
+        acc: __m512,
+        c0: __m512i,
+        c1: __m512i,
+        wp: *const u8,
+        r: usize,
+        da: __m512,
+    ) -> __m512 {
+        let d = unsafe { *wp.add(8 * 1024).cast::<f32>().add(r) };
+        let sumi = _mm512_add_epi32(c0, _mm512_slli_epi32::<3>(c1));
+        let dd = _mm512_mul_ps(_mm512_set1_ps(d), da);
+        _mm512_add_ps(acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)))
+    }
+}
+
+impl PairOps for BlockQ2K {
+    const PREP: usize = Q2K_PREP;
+    const SIGNED: bool = false;
+
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn prep(w: &[Self], nb: usize, nj: usize, base: *mut u8) {
+        unsafe { prep_q2k(w, nb, nj, base) }
+    }
+
+    /// `sumi = C₀`, `summ = C₁`, then `(acc + (d·da)·sumi) - (dmin·da)·summ`.
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn fold(
+        acc: __m512,
+        c0: __m512i,
+        c1: __m512i,
+        wp: *const u8,
+        r: usize,
+        da: __m512,
+    ) -> __m512 {
+        let d = unsafe { wp.add(8 * 1024).cast::<f32>() };
+        let (d, dmin) = unsafe { (*d.add(r), *d.add(16 + r)) };
+        let dd = _mm512_mul_ps(_mm512_set1_ps(d), da);
+        let acc = _mm512_add_ps(acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(c0)));
+        let dm = _mm512_mul_ps(_mm512_set1_ps(dmin), da);
+        _mm512_sub_ps(acc, _mm512_mul_ps(dm, _mm512_cvtepi32_ps(c1)))
+    }
+}
+
+/// [`kquant_tiles`] for [`PairOps`] weights (Q2_K, Q3_K).
 ///
 /// # Safety
 /// As [`kquant_tiles`].
 #[target_feature(enable = "avx512f,avx512bw,f16c")]
-pub(super) unsafe fn q2k_tiles(
-    w: &[BlockQ2K],
+pub(super) unsafe fn pair_tiles<W: PairOps>(
+    w: &[W],
     nb: usize,
     rows: usize,
     acts: &[&[BlockQ8K]],
@@ -1339,33 +1354,42 @@ pub(super) unsafe fn q2k_tiles(
     let m = acts.len();
     // tmm0, tmm1: the two sums; tmm3: activations; tmm4, tmm5: weights.
     let cfg = TileConfig::new([(16, 64); 8]);
-    let (abase, wbase) = scratch(m.div_ceil(16) * nb * Q8K_PREP, nb * Q2K_PREP + 2 * 1024);
+    let (abase, wbase) = scratch(m.div_ceil(16) * nb * Q8K_PREP, nb * W::PREP + 2 * 1024);
     unsafe {
         prep_q8k(acts, nb, abase);
-        let cbuf = wbase.add(nb * Q2K_PREP);
+        let cbuf = wbase.add(nb * W::PREP);
         cfg.load();
         for j0 in (0..rows).step_by(16) {
             let nj = (rows - j0).min(16);
-            prep_q2k(&w[j0 * nb..(j0 + nj) * nb], nb, nj, wbase);
+            W::prep(&w[j0 * nb..(j0 + nj) * nb], nb, nj, wbase);
             for g in 0..m.div_ceil(16) {
                 let mut acc = [_mm512_setzero_ps(); 16];
                 for b in 0..nb {
                     let ap = abase.add((g * nb + b) * Q8K_PREP);
-                    let wp = wbase.add(b * Q2K_PREP);
+                    let wp = wbase.add(b * W::PREP);
                     asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
                     for s in 0..4 {
-                        asm!(
-                            "tileloadd tmm3, [{a} + {st}]",
-                            "tileloadd tmm4, [{w0} + {st}]",
-                            "tileloadd tmm5, [{w1} + {st}]",
-                            "tdpbusd tmm0, tmm4, tmm3",
-                            "tdpbusd tmm1, tmm5, tmm3",
-                            a = in(reg) ap.add(s * 1024),
-                            w0 = in(reg) wp.add(2 * s * 1024),
-                            w1 = in(reg) wp.add((2 * s + 1) * 1024),
-                            st = in(reg) 64usize,
-                            options(nostack, readonly),
-                        );
+                        macro_rules! step {
+                            ($op:literal) => {
+                                asm!(
+                                    "tileloadd tmm3, [{a} + {st}]",
+                                    "tileloadd tmm4, [{w0} + {st}]",
+                                    "tileloadd tmm5, [{w1} + {st}]",
+                                    concat!($op, " tmm0, tmm4, tmm3"),
+                                    concat!($op, " tmm1, tmm5, tmm3"),
+                                    a = in(reg) ap.add(s * 1024),
+                                    w0 = in(reg) wp.add(2 * s * 1024),
+                                    w1 = in(reg) wp.add((2 * s + 1) * 1024),
+                                    st = in(reg) 64usize,
+                                    options(nostack, readonly),
+                                )
+                            };
+                        }
+                        if W::SIGNED {
+                            step!("tdpbssd");
+                        } else {
+                            step!("tdpbusd");
+                        }
                     }
                     asm!(
                         "tilestored [{c0} + {st}], tmm0",
@@ -1376,16 +1400,13 @@ pub(super) unsafe fn q2k_tiles(
                         options(nostack),
                     );
                     let da = _mm512_load_ps(ap.add(4096).cast());
-                    let d = wp.add(8 * 1024).cast::<f32>();
-                    let dmin = d.add(16);
                     let c = cbuf.cast::<__m512i>();
                     for (r, acc) in acc.iter_mut().enumerate() {
-                        let sumi = _mm512_load_si512(c.add(r));
-                        let summ = _mm512_load_si512(c.add(16 + r));
-                        let dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
-                        *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
-                        let dm = _mm512_mul_ps(_mm512_set1_ps(*dmin.add(r)), da);
-                        *acc = _mm512_sub_ps(*acc, _mm512_mul_ps(dm, _mm512_cvtepi32_ps(summ)));
+                        let (c0, c1) = (
+                            _mm512_load_si512(c.add(r)),
+                            _mm512_load_si512(c.add(16 + r)),
+                        );
+                        *acc = W::fold(*acc, c0, c1, wp, r, da);
                     }
                 }
                 store_results(&acc, out, rows, j0, nj, g * 16, (m - g * 16).min(16));

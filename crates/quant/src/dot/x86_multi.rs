@@ -92,75 +92,24 @@ pub(super) fn dot_rows_multi_amx(
         unsafe { kernel(blocks, n / weight.block_size(), rows, &per, out) };
         Ok(true)
     }
+    macro_rules! amx {
+        ($kernel:expr) => {
+            run(weight, w, acts, n, rows, out, $kernel)
+        };
+    }
     match weight {
-        T::Q4_K => run(weight, w, acts, n, rows, out, amx::kquant_tiles::<BlockQ4K>),
-        T::Q5_K => run(weight, w, acts, n, rows, out, amx::kquant_tiles::<BlockQ5K>),
-        T::Q8_0 => run(
-            weight,
-            w,
-            acts,
-            n,
-            rows,
-            out,
-            amx::block32_tiles::<BlockQ8_0>,
-        ),
-        T::Q4_0 => run(
-            weight,
-            w,
-            acts,
-            n,
-            rows,
-            out,
-            amx::block32_tiles::<BlockQ4_0>,
-        ),
-        T::IQ4_NL => run(
-            weight,
-            w,
-            acts,
-            n,
-            rows,
-            out,
-            amx::block32_tiles::<BlockIq4Nl>,
-        ),
-        T::MXFP4 => run(
-            weight,
-            w,
-            acts,
-            n,
-            rows,
-            out,
-            amx::block32_tiles::<BlockMxfp4>,
-        ),
-        T::IQ4_XS => run(
-            weight,
-            w,
-            acts,
-            n,
-            rows,
-            out,
-            amx::sub32_tiles::<BlockIq4Xs>,
-        ),
-        T::IQ2_XXS => run(
-            weight,
-            w,
-            acts,
-            n,
-            rows,
-            out,
-            amx::sub32_tiles::<BlockIq2Xxs>,
-        ),
-        T::IQ3_XXS => run(
-            weight,
-            w,
-            acts,
-            n,
-            rows,
-            out,
-            amx::sub32_tiles::<BlockIq3Xxs>,
-        ),
-        T::Q3_K => run(weight, w, acts, n, rows, out, amx::q3k_tiles),
-        T::Q6_K => run(weight, w, acts, n, rows, out, amx::q6k_tiles),
-        T::Q2_K => run(weight, w, acts, n, rows, out, amx::q2k_tiles),
+        T::Q4_K => amx!(amx::kquant_tiles::<BlockQ4K>),
+        T::Q5_K => amx!(amx::kquant_tiles::<BlockQ5K>),
+        T::Q2_K => amx!(amx::pair_tiles::<BlockQ2K>),
+        T::Q3_K => amx!(amx::pair_tiles::<BlockQ3K>),
+        T::Q6_K => amx!(amx::q6k_tiles),
+        T::IQ4_XS => amx!(amx::sub32_tiles::<BlockIq4Xs>),
+        T::IQ2_XXS => amx!(amx::sub32_tiles::<BlockIq2Xxs>),
+        T::IQ3_XXS => amx!(amx::sub32_tiles::<BlockIq3Xxs>),
+        T::Q8_0 => amx!(amx::block32_tiles::<BlockQ8_0>),
+        T::Q4_0 => amx!(amx::block32_tiles::<BlockQ4_0>),
+        T::IQ4_NL => amx!(amx::block32_tiles::<BlockIq4Nl>),
+        T::MXFP4 => amx!(amx::block32_tiles::<BlockMxfp4>),
         _ => Ok(false),
     }
 }
