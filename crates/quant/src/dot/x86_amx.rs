@@ -1,5 +1,5 @@
 //! AMX-INT8 tile kernels for batched prefill: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
-//! IQ4_XS, IQ2_XXS and IQ3_XXS (against Q8_K activations) and Q8_0, Q4_0, IQ4_NL and MXFP4
+//! IQ4_XS, IQ3_S, IQ2_XXS, IQ3_XXS, IQ2_XS and IQ2_S (against Q8_K activations) and Q8_0, Q4_0, IQ4_NL and MXFP4
 //! (against Q8_0 activations), 16 weight rows by 16 activation rows per tile
 //! multiply.
 //!
@@ -26,11 +26,12 @@
 //!   signed byte operands, `sumi = C₀ + 4 C₁ + 16 C₂ + 64 C₃`. Unpacking four
 //!   operands costs more than the tiles save below about 32 activation rows,
 //!   so Q6_K takes them from 40 (`amx_min_rows`).
-//! * **IQ4_XS, IQ2_XXS, IQ3_XXS** ([`Sub32`]). Their values (the
-//!   non-linear table's, or signed grid bytes) times a sub-block scale do not
-//!   fit a byte, so the values are unpacked as they are, each 32-element
-//!   sub-block's sum comes from its own tile multiply (K = 32), and the
-//!   scales multiply the stored sums.
+//! * **IQ4_XS, IQ3_S, IQ2_XXS, IQ3_XXS, IQ2_XS, IQ2_S** ([`sub::SubScaled`], in
+//!   [`sub`]). Their values (the non-linear table's, or signed grid bytes)
+//!   times a sub-block scale do not fit a byte, so the values are unpacked
+//!   as they are, each sub-block's sum (32 elements, or 16 for IQ2_XS and
+//!   IQ2_S) comes from its own tile multiply (K = its width), and the scales
+//!   multiply the stored sums.
 //! * **Q8_0, Q4_0, IQ4_NL, MXFP4** ([`Block32`]). Q8_0's weight tiles are
 //!   read straight from the file (a row's 32 quants at the row stride); the
 //!   nibble formats' are unpacked through their 16-entry tables (`pshufb`)
@@ -46,6 +47,9 @@ use crate::blocks::*;
 use std::arch::asm;
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
+
+mod sub;
+pub(super) use sub::sub_tiles;
 
 /// Whether the CPU has AMX-TILE and AMX-INT8, the OS saves the tile state,
 /// and this process was granted the tile data state (Linux asks for it with
@@ -735,245 +739,6 @@ pub(super) unsafe fn block32_tiles<W: Block32>(
             }
             release();
         }
-    }
-}
-
-/// Bytes per block of [`prep_sub32`]'s output for a tile of 16 weight rows:
-/// eight operand tiles (one a sub-block: 16 rows of its 32 values), then the
-/// rows' `d`, then their eight sub-block scales as i32.
-const SUB32_PREP: usize = 8 * 512 + 16 * 4 + 16 * 8 * 4;
-
-/// A 256-element format whose block sum is `Σ_ib s_ib · Σ_{k∈ib} v_k a_k`
-/// over eight 32-element sub-blocks, with i8 values `v` and integer scales
-/// `s_ib` whose products need not fit a byte, combined as
-/// `acc + ((dw·da)·K)·sumi` (`K` = 1: `acc + (dw·da)·sumi`).
-pub(super) trait Sub32: bytemuck::Pod {
-    /// The block's fixed factor (ggml's 0.125, 0.25), `None` for none.
-    const K: Option<f32>;
-    /// The block's `dw`.
-    fn dw(&self) -> f32;
-    /// Write sub-block `ib`'s 32 values, in element order, to `dst + ib *
-    /// 512`, and return the eight scales.
-    ///
-    /// # Safety
-    /// `dst + ib * 512 .. + 32` is writable for every `ib` below 8.
-    unsafe fn unpack(&self, dst: *mut u8) -> [i32; 8];
-}
-
-impl Sub32 for BlockIq4Xs {
-    const K: Option<f32> = None;
-    fn dw(&self) -> f32 {
-        f16_to_f32(self.d)
-    }
-
-    /// The non-linear table's entries by `pshufb`; byte j of a sub-block
-    /// holds element j (low nibble) and j + 16 (high nibble).
-    #[target_feature(enable = "avx512f,avx512bw,f16c")]
-    unsafe fn unpack(&self, dst: *mut u8) -> [i32; 8] {
-        unsafe {
-            let table = _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast());
-            let mask = _mm_set1_epi8(0x0F);
-            for ib in 0..8 {
-                let q = _mm_loadu_si128(self.qs.as_ptr().add(ib * 16).cast());
-                let lo = _mm_shuffle_epi8(table, _mm_and_si128(q, mask));
-                let hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(q), mask));
-                _mm_storeu_si128(dst.add(ib * 512).cast(), lo);
-                _mm_storeu_si128(dst.add(ib * 512 + 16).cast(), hi);
-            }
-        }
-        iq4xs_scales(self).map(i32::from)
-    }
-}
-
-/// 32 grid bytes with the sign bits of `signs` (bit i of byte l: element
-/// 8 l + i negative) applied.
-#[target_feature(enable = "avx2")]
-unsafe fn signed32(grid: __m256i, signs: u32) -> __m256i {
-    let m = _mm256_set1_epi32(signs as i32);
-    let pick = _mm256_setr_epi8(
-        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
-        3, 3,
-    );
-    let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-    let neg = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(m, pick), bits), bits);
-    _mm256_sub_epi8(_mm256_xor_si256(grid, neg), neg)
-}
-
-/// The four sign bytes of a sub-block word's 7-bit sign indices.
-fn signs_of(aux: u32) -> u32 {
-    (0..4).fold(0u32, |acc, l| {
-        acc | (crate::iq_tables::KSIGNS_IQ2XS[((aux >> (7 * l)) & 127) as usize] as u32) << (8 * l)
-    })
-}
-
-impl Sub32 for BlockIq2Xxs {
-    const K: Option<f32> = Some(0.125);
-    fn dw(&self) -> f32 {
-        f16_to_f32(self.d)
-    }
-
-    /// Per sub-block: four 8-byte grid entries, their signs, `2 sc + 1`.
-    #[target_feature(enable = "avx512f,avx512bw,f16c")]
-    unsafe fn unpack(&self, dst: *mut u8) -> [i32; 8] {
-        use crate::iq_tables::IQ2XXS_GRID;
-        let mut sc = [0i32; 8];
-        for (ib, sc) in sc.iter_mut().enumerate() {
-            let (grids, aux) = crate::dequant::iq2_xxs_words(self, ib);
-            let g = |l: usize| IQ2XXS_GRID[((grids >> (8 * l)) & 0xff) as usize] as i64;
-            unsafe {
-                let v = signed32(_mm256_setr_epi64x(g(0), g(1), g(2), g(3)), signs_of(aux));
-                _mm256_storeu_si256(dst.add(ib * 512).cast(), v);
-            }
-            *sc = 2 * (aux >> 28) as i32 + 1;
-        }
-        sc
-    }
-}
-
-impl Sub32 for BlockIq3Xxs {
-    const K: Option<f32> = Some(0.25);
-    fn dw(&self) -> f32 {
-        f16_to_f32(self.d)
-    }
-
-    /// Per sub-block: eight 4-byte grid entries, their signs, `2 sc + 1`.
-    #[target_feature(enable = "avx512f,avx512bw,f16c")]
-    unsafe fn unpack(&self, dst: *mut u8) -> [i32; 8] {
-        use crate::iq_tables::IQ3XXS_GRID;
-        let mut sc = [0i32; 8];
-        for (ib, sc) in sc.iter_mut().enumerate() {
-            let aux = crate::dequant::iq3_xxs_word(self, ib);
-            let g = |l: usize| IQ3XXS_GRID[self.qs[ib * 8 + l] as usize] as i32;
-            unsafe {
-                let grid = _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
-                let v = signed32(grid, signs_of(aux));
-                _mm256_storeu_si256(dst.add(ib * 512).cast(), v);
-            }
-            *sc = 2 * (aux >> 28) as i32 + 1;
-        }
-        sc
-    }
-}
-
-/// One tile of 16 weight rows (`w`: the first of them, `nj` valid; the rest
-/// zero) unpacked, per block `b` at `b * SUB32_PREP`: for sub-block `ib` a
-/// 16 × 32-byte operand whose row `r` holds row `r`'s 32 values, then the
-/// rows' `dw` and their scales (row-major).
-#[target_feature(enable = "avx512f,avx512bw,f16c")]
-unsafe fn prep_sub32<W: Sub32>(w: &[W], nb: usize, nj: usize, base: *mut u8) {
-    unsafe {
-        for b in 0..nb {
-            let at = base.add(b * SUB32_PREP);
-            let d = at.add(8 * 512).cast::<f32>();
-            let sc = d.add(16).cast::<i32>();
-            for r in 0..16 {
-                let Some(blk) = (r < nj).then(|| &w[r * nb + b]) else {
-                    for ib in 0..8 {
-                        std::ptr::write_bytes(at.add(ib * 512 + r * 32), 0, 32);
-                        sc.add(r * 8 + ib).write(0);
-                    }
-                    d.add(r).write(0.0);
-                    continue;
-                };
-                let s = blk.unpack(at.add(r * 32));
-                for (ib, &s) in s.iter().enumerate() {
-                    sc.add(r * 8 + ib).write(s);
-                }
-                d.add(r).write(blk.dw());
-            }
-        }
-    }
-}
-
-/// [`kquant_tiles`] for [`Sub32`] weights (IQ4_XS, IQ2_XXS, IQ3_XXS): each
-/// 32-element sub-block takes its own tile multiply (`tdpbssd`, K = 32) and
-/// the scales are applied to the stored sums.
-///
-/// # Safety
-/// As [`kquant_tiles`].
-#[target_feature(enable = "avx512f,avx512bw,f16c")]
-pub(super) unsafe fn sub32_tiles<W: Sub32>(
-    w: &[W],
-    nb: usize,
-    rows: usize,
-    acts: &[&[BlockQ8K]],
-    out: &mut [f32],
-) {
-    let m = acts.len();
-    // tmm0..3: four sub-blocks' sums; tmm4: weights (16 rows × 32 values);
-    // tmm5: activations (8 × 16 dwords).
-    let cfg = TileConfig::new([
-        (16, 64),
-        (16, 64),
-        (16, 64),
-        (16, 64),
-        (16, 32),
-        (8, 64),
-        (16, 64),
-        (16, 64),
-    ]);
-    let (abase, wbase) = scratch(m.div_ceil(16) * nb * Q8K_PREP, nb * SUB32_PREP + 8 * 1024);
-    unsafe {
-        prep_q8k(acts, nb, abase);
-        let cbuf = wbase.add(nb * SUB32_PREP);
-        cfg.load();
-        for j0 in (0..rows).step_by(16) {
-            let nj = (rows - j0).min(16);
-            prep_sub32(&w[j0 * nb..(j0 + nj) * nb], nb, nj, wbase);
-            for g in 0..m.div_ceil(16) {
-                let mut acc = [_mm512_setzero_ps(); 16];
-                for b in 0..nb {
-                    let ap = abase.add((g * nb + b) * Q8K_PREP);
-                    let wp = wbase.add(b * SUB32_PREP);
-                    // Sub-block ib: the activations' rows 8 ib .. 8 ib + 8
-                    // (elements 32 ib .. + 32), the weights' operand ib.
-                    macro_rules! sub {
-                        ($ib:expr, $tmm:literal) => {
-                            asm!(
-                                concat!("tilezero tmm", $tmm),
-                                "tileloadd tmm4, [{w} + {ws}]",
-                                "tileloadd tmm5, [{a} + {st}]",
-                                concat!("tdpbssd tmm", $tmm, ", tmm4, tmm5"),
-                                concat!("tilestored [{c} + {st}], tmm", $tmm),
-                                w = in(reg) wp.add($ib * 512),
-                                ws = in(reg) 32usize,
-                                a = in(reg) ap.add($ib * 512),
-                                c = in(reg) cbuf.add($ib * 1024),
-                                st = in(reg) 64usize,
-                                options(nostack),
-                            )
-                        };
-                    }
-                    for h in [0usize, 4] {
-                        sub!(h, "0");
-                        sub!(h + 1, "1");
-                        sub!(h + 2, "2");
-                        sub!(h + 3, "3");
-                    }
-                    let da = _mm512_load_ps(ap.add(4096).cast());
-                    let d = wp.add(8 * 512).cast::<f32>();
-                    let sc = d.add(16).cast::<i32>();
-                    let c = cbuf.cast::<__m512i>();
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        let mut sumi = _mm512_setzero_si512();
-                        for ib in 0..8 {
-                            let t = _mm512_mullo_epi32(
-                                _mm512_load_si512(c.add(ib * 16 + r)),
-                                _mm512_set1_epi32(*sc.add(r * 8 + ib)),
-                            );
-                            sumi = _mm512_add_epi32(sumi, t);
-                        }
-                        let mut dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
-                        if let Some(k) = W::K {
-                            dd = _mm512_mul_ps(dd, _mm512_set1_ps(k));
-                        }
-                        *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
-                    }
-                }
-                store_results(&acc, out, rows, j0, nj, g * 16, (m - g * 16).min(16));
-            }
-        }
-        release();
     }
 }
 

@@ -56,6 +56,9 @@ pub(super) const AMX_FORMATS: &[GgmlType] = &[
     GgmlType::MXFP4,
     GgmlType::IQ2_XXS,
     GgmlType::IQ3_XXS,
+    GgmlType::IQ3_S,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
 ];
 
 /// An AMX tile kernel: (weights, blocks a row, rows, activation rows, out).
@@ -103,9 +106,12 @@ pub(super) fn dot_rows_multi_amx(
         T::Q2_K => amx!(amx::pair_tiles::<BlockQ2K>),
         T::Q3_K => amx!(amx::pair_tiles::<BlockQ3K>),
         T::Q6_K => amx!(amx::q6k_tiles),
-        T::IQ4_XS => amx!(amx::sub32_tiles::<BlockIq4Xs>),
-        T::IQ2_XXS => amx!(amx::sub32_tiles::<BlockIq2Xxs>),
-        T::IQ3_XXS => amx!(amx::sub32_tiles::<BlockIq3Xxs>),
+        T::IQ4_XS => amx!(amx::sub_tiles::<BlockIq4Xs>),
+        T::IQ2_XXS => amx!(amx::sub_tiles::<BlockIq2Xxs>),
+        T::IQ3_XXS => amx!(amx::sub_tiles::<BlockIq3Xxs>),
+        T::IQ3_S => amx!(amx::sub_tiles::<BlockIq3S>),
+        T::IQ2_XS => amx!(amx::sub_tiles::<BlockIq2Xs>),
+        T::IQ2_S => amx!(amx::sub_tiles::<BlockIq2S>),
         T::Q8_0 => amx!(amx::block32_tiles::<BlockQ8_0>),
         T::Q4_0 => amx!(amx::block32_tiles::<BlockQ4_0>),
         T::IQ4_NL => amx!(amx::block32_tiles::<BlockIq4Nl>),

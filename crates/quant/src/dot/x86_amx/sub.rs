@@ -1,0 +1,360 @@
+//! The AMX tile kernel of the 256-element formats whose sub-block scales
+//! times their values do not fit a byte (IQ4_XS, IQ3_S, IQ2_XXS, IQ3_XXS,
+//! IQ2_XS, IQ2_S): each sub-block's integer sum comes from its own tile
+//! multiply, and the scales multiply the stored sums before the reference's
+//! float steps.
+
+use super::*;
+
+/// Bytes per block of [`prep_sub`]'s output for a tile of 16 weight rows:
+/// the operand tiles (one a sub-block: 16 rows of its values, 4,096 bytes
+/// in all), then the rows' `d`, then room for their sixteen sub-block
+/// scales as i32.
+const SUB_PREP: usize = 4096 + 16 * 4 + 16 * 16 * 4;
+
+/// A 256-element format whose block sum is `Σ_s c_s · Σ_{k∈s} v_k a_k`
+/// over [`Self::SUBS`] equal sub-blocks, with i8 values `v` and integer
+/// scales `c_s` whose products need not fit a byte, combined as
+/// `acc + ((dw·da)·K)·sumi` (`K` = 1: `acc + (dw·da)·sumi`).
+pub(crate) trait SubScaled: bytemuck::Pod {
+    /// Sub-blocks a block: 8 of 32 elements or 16 of 16.
+    const SUBS: usize;
+    /// The block's fixed factor (ggml's 0.125, 0.25), `None` for none.
+    const K: Option<f32>;
+    /// The block's `dw`.
+    fn dw(&self) -> f32;
+    /// Write sub-block `s`'s `256 / SUBS` values, in element order, to `dst
+    /// + s * 4096 / SUBS`, and return the `SUBS` scales (the rest zero).
+    ///
+    /// # Safety
+    /// `dst + s * 4096 / SUBS .. + 256 / SUBS` is writable for every `s`
+    /// below `SUBS`.
+    unsafe fn unpack(&self, dst: *mut u8) -> [i32; 16];
+}
+
+impl SubScaled for BlockIq4Xs {
+    const SUBS: usize = 8;
+    const K: Option<f32> = None;
+    fn dw(&self) -> f32 {
+        f16_to_f32(self.d)
+    }
+
+    /// The non-linear table's entries by `pshufb`; byte j of a sub-block
+    /// holds element j (low nibble) and j + 16 (high nibble).
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn unpack(&self, dst: *mut u8) -> [i32; 16] {
+        unsafe {
+            let table = _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast());
+            let mask = _mm_set1_epi8(0x0F);
+            for ib in 0..8 {
+                let q = _mm_loadu_si128(self.qs.as_ptr().add(ib * 16).cast());
+                let lo = _mm_shuffle_epi8(table, _mm_and_si128(q, mask));
+                let hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(q), mask));
+                _mm_storeu_si128(dst.add(ib * 512).cast(), lo);
+                _mm_storeu_si128(dst.add(ib * 512 + 16).cast(), hi);
+            }
+        }
+        let sc = iq4xs_scales(self);
+        std::array::from_fn(|s| sc.get(s).map_or(0, |&c| i32::from(c)))
+    }
+}
+
+/// 32 grid bytes with the sign bits of `signs` (bit i of byte l: element
+/// 8 l + i negative) applied.
+#[target_feature(enable = "avx2")]
+unsafe fn signed32(grid: __m256i, signs: u32) -> __m256i {
+    let m = _mm256_set1_epi32(signs as i32);
+    let pick = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
+    );
+    let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let neg = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(m, pick), bits), bits);
+    _mm256_sub_epi8(_mm256_xor_si256(grid, neg), neg)
+}
+
+/// The four sign bytes of a sub-block word's 7-bit sign indices.
+fn signs_of(aux: u32) -> u32 {
+    (0..4).fold(0u32, |acc, l| {
+        acc | (crate::iq_tables::KSIGNS_IQ2XS[((aux >> (7 * l)) & 127) as usize] as u32) << (8 * l)
+    })
+}
+
+impl SubScaled for BlockIq2Xxs {
+    const SUBS: usize = 8;
+    const K: Option<f32> = Some(0.125);
+    fn dw(&self) -> f32 {
+        f16_to_f32(self.d)
+    }
+
+    /// Per sub-block: four 8-byte grid entries, their signs, `2 sc + 1`.
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn unpack(&self, dst: *mut u8) -> [i32; 16] {
+        use crate::iq_tables::IQ2XXS_GRID;
+        let mut sc = [0i32; 16];
+        for (ib, sc) in sc.iter_mut().take(8).enumerate() {
+            let (grids, aux) = crate::dequant::iq2_xxs_words(self, ib);
+            let g = |l: usize| IQ2XXS_GRID[((grids >> (8 * l)) & 0xff) as usize] as i64;
+            unsafe {
+                let v = signed32(_mm256_setr_epi64x(g(0), g(1), g(2), g(3)), signs_of(aux));
+                _mm256_storeu_si256(dst.add(ib * 512).cast(), v);
+            }
+            *sc = 2 * (aux >> 28) as i32 + 1;
+        }
+        sc
+    }
+}
+
+impl SubScaled for BlockIq3Xxs {
+    const SUBS: usize = 8;
+    const K: Option<f32> = Some(0.25);
+    fn dw(&self) -> f32 {
+        f16_to_f32(self.d)
+    }
+
+    /// Per sub-block: eight 4-byte grid entries, their signs, `2 sc + 1`.
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn unpack(&self, dst: *mut u8) -> [i32; 16] {
+        use crate::iq_tables::IQ3XXS_GRID;
+        let mut sc = [0i32; 16];
+        for (ib, sc) in sc.iter_mut().take(8).enumerate() {
+            let aux = crate::dequant::iq3_xxs_word(self, ib);
+            let g = |l: usize| IQ3XXS_GRID[self.qs[ib * 8 + l] as usize] as i32;
+            unsafe {
+                let grid = _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
+                let v = signed32(grid, signs_of(aux));
+                _mm256_storeu_si256(dst.add(ib * 512).cast(), v);
+            }
+            *sc = 2 * (aux >> 28) as i32 + 1;
+        }
+        sc
+    }
+}
+
+/// The `2 c + 1` scales of the 4-bit digits `c` in `scales`, low nibble
+/// first.
+fn odd_scales(scales: &[u8]) -> [i32; 16] {
+    std::array::from_fn(|k| {
+        scales
+            .get(k / 2)
+            .map_or(0, |&b| 2 * ((b >> (4 * (k % 2))) & 0x0F) as i32 + 1)
+    })
+}
+
+/// Two 16-element sub-blocks `k`, `k + 1` (four 8-byte grid entries `g`
+/// with the sign bytes of `signs`) to their operands `dst + k * 256` and
+/// `dst + (k + 1) * 256`.
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn store_pair16(dst: *mut u8, k: usize, g: [i64; 4], signs: u32) {
+    unsafe {
+        let v = signed32(_mm256_setr_epi64x(g[0], g[1], g[2], g[3]), signs);
+        _mm_storeu_si128(dst.add(k * 256).cast(), _mm256_castsi256_si128(v));
+        _mm_storeu_si128(
+            dst.add((k + 1) * 256).cast(),
+            _mm256_extracti128_si256::<1>(v),
+        );
+    }
+}
+
+impl SubScaled for BlockIq3S {
+    const SUBS: usize = 8;
+    const K: Option<f32> = None;
+    fn dw(&self) -> f32 {
+        f16_to_f32(self.d)
+    }
+
+    /// Per sub-block: eight 4-byte grid entries (nine-bit indices), the
+    /// sub-block's 32 sign bits, `2 sc + 1`.
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn unpack(&self, dst: *mut u8) -> [i32; 16] {
+        use crate::iq_tables::IQ3S_GRID;
+        for k in 0..8 {
+            let g = |j: usize| {
+                let e = k * 8 + j;
+                let idx = self.qs[e] as usize | ((((self.qh[e / 8] >> (e % 8)) & 1) as usize) << 8);
+                i32::from_le_bytes(IQ3S_GRID[idx])
+            };
+            let signs = u32::from_le_bytes(std::array::from_fn(|l| self.signs[4 * k + l]));
+            unsafe {
+                let grid = _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7));
+                _mm256_storeu_si256(dst.add(k * 512).cast(), signed32(grid, signs));
+            }
+        }
+        odd_scales(&self.scales)
+    }
+}
+
+impl SubScaled for BlockIq2Xs {
+    const SUBS: usize = 16;
+    const K: Option<f32> = Some(0.125);
+    fn dw(&self) -> f32 {
+        f16_to_f32(self.d)
+    }
+
+    /// Per 16 elements: two 8-byte grid entries (nine-bit indices) and
+    /// their 7-bit sign indices, `2 sc + 1`.
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn unpack(&self, dst: *mut u8) -> [i32; 16] {
+        use crate::iq_tables::{IQ2XS_GRID, KSIGNS_IQ2XS};
+        for k in (0..16).step_by(2) {
+            let q = |l: usize| self.qs[2 * k + l];
+            let g = std::array::from_fn(|l| i64::from_le_bytes(IQ2XS_GRID[(q(l) & 511) as usize]));
+            let signs = (0..4).fold(0u32, |acc, l| {
+                acc | (KSIGNS_IQ2XS[(q(l) >> 9) as usize] as u32) << (8 * l)
+            });
+            unsafe { store_pair16(dst, k, g, signs) };
+        }
+        odd_scales(&self.scales)
+    }
+}
+
+impl SubScaled for BlockIq2S {
+    const SUBS: usize = 16;
+    const K: Option<f32> = Some(0.125);
+    fn dw(&self) -> f32 {
+        f16_to_f32(self.d)
+    }
+
+    /// Per 16 elements: two 8-byte grid entries (ten-bit indices) and
+    /// their sign bytes, `2 sc + 1`.
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn unpack(&self, dst: *mut u8) -> [i32; 16] {
+        use crate::iq_tables::IQ2S_GRID;
+        for k in (0..16).step_by(2) {
+            let g = std::array::from_fn(|l| {
+                IQ2S_GRID[crate::dequant::iq2_s_index(self, 2 * k + l)] as i64
+            });
+            let signs = u32::from_le_bytes(std::array::from_fn(|l| self.signs[2 * k + l]));
+            unsafe { store_pair16(dst, k, g, signs) };
+        }
+        odd_scales(&self.scales)
+    }
+}
+
+/// One tile of 16 weight rows (`w`: the first of them, `nj` valid; the rest
+/// zero) unpacked, per block `b` at `b * SUB_PREP`: for sub-block `s` a 16 ×
+/// `256 / SUBS`-byte operand whose row `r` holds row `r`'s values of it,
+/// then the rows' `dw` and their scales (row-major, `SUBS` a row).
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn prep_sub<W: SubScaled>(w: &[W], nb: usize, nj: usize, base: *mut u8) {
+    let width = 256 / W::SUBS;
+    unsafe {
+        for b in 0..nb {
+            let at = base.add(b * SUB_PREP);
+            let d = at.add(4096).cast::<f32>();
+            let sc = d.add(16).cast::<i32>();
+            for r in 0..16 {
+                let Some(blk) = (r < nj).then(|| &w[r * nb + b]) else {
+                    for s in 0..W::SUBS {
+                        std::ptr::write_bytes(at.add(s * 16 * width + r * width), 0, width);
+                        sc.add(r * W::SUBS + s).write(0);
+                    }
+                    d.add(r).write(0.0);
+                    continue;
+                };
+                let c = blk.unpack(at.add(r * width));
+                for (s, &c) in c.iter().take(W::SUBS).enumerate() {
+                    sc.add(r * W::SUBS + s).write(c);
+                }
+                d.add(r).write(blk.dw());
+            }
+        }
+    }
+}
+
+/// [`kquant_tiles`] for [`SubScaled`] weights (IQ4_XS, IQ3_S, IQ2_XXS,
+/// IQ3_XXS, IQ2_XS, IQ2_S): each sub-block takes its own tile multiply
+/// (`tdpbssd`, K = its width) and the scales multiply the stored sums.
+///
+/// # Safety
+/// As [`kquant_tiles`].
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+pub(crate) unsafe fn sub_tiles<W: SubScaled>(
+    w: &[W],
+    nb: usize,
+    rows: usize,
+    acts: &[&[BlockQ8K]],
+    out: &mut [f32],
+) {
+    let m = acts.len();
+    let width = 256 / W::SUBS;
+    // tmm0..3: four sub-blocks' sums; tmm4: weights (16 rows × `width`
+    // values); tmm5: activations (`width / 4` × 16 dwords).
+    let cfg = TileConfig::new([
+        (16, 64),
+        (16, 64),
+        (16, 64),
+        (16, 64),
+        (16, width as u16),
+        ((width / 4) as u8, 64),
+        (16, 64),
+        (16, 64),
+    ]);
+    let (abase, wbase) = scratch(
+        m.div_ceil(16) * nb * Q8K_PREP,
+        nb * SUB_PREP + W::SUBS * 1024,
+    );
+    unsafe {
+        prep_q8k(acts, nb, abase);
+        let cbuf = wbase.add(nb * SUB_PREP);
+        cfg.load();
+        for j0 in (0..rows).step_by(16) {
+            let nj = (rows - j0).min(16);
+            prep_sub(&w[j0 * nb..(j0 + nj) * nb], nb, nj, wbase);
+            for g in 0..m.div_ceil(16) {
+                let mut acc = [_mm512_setzero_ps(); 16];
+                for b in 0..nb {
+                    let ap = abase.add((g * nb + b) * Q8K_PREP);
+                    let wp = wbase.add(b * SUB_PREP);
+                    // Sub-block s: the activations' rows s·width/4 ..
+                    // (s+1)·width/4 (elements s·width .. (s+1)·width), the
+                    // weights' operand s; both start at byte s·16·width.
+                    macro_rules! sub {
+                        ($s:expr, $tmm:literal) => {
+                            asm!(
+                                concat!("tilezero tmm", $tmm),
+                                "tileloadd tmm4, [{w} + {ws}]",
+                                "tileloadd tmm5, [{a} + {st}]",
+                                concat!("tdpbssd tmm", $tmm, ", tmm4, tmm5"),
+                                concat!("tilestored [{c} + {st}], tmm", $tmm),
+                                w = in(reg) wp.add($s * 16 * width),
+                                ws = in(reg) width,
+                                a = in(reg) ap.add($s * 16 * width),
+                                c = in(reg) cbuf.add($s * 1024),
+                                st = in(reg) 64usize,
+                                options(nostack),
+                            )
+                        };
+                    }
+                    for h in (0..W::SUBS).step_by(4) {
+                        sub!(h, "0");
+                        sub!(h + 1, "1");
+                        sub!(h + 2, "2");
+                        sub!(h + 3, "3");
+                    }
+                    let da = _mm512_load_ps(ap.add(4096).cast());
+                    let d = wp.add(4096).cast::<f32>();
+                    let sc = d.add(16).cast::<i32>();
+                    let c = cbuf.cast::<__m512i>();
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let mut sumi = _mm512_setzero_si512();
+                        for s in 0..W::SUBS {
+                            let t = _mm512_mullo_epi32(
+                                _mm512_load_si512(c.add(s * 16 + r)),
+                                _mm512_set1_epi32(*sc.add(r * W::SUBS + s)),
+                            );
+                            sumi = _mm512_add_epi32(sumi, t);
+                        }
+                        let mut dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
+                        if let Some(k) = W::K {
+                            dd = _mm512_mul_ps(dd, _mm512_set1_ps(k));
+                        }
+                        *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
+                    }
+                }
+                store_results(&acc, out, rows, j0, nj, g * 16, (m - g * 16).min(16));
+            }
+        }
+        release();
+    }
+}
