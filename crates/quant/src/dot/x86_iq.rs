@@ -13,9 +13,16 @@ use super::scalar::combine_scaled;
 use super::x86::{hsum_i32, load256, sign_masks};
 use super::x86_kquant::{Format, rows8, tile};
 use crate::blocks::*;
-use crate::dequant::{iq2_s_index, iq2_xxs_words, iq3_xxs_word};
+use crate::dequant::{iq2_xxs_words, iq3_xxs_word};
 use crate::iq_tables::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
 use std::arch::x86_64::*;
+
+// The grids read by gathers, as statics (one address for every kernel).
+// IQ2_XXS and IQ2_XS keep four scalar loads: a gather measured slower there
+// (the 64-bit gather of four entries against four loads).
+static GRID_IQ2S: [u64; 1024] = IQ2S_GRID;
+static GRID_IQ3XXS: [u32; 256] = IQ3XXS_GRID;
+static GRID_IQ3S: [[u8; 4]; 512] = IQ3S_GRID;
 
 /// A grid i-quant block, chunk by chunk.
 pub(super) trait IqChunks: Copy {
@@ -61,9 +68,12 @@ impl IqChunks for BlockIq3Xxs {
     #[inline(always)]
     unsafe fn chunk(&self, ib: usize) -> (__m256i, u32, i16, i16) {
         let aux = iq3_xxs_word(self, ib);
-        let g = |m: usize| IQ3XXS_GRID[self.qs[ib * 8 + m] as usize] as i32;
         let ls = (2 * (aux >> 28) + 1) as i16;
-        let grid = unsafe { _mm256_set_epi32(g(7), g(6), g(5), g(4), g(3), g(2), g(1), g(0)) };
+        // The eight entries by one gather (the chunk's eight index bytes).
+        let grid = unsafe {
+            let q = _mm_loadl_epi64(self.qs.as_ptr().add(ib * 8).cast());
+            _mm256_i32gather_epi32::<4>(GRID_IQ3XXS.as_ptr().cast(), _mm256_cvtepu8_epi32(q))
+        };
         (grid, ksigns4(aux), ls, ls)
     }
 }
@@ -75,10 +85,27 @@ impl IqChunks for BlockIq2S {
     }
     #[inline(always)]
     unsafe fn chunk(&self, ib: usize) -> (__m256i, u32, i16, i16) {
-        let g = |l: usize| IQ2S_GRID[iq2_s_index(self, 4 * ib + l)] as i64;
         let s = &self.signs[4 * ib..4 * ib + 4];
         let sc = self.scales[ib];
-        let grid = unsafe { _mm256_set_epi64x(g(3), g(2), g(1), g(0)) };
+        // iq2_s_index of entries 4 ib + l: byte qs[4 ib + l] and bits 2 l,
+        // 2 l + 1 of qh[ib] as bits 8 and 9; the four entries by one gather.
+        let grid = unsafe {
+            let lo = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(i32::from_le_bytes([
+                self.qs[4 * ib],
+                self.qs[4 * ib + 1],
+                self.qs[4 * ib + 2],
+                self.qs[4 * ib + 3],
+            ])));
+            let hi = _mm_and_si128(
+                _mm_srlv_epi32(
+                    _mm_set1_epi32(self.qh[ib] as i32),
+                    _mm_setr_epi32(0, 2, 4, 6),
+                ),
+                _mm_set1_epi32(3),
+            );
+            let idx = _mm_or_si128(lo, _mm_slli_epi32::<8>(hi));
+            _mm256_i32gather_epi64::<8>(GRID_IQ2S.as_ptr().cast(), idx)
+        };
         (
             grid,
             u32::from_le_bytes([s[0], s[1], s[2], s[3]]),
@@ -96,11 +123,11 @@ impl IqChunks for BlockIq2Xs {
     #[inline(always)]
     unsafe fn chunk(&self, ib: usize) -> (__m256i, u32, i16, i16) {
         let q2 = &self.qs[4 * ib..4 * ib + 4];
-        let g = |l: usize| i64::from_le_bytes(IQ2XS_GRID[(q2[l] & 511) as usize]);
         let signs = (0..4).fold(0u32, |s, l| {
             s | (KSIGNS_IQ2XS[(q2[l] >> 9) as usize] as u32) << (8 * l)
         });
         let sc = self.scales[ib];
+        let g = |l: usize| i64::from_le_bytes(IQ2XS_GRID[(q2[l] & 511) as usize]);
         let grid = unsafe { _mm256_set_epi64x(g(3), g(2), g(1), g(0)) };
         (
             grid,
@@ -118,14 +145,22 @@ impl IqChunks for BlockIq3S {
     }
     #[inline(always)]
     unsafe fn chunk(&self, ib: usize) -> (__m256i, u32, i16, i16) {
-        let g = |m: usize| {
-            let e = ib * 8 + m;
-            let idx = self.qs[e] as usize | ((((self.qh[ib] >> m) & 1) as usize) << 8);
-            i32::from_le_bytes(IQ3S_GRID[idx])
-        };
         let s = &self.signs[4 * ib..4 * ib + 4];
         let ls = 2 * ((self.scales[ib / 2] >> (4 * (ib % 2))) & 0x0F) as i16 + 1;
-        let grid = unsafe { _mm256_set_epi32(g(7), g(6), g(5), g(4), g(3), g(2), g(1), g(0)) };
+        // Entry m's index: byte qs[8 ib + m] and bit m of qh[ib] as bit 8;
+        // the eight entries by one gather.
+        let grid = unsafe {
+            let q = _mm_loadl_epi64(self.qs.as_ptr().add(ib * 8).cast());
+            let hi = _mm256_and_si256(
+                _mm256_srlv_epi32(
+                    _mm256_set1_epi32(self.qh[ib] as i32),
+                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                ),
+                _mm256_set1_epi32(1),
+            );
+            let idx = _mm256_or_si256(_mm256_cvtepu8_epi32(q), _mm256_slli_epi32::<8>(hi));
+            _mm256_i32gather_epi32::<4>(GRID_IQ3S.as_ptr().cast(), idx)
+        };
         (grid, u32::from_le_bytes([s[0], s[1], s[2], s[3]]), ls, ls)
     }
 }
