@@ -1,5 +1,5 @@
 //! AMX-INT8 tile kernels for batched prefill: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
-//! IQ4_XS, IQ3_S, IQ2_XXS, IQ3_XXS, IQ2_XS and IQ2_S (against Q8_K activations) and Q8_0, Q4_0, IQ4_NL and MXFP4
+//! IQ4_XS, IQ3_S, IQ2_XXS, IQ3_XXS, IQ2_XS and IQ2_S (against Q8_K activations) and Q8_0, Q4_0, Q5_0, IQ4_NL and MXFP4
 //! (against Q8_0 activations), 16 weight rows by 16 activation rows per tile
 //! multiply.
 //!
@@ -32,10 +32,10 @@
 //!   as they are, each sub-block's sum (32 elements, or 16 for IQ2_XS and
 //!   IQ2_S) comes from its own tile multiply (K = its width), and the scales
 //!   multiply the stored sums.
-//! * **Q8_0, Q4_0, IQ4_NL, MXFP4** ([`Block32`]). Q8_0's weight tiles are
-//!   read straight from the file (a row's 32 quants at the row stride); the
-//!   nibble formats' are unpacked through their 16-entry tables (`pshufb`)
-//!   once per call. Each 32-element block's sum is stored and folded into
+//! * **Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4** ([`Block32`]). Q8_0's weight tiles
+//!   are read straight from the file (a row's 32 quants at the row stride);
+//!   the nibble formats' are unpacked through their 16-entry tables
+//!   (`pshufb`), Q5_0's with its fifth bits, once per call. Each 32-element block's sum is stored and folded into
 //!   lane `b % 8` as [`super::scalar::lanes8`] does.
 //!
 //! The activations are rearranged once per call into the tile layout (four
@@ -633,8 +633,62 @@ nibble_block32!(
 nibble_block32!(BlockIq4Nl, KVALUES_IQ4NL, |blk| h2f(blk.d));
 nibble_block32!(BlockMxfp4, KVALUES_MXFP4, |blk| e8m0_to_f32_half(blk.e));
 
+/// Byte `i` of the result: 0x10 where bit `i` of `bits` (16 bits) is set.
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn bit_bytes16(bits: u32) -> __m128i {
+    let spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    let pick = _mm_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let b = _mm_shuffle_epi8(_mm_set1_epi32(bits as i32), spread);
+    _mm_and_si128(
+        _mm_cmpeq_epi8(_mm_and_si128(b, pick), pick),
+        _mm_set1_epi8(0x10),
+    )
+}
+
+/// Q5_0: each element's nibble and its fifth bit from `qh` (bit `i` for
+/// element `i`), less 16, as a signed byte.
+impl Block32 for BlockQ5_0 {
+    fn scratch(nb: usize) -> usize {
+        nb * 512
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn operands(
+        w: &[Self],
+        nb: usize,
+        nj: usize,
+        base: *mut u8,
+        dw: *mut f32,
+    ) -> (*const u8, usize, usize) {
+        unsafe {
+            let (mask, sixteen) = (_mm_set1_epi8(0x0F), _mm_set1_epi8(16));
+            for b in 0..nb {
+                for r in 0..16 {
+                    let row = base.add(b * 512 + r * 32);
+                    let Some(blk) = (r < nj).then(|| &w[r * nb + b]) else {
+                        std::ptr::write_bytes(row, 0, 32);
+                        dw.add(b * 16 + r).write(0.0);
+                        continue;
+                    };
+                    let h = u32::from_le_bytes(blk.qh);
+                    let q = _mm_loadu_si128(blk.qs.as_ptr().cast());
+                    let lo = _mm_or_si128(_mm_and_si128(q, mask), bit_bytes16(h & 0xFFFF));
+                    let hi = _mm_or_si128(
+                        _mm_and_si128(_mm_srli_epi16::<4>(q), mask),
+                        bit_bytes16(h >> 16),
+                    );
+                    _mm_storeu_si128(row.cast(), _mm_sub_epi8(lo, sixteen));
+                    _mm_storeu_si128(row.add(16).cast(), _mm_sub_epi8(hi, sixteen));
+                    dw.add(b * 16 + r).write(h2f(blk.d));
+                }
+            }
+        }
+        (base, 512, 32)
+    }
+}
+
 /// [`kquant_tiles`] for 32-element weights ([`Block32`]: Q8_0, Q4_0,
-/// IQ4_NL, MXFP4) and Q8_0 activations.
+/// Q5_0, IQ4_NL, MXFP4) and Q8_0 activations.
 ///
 /// # Safety
 /// As [`kquant_tiles`].
