@@ -34,7 +34,8 @@ carry)
     ver=0.3.36 # vendors llama.cpp 0c1e570
     sdist=.cache/sdist/llama_cpp_python-$ver.tar.gz
     if [ ! -f "$CARRY/llama.cpp.tar.xz" ]; then
-        [ -f "$sdist" ] || pip download --no-deps --no-binary :all: "llama-cpp-python==$ver" -d .cache/sdist
+        # The sdist by its PyPI link (scripts/qwen2-vocab.sh fetches it there).
+        [ -f "$sdist" ] || scripts/qwen2-vocab.sh >/dev/null
         tmp=$(mktemp -d)
         tar xzf "$sdist" -C "$tmp" "llama_cpp_python-$ver/vendor/llama.cpp"
         # What a CUDA build of llama-bench does not need (vocabularies, docs).
