@@ -400,6 +400,50 @@ unsafe fn prep_kquant<W: KQuant>(w: &[W], nb: usize, nj: usize, base: *mut u8) {
     }
 }
 
+/// The loops every Q8_K tile kernel shares: the activations rearranged once
+/// ([`prep_q8k`]); per tile of 16 weight rows (`j0`, `nj` of them valid)
+/// the operands unpacked by `prep(j0, nj, base)`, `prep_bytes` a block;
+/// per group of 16 activation rows, `block(a, w, cbuf, acc)` for each
+/// weight block in order (`a`, `w`: the block's activation tiles and
+/// operands; `cbuf`: `cbuf_bytes` of scratch for the tile sums), then the
+/// 16 × 16 results stored.
+///
+/// # Safety
+/// As [`kquant_tiles`]; `cfg` is the tile shapes `block` uses.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn q8k_tile_loop(
+    nb: usize,
+    rows: usize,
+    acts: &[&[BlockQ8K]],
+    out: &mut [f32],
+    cfg: &TileConfig,
+    (prep_bytes, cbuf_bytes): (usize, usize),
+    mut prep: impl FnMut(usize, usize, *mut u8),
+    mut block: impl FnMut(*const u8, *const u8, *mut u8, &mut [__m512; 16]),
+) {
+    let m = acts.len();
+    let (abase, wbase) = scratch(m.div_ceil(16) * nb * Q8K_PREP, nb * prep_bytes + cbuf_bytes);
+    unsafe {
+        prep_q8k(acts, nb, abase);
+        let cbuf = wbase.add(nb * prep_bytes);
+        cfg.load();
+        for j0 in (0..rows).step_by(16) {
+            let nj = (rows - j0).min(16);
+            prep(j0, nj, wbase);
+            for g in 0..m.div_ceil(16) {
+                let mut acc = [_mm512_setzero_ps(); 16];
+                for b in 0..nb {
+                    let ap = abase.add((g * nb + b) * Q8K_PREP);
+                    block(ap, wbase.add(b * prep_bytes), cbuf, &mut acc);
+                }
+                store_results(&acc, out, rows, j0, nj, g * 16, (m - g * 16).min(16));
+            }
+        }
+        release();
+    }
+}
+
 /// Every weight row of `w` (`rows` rows of `nb` blocks) against every
 /// activation row of `acts`: `out[r * rows + j]` = row `j` · `acts[r]`.
 ///
@@ -414,77 +458,70 @@ pub(super) unsafe fn kquant_tiles<W: KQuant>(
     acts: &[&[BlockQ8K]],
     out: &mut [f32],
 ) {
-    let m = acts.len();
     // tmm0, tmm1: the two sums; tmm3: activations; tmm4, tmm5: weights.
     let cfg = TileConfig::new([(16, 64); 8]);
-    let (abase, wbase) = scratch(m.div_ceil(16) * nb * Q8K_PREP, nb * KQ_PREP + 2 * 1024);
     unsafe {
-        prep_q8k(acts, nb, abase);
-        let cbuf = wbase.add(nb * KQ_PREP);
-        cfg.load();
-        for j0 in (0..rows).step_by(16) {
-            let nj = (rows - j0).min(16);
-            prep_kquant(&w[j0 * nb..(j0 + nj) * nb], nb, nj, wbase);
-            for g in 0..m.div_ceil(16) {
-                let mut acc = [_mm512_setzero_ps(); 16];
-                for b in 0..nb {
-                    let ap = abase.add((g * nb + b) * Q8K_PREP);
-                    let wp = wbase.add(b * KQ_PREP);
-                    asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
-                    for s in 0..4 {
-                        asm!(
-                            "tileloadd tmm3, [{a} + {st}]",
-                            "tileloadd tmm4, [{w0} + {st}]",
-                            "tileloadd tmm5, [{w1} + {st}]",
-                            "tdpbusd tmm0, tmm4, tmm3",
-                            "tdpbusd tmm1, tmm5, tmm3",
-                            a = in(reg) ap.add(s * 1024),
-                            w0 = in(reg) wp.add(2 * s * 1024),
-                            w1 = in(reg) wp.add((2 * s + 1) * 1024),
-                            st = in(reg) 64usize,
-                            options(nostack, readonly),
-                        );
-                    }
+        q8k_tile_loop(
+            nb,
+            rows,
+            acts,
+            out,
+            &cfg,
+            (KQ_PREP, 2 * 1024),
+            |j0, nj, base| prep_kquant(&w[j0 * nb..(j0 + nj) * nb], nb, nj, base),
+            |ap, wp, cbuf, acc| {
+                asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
+                for s in 0..4 {
                     asm!(
-                        "tilestored [{c0} + {st}], tmm0",
-                        "tilestored [{c1} + {st}], tmm1",
-                        c0 = in(reg) cbuf,
-                        c1 = in(reg) cbuf.add(1024),
+                        "tileloadd tmm3, [{a} + {st}]",
+                        "tileloadd tmm4, [{w0} + {st}]",
+                        "tileloadd tmm5, [{w1} + {st}]",
+                        "tdpbusd tmm0, tmm4, tmm3",
+                        "tdpbusd tmm1, tmm5, tmm3",
+                        a = in(reg) ap.add(s * 1024),
+                        w0 = in(reg) wp.add(2 * s * 1024),
+                        w1 = in(reg) wp.add((2 * s + 1) * 1024),
                         st = in(reg) 64usize,
-                        options(nostack),
+                        options(nostack, readonly),
                     );
-                    let da = _mm512_load_ps(ap.add(4096).cast());
-                    let bp = ap.add(4096 + 64).cast::<__m512i>();
-                    let bp = [
-                        bp.read(),
-                        bp.add(1).read(),
-                        bp.add(2).read(),
-                        bp.add(3).read(),
-                    ];
-                    let d = wp.add(8 * 1024).cast::<f32>();
-                    let dmin = d.add(16);
-                    let mins = dmin.add(16).cast::<i32>();
-                    let c = cbuf.cast::<__m512i>();
-                    for r in 0..16 {
-                        let lo = _mm512_load_si512(c.add(r));
-                        let hi = _mm512_load_si512(c.add(16 + r));
-                        let sumi = _mm512_add_epi32(lo, _mm512_slli_epi32::<3>(hi));
-                        // Σ_j m_j · (sub-block j's activation sum), two j a madd.
-                        let t = arr!(i in 4 => _mm512_madd_epi16(bp[i], _mm512_set1_epi32(*mins.add(r * 4 + i))));
-                        let summ = _mm512_add_epi32(
-                            _mm512_add_epi32(t[0], t[1]),
-                            _mm512_add_epi32(t[2], t[3]),
-                        );
-                        let dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
-                        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
-                        let dm = _mm512_mul_ps(_mm512_set1_ps(*dmin.add(r)), da);
-                        acc[r] = _mm512_sub_ps(acc[r], _mm512_mul_ps(dm, _mm512_cvtepi32_ps(summ)));
-                    }
                 }
-                store_results(&acc, out, rows, j0, nj, g * 16, (m - g * 16).min(16));
-            }
-        }
-        release();
+                asm!(
+                    "tilestored [{c0} + {st}], tmm0",
+                    "tilestored [{c1} + {st}], tmm1",
+                    c0 = in(reg) cbuf,
+                    c1 = in(reg) cbuf.add(1024),
+                    st = in(reg) 64usize,
+                    options(nostack),
+                );
+                let da = _mm512_load_ps(ap.add(4096).cast());
+                let bp = ap.add(4096 + 64).cast::<__m512i>();
+                let bp = [
+                    bp.read(),
+                    bp.add(1).read(),
+                    bp.add(2).read(),
+                    bp.add(3).read(),
+                ];
+                let d = wp.add(8 * 1024).cast::<f32>();
+                let dmin = d.add(16);
+                let mins = dmin.add(16).cast::<i32>();
+                let c = cbuf.cast::<__m512i>();
+                for r in 0..16 {
+                    let lo = _mm512_load_si512(c.add(r));
+                    let hi = _mm512_load_si512(c.add(16 + r));
+                    let sumi = _mm512_add_epi32(lo, _mm512_slli_epi32::<3>(hi));
+                    // Σ_j m_j · (sub-block j's activation sum), two j a madd.
+                    let t = arr!(i in 4 => _mm512_madd_epi16(bp[i], _mm512_set1_epi32(*mins.add(r * 4 + i))));
+                    let summ = _mm512_add_epi32(
+                        _mm512_add_epi32(t[0], t[1]),
+                        _mm512_add_epi32(t[2], t[3]),
+                    );
+                    let dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
+                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
+                    let dm = _mm512_mul_ps(_mm512_set1_ps(*dmin.add(r)), da);
+                    acc[r] = _mm512_sub_ps(acc[r], _mm512_mul_ps(dm, _mm512_cvtepi32_ps(summ)));
+                }
+            },
+        );
     }
 }
 
@@ -942,75 +979,68 @@ pub(super) unsafe fn q6k_tiles(
     acts: &[&[BlockQ8K]],
     out: &mut [f32],
 ) {
-    let m = acts.len();
     // tmm0..3: the four digits' sums; tmm4, tmm5: weights; tmm6: activations.
     let cfg = TileConfig::new([(16, 64); 8]);
-    let (abase, wbase) = scratch(m.div_ceil(16) * nb * Q8K_PREP, nb * Q6K_PREP + 4 * 1024);
     unsafe {
-        prep_q8k(acts, nb, abase);
-        let cbuf = wbase.add(nb * Q6K_PREP);
-        cfg.load();
-        for j0 in (0..rows).step_by(16) {
-            let nj = (rows - j0).min(16);
-            prep_q6k(&w[j0 * nb..(j0 + nj) * nb], nb, nj, wbase);
-            for g in 0..m.div_ceil(16) {
-                let mut acc = [_mm512_setzero_ps(); 16];
-                for b in 0..nb {
-                    let ap = abase.add((g * nb + b) * Q8K_PREP);
-                    let wp = wbase.add(b * Q6K_PREP);
+        q8k_tile_loop(
+            nb,
+            rows,
+            acts,
+            out,
+            &cfg,
+            (Q6K_PREP, 4 * 1024),
+            |j0, nj, base| prep_q6k(&w[j0 * nb..(j0 + nj) * nb], nb, nj, base),
+            |ap, wp, cbuf, acc| {
+                asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    options(nostack, nomem)
+                );
+                for s in 0..4 {
                     asm!(
-                        "tilezero tmm0",
-                        "tilezero tmm1",
-                        "tilezero tmm2",
-                        "tilezero tmm3",
-                        options(nostack, nomem)
-                    );
-                    for s in 0..4 {
-                        asm!(
-                            "tileloadd tmm6, [{a} + {st}]",
-                            "tileloadd tmm4, [{w} + {st}]",
-                            "tdpbssd tmm0, tmm4, tmm6",
-                            "tileloadd tmm5, [{w} + {st} + 1024]",
-                            "tdpbssd tmm1, tmm5, tmm6",
-                            "tileloadd tmm4, [{w} + {st} + 2048]",
-                            "tdpbssd tmm2, tmm4, tmm6",
-                            "tileloadd tmm5, [{w} + {st} + 3072]",
-                            "tdpbssd tmm3, tmm5, tmm6",
-                            a = in(reg) ap.add(s * 1024),
-                            w = in(reg) wp.add(4 * s * 1024),
-                            st = in(reg) 64usize,
-                            options(nostack, readonly),
-                        );
-                    }
-                    asm!(
-                        "tilestored [{c} + {st}], tmm0",
-                        "tilestored [{c} + {st} + 1024], tmm1",
-                        "tilestored [{c} + {st} + 2048], tmm2",
-                        "tilestored [{c} + {st} + 3072], tmm3",
-                        c = in(reg) cbuf,
+                        "tileloadd tmm6, [{a} + {st}]",
+                        "tileloadd tmm4, [{w} + {st}]",
+                        "tdpbssd tmm0, tmm4, tmm6",
+                        "tileloadd tmm5, [{w} + {st} + 1024]",
+                        "tdpbssd tmm1, tmm5, tmm6",
+                        "tileloadd tmm4, [{w} + {st} + 2048]",
+                        "tdpbssd tmm2, tmm4, tmm6",
+                        "tileloadd tmm5, [{w} + {st} + 3072]",
+                        "tdpbssd tmm3, tmm5, tmm6",
+                        a = in(reg) ap.add(s * 1024),
+                        w = in(reg) wp.add(4 * s * 1024),
                         st = in(reg) 64usize,
-                        options(nostack),
+                        options(nostack, readonly),
                     );
-                    let da = _mm512_load_ps(ap.add(4096).cast());
-                    let d = wp.add(16 * 1024).cast::<f32>();
-                    let c = cbuf.cast::<__m512i>();
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        let t = arr!(i in 4 => _mm512_load_si512(c.add(16 * i + r)));
-                        let sumi = _mm512_add_epi32(
-                            _mm512_add_epi32(t[0], _mm512_slli_epi32::<2>(t[1])),
-                            _mm512_add_epi32(
-                                _mm512_slli_epi32::<4>(t[2]),
-                                _mm512_slli_epi32::<6>(t[3]),
-                            ),
-                        );
-                        let dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
-                        *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
-                    }
                 }
-                store_results(&acc, out, rows, j0, nj, g * 16, (m - g * 16).min(16));
-            }
-        }
-        release();
+                asm!(
+                    "tilestored [{c} + {st}], tmm0",
+                    "tilestored [{c} + {st} + 1024], tmm1",
+                    "tilestored [{c} + {st} + 2048], tmm2",
+                    "tilestored [{c} + {st} + 3072], tmm3",
+                    c = in(reg) cbuf,
+                    st = in(reg) 64usize,
+                    options(nostack),
+                );
+                let da = _mm512_load_ps(ap.add(4096).cast());
+                let d = wp.add(16 * 1024).cast::<f32>();
+                let c = cbuf.cast::<__m512i>();
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let t = arr!(i in 4 => _mm512_load_si512(c.add(16 * i + r)));
+                    let sumi = _mm512_add_epi32(
+                        _mm512_add_epi32(t[0], _mm512_slli_epi32::<2>(t[1])),
+                        _mm512_add_epi32(
+                            _mm512_slli_epi32::<4>(t[2]),
+                            _mm512_slli_epi32::<6>(t[3]),
+                        ),
+                    );
+                    let dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
+                    *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
+                }
+            },
+        );
     }
 }
 
@@ -1170,67 +1200,60 @@ pub(super) unsafe fn pair_tiles<W: PairOps>(
     acts: &[&[BlockQ8K]],
     out: &mut [f32],
 ) {
-    let m = acts.len();
     // tmm0, tmm1: the two sums; tmm3: activations; tmm4, tmm5: weights.
     let cfg = TileConfig::new([(16, 64); 8]);
-    let (abase, wbase) = scratch(m.div_ceil(16) * nb * Q8K_PREP, nb * W::PREP + 2 * 1024);
     unsafe {
-        prep_q8k(acts, nb, abase);
-        let cbuf = wbase.add(nb * W::PREP);
-        cfg.load();
-        for j0 in (0..rows).step_by(16) {
-            let nj = (rows - j0).min(16);
-            W::prep(&w[j0 * nb..(j0 + nj) * nb], nb, nj, wbase);
-            for g in 0..m.div_ceil(16) {
-                let mut acc = [_mm512_setzero_ps(); 16];
-                for b in 0..nb {
-                    let ap = abase.add((g * nb + b) * Q8K_PREP);
-                    let wp = wbase.add(b * W::PREP);
-                    asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
-                    for s in 0..4 {
-                        macro_rules! step {
-                            ($op:literal) => {
-                                asm!(
-                                    "tileloadd tmm3, [{a} + {st}]",
-                                    "tileloadd tmm4, [{w0} + {st}]",
-                                    "tileloadd tmm5, [{w1} + {st}]",
-                                    concat!($op, " tmm0, tmm4, tmm3"),
-                                    concat!($op, " tmm1, tmm5, tmm3"),
-                                    a = in(reg) ap.add(s * 1024),
-                                    w0 = in(reg) wp.add(2 * s * 1024),
-                                    w1 = in(reg) wp.add((2 * s + 1) * 1024),
-                                    st = in(reg) 64usize,
-                                    options(nostack, readonly),
-                                )
-                            };
-                        }
-                        if W::SIGNED {
-                            step!("tdpbssd");
-                        } else {
-                            step!("tdpbusd");
-                        }
-                    }
-                    asm!(
-                        "tilestored [{c0} + {st}], tmm0",
-                        "tilestored [{c1} + {st}], tmm1",
-                        c0 = in(reg) cbuf,
-                        c1 = in(reg) cbuf.add(1024),
-                        st = in(reg) 64usize,
-                        options(nostack),
-                    );
-                    let da = _mm512_load_ps(ap.add(4096).cast());
-                    let c = cbuf.cast::<__m512i>();
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        let (c0, c1) = (
-                            _mm512_load_si512(c.add(r)),
-                            _mm512_load_si512(c.add(16 + r)),
-                        );
-                        *acc = W::fold(*acc, c0, c1, wp, r, da);
+        q8k_tile_loop(
+            nb,
+            rows,
+            acts,
+            out,
+            &cfg,
+            (W::PREP, 2 * 1024),
+            |j0, nj, base| W::prep(&w[j0 * nb..(j0 + nj) * nb], nb, nj, base),
+            |ap, wp, cbuf, acc| {
+                asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
+                for s in 0..4 {
+                    macro_rules! step {
+                    ($op:literal) => {
+                        asm!(
+                            "tileloadd tmm3, [{a} + {st}]",
+                            "tileloadd tmm4, [{w0} + {st}]",
+                            "tileloadd tmm5, [{w1} + {st}]",
+                            concat!($op, " tmm0, tmm4, tmm3"),
+                            concat!($op, " tmm1, tmm5, tmm3"),
+                            a = in(reg) ap.add(s * 1024),
+                            w0 = in(reg) wp.add(2 * s * 1024),
+                            w1 = in(reg) wp.add((2 * s + 1) * 1024),
+                            st = in(reg) 64usize,
+                            options(nostack, readonly),
+                        )
+                    };
+                }
+                    if W::SIGNED {
+                        step!("tdpbssd");
+                    } else {
+                        step!("tdpbusd");
                     }
                 }
-                store_results(&acc, out, rows, j0, nj, g * 16, (m - g * 16).min(16));
-            }
-        }
-        release();
+                asm!(
+                    "tilestored [{c0} + {st}], tmm0",
+                    "tilestored [{c1} + {st}], tmm1",
+                    c0 = in(reg) cbuf,
+                    c1 = in(reg) cbuf.add(1024),
+                    st = in(reg) 64usize,
+                    options(nostack),
+                );
+                let da = _mm512_load_ps(ap.add(4096).cast());
+                let c = cbuf.cast::<__m512i>();
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let (c0, c1) = (
+                        _mm512_load_si512(c.add(r)),
+                        _mm512_load_si512(c.add(16 + r)),
+                    );
+                    *acc = W::fold(*acc, c0, c1, wp, r, da);
+                }
+            },
+        );
     }
 }

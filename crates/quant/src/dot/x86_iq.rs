@@ -167,7 +167,7 @@ impl IqChunks for BlockIq3S {
 
 /// The chunk's values with their signs, as signed bytes.
 #[inline(always)]
-unsafe fn signed(grid: __m256i, signs: u32) -> __m256i {
+pub(super) unsafe fn signed(grid: __m256i, signs: u32) -> __m256i {
     unsafe {
         let m = sign_masks(signs);
         _mm256_sub_epi8(_mm256_xor_si256(grid, m), m)

@@ -5,8 +5,7 @@
 //! float steps.
 
 use super::*;
-use crate::dot::x86::sign_masks;
-use crate::dot::x86_iq::IqChunks;
+use crate::dot::x86_iq::{IqChunks, signed};
 
 /// Bytes per block of [`prep_sub`]'s output for a tile of 16 weight rows:
 /// the operand tiles (one a sub-block: 16 rows of its values, 4,096 bytes
@@ -71,50 +70,36 @@ unsafe fn unpack_grid32<W: IqChunks>(w: &W, dst: *mut u8) -> [i32; 16] {
     unsafe {
         for (ib, sc) in sc.iter_mut().take(8).enumerate() {
             let (grid, signs, lo, _) = w.chunk(ib);
-            let m = sign_masks(signs);
-            let v = _mm256_sub_epi8(_mm256_xor_si256(grid, m), m);
-            _mm256_storeu_si256(dst.add(ib * 512).cast(), v);
+            _mm256_storeu_si256(dst.add(ib * 512).cast(), signed(grid, signs));
             *sc = i32::from(lo);
         }
     }
     sc
 }
 
-/// [`SubScaled`] for a grid i-quant of 32-element sub-blocks, with the
-/// factor `K` (`None` for 1).
-macro_rules! grid_sub32 {
-    ($w:ty, $k:expr) => {
+/// [`SubScaled`] for a grid i-quant: `SUBS` sub-blocks, the factor `K`
+/// (`None` for 1), the unpacking function.
+macro_rules! grid_sub {
+    ($w:ty, $subs:expr, $k:expr, $unpack:ident) => {
         impl SubScaled for $w {
-            const SUBS: usize = 8;
+            const SUBS: usize = $subs;
             const K: Option<f32> = $k;
             fn dw(&self) -> f32 {
                 f16_to_f32(self.d)
             }
             #[target_feature(enable = "avx512f,avx512bw,f16c")]
             unsafe fn unpack(&self, dst: *mut u8) -> [i32; 16] {
-                unsafe { unpack_grid32(self, dst) }
+                unsafe { $unpack(self, dst) }
             }
         }
     };
 }
 
-grid_sub32!(BlockIq2Xxs, Some(0.125));
-grid_sub32!(BlockIq3Xxs, Some(0.25));
-grid_sub32!(BlockIq3S, None);
-
-/// 32 grid bytes with the sign bits of `signs` (bit i of byte l: element
-/// 8 l + i negative) applied.
-#[target_feature(enable = "avx2")]
-unsafe fn signed32(grid: __m256i, signs: u32) -> __m256i {
-    let m = _mm256_set1_epi32(signs as i32);
-    let pick = _mm256_setr_epi8(
-        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
-        3, 3,
-    );
-    let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-    let neg = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(m, pick), bits), bits);
-    _mm256_sub_epi8(_mm256_xor_si256(grid, neg), neg)
-}
+grid_sub!(BlockIq2Xxs, 8, Some(0.125), unpack_grid32);
+grid_sub!(BlockIq3Xxs, 8, Some(0.25), unpack_grid32);
+grid_sub!(BlockIq3S, 8, None, unpack_grid32);
+grid_sub!(BlockIq2Xs, 16, Some(0.125), unpack_iq2_xs);
+grid_sub!(BlockIq2S, 16, Some(0.125), unpack_iq2_s);
 
 /// The `2 c + 1` scales of the 4-bit digits `c` in `scales`, low nibble
 /// first.
@@ -132,7 +117,7 @@ fn odd_scales(scales: &[u8]) -> [i32; 16] {
 #[target_feature(enable = "avx512f,avx512bw,f16c")]
 unsafe fn store_pair16(dst: *mut u8, k: usize, g: [i64; 4], signs: u32) {
     unsafe {
-        let v = signed32(_mm256_setr_epi64x(g[0], g[1], g[2], g[3]), signs);
+        let v = signed(_mm256_setr_epi64x(g[0], g[1], g[2], g[3]), signs);
         _mm_storeu_si128(dst.add(k * 256).cast(), _mm256_castsi256_si128(v));
         _mm_storeu_si128(
             dst.add((k + 1) * 256).cast(),
@@ -141,53 +126,35 @@ unsafe fn store_pair16(dst: *mut u8, k: usize, g: [i64; 4], signs: u32) {
     }
 }
 
-/// IQ2_XS and IQ2_S: 16-element sub-blocks, unpacked here two at a time
-/// (the chunk form measured ~12% slower at 16 activation rows).
-impl SubScaled for BlockIq2Xs {
-    const SUBS: usize = 16;
-    const K: Option<f32> = Some(0.125);
-    fn dw(&self) -> f32 {
-        f16_to_f32(self.d)
+/// IQ2_XS's 16-element sub-blocks, two at a time: per 16 elements two
+/// 8-byte grid entries (nine-bit indices) and their 7-bit sign indices, `2
+/// sc + 1` (the chunk form measured ~12% slower at 16 activation rows).
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn unpack_iq2_xs(w: &BlockIq2Xs, dst: *mut u8) -> [i32; 16] {
+    use crate::iq_tables::{IQ2XS_GRID, KSIGNS_IQ2XS};
+    for k in (0..16).step_by(2) {
+        let q = |l: usize| w.qs[2 * k + l];
+        let g = std::array::from_fn(|l| i64::from_le_bytes(IQ2XS_GRID[(q(l) & 511) as usize]));
+        let signs = (0..4).fold(0u32, |acc, l| {
+            acc | (KSIGNS_IQ2XS[(q(l) >> 9) as usize] as u32) << (8 * l)
+        });
+        unsafe { store_pair16(dst, k, g, signs) };
     }
-
-    /// Per 16 elements: two 8-byte grid entries (nine-bit indices) and
-    /// their 7-bit sign indices, `2 sc + 1`.
-    #[target_feature(enable = "avx512f,avx512bw,f16c")]
-    unsafe fn unpack(&self, dst: *mut u8) -> [i32; 16] {
-        use crate::iq_tables::{IQ2XS_GRID, KSIGNS_IQ2XS};
-        for k in (0..16).step_by(2) {
-            let q = |l: usize| self.qs[2 * k + l];
-            let g = std::array::from_fn(|l| i64::from_le_bytes(IQ2XS_GRID[(q(l) & 511) as usize]));
-            let signs = (0..4).fold(0u32, |acc, l| {
-                acc | (KSIGNS_IQ2XS[(q(l) >> 9) as usize] as u32) << (8 * l)
-            });
-            unsafe { store_pair16(dst, k, g, signs) };
-        }
-        odd_scales(&self.scales)
-    }
+    odd_scales(&w.scales)
 }
 
-impl SubScaled for BlockIq2S {
-    const SUBS: usize = 16;
-    const K: Option<f32> = Some(0.125);
-    fn dw(&self) -> f32 {
-        f16_to_f32(self.d)
+/// IQ2_S's 16-element sub-blocks, two at a time: per 16 elements two
+/// 8-byte grid entries (ten-bit indices) and their sign bytes, `2 sc + 1`.
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn unpack_iq2_s(w: &BlockIq2S, dst: *mut u8) -> [i32; 16] {
+    use crate::iq_tables::IQ2S_GRID;
+    for k in (0..16).step_by(2) {
+        let g =
+            std::array::from_fn(|l| IQ2S_GRID[crate::dequant::iq2_s_index(w, 2 * k + l)] as i64);
+        let signs = u32::from_le_bytes(std::array::from_fn(|l| w.signs[2 * k + l]));
+        unsafe { store_pair16(dst, k, g, signs) };
     }
-
-    /// Per 16 elements: two 8-byte grid entries (ten-bit indices) and
-    /// their sign bytes, `2 sc + 1`.
-    #[target_feature(enable = "avx512f,avx512bw,f16c")]
-    unsafe fn unpack(&self, dst: *mut u8) -> [i32; 16] {
-        use crate::iq_tables::IQ2S_GRID;
-        for k in (0..16).step_by(2) {
-            let g = std::array::from_fn(|l| {
-                IQ2S_GRID[crate::dequant::iq2_s_index(self, 2 * k + l)] as i64
-            });
-            let signs = u32::from_le_bytes(std::array::from_fn(|l| self.signs[2 * k + l]));
-            unsafe { store_pair16(dst, k, g, signs) };
-        }
-        odd_scales(&self.scales)
-    }
+    odd_scales(&w.scales)
 }
 
 /// One tile of 16 weight rows (`w`: the first of them, `nj` valid; the rest
@@ -235,7 +202,6 @@ pub(crate) unsafe fn sub_tiles<W: SubScaled>(
     acts: &[&[BlockQ8K]],
     out: &mut [f32],
 ) {
-    let m = acts.len();
     let width = 256 / W::SUBS;
     // tmm0..3: four sub-blocks' sums; tmm4: weights (16 rows × `width`
     // values); tmm5: activations (`width / 4` × 16 dwords).
@@ -249,71 +215,62 @@ pub(crate) unsafe fn sub_tiles<W: SubScaled>(
         (16, 64),
         (16, 64),
     ]);
-    let (abase, wbase) = scratch(
-        m.div_ceil(16) * nb * Q8K_PREP,
-        nb * SUB_PREP + W::SUBS * 1024,
-    );
     unsafe {
-        prep_q8k(acts, nb, abase);
-        let cbuf = wbase.add(nb * SUB_PREP);
-        cfg.load();
-        for j0 in (0..rows).step_by(16) {
-            let nj = (rows - j0).min(16);
-            prep_sub(&w[j0 * nb..(j0 + nj) * nb], nb, nj, wbase);
-            for g in 0..m.div_ceil(16) {
-                let mut acc = [_mm512_setzero_ps(); 16];
-                for b in 0..nb {
-                    let ap = abase.add((g * nb + b) * Q8K_PREP);
-                    let wp = wbase.add(b * SUB_PREP);
-                    // Sub-block s: the activations' rows s·width/4 ..
-                    // (s+1)·width/4 (elements s·width .. (s+1)·width), the
-                    // weights' operand s; both start at byte s·16·width.
-                    macro_rules! sub {
-                        ($s:expr, $tmm:literal) => {
-                            asm!(
-                                concat!("tilezero tmm", $tmm),
-                                "tileloadd tmm4, [{w} + {ws}]",
-                                "tileloadd tmm5, [{a} + {st}]",
-                                concat!("tdpbssd tmm", $tmm, ", tmm4, tmm5"),
-                                concat!("tilestored [{c} + {st}], tmm", $tmm),
-                                w = in(reg) wp.add($s * 16 * width),
-                                ws = in(reg) width,
-                                a = in(reg) ap.add($s * 16 * width),
-                                c = in(reg) cbuf.add($s * 1024),
-                                st = in(reg) 64usize,
-                                options(nostack),
-                            )
-                        };
-                    }
-                    for h in (0..W::SUBS).step_by(4) {
-                        sub!(h, "0");
-                        sub!(h + 1, "1");
-                        sub!(h + 2, "2");
-                        sub!(h + 3, "3");
-                    }
-                    let da = _mm512_load_ps(ap.add(4096).cast());
-                    let d = wp.add(4096).cast::<f32>();
-                    let sc = d.add(16).cast::<i32>();
-                    let c = cbuf.cast::<__m512i>();
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        let mut sumi = _mm512_setzero_si512();
-                        for s in 0..W::SUBS {
-                            let t = _mm512_mullo_epi32(
-                                _mm512_load_si512(c.add(s * 16 + r)),
-                                _mm512_set1_epi32(*sc.add(r * W::SUBS + s)),
-                            );
-                            sumi = _mm512_add_epi32(sumi, t);
-                        }
-                        let mut dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
-                        if let Some(k) = W::K {
-                            dd = _mm512_mul_ps(dd, _mm512_set1_ps(k));
-                        }
-                        *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
-                    }
-                }
-                store_results(&acc, out, rows, j0, nj, g * 16, (m - g * 16).min(16));
+        q8k_tile_loop(
+            nb,
+            rows,
+            acts,
+            out,
+            &cfg,
+            (SUB_PREP, W::SUBS * 1024),
+            |j0, nj, base| prep_sub(&w[j0 * nb..(j0 + nj) * nb], nb, nj, base),
+            |ap, wp, cbuf, acc| {
+                // Sub-block s: the activations' rows s·width/4 ..
+                // (s+1)·width/4 (elements s·width .. (s+1)·width), the
+                // weights' operand s; both start at byte s·16·width.
+                macro_rules! sub {
+                ($s:expr, $tmm:literal) => {
+                    asm!(
+                        concat!("tilezero tmm", $tmm),
+                        "tileloadd tmm4, [{w} + {ws}]",
+                        "tileloadd tmm5, [{a} + {st}]",
+                        concat!("tdpbssd tmm", $tmm, ", tmm4, tmm5"),
+                        concat!("tilestored [{c} + {st}], tmm", $tmm),
+                        w = in(reg) wp.add($s * 16 * width),
+                        ws = in(reg) width,
+                        a = in(reg) ap.add($s * 16 * width),
+                        c = in(reg) cbuf.add($s * 1024),
+                        st = in(reg) 64usize,
+                        options(nostack),
+                    )
+                };
             }
-        }
-        release();
+                for h in (0..W::SUBS).step_by(4) {
+                    sub!(h, "0");
+                    sub!(h + 1, "1");
+                    sub!(h + 2, "2");
+                    sub!(h + 3, "3");
+                }
+                let da = _mm512_load_ps(ap.add(4096).cast());
+                let d = wp.add(4096).cast::<f32>();
+                let sc = d.add(16).cast::<i32>();
+                let c = cbuf.cast::<__m512i>();
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let mut sumi = _mm512_setzero_si512();
+                    for s in 0..W::SUBS {
+                        let t = _mm512_mullo_epi32(
+                            _mm512_load_si512(c.add(s * 16 + r)),
+                            _mm512_set1_epi32(*sc.add(r * W::SUBS + s)),
+                        );
+                        sumi = _mm512_add_epi32(sumi, t);
+                    }
+                    let mut dd = _mm512_mul_ps(_mm512_set1_ps(*d.add(r)), da);
+                    if let Some(k) = W::K {
+                        dd = _mm512_mul_ps(dd, _mm512_set1_ps(k));
+                    }
+                    *acc = _mm512_add_ps(*acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sumi)));
+                }
+            },
+        );
     }
 }
