@@ -670,18 +670,6 @@ nibble_block32!(
 nibble_block32!(BlockIq4Nl, KVALUES_IQ4NL, |blk| h2f(blk.d));
 nibble_block32!(BlockMxfp4, KVALUES_MXFP4, |blk| e8m0_to_f32_half(blk.e));
 
-/// Byte `i` of the result: 0x10 where bit `i` of `bits` (16 bits) is set.
-#[target_feature(enable = "avx512f,avx512bw,f16c")]
-unsafe fn bit_bytes16(bits: u32) -> __m128i {
-    let spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    let pick = _mm_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-    let b = _mm_shuffle_epi8(_mm_set1_epi32(bits as i32), spread);
-    _mm_and_si128(
-        _mm_cmpeq_epi8(_mm_and_si128(b, pick), pick),
-        _mm_set1_epi8(0x10),
-    )
-}
-
 /// Q5_0: each element's nibble and its fifth bit from `qh` (bit `i` for
 /// element `i`), less 16, as a signed byte.
 impl Block32 for BlockQ5_0 {
@@ -707,12 +695,16 @@ impl Block32 for BlockQ5_0 {
                         dw.add(b * 16 + r).write(0.0);
                         continue;
                     };
-                    let h = u32::from_le_bytes(blk.qh);
+                    // Byte i: 0x10 where element i's fifth bit is set.
+                    let h = _mm256_and_si256(
+                        super::x86::sign_masks(u32::from_le_bytes(blk.qh)),
+                        _mm256_set1_epi8(0x10),
+                    );
                     let q = _mm_loadu_si128(blk.qs.as_ptr().cast());
-                    let lo = _mm_or_si128(_mm_and_si128(q, mask), bit_bytes16(h & 0xFFFF));
+                    let lo = _mm_or_si128(_mm_and_si128(q, mask), _mm256_castsi256_si128(h));
                     let hi = _mm_or_si128(
                         _mm_and_si128(_mm_srli_epi16::<4>(q), mask),
-                        bit_bytes16(h >> 16),
+                        _mm256_extracti128_si256::<1>(h),
                     );
                     _mm_storeu_si128(row.cast(), _mm_sub_epi8(lo, sixteen));
                     _mm_storeu_si128(row.add(16).cast(), _mm_sub_epi8(hi, sixteen));
