@@ -10,15 +10,16 @@ __device__ __forceinline__ float ld_w(const u8* row, int i) {
 #define MMF_U 16
 
 // U: the elements a lane loads a step (the fmas' order does not depend on it).
-// WB: the warps (weight rows) a block.
-template <int KIND, int U = MMF_U, int WB = WARPS>
+// WB: the warps (weight rows) a block. RT: the activation rows a block row
+// (blockIdx.y), each warp's rows one after the other.
+template <int KIND, int U = MMF_U, int WB = WARPS, int RT = MT>
 __device__ void mm_float(const u8* W, i64 mat_stride, int row_bytes, const int* mats,
                          const float* X, float* Y, int rows, int m, int cols, int jb) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int j = jb * WB + warp;
-    int r0 = blockIdx.y * MT;
+    int r0 = blockIdx.y * RT;
     if (j >= rows || r0 >= m) return;
-    int nr = min(MT, m - r0);
+    int nr = min(RT, m - r0);
     for (int t = 0; t < nr; t++) {
         int mat = mats ? mats[r0 + t] : 0;
         float acc = 0.0f;
@@ -71,9 +72,25 @@ MMF_KERNEL(mm_f32, 0)
 MMF_KERNEL(mm_f16, 1)
 MMF_KERNEL(mm_bf16, 2)
 
+// The same with a block row per activation row (calls of up to 16 rows): a
+// warp's rows one after the other are a chain of its rows' load latencies
+// (an 8-row router call took ~20 us against ~3 us for one row), so each row
+// gets its own warps; every output's arithmetic is mm_float's.
+#define MMF_KERNEL1(name, KIND)                                                                \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
+        name(const u8* W, i64 mat_stride, int row_bytes, const int* mats, const float* X, float* Y, \
+             int rows, int m, int cols) { pdl_wait();                                          \
+        mm_float<KIND, MMF_U, WARPS, 1>(W, mat_stride, row_bytes, mats, X, Y, rows, m, cols, blockIdx.x); \
+    }
+
+MMF_KERNEL1(mm_f32_1, 0)
+MMF_KERNEL1(mm_f16_1, 1)
+MMF_KERNEL1(mm_bf16_1, 2)
+
 // Two f32 matrices of one row width against the same rows in one launch (a
 // decode MoE's router and its shared expert's input gate): job 0's blocks
-// first, each block computing its job's rows as mm_f32 does.
+// first, a block row per activation row (blockIdx.y), each block computing
+// its job's rows as mm_f32_1 does.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
     mm_f32_multi(MmJobs jobs, int row_bytes, const float* X, int m, int cols) {
     pdl_wait();
@@ -83,7 +100,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
     const u8* w = j == 0 ? jobs.w[0] : jobs.w[1];
     float* y = j == 0 ? jobs.y[0] : jobs.y[1];
     int rows = j == 0 ? jobs.rows[0] : jobs.rows[1];
-    mm_float<0>(w, 0, row_bytes, nullptr, X, y, rows, m, cols, bx);
+    mm_float<0, MMF_U, WARPS, 1>(w, 0, row_bytes, nullptr, X, y, rows, m, cols, bx);
 }
 
 // mm_f32_multi for one row whose launch also routes and plans it: each

@@ -159,7 +159,8 @@ pub(super) fn quant_kernels(t: GgmlType) -> Option<QuantKernels> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum MatmulKernel {
     /// Float weights, a warp per weight row and 16-row tile (`mm_f32`,
-    /// `mm_f16`, `mm_bf16`): calls of up to 16 rows and expert calls, and
+    /// `mm_f16`, `mm_bf16`; calls of up to 16 rows a warp per (weight row,
+    /// row): `mm_f32_1`, ...): calls of up to 16 rows and expert calls, and
     /// the reference the float tile kernels are tested against.
     FloatRows,
     /// Float weights, wide calls of one matrix: 4 weight rows x 16
@@ -819,6 +820,20 @@ impl Cuda {
             });
             let name = k.name(w.ty).ok_or_else(unsupported)?;
             return match k {
+                // Up to 16 rows: a block row per activation row (`mm_f32_1`,
+                // ...), the rows' load chains side by side instead of one
+                // after the other in each warp; the same arithmetic.
+                MatmulKernel::FloatRows if m <= 16 => {
+                    let name = match w.ty {
+                        GgmlType::F32 => "mm_f32_1",
+                        GgmlType::F16 => "mm_f16_1",
+                        _ => "mm_bf16_1",
+                    };
+                    launch!(
+                        d, name, row, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi,
+                        &cols
+                    )
+                }
                 MatmulKernel::FloatRows => launch!(
                     d, name, tile, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi, &cols
                 ),

@@ -657,7 +657,7 @@ impl Cuda {
                 launch!(
                     d,
                     "mm_f32_multi",
-                    cfg((blocks, m.div_ceil(16) as u32, 1), 128, 0),
+                    cfg((blocks, m as u32, 1), 128, 0),
                     &mj,
                     &rb,
                     x,

@@ -265,8 +265,9 @@ fn grouped_input_projections_equal_separate_matmuls() {
 }
 
 /// The float tile kernels (prefill's routers and gates: `mm_f32_tile_w8`,
-/// `mm_f32_few` for a matrix of a few rows) against the per-row float
-/// kernel and against one-row calls, byte for byte, for many m, on the
+/// `mm_f32_few` for a matrix of a few rows; up to 16 rows, the per-row
+/// kernel's block-row form `mm_f32_1`) against the per-row float kernel and
+/// against one-row calls, byte for byte, for many m, on the
 /// routers of every tiny shape and a wider one (768 columns: the kernel's
 /// two-step loop ends on a half step), poisoned outputs.
 #[test]
@@ -318,7 +319,7 @@ fn float_tile_matmuls_equal_the_row_kernel_and_single_rows() {
         let mut rng = Rng::new(17);
         for (w, m) in mats
             .iter()
-            .flat_map(|w| [17, 24, 33, 100, 257].map(|m| (*w, m)))
+            .flat_map(|w| [2, 8, 16, 17, 24, 33, 100, 257].map(|m| (*w, m)))
         {
             let (x, _) = random_rows(&mut rng, w, m, (7, 3));
             let tile = cuda.matmul_host(w, &x, m, None, 16).unwrap();
