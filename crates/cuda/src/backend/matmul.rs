@@ -225,7 +225,7 @@ impl MatmulKernel {
                     live: w.ty == GgmlType::Q4_K && tile == 32 && input.live && experts,
                 }
             }
-            GgmlType::Q4_K if m == 1 || experts => Self::Lane {
+            GgmlType::Q4_K => Self::Lane {
                 rows: if w.rows <= LANE16_ROWS { 16 } else { 32 },
             },
             _ if m == 1 || experts => Self::Row,
