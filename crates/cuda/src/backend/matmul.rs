@@ -173,12 +173,13 @@ pub(super) enum MatmulKernel {
     /// the operands staged by cp.async (`mm_f32_tile_w8`).
     FloatWide,
     /// Quantized weights, a warp per weight row and 16-row tile (`mm_q4_k`,
-    /// `mm_q6_k`, ...: [`QuantKernels::tile`]): calls of 2 to 16 rows of one
-    /// matrix, and the reference the other quantized kernels are tested
-    /// against.
+    /// `mm_q6_k`, ...: [`QuantKernels::tile`]): the reference the other
+    /// quantized kernels are tested against. No call takes it by default: a
+    /// warp's rows one after the other chain their load latencies (an
+    /// 8-row call took ~19 us against ~7 us for one row).
     Tile,
-    /// One row, or up to 16 that each name an expert: a warp per (weight
-    /// row, activation row) (`mm_q5_k_1`, `mm_q6_k8_1`, ...:
+    /// Up to 16 rows, with or without expert ids: a warp per (weight row,
+    /// activation row) (`mm_q5_k_1`, `mm_q6_k8_1`, ...:
     /// [`QuantKernels::row`]).
     Row,
     /// Q4_K calls of the `Row` kind: a lane per weight row, `rows` of them a
@@ -228,8 +229,7 @@ impl MatmulKernel {
             GgmlType::Q4_K => Self::Lane {
                 rows: if w.rows <= LANE16_ROWS { 16 } else { 32 },
             },
-            _ if m == 1 || experts => Self::Row,
-            _ => Self::Tile,
+            _ => Self::Row,
         }
     }
 
@@ -329,7 +329,6 @@ impl Cuda {
         let m = input.m;
         let fused = m > 0
             && m <= 16
-            && (m == 1 || mats.is_some())
             && gate.ty == up.ty
             && (gate.rows, gate.cols, gate.row_bytes, gate.n_mats)
                 == (up.rows, up.cols, up.row_bytes, up.n_mats)
