@@ -22,6 +22,23 @@ const TC_ROWS32_MIN: usize = 64;
 /// (4,096 rows are 128 blocks of 32: a wave of the H200's 132 SMs already).
 const LANE16_ROWS: usize = 4096;
 
+/// The largest matrix a call of 2 to 16 rows of one matrix reads once per
+/// activation row (the row and lane kernels, `mm_f32_1`: each activation
+/// row's blocks sweep the whole matrix). Below it the sweeps after the first
+/// read the L2 (50 MB on the H100 and H200); an output head (417 MB of Q6_K
+/// for a 248,320-token vocabulary) would come from memory once per row, so
+/// larger matrices take the tile kernels, which read each weight row once
+/// for 16 activation rows (H200, 8-layer qwen35moe q4_k_m, 16 sequences a
+/// step: 2,828 tok/s with the head on the row kernel, 3,430 on the tile
+/// kernel).
+const ROW_REREAD_BYTES: usize = 32 << 20;
+
+/// Would a call of `m` rows of `w` take a kernel that sweeps `w` once per
+/// activation row, with `w` too large for the sweeps to hit the L2?
+fn rereads(w: &Matrix, m: usize, experts: bool) -> bool {
+    m > 1 && !experts && w.rows * w.row_bytes > ROW_REREAD_BYTES
+}
+
 /// `mm_f32_tile_w8`'s two stages of shared memory: 32 weight rows and 16
 /// activation rows of 128 f32 columns each (MFW_SMEM in matmul_float.cu).
 const MFW_SMEM: u32 = 2 * (32 + 16) * 128 * 4;
@@ -73,9 +90,9 @@ pub(super) struct QuantKernels {
     pub tc16: &'static str,
     /// Wide calls, 32 activation rows a tile.
     pub tc32: &'static str,
-    /// Calls of 2 to 16 rows of one matrix.
+    /// A warp per weight row and 16-row tile: the reference kernel.
     pub tile: &'static str,
-    /// One-row calls and rows naming experts.
+    /// Calls of up to 16 rows, with or without expert ids.
     pub row: &'static str,
     /// `silu(gate . x) * (up . x)`, decode-sized.
     pub glu: &'static str,
@@ -174,9 +191,10 @@ pub(super) enum MatmulKernel {
     FloatWide,
     /// Quantized weights, a warp per weight row and 16-row tile (`mm_q4_k`,
     /// `mm_q6_k`, ...: [`QuantKernels::tile`]): the reference the other
-    /// quantized kernels are tested against. No call takes it by default: a
-    /// warp's rows one after the other chain their load latencies (an
-    /// 8-row call took ~19 us against ~7 us for one row).
+    /// quantized kernels are tested against, and calls of 2 to 16 rows of a
+    /// matrix over [`ROW_REREAD_BYTES`]. Smaller ones take the row kernels:
+    /// a warp's rows one after the other chain their load latencies (an
+    /// 8-row Q4_K call took ~19 us against ~7 us for one row).
     Tile,
     /// Up to 16 rows, with or without expert ids: a warp per (weight row,
     /// activation row) (`mm_q5_k_1`, `mm_q6_k8_1`, ...:
@@ -226,6 +244,7 @@ impl MatmulKernel {
                     live: w.ty == GgmlType::Q4_K && tile == 32 && input.live && experts,
                 }
             }
+            _ if rereads(w, m, experts) => Self::Tile,
             GgmlType::Q4_K => Self::Lane {
                 rows: if w.rows <= LANE16_ROWS { 16 } else { 32 },
             },
@@ -329,6 +348,7 @@ impl Cuda {
         let m = input.m;
         let fused = m > 0
             && m <= 16
+            && !rereads(gate, m, mats.is_some())
             && gate.ty == up.ty
             && (gate.rows, gate.cols, gate.row_bytes, gate.n_mats)
                 == (up.rows, up.cols, up.row_bytes, up.n_mats)
@@ -821,8 +841,9 @@ impl Cuda {
             return match k {
                 // Up to 16 rows: a block row per activation row (`mm_f32_1`,
                 // ...), the rows' load chains side by side instead of one
-                // after the other in each warp; the same arithmetic.
-                MatmulKernel::FloatRows if m <= 16 => {
+                // after the other in each warp (unless the matrix is too
+                // large to read once per row); the same arithmetic.
+                MatmulKernel::FloatRows if m <= 16 && !rereads(w, m, mats.is_some()) => {
                     let name = match w.ty {
                         GgmlType::F32 => "mm_f32_1",
                         GgmlType::F16 => "mm_f16_1",
@@ -1104,5 +1125,76 @@ mod nib_offset_tests {
                 );
             }
         }
+    }
+}
+
+/// Which kernel calls of a few rows take: the row kernels (or Q4_K's lane
+/// kernels) for one matrix's rows and for expert rows, the tile kernel for a
+/// matrix too large to sweep once per row.
+#[cfg(test)]
+mod select_tests {
+    use super::*;
+
+    fn mat(ty: GgmlType, rows: usize, cols: usize, n_mats: usize) -> Matrix {
+        let row_bytes = cols / ty.block_size() * ty.type_size();
+        Matrix {
+            name: "w".into(),
+            ty,
+            cols,
+            rows,
+            n_mats,
+            offset: 0,
+            row_bytes,
+        }
+    }
+
+    fn pick(w: &Matrix, m: usize, experts: bool) -> MatmulKernel {
+        let input = Input {
+            x: None,
+            m,
+            cols: w.cols,
+            q8k: std::cell::OnceCell::new(),
+            q80: std::cell::OnceCell::new(),
+            given_q8k: None,
+            tile: 16,
+            live: false,
+        };
+        MatmulKernel::select(w, &input, experts, || true)
+    }
+
+    #[test]
+    fn few_rows_sweep_a_matrix_per_row_only_where_it_stays_in_l2() {
+        // A 248,320-token Q6_K head (417 MB) and a Q8_0 projection (17.8 MB).
+        let head = mat(GgmlType::Q6_K, 248_320, 2048, 1);
+        let qkv = mat(GgmlType::Q8_0, 8192, 2048, 1);
+        assert!(head.rows * head.row_bytes > ROW_REREAD_BYTES);
+        assert!(qkv.rows * qkv.row_bytes <= ROW_REREAD_BYTES);
+        assert_eq!(pick(&head, 1, false), MatmulKernel::Row);
+        for m in [2, 8, 16] {
+            assert_eq!(pick(&head, m, false), MatmulKernel::Tile, "head m={m}");
+            assert_eq!(pick(&qkv, m, false), MatmulKernel::Row, "qkv m={m}");
+        }
+        assert!(matches!(
+            pick(&head, 17, false),
+            MatmulKernel::TensorCore { .. }
+        ));
+        // Q4_K: the lane kernels, the tile kernel for a head of its size.
+        let q4 = mat(GgmlType::Q4_K, 4096, 2048, 1);
+        let q4_head = mat(GgmlType::Q4_K, 248_320, 2048, 1);
+        assert_eq!(pick(&q4, 8, false), MatmulKernel::Lane { rows: 16 });
+        assert_eq!(pick(&q4_head, 8, false), MatmulKernel::Tile);
+        assert_eq!(pick(&q4_head, 1, false), MatmulKernel::Lane { rows: 32 });
+        // Expert rows each read their own expert: never a sweep per row of
+        // one matrix, whatever the stack's size.
+        let experts = mat(GgmlType::Q6_K, 512, 2048, 512);
+        assert_eq!(pick(&experts, 8, true), MatmulKernel::Row);
+        // Float heads keep the 16-row tile form (`rereads`, asked by the
+        // launch): a bf16 head of 1 GB, a router of 2 MB.
+        let bf16_head = mat(GgmlType::BF16, 248_320, 2048, 1);
+        let router = mat(GgmlType::F32, 256, 2048, 1);
+        assert_eq!(pick(&bf16_head, 8, false), MatmulKernel::FloatRows);
+        assert!(rereads(&bf16_head, 8, false));
+        assert!(!rereads(&bf16_head, 1, false));
+        assert!(!rereads(&router, 8, false));
     }
 }
