@@ -88,7 +88,10 @@ run)
         touch "$work/synth.done" "$stamp"
     ) >"$out/synth.log" 2>&1 &
     llama=$work/llama.cpp/build/bin
-    if [ ! -x "$llama/llama-bench" ]; then
+    # A build that an earlier run on this machine started and that is still
+    # going is left to finish (starting over would lose its progress).
+    building() { [ -e "$work/llama.pid" ] && kill -0 "$(cat "$work/llama.pid")" 2>/dev/null; }
+    if [ ! -x "$llama/llama-bench" ] && ! building; then
         (
             set -e
             cd "$work"
@@ -99,7 +102,8 @@ run)
                 -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
                 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF
             cmake --build llama.cpp/build -j10 --target llama-bench llama-batched-bench
-        ) >"$out/llama-build.log" 2>&1 &
+        ) >"$work/llama-build.log" 2>&1 &
+        echo $! >"$work/llama.pid"
     fi
     step() { # name, command...
         local name=$1
@@ -241,7 +245,7 @@ run)
     fi
     if [[ $steps == *,llama,* ]]; then
         for i in $(seq "${SAMESUM_ATT_LLAMA_WAIT:-60}"); do [ -x "$llama/llama-bench" ] && break; sleep 5; done
-        tail -n 3 "$out/llama-build.log"
+        tail -n 3 "$work/llama-build.log"
         for m in "$q35" "$q3"; do
             pp=4096,16384
             [ "$m" = "$q35" ] && pp=4096,16384,32768
