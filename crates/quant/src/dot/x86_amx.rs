@@ -1,6 +1,7 @@
 //! AMX-INT8 tile kernels for batched prefill: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
-//! IQ4_XS, IQ3_S, IQ2_XXS, IQ3_XXS, IQ2_XS and IQ2_S (against Q8_K activations) and Q8_0, Q4_0, Q5_0, IQ4_NL and MXFP4
-//! (against Q8_0 activations), 16 weight rows by 16 activation rows per tile
+//! IQ4_XS, IQ3_S, IQ2_XXS, IQ3_XXS, IQ2_XS and IQ2_S (against Q8_K
+//! activations), Q8_0, Q4_0, Q5_0, IQ4_NL and MXFP4 (against Q8_0) and Q4_1
+//! and Q5_1 (against Q8_1), 16 weight rows by 16 activation rows per tile
 //! multiply.
 //!
 //! The tile multiplies (`tdpbusd`, `tdpbssd`) produce the integer block sums
@@ -32,11 +33,13 @@
 //!   as they are, each sub-block's sum (32 elements, or 16 for IQ2_XS and
 //!   IQ2_S) comes from its own tile multiply (K = its width), and the scales
 //!   multiply the stored sums.
-//! * **Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4** ([`Block32`]). Q8_0's weight tiles
-//!   are read straight from the file (a row's 32 quants at the row stride);
-//!   the nibble formats' are unpacked through their 16-entry tables
-//!   (`pshufb`), Q5_0's with its fifth bits, once per call. Each 32-element block's sum is stored and folded into
-//!   lane `b % 8` as [`super::scalar::lanes8`] does.
+//! * **Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4, Q4_1, Q5_1** ([`Block32`]). Q8_0's
+//!   weight tiles are read straight from the file (a row's 32 quants at the
+//!   row stride); the nibble formats' are unpacked through their 16-entry
+//!   tables (`pshufb`), Q5_0's and Q5_1's with their fifth bits, once per
+//!   call. Each 32-element block's sum is stored, scaled (Q4_1 and Q5_1 add
+//!   their offset times the Q8_1 block's `s`) and folded into lane `b % 8` as
+//!   [`super::scalar::lanes8`] does.
 //!
 //! The activations are rearranged once per call into the tile layout (four
 //! consecutive quants of 16 rows interleaved by dword), so a call should
@@ -525,42 +528,99 @@ pub(super) unsafe fn kquant_tiles<W: KQuant>(
     }
 }
 
-/// Q8_0 activation rows rearranged for the tiles: for group `g` of 16 rows and
-/// block `b`, an 8 × 64-byte tile whose row `kk` holds quants `4 kk .. + 4` of
-/// the 16 rows, one dword each; and the rows' scales. Rows past the end are zero.
+/// The activation blocks of the 32-element formats: Q8_0, and Q8_1 with
+/// its `s = d · Σ q` for the weight formats with an offset (Q4_1, Q5_1).
+pub(super) trait Act32: bytemuck::Pod {
+    fn qs(&self) -> &[i8; 32];
+    fn d(&self) -> half::f16;
+    /// `d · Σ q` (Q8_1); Q8_0 has none and gives 0.
+    fn s(&self) -> half::f16;
+}
+
+impl Act32 for BlockQ8_0 {
+    fn qs(&self) -> &[i8; 32] {
+        &self.qs
+    }
+    fn d(&self) -> half::f16 {
+        self.d
+    }
+    fn s(&self) -> half::f16 {
+        half::f16::ZERO
+    }
+}
+
+impl Act32 for BlockQ8_1 {
+    fn qs(&self) -> &[i8; 32] {
+        &self.qs
+    }
+    fn d(&self) -> half::f16 {
+        self.d
+    }
+    fn s(&self) -> half::f16 {
+        self.s
+    }
+}
+
+/// Activation rows of 32-element blocks rearranged for the tiles: for group
+/// `g` of 16 rows and block `b`, an 8 × 64-byte tile whose row `kk` holds
+/// quants `4 kk .. + 4` of the 16 rows, one dword each; then the rows'
+/// scales, then their `s`. Rows past the end are zero.
 #[target_feature(enable = "avx512f,avx512bw,f16c")]
-unsafe fn prep_q8_0(acts: &[&[BlockQ8_0]], nb: usize, base: *mut u8) -> (*const u8, *const f32) {
+unsafe fn prep_act32<A: Act32>(
+    acts: &[&[A]],
+    nb: usize,
+    base: *mut u8,
+) -> (*const u8, *const f32, *const f32) {
     let groups = acts.len().div_ceil(16);
     let tiles = base.cast::<u32>();
     let das = unsafe { base.add(groups * nb * 512).cast::<f32>() };
+    let ss = unsafe { das.add(groups * nb * 16) };
     for g in 0..groups {
         for n in 0..16 {
             let a = acts.get(g * 16 + n);
             for b in 0..nb {
                 let t = unsafe { tiles.add((g * nb + b) * 128 + n) };
-                let (q, da) = match a {
-                    Some(a) => (bytemuck::cast::<[i8; 32], [u8; 32]>(a[b].qs), unsafe {
-                        h2f(a[b].d)
-                    }),
-                    None => ([0u8; 32], 0.0),
+                let (q, da, sa) = match a {
+                    Some(a) => (
+                        bytemuck::cast::<[i8; 32], [u8; 32]>(*a[b].qs()),
+                        unsafe { h2f(a[b].d()) },
+                        unsafe { h2f(a[b].s()) },
+                    ),
+                    None => ([0u8; 32], 0.0, 0.0),
                 };
                 for (i, w) in q.chunks_exact(4).enumerate() {
                     let w = u32::from_le_bytes(w.try_into().expect("4 bytes"));
                     unsafe { t.add(i * 16).write(w) };
                 }
-                unsafe { das.add((g * nb + b) * 16 + n).write(da) };
+                unsafe {
+                    das.add((g * nb + b) * 16 + n).write(da);
+                    ss.add((g * nb + b) * 16 + n).write(sa);
+                }
             }
         }
     }
-    (tiles.cast(), das)
+    (tiles.cast(), das, ss)
 }
 
-/// A 32-element format against Q8_0 activations: a block's sum is one
-/// tile multiply of its 32 signed values, times `dw · da`, folded into lane
-/// `b % 8` ([`super::scalar::lanes8`]).
+/// A 32-element format against Q8_0 (or Q8_1) activations: a block's sum
+/// is one tile multiply of its 32 signed values, times `dw · da` (plus
+/// `m · s` for the formats with an offset), folded into lane `b % 8`
+/// ([`super::scalar::lanes8`]).
 pub(super) trait Block32: bytemuck::Pod {
+    /// The activation blocks it pairs with.
+    type Act: Act32;
+    /// Whether a block has an offset `m` (its term `(dw · da) · sumi + m · s`).
+    const MIN: bool = false;
+
     /// Scratch bytes [`Block32::operands`] needs for `nb` blocks a row.
     fn scratch(nb: usize) -> usize;
+
+    /// Row `r`'s offset of block `b` to `mw[b * 16 + r]` for the 16 weight
+    /// rows of `w` (`nj` valid, the rest 0); only called where [`Block32::MIN`].
+    ///
+    /// # Safety
+    /// `mw` holds `16 * nb` floats.
+    unsafe fn mins(_w: &[Self], _nb: usize, _nj: usize, _mw: *mut f32) {}
 
     /// The operands of 16 weight rows (`w`: `nj` rows of `nb` blocks, the
     /// rest zero): returns `(base, step, stride)`, block `b`'s 16 × 32-byte
@@ -579,6 +639,8 @@ pub(super) trait Block32: bytemuck::Pod {
 }
 
 impl Block32 for BlockQ8_0 {
+    type Act = BlockQ8_0;
+
     fn scratch(nb: usize) -> usize {
         16 * nb * 34
     }
@@ -618,7 +680,13 @@ impl Block32 for BlockQ8_0 {
 /// unpacked by `pshufb` into 16 × 32-byte tiles.
 macro_rules! nibble_block32 {
     ($ty:ty, $table:expr, |$blk:ident| $scale:expr) => {
+        nibble_block32!($ty, BlockQ8_0, $table, |$blk| $scale, {});
+    };
+    ($ty:ty, $act:ty, $table:expr, |$blk:ident| $scale:expr, {$($min:item)*}) => {
         impl Block32 for $ty {
+            type Act = $act;
+            $($min)*
+
             fn scratch(nb: usize) -> usize {
                 nb * 512
             }
@@ -670,54 +738,104 @@ nibble_block32!(
 nibble_block32!(BlockIq4Nl, KVALUES_IQ4NL, |blk| h2f(blk.d));
 nibble_block32!(BlockMxfp4, KVALUES_MXFP4, |blk| e8m0_to_f32_half(blk.e));
 
-/// Q5_0: each element's nibble and its fifth bit from `qh` (bit `i` for
-/// element `i`), less 16, as a signed byte.
-impl Block32 for BlockQ5_0 {
-    fn scratch(nb: usize) -> usize {
-        nb * 512
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,f16c")]
-    unsafe fn operands(
-        w: &[Self],
-        nb: usize,
-        nj: usize,
-        base: *mut u8,
-        dw: *mut f32,
-    ) -> (*const u8, usize, usize) {
-        unsafe {
-            let (mask, sixteen) = (_mm_set1_epi8(0x0F), _mm_set1_epi8(16));
-            for b in 0..nb {
-                for r in 0..16 {
-                    let row = base.add(b * 512 + r * 32);
-                    let Some(blk) = (r < nj).then(|| &w[r * nb + b]) else {
-                        std::ptr::write_bytes(row, 0, 32);
-                        dw.add(b * 16 + r).write(0.0);
-                        continue;
-                    };
-                    // Byte i: 0x10 where element i's fifth bit is set.
-                    let h = _mm256_and_si256(
-                        super::x86::sign_masks(u32::from_le_bytes(blk.qh)),
-                        _mm256_set1_epi8(0x10),
-                    );
-                    let q = _mm_loadu_si128(blk.qs.as_ptr().cast());
-                    let lo = _mm_or_si128(_mm_and_si128(q, mask), _mm256_castsi256_si128(h));
-                    let hi = _mm_or_si128(
-                        _mm_and_si128(_mm_srli_epi16::<4>(q), mask),
-                        _mm256_extracti128_si256::<1>(h),
-                    );
-                    _mm_storeu_si128(row.cast(), _mm_sub_epi8(lo, sixteen));
-                    _mm_storeu_si128(row.add(16).cast(), _mm_sub_epi8(hi, sixteen));
-                    dw.add(b * 16 + r).write(h2f(blk.d));
-                }
-            }
+/// The offsets `m` of the formats that have one, per [`Block32::mins`].
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn block_mins<W>(w: &[W], nb: usize, nj: usize, mw: *mut f32, m: impl Fn(&W) -> half::f16) {
+    for b in 0..nb {
+        for r in 0..16 {
+            let v = if r < nj {
+                unsafe { h2f(m(&w[r * nb + b])) }
+            } else {
+                0.0
+            };
+            unsafe { mw.add(b * 16 + r).write(v) };
         }
-        (base, 512, 32)
     }
 }
 
+// Q4_1: the nibbles as they are (0..=15), against Q8_1.
+nibble_block32!(
+    BlockQ4_1,
+    BlockQ8_1,
+    [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+    |blk| h2f(blk.d),
+    {
+        const MIN: bool = true;
+
+        #[target_feature(enable = "avx512f,avx512bw,f16c")]
+        unsafe fn mins(w: &[Self], nb: usize, nj: usize, mw: *mut f32) {
+            unsafe { block_mins(w, nb, nj, mw, |b: &Self| b.m) }
+        }
+    }
+);
+
+/// Q5_0 and Q5_1: each element's nibble and its fifth bit from `qh` (bit
+/// `i` for element `i`), less `$off` (Q5_0's 16; Q5_1 keeps 0..=31 and has
+/// an offset `m` against Q8_1), as a signed byte.
+macro_rules! five_bit_block32 {
+    ($ty:ty, $act:ty, $off:literal, {$($min:item)*}) => {
+        impl Block32 for $ty {
+            type Act = $act;
+            $($min)*
+
+            fn scratch(nb: usize) -> usize {
+                nb * 512
+            }
+
+            #[target_feature(enable = "avx512f,avx512bw,f16c")]
+            unsafe fn operands(
+                w: &[Self],
+                nb: usize,
+                nj: usize,
+                base: *mut u8,
+                dw: *mut f32,
+            ) -> (*const u8, usize, usize) {
+                unsafe {
+                    let (mask, off) = (_mm_set1_epi8(0x0F), _mm_set1_epi8($off));
+                    for b in 0..nb {
+                        for r in 0..16 {
+                            let row = base.add(b * 512 + r * 32);
+                            let Some(blk) = (r < nj).then(|| &w[r * nb + b]) else {
+                                std::ptr::write_bytes(row, 0, 32);
+                                dw.add(b * 16 + r).write(0.0);
+                                continue;
+                            };
+                            // Byte i: 0x10 where element i's fifth bit is set.
+                            let h = _mm256_and_si256(
+                                super::x86::sign_masks(u32::from_le_bytes(blk.qh)),
+                                _mm256_set1_epi8(0x10),
+                            );
+                            let q = _mm_loadu_si128(blk.qs.as_ptr().cast());
+                            let lo =
+                                _mm_or_si128(_mm_and_si128(q, mask), _mm256_castsi256_si128(h));
+                            let hi = _mm_or_si128(
+                                _mm_and_si128(_mm_srli_epi16::<4>(q), mask),
+                                _mm256_extracti128_si256::<1>(h),
+                            );
+                            _mm_storeu_si128(row.cast(), _mm_sub_epi8(lo, off));
+                            _mm_storeu_si128(row.add(16).cast(), _mm_sub_epi8(hi, off));
+                            dw.add(b * 16 + r).write(h2f(blk.d));
+                        }
+                    }
+                }
+                (base, 512, 32)
+            }
+        }
+    };
+}
+
+five_bit_block32!(BlockQ5_0, BlockQ8_0, 16, {});
+five_bit_block32!(BlockQ5_1, BlockQ8_1, 0, {
+    const MIN: bool = true;
+
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn mins(w: &[Self], nb: usize, nj: usize, mw: *mut f32) {
+        unsafe { block_mins(w, nb, nj, mw, |b: &Self| b.m) }
+    }
+});
+
 /// [`kquant_tiles`] for 32-element weights ([`Block32`]: Q8_0, Q4_0,
-/// Q5_0, IQ4_NL, MXFP4) and Q8_0 activations.
+/// Q5_0, IQ4_NL, MXFP4 against Q8_0 activations; Q4_1, Q5_1 against Q8_1).
 ///
 /// # Safety
 /// As [`kquant_tiles`].
@@ -726,7 +844,7 @@ pub(super) unsafe fn block32_tiles<W: Block32>(
     w: &[W],
     nb: usize,
     rows: usize,
-    acts: &[&[BlockQ8_0]],
+    acts: &[&[W::Act]],
     out: &mut [f32],
 ) {
     let m = acts.len();
@@ -745,20 +863,25 @@ pub(super) unsafe fn block32_tiles<W: Block32>(
     // Activations; eight lanes of 16 × 16 partial sums, four blocks' sums,
     // the scales of one tile, and the weights' operands.
     let (abase, wbase) = scratch(
-        m.div_ceil(16) * nb * (512 + 64),
-        8 * 1024 + 4 * 1024 + nb * 64 + W::scratch(nb),
+        m.div_ceil(16) * nb * (512 + 128),
+        8 * 1024 + 4 * 1024 + nb * 128 + W::scratch(nb),
     );
     {
         unsafe {
-            let (atiles, das) = prep_q8_0(acts, nb, abase);
+            let (atiles, das, ss) = prep_act32(acts, nb, abase);
             let lanes = wbase.cast::<__m512>();
             let cbuf = wbase.add(8 * 1024);
             let dw = cbuf.add(4 * 1024).cast::<f32>();
-            let ops = dw.add(nb * 16).cast::<u8>();
+            let mw = dw.add(nb * 16);
+            let ops = mw.add(nb * 16).cast::<u8>();
             cfg.load();
             for j0 in (0..rows).step_by(16) {
                 let nj = (rows - j0).min(16);
-                let (tile, step, ws) = W::operands(&w[j0 * nb..(j0 + nj) * nb], nb, nj, ops, dw);
+                let wj = &w[j0 * nb..(j0 + nj) * nb];
+                let (tile, step, ws) = W::operands(wj, nb, nj, ops, dw);
+                if W::MIN {
+                    W::mins(wj, nb, nj, mw);
+                }
                 for g in 0..m.div_ceil(16) {
                     for l in 0..8 * 16 {
                         lanes.add(l).write(_mm512_setzero_ps());
@@ -792,14 +915,20 @@ pub(super) unsafe fn block32_tiles<W: Block32>(
                         for i in 0..nk {
                             let b = b0 + i;
                             let da = _mm512_loadu_ps(das.add((g * nb + b) * 16));
+                            let sa = _mm512_loadu_ps(ss.add((g * nb + b) * 16));
                             let c = cbuf.add(i * 1024).cast::<__m512i>();
                             let lane = lanes.add((b % 8) * 16);
                             for r in 0..16 {
                                 let dd = _mm512_mul_ps(_mm512_set1_ps(*dw.add(b * 16 + r)), da);
-                                let t = _mm512_mul_ps(
+                                let mut t = _mm512_mul_ps(
                                     dd,
                                     _mm512_cvtepi32_ps(_mm512_load_si512(c.add(r))),
                                 );
+                                if W::MIN {
+                                    // + m · s, after the product (the scalar term).
+                                    let ms = _mm512_mul_ps(_mm512_set1_ps(*mw.add(b * 16 + r)), sa);
+                                    t = _mm512_add_ps(t, ms);
+                                }
                                 lane.add(r).write(_mm512_add_ps(lane.add(r).read(), t));
                             }
                         }

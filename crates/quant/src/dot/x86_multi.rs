@@ -60,6 +60,8 @@ pub(super) const AMX_FORMATS: &[GgmlType] = &[
     GgmlType::IQ3_S,
     GgmlType::IQ2_XS,
     GgmlType::IQ2_S,
+    GgmlType::Q4_1,
+    GgmlType::Q5_1,
 ];
 
 /// An AMX tile kernel: (weights, blocks a row, rows, activation rows, out).
@@ -118,6 +120,8 @@ pub(super) fn dot_rows_multi_amx(
         T::Q5_0 => amx!(amx::block32_tiles::<BlockQ5_0>),
         T::IQ4_NL => amx!(amx::block32_tiles::<BlockIq4Nl>),
         T::MXFP4 => amx!(amx::block32_tiles::<BlockMxfp4>),
+        T::Q4_1 => amx!(amx::block32_tiles::<BlockQ4_1>),
+        T::Q5_1 => amx!(amx::block32_tiles::<BlockQ5_1>),
         _ => Ok(false),
     }
 }
