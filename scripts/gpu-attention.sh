@@ -38,7 +38,7 @@
 # prompts of 32,768 and 131,072 tokens), ab (not in the default steps:
 # the builds in the directories SAMESUM_ATT_AB, default ".gpu-old .gpu",
 # alternated SAMESUM_ATT_ROUNDS (2) times: pp4096 and pp16384 (-r 2),
-# tg128 at depth 16,384, 2, 8 and 64 sequences a step, both models). SAMESUM_ATT_PP=0 leaves
+# tg128 at depth 16,384, 2, 8, 16, 32 and 64 sequences a step, both models). SAMESUM_ATT_PP=0 leaves
 # prefill out of bench and llama; the llama.cpp steps wait up to
 # SAMESUM_ATT_LLAMA_WAIT x 5 s (60) for its build. The models and llama.cpp are made in the background from the
 # start. Results: OUT/log.txt.
@@ -178,7 +178,7 @@ run)
                     step "ab round $r $bin tg $m" timeout 300 "$bin/samesum" bench --device cuda \
                         -m "$m" -p 0 -n 128 -d 16384 -r 1 $FAST
                     step "ab round $r $bin parallel $m" timeout 300 "$bin/samesum" bench \
-                        --device cuda -m "$m" -p 128 -n 32 -r 1 --parallel 2,8,64 $FAST
+                        --device cuda -m "$m" -p 128 -n 32 -r 1 --parallel 2,8,16,32,64 $FAST
                 done
             done
         done
