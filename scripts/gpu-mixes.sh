@@ -70,9 +70,12 @@ run)
     mkdir -p "$work"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     llama=$work/llama.cpp/build/bin/llama-bench
+    # A build an earlier start left running on this machine is waited for,
+    # not started over.
+    building() { [ -e "$work/llama.pid" ] && kill -0 "$(cat "$work/llama.pid")" 2>/dev/null; }
     if [ "${SAMESUM_MIX_LLAMA:-1}" = 0 ]; then
         llama=/nonexistent
-    elif [ ! -x "$llama" ]; then
+    elif [ ! -x "$llama" ] && ! building; then
         (
             set -e
             cd "$work"
@@ -89,8 +92,8 @@ run)
                 -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
                 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF
             cmake --build llama.cpp/build -j"${SAMESUM_LLAMA_JOBS:-12}" --target llama-bench
-        ) >"$out/llama-build.log" 2>&1 &
-        build=$!
+        ) >"$work/llama-build.log" 2>&1 &
+        echo $! >"$work/llama.pid"
     fi
     res=$out/results.tsv
     echo "=== identity gate on the tiny shapes at each mix"
@@ -123,10 +126,10 @@ run)
                 timeout 200 .gpu/samesum bench --device cuda -m "$f" -p 4096 -n 0 -r 1 \
                     --prefill batched --profile >"$out/profile-$shape-$mix.txt" 2>&1
             fi
-            if [ -n "${build:-}" ]; then
+            if building; then
                 echo "=== waiting for llama-bench"
-                wait "$build" || { echo "llama.cpp build failed:"; tail -n 20 "$out/llama-build.log"; }
-                build=
+                while building; do sleep 5; done
+                [ -x "$llama" ] || { echo "llama.cpp build failed:"; tail -n 20 "$work/llama-build.log"; }
             fi
             if [ -x "$llama" ]; then
                 echo "=== $shape $mix: llama.cpp"
