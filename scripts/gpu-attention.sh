@@ -31,7 +31,8 @@
 # (not in the default steps: `samesum serve` with 8 and 64 streaming clients
 # against llama-batched-bench, both builds, and a follow-up chat turn of an
 # ~8,000-token conversation from the prefix cache against cold;
-# SAMESUM_ATT_SERVE_BINS picks the builds, default ".gpu .gpu-old"; the
+# SAMESUM_ATT_SERVE_BINS picks the builds, default ".gpu .gpu-old", and
+# SAMESUM_ATT_SERVE_FLAGS adds `serve` flags, e.g. "--chunk 2048"; the
 # follow-up turns use the first), llama
 # (llama.cpp's figures on the same files), long (not in the default
 # steps: pp131072 on qwen35moe against llama.cpp, and the identity gate on
@@ -211,7 +212,8 @@ run)
         serve() { # name, binary dir, extra serve flags...
             local name=$1 bin=$2
             shift 2
-            "$bin/samesum" serve --device cuda -m "$q35" --max-batch 64 -c 16384 --port 8089 "$@" \
+            "$bin/samesum" serve --device cuda -m "$q35" --max-batch 64 -c 16384 --port 8089 \
+                ${SAMESUM_ATT_SERVE_FLAGS:-} "$@" \
                 >"$out/serve-$name.log" 2>&1 &
             spid=$!
             for i in $(seq 120); do
