@@ -449,8 +449,9 @@ impl Cuda {
     }
 
     /// [`Cuda::matmul_host`] on the reference kernel ([`MatmulKernel::Tile`]
-    /// for quantized weights, [`MatmulKernel::FloatRows`] for float ones),
-    /// every row of id -1 written as zeros.
+    /// for quantized weights, [`MatmulKernel::FloatRows`] in its 16-row tile
+    /// form (`mm_f32`, ...) for float ones), every row of id -1 written as
+    /// zeros.
     #[doc(hidden)]
     pub fn matmul_reference_host(
         &self,
@@ -832,6 +833,9 @@ impl Cuda {
         let row = cfg((w.rows.div_ceil(4) as u32, m as u32, 1), 128, 0);
         if matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
             let x = input.f32_rows()?;
+            // A kernel the caller names (the tests' reference) runs in its
+            // own form; the block-row form below is the default's choice.
+            let chosen = kernel.is_none();
             let k = kernel.unwrap_or_else(|| {
                 MatmulKernel::select(w, input, mats.is_some(), || {
                     // 16-byte pieces: whole ones a row, aligned.
@@ -844,7 +848,7 @@ impl Cuda {
                 // ...), the rows' load chains side by side instead of one
                 // after the other in each warp (unless the matrix is too
                 // large to read once per row); the same arithmetic.
-                MatmulKernel::FloatRows if m <= 16 && !rereads(w, m, mats.is_some()) => {
+                MatmulKernel::FloatRows if chosen && m <= 16 && !rereads(w, m, mats.is_some()) => {
                     let name = match w.ty {
                         GgmlType::F32 => "mm_f32_1",
                         GgmlType::F16 => "mm_f16_1",
