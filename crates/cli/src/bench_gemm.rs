@@ -27,9 +27,10 @@ pub(crate) struct Args {
     /// writes).
     #[arg(long, value_delimiter = ',')]
     formats: Vec<String>,
-    /// Rows a call (the tokens of one prefill chunk).
-    #[arg(short = 'm', long, default_value_t = 4096)]
-    rows: usize,
+    /// Rows a call (the tokens of one prefill chunk; comma-separated for
+    /// several, each a row of the table).
+    #[arg(short = 'm', long, value_delimiter = ',', default_value = "4096")]
+    rows: Vec<usize>,
     /// Timed calls a format, after one untimed.
     #[arg(short = 'r', long, default_value_t = 10)]
     repetitions: usize,
@@ -73,8 +74,11 @@ fn formats(names: &[String]) -> Result<Vec<GgmlType>> {
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
-    if a.rows == 0 || a.rows > 1 << 16 {
-        bail!("-m must be 1 to 65,536 rows (it was {})", a.rows);
+    if let Some(&m) = a.rows.iter().find(|&&m| m == 0 || m > 1 << 16) {
+        bail!("-m must be 1 to 65,536 rows (it was {m})");
+    }
+    if a.rows.is_empty() {
+        bail!("-m needs at least one row count");
     }
     if a.repetitions == 0 {
         bail!("--repetitions must be at least 1");
@@ -99,29 +103,29 @@ pub(crate) fn run(a: Args) -> Result<()> {
             Ok(b) => b,
             Err(e) => {
                 // A format this backend has no kernel for: say so, go on.
-                println!("| {} | {name} | {} | - | {e:#} | |", a.shape, a.rows);
+                let rows: Vec<String> = a.rows.iter().map(|m| m.to_string()).collect();
+                println!(
+                    "| {} | {name} | {} | - | {e:#} | |",
+                    a.shape,
+                    rows.join(",")
+                );
                 continue;
             }
         };
-        let (secs, label, report) =
-            with_backend!(&backend, |b| time_moe(b, &model, a.rows, a.repetitions))?;
-        let hp = &model.hp;
-        let ops = moe_ops(
-            a.rows,
-            hp.n_embd,
-            hp.n_expert_used,
-            hp.n_ff_exp,
-            hp.n_ff_shexp,
-        );
-        println!(
-            "| {} | {name} | {} | {label} | {:.3} | {:.2} |",
-            a.shape,
-            a.rows,
-            secs * 1e3,
-            ops / secs / 1e12
-        );
-        if let Some(r) = report {
-            println!("\n{r}");
+        for &m in &a.rows {
+            let (secs, label, report) =
+                with_backend!(&backend, |b| time_moe(b, &model, m, a.repetitions))?;
+            let hp = &model.hp;
+            let ops = moe_ops(m, hp.n_embd, hp.n_expert_used, hp.n_ff_exp, hp.n_ff_shexp);
+            println!(
+                "| {} | {name} | {m} | {label} | {:.3} | {:.2} |",
+                a.shape,
+                secs * 1e3,
+                ops / secs / 1e12
+            );
+            if let Some(r) = report {
+                println!("\n{r}");
+            }
         }
     }
     Ok(())

@@ -241,6 +241,7 @@ fn bad_input_is_a_plain_error() {
         vec!["bench-gemm", "--formats", "q9_9"],
         vec!["bench-gemm", "--shape", "nope"],
         vec!["bench-gemm", "-m", "0"],
+        vec!["bench-gemm", "-m", "8,70000"],
     ] {
         let (ok, _, err) = samesum(&args);
         assert!(!ok, "{args:?} succeeded");
@@ -258,7 +259,7 @@ fn bench_gemm_times_the_moe_block_of_each_format() {
         "--shape",
         "tiny-qwen3moe",
         "-m",
-        "24",
+        "24,5",
         "-r",
         "1",
         "--formats",
@@ -269,10 +270,16 @@ fn bench_gemm_times_the_moe_block_of_each_format() {
         .lines()
         .filter(|l| l.starts_with("| tiny-qwen3moe |"))
         .collect();
-    assert_eq!(rows.len(), 2, "{out}");
-    for (row, name) in rows.iter().zip(["q8_0", "iq4_xs"]) {
+    assert_eq!(rows.len(), 4, "{out}");
+    let want = [
+        ("q8_0", "24"),
+        ("q8_0", "5"),
+        ("iq4_xs", "24"),
+        ("iq4_xs", "5"),
+    ];
+    for (row, (name, m)) in rows.iter().zip(want) {
         let cells: Vec<&str> = row.split('|').map(str::trim).collect();
-        assert_eq!(cells[2], name, "{row}");
+        assert_eq!((cells[2], cells[3]), (name, m), "{row}");
         let ms: f64 = cells[5].parse().unwrap();
         assert!(ms > 0.0 && ms.is_finite(), "{row}");
     }
