@@ -177,10 +177,15 @@ pub(super) fn quant_kernels(t: GgmlType) -> Option<QuantKernels> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum MatmulKernel {
     /// Float weights, a warp per weight row and 16-row tile (`mm_f32`,
-    /// `mm_f16`, `mm_bf16`; calls of up to 16 rows a warp per (weight row,
-    /// row): `mm_f32_1`, ...): calls of up to 16 rows and expert calls, and
-    /// the reference the float tile kernels are tested against.
+    /// `mm_f16`, `mm_bf16`): wide expert calls, calls of 2 to 16 rows of a
+    /// matrix over [`ROW_REREAD_BYTES`], and the reference the other float
+    /// kernels are tested against.
     FloatRows,
+    /// Float weights, up to 16 rows: a warp per (weight row, activation
+    /// row), a block row per activation row (`mm_f32_1`, `mm_f16_1`,
+    /// `mm_bf16_1`), so the rows' load chains run side by side; the same
+    /// arithmetic as [`Self::FloatRows`].
+    FloatRow,
     /// Float weights, wide calls of one matrix: 4 weight rows x 16
     /// activation rows a warp (`mm_f32_tile`, `mm_f16_tile`, `mm_bf16_tile`).
     FloatTile,
@@ -226,7 +231,9 @@ impl MatmulKernel {
         let wide = m > 16;
         match w.ty {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
-                if !wide || experts {
+                if !wide && !rereads(w, m, experts) {
+                    Self::FloatRow
+                } else if !wide || experts {
                     Self::FloatRows
                 } else if w.ty == GgmlType::F32 && w.cols.is_multiple_of(4) && aligned() {
                     if w.rows <= MFF_ROWS {
@@ -261,6 +268,9 @@ impl MatmulKernel {
             (Self::FloatRows, F32) => "mm_f32",
             (Self::FloatRows, F16) => "mm_f16",
             (Self::FloatRows, BF16) => "mm_bf16",
+            (Self::FloatRow, F32) => "mm_f32_1",
+            (Self::FloatRow, F16) => "mm_f16_1",
+            (Self::FloatRow, BF16) => "mm_bf16_1",
             (Self::FloatTile, F32) => "mm_f32_tile",
             (Self::FloatTile, F16) => "mm_f16_tile",
             (Self::FloatTile, BF16) => "mm_bf16_tile",
@@ -449,9 +459,8 @@ impl Cuda {
     }
 
     /// [`Cuda::matmul_host`] on the reference kernel ([`MatmulKernel::Tile`]
-    /// for quantized weights, [`MatmulKernel::FloatRows`] in its 16-row tile
-    /// form (`mm_f32`, ...) for float ones), every row of id -1 written as
-    /// zeros.
+    /// for quantized weights, [`MatmulKernel::FloatRows`] for float ones),
+    /// every row of id -1 written as zeros.
     #[doc(hidden)]
     pub fn matmul_reference_host(
         &self,
@@ -833,9 +842,6 @@ impl Cuda {
         let row = cfg((w.rows.div_ceil(4) as u32, m as u32, 1), 128, 0);
         if matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
             let x = input.f32_rows()?;
-            // A kernel the caller names (the tests' reference) runs in its
-            // own form; the block-row form below is the default's choice.
-            let chosen = kernel.is_none();
             let k = kernel.unwrap_or_else(|| {
                 MatmulKernel::select(w, input, mats.is_some(), || {
                     // 16-byte pieces: whole ones a row, aligned.
@@ -844,21 +850,9 @@ impl Cuda {
             });
             let name = k.name(w.ty).ok_or_else(unsupported)?;
             return match k {
-                // Up to 16 rows: a block row per activation row (`mm_f32_1`,
-                // ...), the rows' load chains side by side instead of one
-                // after the other in each warp (unless the matrix is too
-                // large to read once per row); the same arithmetic.
-                MatmulKernel::FloatRows if chosen && m <= 16 && !rereads(w, m, mats.is_some()) => {
-                    let name = match w.ty {
-                        GgmlType::F32 => "mm_f32_1",
-                        GgmlType::F16 => "mm_f16_1",
-                        _ => "mm_bf16_1",
-                    };
-                    launch!(
-                        d, name, row, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi,
-                        &cols
-                    )
-                }
+                MatmulKernel::FloatRow => launch!(
+                    d, name, row, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi, &cols
+                ),
                 MatmulKernel::FloatRows => launch!(
                     d, name, tile, &wptr, &stride, &row_bytes, &mats_ptr, x, y, &rows, &mi, &cols
                 ),
@@ -1193,13 +1187,15 @@ mod select_tests {
         // one matrix, whatever the stack's size.
         let experts = mat(GgmlType::Q6_K, 512, 2048, 512);
         assert_eq!(pick(&experts, 8, true), MatmulKernel::Row);
-        // Float heads keep the 16-row tile form (`rereads`, asked by the
-        // launch): a bf16 head of 1 GB, a router of 2 MB.
+        // Float heads keep the 16-row tile form: a bf16 head of 1 GB, a
+        // router of 2 MB.
         let bf16_head = mat(GgmlType::BF16, 248_320, 2048, 1);
         let router = mat(GgmlType::F32, 256, 2048, 1);
         assert_eq!(pick(&bf16_head, 8, false), MatmulKernel::FloatRows);
-        assert!(rereads(&bf16_head, 8, false));
-        assert!(!rereads(&bf16_head, 1, false));
-        assert!(!rereads(&router, 8, false));
+        assert_eq!(pick(&bf16_head, 1, false), MatmulKernel::FloatRow);
+        assert_eq!(pick(&router, 8, false), MatmulKernel::FloatRow);
+        let float_experts = mat(GgmlType::BF16, 512, 2048, 128);
+        assert_eq!(pick(&float_experts, 8, true), MatmulKernel::FloatRow);
+        assert_eq!(pick(&float_experts, 24, true), MatmulKernel::FloatRows);
     }
 }
