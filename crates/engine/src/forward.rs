@@ -13,7 +13,7 @@ use crate::model::Model;
 use crate::model::weights::Mixer;
 
 /// Prompt rows per forward call in batched prefill unless told otherwise:
-/// measured on the CPU (docs/BENCHMARKS.md: pp512 with 2 threads on
+/// measured on the CPU (docs/BENCHMARKS-CPU.md: pp512 with 2 threads on
 /// qwen35moe-35b-a3b at 8 layers, 128: 210, 256: 236, 512: 232 tok/s).
 pub const DEFAULT_CHUNK: usize = 256;
 
