@@ -10,14 +10,17 @@
 #   scripts/gpu-mixes.sh start OUT   # there: starts the run in the background
 #   scripts/gpu-mixes.sh wait OUT S  # there: shows progress for up to S seconds
 #
-# `start` builds llama.cpp's llama-bench for sm_90 in the background while the
-# identity gate runs on the tiny shapes at every mix (SAMESUM_ID_MIXES), then,
+# `start` builds llama.cpp's llama-bench and llama-batched-bench for sm_90 in
+# the background while the GPU tests (.gpu/test-gpu, ignored ones included;
+# OUT/tests.log) and the identity gate on the tiny shapes at every mix
+# (SAMESUM_ID_MIXES) run, then,
 # for each shape x mix (SAMESUM_MIX_SHAPES x SAMESUM_MIXES), writes the file
 # with `samesum synth --mix`, runs `samesum bench --device cuda -p 4096 -n 128`
 # and, once built, `llama-bench -fa 1 -ub 2048 -ngl 99` with the same tests,
 # then deletes the file (a 30B file is 17-32 GiB); SAMESUM_MIX_LLAMA=0 runs
-# samesum alone, SAMESUM_MIX_PROFILE=1 adds a kernel profile at pp4096
-# (OUT/profile-SHAPE-MIX.txt), SAMESUM_MIX_AFTER=FILE holds the benchmarks
+# samesum alone, SAMESUM_MIX_PROFILE=1 adds kernel profiles at pp4096 and
+# tg64 (OUT/profile-SHAPE-MIX.txt, OUT/profile-tg-SHAPE-MIX.txt),
+# SAMESUM_MIX_TESTS=0 leaves the GPU tests out, SAMESUM_MIX_AFTER=FILE holds the benchmarks
 # back while FILE exists (another job on the GPU). The mixes are the outer
 # loop, so a run cut short has both shapes of the first mixes. Results:
 # OUT/mixes.log, one line per figure in OUT/results.tsv.
@@ -91,11 +94,19 @@ run)
             cmake -S llama.cpp -B llama.cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
                 -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
                 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF
-            cmake --build llama.cpp/build -j"${SAMESUM_LLAMA_JOBS:-12}" --target llama-bench
+            cmake --build llama.cpp/build -j"${SAMESUM_LLAMA_JOBS:-12}" --target llama-bench \
+                llama-batched-bench
         ) >"$work/llama-build.log" 2>&1 &
         echo $! >"$work/llama.pid"
     fi
     res=$out/results.tsv
+    tests=
+    if [ "${SAMESUM_MIX_TESTS:-1}" = 1 ] && [ -x .gpu/test-gpu ]; then
+        # Beside the identity gate: correctness only, nothing here is timed.
+        (SAMESUM_REQUIRE=gpu,nvrtc timeout 600 .gpu/test-gpu --include-ignored --test-threads=2 \
+            >"$out/tests.log" 2>&1; echo "rc=$?" >>"$out/tests.log") &
+        tests=$!
+    fi
     echo "=== identity gate on the tiny shapes at each mix"
     for mix in ${SAMESUM_ID_MIXES:-q4_k_m ud-q4_k_xl q5_k_m q6_k q8_0 iq4_xs iq4_nl mxfp4 q3_k_m q2_k iq3_s iq3_xxs iq2_m iq2_xxs bf16}; do
         for shape in tiny-qwen3moe tiny-qwen3next tiny-qwen35moe; do
@@ -109,6 +120,10 @@ run)
             rm -f "$f"
         done
     done
+    if [ -n "$tests" ]; then
+        wait "$tests"
+        echo "=== GPU tests: $(grep -E '^test result' "$out/tests.log" | tail -n 1) $(tail -n 1 "$out/tests.log")"
+    fi
     while [ -n "${SAMESUM_MIX_AFTER:-}" ] && [ -e "$SAMESUM_MIX_AFTER" ]; do sleep 5; done
     for mix in ${SAMESUM_MIXES:-q4_k_m ud-q4_k_xl iq4_xs q8_0}; do
         for shape in ${SAMESUM_MIX_SHAPES:-qwen35moe-35b-a3b qwen3moe-30b-a3b}; do
@@ -125,6 +140,8 @@ run)
             if [ "${SAMESUM_MIX_PROFILE:-0}" = 1 ]; then
                 timeout 200 .gpu/samesum bench --device cuda -m "$f" -p 4096 -n 0 -r 1 \
                     --prefill batched --profile >"$out/profile-$shape-$mix.txt" 2>&1
+                timeout 200 .gpu/samesum bench --device cuda -m "$f" -p 0 -n 64 -r 1 \
+                    --profile >"$out/profile-tg-$shape-$mix.txt" 2>&1
             fi
             if building; then
                 echo "=== waiting for llama-bench"
