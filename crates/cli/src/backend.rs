@@ -59,11 +59,15 @@ pub(crate) const CUDA_CHUNK: usize = 2048;
 /// The default on CUDA in tier mode: the size its activations were measured
 /// at inside a VRAM budget.
 pub(crate) const CUDA_TIER_CHUNK: usize = 512;
-/// `samesum serve`'s default prompt rows per scheduler step on CUDA: a step
+/// `samesum serve`'s default prompt rows per scheduler step on CUDA. A step
 /// also carries every running request's next decode row, so a prefill step
-/// delays their tokens; 512 rows is ~55 ms on the H200 (qwen35moe), against
-/// ~220 ms for 2,048.
-pub(crate) const CUDA_SERVE_CHUNK: usize = 512;
+/// delays their tokens (2,048 rows are ~110 ms of qwen35moe on an H100), but
+/// each step pays the decode rows' time once: with 64 streams of 512-token
+/// prompts, 2,048 rows a step generated 1,723 and 1,695 tok/s with TTFT p99
+/// 2.02 s, against 1,548 and 2.98 s at 512 rows (docs/BENCHMARKS.md). The
+/// budget is a cap: a lone prompt of 512 tokens still takes one step of its
+/// own size.
+pub(crate) const CUDA_SERVE_CHUNK: usize = 2048;
 /// `samesum serve`'s default on the CPU.
 pub(crate) const CPU_SERVE_CHUNK: usize = 128;
 
@@ -179,6 +183,10 @@ impl OpenBackend for Device {
                 AnyBackend::Cpu(_) => Memory::Host,
                 AnyBackend::Cuda(_) => Memory::Device(b.device_memory()),
             },
+            max_chunk: match &b {
+                AnyBackend::Cuda(c) if c.tier_stats().is_some() => Some(CUDA_TIER_CHUNK),
+                _ => None,
+            },
         };
         crate::with_backend!(&b, |b| thread.run(b, opened));
         Ok(())
@@ -233,7 +241,7 @@ mod tests {
     #[test]
     fn default_chunks_follow_the_device() {
         assert_eq!(Device::Cpu(0).serve_chunk(), 128);
-        assert_eq!(cuda(0).serve_chunk(), 512);
+        assert_eq!(cuda(0).serve_chunk(), 2048);
         let cpu = AnyBackend::Cpu(super::Cpu::new(1));
         assert_eq!(cpu.default_chunk(), samesum_engine::DEFAULT_CHUNK);
         assert!(cpu.placement(1.0).is_none());

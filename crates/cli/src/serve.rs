@@ -77,7 +77,8 @@ pub(crate) struct Args {
     #[command(flatten)]
     ctx: CtxArgs,
     /// Prompt rows per scheduler step (shared by the requests still
-    /// prefilling). [default: 128 on the CPU, 512 on CUDA]
+    /// prefilling; at most 512 in CUDA tier mode). [default: 128 on the CPU,
+    /// 2048 on CUDA]
     #[arg(long, value_parser = at_least_one)]
     chunk: Option<usize>,
     #[command(flatten)]

@@ -42,6 +42,17 @@ pub struct Opened {
     pub placement: Option<String>,
     /// Where the KV cache lives.
     pub memory: Memory,
+    /// The most prompt rows a step may carry on this backend (`None`: as
+    /// configured). CUDA's tier mode sizes its activations for its own
+    /// batch inside the VRAM its plan leaves, so a larger configured chunk is
+    /// cut to it.
+    pub max_chunk: Option<usize>,
+}
+
+/// Prompt rows a scheduler step carries: the configured chunk, cut to the
+/// backend's most where it has one.
+pub(crate) fn step_chunk(configured: usize, max: Option<usize>) -> usize {
+    max.map_or(configured, |m| configured.min(m)).max(1)
 }
 
 /// Sent once by the model thread: the backend's name and the KV budget, or
@@ -69,6 +80,14 @@ impl ModelThread<'_> {
             tracing::info!("{p}");
         }
         let mut cfg = self.cfg;
+        let chunk = step_chunk(cfg.prefill_chunk, opened.max_chunk);
+        if chunk != cfg.prefill_chunk {
+            tracing::info!(
+                "prompt rows a step: {chunk}, the backend's most (asked for {})",
+                cfg.prefill_chunk
+            );
+            cfg.prefill_chunk = chunk;
+        }
         let (kv_budget, note) = self.budget.resolve(opened.memory, cfg.prefix_cache_bytes);
         tracing::info!("KV budget: {note}");
         let one = samesum_engine::sched::context_bytes(&self.model.hp, self.kv, self.ctx);
@@ -95,8 +114,23 @@ impl OpenBackend for CpuBackend {
             name: cpu.name(),
             placement: None,
             memory: Memory::Host,
+            max_chunk: None,
         };
         thread.run(&cpu, opened);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::step_chunk;
+
+    #[test]
+    fn a_backend_cap_cuts_the_configured_chunk_only_when_smaller() {
+        assert_eq!(step_chunk(2048, None), 2048);
+        assert_eq!(step_chunk(2048, Some(512)), 512);
+        assert_eq!(step_chunk(128, Some(512)), 128);
+        assert_eq!(step_chunk(0, None), 1);
+        assert_eq!(step_chunk(64, Some(0)), 1);
     }
 }
