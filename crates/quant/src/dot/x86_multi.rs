@@ -836,9 +836,10 @@ unsafe fn rows8_32_vnni<W: Vals32>(w: &[&[W]; 8], a: &[W::A], out: &mut [f32; 8]
                 _mm256_setzero_ps()
             };
             for t in 0..8 {
+                // The next run's block, into the L2 as in the K-quants' `rows8`.
                 let p = next.wrapping_add((t * nb + blk) * size);
                 for line in (0..8 * size).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast());
+                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(line).cast());
                 }
                 let b = &w[t][blk..blk + 8];
                 let wu = arr!(i in 4 => _mm512_xor_si512(two_vals(&b[2 * i], &b[2 * i + 1]), flip));
