@@ -676,13 +676,11 @@ impl Block32 for BlockQ8_0 {
     }
 }
 
-/// The 32-element formats of 16 nibbles, each a 16-entry table's index:
-/// unpacked by `pshufb` into 16 × 32-byte tiles.
-macro_rules! nibble_block32 {
-    ($ty:ty, $table:expr, |$blk:ident| $scale:expr) => {
-        nibble_block32!($ty, BlockQ8_0, $table, |$blk| $scale, {});
-    };
-    ($ty:ty, $act:ty, $table:expr, |$blk:ident| $scale:expr, {$($min:item)*}) => {
+/// The 32-element formats whose block unpacks to 32 signed bytes: `$unpack`
+/// writes block `$blk`'s bytes at `$row` and evaluates to its scale; the
+/// operands are 16 × 32-byte tiles, rows past the tile's `nj` zero.
+macro_rules! bytes_block32 {
+    ($ty:ty, $act:ty, {$($min:item)*}, |$blk:ident, $row:ident| $unpack:block) => {
         impl Block32 for $ty {
             type Act = $act;
             $($min)*
@@ -699,34 +697,45 @@ macro_rules! nibble_block32 {
                 base: *mut u8,
                 dw: *mut f32,
             ) -> (*const u8, usize, usize) {
-                let table: [i8; 16] = $table;
                 unsafe {
-                    let table = _mm_loadu_si128(table.as_ptr().cast());
-                    let mask = _mm_set1_epi8(0x0F);
                     for b in 0..nb {
                         for r in 0..16 {
-                            let row = base.add(b * 512 + r * 32);
+                            let $row = base.add(b * 512 + r * 32);
                             let Some($blk) = (r < nj).then(|| &w[r * nb + b]) else {
-                                std::ptr::write_bytes(row, 0, 32);
+                                std::ptr::write_bytes($row, 0, 32);
                                 dw.add(b * 16 + r).write(0.0);
                                 continue;
                             };
-                            // Byte j: element j (low nibble), j + 16 (high).
-                            let q = _mm_loadu_si128($blk.qs.as_ptr().cast());
-                            let lo = _mm_shuffle_epi8(table, _mm_and_si128(q, mask));
-                            let hi = _mm_shuffle_epi8(
-                                table,
-                                _mm_and_si128(_mm_srli_epi16::<4>(q), mask),
-                            );
-                            _mm_storeu_si128(row.cast(), lo);
-                            _mm_storeu_si128(row.add(16).cast(), hi);
-                            dw.add(b * 16 + r).write($scale);
+                            let scale: f32 = $unpack;
+                            dw.add(b * 16 + r).write(scale);
                         }
                     }
                 }
                 (base, 512, 32)
             }
         }
+    };
+}
+
+/// The 32-element formats of 16 nibbles, each a 16-entry table's index:
+/// unpacked by `pshufb` into 16 × 32-byte tiles.
+macro_rules! nibble_block32 {
+    ($ty:ty, $table:expr, |$blk:ident| $scale:expr) => {
+        nibble_block32!($ty, BlockQ8_0, $table, |$blk| $scale, {});
+    };
+    ($ty:ty, $act:ty, $table:expr, |$blk:ident| $scale:expr, {$($min:item)*}) => {
+        bytes_block32!($ty, $act, {$($min)*}, |$blk, row| {
+            let table: [i8; 16] = $table;
+            let table = _mm_loadu_si128(table.as_ptr().cast());
+            let mask = _mm_set1_epi8(0x0F);
+            // Byte j: element j (low nibble), j + 16 (high).
+            let q = _mm_loadu_si128($blk.qs.as_ptr().cast());
+            let lo = _mm_shuffle_epi8(table, _mm_and_si128(q, mask));
+            let hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(q), mask));
+            _mm_storeu_si128(row.cast(), lo);
+            _mm_storeu_si128(row.add(16).cast(), hi);
+            $scale
+        });
     };
 }
 
@@ -774,53 +783,23 @@ nibble_block32!(
 /// an offset `m` against Q8_1), as a signed byte.
 macro_rules! five_bit_block32 {
     ($ty:ty, $act:ty, $off:literal, {$($min:item)*}) => {
-        impl Block32 for $ty {
-            type Act = $act;
-            $($min)*
-
-            fn scratch(nb: usize) -> usize {
-                nb * 512
-            }
-
-            #[target_feature(enable = "avx512f,avx512bw,f16c")]
-            unsafe fn operands(
-                w: &[Self],
-                nb: usize,
-                nj: usize,
-                base: *mut u8,
-                dw: *mut f32,
-            ) -> (*const u8, usize, usize) {
-                unsafe {
-                    let (mask, off) = (_mm_set1_epi8(0x0F), _mm_set1_epi8($off));
-                    for b in 0..nb {
-                        for r in 0..16 {
-                            let row = base.add(b * 512 + r * 32);
-                            let Some(blk) = (r < nj).then(|| &w[r * nb + b]) else {
-                                std::ptr::write_bytes(row, 0, 32);
-                                dw.add(b * 16 + r).write(0.0);
-                                continue;
-                            };
-                            // Byte i: 0x10 where element i's fifth bit is set.
-                            let h = _mm256_and_si256(
-                                super::x86::sign_masks(u32::from_le_bytes(blk.qh)),
-                                _mm256_set1_epi8(0x10),
-                            );
-                            let q = _mm_loadu_si128(blk.qs.as_ptr().cast());
-                            let lo =
-                                _mm_or_si128(_mm_and_si128(q, mask), _mm256_castsi256_si128(h));
-                            let hi = _mm_or_si128(
-                                _mm_and_si128(_mm_srli_epi16::<4>(q), mask),
-                                _mm256_extracti128_si256::<1>(h),
-                            );
-                            _mm_storeu_si128(row.cast(), _mm_sub_epi8(lo, off));
-                            _mm_storeu_si128(row.add(16).cast(), _mm_sub_epi8(hi, off));
-                            dw.add(b * 16 + r).write(h2f(blk.d));
-                        }
-                    }
-                }
-                (base, 512, 32)
-            }
-        }
+        bytes_block32!($ty, $act, {$($min)*}, |blk, row| {
+            let (mask, off) = (_mm_set1_epi8(0x0F), _mm_set1_epi8($off));
+            // Byte i: 0x10 where element i's fifth bit is set.
+            let h = _mm256_and_si256(
+                super::x86::sign_masks(u32::from_le_bytes(blk.qh)),
+                _mm256_set1_epi8(0x10),
+            );
+            let q = _mm_loadu_si128(blk.qs.as_ptr().cast());
+            let lo = _mm_or_si128(_mm_and_si128(q, mask), _mm256_castsi256_si128(h));
+            let hi = _mm_or_si128(
+                _mm_and_si128(_mm_srli_epi16::<4>(q), mask),
+                _mm256_extracti128_si256::<1>(h),
+            );
+            _mm_storeu_si128(row.cast(), _mm_sub_epi8(lo, off));
+            _mm_storeu_si128(row.add(16).cast(), _mm_sub_epi8(hi, off));
+            h2f(blk.d)
+        });
     };
 }
 
