@@ -14,7 +14,7 @@
 # call brings the log so far back.
 #
 # LAYERS (default: the shapes' own) writes the models with that many layers:
-# a short lease still measures decode attention at depth per layer, the
+# a short run still measures decode attention at depth per layer, the
 # tests and the gates, in minutes instead of the full models' twenty.
 #
 # Needs .gpu/ (`scripts/gpu.sh bundle`), .gpu-old/samesum (the build being
