@@ -9,8 +9,9 @@
 // function from the exact passes (attention.cu), one function for decode and prefill.
 //
 // The row contract by construction. A block takes FA_P (row, head) pairs of
-// one KV head (FA_P / gs rows x the gs query heads of the group), a warp 16
-// of them as the rows of its mma tiles; an mma row's result depends on that
+// one KV head (FA_P / gs rows x the gs query heads of the group), a warp
+// 16 or 32 of them as the rows of its one or two mma m-tiles (FaPrefill);
+// an mma row's result depends on that
 // row's q (or probabilities) and the tile's keys (or values) only. A pair's
 // keys 0..=pos are cut by position alone: into splits of FA_SPLIT keys, each
 // split into tiles of FA_KT keys. Within a split the tiles are folded in
@@ -151,13 +152,16 @@ __device__ __forceinline__ void fa_rescale_pv(float (&os)[N][4], const float (&a
 
 // Row stride of the shared tiles in halves: rows 16 bytes (4 banks) apart
 // modulo 128, so ldmatrix's eight rows hit distinct banks. The pairs' q,
-// then two buffers of a tile's keys and values (an f16 cache's next tile
-// is copied into one while the other is read).
+// the running fold of the splits (a max and a sum, floats, per pair and
+// lane of its quad: kept out of the registers the tiles need), then two buffers of a tile's keys
+// and values (an f16 cache's next tile is copied into one while the other
+// is read; an f32 cache's are converted into the first).
 template <int HD>
 struct FaLayout {
     static constexpr int ST = HD + 8;
     static constexpr int Q = 0;
-    static constexpr int K = FA_P * ST;
+    static constexpr int ML = FA_P * ST;
+    static constexpr int K = ML + FA_P * 16;
     static constexpr int BUF = 2 * FA_KT * ST;  // keys then values
     static constexpr int HALVES = K + 2 * BUF;
 };
@@ -173,11 +177,26 @@ __device__ __forceinline__ void fa_issue_kv(u16* ks, const u64* kt, const u64* v
     // multiples of FA_KT, which divides KV_BLOCK).
     const void* ck = kv_block_base(kt, j0, hkv * HD, 2);
     const void* cv = kv_block_base(vt, j0, hkv * HD, 2);
-    for (int i = threadIdx.x; i < 2 * FA_KT * CH; i += NTH) {
-        int mat = i / (FA_KT * CH), r = (i / CH) % FA_KT, c = i % CH;
-        int j = min(j0 + r, last);
-        const u16* src = (const u16*)(mat ? cv : ck) + ((i64)j * hkv + g) * HD + 8 * c;
-        cp_async16(ks + mat * FA_KT * L::ST + r * L::ST + 8 * c, src, j0 + r <= last);
+    // Thread t copies chunk t % CH of rows t / CH, t / CH + NTH / CH, ...
+    // of each matrix: its offsets step by constants, so none is held in a
+    // register across the kernel's tile loop.
+    static_assert(NTH % CH == 0 && FA_KT % (NTH / CH) == 0, "threads cover a tile's rows evenly");
+    // Rows past `last` are zero-filled from row j0's address (mapped: j0 <=
+    // last); a row's source is the previous one's plus one position.
+    constexpr int RS = NTH / CH;  // rows a pass
+    int c = threadIdx.x % CH, r0 = threadIdx.x / CH;
+    i64 pstep = (i64)hkv * HD;  // halves a position
+#pragma unroll
+    for (int mat = 0; mat < 2; mat++) {
+        const u16* first = (const u16*)(mat ? cv : ck) + (i64)j0 * pstep + (i64)g * HD + 8 * c;
+        const u16* src = first + r0 * pstep;
+        u16* dst = ks + mat * FA_KT * L::ST + r0 * L::ST + 8 * c;
+#pragma unroll
+        for (int k = 0; k < FA_KT / RS; k++) {
+            bool ok = j0 + r0 + RS * k <= last;
+            cp_async16(dst + RS * k * L::ST, ok ? src : first, ok);
+            src += RS * pstep;
+        }
     }
 }
 
@@ -191,18 +210,25 @@ __device__ __forceinline__ void fa_load_kv(u16* ks, const u64* kt, const u64* vt
     constexpr int CH = HD / 8;  // 8-value chunks a row
     const void* ck = kv_block_base(kt, j0, hkv * HD, 4);
     const void* cv = kv_block_base(vt, j0, hkv * HD, 4);
-    for (int i = threadIdx.x; i < 2 * FA_KT * CH; i += NTH) {
-        int mat = i / (FA_KT * CH), r = (i / CH) % FA_KT, c = i % CH;
-        int j = j0 + r;
-        uint4 w = make_uint4(0u, 0u, 0u, 0u);
-        if (j <= last) {
-            const float* src = (const float*)(mat ? cv : ck) + ((i64)j * hkv + g) * HD + 8 * c;
-            float4 x = *reinterpret_cast<const float4*>(src);
-            float4 y = *reinterpret_cast<const float4*>(src + 4);
-            w = make_uint4(fa_pack_kv(x.x, x.y), fa_pack_kv(x.z, x.w), fa_pack_kv(y.x, y.y),
-                           fa_pack_kv(y.z, y.w));
+    // The rows of each thread as fa_issue_kv's.
+    static_assert(NTH % CH == 0 && FA_KT % (NTH / CH) == 0, "threads cover a tile's rows evenly");
+    int c = threadIdx.x % CH;
+#pragma unroll
+    for (int mat = 0; mat < 2; mat++) {
+        const float* base = (const float*)(mat ? cv : ck) + (i64)g * HD + 8 * c;
+#pragma unroll 1
+        for (int r = threadIdx.x / CH; r < FA_KT; r += NTH / CH) {
+            int j = j0 + r;
+            uint4 w = make_uint4(0u, 0u, 0u, 0u);
+            if (j <= last) {
+                const float* src = base + (i64)j * hkv * HD;
+                float4 x = *reinterpret_cast<const float4*>(src);
+                float4 y = *reinterpret_cast<const float4*>(src + 4);
+                w = make_uint4(fa_pack_kv(x.x, x.y), fa_pack_kv(x.z, x.w), fa_pack_kv(y.x, y.y),
+                               fa_pack_kv(y.z, y.w));
+            }
+            *reinterpret_cast<uint4*>(ks + mat * FA_KT * L::ST + r * L::ST + 8 * c) = w;
         }
-        *reinterpret_cast<uint4*>(ks + mat * FA_KT * L::ST + r * L::ST + 8 * c) = w;
     }
 }
 
@@ -233,13 +259,65 @@ __device__ __forceinline__ u16* fa_stage_kv(u16* smem, const u64* kt, const u64*
     return kb;
 }
 
+// N output n-tiles of MT m-tiles (os[t], the probabilities sc[t]) rescaled
+// by al[t], then o += p v, each value fragment loaded once for the MT
+// m-tiles: every element the same steps in the same order as
+// fa_rescale_pv's (the scaling, then the mma of keys 16 kk .. 16 kk + 15
+// for kk in order).
+template <int MT, int N, int ST>
+__device__ __forceinline__ void fa_rescale_pv_mt(float (&os)[MT][N][4], const float (&al)[MT][2],
+                                                 const float (&sc)[MT][FA_KT / 8][4], const u16* va) {
+#pragma unroll
+    for (int t = 0; t < MT; t++)
+#pragma unroll
+        for (int n = 0; n < N; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) os[t][n][e] = __fmul_rn(os[t][n][e], al[t][e / 2]);
+#pragma unroll
+    for (int kk = 0; kk < FA_KT / 16; kk++) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int t = 0; t < MT; t++) {
+            a[t][0] = fa_pack(sc[t][2 * kk][0], sc[t][2 * kk][1]);
+            a[t][1] = fa_pack(sc[t][2 * kk][2], sc[t][2 * kk][3]);
+            a[t][2] = fa_pack(sc[t][2 * kk + 1][0], sc[t][2 * kk + 1][1]);
+            a[t][3] = fa_pack(sc[t][2 * kk + 1][2], sc[t][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int n = 0; n < N; n += 2) {
+            u32 b[4];
+            fa_ldsm4t(b, va + 16 * kk * ST + 8 * n);
+#pragma unroll
+            for (int t = 0; t < MT; t++) {
+                fa_mma(os[t][n], a[t][0], a[t][1], a[t][2], a[t][3], b[0], b[1]);
+                fa_mma(os[t][n + 1], a[t][0], a[t][1], a[t][2], a[t][3], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// The prefill block's warps (FA_P / 16 / MT) and m-tiles a warp (MT): two
+// m-tiles a warp at head dims up to 128, so each key and value fragment
+// read from shared memory serves 32 pairs (half the shared-memory reads of
+// one m-tile a warp) and the block of 4 warps fits twice on an SM; one at
+// head dim 256, whose two m-tiles' outputs would not fit in registers.
+template <int HD>
+struct FaPrefill {
+    static constexpr int MT = HD <= 128 ? 2 : 1;
+    static constexpr int W = FA_P / 16 / MT;
+};
+
 // Pairs p of the block: (row r0 + p / gs, head g * gs + p % gs): every
-// split of the block's rows, folded, the output to `o`.
+// split of the block's rows, folded, the output to `o`. Warp w takes pairs
+// 16 MT w .. 16 MT w + 16 MT - 1 as its MT m-tiles; each m-tile's rows run
+// the steps of a one-m-tile warp exactly (its own q, the same key and
+// value fragments, the same softmax), so MT changes no bits.
 template <int HD>
 __device__ __forceinline__ void attention_flash_k(const float* q, const u64* kt, const u64* vt, float* o, int m,
                                                   int hq, int hkv, const int* posp, int rbase, float sl2,
                                                   int f16) {
     typedef FaLayout<HD> L;
+    constexpr int MT = FaPrefill<HD>::MT, NTH = FaPrefill<HD>::W * 32;
     constexpr int NT = HD / 8;  // output n-tiles a warp
     extern __shared__ __align__(16) u16 fa_smem[];
     u16* qs = fa_smem + L::Q;
@@ -250,7 +328,7 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const u64* kt,
     int g = blockIdx.x, r0 = blockIdx.y * rows;
     int np = min(rows, m - r0) * gs;
     int last = pos0 + r0 + (np - 1) / gs;  // the block's last key
-    for (int i = tid; i < FA_P * (HD / 2); i += FA_W * 32) {
+    for (int i = tid; i < FA_P * (HD / 2); i += NTH) {
         int p = i / (HD / 2), d = 2 * (i % (HD / 2));
         u32 w = 0u;
         if (p < np) {
@@ -259,75 +337,95 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const u64* kt,
         }
         *reinterpret_cast<u32*>(qs + p * L::ST + d) = w;
     }
-    // This lane's two mma rows: pairs pa = 16 warp + gr and pa + 8 (-1: not live).
-    int pa = 16 * warp + gr;
-    int posr[2];
+    // This lane's two mma rows of m-tile t: pairs pa[t] = 16 (MT warp + t) + gr
+    // and pa[t] + 8 (position -1: not live).
+    int pa[MT], posr[MT][2];
 #pragma unroll
-    for (int h = 0; h < 2; h++) posr[h] = pa + 8 * h < np ? pos0 + r0 + (pa + 8 * h) / gs : -1;
-    int wlast = 16 * warp < np ? pos0 + r0 + (min(16 * warp + 15, np - 1)) / gs : -1;  // the warp's last key
-    // ldmatrix addresses: A (q) rows 16 warp + (lane % 8) + 8 ((lane / 8) % 2),
+    for (int t = 0; t < MT; t++) {
+        pa[t] = 16 * (MT * warp + t) + gr;
+#pragma unroll
+        for (int h = 0; h < 2; h++) posr[t][h] = pa[t] + 8 * h < np ? pos0 + r0 + (pa[t] + 8 * h) / gs : -1;
+    }
+    int p1 = 16 * MT * warp;  // the warp's first pair; its last key:
+    int wlast = p1 < np ? pos0 + r0 + (min(p1 + 16 * MT - 1, np - 1)) / gs : -1;
+    // ldmatrix addresses: A (q) rows 16 (MT warp + t) + (lane % 8) + 8 ((lane / 8) % 2),
     // columns 8 (lane / 16); K: keys (lane % 8) + 8 (lane / 16), dims 8 ((lane / 8) % 2);
     // V (transposed): keys (lane % 8) + 8 ((lane / 8) % 2), dims 8 (lane / 16).
-    const u16* qa = qs + (16 * warp + (lane & 7) + 8 * ((lane >> 3) & 1)) * L::ST + 8 * (lane >> 4);
+    const u16* qa = qs + (p1 + (lane & 7) + 8 * ((lane >> 3) & 1)) * L::ST + 8 * (lane >> 4);
 
     // The running fold of the splits before: M and L in registers, o in the
     // output rows themselves (each element read and written by its own lane).
-    float M[2] = {-INFINITY, -INFINITY}, Lsum[2] = {0.0f, 0.0f};
-    float mr[2], lr[2], os[NT][4];
+    // The running fold lives in shared memory, read and written at split
+    // ends only: pair p's max and sum at fml[2 (4 p + c)], a copy for each
+    // lane c of the quad holding the pair (the four compute the same fold).
+    float* fml = reinterpret_cast<float*>(fa_smem + L::ML);
+    float mr[MT][2], lr[MT][2], os[MT][NT][4];
     // The block's tiles in order, the splits' boundaries every
     // FA_SPLIT / FA_KT tiles. An f16 cache's tiles are copied a tile ahead
     // into alternate buffers; an f32 cache's are converted in place.
     int jbeg = 0, jall = last + 1;
     if (f16) {
-        fa_issue_kv<HD>(fa_smem + L::K, kt, vt, hkv, g, jbeg, last);
+        fa_issue_kv<HD, NTH>(fa_smem + L::K, kt, vt, hkv, g, jbeg, last);
         cp_async_commit();
     }
     for (int j0 = jbeg, it = 0; j0 < jall; j0 += FA_KT, it++) {
-        u16* kb = fa_stage_kv<L, HD, FA_W * 32>(fa_smem, kt, vt, hkv, g, j0, jall, last, it, f16);
+        u16* kb = fa_stage_kv<L, HD, NTH>(fa_smem, kt, vt, hkv, g, j0, jall, last, it, f16);
         int s = j0 / FA_SPLIT;
         if (j0 % FA_SPLIT == 0) {
 #pragma unroll
-            for (int h = 0; h < 2; h++) mr[h] = -INFINITY, lr[h] = 0.0f;
+            for (int t = 0; t < MT; t++) {
 #pragma unroll
-            for (int n = 0; n < NT; n++)
+                for (int h = 0; h < 2; h++) mr[t][h] = -INFINITY, lr[t][h] = 0.0f;
 #pragma unroll
-                for (int e = 0; e < 4; e++) os[n][e] = 0.0f;
+                for (int n = 0; n < NT; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) os[t][n][e] = 0.0f;
+            }
         }
         if (wlast >= j0) {  // else no key of the tile for any row of this warp
             const u16* ka = kb + ((lane & 7) + 8 * (lane >> 4)) * L::ST + 8 * ((lane >> 3) & 1);
             const u16* va = kb + FA_KT * L::ST + ((lane & 7) + 8 * ((lane >> 3) & 1)) * L::ST + 8 * (lane >> 4);
-            float sc[FA_KT / 8][4];
+            float sc[MT][FA_KT / 8][4];
 #pragma unroll
-            for (int n = 0; n < FA_KT / 8; n++)
+            for (int t = 0; t < MT; t++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) sc[n][e] = 0.0f;
+                for (int n = 0; n < FA_KT / 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) sc[t][n][e] = 0.0f;
 #pragma unroll
             for (int k0 = 0; k0 < HD; k0 += 16) {
-                u32 a[4];
-                fa_ldsm4(a, qa + k0);
+                u32 a[MT][4];
+#pragma unroll
+                for (int t = 0; t < MT; t++) fa_ldsm4(a[t], qa + 16 * t * L::ST + k0);
 #pragma unroll
                 for (int n = 0; n < FA_KT / 8; n += 2) {
                     u32 b[4];
                     fa_ldsm4(b, ka + n * 8 * L::ST + k0);
-                    fa_mma(sc[n], a[0], a[1], a[2], a[3], b[0], b[1]);
-                    fa_mma(sc[n + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+#pragma unroll
+                    for (int t = 0; t < MT; t++) {
+                        fa_mma(sc[t][n], a[t][0], a[t][1], a[t][2], a[t][3], b[0], b[1]);
+                        fa_mma(sc[t][n + 1], a[t][0], a[t][1], a[t][2], a[t][3], b[2], b[3]);
+                    }
                 }
             }
             // Scores in the log2 domain, -inf past each row's position;
             // the tile's row maxima over the quad's lanes.
-            float mt[2] = {-INFINITY, -INFINITY};
+            float al[MT][2];
 #pragma unroll
-            for (int n = 0; n < FA_KT / 8; n++)
+            for (int t = 0; t < MT; t++) {
+                float mt[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int h = e / 2, j = j0 + 8 * n + 2 * c + (e & 1);
-                    float v = j <= posr[h] ? __fmul_rn(sc[n][e], sl2) : -INFINITY;
-                    sc[n][e] = v;
-                    mt[h] = fmaxf(mt[h], v);
-                }
-            float al[2];
-            fa_softmax_tile(sc, mt, mr, lr, al);
-            fa_rescale_pv<NT, L::ST>(os, al, sc, va);
+                for (int n = 0; n < FA_KT / 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        int h = e / 2, j = j0 + 8 * n + 2 * c + (e & 1);
+                        float v = j <= posr[t][h] ? __fmul_rn(sc[t][n][e], sl2) : -INFINITY;
+                        sc[t][n][e] = v;
+                        mt[h] = fmaxf(mt[h], v);
+                    }
+                fa_softmax_tile(sc[t], mt, mr[t], lr[t], al[t]);
+            }
+            fa_rescale_pv_mt<MT, NT, L::ST>(os, al, sc, va);
         }
         // The buffer just read is the one the next tile but one is copied to.
         if (f16) __syncthreads();
@@ -336,42 +434,54 @@ __device__ __forceinline__ void attention_flash_k(const float* q, const u64* kt,
         // quad gets the same bits: fadd commutes), then its fold into the
         // running values (decode writes the split's partial instead and
         // attention_flash_combine folds it the same way).
-        fa_quad_sum(lr);
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            if (posr[h] < s * FA_SPLIT) continue;  // the row has no key in this split
-            float* orow = o + ((i64)(r0 + (pa + 8 * h) / gs) * hq + g * gs + (pa + 8 * h) % gs) * HD + 2 * c;
-            if (s == 0) {
-                M[h] = mr[h];
-                Lsum[h] = lr[h];
+        for (int t = 0; t < MT; t++) {
+            fa_quad_sum(lr[t]);
 #pragma unroll
-                for (int n = 0; n < NT; n++)
-                    *reinterpret_cast<float2*>(orow + 8 * n) = make_float2(os[n][2 * h], os[n][2 * h + 1]);
-            } else {
-                FaFold f(M[h], Lsum[h], mr[h], lr[h]);
+            for (int h = 0; h < 2; h++) {
+                if (posr[t][h] < s * FA_SPLIT) continue;  // the row has no key in this split
+                int p = pa[t] + 8 * h;
+                float* orow = o + ((i64)(r0 + p / gs) * hq + g * gs + p % gs) * HD + 2 * c;
+                float2* ml = reinterpret_cast<float2*>(fml) + 4 * p + c;
+                if (s == 0) {
+                    *ml = make_float2(mr[t][h], lr[t][h]);
 #pragma unroll
-                for (int n = 0; n < NT; n++) {
-                    float2 x = *reinterpret_cast<const float2*>(orow + 8 * n);
-                    *reinterpret_cast<float2*>(orow + 8 * n) =
-                        make_float2(f.out(x.x, os[n][2 * h]), f.out(x.y, os[n][2 * h + 1]));
+                    for (int n = 0; n < NT; n++)
+                        *reinterpret_cast<float2*>(orow + 8 * n) = make_float2(os[t][n][2 * h], os[t][n][2 * h + 1]);
+                } else {
+                    float2 v = *ml;
+                    FaFold f(v.x, v.y, mr[t][h], lr[t][h]);
+                    *ml = v;
+#pragma unroll
+                    for (int n = 0; n < NT; n++) {
+                        float2 x = *reinterpret_cast<const float2*>(orow + 8 * n);
+                        *reinterpret_cast<float2*>(orow + 8 * n) =
+                            make_float2(f.out(x.x, os[t][n][2 * h]), f.out(x.y, os[t][n][2 * h + 1]));
+                    }
                 }
             }
         }
     }
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        if (posr[h] < 0) continue;
-        float* orow = o + ((i64)(r0 + (pa + 8 * h) / gs) * hq + g * gs + (pa + 8 * h) % gs) * HD + 2 * c;
+    for (int t = 0; t < MT; t++)
 #pragma unroll
-        for (int n = 0; n < NT; n++) {
-            float2 x = *reinterpret_cast<const float2*>(orow + 8 * n);
-            *reinterpret_cast<float2*>(orow + 8 * n) = make_float2(__fdiv_rn(x.x, Lsum[h]), __fdiv_rn(x.y, Lsum[h]));
+        for (int h = 0; h < 2; h++) {
+            if (posr[t][h] < 0) continue;
+            int p = pa[t] + 8 * h;
+            float* orow = o + ((i64)(r0 + p / gs) * hq + g * gs + p % gs) * HD + 2 * c;
+            float Lv = fml[2 * (4 * p + c) + 1];
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                float2 x = *reinterpret_cast<const float2*>(orow + 8 * n);
+                *reinterpret_cast<float2*>(orow + 8 * n) = make_float2(__fdiv_rn(x.x, Lv), __fdiv_rn(x.y, Lv));
+            }
         }
-    }
 }
 
+// Launch with FaPrefill<HD>::W * 32 threads: 128 (two blocks an SM) at head
+// dims 64 and 128, 256 (one) at 256.
 #define FA_KERNEL(name, HD)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(FA_W * 32, 1)                                                     \
+    extern "C" __global__ void __launch_bounds__(FaPrefill<HD>::W * 32, FaPrefill<HD>::MT)                         \
         name(const float* q, const u64* kt, const u64* vt, float* o, int m, int hq, int hkv, const int* posp,      \
              int rbase, float sl2, int f16) {                                                                      \
         pdl_wait();                                                                                                \

@@ -48,12 +48,21 @@ const FD_SS: usize = FA_KT + 4;
 /// pairs' q rows (`ATT_HD` = 256 floats) and score rows (`ATT_S` = 260).
 const P32_SMEM: usize = 2 * AP * (256 + 260) * 4;
 
-/// The flash kernel's dynamic shared memory in bytes at head dim `hd`: its
-/// pairs' q and, with an f16 cache, two buffers of a tile's keys and values
-/// (the next tile is copied while one is read), with an f32 cache one (its
-/// tiles are converted in place); halves, rows hd + 8 apart.
+/// The flash kernel's dynamic shared memory in bytes at head dim `hd`
+/// (`FaLayout`): its pairs' q, their running max and sum (floats, one copy
+/// for each of the 4 lanes holding a pair) and,
+/// with an f16 cache, two buffers of a tile's keys and values (the next
+/// tile is copied while one is read), with an f32 cache one (its tiles are
+/// converted in place); halves, rows hd + 8 apart.
 fn flash_smem(hd: usize, f16: bool) -> usize {
-    (FA_P + if f16 { 4 } else { 2 } * FA_KT) * (hd + 8) * 2
+    (FA_P + if f16 { 4 } else { 2 } * FA_KT) * (hd + 8) * 2 + FA_P * 4 * 2 * 4
+}
+
+/// The prefill flash kernel's threads (`FaPrefill::W` warps): 4 warps of
+/// two m-tiles each at head dims up to 128 (two blocks an SM), 8 of one at
+/// 256.
+fn flash_threads(hd: usize) -> u32 {
+    if hd <= 128 { 128 } else { 256 }
 }
 
 /// The decode flash kernel's dynamic shared memory in bytes at head dim
@@ -775,7 +784,7 @@ impl Cuda {
                 name,
                 cfg(
                     (hkv as u32, m.div_ceil(FA_P / gs) as u32, 1),
-                    256,
+                    flash_threads(hd),
                     flash_smem(hd, p.f16) as u32
                 ),
                 &p.q,

@@ -557,6 +557,62 @@ fn flash_rows_equal_alone_with_values_past_the_half_range() {
     }
 }
 
+/// The flash prefill kernel against the decode kernel at every head shape
+/// it takes (two m-tiles a warp at head dims 64 and 128, one at 256; query
+/// groups of 8 and 16), f16 and f32 caches: each row of a call of many rows
+/// (a row tile partly filled, a key split crossed) has the bytes of that row alone, which takes the decode
+/// kernel and its fold of the splits.
+#[test]
+#[ignore = "needs a CUDA device (scripts/gpu.sh runs it with --include-ignored)"]
+fn flash_prefill_rows_equal_each_row_alone_at_every_head_shape() {
+    if !gpu() {
+        return;
+    }
+    for heads in [(32, 4, 128), (16, 2, 256), (16, 1, 128), (8, 2, 64)] {
+        let (hq, hkv, hd) = heads;
+        let (_dir, model) = attention_model(hq as u32, hkv as u32, hd as u32);
+        let fast = CudaOptions {
+            fast_attention: true,
+            ..Default::default()
+        };
+        let cuda = Cuda::with_options(0, &model, false, fast).unwrap();
+        let (qw, kvw) = (hq * hd, hkv * hd);
+        for f16 in [true, false] {
+            for (i, (pos, m)) in [(0, 37), (900, 150)].into_iter().enumerate() {
+                let (q, k, v) = attention_inputs(heads, pos, m, 300 + i as u64);
+                let batched = cuda
+                    .attention_host(&q, &k, &v, heads, pos, f16, false)
+                    .unwrap();
+                let kernel = cuda.last_attention_kernel();
+                assert!(kernel.starts_with("attention_flash_"), "{kernel}");
+                assert!(
+                    batched.iter().all(|x| x.is_finite()),
+                    "{heads:?}: not finite"
+                );
+                for r in 0..m {
+                    let n = pos + r + 1;
+                    let one = cuda
+                        .attention_host(
+                            &q[r * qw..(r + 1) * qw],
+                            &k[..n * kvw],
+                            &v[..n * kvw],
+                            heads,
+                            pos + r,
+                            f16,
+                            false,
+                        )
+                        .unwrap();
+                    assert!(
+                        same_bits(&one, &batched[r * qw..(r + 1) * qw]),
+                        "{heads:?}, f16 {f16}, {m} rows at {pos}: row {r} ({kernel}) differs from the row alone"
+                    );
+                }
+            }
+        }
+        eprintln!("{heads:?}: flash prefill rows == each row alone (f16 and f32 caches)");
+    }
+}
+
 /// A step whose leading sequences are decode rows and whose later ones are
 /// prompt chunks (or decode rows after a chunk): the leading rows take the
 /// one-launch decode kernels, the rest their own calls, and every sequence
