@@ -38,6 +38,8 @@ mod x86_iq;
 mod x86_kquant;
 #[cfg(target_arch = "x86_64")]
 mod x86_multi;
+#[cfg(target_arch = "x86_64")]
+mod x86_tile2;
 
 use crate::blocks::*;
 use crate::error::{QuantError, Result};
@@ -337,6 +339,14 @@ pub fn dot_rows_multi_with(
     {
         return Ok(());
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2
+        && isa.supported()
+        && n > 0
+        && x86_tile2::dot_rows_multi(weight, w, acts, n, rows, out)?
+    {
+        return Ok(());
+    }
     for (a, o) in acts.iter().zip(out.chunks_exact_mut(rows)) {
         dot_rows_with(isa, weight, w, a, o)?;
     }
@@ -383,6 +393,8 @@ pub fn multi_accelerated(isa: Isa) -> &'static [GgmlType] {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Amx => x86_multi::MULTI_FORMATS,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => x86_tile2::TILE_FORMATS,
         _ => &[],
     }
 }

@@ -127,7 +127,7 @@ pub(super) fn dot_rows_multi_amx(
 }
 
 /// Activation block types, taken out of an [`ActRow`].
-trait ActBlock: Sized {
+pub(super) trait ActBlock: Sized {
     const TYPE: GgmlType;
     fn blocks(a: &ActRow) -> Option<&[Self]>;
 
