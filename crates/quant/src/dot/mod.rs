@@ -37,9 +37,9 @@ mod x86_iq;
 #[cfg(target_arch = "x86_64")]
 mod x86_kquant;
 #[cfg(target_arch = "x86_64")]
-mod x86_multi;
+mod x86_kquant_avx2;
 #[cfg(target_arch = "x86_64")]
-mod x86_tile2;
+mod x86_multi;
 
 use crate::blocks::*;
 use crate::error::{QuantError, Result};
@@ -343,7 +343,7 @@ pub fn dot_rows_multi_with(
     if isa == Isa::Avx2
         && isa.supported()
         && n > 0
-        && x86_tile2::dot_rows_multi(weight, w, acts, n, rows, out)?
+        && x86_kquant_avx2::dot_rows_multi(weight, w, acts, n, rows, out)?
     {
         return Ok(());
     }
@@ -394,7 +394,7 @@ pub fn multi_accelerated(isa: Isa) -> &'static [GgmlType] {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Amx => x86_multi::MULTI_FORMATS,
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => x86_tile2::TILE_FORMATS,
+        Isa::Avx2 => x86_kquant_avx2::TILE_FORMATS,
         _ => &[],
     }
 }

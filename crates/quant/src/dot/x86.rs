@@ -7,6 +7,7 @@
 use super::ActRow;
 use super::scalar::{self, combine, combine_min};
 use super::x86_iq as iq;
+use super::x86_kquant_avx2 as k2;
 use crate::blocks::*;
 use crate::error::Result;
 use crate::isa::Isa;
@@ -110,9 +111,9 @@ pub(super) fn dot_rows(
             (_, T::Q5_1, ActRow::Q8_1(a)) => each_row!(q5_1_avx2, a),
             (_, T::Q2_K, ActRow::Q8K(a)) => each_row!(q2_k_avx2, a),
             (_, T::Q3_K, ActRow::Q8K(a)) => each_row!(q3_k_avx2, a),
-            (_, T::Q4_K, ActRow::Q8K(a)) => each_row!(q4_k_avx2, a),
-            (_, T::Q5_K, ActRow::Q8K(a)) => each_row!(q5_k_avx2, a),
-            (_, T::Q6_K, ActRow::Q8K(a)) => each_row!(q6_k_avx2, a),
+            (_, T::Q4_K, ActRow::Q8K(a)) => each_row!(k2::q4_k_row, a),
+            (_, T::Q5_K, ActRow::Q8K(a)) => each_row!(k2::q5_k_row, a),
+            (_, T::Q6_K, ActRow::Q8K(a)) => each_row!(k2::q6_k_row, a),
             (_, T::IQ4_XS, ActRow::Q8K(a)) => each_row!(iq4_xs_avx2, a),
             (_, T::IQ2_XXS, ActRow::Q8K(a)) => each_row!(iq::iq2_xxs_avx2, a),
             (_, T::IQ2_S, ActRow::Q8K(a)) => each_row!(iq::iq2_s_avx2, a),
@@ -687,38 +688,6 @@ fn summ_k4(scales: &[u8; 12], a: &BlockQ8K) -> i32 {
     summ
 }
 
-#[target_feature(enable = "avx2")]
-unsafe fn q4_k_avx2(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
-    let mut acc = 0f32;
-    for (w, a) in w.iter().zip(a) {
-        let sumi = unsafe {
-            let m4 = _mm256_set1_epi8(0x0F);
-            let mut v = _mm256_setzero_si256();
-            for c in 0..4 {
-                let q = load256u(&w.qs[c * 32..]);
-                let lo = _mm256_and_si256(q, m4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
-                let p0 = _mm256_maddubs_epi16(lo, load256(&a.qs[64 * c..]));
-                let p1 = _mm256_maddubs_epi16(hi, load256(&a.qs[64 * c + 32..]));
-                let (s0, _) = scale_min_k4(2 * c, &w.scales);
-                let (s1, _) = scale_min_k4(2 * c + 1, &w.scales);
-                v = _mm256_add_epi32(v, _mm256_madd_epi16(p0, _mm256_set1_epi16(s0 as i16)));
-                v = _mm256_add_epi32(v, _mm256_madd_epi16(p1, _mm256_set1_epi16(s1 as i16)));
-            }
-            hsum_i32(v)
-        };
-        acc = combine_min(
-            acc,
-            f16_to_f32(w.d),
-            f16_to_f32(w.dmin),
-            a.d,
-            sumi,
-            summ_k4(&w.scales, a),
-        );
-    }
-    acc
-}
-
 /// `IDX_K4[c]`: i16 lane `t` takes scale `2c + t / 16` (the two sub-blocks of
 /// nibble chunk `c`, low nibbles first).
 pub(super) static IDX_K4: [[i16; 32]; 4] = {
@@ -784,96 +753,6 @@ unsafe fn q4_k_avx512(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
             ));
             acc = combine_min(acc, f16_to_f32(w.d), f16_to_f32(w.dmin), a.d, sumi, summ);
         }
-    }
-    acc
-}
-
-#[target_feature(enable = "avx2")]
-unsafe fn q5_k_avx2(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
-    let mut acc = 0f32;
-    for (w, a) in w.iter().zip(a) {
-        let sumi = unsafe {
-            let m4 = _mm256_set1_epi8(0x0F);
-            let sixteen = _mm256_set1_epi8(16);
-            let qh = load256u(&w.qh);
-            let high = |j: usize| {
-                let bit = _mm256_set1_epi8((1u8 << j) as i8);
-                _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), sixteen)
-            };
-            let mut v = _mm256_setzero_si256();
-            for c in 0..4 {
-                let q = load256u(&w.qs[c * 32..]);
-                let lo = _mm256_or_si256(_mm256_and_si256(q, m4), high(2 * c));
-                let hi = _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4),
-                    high(2 * c + 1),
-                );
-                let p0 = _mm256_maddubs_epi16(lo, load256(&a.qs[64 * c..]));
-                let p1 = _mm256_maddubs_epi16(hi, load256(&a.qs[64 * c + 32..]));
-                let (s0, _) = scale_min_k4(2 * c, &w.scales);
-                let (s1, _) = scale_min_k4(2 * c + 1, &w.scales);
-                v = _mm256_add_epi32(v, _mm256_madd_epi16(p0, _mm256_set1_epi16(s0 as i16)));
-                v = _mm256_add_epi32(v, _mm256_madd_epi16(p1, _mm256_set1_epi16(s1 as i16)));
-            }
-            hsum_i32(v)
-        };
-        acc = combine_min(
-            acc,
-            f16_to_f32(w.d),
-            f16_to_f32(w.dmin),
-            a.d,
-            sumi,
-            summ_k4(&w.scales, a),
-        );
-    }
-    acc
-}
-
-#[target_feature(enable = "avx2")]
-unsafe fn q6_k_avx2(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
-    let mut acc = 0f32;
-    for (w, a) in w.iter().zip(a) {
-        let sumi = unsafe {
-            let m4 = _mm256_set1_epi8(0x0F);
-            let m2 = _mm256_set1_epi8(0x03);
-            let mut v = _mm256_setzero_si256();
-            for n in 0..2 {
-                let ql0 = load256u(&w.ql[n * 64..]);
-                let ql1 = load256u(&w.ql[n * 64 + 32..]);
-                let qh = load256u(&w.qh[n * 32..]);
-                let hb = |sh: i32| {
-                    let s = match sh {
-                        0 => qh,
-                        2 => _mm256_srli_epi16::<2>(qh),
-                        4 => _mm256_srli_epi16::<4>(qh),
-                        _ => _mm256_srli_epi16::<6>(qh),
-                    };
-                    _mm256_slli_epi16::<4>(_mm256_and_si256(s, m2))
-                };
-                let q = [
-                    _mm256_or_si256(_mm256_and_si256(ql0, m4), hb(0)),
-                    _mm256_or_si256(_mm256_and_si256(ql1, m4), hb(2)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4), hb(4)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4), hb(6)),
-                ];
-                for (k, qk) in q.iter().enumerate() {
-                    let e = n * 128 + k * 32;
-                    let g = e / 16;
-                    let p = _mm256_maddubs_epi16(*qk, load256(&a.qs[e..]));
-                    let sc = _mm256_set_m128i(
-                        _mm_set1_epi16(w.scales[g + 1] as i16),
-                        _mm_set1_epi16(w.scales[g] as i16),
-                    );
-                    v = _mm256_add_epi32(v, _mm256_madd_epi16(p, sc));
-                }
-            }
-            hsum_i32(v)
-        };
-        let mut corr = 0i32;
-        for g in 0..16 {
-            corr += w.scales[g] as i32 * a.bsums[g] as i32;
-        }
-        acc = combine(acc, f16_to_f32(w.d), a.d, sumi.wrapping_sub(32 * corr));
     }
     acc
 }

@@ -1,19 +1,22 @@
-//! AVX2 tile kernels for batched prefill on CPUs without AVX-512: every
-//! weight row of a call against groups of up to 8 activation rows, each
-//! weight block unpacked once (values, sub-block scales and mins) for the
-//! group's rows instead of once per row as the one-row kernels do. Q4_K, Q5_K
-//! and Q6_K, the formats of llama-quantize's K mixes.
+//! AVX2 kernels of the K formats of llama-quantize's mixes (Q4_K, Q5_K,
+//! Q6_K) on CPUs without AVX-512, one unpacking of a weight block for both:
+//! the tile kernel (every weight row of a call against groups of up to 8
+//! activation rows, each block unpacked once for the group's rows: batched
+//! prefill) and the one-row kernel (decode). A block's sub-block scales are
+//! decoded once, and its mins (or Q6_K's offset correction) meet the
+//! activation's bsums in one vector multiply-add.
 //!
 //! Per (weight row, activation row) the arithmetic is the scalar
 //! reference's: a block's integer sums (the quants' dot with each sub-block
 //! scale, the mins' or Q6_K's offset correction against the activation's
 //! bsums) are exact whatever their order, and the float steps run the
-//! reference's `combine_min` / `combine` in block order with one activation
-//! row per vector lane (separate multiply and add), so every value has the
-//! bits of [`super::dot_rows`].
+//! reference's `combine_min` / `combine` in block order (in the tile kernel
+//! with one activation row per vector lane, separate multiply and add), so
+//! every value has the bits of the scalar kernels.
 
 use super::ActRow;
-use super::x86::{hsum8, load256, load256u};
+use super::scalar::{combine, combine_min};
+use super::x86::{hsum_i32, hsum8, load256, load256u};
 use super::x86_kquant::scratch;
 use super::x86_multi::ActBlock;
 use crate::blocks::*;
@@ -48,22 +51,52 @@ trait Format {
     unsafe fn unpack(w: &Self::W) -> Unpacked;
 }
 
-/// The 8 scales (as `set1` vectors) and the mins (each twice) of a Q4_K or
-/// Q5_K block's packed 6-bit scales.
+/// The 8 scales (each broadcast to a whole vector) and the mins (each
+/// twice, in order) of a Q4_K or Q5_K block's packed 6-bit scales: the
+/// bytes unpacked as four u32 words (scales 0-7 in the first two, mins 0-7
+/// in the last two, each the value `scale_min_k4` gives), then widened to
+/// i16 and spread by byte shuffles.
 #[inline(always)]
 unsafe fn scales_mins_k4(s: &[u8; 12]) -> ([__m256i; 8], __m256i) {
-    let mut mins = [0i16; 16];
-    let mut sc = [unsafe { _mm256_setzero_si256() }; 8];
-    for (j, v) in sc.iter_mut().enumerate() {
-        let (s, m) = scale_min_k4(j, s);
-        *v = unsafe { _mm256_set1_epi16(s as i16) };
-        mins[2 * j] = m as i16;
-        mins[2 * j + 1] = m as i16;
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const TOP2: u32 = 0x0303_0303;
+    let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let (w0, w1, w2) = (w(0), w(1), w(2));
+    let u = [
+        w0 & LOW6,
+        (w2 & LOW4) | (((w0 >> 6) & TOP2) << 4),
+        w1 & LOW6,
+        ((w2 >> 4) & LOW4) | (((w1 >> 6) & TOP2) << 4),
+    ];
+    unsafe {
+        let x = _mm_loadu_si128(u.as_ptr() as *const __m128i);
+        let sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(x));
+        let sc: [__m256i; 8] = std::array::from_fn(|k| {
+            let m = _mm256_loadu_si256(WORD_BCAST[k].as_ptr() as *const __m256i);
+            _mm256_shuffle_epi8(sc16, m)
+        });
+        let m8 = _mm_cvtepu8_epi16(_mm_srli_si128::<8>(x));
+        let mins = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+        (sc, mins)
     }
-    (sc, unsafe {
-        _mm256_loadu_si256(mins.as_ptr() as *const __m256i)
-    })
 }
+
+/// `WORD_BCAST[k]`: a byte shuffle putting i16 word `k` of each 128-bit lane
+/// in every word of that lane.
+static WORD_BCAST: [[u8; 32]; 8] = {
+    let mut t = [[0u8; 32]; 8];
+    let mut k = 0;
+    while k < 8 {
+        let mut b = 0;
+        while b < 32 {
+            t[k][b] = (2 * k + b % 2) as u8;
+            b += 1;
+        }
+        k += 1;
+    }
+    t
+};
 
 struct Q4K;
 impl Format for Q4K {
@@ -126,6 +159,24 @@ impl Format for Q5K {
     }
 }
 
+/// `PAIR_BCAST[i]`: a byte shuffle putting i16 word `2 i` of a 128-bit lane
+/// in every word of the low lane and word `2 i + 1` in every word of the
+/// high lane.
+static PAIR_BCAST: [[u8; 32]; 4] = {
+    let mut t = [[0u8; 32]; 4];
+    let mut i = 0;
+    while i < 4 {
+        let mut b = 0;
+        while b < 32 {
+            let word = if b < 16 { 2 * i } else { 2 * i + 1 };
+            t[i][b] = (2 * word + b % 2) as u8;
+            b += 1;
+        }
+        i += 1;
+    }
+    t
+};
+
 struct Q6K;
 impl Format for Q6K {
     type W = BlockQ6K;
@@ -153,16 +204,20 @@ impl Format for Q6K {
                     _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
                     hb(_mm256_srli_epi16::<6>(qh)),
                 );
-                for k in 0..4 {
-                    // Values 32 (4n + k) .. : sub-blocks g and g + 1 of 16.
-                    let g = 2 * (4 * n + k);
-                    sc[4 * n + k] = _mm256_set_m128i(
-                        _mm_set1_epi16(w.scales[g + 1] as i16),
-                        _mm_set1_epi16(w.scales[g] as i16),
-                    );
-                }
             }
+            // Values 32 i .. 32 i + 31 are sub-blocks 2 i and 2 i + 1 of 16:
+            // their scales broadcast to the low and high halves, from the 16
+            // scales as i16 (scales 0-7 in the low half, 8-15 in the high),
+            // that half copied to both lanes, then one byte shuffle.
             let s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(w.scales.as_ptr() as *const __m128i));
+            let halves = [
+                _mm256_permute4x64_epi64::<0x44>(s16),
+                _mm256_permute4x64_epi64::<0xEE>(s16),
+            ];
+            for (i, v) in sc.iter_mut().enumerate() {
+                let m = _mm256_loadu_si256(PAIR_BCAST[i % 4].as_ptr() as *const __m256i);
+                *v = _mm256_shuffle_epi8(halves[i / 4], m);
+            }
             Unpacked {
                 q,
                 sc,
@@ -235,6 +290,58 @@ unsafe fn tile<F: Format>(
             }
         }
     }
+}
+
+/// Weight row `w` · activation row `a`, one block after another.
+#[inline(always)]
+unsafe fn row<F: Format>(w: &[F::W], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (wb, ab) in w.iter().zip(a) {
+        unsafe {
+            let u = F::unpack(wb);
+            let mut v = _mm256_setzero_si256();
+            for k in 0..8 {
+                let p = _mm256_maddubs_epi16(u.q[k], load256(&ab.qs[32 * k..]));
+                v = _mm256_add_epi32(v, _mm256_madd_epi16(p, u.sc[k]));
+            }
+            let bs = _mm256_loadu_si256(ab.bsums.as_ptr() as *const __m256i);
+            let mv = _mm256_madd_epi16(u.m, bs);
+            acc = if F::MINS {
+                combine_min(acc, u.d, u.dmin, ab.d, hsum_i32(v), hsum_i32(mv))
+            } else {
+                let s = _mm256_sub_epi32(v, _mm256_slli_epi32::<5>(mv));
+                combine(acc, u.d, ab.d, hsum_i32(s))
+            };
+        }
+    }
+    acc
+}
+
+/// The one-row kernels (`super::x86::dot_rows`' AVX2 entries).
+///
+/// # Safety
+/// The CPU has AVX2; `a` has at least as many blocks as `w`.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn q4_k_row(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
+    unsafe { row::<Q4K>(w, a) }
+}
+
+/// See [`q4_k_row`].
+///
+/// # Safety
+/// As [`q4_k_row`].
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn q5_k_row(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
+    unsafe { row::<Q5K>(w, a) }
+}
+
+/// See [`q4_k_row`].
+///
+/// # Safety
+/// As [`q4_k_row`].
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn q6_k_row(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
+    unsafe { row::<Q6K>(w, a) }
 }
 
 /// [`super::dot_rows_multi`] on the AVX2 tile kernel of `weight`: `Ok(false)`
