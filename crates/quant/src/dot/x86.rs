@@ -302,7 +302,7 @@ pub(super) unsafe fn hsum8(v: &[__m256i; 8]) -> __m256i {
 /// (each into lane `b % 8`, as the reference adds them): without a tail, the
 /// same three rounds of additions, operands in the same order, by shuffles.
 #[inline(always)]
-unsafe fn finish_lanes8(
+pub(super) unsafe fn finish_lanes8(
     acc: __m256,
     tail: std::ops::Range<usize>,
     term: impl Fn(usize) -> f32,

@@ -1,10 +1,13 @@
-//! AVX2 kernels of the K formats of llama-quantize's mixes (Q4_K, Q5_K,
-//! Q6_K) on CPUs without AVX-512, one unpacking of a weight block for both:
+//! AVX2 kernels of the formats of llama-quantize's K mixes (Q4_K, Q5_K,
+//! Q6_K; Q8_0, which UD-style files put on attention and SSM projections)
+//! on CPUs without AVX-512. The K formats have one unpacking of a weight
+//! block for both:
 //! the tile kernel (every weight row of a call against groups of up to 8
 //! activation rows, each block unpacked once for the group's rows: batched
 //! prefill) and the one-row kernel (decode). A block's sub-block scales are
 //! decoded once, and its mins (or Q6_K's offset correction) meet the
-//! activation's bsums in one vector multiply-add.
+//! activation's bsums in one vector multiply-add. Q8_0's tile kernel widens
+//! each group of 8 weight blocks to i16 once for up to 8 activation rows.
 //!
 //! Per (weight row, activation row) the arithmetic is the scalar
 //! reference's: a block's integer sums (the quants' dot with each sub-block
@@ -15,8 +18,9 @@
 //! every value has the bits of the scalar kernels.
 
 use super::ActRow;
+use super::scalar;
 use super::scalar::{combine, combine_min};
-use super::x86::{hsum_i32, hsum8, load256, load256u};
+use super::x86::{finish_lanes8, hsum_i32, hsum8, load256, load256u};
 use super::x86_kquant::scratch;
 use super::x86_multi::ActBlock;
 use crate::blocks::*;
@@ -25,7 +29,12 @@ use samesum_gguf::GgmlType;
 use std::arch::x86_64::*;
 
 /// Formats with an AVX2 tile kernel.
-pub(super) const TILE_FORMATS: &[GgmlType] = &[GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K];
+pub(super) const TILE_FORMATS: &[GgmlType] = &[
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::Q8_0,
+];
 
 /// One weight block, unpacked: its 256 quants as 8 vectors of 32 unsigned
 /// values (vector `k` against activation quants `32 k ..`), the i16 scale
@@ -344,6 +353,76 @@ pub(super) unsafe fn q6_k_row(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
     unsafe { row::<Q6K>(w, a) }
 }
 
+/// Q8_0's tile: `out[(row0 + r) * rows + j]` = weight row `j` · `acts[r]`,
+/// with the one-row kernel's float steps (`lanes8`: block `b`'s term into
+/// lane `b % 8`, eight blocks a vector step, the tail by the scalar term,
+/// then `reduce8`); each group of 8 weight blocks is widened to i16 and its
+/// scales converted once for the activation rows.
+///
+/// # Safety
+/// As [`tile`].
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn q8_0_tile(
+    w: &[BlockQ8_0],
+    nb: usize,
+    rows: usize,
+    acts: &[&[BlockQ8_0]],
+    out: &mut [f32],
+    row0: usize,
+) {
+    let nr = acts.len().min(8);
+    let groups = nb / 8;
+    unsafe {
+        // SAFETY: `groups * nr` values, all written below, used only here.
+        let da = std::slice::from_raw_parts_mut(scratch::<__m256>(groups * nr), groups * nr);
+        for (r, a) in acts.iter().enumerate().take(nr) {
+            for g in 0..groups {
+                let d: [u16; 8] = std::array::from_fn(|k| a[8 * g + k].d.to_bits());
+                da[r * groups + g] = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr() as *const __m128i));
+            }
+        }
+        for j in 0..rows {
+            let wr = &w[j * nb..(j + 1) * nb];
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for g in 0..groups {
+                let wb = &wr[8 * g..8 * g + 8];
+                let d: [u16; 8] = std::array::from_fn(|k| wb[k].d.to_bits());
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr() as *const __m128i));
+                let wide: [[__m256i; 2]; 8] = std::array::from_fn(|k| {
+                    let q = load256(&wb[k].qs);
+                    [
+                        _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)),
+                        _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(q)),
+                    ]
+                });
+                for (r, a) in acts.iter().enumerate().take(nr) {
+                    let v: [__m256i; 8] = std::array::from_fn(|k| {
+                        let q = load256(&a[8 * g + k].qs);
+                        let lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+                        let hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(q));
+                        _mm256_add_epi32(
+                            _mm256_madd_epi16(wide[k][0], lo),
+                            _mm256_madd_epi16(wide[k][1], hi),
+                        )
+                    });
+                    let s = _mm256_cvtepi32_ps(hsum8(&v));
+                    let f = _mm256_mul_ps(dw, da[r * groups + g]);
+                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(f, s));
+                }
+            }
+            for (r, a) in acts.iter().enumerate().take(nr) {
+                out[(row0 + r) * rows + j] = finish_lanes8(acc[r], groups * 8..nb, |b| {
+                    scalar::term(
+                        f16_to_f32(wr[b].d),
+                        f16_to_f32(a[b].d),
+                        scalar::sumi_q8_0(&wr[b], &a[b]),
+                    )
+                });
+            }
+        }
+    }
+}
+
 /// [`super::dot_rows_multi`] on the AVX2 tile kernel of `weight`: `Ok(false)`
 /// when it has none. The caller has checked AVX2 support and the lengths.
 pub(super) fn dot_rows_multi(
@@ -358,6 +437,18 @@ pub(super) fn dot_rows_multi(
         GgmlType::Q4_K => drive::<Q4K>(weight, w, acts, n, rows, out)?,
         GgmlType::Q5_K => drive::<Q5K>(weight, w, acts, n, rows, out)?,
         GgmlType::Q6_K => drive::<Q6K>(weight, w, acts, n, rows, out)?,
+        GgmlType::Q8_0 => {
+            let blocks: &[BlockQ8_0] = crate::cast_blocks(weight, w)?;
+            let nb = n / weight.block_size();
+            for (g, group) in acts.chunks(8).enumerate() {
+                let mut per: [&[BlockQ8_0]; 8] = [&[]; 8];
+                for (p, a) in per.iter_mut().zip(group) {
+                    *p = <BlockQ8_0 as ActBlock>::of(weight, a)?;
+                }
+                // SAFETY: as in `drive`.
+                unsafe { q8_0_tile(blocks, nb, rows, &per[..group.len()], out, 8 * g) };
+            }
+        }
         _ => return Ok(false),
     }
     Ok(true)
