@@ -11,8 +11,13 @@ use std::sync::Mutex;
 /// an SM at 168 registers, keeping a few values a thread in local memory
 /// (stored once per tile, read back at most a few times per 256-wide block
 /// of K); the padding-skipping form holds four copies of the K loop (about
-/// 296 bytes), as do its job-table and live-rows forms.
+/// 296 bytes), as do its job-table and live-rows forms. The flash prefill
+/// kernel at head dim 128 holds two m-tiles' outputs (128 registers) and
+/// scores (64) a thread at the 255-register cap: NVRTC 13.0 keeps 24
+/// bytes in local memory (24 bytes stored, 24 read), the form measured
+/// against one m-tile a warp (H100, qwen3moe pp16384 +11.6%).
 const SPILLS_ALLOWED: &[(&str, u32)] = &[
+    ("attention_flash_128", 48),
     ("mm_tc_q4_k_async32g", 320),
     ("mm_tc_q4_k_async32g_jobs", 320),
     ("mm_tc_q4_k_async32g_live", 320),
