@@ -22,7 +22,7 @@ use super::scalar;
 use super::scalar::{combine, combine_min};
 use super::x86::{finish_lanes8, hsum_i32, hsum8, load256, load256u};
 use super::x86_kquant::scratch;
-use super::x86_multi::ActBlock;
+use super::x86_multi::drive_tile;
 use crate::blocks::*;
 use crate::error::Result;
 use samesum_gguf::GgmlType;
@@ -91,17 +91,25 @@ unsafe fn scales_mins_k4(s: &[u8; 12]) -> ([__m256i; 8], __m256i) {
     }
 }
 
-/// `WORD_BCAST[k]`: a byte shuffle putting i16 word `k` of each 128-bit lane
-/// in every word of that lane.
+/// A byte shuffle putting i16 word `lo` of each 128-bit lane in every word
+/// of the low lane and word `hi` in every word of the high lane.
+const fn word_shuffle(lo: usize, hi: usize) -> [u8; 32] {
+    let mut t = [0u8; 32];
+    let mut b = 0;
+    while b < 32 {
+        let word = if b < 16 { lo } else { hi };
+        t[b] = (2 * word + b % 2) as u8;
+        b += 1;
+    }
+    t
+}
+
+/// `WORD_BCAST[k]`: word `k` to every word of both lanes.
 static WORD_BCAST: [[u8; 32]; 8] = {
     let mut t = [[0u8; 32]; 8];
     let mut k = 0;
     while k < 8 {
-        let mut b = 0;
-        while b < 32 {
-            t[k][b] = (2 * k + b % 2) as u8;
-            b += 1;
-        }
+        t[k] = word_shuffle(k, k);
         k += 1;
     }
     t
@@ -168,19 +176,12 @@ impl Format for Q5K {
     }
 }
 
-/// `PAIR_BCAST[i]`: a byte shuffle putting i16 word `2 i` of a 128-bit lane
-/// in every word of the low lane and word `2 i + 1` in every word of the
-/// high lane.
+/// `PAIR_BCAST[i]`: word `2 i` to the low lane, word `2 i + 1` to the high.
 static PAIR_BCAST: [[u8; 32]; 4] = {
     let mut t = [[0u8; 32]; 4];
     let mut i = 0;
     while i < 4 {
-        let mut b = 0;
-        while b < 32 {
-            let word = if b < 16 { 2 * i } else { 2 * i + 1 };
-            t[i][b] = (2 * word + b % 2) as u8;
-            b += 1;
-        }
+        t[i] = word_shuffle(2 * i, 2 * i + 1);
         i += 1;
     }
     t
@@ -434,47 +435,11 @@ pub(super) fn dot_rows_multi(
     out: &mut [f32],
 ) -> Result<bool> {
     match weight {
-        GgmlType::Q4_K => drive::<Q4K>(weight, w, acts, n, rows, out)?,
-        GgmlType::Q5_K => drive::<Q5K>(weight, w, acts, n, rows, out)?,
-        GgmlType::Q6_K => drive::<Q6K>(weight, w, acts, n, rows, out)?,
-        GgmlType::Q8_0 => {
-            let blocks: &[BlockQ8_0] = crate::cast_blocks(weight, w)?;
-            let nb = n / weight.block_size();
-            for (g, group) in acts.chunks(8).enumerate() {
-                let mut per: [&[BlockQ8_0]; 8] = [&[]; 8];
-                for (p, a) in per.iter_mut().zip(group) {
-                    *p = <BlockQ8_0 as ActBlock>::of(weight, a)?;
-                }
-                // SAFETY: as in `drive`.
-                unsafe { q8_0_tile(blocks, nb, rows, &per[..group.len()], out, 8 * g) };
-            }
-        }
+        GgmlType::Q4_K => drive_tile(weight, w, acts, n, rows, out, tile::<Q4K>)?,
+        GgmlType::Q5_K => drive_tile(weight, w, acts, n, rows, out, tile::<Q5K>)?,
+        GgmlType::Q6_K => drive_tile(weight, w, acts, n, rows, out, tile::<Q6K>)?,
+        GgmlType::Q8_0 => drive_tile(weight, w, acts, n, rows, out, q8_0_tile)?,
         _ => return Ok(false),
     }
     Ok(true)
-}
-
-fn drive<F: Format>(
-    weight: GgmlType,
-    w: &[u8],
-    acts: &[ActRow],
-    n: usize,
-    rows: usize,
-    out: &mut [f32],
-) -> Result<()> {
-    let blocks: &[F::W] = crate::cast_blocks(weight, w)?;
-    let nb = n / weight.block_size();
-    // Groups of 8 activation rows outside, weight rows inside: a group's
-    // activations stay in L1 while every weight row of the tile passes by.
-    for (g, group) in acts.chunks(8).enumerate() {
-        let mut per: [&[BlockQ8K]; 8] = [&[]; 8];
-        for (p, a) in per.iter_mut().zip(group) {
-            *p = <BlockQ8K as ActBlock>::of(weight, a)?;
-        }
-        // SAFETY: AVX2 support was checked by the caller; `blocks` holds
-        // `rows` rows of `nb` blocks, every activation row `nb` blocks, `out`
-        // `acts.len() * rows` values.
-        unsafe { tile::<F>(blocks, nb, rows, &per[..group.len()], out, 8 * g) };
-    }
-    Ok(())
 }

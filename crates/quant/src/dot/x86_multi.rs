@@ -298,10 +298,13 @@ fn drive8<W: bytemuck::Pod, A>(
     Ok(done)
 }
 
-/// A tile kernel of a 256-element format (see [`k::tile`]).
-type TileFn<W, A> = unsafe fn(&[W], usize, usize, &[&[A]], &mut [f32], usize);
+/// A tile kernel: every weight row (`rows` of `nb` blocks) against 1 to 8
+/// activation rows, `out[(row0 + r) * rows + j]` (see [`k::tile`]).
+pub(super) type TileFn<W, A> = unsafe fn(&[W], usize, usize, &[&[A]], &mut [f32], usize);
 
-fn drive_tile<W: bytemuck::Pod, A: ActBlock>(
+/// `kernel` over `acts` in groups of 8. The caller has checked that the CPU
+/// has the kernel's instruction set.
+pub(super) fn drive_tile<W: bytemuck::Pod, A: ActBlock>(
     weight: GgmlType,
     w: &[u8],
     acts: &[ActRow],
@@ -320,8 +323,9 @@ fn drive_tile<W: bytemuck::Pod, A: ActBlock>(
         for (p, a) in per.iter_mut().zip(group) {
             *p = A::of(weight, a)?;
         }
-        // SAFETY: AVX-512 F/BW support was checked by the caller; `blocks`
-        // holds `rows` rows of `nb` blocks, every activation row `nb` blocks.
+        // SAFETY: the kernel's instruction set was checked by the caller;
+        // `blocks` holds `rows` rows of `nb` blocks, every activation row `nb`
+        // blocks.
         unsafe { kernel(blocks, nb, rows, &per[..group.len()], out, 8 * g) };
     }
     Ok(())
