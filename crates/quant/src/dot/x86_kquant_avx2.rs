@@ -357,8 +357,14 @@ pub(super) unsafe fn q6_k_row(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
 /// Q8_0's tile: `out[(row0 + r) * rows + j]` = weight row `j` · `acts[r]`,
 /// with the one-row kernel's float steps (`lanes8`: block `b`'s term into
 /// lane `b % 8`, eight blocks a vector step, the tail by the scalar term,
-/// then `reduce8`); each group of 8 weight blocks is widened to i16 and its
-/// scales converted once for the activation rows.
+/// then `reduce8`). A block's integer dot is one unsigned-by-signed byte
+/// multiply-add of the weights' magnitudes (taken once per group of 8
+/// weight blocks for all the activation rows) against the activation bytes
+/// with the weights' signs: exact while no activation byte is -128 (|w| <=
+/// 128 and |a| <= 127 keep each i16 pair sum within 2 x 128 x 127). The
+/// quantizer never writes -128 (its quants are rounded from at most 127 in
+/// magnitude); an activation row that holds one anyway takes the exact i16
+/// widening of both operands for every block. Either way the same integers.
 ///
 /// # Safety
 /// As [`tile`].
@@ -376,12 +382,20 @@ unsafe fn q8_0_tile(
     unsafe {
         // SAFETY: `groups * nr` values, all written below, used only here.
         let da = std::slice::from_raw_parts_mut(scratch::<__m256>(groups * nr), groups * nr);
+        // Rows whose bytes avoid -128 (the byte multiply-add's domain).
+        let mut narrow = [true; 8];
+        let m128 = _mm256_set1_epi8(i8::MIN);
         for (r, a) in acts.iter().enumerate().take(nr) {
             for g in 0..groups {
                 let d: [u16; 8] = std::array::from_fn(|k| a[8 * g + k].d.to_bits());
                 da[r * groups + g] = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr() as *const __m128i));
             }
+            narrow[r] = a[..groups * 8]
+                .iter()
+                .all(|b| _mm256_movemask_epi8(_mm256_cmpeq_epi8(load256(&b.qs), m128)) == 0);
         }
+        let all_narrow = narrow[..nr].iter().all(|&n| n);
+        let ones = _mm256_set1_epi16(1);
         for j in 0..rows {
             let wr = &w[j * nb..(j + 1) * nb];
             let mut acc = [_mm256_setzero_ps(); 8];
@@ -389,23 +403,29 @@ unsafe fn q8_0_tile(
                 let wb = &wr[8 * g..8 * g + 8];
                 let d: [u16; 8] = std::array::from_fn(|k| wb[k].d.to_bits());
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr() as *const __m128i));
-                let wide: [[__m256i; 2]; 8] = std::array::from_fn(|k| {
-                    let q = load256(&wb[k].qs);
-                    [
-                        _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)),
-                        _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(q)),
-                    ]
-                });
+                let wq: [__m256i; 8] = std::array::from_fn(|k| load256(&wb[k].qs));
+                let mag: [__m256i; 8] = std::array::from_fn(|k| _mm256_abs_epi8(wq[k]));
+                let wide: [[__m256i; 2]; 8] = if all_narrow {
+                    [[_mm256_setzero_si256(); 2]; 8]
+                } else {
+                    std::array::from_fn(|k| widen(wq[k]))
+                };
                 for (r, a) in acts.iter().enumerate().take(nr) {
-                    let v: [__m256i; 8] = std::array::from_fn(|k| {
-                        let q = load256(&a[8 * g + k].qs);
-                        let lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
-                        let hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(q));
-                        _mm256_add_epi32(
-                            _mm256_madd_epi16(wide[k][0], lo),
-                            _mm256_madd_epi16(wide[k][1], hi),
-                        )
-                    });
+                    let ab = &a[8 * g..8 * g + 8];
+                    let v: [__m256i; 8] = if narrow[r] {
+                        std::array::from_fn(|k| {
+                            let q = _mm256_sign_epi8(load256(&ab[k].qs), wq[k]);
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(mag[k], q), ones)
+                        })
+                    } else {
+                        std::array::from_fn(|k| {
+                            let [lo, hi] = widen(load256(&ab[k].qs));
+                            _mm256_add_epi32(
+                                _mm256_madd_epi16(wide[k][0], lo),
+                                _mm256_madd_epi16(wide[k][1], hi),
+                            )
+                        })
+                    };
                     let s = _mm256_cvtepi32_ps(hsum8(&v));
                     let f = _mm256_mul_ps(dw, da[r * groups + g]);
                     acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(f, s));
@@ -421,6 +441,17 @@ unsafe fn q8_0_tile(
                 });
             }
         }
+    }
+}
+
+/// 32 signed bytes widened to two vectors of 16 i16.
+#[inline(always)]
+unsafe fn widen(q: __m256i) -> [__m256i; 2] {
+    unsafe {
+        [
+            _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)),
+            _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(q)),
+        ]
     }
 }
 
