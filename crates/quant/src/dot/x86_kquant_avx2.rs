@@ -1,13 +1,14 @@
 //! AVX2 kernels of the formats of llama-quantize's K mixes (Q4_K, Q5_K,
-//! Q6_K; Q8_0, which UD-style files put on attention and SSM projections)
-//! on CPUs without AVX-512. The K formats have one unpacking of a weight
-//! block for both:
-//! the tile kernel (every weight row of a call against groups of up to 8
-//! activation rows, each block unpacked once for the group's rows: batched
-//! prefill) and the one-row kernel (decode). A block's sub-block scales are
-//! decoded once, and its mins (or Q6_K's offset correction) meet the
-//! activation's bsums in one vector multiply-add. Q8_0's tile kernel widens
-//! each group of 8 weight blocks to i16 once for up to 8 activation rows.
+//! Q6_K; Q8_0, which UD-style files put on attention and SSM projections;
+//! IQ4_XS) on CPUs without AVX-512. The K formats have one unpacking of a
+//! weight block for both: the tile kernel (every weight row of a call
+//! against groups of up to 8 activation rows, each block unpacked once for
+//! the group's rows: batched prefill) and the one-row kernel (decode). A
+//! block's sub-block scales are decoded once, and its mins (or Q6_K's offset
+//! correction) meet the activation's bsums in one vector multiply-add.
+//! Q8_0's tile kernel takes the magnitudes of each group of 8 weight blocks
+//! once for up to 8 activation rows, IQ4_XS's looks each block's levels up
+//! once for them; a block's dot is then one byte multiply-add.
 //!
 //! Per (weight row, activation row) the arithmetic is the scalar
 //! reference's: a block's integer sums (the quants' dot with each sub-block
@@ -34,6 +35,7 @@ pub(super) const TILE_FORMATS: &[GgmlType] = &[
     GgmlType::Q5_K,
     GgmlType::Q6_K,
     GgmlType::Q8_0,
+    GgmlType::IQ4_XS,
 ];
 
 /// One weight block, unpacked: its 256 quants as 8 vectors of 32 unsigned
@@ -384,15 +386,12 @@ unsafe fn q8_0_tile(
         let da = std::slice::from_raw_parts_mut(scratch::<__m256>(groups * nr), groups * nr);
         // Rows whose bytes avoid -128 (the byte multiply-add's domain).
         let mut narrow = [true; 8];
-        let m128 = _mm256_set1_epi8(i8::MIN);
         for (r, a) in acts.iter().enumerate().take(nr) {
             for g in 0..groups {
                 let d: [u16; 8] = std::array::from_fn(|k| a[8 * g + k].d.to_bits());
                 da[r * groups + g] = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr() as *const __m128i));
             }
-            narrow[r] = a[..groups * 8]
-                .iter()
-                .all(|b| _mm256_movemask_epi8(_mm256_cmpeq_epi8(load256(&b.qs), m128)) == 0);
+            narrow[r] = narrow_row(a, groups * 8, |b: &BlockQ8_0| &b.qs[..]);
         }
         let all_narrow = narrow[..nr].iter().all(|&n| n);
         let ones = _mm256_set1_epi16(1);
@@ -455,6 +454,121 @@ unsafe fn widen(q: __m256i) -> [__m256i; 2] {
     }
 }
 
+/// Whether activation row `a`'s first `nb` blocks hold no byte of -128 (the
+/// domain of the byte multiply-adds below, where an activation byte takes a
+/// weight's sign).
+#[inline(always)]
+unsafe fn narrow_row<B>(a: &[B], nb: usize, qs: impl Fn(&B) -> &[i8]) -> bool {
+    unsafe {
+        let m128 = _mm256_set1_epi8(i8::MIN);
+        a[..nb].iter().all(|b| {
+            qs(b)
+                .chunks_exact(32)
+                .all(|c| _mm256_movemask_epi8(_mm256_cmpeq_epi8(load256(c), m128)) == 0)
+        })
+    }
+}
+
+/// IQ4_XS's tile: `out[(row0 + r) * rows + j]` = weight row `j` · `acts[r]`
+/// with the scalar reference's float step per block (`combine`, one
+/// activation row a vector lane). Each weight block's 256 levels are looked
+/// up once for up to 8 activation rows; a sub-block's dot is one
+/// unsigned-by-signed byte multiply-add of the levels' magnitudes against
+/// the activation bytes with the levels' signs (|level| <= 127, |a| <= 127),
+/// then one multiply-add by the sub-block scale. An activation row holding
+/// -128 (which the quantizer never writes) takes the exact i16 widening of
+/// both operands instead. The same integers either way.
+///
+/// # Safety
+/// As [`tile`].
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn iq4_xs_tile(
+    w: &[BlockIq4Xs],
+    nb: usize,
+    rows: usize,
+    acts: &[&[BlockQ8K]],
+    out: &mut [f32],
+    row0: usize,
+) {
+    let nr = acts.len().min(8);
+    // Lanes past `nr` repeat the last row (their results are dropped).
+    let a: [&[BlockQ8K]; 8] = std::array::from_fn(|r| acts[r.min(nr - 1)]);
+    unsafe {
+        let narrow: [bool; 8] =
+            std::array::from_fn(|r| narrow_row(a[r], nb, |b: &BlockQ8K| &b.qs[..]));
+        let all_narrow = narrow.iter().all(|&n| n);
+        // SAFETY: `nb` values, all written below, used only in this call.
+        let da = std::slice::from_raw_parts_mut(scratch::<__m256>(nb), nb);
+        for (b, x) in da.iter_mut().enumerate() {
+            let d: [f32; 8] = std::array::from_fn(|r| a[r][b].d);
+            *x = _mm256_loadu_ps(d.as_ptr());
+        }
+        let table =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i));
+        let m4 = _mm_set1_epi8(0x0F);
+        for j in 0..rows {
+            let wr = &w[j * nb..(j + 1) * nb];
+            let mut acc = _mm256_setzero_ps();
+            for (b, (wb, &dab)) in wr.iter().zip(da.iter()).enumerate() {
+                let sc = iq4xs_scales(wb);
+                // Sub-block k's levels: the low nibbles of its 16 bytes, then the high.
+                let vals: [__m256i; 8] = std::array::from_fn(|k| {
+                    let q = _mm_loadu_si128(wb.qs[16 * k..].as_ptr() as *const __m128i);
+                    let idx = _mm256_set_m128i(
+                        _mm_and_si128(_mm_srli_epi16::<4>(q), m4),
+                        _mm_and_si128(q, m4),
+                    );
+                    _mm256_shuffle_epi8(table, idx)
+                });
+                let mag: [__m256i; 8] = std::array::from_fn(|k| _mm256_abs_epi8(vals[k]));
+                let scv: [__m256i; 8] = std::array::from_fn(|k| _mm256_set1_epi16(sc[k] as i16));
+                // The levels times their scale as i16 (|127 x 32| < 2^15), for widened rows.
+                let wide: [[__m256i; 2]; 8] = if all_narrow {
+                    [[_mm256_setzero_si256(); 2]; 8]
+                } else {
+                    std::array::from_fn(|k| {
+                        let [lo, hi] = widen(vals[k]);
+                        [
+                            _mm256_mullo_epi16(lo, scv[k]),
+                            _mm256_mullo_epi16(hi, scv[k]),
+                        ]
+                    })
+                };
+                let v: [__m256i; 8] = std::array::from_fn(|r| {
+                    let ab = &a[r][b].qs;
+                    let mut v = _mm256_setzero_si256();
+                    if narrow[r] {
+                        for k in 0..8 {
+                            let q = _mm256_sign_epi8(load256(&ab[32 * k..]), vals[k]);
+                            let p = _mm256_maddubs_epi16(mag[k], q);
+                            v = _mm256_add_epi32(v, _mm256_madd_epi16(p, scv[k]));
+                        }
+                    } else {
+                        for k in 0..8 {
+                            let [lo, hi] = widen(load256(&ab[32 * k..]));
+                            let p = _mm256_add_epi32(
+                                _mm256_madd_epi16(wide[k][0], lo),
+                                _mm256_madd_epi16(wide[k][1], hi),
+                            );
+                            v = _mm256_add_epi32(v, p);
+                        }
+                    }
+                    v
+                });
+                // Lane r: row r's exact block sum.
+                let sumi = hsum8(&v);
+                let dd = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(wb.d)), dab);
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(sumi)));
+            }
+            let mut res = [0f32; 8];
+            _mm256_storeu_ps(res.as_mut_ptr(), acc);
+            for (r, &x) in res.iter().enumerate().take(nr) {
+                out[(row0 + r) * rows + j] = x;
+            }
+        }
+    }
+}
+
 /// [`super::dot_rows_multi`] on the AVX2 tile kernel of `weight`: `Ok(false)`
 /// when it has none. The caller has checked AVX2 support and the lengths.
 pub(super) fn dot_rows_multi(
@@ -470,6 +584,7 @@ pub(super) fn dot_rows_multi(
         GgmlType::Q5_K => drive_tile(weight, w, acts, n, rows, out, tile::<Q5K>)?,
         GgmlType::Q6_K => drive_tile(weight, w, acts, n, rows, out, tile::<Q6K>)?,
         GgmlType::Q8_0 => drive_tile(weight, w, acts, n, rows, out, q8_0_tile)?,
+        GgmlType::IQ4_XS => drive_tile(weight, w, acts, n, rows, out, iq4_xs_tile)?,
         _ => return Ok(false),
     }
     Ok(true)
