@@ -391,7 +391,7 @@ unsafe fn q8_0_tile(
                 let d: [u16; 8] = std::array::from_fn(|k| a[8 * g + k].d.to_bits());
                 da[r * groups + g] = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr() as *const __m128i));
             }
-            narrow[r] = narrow_row(a, groups * 8, |b: &BlockQ8_0| &b.qs[..]);
+            narrow[r] = narrow_bytes(a[..groups * 8].iter().map(|b| &b.qs[..]));
         }
         let all_narrow = narrow[..nr].iter().all(|&n| n);
         let ones = _mm256_set1_epi16(1);
@@ -454,19 +454,21 @@ unsafe fn widen(q: __m256i) -> [__m256i; 2] {
     }
 }
 
-/// Whether activation row `a`'s first `nb` blocks hold no byte of -128 (the
-/// domain of the byte multiply-adds below, where an activation byte takes a
-/// weight's sign).
-#[inline(always)]
-unsafe fn narrow_row<B>(a: &[B], nb: usize, qs: impl Fn(&B) -> &[i8]) -> bool {
-    unsafe {
-        let m128 = _mm256_set1_epi8(i8::MIN);
-        a[..nb].iter().all(|b| {
-            qs(b)
-                .chunks_exact(32)
-                .all(|c| _mm256_movemask_epi8(_mm256_cmpeq_epi8(load256(c), m128)) == 0)
-        })
+/// Whether the activation bytes `qs` hold no -128 (the domain of the byte
+/// multiply-adds below, where an activation byte takes a weight's sign).
+///
+/// # Safety
+/// The CPU has AVX2.
+#[target_feature(enable = "avx2")]
+unsafe fn narrow_bytes<'a>(qs: impl Iterator<Item = &'a [i8]>) -> bool {
+    let m128 = _mm256_set1_epi8(i8::MIN);
+    let mut hit = _mm256_setzero_si256();
+    for q in qs {
+        for c in q.chunks_exact(32) {
+            hit = _mm256_or_si256(hit, _mm256_cmpeq_epi8(unsafe { load256(c) }, m128));
+        }
     }
+    _mm256_testz_si256(hit, hit) == 1
 }
 
 /// IQ4_XS's tile: `out[(row0 + r) * rows + j]` = weight row `j` · `acts[r]`
@@ -494,8 +496,10 @@ unsafe fn iq4_xs_tile(
     // Lanes past `nr` repeat the last row (their results are dropped).
     let a: [&[BlockQ8K]; 8] = std::array::from_fn(|r| acts[r.min(nr - 1)]);
     unsafe {
-        let narrow: [bool; 8] =
-            std::array::from_fn(|r| narrow_row(a[r], nb, |b: &BlockQ8K| &b.qs[..]));
+        let mut narrow = [true; 8];
+        for (n, a) in narrow.iter_mut().zip(a) {
+            *n = narrow_bytes(a[..nb].iter().map(|b| &b.qs[..]));
+        }
         let all_narrow = narrow.iter().all(|&n| n);
         // SAFETY: `nb` values, all written below, used only in this call.
         let da = std::slice::from_raw_parts_mut(scratch::<__m256>(nb), nb);
@@ -511,50 +515,48 @@ unsafe fn iq4_xs_tile(
             let mut acc = _mm256_setzero_ps();
             for (b, (wb, &dab)) in wr.iter().zip(da.iter()).enumerate() {
                 let sc = iq4xs_scales(wb);
-                // Sub-block k's levels: the low nibbles of its 16 bytes, then the high.
-                let vals: [__m256i; 8] = std::array::from_fn(|k| {
+                // Sub-block k (its levels, their magnitudes and its scale in
+                // registers) against every row, then the next: 8 row sums
+                // and 3 operands fit AVX2's 16 vector registers.
+                let mut v = [_mm256_setzero_si256(); 8];
+                for k in 0..8 {
+                    // The low nibbles of its 16 bytes, then the high.
                     let q = _mm_loadu_si128(wb.qs[16 * k..].as_ptr() as *const __m128i);
                     let idx = _mm256_set_m128i(
                         _mm_and_si128(_mm_srli_epi16::<4>(q), m4),
                         _mm_and_si128(q, m4),
                     );
-                    _mm256_shuffle_epi8(table, idx)
-                });
-                let mag: [__m256i; 8] = std::array::from_fn(|k| _mm256_abs_epi8(vals[k]));
-                let scv: [__m256i; 8] = std::array::from_fn(|k| _mm256_set1_epi16(sc[k] as i16));
-                // The levels times their scale as i16 (|127 x 32| < 2^15), for widened rows.
-                let wide: [[__m256i; 2]; 8] = if all_narrow {
-                    [[_mm256_setzero_si256(); 2]; 8]
-                } else {
-                    std::array::from_fn(|k| {
-                        let [lo, hi] = widen(vals[k]);
-                        [
-                            _mm256_mullo_epi16(lo, scv[k]),
-                            _mm256_mullo_epi16(hi, scv[k]),
-                        ]
-                    })
-                };
-                let v: [__m256i; 8] = std::array::from_fn(|r| {
-                    let ab = &a[r][b].qs;
-                    let mut v = _mm256_setzero_si256();
-                    if narrow[r] {
-                        for k in 0..8 {
-                            let q = _mm256_sign_epi8(load256(&ab[32 * k..]), vals[k]);
-                            let p = _mm256_maddubs_epi16(mag[k], q);
-                            v = _mm256_add_epi32(v, _mm256_madd_epi16(p, scv[k]));
+                    let vals = _mm256_shuffle_epi8(table, idx);
+                    let mag = _mm256_abs_epi8(vals);
+                    let scv = _mm256_set1_epi16(sc[k] as i16);
+                    if all_narrow {
+                        for (r, vr) in v.iter_mut().enumerate() {
+                            let q = _mm256_sign_epi8(load256(&a[r][b].qs[32 * k..]), vals);
+                            let p = _mm256_maddubs_epi16(mag, q);
+                            *vr = _mm256_add_epi32(*vr, _mm256_madd_epi16(p, scv));
                         }
                     } else {
-                        for k in 0..8 {
-                            let [lo, hi] = widen(load256(&ab[32 * k..]));
-                            let p = _mm256_add_epi32(
-                                _mm256_madd_epi16(wide[k][0], lo),
-                                _mm256_madd_epi16(wide[k][1], hi),
-                            );
-                            v = _mm256_add_epi32(v, p);
+                        // The levels times the scale as i16 (|127 x 32| < 2^15).
+                        let [lo, hi] = widen(vals);
+                        let (lo, hi) = (_mm256_mullo_epi16(lo, scv), _mm256_mullo_epi16(hi, scv));
+                        for (r, vr) in v.iter_mut().enumerate() {
+                            let x = load256(&a[r][b].qs[32 * k..]);
+                            let p = if narrow[r] {
+                                _mm256_madd_epi16(
+                                    _mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, vals)),
+                                    scv,
+                                )
+                            } else {
+                                let [xl, xh] = widen(x);
+                                _mm256_add_epi32(
+                                    _mm256_madd_epi16(lo, xl),
+                                    _mm256_madd_epi16(hi, xh),
+                                )
+                            };
+                            *vr = _mm256_add_epi32(*vr, p);
                         }
                     }
-                    v
-                });
+                }
                 // Lane r: row r's exact block sum.
                 let sumi = hsum8(&v);
                 let dd = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(wb.d)), dab);
