@@ -1,14 +1,15 @@
 //! AVX2 kernels of the formats of llama-quantize's K mixes (Q4_K, Q5_K,
 //! Q6_K; Q8_0, which UD-style files put on attention and SSM projections;
-//! IQ4_XS) on CPUs without AVX-512. The K formats have one unpacking of a
-//! weight block for both: the tile kernel (every weight row of a call
-//! against groups of up to 8 activation rows, each block unpacked once for
-//! the group's rows: batched prefill) and the one-row kernel (decode). A
-//! block's sub-block scales are decoded once, and its mins (or Q6_K's offset
-//! correction) meet the activation's bsums in one vector multiply-add.
-//! Q8_0's tile kernel takes the magnitudes of each group of 8 weight blocks
-//! once for up to 8 activation rows, IQ4_XS's looks each block's levels up
-//! once for them; a block's dot is then one byte multiply-add.
+//! IQ4_XS) and of the 32-value formats of Q4_0, IQ4_NL and MXFP4 files, on
+//! CPUs without AVX-512. The K formats have one unpacking of a weight block
+//! for both: the tile kernel (every weight row of a call against groups of
+//! up to 8 activation rows, each block unpacked once for the group's rows:
+//! batched prefill) and the one-row kernel (decode). A block's sub-block
+//! scales are decoded once, and its mins (or Q6_K's offset correction) meet
+//! the activation's bsums in one vector multiply-add. The 32-value formats'
+//! tile takes the values' magnitudes of each group of 8 weight blocks once
+//! for up to 8 activation rows, IQ4_XS's looks each block's levels up once
+//! for them; a block's dot is then one byte multiply-add.
 //!
 //! Per (weight row, activation row) the arithmetic is the scalar
 //! reference's: a block's integer sums (the quants' dot with each sub-block
@@ -21,7 +22,7 @@
 use super::ActRow;
 use super::scalar;
 use super::scalar::{combine, combine_min};
-use super::x86::{finish_lanes8, hsum_i32, hsum8, load256, load256u};
+use super::x86::{finish_lanes8, hsum_i32, hsum8, load256, load256u, q4_0_values, table_values};
 use super::x86_kquant::scratch;
 use super::x86_multi::drive_tile;
 use crate::blocks::*;
@@ -35,6 +36,9 @@ pub(super) const TILE_FORMATS: &[GgmlType] = &[
     GgmlType::Q5_K,
     GgmlType::Q6_K,
     GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::IQ4_NL,
+    GgmlType::MXFP4,
     GgmlType::IQ4_XS,
 ];
 
@@ -356,13 +360,98 @@ pub(super) unsafe fn q6_k_row(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
     unsafe { row::<Q6K>(w, a) }
 }
 
-/// Q8_0's tile: `out[(row0 + r) * rows + j]` = weight row `j` · `acts[r]`,
-/// with the one-row kernel's float steps (`lanes8`: block `b`'s term into
-/// lane `b % 8`, eight blocks a vector step, the tail by the scalar term,
-/// then `reduce8`). A block's integer dot is one unsigned-by-signed byte
-/// multiply-add of the weights' magnitudes (taken once per group of 8
+/// A format of 32-value blocks against Q8_0 activations, as its one-row
+/// AVX2 kernel reads it.
+trait Blk32 {
+    type W: bytemuck::Pod;
+    /// The block's 32 values as signed bytes (-128 only in Q8_0, whose
+    /// magnitude 128 is still an unsigned byte).
+    ///
+    /// # Safety
+    /// The CPU has AVX2.
+    unsafe fn values(w: &Self::W) -> __m256i;
+    /// The scales of 8 consecutive blocks as f32 lanes.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and F16C.
+    unsafe fn scales8(w: &[Self::W]) -> __m256;
+    /// One block's term, as the one-row kernel takes the blocks past the
+    /// last whole group of 8.
+    fn term(w: &Self::W, a: &BlockQ8_0) -> f32;
+}
+
+/// The f32 lanes of 8 f16 scales.
+#[inline(always)]
+unsafe fn f16x8(d: impl Fn(usize) -> half::f16) -> __m256 {
+    let bits: [u16; 8] = std::array::from_fn(|k| d(k).to_bits());
+    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(bits.as_ptr() as *const __m128i)) }
+}
+
+struct Q80;
+impl Blk32 for Q80 {
+    type W = BlockQ8_0;
+    unsafe fn values(w: &BlockQ8_0) -> __m256i {
+        unsafe { load256(&w.qs) }
+    }
+    unsafe fn scales8(w: &[BlockQ8_0]) -> __m256 {
+        unsafe { f16x8(|k| w[k].d) }
+    }
+    fn term(w: &BlockQ8_0, a: &BlockQ8_0) -> f32 {
+        scalar::term(f16_to_f32(w.d), f16_to_f32(a.d), scalar::sumi_q8_0(w, a))
+    }
+}
+
+struct Q40;
+impl Blk32 for Q40 {
+    type W = BlockQ4_0;
+    unsafe fn values(w: &BlockQ4_0) -> __m256i {
+        unsafe { q4_0_values(w) }
+    }
+    unsafe fn scales8(w: &[BlockQ4_0]) -> __m256 {
+        unsafe { f16x8(|k| w[k].d) }
+    }
+    fn term(w: &BlockQ4_0, a: &BlockQ8_0) -> f32 {
+        scalar::term(f16_to_f32(w.d), f16_to_f32(a.d), scalar::sumi_q4_0(w, a))
+    }
+}
+
+struct Iq4Nl;
+impl Blk32 for Iq4Nl {
+    type W = BlockIq4Nl;
+    unsafe fn values(w: &BlockIq4Nl) -> __m256i {
+        unsafe { table_values(&KVALUES_IQ4NL, &w.qs) }
+    }
+    unsafe fn scales8(w: &[BlockIq4Nl]) -> __m256 {
+        unsafe { f16x8(|k| w[k].d) }
+    }
+    fn term(w: &BlockIq4Nl, a: &BlockQ8_0) -> f32 {
+        scalar::iq4_nl_q8_0(std::slice::from_ref(w), std::slice::from_ref(a))
+    }
+}
+
+struct Mxfp4;
+impl Blk32 for Mxfp4 {
+    type W = BlockMxfp4;
+    unsafe fn values(w: &BlockMxfp4) -> __m256i {
+        unsafe { table_values(&KVALUES_MXFP4, &w.qs) }
+    }
+    unsafe fn scales8(w: &[BlockMxfp4]) -> __m256 {
+        let d: [f32; 8] = std::array::from_fn(|k| e8m0_to_f32_half(w[k].e));
+        unsafe { _mm256_loadu_ps(d.as_ptr()) }
+    }
+    fn term(w: &BlockMxfp4, a: &BlockQ8_0) -> f32 {
+        scalar::mxfp4_q8_0(std::slice::from_ref(w), std::slice::from_ref(a))
+    }
+}
+
+/// The tile of a format of 32-value blocks (Q8_0, Q4_0, IQ4_NL, MXFP4):
+/// `out[(row0 + r) * rows + j]` = weight row `j` · `acts[r]`, with the
+/// one-row kernel's float steps (`lanes8`: block `b`'s term into lane `b
+/// % 8`, eight blocks a vector step, the tail by the scalar term, then
+/// `reduce8`). A block's integer dot is one unsigned-by-signed byte
+/// multiply-add of the weight values' magnitudes (taken once per group of 8
 /// weight blocks for all the activation rows) against the activation bytes
-/// with the weights' signs: exact while no activation byte is -128 (|w| <=
+/// with the values' signs: exact while no activation byte is -128 (|w| <=
 /// 128 and |a| <= 127 keep each i16 pair sum within 2 x 128 x 127). The
 /// quantizer never writes -128 (its quants are rounded from at most 127 in
 /// magnitude); an activation row that holds one anyway takes the exact i16
@@ -371,8 +460,8 @@ pub(super) unsafe fn q6_k_row(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
 /// # Safety
 /// As [`tile`].
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn q8_0_tile(
-    w: &[BlockQ8_0],
+unsafe fn blk32_tile<B: Blk32>(
+    w: &[B::W],
     nb: usize,
     rows: usize,
     acts: &[&[BlockQ8_0]],
@@ -388,8 +477,7 @@ unsafe fn q8_0_tile(
         let mut narrow = [true; 8];
         for (r, a) in acts.iter().enumerate().take(nr) {
             for g in 0..groups {
-                let d: [u16; 8] = std::array::from_fn(|k| a[8 * g + k].d.to_bits());
-                da[r * groups + g] = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr() as *const __m128i));
+                da[r * groups + g] = f16x8(|k| a[8 * g + k].d);
             }
             narrow[r] = narrow_bytes(a[..groups * 8].iter().map(|b| &b.qs[..]));
         }
@@ -400,9 +488,8 @@ unsafe fn q8_0_tile(
             let mut acc = [_mm256_setzero_ps(); 8];
             for g in 0..groups {
                 let wb = &wr[8 * g..8 * g + 8];
-                let d: [u16; 8] = std::array::from_fn(|k| wb[k].d.to_bits());
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr() as *const __m128i));
-                let wq: [__m256i; 8] = std::array::from_fn(|k| load256(&wb[k].qs));
+                let dw = B::scales8(wb);
+                let wq: [__m256i; 8] = std::array::from_fn(|k| B::values(&wb[k]));
                 let mag: [__m256i; 8] = std::array::from_fn(|k| _mm256_abs_epi8(wq[k]));
                 let wide: [[__m256i; 2]; 8] = if all_narrow {
                     [[_mm256_setzero_si256(); 2]; 8]
@@ -431,13 +518,8 @@ unsafe fn q8_0_tile(
                 }
             }
             for (r, a) in acts.iter().enumerate().take(nr) {
-                out[(row0 + r) * rows + j] = finish_lanes8(acc[r], groups * 8..nb, |b| {
-                    scalar::term(
-                        f16_to_f32(wr[b].d),
-                        f16_to_f32(a[b].d),
-                        scalar::sumi_q8_0(&wr[b], &a[b]),
-                    )
-                });
+                out[(row0 + r) * rows + j] =
+                    finish_lanes8(acc[r], groups * 8..nb, |b| B::term(&wr[b], &a[b]));
             }
         }
     }
@@ -585,7 +667,10 @@ pub(super) fn dot_rows_multi(
         GgmlType::Q4_K => drive_tile(weight, w, acts, n, rows, out, tile::<Q4K>)?,
         GgmlType::Q5_K => drive_tile(weight, w, acts, n, rows, out, tile::<Q5K>)?,
         GgmlType::Q6_K => drive_tile(weight, w, acts, n, rows, out, tile::<Q6K>)?,
-        GgmlType::Q8_0 => drive_tile(weight, w, acts, n, rows, out, q8_0_tile)?,
+        GgmlType::Q8_0 => drive_tile(weight, w, acts, n, rows, out, blk32_tile::<Q80>)?,
+        GgmlType::Q4_0 => drive_tile(weight, w, acts, n, rows, out, blk32_tile::<Q40>)?,
+        GgmlType::IQ4_NL => drive_tile(weight, w, acts, n, rows, out, blk32_tile::<Iq4Nl>)?,
+        GgmlType::MXFP4 => drive_tile(weight, w, acts, n, rows, out, blk32_tile::<Mxfp4>)?,
         GgmlType::IQ4_XS => drive_tile(weight, w, acts, n, rows, out, iq4_xs_tile)?,
         _ => return Ok(false),
     }
