@@ -1,10 +1,10 @@
-//! AVX2 kernels of the formats of llama-quantize's K mixes (Q4_K, Q5_K,
-//! Q6_K; Q8_0, which UD-style files put on attention and SSM projections;
-//! IQ4_XS) and of the 32-value formats of Q4_0, IQ4_NL and MXFP4 files, on
-//! CPUs without AVX-512. The K formats have one unpacking of a weight block
-//! for both: the tile kernel (every weight row of a call against groups of
-//! up to 8 activation rows, each block unpacked once for the group's rows:
-//! batched prefill) and the one-row kernel (decode). A block's sub-block
+//! AVX2 kernels of the formats of llama-quantize's K mixes (Q2_K to Q6_K;
+//! Q8_0, which UD-style files put on attention and SSM projections; IQ4_XS)
+//! and of the 32-value formats of Q4_0, IQ4_NL and MXFP4 files, on CPUs
+//! without AVX-512. The K formats have one unpacking of a weight block for
+//! the tile kernel (every weight row of a call against groups of up to 8
+//! activation rows, each block unpacked once for the group's rows: batched
+//! prefill) and, for Q4_K to Q6_K, the one-row kernel (decode). A block's sub-block
 //! scales are decoded once, and its mins (or Q6_K's offset correction) meet
 //! the activation's bsums in one vector multiply-add. The 32-value formats'
 //! tile takes the values' magnitudes of each group of 8 weight blocks once
@@ -32,6 +32,8 @@ use std::arch::x86_64::*;
 
 /// Formats with an AVX2 tile kernel.
 pub(super) const TILE_FORMATS: &[GgmlType] = &[
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
@@ -58,9 +60,11 @@ struct Unpacked {
 /// A 256-element format's block unpacking.
 trait Format {
     type W: bytemuck::Pod;
-    /// Mins (`combine_min`); without them Q6_K's offset of 32 is taken off
-    /// the sum as `32 * (scales . bsums)` (`combine`).
+    /// Mins (`combine_min`); without them the values' offset (Q6_K's 32,
+    /// Q3_K's 4: `1 << OFFSET_SHIFT`) is taken off the sum as `offset *
+    /// (scales . bsums)` (`combine`).
     const MINS: bool;
+    const OFFSET_SHIFT: i32 = 0;
     /// # Safety
     /// The CPU has AVX2.
     unsafe fn unpack(w: &Self::W) -> Unpacked;
@@ -197,6 +201,7 @@ struct Q6K;
 impl Format for Q6K {
     type W = BlockQ6K;
     const MINS: bool = false;
+    const OFFSET_SHIFT: i32 = 5;
     #[inline(always)]
     unsafe fn unpack(w: &BlockQ6K) -> Unpacked {
         unsafe {
@@ -237,6 +242,95 @@ impl Format for Q6K {
             Unpacked {
                 q,
                 sc,
+                m: s16,
+                d: f16_to_f32(w.d),
+                dmin: 0.0,
+            }
+        }
+    }
+}
+
+/// The per-pair i16 scales of the 16 groups of 16 values in `s16` (groups
+/// 0-7 in the low half, 8-15 in the high): vector `k` (values 32 k ..) gets
+/// group 2 k in its low lane and 2 k + 1 in its high lane.
+#[inline(always)]
+unsafe fn group_scales16(s16: __m256i) -> [__m256i; 8] {
+    unsafe {
+        let halves = [
+            _mm256_permute4x64_epi64::<0x44>(s16),
+            _mm256_permute4x64_epi64::<0xEE>(s16),
+        ];
+        std::array::from_fn(|i| {
+            let m = _mm256_loadu_si256(PAIR_BCAST[i % 4].as_ptr() as *const __m256i);
+            _mm256_shuffle_epi8(halves[i / 4], m)
+        })
+    }
+}
+
+/// The 2-bit values of a Q2_K / Q3_K block's `qs`: vector `k` (values 32 k
+/// ..) is bits 2 (k % 4) of bytes 32 (k / 4) ...
+#[inline(always)]
+unsafe fn crumbs(qs: &[u8; 64]) -> [__m256i; 8] {
+    unsafe {
+        let m2 = _mm256_set1_epi8(0x03);
+        let x = [load256u(&qs[..32]), load256u(&qs[32..])];
+        std::array::from_fn(|k| {
+            let v = x[k / 4];
+            let v = match k % 4 {
+                0 => v,
+                1 => _mm256_srli_epi16::<2>(v),
+                2 => _mm256_srli_epi16::<4>(v),
+                _ => _mm256_srli_epi16::<6>(v),
+            };
+            _mm256_and_si256(v, m2)
+        })
+    }
+}
+
+struct Q2K;
+impl Format for Q2K {
+    type W = BlockQ2K;
+    const MINS: bool = true;
+    #[inline(always)]
+    unsafe fn unpack(w: &BlockQ2K) -> Unpacked {
+        unsafe {
+            // Each group's scale in the low nibble, its min in the high.
+            let s = _mm_loadu_si128(w.scales.as_ptr() as *const __m128i);
+            let m4 = _mm_set1_epi8(0x0F);
+            let sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(s, m4));
+            let mn16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(s), m4));
+            Unpacked {
+                q: crumbs(&w.qs),
+                sc: group_scales16(sc16),
+                m: mn16,
+                d: f16_to_f32(w.d),
+                dmin: f16_to_f32(w.dmin),
+            }
+        }
+    }
+}
+
+struct Q3K;
+impl Format for Q3K {
+    type W = BlockQ3K;
+    const MINS: bool = false;
+    const OFFSET_SHIFT: i32 = 2;
+    #[inline(always)]
+    unsafe fn unpack(w: &BlockQ3K) -> Unpacked {
+        unsafe {
+            // Value e is (its 2 bits | hmask bit e / 32 of byte e % 32 << 2) - 4.
+            let hm = load256u(&w.hmask);
+            let one = _mm256_set1_epi8(1);
+            let low = crumbs(&w.qs);
+            let q: [__m256i; 8] = std::array::from_fn(|k| {
+                let h = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(k as i32)), one);
+                _mm256_or_si256(low[k], _mm256_slli_epi16::<2>(h))
+            });
+            let sc = q3k_scales(&w.scales);
+            let s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
+            Unpacked {
+                q,
+                sc: group_scales16(s16),
                 m: s16,
                 d: f16_to_f32(w.d),
                 dmin: 0.0,
@@ -295,7 +389,8 @@ unsafe fn tile<F: Format>(
                     let dm = _mm256_mul_ps(_mm256_set1_ps(u.dmin), dab);
                     acc = _mm256_sub_ps(acc, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(summ)));
                 } else {
-                    let s = _mm256_sub_epi32(sumi, _mm256_slli_epi32::<5>(summ));
+                    let shift = _mm_cvtsi32_si128(F::OFFSET_SHIFT);
+                    let s = _mm256_sub_epi32(sumi, _mm256_sll_epi32(summ, shift));
                     acc = _mm256_add_ps(acc, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(s)));
                 }
             }
@@ -325,7 +420,8 @@ unsafe fn row<F: Format>(w: &[F::W], a: &[BlockQ8K]) -> f32 {
             acc = if F::MINS {
                 combine_min(acc, u.d, u.dmin, ab.d, hsum_i32(v), hsum_i32(mv))
             } else {
-                let s = _mm256_sub_epi32(v, _mm256_slli_epi32::<5>(mv));
+                let shift = _mm_cvtsi32_si128(F::OFFSET_SHIFT);
+                let s = _mm256_sub_epi32(v, _mm256_sll_epi32(mv, shift));
                 combine(acc, u.d, ab.d, hsum_i32(s))
             };
         }
@@ -667,6 +763,8 @@ pub(super) fn dot_rows_multi(
         GgmlType::Q4_K => drive_tile(weight, w, acts, n, rows, out, tile::<Q4K>)?,
         GgmlType::Q5_K => drive_tile(weight, w, acts, n, rows, out, tile::<Q5K>)?,
         GgmlType::Q6_K => drive_tile(weight, w, acts, n, rows, out, tile::<Q6K>)?,
+        GgmlType::Q2_K => drive_tile(weight, w, acts, n, rows, out, tile::<Q2K>)?,
+        GgmlType::Q3_K => drive_tile(weight, w, acts, n, rows, out, tile::<Q3K>)?,
         GgmlType::Q8_0 => drive_tile(weight, w, acts, n, rows, out, blk32_tile::<Q80>)?,
         GgmlType::Q4_0 => drive_tile(weight, w, acts, n, rows, out, blk32_tile::<Q40>)?,
         GgmlType::IQ4_NL => drive_tile(weight, w, acts, n, rows, out, blk32_tile::<Iq4Nl>)?,
