@@ -109,8 +109,8 @@ pub(super) fn dot_rows(
             (_, T::MXFP4, ActRow::Q8_0(a)) => each_row!(mxfp4_avx2, a),
             (_, T::Q4_1, ActRow::Q8_1(a)) => each_row!(q4_1_avx2, a),
             (_, T::Q5_1, ActRow::Q8_1(a)) => each_row!(q5_1_avx2, a),
-            (_, T::Q2_K, ActRow::Q8K(a)) => each_row!(q2_k_avx2, a),
-            (_, T::Q3_K, ActRow::Q8K(a)) => each_row!(q3_k_avx2, a),
+            (_, T::Q2_K, ActRow::Q8K(a)) => each_row!(k2::q2_k_row, a),
+            (_, T::Q3_K, ActRow::Q8K(a)) => each_row!(k2::q3_k_row, a),
             (_, T::Q4_K, ActRow::Q8K(a)) => each_row!(k2::q4_k_row, a),
             (_, T::Q5_K, ActRow::Q8K(a)) => each_row!(k2::q5_k_row, a),
             (_, T::Q6_K, ActRow::Q8K(a)) => each_row!(k2::q6_k_row, a),
@@ -589,25 +589,6 @@ unsafe fn q5_1_avx2(w: &[BlockQ5_1], a: &[BlockQ8_1]) -> f32 {
     }
 }
 
-/// `s_lo · Σ v·a` over elements 0..16 plus `s_hi · Σ v·a` over 16..32 of a
-/// 32-element run (`v` and `a` signed bytes), in 8 i32 lanes. Exact.
-#[inline(always)]
-unsafe fn two_groups(v: __m256i, a: __m256i, s_lo: i32, s_hi: i32) -> __m256i {
-    unsafe {
-        let (v0, a0) = (_mm256_castsi256_si128(v), _mm256_castsi256_si128(a));
-        let (v1, a1) = (
-            _mm256_extracti128_si256::<1>(v),
-            _mm256_extracti128_si256::<1>(a),
-        );
-        let lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(v0), _mm256_cvtepi8_epi16(a0));
-        let hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(v1), _mm256_cvtepi8_epi16(a1));
-        _mm256_add_epi32(
-            _mm256_mullo_epi32(lo, _mm256_set1_epi32(s_lo)),
-            _mm256_mullo_epi32(hi, _mm256_set1_epi32(s_hi)),
-        )
-    }
-}
-
 /// The 2-bit fields at bit `2 sh` of 32 bytes, as bytes 0..3.
 #[inline(always)]
 pub(super) unsafe fn crumbs(q: __m256i, sh: usize) -> __m256i {
@@ -617,65 +598,6 @@ pub(super) unsafe fn crumbs(q: __m256i, sh: usize) -> __m256i {
             _mm256_set1_epi8(3),
         )
     }
-}
-
-#[target_feature(enable = "avx2")]
-unsafe fn q2_k_avx2(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
-    let mut acc = 0f32;
-    for (w, a) in w.iter().zip(a) {
-        // Elements 128 n + 32 sh + l take bits 2 sh of byte 32 n + l: groups
-        // 8 n + 2 sh and 8 n + 2 sh + 1.
-        let sumi = unsafe {
-            let mut v = _mm256_setzero_si256();
-            for n in 0..2 {
-                let q = load256u(&w.qs[32 * n..]);
-                for sh in 0..4 {
-                    let (e, g) = (128 * n + 32 * sh, 8 * n + 2 * sh);
-                    let s = |g: usize| (w.scales[g] & 0x0F) as i32;
-                    v = _mm256_add_epi32(
-                        v,
-                        two_groups(crumbs(q, sh), load256(&a.qs[e..]), s(g), s(g + 1)),
-                    );
-                }
-            }
-            hsum_i32(v)
-        };
-        let summ: i32 = (0..16)
-            .map(|g| (w.scales[g] >> 4) as i32 * a.bsums[g] as i32)
-            .sum();
-        acc = combine_min(acc, f16_to_f32(w.d), f16_to_f32(w.dmin), a.d, sumi, summ);
-    }
-    acc
-}
-
-#[target_feature(enable = "avx2")]
-unsafe fn q3_k_avx2(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
-    let mut acc = 0f32;
-    for (w, a) in w.iter().zip(a) {
-        let sc = q3k_scales(&w.scales);
-        let sumi = unsafe {
-            let hm = load256u(&w.hmask);
-            let mut v = _mm256_setzero_si256();
-            for n in 0..2 {
-                let q = load256u(&w.qs[32 * n..]);
-                for sh in 0..4 {
-                    let (e, g) = (128 * n + 32 * sh, 8 * n + 2 * sh);
-                    // Bit 4 n + sh of hmask[l] clear: the value is 4 lower.
-                    let bit = _mm256_set1_epi8(1 << (4 * n + sh));
-                    let high = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
-                    let low4 = _mm256_andnot_si256(high, _mm256_set1_epi8(4));
-                    let vals = _mm256_sub_epi8(crumbs(q, sh), low4);
-                    v = _mm256_add_epi32(
-                        v,
-                        two_groups(vals, load256(&a.qs[e..]), sc[g] as i32, sc[g + 1] as i32),
-                    );
-                }
-            }
-            hsum_i32(v)
-        };
-        acc = combine(acc, f16_to_f32(w.d), a.d, sumi);
-    }
-    acc
 }
 
 #[inline(always)]

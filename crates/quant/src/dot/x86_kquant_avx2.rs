@@ -4,7 +4,7 @@
 //! without AVX-512. The K formats have one unpacking of a weight block for
 //! the tile kernel (every weight row of a call against groups of up to 8
 //! activation rows, each block unpacked once for the group's rows: batched
-//! prefill) and, for Q4_K to Q6_K, the one-row kernel (decode). A block's sub-block
+//! prefill) and the one-row kernel (decode). A block's sub-block
 //! scales are decoded once, and its mins (or Q6_K's offset correction) meet
 //! the activation's bsums in one vector multiply-add. The 32-value formats'
 //! tile takes the values' magnitudes of each group of 8 weight blocks once
@@ -436,6 +436,24 @@ unsafe fn row<F: Format>(w: &[F::W], a: &[BlockQ8K]) -> f32 {
 #[target_feature(enable = "avx2")]
 pub(super) unsafe fn q4_k_row(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
     unsafe { row::<Q4K>(w, a) }
+}
+
+/// See [`q4_k_row`].
+///
+/// # Safety
+/// As [`q4_k_row`].
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn q2_k_row(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
+    unsafe { row::<Q2K>(w, a) }
+}
+
+/// See [`q4_k_row`].
+///
+/// # Safety
+/// As [`q4_k_row`].
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn q3_k_row(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
+    unsafe { row::<Q3K>(w, a) }
 }
 
 /// See [`q4_k_row`].
