@@ -208,7 +208,6 @@ impl Format for Q6K {
             let m4 = _mm256_set1_epi8(0x0F);
             let m2 = _mm256_set1_epi8(0x03);
             let mut q = [_mm256_setzero_si256(); 8];
-            let mut sc = [_mm256_setzero_si256(); 8];
             for n in 0..2 {
                 let ql0 = load256u(&w.ql[n * 64..]);
                 let ql1 = load256u(&w.ql[n * 64 + 32..]);
@@ -226,19 +225,9 @@ impl Format for Q6K {
                     hb(_mm256_srli_epi16::<6>(qh)),
                 );
             }
-            // Values 32 i .. 32 i + 31 are sub-blocks 2 i and 2 i + 1 of 16:
-            // their scales broadcast to the low and high halves, from the 16
-            // scales as i16 (scales 0-7 in the low half, 8-15 in the high),
-            // that half copied to both lanes, then one byte shuffle.
+            // Values 32 i .. 32 i + 31 are sub-blocks 2 i and 2 i + 1 of 16.
             let s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(w.scales.as_ptr() as *const __m128i));
-            let halves = [
-                _mm256_permute4x64_epi64::<0x44>(s16),
-                _mm256_permute4x64_epi64::<0xEE>(s16),
-            ];
-            for (i, v) in sc.iter_mut().enumerate() {
-                let m = _mm256_loadu_si256(PAIR_BCAST[i % 4].as_ptr() as *const __m256i);
-                *v = _mm256_shuffle_epi8(halves[i / 4], m);
-            }
+            let sc = group_scales16(s16);
             Unpacked {
                 q,
                 sc,
@@ -429,50 +418,26 @@ unsafe fn row<F: Format>(w: &[F::W], a: &[BlockQ8K]) -> f32 {
     acc
 }
 
-/// The one-row kernels (`super::x86::dot_rows`' AVX2 entries).
-///
-/// # Safety
-/// The CPU has AVX2; `a` has at least as many blocks as `w`.
-#[target_feature(enable = "avx2")]
-pub(super) unsafe fn q4_k_row(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
-    unsafe { row::<Q4K>(w, a) }
+/// The one-row kernels (`super::x86::dot_rows`' AVX2 entries), each
+/// [`row`] of its format.
+macro_rules! row_kernels {
+    ($($name:ident: $w:ty => $f:ty),* $(,)?) => {$(
+        /// # Safety
+        /// The CPU has AVX2; `a` has at least as many blocks as `w`.
+        #[target_feature(enable = "avx2")]
+        pub(super) unsafe fn $name(w: &[$w], a: &[BlockQ8K]) -> f32 {
+            unsafe { row::<$f>(w, a) }
+        }
+    )*};
 }
 
-/// See [`q4_k_row`].
-///
-/// # Safety
-/// As [`q4_k_row`].
-#[target_feature(enable = "avx2")]
-pub(super) unsafe fn q2_k_row(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
-    unsafe { row::<Q2K>(w, a) }
-}
-
-/// See [`q4_k_row`].
-///
-/// # Safety
-/// As [`q4_k_row`].
-#[target_feature(enable = "avx2")]
-pub(super) unsafe fn q3_k_row(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
-    unsafe { row::<Q3K>(w, a) }
-}
-
-/// See [`q4_k_row`].
-///
-/// # Safety
-/// As [`q4_k_row`].
-#[target_feature(enable = "avx2")]
-pub(super) unsafe fn q5_k_row(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
-    unsafe { row::<Q5K>(w, a) }
-}
-
-/// See [`q4_k_row`].
-///
-/// # Safety
-/// As [`q4_k_row`].
-#[target_feature(enable = "avx2")]
-pub(super) unsafe fn q6_k_row(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
-    unsafe { row::<Q6K>(w, a) }
-}
+row_kernels!(
+    q2_k_row: BlockQ2K => Q2K,
+    q3_k_row: BlockQ3K => Q3K,
+    q4_k_row: BlockQ4K => Q4K,
+    q5_k_row: BlockQ5K => Q5K,
+    q6_k_row: BlockQ6K => Q6K,
+);
 
 /// A format of 32-value blocks against Q8_0 activations, as its one-row
 /// AVX2 kernel reads it.
@@ -693,8 +658,12 @@ unsafe fn iq4_xs_tile(
     let a: [&[BlockQ8K]; 8] = std::array::from_fn(|r| acts[r.min(nr - 1)]);
     unsafe {
         let mut narrow = [true; 8];
-        for (n, a) in narrow.iter_mut().zip(a) {
-            *n = narrow_bytes(a[..nb].iter().map(|b| &b.qs[..]));
+        for r in 0..8 {
+            narrow[r] = if r < nr {
+                narrow_bytes(a[r][..nb].iter().map(|b| &b.qs[..]))
+            } else {
+                narrow[nr - 1]
+            };
         }
         let all_narrow = narrow.iter().all(|&n| n);
         // SAFETY: `nb` values, all written below, used only in this call.
